@@ -1,0 +1,355 @@
+//! Argument checks shared by every backend.
+//!
+//! The provided methods of [`Communicator`](crate::Communicator) run these checks and hand
+//! the backend a *checked* argument bundle. The bundles have private fields and no public
+//! constructor, so a backend can only ever receive arguments that went through this module:
+//! the checks live in one place and cannot be skipped by a new backend.
+
+use crate::error::{ArgumentError, Op, Result, TransportError};
+
+/// The facts about a communicator that the checks need.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    pub(crate) op: Op,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) max_count: usize,
+}
+
+impl Shape {
+    fn err(&self, source: ArgumentError) -> TransportError {
+        TransportError::InvalidArgument { op: self.op, rank: self.rank, source }
+    }
+
+    fn root(&self, root: usize) -> Result<()> {
+        if root >= self.size {
+            return Err(self.err(ArgumentError::RootOutOfRange { root, size: self.size }));
+        }
+        Ok(())
+    }
+
+    fn count(&self, which: &'static str, index: usize, value: usize) -> Result<()> {
+        if value > self.max_count {
+            return Err(self.err(ArgumentError::CountTooLarge {
+                which,
+                index,
+                value,
+                max: self.max_count,
+            }));
+        }
+        Ok(())
+    }
+
+    /// Checks one counts/displacements table against a buffer of `buffer_len` bytes.
+    fn layout(
+        &self,
+        which: &'static str,
+        counts: &[usize],
+        displs: &[usize],
+        buffer_len: usize,
+        reject_overlap: bool,
+    ) -> Result<()> {
+        let (counts_name, displs_name) = match which {
+            "send" => ("send counts", "send displacements"),
+            _ => ("counts", "displacements"),
+        };
+        for (name, table) in [(counts_name, counts), (displs_name, displs)] {
+            if table.len() != self.size {
+                return Err(self.err(ArgumentError::TableLength {
+                    which: name,
+                    expected: self.size,
+                    actual: table.len(),
+                }));
+            }
+        }
+        for (index, (&count, &displacement)) in counts.iter().zip(displs).enumerate() {
+            self.count(counts_name, index, count)?;
+            self.count(displs_name, index, displacement)?;
+            let end = displacement
+                .checked_add(count)
+                .ok_or_else(|| self.err(ArgumentError::Overflow { what: "displacement + count" }))?;
+            if end > buffer_len {
+                return Err(self.err(ArgumentError::OutOfBounds {
+                    which,
+                    index,
+                    displacement,
+                    count,
+                    buffer_len,
+                }));
+            }
+        }
+        if reject_overlap {
+            let mut regions: Vec<(usize, usize, usize)> = counts
+                .iter()
+                .zip(displs)
+                .enumerate()
+                .filter(|(_, (&c, _))| c > 0)
+                .map(|(i, (&c, &d))| (d, d + c, i))
+                .collect();
+            regions.sort_unstable();
+            for pair in regions.windows(2) {
+                if pair[1].0 < pair[0].1 {
+                    return Err(self.err(ArgumentError::Overlap {
+                        which,
+                        first: pair[0].2,
+                        second: pair[1].2,
+                    }));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checked arguments of a fixed-size all-gather: every rank sends `send.len()` bytes and
+/// `recv` holds `size * send.len()` bytes, rank `i`'s block at `i * send.len()`.
+#[derive(Debug)]
+pub struct AllGatherArgs<'a> {
+    send: &'a [u8],
+    recv: &'a mut [u8],
+}
+
+impl<'a> AllGatherArgs<'a> {
+    pub(crate) fn check(shape: Shape, send: &'a [u8], recv: &'a mut [u8]) -> Result<Self> {
+        shape.count("send count", shape.rank, send.len())?;
+        let expected = send
+            .len()
+            .checked_mul(shape.size)
+            .ok_or_else(|| shape.err(ArgumentError::Overflow { what: "size * send length" }))?;
+        if recv.len() != expected {
+            return Err(shape.err(ArgumentError::RecvLength { expected, actual: recv.len() }));
+        }
+        Ok(Self { send, recv })
+    }
+
+    /// This rank's contribution.
+    pub fn send(&self) -> &[u8] {
+        self.send
+    }
+
+    /// The receive buffer, `size * send().len()` bytes.
+    pub fn recv(&mut self) -> &mut [u8] {
+        self.recv
+    }
+
+    /// Bytes each rank contributes.
+    pub fn block_len(&self) -> usize {
+        self.send.len()
+    }
+}
+
+/// Checked arguments of a varcount all-gather.
+///
+/// Guarantees: one count and one displacement per rank, each at most `max_count`;
+/// `send.len() == counts[rank]`; every region `displs[i]..displs[i] + counts[i]` lies inside
+/// `recv`; non-empty regions do not overlap.
+#[derive(Debug)]
+pub struct VarcountArgs<'a> {
+    send: &'a [u8],
+    recv: &'a mut [u8],
+    counts: &'a [usize],
+    displs: &'a [usize],
+}
+
+impl<'a> VarcountArgs<'a> {
+    pub(crate) fn check(
+        shape: Shape,
+        send: &'a [u8],
+        recv: &'a mut [u8],
+        counts: &'a [usize],
+        displs: &'a [usize],
+    ) -> Result<Self> {
+        shape.layout("receive", counts, displs, recv.len(), true)?;
+        if send.len() != counts[shape.rank] {
+            return Err(shape.err(ArgumentError::SendLength {
+                expected: counts[shape.rank],
+                actual: send.len(),
+            }));
+        }
+        Ok(Self { send, recv, counts, displs })
+    }
+
+    /// This rank's contribution (`counts()[rank]` bytes).
+    pub fn send(&self) -> &[u8] {
+        self.send
+    }
+
+    /// The receive buffer.
+    pub fn recv(&mut self) -> &mut [u8] {
+        self.recv
+    }
+
+    /// Bytes received from each rank.
+    pub fn counts(&self) -> &[usize] {
+        self.counts
+    }
+
+    /// Where each rank's bytes land in the receive buffer.
+    pub fn displs(&self) -> &[usize] {
+        self.displs
+    }
+
+    /// Splits into the send slice, the receive buffer, counts and displacements.
+    pub fn parts(&mut self) -> (&[u8], &mut [u8], &[usize], &[usize]) {
+        (self.send, self.recv, self.counts, self.displs)
+    }
+}
+
+/// The receive side of a gather, passed by the root only.
+#[derive(Debug)]
+pub struct GatherRecv<'a> {
+    /// Buffer the root receives into.
+    pub recv: &'a mut [u8],
+    /// Bytes expected from each rank.
+    pub counts: &'a [usize],
+    /// Where each rank's bytes land in `recv`.
+    pub displs: &'a [usize],
+}
+
+/// Checked arguments of a varcount gather to a root.
+///
+/// Guarantees: `root < size`; `send.len() <= max_count`; on the root, a receive layout
+/// checked as for [`VarcountArgs`] with `send.len() == counts[root]`; elsewhere, no receive
+/// layout.
+#[derive(Debug)]
+pub struct GatherArgs<'a> {
+    root: usize,
+    send: &'a [u8],
+    recv: Option<GatherRecv<'a>>,
+}
+
+impl<'a> GatherArgs<'a> {
+    pub(crate) fn check(
+        shape: Shape,
+        root: usize,
+        send: &'a [u8],
+        recv: Option<GatherRecv<'a>>,
+    ) -> Result<Self> {
+        shape.root(root)?;
+        shape.count("send count", shape.rank, send.len())?;
+        let recv = if shape.rank == root {
+            let r = recv.ok_or_else(|| shape.err(ArgumentError::MissingRootReceive))?;
+            shape.layout("receive", r.counts, r.displs, r.recv.len(), true)?;
+            if send.len() != r.counts[root] {
+                return Err(shape.err(ArgumentError::SendLength {
+                    expected: r.counts[root],
+                    actual: send.len(),
+                }));
+            }
+            Some(r)
+        } else {
+            None
+        };
+        Ok(Self { root, send, recv })
+    }
+
+    /// The root rank.
+    pub fn root(&self) -> usize {
+        self.root
+    }
+
+    /// This rank's contribution.
+    pub fn send(&self) -> &[u8] {
+        self.send
+    }
+
+    /// The receive layout: `Some` on the root only.
+    pub fn recv(&mut self) -> Option<&mut GatherRecv<'a>> {
+        self.recv.as_mut()
+    }
+
+    /// Splits into the send slice and the receive layout (root only).
+    pub fn parts(&mut self) -> (&[u8], Option<&mut GatherRecv<'a>>) {
+        (self.send, self.recv.as_mut())
+    }
+}
+
+/// Checked arguments of a broadcast: `root < size`, `buf.len() <= max_count`.
+#[derive(Debug)]
+pub struct BroadcastArgs<'a> {
+    root: usize,
+    buf: &'a mut [u8],
+}
+
+impl<'a> BroadcastArgs<'a> {
+    pub(crate) fn check(shape: Shape, root: usize, buf: &'a mut [u8]) -> Result<Self> {
+        shape.root(root)?;
+        shape.count("buffer length", shape.rank, buf.len())?;
+        Ok(Self { root, buf })
+    }
+
+    /// The root rank.
+    pub fn root(&self) -> usize {
+        self.root
+    }
+
+    /// The buffer: read on the root, written elsewhere.
+    pub fn buf(&mut self) -> &mut [u8] {
+        self.buf
+    }
+}
+
+/// Checked arguments of a varcount all-to-all: rank `i` sends
+/// `send[send_displs[j]..][..send_counts[j]]` to rank `j`, which receives it at
+/// `recv[recv_displs[i]..][..recv_counts[i]]`.
+///
+/// Guarantees: both layouts have one entry per rank, each at most `max_count`, inside their
+/// buffers; non-empty receive regions do not overlap.
+#[derive(Debug)]
+pub struct AllToAllArgs<'a> {
+    send: &'a [u8],
+    send_counts: &'a [usize],
+    send_displs: &'a [usize],
+    recv: &'a mut [u8],
+    recv_counts: &'a [usize],
+    recv_displs: &'a [usize],
+}
+
+/// One side (send or receive) of an all-to-all.
+#[derive(Debug)]
+pub struct Layout<'a, B> {
+    /// The buffer.
+    pub buf: B,
+    /// Bytes per peer.
+    pub counts: &'a [usize],
+    /// Offset of each peer's bytes in `buf`.
+    pub displs: &'a [usize],
+}
+
+impl<'a> AllToAllArgs<'a> {
+    pub(crate) fn check(
+        shape: Shape,
+        send: Layout<'a, &'a [u8]>,
+        recv: Layout<'a, &'a mut [u8]>,
+    ) -> Result<Self> {
+        shape.layout("send", send.counts, send.displs, send.buf.len(), false)?;
+        shape.layout("receive", recv.counts, recv.displs, recv.buf.len(), true)?;
+        if send.counts[shape.rank] != recv.counts[shape.rank] {
+            return Err(shape.err(ArgumentError::SendLength {
+                expected: recv.counts[shape.rank],
+                actual: send.counts[shape.rank],
+            }));
+        }
+        Ok(Self {
+            send: send.buf,
+            send_counts: send.counts,
+            send_displs: send.displs,
+            recv: recv.buf,
+            recv_counts: recv.counts,
+            recv_displs: recv.displs,
+        })
+    }
+
+    /// The send side.
+    pub fn send(&self) -> Layout<'_, &[u8]> {
+        Layout { buf: self.send, counts: self.send_counts, displs: self.send_displs }
+    }
+
+    /// Splits into the send side and the receive side.
+    pub fn parts(&mut self) -> (Layout<'_, &[u8]>, Layout<'_, &mut [u8]>) {
+        (
+            Layout { buf: self.send, counts: self.send_counts, displs: self.send_displs },
+            Layout { buf: &mut *self.recv, counts: self.recv_counts, displs: self.recv_displs },
+        )
+    }
+}

@@ -1,0 +1,170 @@
+//! The [`Communicator`] trait: collectives over host bytes.
+
+use crate::check::{
+    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, GatherRecv, Layout, Shape,
+    VarcountArgs,
+};
+use crate::error::{Op, Result};
+
+/// A group of ranks that run collectives over host bytes.
+///
+/// Every rank of the group calls the same collectives in the same order (MPI semantics).
+/// The provided methods (`barrier`, `all_gather`, ...) are the API: they check their
+/// arguments (see [`crate::check`]), open a `tracing` span with the rank, the size and the
+/// byte count, and call the backend's `raw_*` hook with a checked argument bundle. A bad
+/// argument is an [`InvalidArgument`](crate::TransportError::InvalidArgument) error raised
+/// on the calling rank before anything is sent; nothing is truncated or panics.
+///
+/// Backends implement `rank`, `size`, `max_count`, the `raw_*` hooks and `split`.
+/// Waits on peers are bounded where the backend can bound them (the local backend always
+/// does, with an error naming the ranks that never arrived).
+///
+/// ```
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(3).run(|comm| {
+///     let mut all = vec![0u8; comm.size()];
+///     comm.all_gather(&[comm.rank() as u8 * 10], &mut all)?;
+///     Ok::<_, tpcomm_transport::TransportError>(all)
+/// });
+/// for r in results {
+///     assert_eq!(r.unwrap().unwrap(), vec![0, 10, 20]);
+/// }
+/// ```
+pub trait Communicator: Send + Sync {
+    /// This rank's index, `0..size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group (at least 1).
+    fn size(&self) -> usize;
+
+    /// The largest count (and displacement) one call accepts, in bytes: `i32::MAX` for MPI-3.
+    /// Upper layers split larger transfers into rounds.
+    fn max_count(&self) -> usize;
+
+    /// A short name of the backend (`"local"`, `"mpi"`), for spans and reports.
+    fn backend_name(&self) -> &'static str;
+
+    /// Blocks until every rank has entered the barrier.
+    fn barrier(&self) -> Result<()> {
+        let _span = span(self, Op::Barrier, 0).entered();
+        self.raw_barrier()
+    }
+
+    /// Fixed-size all-gather: every rank sends `send.len()` bytes (the same on every rank);
+    /// `recv` must hold `size() * send.len()` bytes and receives rank `i`'s bytes at
+    /// `i * send.len()`.
+    fn all_gather(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        let _span = span(self, Op::AllGather, recv.len()).entered();
+        let args = AllGatherArgs::check(shape(self, Op::AllGather), send, recv)?;
+        self.raw_all_gather(args)
+    }
+
+    /// Varcount all-gather: rank `i` sends `counts[i]` bytes, received by every rank at
+    /// `recv[displs[i]..displs[i] + counts[i]]`. `counts` and `displs` must be the same on
+    /// every rank; regions must lie inside `recv` and not overlap.
+    fn all_gather_varcount(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        displs: &[usize],
+    ) -> Result<()> {
+        let bytes = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        let _span = span(self, Op::AllGatherVarcount, bytes).entered();
+        let args =
+            VarcountArgs::check(shape(self, Op::AllGatherVarcount), send, recv, counts, displs)?;
+        self.raw_all_gather_varcount(args)
+    }
+
+    /// Varcount gather to `root`: the root passes `Some(GatherRecv)` describing where each
+    /// rank's bytes land; the other ranks pass `None`.
+    fn gather_varcount(
+        &self,
+        root: usize,
+        send: &[u8],
+        recv: Option<GatherRecv<'_>>,
+    ) -> Result<()> {
+        let _span = span(self, Op::GatherVarcount, send.len()).entered();
+        let args = GatherArgs::check(shape(self, Op::GatherVarcount), root, send, recv)?;
+        self.raw_gather_varcount(args)
+    }
+
+    /// Broadcast of `buf.len()` bytes from `root`; every rank passes a buffer of the same
+    /// length.
+    fn broadcast(&self, root: usize, buf: &mut [u8]) -> Result<()> {
+        let _span = span(self, Op::Broadcast, buf.len()).entered();
+        let args = BroadcastArgs::check(shape(self, Op::Broadcast), root, buf)?;
+        self.raw_broadcast(args)
+    }
+
+    /// Varcount all-to-all: this rank sends `send.counts[j]` bytes at `send.displs[j]` to
+    /// rank `j` and receives `recv.counts[j]` bytes from rank `j` at `recv.displs[j]`.
+    /// `recv.counts[j]` on this rank must equal `send.counts[me]` on rank `j`.
+    fn all_to_all_varcount(
+        &self,
+        send: Layout<'_, &[u8]>,
+        recv: Layout<'_, &mut [u8]>,
+    ) -> Result<()> {
+        let bytes = send.counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        let _span = span(self, Op::AllToAllVarcount, bytes).entered();
+        let args = AllToAllArgs::check(shape(self, Op::AllToAllVarcount), send, recv)?;
+        self.raw_all_to_all_varcount(args)
+    }
+
+    /// Collective: splits the group into sub-groups, one per `color`; ranks of a sub-group
+    /// are ordered by `(key, rank in this group)`. A rank passing `None` as color joins no
+    /// sub-group and gets `Ok(None)`. Collectives in sibling sub-groups run concurrently
+    /// without interfering.
+    fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Self>>
+    where
+        Self: Sized;
+
+    /// Backend hook of [`barrier`](Self::barrier).
+    fn raw_barrier(&self) -> Result<()>;
+
+    /// Backend hook of [`all_gather`](Self::all_gather); arguments already checked.
+    fn raw_all_gather(&self, args: AllGatherArgs<'_>) -> Result<()>;
+
+    /// Backend hook of [`all_gather_varcount`](Self::all_gather_varcount); arguments
+    /// already checked.
+    fn raw_all_gather_varcount(&self, args: VarcountArgs<'_>) -> Result<()>;
+
+    /// Backend hook of [`gather_varcount`](Self::gather_varcount); arguments already checked.
+    fn raw_gather_varcount(&self, args: GatherArgs<'_>) -> Result<()>;
+
+    /// Backend hook of [`broadcast`](Self::broadcast); arguments already checked.
+    fn raw_broadcast(&self, args: BroadcastArgs<'_>) -> Result<()>;
+
+    /// Backend hook of [`all_to_all_varcount`](Self::all_to_all_varcount); arguments
+    /// already checked.
+    fn raw_all_to_all_varcount(&self, args: AllToAllArgs<'_>) -> Result<()>;
+}
+
+fn shape<C: Communicator + ?Sized>(comm: &C, op: Op) -> Shape {
+    Shape { op, rank: comm.rank(), size: comm.size(), max_count: comm.max_count() }
+}
+
+fn span<C: Communicator + ?Sized>(comm: &C, op: Op, bytes: usize) -> tracing::Span {
+    tracing::debug_span!(
+        "collective",
+        op = op.name(),
+        backend = comm.backend_name(),
+        rank = comm.rank(),
+        size = comm.size(),
+        bytes
+    )
+}
+
+/// Counts and displacements of a dense layout: `counts` packed back to back from 0.
+///
+/// Returns `None` when the total overflows `usize`.
+pub fn dense_displacements(counts: &[usize]) -> Option<(Vec<usize>, usize)> {
+    let mut displs = Vec::with_capacity(counts.len());
+    let mut total = 0usize;
+    for &c in counts {
+        displs.push(total);
+        total = total.checked_add(c)?;
+    }
+    Some((displs, total))
+}

@@ -1,0 +1,234 @@
+//! The one error type of the transport layer.
+
+use std::fmt;
+use std::time::Duration;
+
+/// The collective operation an error belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// [`Communicator::barrier`](crate::Communicator::barrier).
+    Barrier,
+    /// [`Communicator::all_gather`](crate::Communicator::all_gather).
+    AllGather,
+    /// [`Communicator::all_gather_varcount`](crate::Communicator::all_gather_varcount).
+    AllGatherVarcount,
+    /// [`Communicator::gather_varcount`](crate::Communicator::gather_varcount).
+    GatherVarcount,
+    /// [`Communicator::broadcast`](crate::Communicator::broadcast).
+    Broadcast,
+    /// [`Communicator::all_to_all_varcount`](crate::Communicator::all_to_all_varcount).
+    AllToAllVarcount,
+    /// [`Communicator::split`](crate::Communicator::split).
+    Split,
+    /// Creating or tearing down a communicator.
+    Setup,
+}
+
+impl Op {
+    /// The operation's name as it appears in errors and tracing spans.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Barrier => "barrier",
+            Op::AllGather => "all_gather",
+            Op::AllGatherVarcount => "all_gather_varcount",
+            Op::GatherVarcount => "gather_varcount",
+            Op::Broadcast => "broadcast",
+            Op::AllToAllVarcount => "all_to_all_varcount",
+            Op::Split => "split",
+            Op::Setup => "setup",
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which argument of a collective call was wrong, and how.
+///
+/// Argument errors are detected on the calling rank before anything is sent,
+/// so they never leave a partial transfer behind on that rank.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ArgumentError {
+    /// `root` is not a rank of this communicator.
+    #[error("root {root} is out of range for a communicator of size {size}")]
+    RootOutOfRange {
+        /// The root that was passed.
+        root: usize,
+        /// The communicator's size.
+        size: usize,
+    },
+    /// The send buffer's length does not match what the other arguments imply.
+    #[error("send buffer holds {actual} bytes, expected {expected}")]
+    SendLength {
+        /// The length the counts require.
+        expected: usize,
+        /// The length of the buffer that was passed.
+        actual: usize,
+    },
+    /// The receive buffer's length does not match what the other arguments imply.
+    #[error("receive buffer holds {actual} bytes, expected {expected}")]
+    RecvLength {
+        /// The length the counts require.
+        expected: usize,
+        /// The length of the buffer that was passed.
+        actual: usize,
+    },
+    /// A counts or displacements slice does not have one entry per rank.
+    #[error("{which} has {actual} entries, expected one per rank ({expected})")]
+    TableLength {
+        /// `"counts"`, `"displacements"`, `"send counts"`...
+        which: &'static str,
+        /// The communicator's size.
+        expected: usize,
+        /// The slice's length.
+        actual: usize,
+    },
+    /// A count exceeds what one call of this transport can move.
+    #[error("{which}[{index}] = {value} exceeds the transport's max_count {max}")]
+    CountTooLarge {
+        /// `"counts"`, `"send count"`, `"displacements"`...
+        which: &'static str,
+        /// The rank the entry belongs to.
+        index: usize,
+        /// The value that was passed.
+        value: usize,
+        /// The transport's limit ([`Communicator::max_count`](crate::Communicator::max_count)).
+        max: usize,
+    },
+    /// `displacement + count` of one entry lies past the end of its buffer.
+    #[error(
+        "{which} region of rank {index} ({displacement}..{displacement}+{count}) lies outside \
+         the {buffer_len}-byte buffer"
+    )]
+    OutOfBounds {
+        /// `"receive"` or `"send"`.
+        which: &'static str,
+        /// The rank the entry belongs to.
+        index: usize,
+        /// Its displacement.
+        displacement: usize,
+        /// Its count.
+        count: usize,
+        /// The buffer's length.
+        buffer_len: usize,
+    },
+    /// Two non-empty receive regions overlap.
+    #[error("{which} regions of ranks {first} and {second} overlap")]
+    Overlap {
+        /// `"receive"`.
+        which: &'static str,
+        /// One rank.
+        first: usize,
+        /// The other rank.
+        second: usize,
+    },
+    /// A size computed from the arguments does not fit in `usize`.
+    #[error("{what} overflows usize")]
+    Overflow {
+        /// What was being computed.
+        what: &'static str,
+    },
+    /// The root of a gather passed no receive layout.
+    #[error("the root of a gather must pass a receive buffer with counts and displacements")]
+    MissingRootReceive,
+}
+
+/// Every failure of a transport operation.
+///
+/// Each variant names the operation and, where one is to blame, the rank.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// An argument was invalid on this rank; nothing was sent.
+    #[error("{op} on rank {rank}: invalid argument: {source}")]
+    InvalidArgument {
+        /// The operation.
+        op: Op,
+        /// The calling rank.
+        rank: usize,
+        /// What was wrong.
+        #[source]
+        source: ArgumentError,
+    },
+    /// A wait on peers ran past the configured timeout.
+    #[error("{op} on rank {rank} timed out after {waited:?}: ranks {missing:?} never arrived")]
+    Timeout {
+        /// The operation.
+        op: Op,
+        /// The rank that waited.
+        rank: usize,
+        /// How long it waited.
+        waited: Duration,
+        /// The ranks that did not arrive in time.
+        missing: Vec<usize>,
+    },
+    /// Ranks called different operations, or made inconsistent calls, at the same point.
+    #[error("{op} on rank {rank}: ranks disagree: {detail}")]
+    Mismatch {
+        /// The operation this rank called.
+        op: Op,
+        /// The calling rank.
+        rank: usize,
+        /// What disagreed.
+        detail: String,
+    },
+    /// The group was aborted (a rank timed out, panicked, dropped its communicator
+    /// or detected a mismatch); every later call fails with this error.
+    #[error("{op} on rank {rank}: group aborted by rank {by}: {reason}")]
+    Aborted {
+        /// The operation.
+        op: Op,
+        /// The calling rank.
+        rank: usize,
+        /// The rank that caused the abort.
+        by: usize,
+        /// Why.
+        reason: String,
+    },
+    /// A rank of [`LocalGroup::run`](crate::LocalGroup::run) panicked.
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked {
+        /// The rank.
+        rank: usize,
+        /// The panic payload, when it was a string.
+        message: String,
+    },
+    /// An MPI call returned an error code.
+    #[error("{op}: {call} failed with MPI error code {code} (class {class}): {message}")]
+    Mpi {
+        /// The operation.
+        op: Op,
+        /// The MPI function that failed.
+        call: &'static str,
+        /// The raw code it returned.
+        code: i32,
+        /// The code's error class.
+        class: i32,
+        /// `MPI_Error_string` of the code.
+        message: String,
+    },
+    /// The communicator could not be built.
+    #[error("cannot create a communicator: {0}")]
+    Setup(String),
+}
+
+impl TransportError {
+    /// The rank that caused this error, where one is known.
+    pub fn culprit(&self) -> Option<usize> {
+        match self {
+            TransportError::InvalidArgument { rank, .. }
+            | TransportError::Mismatch { rank, .. }
+            | TransportError::RankPanicked { rank, .. } => Some(*rank),
+            TransportError::Aborted { by, .. } => Some(*by),
+            TransportError::Timeout { missing, .. } => missing.first().copied(),
+            TransportError::Mpi { .. } | TransportError::Setup(_) => None,
+        }
+    }
+}
+
+/// Result of transport operations.
+pub type Result<T, E = TransportError> = std::result::Result<T, E>;

@@ -1,0 +1,23 @@
+//! # tpcomm
+//!
+//! The facade of the tpcomm workspace: it re-exports each layer, with one cargo feature per
+//! backend so that a program depends on exactly what it uses.
+//!
+//! | feature | what it adds |
+//! |---------|--------------|
+//! | (none)  | [`transport`] with the local (threads) backend |
+//! | `mpi`   | `transport::MpiCommunicator` over MPI (rsmpi) |
+//!
+//! ```
+//! use tpcomm::transport::{Communicator, LocalGroup};
+//!
+//! let sums = LocalGroup::new(2).run(|comm| {
+//!     let mut all = [0u8; 2];
+//!     comm.all_gather(&[comm.rank() as u8 + 1], &mut all)?;
+//!     Ok::<u32, tpcomm::transport::TransportError>(all.iter().map(|&b| u32::from(b)).sum())
+//! });
+//! assert!(sums.into_iter().all(|s| s.unwrap().unwrap() == 3));
+//! ```
+
+pub use tpcomm_transport as transport;
+pub use tpcomm_transport::{Communicator, TransportError};

@@ -353,3 +353,83 @@ impl<'a> AllToAllArgs<'a> {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn shape(size: usize, rank: usize, max_count: usize) -> Shape {
+        Shape { op: Op::AllGatherVarcount, rank, size, max_count }
+    }
+
+    /// The specification of a valid varcount layout, written the slow obvious way.
+    fn valid_by_model(
+        size: usize,
+        rank: usize,
+        max: usize,
+        send_len: usize,
+        recv_len: usize,
+        counts: &[usize],
+        displs: &[usize],
+    ) -> bool {
+        if counts.len() != size || displs.len() != size {
+            return false;
+        }
+        for i in 0..size {
+            if counts[i] > max || displs[i] > max {
+                return false;
+            }
+            match displs[i].checked_add(counts[i]) {
+                Some(end) if end <= recv_len => {}
+                _ => return false,
+            }
+        }
+        for i in 0..size {
+            for j in 0..size {
+                let both = i != j && counts[i] > 0 && counts[j] > 0;
+                if both && displs[i] < displs[j] + counts[j] && displs[j] < displs[i] + counts[i] {
+                    return false;
+                }
+            }
+        }
+        send_len == counts[rank]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn varcount_check_accepts_exactly_the_valid_layouts(
+            size in 1usize..6,
+            rank_pick in any::<usize>(),
+            max in 1usize..64,
+            send_len in 0usize..40,
+            recv_len in 0usize..100,
+            counts in prop::collection::vec(0usize..40, 0..7),
+            displs in prop::collection::vec(0usize..80, 0..7),
+        ) {
+            let rank = rank_pick % size;
+            let send = vec![0u8; send_len];
+            let mut recv = vec![0u8; recv_len];
+            let accepted =
+                VarcountArgs::check(shape(size, rank, max), &send, &mut recv, &counts, &displs).is_ok();
+            prop_assert_eq!(
+                accepted,
+                valid_by_model(size, rank, max, send_len, recv_len, &counts, &displs)
+            );
+        }
+
+        #[test]
+        fn all_gather_check_requires_size_times_send(
+            size in 1usize..9,
+            send_len in 0usize..50,
+            recv_len in 0usize..400,
+        ) {
+            let send = vec![0u8; send_len];
+            let mut recv = vec![0u8; recv_len];
+            let accepted = AllGatherArgs::check(shape(size, 0, 1 << 20), &send, &mut recv).is_ok();
+            prop_assert_eq!(accepted, recv_len == size * send_len);
+        }
+    }
+}

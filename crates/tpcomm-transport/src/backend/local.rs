@@ -127,7 +127,7 @@ impl LocalGroup {
                         .name(format!("tpcomm-rank-{rank}"))
                         .spawn_scoped(scope, move || {
                             catch_unwind(AssertUnwindSafe(|| f(comm))).map_err(|payload| {
-                                TransportError::RankPanicked { rank, message: panic_message(&payload) }
+                                TransportError::RankPanicked { rank, message: panic_message(&*payload) }
                             })
                         })
                         .map_err(|e| TransportError::Setup(format!("cannot spawn rank {rank}: {e}")))
@@ -138,7 +138,7 @@ impl LocalGroup {
                 .enumerate()
                 .map(|(rank, h)| match h {
                     Ok(h) => h.join().unwrap_or_else(|payload| {
-                        Err(TransportError::RankPanicked { rank, message: panic_message(&payload) })
+                        Err(TransportError::RankPanicked { rank, message: panic_message(&*payload) })
                     }),
                     Err(e) => Err(e),
                 })
@@ -188,6 +188,9 @@ struct Round {
 struct Abort {
     by: usize,
     reason: String,
+    /// Set when the abort is a peer's timeout: ranks still waiting report their own
+    /// `Timeout` (naming the ranks *they* miss) rather than a second-hand abort.
+    timed_out: bool,
 }
 
 #[derive(Debug)]
@@ -282,9 +285,6 @@ impl LocalCommunicator {
         let deadline = Instant::now() + shared.config.timeout;
         let started = Instant::now();
         loop {
-            if let Some(abort) = &state.abort {
-                return Err(self.aborted(op, abort));
-            }
             let round = state.rounds.get(&seq).expect("a round stays until every rank finished it");
             let missing: Vec<usize> = match needs {
                 Needs::Nobody => Vec::new(),
@@ -294,9 +294,18 @@ impl LocalCommunicator {
             if missing.is_empty() {
                 break;
             }
+            let timeout = TransportError::Timeout {
+                op,
+                rank: self.rank,
+                waited: started.elapsed(),
+                missing: missing.clone(),
+            };
+            if let Some(abort) = &state.abort {
+                return Err(if abort.timed_out { timeout } else { self.aborted(op, abort) });
+            }
             if let Some(&gone) = missing.iter().find(|&&r| state.left[r]) {
                 let reason = format!("rank {gone} dropped its communicator before joining {op}");
-                let abort = Abort { by: gone, reason };
+                let abort = Abort { by: gone, reason, timed_out: false };
                 state.abort = Some(abort.clone());
                 shared.changed.notify_all();
                 return Err(self.aborted(op, &abort));
@@ -307,13 +316,9 @@ impl LocalCommunicator {
                     "rank {} timed out in {op} after {:?} waiting for ranks {missing:?}",
                     self.rank, shared.config.timeout
                 );
-                self.abort_group(&mut state, op, reason);
-                return Err(TransportError::Timeout {
-                    op,
-                    rank: self.rank,
-                    waited: started.elapsed(),
-                    missing,
-                });
+                state.abort.get_or_insert(Abort { by: self.rank, reason, timed_out: true });
+                shared.changed.notify_all();
+                return Err(timeout);
             }
             state = shared
                 .changed
@@ -339,7 +344,8 @@ impl LocalCommunicator {
     }
 
     fn abort_group(&self, state: &mut State, op: Op, reason: String) -> TransportError {
-        let abort = state.abort.get_or_insert(Abort { by: self.rank, reason }).clone();
+        let abort =
+            state.abort.get_or_insert(Abort { by: self.rank, reason, timed_out: false }).clone();
         self.shared.changed.notify_all();
         self.aborted(op, &abort)
     }

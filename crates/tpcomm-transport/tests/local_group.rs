@@ -1,0 +1,257 @@
+//! Behaviour of the local group that the shared conformance suite cannot show: bounded
+//! waits, failing ranks, mismatched calls, configuration.
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+use tpcomm_transport::{
+    dense_displacements, ArgumentError, Communicator, LocalGroup, Op, TransportError,
+};
+
+fn short() -> LocalGroup {
+    LocalGroup::new(1).timeout(Duration::from_millis(300))
+}
+
+#[test]
+fn timeout_names_the_ranks_that_never_arrived() {
+    let results = LocalGroup::new(4).timeout(Duration::from_millis(200)).run(|comm| {
+        if comm.rank() >= 2 {
+            // Ranks 2 and 3 hold their communicators but never join.
+            std::thread::sleep(Duration::from_millis(800));
+            return Ok(());
+        }
+        comm.barrier()
+    });
+    for (rank, result) in results.into_iter().enumerate().take(2) {
+        match result.unwrap() {
+            Err(TransportError::Timeout { op: Op::Barrier, rank: r, missing, .. }) => {
+                assert_eq!(r, rank);
+                assert_eq!(missing, vec![2, 3]);
+            }
+            other => panic!("rank {rank}: expected a timeout, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn every_call_after_a_timeout_fails_with_the_abort() {
+    let results = LocalGroup::new(2).timeout(Duration::from_millis(100)).run(|comm| {
+        if comm.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(400));
+            // The group was aborted while this rank slept: joining late fails at once.
+            return comm.barrier();
+        }
+        let first = comm.barrier();
+        assert!(matches!(first, Err(TransportError::Timeout { .. })), "{first:?}");
+        comm.barrier()
+    });
+    for result in results {
+        match result.unwrap() {
+            Err(TransportError::Aborted { by: 0, reason, .. }) => {
+                assert!(reason.contains("timed out"), "{reason}")
+            }
+            other => panic!("expected the abort by rank 0, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_drops_its_communicator_fails_its_waiting_peers_without_a_timeout() {
+    let results = LocalGroup::new(3).timeout(Duration::from_secs(120)).run(|comm| {
+        if comm.rank() == 1 {
+            return Ok(());
+        }
+        comm.barrier()
+    });
+    for rank in [0, 2] {
+        match &results[rank] {
+            Ok(Err(TransportError::Aborted { by: 1, .. })) => {}
+            other => panic!("rank {rank}: expected an abort naming rank 1, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_panicking_rank_becomes_an_error_and_frees_its_peers() {
+    let results = LocalGroup::new(2).timeout(Duration::from_secs(120)).run(|comm| {
+        if comm.rank() == 1 {
+            panic!("boom on rank 1");
+        }
+        comm.barrier()
+    });
+    match &results[1] {
+        Err(TransportError::RankPanicked { rank: 1, message }) => assert!(message.contains("boom")),
+        other => panic!("expected RankPanicked, got {other:?}"),
+    }
+    assert!(matches!(results[0], Ok(Err(TransportError::Aborted { by: 1, .. }))), "{:?}", results[0]);
+}
+
+#[test]
+fn different_operations_at_the_same_point_abort_every_rank() {
+    let results = LocalGroup::new(2).timeout(Duration::from_secs(30)).run(|comm| {
+        if comm.rank() == 0 {
+            comm.barrier()
+        } else {
+            comm.broadcast(0, &mut [0u8; 4])
+        }
+    });
+    for result in results {
+        match result.unwrap() {
+            Err(TransportError::Aborted { reason, .. }) => {
+                assert!(reason.contains("barrier") && reason.contains("broadcast"), "{reason}")
+            }
+            other => panic!("expected an abort, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn inconsistent_varcount_counts_are_a_mismatch_on_every_rank() {
+    let results = LocalGroup::new(2).run(|comm| {
+        let counts = if comm.rank() == 0 { vec![2, 2] } else { vec![2, 3] };
+        let (displs, total) = dense_displacements(&counts).unwrap();
+        let send = vec![1u8; counts[comm.rank()]];
+        comm.all_gather_varcount(&send, &mut vec![0u8; total], &counts, &displs)
+    });
+    for result in results {
+        assert!(matches!(result.unwrap(), Err(TransportError::Mismatch { op: Op::AllGatherVarcount, .. })));
+    }
+}
+
+#[test]
+fn broadcast_into_a_buffer_of_another_length_is_a_mismatch_not_a_truncation() {
+    let results = LocalGroup::new(2).run(|comm| {
+        let mut buf = vec![7u8; 8 + comm.rank()];
+        comm.broadcast(0, &mut buf).map(|()| buf)
+    });
+    assert_eq!(results[0].as_ref().unwrap().as_ref().unwrap(), &vec![7u8; 8]);
+    match results[1].as_ref().unwrap() {
+        Err(TransportError::Mismatch { detail, .. }) => assert!(detail.contains("8 bytes"), "{detail}"),
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+}
+
+#[test]
+fn max_count_is_configurable_and_enforced() {
+    let results = LocalGroup::new(2).max_count(16).run(|comm| {
+        assert_eq!(comm.max_count(), 16);
+        let ok = comm.all_gather(&[0u8; 16], &mut [0u8; 32]);
+        let too_big = comm.all_gather(&[0u8; 17], &mut [0u8; 34]);
+        (ok, too_big)
+    });
+    for result in results {
+        let (ok, too_big) = result.unwrap();
+        ok.unwrap();
+        match too_big {
+            Err(TransportError::InvalidArgument {
+                source: ArgumentError::CountTooLarge { value: 17, max: 16, .. },
+                ..
+            }) => {}
+            other => panic!("expected CountTooLarge, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn an_overflowing_region_is_rejected_not_wrapped() {
+    let results = LocalGroup::new(1).max_count(usize::MAX).run(|comm| {
+        comm.all_gather_varcount(&[1], &mut [0u8; 4], &[1], &[usize::MAX])
+    });
+    assert!(matches!(
+        results[0].as_ref().unwrap(),
+        Err(TransportError::InvalidArgument { source: ArgumentError::Overflow { .. }, .. })
+    ));
+}
+
+#[test]
+fn a_group_of_zero_ranks_or_zero_max_count_is_a_setup_error() {
+    assert!(matches!(LocalGroup::new(0).communicators(), Err(TransportError::Setup(_))));
+    assert!(matches!(short().max_count(0).communicators(), Err(TransportError::Setup(_))));
+}
+
+#[test]
+fn communicators_can_be_driven_by_caller_owned_threads() {
+    let comms = LocalGroup::new(3).communicators().unwrap();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 3];
+                comm.all_gather(&[comm.rank() as u8], &mut buf).map(|()| buf)
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap().unwrap(), vec![0, 1, 2]);
+    }
+}
+
+#[test]
+fn nested_splits_form_independent_groups() {
+    // 8 ranks -> 2 groups of 4 (tensor parallel) -> each split again into pairs.
+    let results = LocalGroup::new(8).run(|comm| {
+        let tp = comm.split(Some((comm.rank() / 4) as u32), comm.rank() as i32)?.unwrap();
+        let pair = tp.split(Some((tp.rank() / 2) as u32), 0)?.unwrap();
+        let mut got = [0u8; 2];
+        pair.all_gather(&[comm.rank() as u8], &mut got)?;
+        Ok::<_, TransportError>(got)
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let base = (rank / 2 * 2) as u8;
+        assert_eq!(result.unwrap().unwrap(), [base, base + 1]);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn all_gather_varcount_matches_a_serial_model(
+        counts in prop::collection::vec(0usize..300, 1..=8),
+        seed in any::<u8>(),
+    ) {
+        let n = counts.len();
+        let (displs, total) = dense_displacements(&counts).unwrap();
+        let expected: Vec<u8> = (0..n)
+            .flat_map(|r| (0..counts[r]).map(move |i| (r as u8) ^ (i as u8) ^ seed))
+            .collect();
+        let results = LocalGroup::new(n).run(|comm| {
+            let r = comm.rank();
+            let send: Vec<u8> = (0..counts[r]).map(|i| (r as u8) ^ (i as u8) ^ seed).collect();
+            let mut recv = vec![0u8; total];
+            comm.all_gather_varcount(&send, &mut recv, &counts, &displs).map(|()| recv)
+        });
+        for result in results {
+            prop_assert_eq!(result.unwrap().unwrap(), expected.clone());
+        }
+    }
+
+    #[test]
+    fn gather_to_any_root_matches_a_serial_model(
+        counts in prop::collection::vec(0usize..300, 1..=8),
+        root_pick in any::<usize>(),
+    ) {
+        let n = counts.len();
+        let root = root_pick % n;
+        let (displs, total) = dense_displacements(&counts).unwrap();
+        let expected: Vec<u8> = (0..n).flat_map(|r| vec![r as u8 + 1; counts[r]]).collect();
+        let results = LocalGroup::new(n).run(|comm| {
+            let send = vec![comm.rank() as u8 + 1; counts[comm.rank()]];
+            let mut recv = vec![0u8; total];
+            let layout = (comm.rank() == root).then(|| tpcomm_transport::GatherRecv {
+                recv: &mut recv,
+                counts: &counts,
+                displs: &displs,
+            });
+            comm.gather_varcount(root, &send, layout).map(|()| recv)
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            let got = result.unwrap().unwrap();
+            if rank == root {
+                prop_assert_eq!(got, expected.clone());
+            } else {
+                prop_assert!(got.iter().all(|&b| b == 0), "non-roots receive nothing");
+            }
+        }
+    }
+}

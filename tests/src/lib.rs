@@ -1,0 +1,456 @@
+//! # tpcomm-conformance
+//!
+//! One behavioural suite that every [`Communicator`] backend must pass: the local group runs
+//! it in-process for 1..=8 ranks (`cargo test`), and the `mpi-conformance` program runs the
+//! very same cases under `mpirun -np 2` and `-np 4` (launched by `cargo xtask test`).
+//!
+//! Every case is collective: all ranks run the cases in the same order. Sizes are random
+//! but drawn from a generator seeded identically on every rank, so all ranks agree on them.
+//! After each case the ranks all-gather a pass flag, so a case passes only if it passed on
+//! every rank, and every rank reports the same verdicts.
+
+use tpcomm::transport::{
+    dense_displacements, ArgumentError, Communicator, GatherRecv, Layout, TransportError,
+};
+
+/// The verdict of one case, the same on every rank.
+#[derive(Debug, Clone)]
+pub struct CaseReport {
+    /// The case's name (what it proves).
+    pub name: &'static str,
+    /// True when the case passed on every rank.
+    pub passed: bool,
+    /// This rank's failure message, or the ranks that failed.
+    pub detail: String,
+}
+
+type CaseResult = Result<(), String>;
+
+/// SplitMix64: small, deterministic, the same sequence on every rank for the same seed.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator for `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A value in `0..bound` (`bound > 0`).
+    pub fn below(&mut self, bound: usize) -> usize {
+        (self.next_u64() % bound as u64) as usize
+    }
+
+    /// A size with a bias to the edges: 0, 1, small, and up to `max`.
+    pub fn size(&mut self, max: usize) -> usize {
+        match self.below(6) {
+            0 => 0,
+            1 => 1,
+            2 => self.below(16),
+            _ => self.below(max + 1),
+        }
+    }
+}
+
+/// The byte rank `rank` puts at index `i` of its contribution `tag`.
+pub fn pattern(rank: usize, tag: usize, i: usize) -> u8 {
+    (rank.wrapping_mul(131) ^ tag.wrapping_mul(31) ^ i.wrapping_mul(7)) as u8
+}
+
+fn filled(rank: usize, tag: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| pattern(rank, tag, i)).collect()
+}
+
+fn expect_bytes(what: &str, got: &[u8], want: &[u8]) -> CaseResult {
+    if got == want {
+        return Ok(());
+    }
+    let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(got.len().min(want.len()));
+    Err(format!(
+        "{what}: {} bytes received, {} expected; first difference at byte {at}",
+        got.len(),
+        want.len()
+    ))
+}
+
+fn ok<T>(what: &str, r: Result<T, TransportError>) -> Result<T, String> {
+    r.map_err(|e| format!("{what}: unexpected error: {e}"))
+}
+
+/// Runs every case on `comm` and returns the verdicts (the same on every rank).
+pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
+    let cases: Vec<(&'static str, fn(&C) -> CaseResult)> = vec![
+        ("barrier_completes_on_every_rank", barrier_completes_on_every_rank),
+        ("all_gather_delivers_every_block_for_random_sizes", all_gather_random_sizes),
+        ("all_gather_varcount_honours_counts_and_gaps", all_gather_varcount_random_layouts),
+        ("gather_varcount_delivers_to_every_root", gather_varcount_every_root),
+        ("broadcast_from_every_root", broadcast_every_root),
+        ("all_to_all_varcount_routes_every_pair", all_to_all_varcount_random),
+        ("one_mebibyte_all_gather_is_intact", one_mebibyte_all_gather),
+        ("split_orders_ranks_by_key_and_groups_run_concurrently", split_groups_run_concurrently),
+        ("split_without_color_returns_none", split_without_color_returns_none),
+        ("argument_errors_are_typed_and_lose_nothing", argument_errors_are_typed),
+    ];
+    let mut reports = Vec::with_capacity(cases.len());
+    for (name, case) in cases {
+        let mine = case(comm);
+        reports.push(agree(comm, name, mine));
+    }
+    reports
+}
+
+/// All-gathers the pass flag of one case so every rank reports the same verdict.
+fn agree<C: Communicator>(comm: &C, name: &'static str, mine: CaseResult) -> CaseReport {
+    let mut flags = vec![0u8; comm.size()];
+    let flag = [u8::from(mine.is_ok())];
+    if let Err(e) = comm.all_gather(&flag, &mut flags) {
+        return CaseReport {
+            name,
+            passed: false,
+            detail: format!("verdict exchange failed: {e}; own result: {mine:?}"),
+        };
+    }
+    let failed: Vec<usize> = (0..comm.size()).filter(|&r| flags[r] == 0).collect();
+    let detail = match (&mine, failed.is_empty()) {
+        (Err(e), _) => format!("rank {}: {e}", comm.rank()),
+        (Ok(()), false) => format!("failed on ranks {failed:?}"),
+        (Ok(()), true) => String::new(),
+    };
+    CaseReport { name, passed: failed.is_empty(), detail }
+}
+
+fn barrier_completes_on_every_rank<C: Communicator>(comm: &C) -> CaseResult {
+    for _ in 0..5 {
+        ok("barrier", comm.barrier())?;
+    }
+    Ok(())
+}
+
+fn all_gather_random_sizes<C: Communicator>(comm: &C) -> CaseResult {
+    let mut rng = Rng::new(1);
+    let n = comm.size();
+    for tag in 0..24 {
+        let len = rng.size(4096);
+        let send = filled(comm.rank(), tag, len);
+        let mut recv = vec![0xAAu8; len * n];
+        ok("all_gather", comm.all_gather(&send, &mut recv))?;
+        for r in 0..n {
+            expect_bytes(
+                &format!("all_gather block {r} of {len} bytes"),
+                &recv[r * len..(r + 1) * len],
+                &filled(r, tag, len),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Random counts (zeros included), placed with random gaps in a random rank order.
+fn random_layout(rng: &mut Rng, n: usize, max: usize) -> (Vec<usize>, Vec<usize>, usize) {
+    let counts: Vec<usize> = (0..n).map(|_| rng.size(max)).collect();
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let mut displs = vec![0; n];
+    let mut at = 0;
+    for &r in &order {
+        at += rng.below(8);
+        displs[r] = at;
+        at += counts[r];
+    }
+    (counts, displs, at + rng.below(8))
+}
+
+fn all_gather_varcount_random_layouts<C: Communicator>(comm: &C) -> CaseResult {
+    let mut rng = Rng::new(2);
+    let n = comm.size();
+    for tag in 0..24 {
+        let (counts, displs, total) = random_layout(&mut rng, n, 3000);
+        let send = filled(comm.rank(), tag, counts[comm.rank()]);
+        let mut recv = vec![0xEEu8; total];
+        ok("all_gather_varcount", comm.all_gather_varcount(&send, &mut recv, &counts, &displs))?;
+        for r in 0..n {
+            let region = &recv[displs[r]..displs[r] + counts[r]];
+            expect_bytes(&format!("varcount region of rank {r}"), region, &filled(r, tag, counts[r]))?;
+        }
+        // Gaps are untouched.
+        let mut covered = vec![false; total];
+        for r in 0..n {
+            covered[displs[r]..displs[r] + counts[r]].iter_mut().for_each(|c| *c = true);
+        }
+        if let Some(i) = (0..total).find(|&i| !covered[i] && recv[i] != 0xEE) {
+            return Err(format!("byte {i} outside every region was overwritten"));
+        }
+    }
+    Ok(())
+}
+
+fn gather_varcount_every_root<C: Communicator>(comm: &C) -> CaseResult {
+    let mut rng = Rng::new(3);
+    let n = comm.size();
+    for root in 0..n {
+        for tag in 0..4 {
+            let (counts, displs, total) = random_layout(&mut rng, n, 2000);
+            let send = filled(comm.rank(), tag, counts[comm.rank()]);
+            if comm.rank() == root {
+                let mut recv = vec![0u8; total];
+                let layout = GatherRecv { recv: &mut recv, counts: &counts, displs: &displs };
+                ok("gather_varcount (root)", comm.gather_varcount(root, &send, Some(layout)))?;
+                for r in 0..n {
+                    expect_bytes(
+                        &format!("gather to root {root}, region of rank {r}"),
+                        &recv[displs[r]..displs[r] + counts[r]],
+                        &filled(r, tag, counts[r]),
+                    )?;
+                }
+            } else {
+                ok("gather_varcount", comm.gather_varcount(root, &send, None))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn broadcast_every_root<C: Communicator>(comm: &C) -> CaseResult {
+    let mut rng = Rng::new(4);
+    for root in 0..comm.size() {
+        for tag in 0..4 {
+            let len = rng.size(5000);
+            let mut buf = if comm.rank() == root { filled(root, tag, len) } else { vec![0u8; len] };
+            ok("broadcast", comm.broadcast(root, &mut buf))?;
+            expect_bytes(&format!("broadcast from root {root}"), &buf, &filled(root, tag, len))?;
+        }
+    }
+    Ok(())
+}
+
+fn all_to_all_varcount_random<C: Communicator>(comm: &C) -> CaseResult {
+    let mut rng = Rng::new(5);
+    let n = comm.size();
+    let me = comm.rank();
+    for tag in 0..12 {
+        // matrix[s][d]: bytes rank s sends to rank d; every rank draws the same matrix.
+        let matrix: Vec<Vec<usize>> = (0..n).map(|_| (0..n).map(|_| rng.size(700)).collect()).collect();
+        let send_counts = matrix[me].clone();
+        let (send_displs, send_total) = dense_displacements(&send_counts).expect("small");
+        let mut send = vec![0u8; send_total];
+        for d in 0..n {
+            let region = &mut send[send_displs[d]..send_displs[d] + send_counts[d]];
+            region.copy_from_slice(&filled(me, tag * 64 + d, send_counts[d]));
+        }
+        let recv_counts: Vec<usize> = (0..n).map(|s| matrix[s][me]).collect();
+        let (recv_displs, recv_total) = dense_displacements(&recv_counts).expect("small");
+        let mut recv = vec![0u8; recv_total];
+        ok(
+            "all_to_all_varcount",
+            comm.all_to_all_varcount(
+                Layout { buf: &send, counts: &send_counts, displs: &send_displs },
+                Layout { buf: &mut recv, counts: &recv_counts, displs: &recv_displs },
+            ),
+        )?;
+        for s in 0..n {
+            expect_bytes(
+                &format!("all_to_all bytes from rank {s}"),
+                &recv[recv_displs[s]..recv_displs[s] + recv_counts[s]],
+                &filled(s, tag * 64 + me, recv_counts[s]),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn one_mebibyte_all_gather<C: Communicator>(comm: &C) -> CaseResult {
+    let len = 1 << 20;
+    let send = filled(comm.rank(), 99, len);
+    let mut recv = vec![0u8; len * comm.size()];
+    ok("all_gather 1 MiB", comm.all_gather(&send, &mut recv))?;
+    for r in 0..comm.size() {
+        expect_bytes(&format!("1 MiB block {r}"), &recv[r * len..(r + 1) * len], &filled(r, 99, len))?;
+    }
+    Ok(())
+}
+
+fn split_groups_run_concurrently<C: Communicator>(comm: &C) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    let color = (me % 2) as u32;
+    // Reverse order inside each group: the highest parent rank gets sub-rank 0.
+    let key = -(me as i32);
+    let sub = ok("split", comm.split(Some(color), key))?.ok_or("split with a color returned None")?;
+    let members: Vec<usize> = (0..n).filter(|r| r % 2 == me % 2).rev().collect();
+    if sub.size() != members.len() {
+        return Err(format!("sub-group size {} != {}", sub.size(), members.len()));
+    }
+    let expected_rank = members.iter().position(|&r| r == me).expect("member of own color");
+    if sub.rank() != expected_rank {
+        return Err(format!("sub-rank {} != {expected_rank} (ordered by key)", sub.rank()));
+    }
+    // Sibling groups run different numbers of collectives with different sizes at the same
+    // time; neither may see the other's bytes.
+    let rounds = if color == 0 { 7 } else { 11 };
+    for tag in 0..rounds {
+        let len = 100 + tag * (color as usize + 1);
+        let send = filled(me, tag + 1000 * color as usize, len);
+        let mut recv = vec![0u8; len * sub.size()];
+        ok("sub-group all_gather", sub.all_gather(&send, &mut recv))?;
+        for (sr, &parent) in members.iter().enumerate() {
+            expect_bytes(
+                &format!("sub-group block {sr} (parent rank {parent})"),
+                &recv[sr * len..(sr + 1) * len],
+                &filled(parent, tag + 1000 * color as usize, len),
+            )?;
+        }
+    }
+    // The parent still works after the sub-groups were used.
+    let mut all = vec![0u8; n];
+    ok("parent all_gather after split", comm.all_gather(&[me as u8], &mut all))?;
+    expect_bytes("parent after split", &all, &(0..n).map(|r| r as u8).collect::<Vec<_>>())
+}
+
+fn split_without_color_returns_none<C: Communicator>(comm: &C) -> CaseResult {
+    let me = comm.rank();
+    let color = (me != 0).then_some(7);
+    let sub = ok("split", comm.split(color, 0))?;
+    match (me, sub) {
+        (0, Some(_)) => Err("rank 0 passed no color but got a sub-group".into()),
+        (0, None) => Ok(()),
+        (_, None) => Err("a colored rank got no sub-group".into()),
+        (_, Some(sub)) => {
+            if sub.size() != comm.size() - 1 || sub.rank() != me - 1 {
+                return Err(format!("sub-group rank {}/{} wrong", sub.rank(), sub.size()));
+            }
+            ok("barrier in sub-group", sub.barrier())
+        }
+    }
+}
+
+/// Expects `r` to be an `InvalidArgument` whose source satisfies `is`.
+fn expect_arg_error(
+    what: &str,
+    r: Result<(), TransportError>,
+    is: impl Fn(&ArgumentError) -> bool,
+) -> CaseResult {
+    match r {
+        Err(TransportError::InvalidArgument { source, .. }) if is(&source) => Ok(()),
+        Err(e) => Err(format!("{what}: wrong error: {e}")),
+        Ok(()) => Err(format!("{what}: accepted")),
+    }
+}
+
+fn argument_errors_are_typed<C: Communicator>(comm: &C) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    let max = comm.max_count();
+    let counts = vec![4usize; n];
+    let (displs, total) = dense_displacements(&counts).expect("small");
+    let send = [1u8; 4];
+    let mut recv = vec![0u8; total];
+
+    expect_arg_error("all_gather with a short receive buffer", comm.all_gather(&send, &mut recv[..total - 1]), |e| {
+        matches!(e, ArgumentError::RecvLength { expected, actual } if *expected == total && *actual == total - 1)
+    })?;
+    expect_arg_error(
+        "varcount with one count missing",
+        comm.all_gather_varcount(&send, &mut recv, &counts[..n - 1], &displs),
+        |e| matches!(e, ArgumentError::TableLength { which: "counts", .. }),
+    )?;
+    expect_arg_error(
+        "varcount with one displacement too many",
+        comm.all_gather_varcount(&send, &mut recv, &counts, &[displs.clone(), vec![0]].concat()),
+        |e| matches!(e, ArgumentError::TableLength { which: "displacements", .. }),
+    )?;
+    expect_arg_error(
+        "varcount with a send buffer not matching counts[rank]",
+        comm.all_gather_varcount(&send[..3], &mut recv, &counts, &displs),
+        |e| matches!(e, ArgumentError::SendLength { expected: 4, actual: 3 }),
+    )?;
+    if n > 1 {
+        // Moving the last region back by two bytes makes it overlap the one before.
+        let mut overlapping = displs.clone();
+        overlapping[n - 1] -= 2;
+        expect_arg_error(
+            "varcount with overlapping regions",
+            comm.all_gather_varcount(&send, &mut recv, &counts, &overlapping),
+            |e| matches!(e, ArgumentError::Overlap { first, second, .. } if *first == n - 2 && *second == n - 1),
+        )?;
+    }
+    let mut past_end = displs.clone();
+    past_end[n - 1] = total - 1;
+    expect_arg_error(
+        "varcount with a region past the end",
+        comm.all_gather_varcount(&send, &mut recv, &counts, &past_end),
+        |e| matches!(e, ArgumentError::OutOfBounds { index, .. } if *index == n - 1),
+    )?;
+    if max < usize::MAX {
+        let mut huge = counts.clone();
+        huge[0] = max + 1;
+        expect_arg_error(
+            "varcount with a count over max_count",
+            comm.all_gather_varcount(&send, &mut recv, &huge, &displs),
+            |e| matches!(e, ArgumentError::CountTooLarge { which: "counts", index: 0, .. }),
+        )?;
+        let mut far = displs.clone();
+        far[0] = max + 1;
+        expect_arg_error(
+            "varcount with a displacement over max_count",
+            comm.all_gather_varcount(&send, &mut recv, &counts, &far),
+            |e| matches!(e, ArgumentError::CountTooLarge { which: "displacements", index: 0, .. }),
+        )?;
+    }
+    let mut buf = [0u8; 8];
+    expect_arg_error("broadcast from a root out of range", comm.broadcast(n, &mut buf), |e| {
+        matches!(e, ArgumentError::RootOutOfRange { root, size } if *root == n && *size == n)
+    })?;
+    expect_arg_error("gather to a root out of range", comm.gather_varcount(n + 3, &send, None), |e| {
+        matches!(e, ArgumentError::RootOutOfRange { .. })
+    })?;
+    if me == 0 {
+        expect_arg_error("gather root without a receive layout", comm.gather_varcount(0, &send, None), |e| {
+            matches!(e, ArgumentError::MissingRootReceive)
+        })?;
+    }
+    let a2a_counts = vec![2usize; n];
+    let (a2a_displs, a2a_total) = dense_displacements(&a2a_counts).expect("small");
+    let a2a_send = vec![0u8; a2a_total];
+    let mut a2a_recv = vec![0u8; a2a_total];
+    expect_arg_error(
+        "all_to_all with a send buffer too short for its layout",
+        comm.all_to_all_varcount(
+            Layout { buf: &a2a_send[..a2a_total - 1], counts: &a2a_counts, displs: &a2a_displs },
+            Layout { buf: &mut a2a_recv, counts: &a2a_counts, displs: &a2a_displs },
+        ),
+        |e| matches!(e, ArgumentError::OutOfBounds { which: "send", .. }),
+    )?;
+    expect_arg_error(
+        "all_to_all with a receive table of the wrong length",
+        comm.all_to_all_varcount(
+            Layout { buf: &a2a_send, counts: &a2a_counts, displs: &a2a_displs },
+            Layout { buf: &mut a2a_recv, counts: &a2a_counts[1..], displs: &a2a_displs },
+        ),
+        |e| matches!(e, ArgumentError::TableLength { which: "counts", .. }),
+    )?;
+    let mut self_mismatch = a2a_counts.clone();
+    self_mismatch[me] = 1;
+    expect_arg_error(
+        "all_to_all sending to itself a count it does not expect",
+        comm.all_to_all_varcount(
+            Layout { buf: &a2a_send, counts: &a2a_counts, displs: &a2a_displs },
+            Layout { buf: &mut a2a_recv, counts: &self_mismatch, displs: &a2a_displs },
+        ),
+        |e| matches!(e, ArgumentError::SendLength { .. }),
+    )?;
+
+    // Nothing was sent by the rejected calls: the ranks are still in step.
+    let mine = [me as u8; 4];
+    ok("all_gather after rejected calls", comm.all_gather(&mine, &mut recv))?;
+    let want: Vec<u8> = (0..n).flat_map(|r| [r as u8; 4]).collect();
+    expect_bytes("all_gather after rejected calls", &recv, &want)
+}

@@ -9,6 +9,8 @@
 //! After each case the ranks all-gather a pass flag, so a case passes only if it passed on
 //! every rank, and every rank reports the same verdicts.
 
+pub mod objects;
+
 use tpcomm::transport::{
     dense_displacements, ArgumentError, Communicator, GatherRecv, Layout, TransportError,
 };
@@ -24,7 +26,8 @@ pub struct CaseReport {
     pub detail: String,
 }
 
-type CaseResult = Result<(), String>;
+/// What one case returns on one rank.
+pub type CaseResult = Result<(), String>;
 
 /// SplitMix64: small, deterministic, the same sequence on every rank for the same seed.
 #[derive(Debug, Clone)]
@@ -66,15 +69,19 @@ pub fn pattern(rank: usize, tag: usize, i: usize) -> u8 {
     (rank.wrapping_mul(131) ^ tag.wrapping_mul(31) ^ i.wrapping_mul(7)) as u8
 }
 
-fn filled(rank: usize, tag: usize, len: usize) -> Vec<u8> {
+pub(crate) fn filled(rank: usize, tag: usize, len: usize) -> Vec<u8> {
     (0..len).map(|i| pattern(rank, tag, i)).collect()
 }
 
-fn expect_bytes(what: &str, got: &[u8], want: &[u8]) -> CaseResult {
+pub(crate) fn expect_bytes(what: &str, got: &[u8], want: &[u8]) -> CaseResult {
     if got == want {
         return Ok(());
     }
-    let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(got.len().min(want.len()));
+    let at = got
+        .iter()
+        .zip(want)
+        .position(|(a, b)| a != b)
+        .unwrap_or(got.len().min(want.len()));
     Err(format!(
         "{what}: {} bytes received, {} expected; first difference at byte {at}",
         got.len(),
@@ -82,23 +89,70 @@ fn expect_bytes(what: &str, got: &[u8], want: &[u8]) -> CaseResult {
     ))
 }
 
-fn ok<T>(what: &str, r: Result<T, TransportError>) -> Result<T, String> {
+pub(crate) fn ok<T>(what: &str, r: Result<T, TransportError>) -> Result<T, String> {
     r.map_err(|e| format!("{what}: unexpected error: {e}"))
 }
 
+/// A named case: run collectively by every rank.
+type Case<C> = (&'static str, fn(&C) -> CaseResult);
+
 /// Runs every case on `comm` and returns the verdicts (the same on every rank).
 pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
-    let cases: Vec<(&'static str, fn(&C) -> CaseResult)> = vec![
-        ("barrier_completes_on_every_rank", barrier_completes_on_every_rank),
-        ("all_gather_delivers_every_block_for_random_sizes", all_gather_random_sizes),
-        ("all_gather_varcount_honours_counts_and_gaps", all_gather_varcount_random_layouts),
-        ("gather_varcount_delivers_to_every_root", gather_varcount_every_root),
+    let cases: Vec<Case<C>> = vec![
+        (
+            "barrier_completes_on_every_rank",
+            barrier_completes_on_every_rank,
+        ),
+        (
+            "all_gather_delivers_every_block_for_random_sizes",
+            all_gather_random_sizes,
+        ),
+        (
+            "all_gather_varcount_honours_counts_and_gaps",
+            all_gather_varcount_random_layouts,
+        ),
+        (
+            "gather_varcount_delivers_to_every_root",
+            gather_varcount_every_root,
+        ),
         ("broadcast_from_every_root", broadcast_every_root),
-        ("all_to_all_varcount_routes_every_pair", all_to_all_varcount_random),
+        (
+            "all_to_all_varcount_routes_every_pair",
+            all_to_all_varcount_random,
+        ),
         ("one_mebibyte_all_gather_is_intact", one_mebibyte_all_gather),
-        ("split_orders_ranks_by_key_and_groups_run_concurrently", split_groups_run_concurrently),
-        ("split_without_color_returns_none", split_without_color_returns_none),
-        ("argument_errors_are_typed_and_lose_nothing", argument_errors_are_typed),
+        (
+            "split_orders_ranks_by_key_and_groups_run_concurrently",
+            split_groups_run_concurrently,
+        ),
+        (
+            "split_without_color_returns_none",
+            split_without_color_returns_none,
+        ),
+        (
+            "argument_errors_are_typed_and_lose_nothing",
+            argument_errors_are_typed,
+        ),
+        (
+            "objects_classic_values_through_every_collective_and_root",
+            objects::classic_values_everywhere,
+        ),
+        (
+            "objects_round_path_with_random_sizes",
+            objects::round_path_with_random_sizes,
+        ),
+        (
+            "objects_serialization_failure_is_agreed_by_every_rank",
+            objects::serialization_failure_is_agreed,
+        ),
+        (
+            "objects_cap_violation_is_agreed_by_every_rank",
+            objects::cap_violation_is_agreed,
+        ),
+        (
+            "objects_work_on_split_sub_groups",
+            objects::work_on_split_sub_groups,
+        ),
     ];
     let mut reports = Vec::with_capacity(cases.len());
     for (name, case) in cases {
@@ -125,7 +179,11 @@ fn agree<C: Communicator>(comm: &C, name: &'static str, mine: CaseResult) -> Cas
         (Ok(()), false) => format!("failed on ranks {failed:?}"),
         (Ok(()), true) => String::new(),
     };
-    CaseReport { name, passed: failed.is_empty(), detail }
+    CaseReport {
+        name,
+        passed: failed.is_empty(),
+        detail,
+    }
 }
 
 fn barrier_completes_on_every_rank<C: Communicator>(comm: &C) -> CaseResult {
@@ -178,15 +236,24 @@ fn all_gather_varcount_random_layouts<C: Communicator>(comm: &C) -> CaseResult {
         let (counts, displs, total) = random_layout(&mut rng, n, 3000);
         let send = filled(comm.rank(), tag, counts[comm.rank()]);
         let mut recv = vec![0xEEu8; total];
-        ok("all_gather_varcount", comm.all_gather_varcount(&send, &mut recv, &counts, &displs))?;
+        ok(
+            "all_gather_varcount",
+            comm.all_gather_varcount(&send, &mut recv, &counts, &displs),
+        )?;
         for r in 0..n {
             let region = &recv[displs[r]..displs[r] + counts[r]];
-            expect_bytes(&format!("varcount region of rank {r}"), region, &filled(r, tag, counts[r]))?;
+            expect_bytes(
+                &format!("varcount region of rank {r}"),
+                region,
+                &filled(r, tag, counts[r]),
+            )?;
         }
         // Gaps are untouched.
         let mut covered = vec![false; total];
         for r in 0..n {
-            covered[displs[r]..displs[r] + counts[r]].iter_mut().for_each(|c| *c = true);
+            covered[displs[r]..displs[r] + counts[r]]
+                .iter_mut()
+                .for_each(|c| *c = true);
         }
         if let Some(i) = (0..total).find(|&i| !covered[i] && recv[i] != 0xEE) {
             return Err(format!("byte {i} outside every region was overwritten"));
@@ -204,8 +271,15 @@ fn gather_varcount_every_root<C: Communicator>(comm: &C) -> CaseResult {
             let send = filled(comm.rank(), tag, counts[comm.rank()]);
             if comm.rank() == root {
                 let mut recv = vec![0u8; total];
-                let layout = GatherRecv { recv: &mut recv, counts: &counts, displs: &displs };
-                ok("gather_varcount (root)", comm.gather_varcount(root, &send, Some(layout)))?;
+                let layout = GatherRecv {
+                    recv: &mut recv,
+                    counts: &counts,
+                    displs: &displs,
+                };
+                ok(
+                    "gather_varcount (root)",
+                    comm.gather_varcount(root, &send, Some(layout)),
+                )?;
                 for r in 0..n {
                     expect_bytes(
                         &format!("gather to root {root}, region of rank {r}"),
@@ -226,9 +300,17 @@ fn broadcast_every_root<C: Communicator>(comm: &C) -> CaseResult {
     for root in 0..comm.size() {
         for tag in 0..4 {
             let len = rng.size(5000);
-            let mut buf = if comm.rank() == root { filled(root, tag, len) } else { vec![0u8; len] };
+            let mut buf = if comm.rank() == root {
+                filled(root, tag, len)
+            } else {
+                vec![0u8; len]
+            };
             ok("broadcast", comm.broadcast(root, &mut buf))?;
-            expect_bytes(&format!("broadcast from root {root}"), &buf, &filled(root, tag, len))?;
+            expect_bytes(
+                &format!("broadcast from root {root}"),
+                &buf,
+                &filled(root, tag, len),
+            )?;
         }
     }
     Ok(())
@@ -240,7 +322,9 @@ fn all_to_all_varcount_random<C: Communicator>(comm: &C) -> CaseResult {
     let me = comm.rank();
     for tag in 0..12 {
         // matrix[s][d]: bytes rank s sends to rank d; every rank draws the same matrix.
-        let matrix: Vec<Vec<usize>> = (0..n).map(|_| (0..n).map(|_| rng.size(700)).collect()).collect();
+        let matrix: Vec<Vec<usize>> = (0..n)
+            .map(|_| (0..n).map(|_| rng.size(700)).collect())
+            .collect();
         let send_counts = matrix[me].clone();
         let (send_displs, send_total) = dense_displacements(&send_counts).expect("small");
         let mut send = vec![0u8; send_total];
@@ -254,8 +338,16 @@ fn all_to_all_varcount_random<C: Communicator>(comm: &C) -> CaseResult {
         ok(
             "all_to_all_varcount",
             comm.all_to_all_varcount(
-                Layout { buf: &send, counts: &send_counts, displs: &send_displs },
-                Layout { buf: &mut recv, counts: &recv_counts, displs: &recv_displs },
+                Layout {
+                    buf: &send,
+                    counts: &send_counts,
+                    displs: &send_displs,
+                },
+                Layout {
+                    buf: &mut recv,
+                    counts: &recv_counts,
+                    displs: &recv_displs,
+                },
             ),
         )?;
         for s in 0..n {
@@ -275,7 +367,11 @@ fn one_mebibyte_all_gather<C: Communicator>(comm: &C) -> CaseResult {
     let mut recv = vec![0u8; len * comm.size()];
     ok("all_gather 1 MiB", comm.all_gather(&send, &mut recv))?;
     for r in 0..comm.size() {
-        expect_bytes(&format!("1 MiB block {r}"), &recv[r * len..(r + 1) * len], &filled(r, 99, len))?;
+        expect_bytes(
+            &format!("1 MiB block {r}"),
+            &recv[r * len..(r + 1) * len],
+            &filled(r, 99, len),
+        )?;
     }
     Ok(())
 }
@@ -285,14 +381,25 @@ fn split_groups_run_concurrently<C: Communicator>(comm: &C) -> CaseResult {
     let color = (me % 2) as u32;
     // Reverse order inside each group: the highest parent rank gets sub-rank 0.
     let key = -(me as i32);
-    let sub = ok("split", comm.split(Some(color), key))?.ok_or("split with a color returned None")?;
+    let sub =
+        ok("split", comm.split(Some(color), key))?.ok_or("split with a color returned None")?;
     let members: Vec<usize> = (0..n).filter(|r| r % 2 == me % 2).rev().collect();
     if sub.size() != members.len() {
-        return Err(format!("sub-group size {} != {}", sub.size(), members.len()));
+        return Err(format!(
+            "sub-group size {} != {}",
+            sub.size(),
+            members.len()
+        ));
     }
-    let expected_rank = members.iter().position(|&r| r == me).expect("member of own color");
+    let expected_rank = members
+        .iter()
+        .position(|&r| r == me)
+        .expect("member of own color");
     if sub.rank() != expected_rank {
-        return Err(format!("sub-rank {} != {expected_rank} (ordered by key)", sub.rank()));
+        return Err(format!(
+            "sub-rank {} != {expected_rank} (ordered by key)",
+            sub.rank()
+        ));
     }
     // Sibling groups run different numbers of collectives with different sizes at the same
     // time; neither may see the other's bytes.
@@ -312,8 +419,15 @@ fn split_groups_run_concurrently<C: Communicator>(comm: &C) -> CaseResult {
     }
     // The parent still works after the sub-groups were used.
     let mut all = vec![0u8; n];
-    ok("parent all_gather after split", comm.all_gather(&[me as u8], &mut all))?;
-    expect_bytes("parent after split", &all, &(0..n).map(|r| r as u8).collect::<Vec<_>>())
+    ok(
+        "parent all_gather after split",
+        comm.all_gather(&[me as u8], &mut all),
+    )?;
+    expect_bytes(
+        "parent after split",
+        &all,
+        &(0..n).map(|r| r as u8).collect::<Vec<_>>(),
+    )
 }
 
 fn split_without_color_returns_none<C: Communicator>(comm: &C) -> CaseResult {
@@ -326,7 +440,11 @@ fn split_without_color_returns_none<C: Communicator>(comm: &C) -> CaseResult {
         (_, None) => Err("a colored rank got no sub-group".into()),
         (_, Some(sub)) => {
             if sub.size() != comm.size() - 1 || sub.rank() != me - 1 {
-                return Err(format!("sub-group rank {}/{} wrong", sub.rank(), sub.size()));
+                return Err(format!(
+                    "sub-group rank {}/{} wrong",
+                    sub.rank(),
+                    sub.size()
+                ));
             }
             ok("barrier in sub-group", sub.barrier())
         }
@@ -354,23 +472,54 @@ fn argument_errors_are_typed<C: Communicator>(comm: &C) -> CaseResult {
     let send = [1u8; 4];
     let mut recv = vec![0u8; total];
 
-    expect_arg_error("all_gather with a short receive buffer", comm.all_gather(&send, &mut recv[..total - 1]), |e| {
-        matches!(e, ArgumentError::RecvLength { expected, actual } if *expected == total && *actual == total - 1)
-    })?;
+    expect_arg_error(
+        "all_gather with a short receive buffer",
+        comm.all_gather(&send, &mut recv[..total - 1]),
+        |e| matches!(e, ArgumentError::RecvLength { expected, actual } if *expected == total && *actual == total - 1),
+    )?;
     expect_arg_error(
         "varcount with one count missing",
         comm.all_gather_varcount(&send, &mut recv, &counts[..n - 1], &displs),
-        |e| matches!(e, ArgumentError::TableLength { which: "counts", .. }),
+        |e| {
+            matches!(
+                e,
+                ArgumentError::TableLength {
+                    which: "counts",
+                    ..
+                }
+            )
+        },
     )?;
     expect_arg_error(
         "varcount with one displacement too many",
-        comm.all_gather_varcount(&send, &mut recv, &counts, &[displs.clone(), vec![0]].concat()),
-        |e| matches!(e, ArgumentError::TableLength { which: "displacements", .. }),
+        comm.all_gather_varcount(
+            &send,
+            &mut recv,
+            &counts,
+            &[displs.clone(), vec![0]].concat(),
+        ),
+        |e| {
+            matches!(
+                e,
+                ArgumentError::TableLength {
+                    which: "displacements",
+                    ..
+                }
+            )
+        },
     )?;
     expect_arg_error(
         "varcount with a send buffer not matching counts[rank]",
         comm.all_gather_varcount(&send[..3], &mut recv, &counts, &displs),
-        |e| matches!(e, ArgumentError::SendLength { expected: 4, actual: 3 }),
+        |e| {
+            matches!(
+                e,
+                ArgumentError::SendLength {
+                    expected: 4,
+                    actual: 3
+                }
+            )
+        },
     )?;
     if n > 1 {
         // Moving the last region back by two bytes makes it overlap the one before.
@@ -395,27 +544,51 @@ fn argument_errors_are_typed<C: Communicator>(comm: &C) -> CaseResult {
         expect_arg_error(
             "varcount with a count over max_count",
             comm.all_gather_varcount(&send, &mut recv, &huge, &displs),
-            |e| matches!(e, ArgumentError::CountTooLarge { which: "counts", index: 0, .. }),
+            |e| {
+                matches!(
+                    e,
+                    ArgumentError::CountTooLarge {
+                        which: "counts",
+                        index: 0,
+                        ..
+                    }
+                )
+            },
         )?;
         let mut far = displs.clone();
         far[0] = max + 1;
         expect_arg_error(
             "varcount with a displacement over max_count",
             comm.all_gather_varcount(&send, &mut recv, &counts, &far),
-            |e| matches!(e, ArgumentError::CountTooLarge { which: "displacements", index: 0, .. }),
+            |e| {
+                matches!(
+                    e,
+                    ArgumentError::CountTooLarge {
+                        which: "displacements",
+                        index: 0,
+                        ..
+                    }
+                )
+            },
         )?;
     }
     let mut buf = [0u8; 8];
-    expect_arg_error("broadcast from a root out of range", comm.broadcast(n, &mut buf), |e| {
-        matches!(e, ArgumentError::RootOutOfRange { root, size } if *root == n && *size == n)
-    })?;
-    expect_arg_error("gather to a root out of range", comm.gather_varcount(n + 3, &send, None), |e| {
-        matches!(e, ArgumentError::RootOutOfRange { .. })
-    })?;
+    expect_arg_error(
+        "broadcast from a root out of range",
+        comm.broadcast(n, &mut buf),
+        |e| matches!(e, ArgumentError::RootOutOfRange { root, size } if *root == n && *size == n),
+    )?;
+    expect_arg_error(
+        "gather to a root out of range",
+        comm.gather_varcount(n + 3, &send, None),
+        |e| matches!(e, ArgumentError::RootOutOfRange { .. }),
+    )?;
     if me == 0 {
-        expect_arg_error("gather root without a receive layout", comm.gather_varcount(0, &send, None), |e| {
-            matches!(e, ArgumentError::MissingRootReceive)
-        })?;
+        expect_arg_error(
+            "gather root without a receive layout",
+            comm.gather_varcount(0, &send, None),
+            |e| matches!(e, ArgumentError::MissingRootReceive),
+        )?;
     }
     let a2a_counts = vec![2usize; n];
     let (a2a_displs, a2a_total) = dense_displacements(&a2a_counts).expect("small");
@@ -424,33 +597,68 @@ fn argument_errors_are_typed<C: Communicator>(comm: &C) -> CaseResult {
     expect_arg_error(
         "all_to_all with a send buffer too short for its layout",
         comm.all_to_all_varcount(
-            Layout { buf: &a2a_send[..a2a_total - 1], counts: &a2a_counts, displs: &a2a_displs },
-            Layout { buf: &mut a2a_recv, counts: &a2a_counts, displs: &a2a_displs },
+            Layout {
+                buf: &a2a_send[..a2a_total - 1],
+                counts: &a2a_counts,
+                displs: &a2a_displs,
+            },
+            Layout {
+                buf: &mut a2a_recv,
+                counts: &a2a_counts,
+                displs: &a2a_displs,
+            },
         ),
         |e| matches!(e, ArgumentError::OutOfBounds { which: "send", .. }),
     )?;
     expect_arg_error(
         "all_to_all with a receive table of the wrong length",
         comm.all_to_all_varcount(
-            Layout { buf: &a2a_send, counts: &a2a_counts, displs: &a2a_displs },
-            Layout { buf: &mut a2a_recv, counts: &a2a_counts[1..], displs: &a2a_displs },
+            Layout {
+                buf: &a2a_send,
+                counts: &a2a_counts,
+                displs: &a2a_displs,
+            },
+            Layout {
+                buf: &mut a2a_recv,
+                counts: &a2a_counts[1..],
+                displs: &a2a_displs,
+            },
         ),
-        |e| matches!(e, ArgumentError::TableLength { which: "counts", .. }),
+        |e| {
+            matches!(
+                e,
+                ArgumentError::TableLength {
+                    which: "counts",
+                    ..
+                }
+            )
+        },
     )?;
     let mut self_mismatch = a2a_counts.clone();
     self_mismatch[me] = 1;
     expect_arg_error(
         "all_to_all sending to itself a count it does not expect",
         comm.all_to_all_varcount(
-            Layout { buf: &a2a_send, counts: &a2a_counts, displs: &a2a_displs },
-            Layout { buf: &mut a2a_recv, counts: &self_mismatch, displs: &a2a_displs },
+            Layout {
+                buf: &a2a_send,
+                counts: &a2a_counts,
+                displs: &a2a_displs,
+            },
+            Layout {
+                buf: &mut a2a_recv,
+                counts: &self_mismatch,
+                displs: &a2a_displs,
+            },
         ),
         |e| matches!(e, ArgumentError::SendLength { .. }),
     )?;
 
     // Nothing was sent by the rejected calls: the ranks are still in step.
     let mine = [me as u8; 4];
-    ok("all_gather after rejected calls", comm.all_gather(&mine, &mut recv))?;
+    ok(
+        "all_gather after rejected calls",
+        comm.all_gather(&mine, &mut recv),
+    )?;
     let want: Vec<u8> = (0..n).flat_map(|r| [r as u8; 4]).collect();
     expect_bytes("all_gather after rejected calls", &recv, &want)
 }

@@ -18,12 +18,19 @@ pub(crate) struct Shape {
 
 impl Shape {
     fn err(&self, source: ArgumentError) -> TransportError {
-        TransportError::InvalidArgument { op: self.op, rank: self.rank, source }
+        TransportError::InvalidArgument {
+            op: self.op,
+            rank: self.rank,
+            source,
+        }
     }
 
     fn root(&self, root: usize) -> Result<()> {
         if root >= self.size {
-            return Err(self.err(ArgumentError::RootOutOfRange { root, size: self.size }));
+            return Err(self.err(ArgumentError::RootOutOfRange {
+                root,
+                size: self.size,
+            }));
         }
         Ok(())
     }
@@ -65,9 +72,11 @@ impl Shape {
         for (index, (&count, &displacement)) in counts.iter().zip(displs).enumerate() {
             self.count(counts_name, index, count)?;
             self.count(displs_name, index, displacement)?;
-            let end = displacement
-                .checked_add(count)
-                .ok_or_else(|| self.err(ArgumentError::Overflow { what: "displacement + count" }))?;
+            let end = displacement.checked_add(count).ok_or_else(|| {
+                self.err(ArgumentError::Overflow {
+                    what: "displacement + count",
+                })
+            })?;
             if end > buffer_len {
                 return Err(self.err(ArgumentError::OutOfBounds {
                     which,
@@ -112,12 +121,16 @@ pub struct AllGatherArgs<'a> {
 impl<'a> AllGatherArgs<'a> {
     pub(crate) fn check(shape: Shape, send: &'a [u8], recv: &'a mut [u8]) -> Result<Self> {
         shape.count("send count", shape.rank, send.len())?;
-        let expected = send
-            .len()
-            .checked_mul(shape.size)
-            .ok_or_else(|| shape.err(ArgumentError::Overflow { what: "size * send length" }))?;
+        let expected = send.len().checked_mul(shape.size).ok_or_else(|| {
+            shape.err(ArgumentError::Overflow {
+                what: "size * send length",
+            })
+        })?;
         if recv.len() != expected {
-            return Err(shape.err(ArgumentError::RecvLength { expected, actual: recv.len() }));
+            return Err(shape.err(ArgumentError::RecvLength {
+                expected,
+                actual: recv.len(),
+            }));
         }
         Ok(Self { send, recv })
     }
@@ -135,6 +148,11 @@ impl<'a> AllGatherArgs<'a> {
     /// Bytes each rank contributes.
     pub fn block_len(&self) -> usize {
         self.send.len()
+    }
+
+    /// Splits into the send slice and the receive buffer.
+    pub fn parts(&mut self) -> (&[u8], &mut [u8]) {
+        (self.send, self.recv)
     }
 }
 
@@ -166,7 +184,12 @@ impl<'a> VarcountArgs<'a> {
                 actual: send.len(),
             }));
         }
-        Ok(Self { send, recv, counts, displs })
+        Ok(Self {
+            send,
+            recv,
+            counts,
+            displs,
+        })
     }
 
     /// This rank's contribution (`counts()[rank]` bytes).
@@ -342,14 +365,26 @@ impl<'a> AllToAllArgs<'a> {
 
     /// The send side.
     pub fn send(&self) -> Layout<'_, &[u8]> {
-        Layout { buf: self.send, counts: self.send_counts, displs: self.send_displs }
+        Layout {
+            buf: self.send,
+            counts: self.send_counts,
+            displs: self.send_displs,
+        }
     }
 
     /// Splits into the send side and the receive side.
     pub fn parts(&mut self) -> (Layout<'_, &[u8]>, Layout<'_, &mut [u8]>) {
         (
-            Layout { buf: self.send, counts: self.send_counts, displs: self.send_displs },
-            Layout { buf: &mut *self.recv, counts: self.recv_counts, displs: self.recv_displs },
+            Layout {
+                buf: self.send,
+                counts: self.send_counts,
+                displs: self.send_displs,
+            },
+            Layout {
+                buf: &mut *self.recv,
+                counts: self.recv_counts,
+                displs: self.recv_displs,
+            },
         )
     }
 }
@@ -360,7 +395,12 @@ mod tests {
     use proptest::prelude::*;
 
     fn shape(size: usize, rank: usize, max_count: usize) -> Shape {
-        Shape { op: Op::AllGatherVarcount, rank, size, max_count }
+        Shape {
+            op: Op::AllGatherVarcount,
+            rank,
+            size,
+            max_count,
+        }
     }
 
     /// The specification of a valid varcount layout, written the slow obvious way.

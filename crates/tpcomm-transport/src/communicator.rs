@@ -1,8 +1,7 @@
 //! The [`Communicator`] trait: collectives over host bytes.
 
 use crate::check::{
-    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, GatherRecv, Layout, Shape,
-    VarcountArgs,
+    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, GatherRecv, Layout, Shape, VarcountArgs,
 };
 use crate::error::{Op, Result};
 
@@ -72,8 +71,13 @@ pub trait Communicator: Send + Sync {
     ) -> Result<()> {
         let bytes = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
         let _span = span(self, Op::AllGatherVarcount, bytes).entered();
-        let args =
-            VarcountArgs::check(shape(self, Op::AllGatherVarcount), send, recv, counts, displs)?;
+        let args = VarcountArgs::check(
+            shape(self, Op::AllGatherVarcount),
+            send,
+            recv,
+            counts,
+            displs,
+        )?;
         self.raw_all_gather_varcount(args)
     }
 
@@ -142,7 +146,12 @@ pub trait Communicator: Send + Sync {
 }
 
 fn shape<C: Communicator + ?Sized>(comm: &C, op: Op) -> Shape {
-    Shape { op, rank: comm.rank(), size: comm.size(), max_count: comm.max_count() }
+    Shape {
+        op,
+        rank: comm.rank(),
+        size: comm.size(),
+        max_count: comm.max_count(),
+    }
 }
 
 fn span<C: Communicator + ?Sized>(comm: &C, op: Op, bytes: usize) -> tracing::Span {

@@ -14,17 +14,24 @@ fn short() -> LocalGroup {
 
 #[test]
 fn timeout_names_the_ranks_that_never_arrived() {
-    let results = LocalGroup::new(4).timeout(Duration::from_millis(200)).run(|comm| {
-        if comm.rank() >= 2 {
-            // Ranks 2 and 3 hold their communicators but never join.
-            std::thread::sleep(Duration::from_millis(800));
-            return Ok(());
-        }
-        comm.barrier()
-    });
+    let results = LocalGroup::new(4)
+        .timeout(Duration::from_millis(200))
+        .run(|comm| {
+            if comm.rank() >= 2 {
+                // Ranks 2 and 3 hold their communicators but never join.
+                std::thread::sleep(Duration::from_millis(800));
+                return Ok(());
+            }
+            comm.barrier()
+        });
     for (rank, result) in results.into_iter().enumerate().take(2) {
         match result.unwrap() {
-            Err(TransportError::Timeout { op: Op::Barrier, rank: r, missing, .. }) => {
+            Err(TransportError::Timeout {
+                op: Op::Barrier,
+                rank: r,
+                missing,
+                ..
+            }) => {
                 assert_eq!(r, rank);
                 assert_eq!(missing, vec![2, 3]);
             }
@@ -35,16 +42,21 @@ fn timeout_names_the_ranks_that_never_arrived() {
 
 #[test]
 fn every_call_after_a_timeout_fails_with_the_abort() {
-    let results = LocalGroup::new(2).timeout(Duration::from_millis(100)).run(|comm| {
-        if comm.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(400));
-            // The group was aborted while this rank slept: joining late fails at once.
-            return comm.barrier();
-        }
-        let first = comm.barrier();
-        assert!(matches!(first, Err(TransportError::Timeout { .. })), "{first:?}");
-        comm.barrier()
-    });
+    let results = LocalGroup::new(2)
+        .timeout(Duration::from_millis(100))
+        .run(|comm| {
+            if comm.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(400));
+                // The group was aborted while this rank slept: joining late fails at once.
+                return comm.barrier();
+            }
+            let first = comm.barrier();
+            assert!(
+                matches!(first, Err(TransportError::Timeout { .. })),
+                "{first:?}"
+            );
+            comm.barrier()
+        });
     for result in results {
         match result.unwrap() {
             Err(TransportError::Aborted { by: 0, reason, .. }) => {
@@ -57,12 +69,14 @@ fn every_call_after_a_timeout_fails_with_the_abort() {
 
 #[test]
 fn a_rank_that_drops_its_communicator_fails_its_waiting_peers_without_a_timeout() {
-    let results = LocalGroup::new(3).timeout(Duration::from_secs(120)).run(|comm| {
-        if comm.rank() == 1 {
-            return Ok(());
-        }
-        comm.barrier()
-    });
+    let results = LocalGroup::new(3)
+        .timeout(Duration::from_secs(120))
+        .run(|comm| {
+            if comm.rank() == 1 {
+                return Ok(());
+            }
+            comm.barrier()
+        });
     for rank in [0, 2] {
         match &results[rank] {
             Ok(Err(TransportError::Aborted { by: 1, .. })) => {}
@@ -73,32 +87,43 @@ fn a_rank_that_drops_its_communicator_fails_its_waiting_peers_without_a_timeout(
 
 #[test]
 fn a_panicking_rank_becomes_an_error_and_frees_its_peers() {
-    let results = LocalGroup::new(2).timeout(Duration::from_secs(120)).run(|comm| {
-        if comm.rank() == 1 {
-            panic!("boom on rank 1");
-        }
-        comm.barrier()
-    });
+    let results = LocalGroup::new(2)
+        .timeout(Duration::from_secs(120))
+        .run(|comm| {
+            if comm.rank() == 1 {
+                panic!("boom on rank 1");
+            }
+            comm.barrier()
+        });
     match &results[1] {
         Err(TransportError::RankPanicked { rank: 1, message }) => assert!(message.contains("boom")),
         other => panic!("expected RankPanicked, got {other:?}"),
     }
-    assert!(matches!(results[0], Ok(Err(TransportError::Aborted { by: 1, .. }))), "{:?}", results[0]);
+    assert!(
+        matches!(results[0], Ok(Err(TransportError::Aborted { by: 1, .. }))),
+        "{:?}",
+        results[0]
+    );
 }
 
 #[test]
 fn different_operations_at_the_same_point_abort_every_rank() {
-    let results = LocalGroup::new(2).timeout(Duration::from_secs(30)).run(|comm| {
-        if comm.rank() == 0 {
-            comm.barrier()
-        } else {
-            comm.broadcast(0, &mut [0u8; 4])
-        }
-    });
+    let results = LocalGroup::new(2)
+        .timeout(Duration::from_secs(30))
+        .run(|comm| {
+            if comm.rank() == 0 {
+                comm.barrier()
+            } else {
+                comm.broadcast(0, &mut [0u8; 4])
+            }
+        });
     for result in results {
         match result.unwrap() {
             Err(TransportError::Aborted { reason, .. }) => {
-                assert!(reason.contains("barrier") && reason.contains("broadcast"), "{reason}")
+                assert!(
+                    reason.contains("barrier") && reason.contains("broadcast"),
+                    "{reason}"
+                )
             }
             other => panic!("expected an abort, got {other:?}"),
         }
@@ -108,13 +133,23 @@ fn different_operations_at_the_same_point_abort_every_rank() {
 #[test]
 fn inconsistent_varcount_counts_are_a_mismatch_on_every_rank() {
     let results = LocalGroup::new(2).run(|comm| {
-        let counts = if comm.rank() == 0 { vec![2, 2] } else { vec![2, 3] };
+        let counts = if comm.rank() == 0 {
+            vec![2, 2]
+        } else {
+            vec![2, 3]
+        };
         let (displs, total) = dense_displacements(&counts).unwrap();
         let send = vec![1u8; counts[comm.rank()]];
         comm.all_gather_varcount(&send, &mut vec![0u8; total], &counts, &displs)
     });
     for result in results {
-        assert!(matches!(result.unwrap(), Err(TransportError::Mismatch { op: Op::AllGatherVarcount, .. })));
+        assert!(matches!(
+            result.unwrap(),
+            Err(TransportError::Mismatch {
+                op: Op::AllGatherVarcount,
+                ..
+            })
+        ));
     }
 }
 
@@ -124,9 +159,14 @@ fn broadcast_into_a_buffer_of_another_length_is_a_mismatch_not_a_truncation() {
         let mut buf = vec![7u8; 8 + comm.rank()];
         comm.broadcast(0, &mut buf).map(|()| buf)
     });
-    assert_eq!(results[0].as_ref().unwrap().as_ref().unwrap(), &vec![7u8; 8]);
+    assert_eq!(
+        results[0].as_ref().unwrap().as_ref().unwrap(),
+        &vec![7u8; 8]
+    );
     match results[1].as_ref().unwrap() {
-        Err(TransportError::Mismatch { detail, .. }) => assert!(detail.contains("8 bytes"), "{detail}"),
+        Err(TransportError::Mismatch { detail, .. }) => {
+            assert!(detail.contains("8 bytes"), "{detail}")
+        }
         other => panic!("expected a mismatch, got {other:?}"),
     }
 }
@@ -144,7 +184,10 @@ fn max_count_is_configurable_and_enforced() {
         ok.unwrap();
         match too_big {
             Err(TransportError::InvalidArgument {
-                source: ArgumentError::CountTooLarge { value: 17, max: 16, .. },
+                source:
+                    ArgumentError::CountTooLarge {
+                        value: 17, max: 16, ..
+                    },
                 ..
             }) => {}
             other => panic!("expected CountTooLarge, got {other:?}"),
@@ -154,19 +197,28 @@ fn max_count_is_configurable_and_enforced() {
 
 #[test]
 fn an_overflowing_region_is_rejected_not_wrapped() {
-    let results = LocalGroup::new(1).max_count(usize::MAX).run(|comm| {
-        comm.all_gather_varcount(&[1], &mut [0u8; 4], &[1], &[usize::MAX])
-    });
+    let results = LocalGroup::new(1)
+        .max_count(usize::MAX)
+        .run(|comm| comm.all_gather_varcount(&[1], &mut [0u8; 4], &[1], &[usize::MAX]));
     assert!(matches!(
         results[0].as_ref().unwrap(),
-        Err(TransportError::InvalidArgument { source: ArgumentError::Overflow { .. }, .. })
+        Err(TransportError::InvalidArgument {
+            source: ArgumentError::Overflow { .. },
+            ..
+        })
     ));
 }
 
 #[test]
 fn a_group_of_zero_ranks_or_zero_max_count_is_a_setup_error() {
-    assert!(matches!(LocalGroup::new(0).communicators(), Err(TransportError::Setup(_))));
-    assert!(matches!(short().max_count(0).communicators(), Err(TransportError::Setup(_))));
+    assert!(matches!(
+        LocalGroup::new(0).communicators(),
+        Err(TransportError::Setup(_))
+    ));
+    assert!(matches!(
+        short().max_count(0).communicators(),
+        Err(TransportError::Setup(_))
+    ));
 }
 
 #[test]
@@ -177,7 +229,8 @@ fn communicators_can_be_driven_by_caller_owned_threads() {
         .map(|comm| {
             std::thread::spawn(move || {
                 let mut buf = vec![0u8; 3];
-                comm.all_gather(&[comm.rank() as u8], &mut buf).map(|()| buf)
+                comm.all_gather(&[comm.rank() as u8], &mut buf)
+                    .map(|()| buf)
             })
         })
         .collect();
@@ -190,7 +243,9 @@ fn communicators_can_be_driven_by_caller_owned_threads() {
 fn nested_splits_form_independent_groups() {
     // 8 ranks -> 2 groups of 4 (tensor parallel) -> each split again into pairs.
     let results = LocalGroup::new(8).run(|comm| {
-        let tp = comm.split(Some((comm.rank() / 4) as u32), comm.rank() as i32)?.unwrap();
+        let tp = comm
+            .split(Some((comm.rank() / 4) as u32), comm.rank() as i32)?
+            .unwrap();
         let pair = tp.split(Some((tp.rank() / 2) as u32), 0)?.unwrap();
         let mut got = [0u8; 2];
         pair.all_gather(&[comm.rank() as u8], &mut got)?;

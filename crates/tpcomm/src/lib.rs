@@ -5,7 +5,7 @@
 //!
 //! | feature | what it adds |
 //! |---------|--------------|
-//! | (none)  | [`transport`] with the local (threads) backend |
+//! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator) |
 //! | `mpi`   | `transport::MpiCommunicator` over MPI (rsmpi) |
 //!
 //! ```
@@ -19,5 +19,7 @@
 //! assert!(sums.into_iter().all(|s| s.unwrap().unwrap() == 3));
 //! ```
 
+pub use tpcomm_objects as objects;
+pub use tpcomm_objects::ObjectError;
 pub use tpcomm_transport as transport;
 pub use tpcomm_transport::{Communicator, TransportError};

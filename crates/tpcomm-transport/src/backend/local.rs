@@ -35,7 +35,10 @@ pub struct LocalGroupConfig {
 
 impl Default for LocalGroupConfig {
     fn default() -> Self {
-        Self { timeout: Duration::from_secs(60), max_count: i32::MAX as usize }
+        Self {
+            timeout: Duration::from_secs(60),
+            max_count: i32::MAX as usize,
+        }
     }
 }
 
@@ -66,7 +69,10 @@ pub struct LocalGroup {
 impl LocalGroup {
     /// A group of `size` ranks with the default configuration.
     pub fn new(size: usize) -> Self {
-        Self { size, config: LocalGroupConfig::default() }
+        Self {
+            size,
+            config: LocalGroupConfig::default(),
+        }
     }
 
     /// Replaces the whole configuration.
@@ -92,13 +98,17 @@ impl LocalGroup {
     /// Fails with [`TransportError::Setup`] when the size or `max_count` is 0.
     pub fn communicators(&self) -> Result<Vec<LocalCommunicator>> {
         if self.size == 0 {
-            return Err(TransportError::Setup("a local group needs at least one rank".into()));
+            return Err(TransportError::Setup(
+                "a local group needs at least one rank".into(),
+            ));
         }
         if self.config.max_count == 0 {
             return Err(TransportError::Setup("max_count must be at least 1".into()));
         }
         let shared = Shared::new(self.size, self.config.clone());
-        Ok((0..self.size).map(|rank| LocalCommunicator::new(shared.clone(), rank)).collect())
+        Ok((0..self.size)
+            .map(|rank| LocalCommunicator::new(shared.clone(), rank))
+            .collect())
     }
 
     /// Runs `f` on one thread per rank and returns every rank's result, rank `i` at index
@@ -114,7 +124,9 @@ impl LocalGroup {
             Ok(c) => c,
             Err(e) => {
                 let msg = e.to_string();
-                return (0..self.size.max(1)).map(|_| Err(TransportError::Setup(msg.clone()))).collect();
+                return (0..self.size.max(1))
+                    .map(|_| Err(TransportError::Setup(msg.clone())))
+                    .collect();
             }
         };
         let f = &f;
@@ -127,10 +139,15 @@ impl LocalGroup {
                         .name(format!("tpcomm-rank-{rank}"))
                         .spawn_scoped(scope, move || {
                             catch_unwind(AssertUnwindSafe(|| f(comm))).map_err(|payload| {
-                                TransportError::RankPanicked { rank, message: panic_message(&*payload) }
+                                TransportError::RankPanicked {
+                                    rank,
+                                    message: panic_message(&*payload),
+                                }
                             })
                         })
-                        .map_err(|e| TransportError::Setup(format!("cannot spawn rank {rank}: {e}")))
+                        .map_err(|e| {
+                            TransportError::Setup(format!("cannot spawn rank {rank}: {e}"))
+                        })
                 })
                 .collect();
             handles
@@ -138,7 +155,10 @@ impl LocalGroup {
                 .enumerate()
                 .map(|(rank, h)| match h {
                     Ok(h) => h.join().unwrap_or_else(|payload| {
-                        Err(TransportError::RankPanicked { rank, message: panic_message(&*payload) })
+                        Err(TransportError::RankPanicked {
+                            rank,
+                            message: panic_message(&*payload),
+                        })
                     }),
                     Err(e) => Err(e),
                 })
@@ -243,11 +263,20 @@ impl Shared {
 
 impl LocalCommunicator {
     fn new(shared: Arc<Shared>, rank: usize) -> Self {
-        Self { shared, rank, seq: AtomicU64::new(0) }
+        Self {
+            shared,
+            rank,
+            seq: AtomicU64::new(0),
+        }
     }
 
     fn aborted(&self, op: Op, abort: &Abort) -> TransportError {
-        TransportError::Aborted { op, rank: self.rank, by: abort.by, reason: abort.reason.clone() }
+        TransportError::Aborted {
+            op,
+            rank: self.rank,
+            by: abort.by,
+            reason: abort.reason.clone(),
+        }
     }
 
     /// Joins the next round with `post`, waits until `needs` have posted, and returns their
@@ -285,7 +314,10 @@ impl LocalCommunicator {
         let deadline = Instant::now() + shared.config.timeout;
         let started = Instant::now();
         loop {
-            let round = state.rounds.get(&seq).expect("a round stays until every rank finished it");
+            let round = state
+                .rounds
+                .get(&seq)
+                .expect("a round stays until every rank finished it");
             let missing: Vec<usize> = match needs {
                 Needs::Nobody => Vec::new(),
                 Needs::Rank(r) => round.posts[r].is_none().then_some(r).into_iter().collect(),
@@ -301,11 +333,19 @@ impl LocalCommunicator {
                 missing: missing.clone(),
             };
             if let Some(abort) = &state.abort {
-                return Err(if abort.timed_out { timeout } else { self.aborted(op, abort) });
+                return Err(if abort.timed_out {
+                    timeout
+                } else {
+                    self.aborted(op, abort)
+                });
             }
             if let Some(&gone) = missing.iter().find(|&&r| state.left[r]) {
                 let reason = format!("rank {gone} dropped its communicator before joining {op}");
-                let abort = Abort { by: gone, reason, timed_out: false };
+                let abort = Abort {
+                    by: gone,
+                    reason,
+                    timed_out: false,
+                };
                 state.abort = Some(abort.clone());
                 shared.changed.notify_all();
                 return Err(self.aborted(op, &abort));
@@ -316,7 +356,11 @@ impl LocalCommunicator {
                     "rank {} timed out in {op} after {:?} waiting for ranks {missing:?}",
                     self.rank, shared.config.timeout
                 );
-                state.abort.get_or_insert(Abort { by: self.rank, reason, timed_out: true });
+                state.abort.get_or_insert(Abort {
+                    by: self.rank,
+                    reason,
+                    timed_out: true,
+                });
                 shared.changed.notify_all();
                 return Err(timeout);
             }
@@ -344,20 +388,32 @@ impl LocalCommunicator {
     }
 
     fn abort_group(&self, state: &mut State, op: Op, reason: String) -> TransportError {
-        let abort =
-            state.abort.get_or_insert(Abort { by: self.rank, reason, timed_out: false }).clone();
+        let abort = state
+            .abort
+            .get_or_insert(Abort {
+                by: self.rank,
+                reason,
+                timed_out: false,
+            })
+            .clone();
         self.shared.changed.notify_all();
         self.aborted(op, &abort)
     }
 
     fn mismatch(&self, op: Op, detail: String) -> TransportError {
-        TransportError::Mismatch { op, rank: self.rank, detail }
+        TransportError::Mismatch {
+            op,
+            rank: self.rank,
+            detail,
+        }
     }
 }
 
 /// Unwraps a post that `exchange` guarantees to be present.
 fn posted(posts: &[Option<Arc<Post>>], rank: usize) -> &Post {
-    posts[rank].as_deref().expect("exchange returns every needed post")
+    posts[rank]
+        .as_deref()
+        .expect("exchange returns every needed post")
 }
 
 impl Drop for LocalCommunicator {
@@ -390,7 +446,15 @@ impl Communicator for LocalCommunicator {
         let op = Op::Split;
         let meta = vec![color.map_or(NO_COLOR, |c| c as usize), key as i64 as usize];
         let seq = self.seq.load(Ordering::Relaxed);
-        let posts = self.exchange(op, None, Post { bytes: Vec::new(), meta }, Needs::Everybody)?;
+        let posts = self.exchange(
+            op,
+            None,
+            Post {
+                bytes: Vec::new(),
+                meta,
+            },
+            Needs::Everybody,
+        )?;
         let Some(color) = color else {
             return Ok(None);
         };
@@ -405,25 +469,39 @@ impl Communicator for LocalCommunicator {
             .expect("this rank posted its own color");
         let mut state = self.shared.lock();
         let entry = state.children.entry((seq, color)).or_insert_with(|| {
-            (Shared::new(members.len(), self.shared.config.clone()), members.len())
+            (
+                Shared::new(members.len(), self.shared.config.clone()),
+                members.len(),
+            )
         });
         let child = entry.0.clone();
         entry.1 -= 1;
         if entry.1 == 0 {
             state.children.remove(&(seq, color));
         }
-        tracing::debug!(rank = self.rank, color, key, new_rank, new_size = members.len(), "split");
+        tracing::debug!(
+            rank = self.rank,
+            color,
+            key,
+            new_rank,
+            new_size = members.len(),
+            "split"
+        );
         Ok(Some(LocalCommunicator::new(child, new_rank)))
     }
 
     fn raw_barrier(&self) -> Result<()> {
-        self.exchange(Op::Barrier, None, Post::default(), Needs::Everybody).map(drop)
+        self.exchange(Op::Barrier, None, Post::default(), Needs::Everybody)
+            .map(drop)
     }
 
     fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<()> {
         let op = Op::AllGather;
         let block = args.block_len();
-        let post = Post { bytes: args.send().to_vec(), meta: vec![block] };
+        let post = Post {
+            bytes: args.send().to_vec(),
+            meta: vec![block],
+        };
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         for r in 0..self.size() {
             let len = posted(&posts, r).bytes.len();
@@ -434,7 +512,12 @@ impl Communicator for LocalCommunicator {
                 ));
             }
         }
-        for (r, chunk) in args.recv().chunks_exact_mut(block.max(1)).enumerate().take(self.size()) {
+        for (r, chunk) in args
+            .recv()
+            .chunks_exact_mut(block.max(1))
+            .enumerate()
+            .take(self.size())
+        {
             chunk.copy_from_slice(&posted(&posts, r).bytes);
         }
         Ok(())
@@ -442,14 +525,20 @@ impl Communicator for LocalCommunicator {
 
     fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<()> {
         let op = Op::AllGatherVarcount;
-        let post = Post { bytes: args.send().to_vec(), meta: args.counts().to_vec() };
+        let post = Post {
+            bytes: args.send().to_vec(),
+            meta: args.counts().to_vec(),
+        };
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         let (_, recv, counts, displs) = args.parts();
         for r in 0..self.size() {
             if posted(&posts, r).meta != counts {
                 return Err(self.mismatch(
                     op,
-                    format!("rank {r} called with counts {:?}, this rank {counts:?}", posted(&posts, r).meta),
+                    format!(
+                        "rank {r} called with counts {:?}, this rank {counts:?}",
+                        posted(&posts, r).meta
+                    ),
                 ));
             }
         }
@@ -463,8 +552,15 @@ impl Communicator for LocalCommunicator {
         let op = Op::GatherVarcount;
         let root = args.root();
         let is_root = self.rank == root;
-        let post = Post { bytes: args.send().to_vec(), meta: Vec::new() };
-        let needs = if is_root { Needs::Everybody } else { Needs::Nobody };
+        let post = Post {
+            bytes: args.send().to_vec(),
+            meta: Vec::new(),
+        };
+        let needs = if is_root {
+            Needs::Everybody
+        } else {
+            Needs::Nobody
+        };
         let posts = self.exchange(op, Some(root), post, needs)?;
         if let (_, Some(layout)) = args.parts() {
             for r in 0..self.size() {
@@ -472,7 +568,10 @@ impl Communicator for LocalCommunicator {
                 if got != layout.counts[r] {
                     return Err(self.mismatch(
                         op,
-                        format!("rank {r} sent {got} bytes, the root expected {}", layout.counts[r]),
+                        format!(
+                            "rank {r} sent {got} bytes, the root expected {}",
+                            layout.counts[r]
+                        ),
                     ));
                 }
             }
@@ -488,18 +587,28 @@ impl Communicator for LocalCommunicator {
         let op = Op::Broadcast;
         let root = args.root();
         if self.rank == root {
-            let post = Post { bytes: args.buf().to_vec(), meta: Vec::new() };
+            let post = Post {
+                bytes: args.buf().to_vec(),
+                meta: Vec::new(),
+            };
             self.exchange(op, Some(root), post, Needs::Nobody)?;
             return Ok(());
         }
-        let post = Post { bytes: Vec::new(), meta: vec![args.buf().len()] };
+        let post = Post {
+            bytes: Vec::new(),
+            meta: vec![args.buf().len()],
+        };
         let posts = self.exchange(op, Some(root), post, Needs::Rank(root))?;
         let data = &posted(&posts, root).bytes;
         let buf = args.buf();
         if data.len() != buf.len() {
             return Err(self.mismatch(
                 op,
-                format!("root {root} broadcast {} bytes into a {}-byte buffer", data.len(), buf.len()),
+                format!(
+                    "root {root} broadcast {} bytes into a {}-byte buffer",
+                    data.len(),
+                    buf.len()
+                ),
             ));
         }
         buf.copy_from_slice(data);
@@ -511,7 +620,10 @@ impl Communicator for LocalCommunicator {
         let send = args.send();
         let mut meta = send.counts.to_vec();
         meta.extend_from_slice(send.displs);
-        let post = Post { bytes: send.buf.to_vec(), meta };
+        let post = Post {
+            bytes: send.buf.to_vec(),
+            meta,
+        };
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         let size = self.size();
         let me = self.rank;
@@ -521,7 +633,10 @@ impl Communicator for LocalCommunicator {
             if p.meta[me] != recv.counts[r] {
                 return Err(self.mismatch(
                     op,
-                    format!("rank {r} sends {} bytes to rank {me}, which expects {}", p.meta[me], recv.counts[r]),
+                    format!(
+                        "rank {r} sends {} bytes to rank {me}, which expects {}",
+                        p.meta[me], recv.counts[r]
+                    ),
                 ));
             }
         }

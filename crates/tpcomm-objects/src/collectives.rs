@@ -1,0 +1,743 @@
+//! The collectives. Every public function here is a thin typed layer over one of four byte
+//! protocols: rank-ordered gathering (`gather_bytes`), rooted broadcast, rooted scatter and
+//! all-to-all, each a header exchange followed (when needed) by the payload in rounds.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tpcomm_transport::{dense_displacements, Communicator, GatherRecv, Layout};
+use tracing::field::Empty;
+
+use crate::error::{ObjectError, Result};
+use crate::gathered::{decode_exact, Gathered};
+use crate::header::{agree, alloc, read_entry, within_cap, write_entry, Announce, WORD};
+use crate::options::Options;
+use crate::rounds::{dense_offsets, round, round_count};
+
+/// What this rank contributes: bytes, or why it has none.
+enum Mine<'a> {
+    Bytes(&'a [u8]),
+    Failed(postcard::Error),
+    Missing,
+}
+
+impl<'a> Mine<'a> {
+    fn announce(&self) -> Announce {
+        match self {
+            Mine::Bytes(b) => Announce::Len(b.len() as u64),
+            Mine::Failed(_) => Announce::Failed,
+            Mine::Missing => Announce::Missing,
+        }
+    }
+
+    fn payload(&self) -> Option<&'a [u8]> {
+        match self {
+            Mine::Bytes(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    fn into_cause(self) -> Option<postcard::Error> {
+        match self {
+            Mine::Failed(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+fn span<C: Communicator + ?Sized>(comm: &C, op: &'static str) -> tracing::Span {
+    tracing::debug_span!(
+        "object_collective",
+        op,
+        rank = comm.rank(),
+        size = comm.size(),
+        path = Empty,
+        bytes = Empty,
+        rounds = Empty
+    )
+}
+
+fn record(span: &tracing::Span, path: &'static str, bytes: usize, rounds: usize) {
+    span.record("path", path);
+    span.record("bytes", bytes);
+    span.record("rounds", rounds);
+}
+
+fn check_root<C: Communicator + ?Sized>(comm: &C, root: usize) -> Result<()> {
+    if root >= comm.size() {
+        return Err(ObjectError::InvalidArgument(format!(
+            "root {root} is out of range for a communicator of size {}",
+            comm.size()
+        )));
+    }
+    Ok(())
+}
+
+fn entry_len(opts: &Options) -> Result<usize> {
+    WORD.checked_add(opts.small_slot_bytes)
+        .ok_or_else(|| ObjectError::InvalidArgument("small_slot_bytes overflows".into()))
+}
+
+fn header_len(entries: usize, entry: usize) -> Result<usize> {
+    entries
+        .checked_mul(entry)
+        .ok_or_else(|| ObjectError::InvalidArgument("header size overflows usize".into()))
+}
+
+/// Fixed-size all-gather of `send` (equal length on every rank), in chunks of at most
+/// `max_count` bytes when it is larger (only ever the case with an artificially small
+/// `max_count`).
+fn all_gather_fixed<C: Communicator + ?Sized>(
+    comm: &C,
+    send: &[u8],
+    recv: &mut [u8],
+) -> Result<()> {
+    let max = comm.max_count().max(1);
+    if send.len() <= max {
+        return Ok(comm.all_gather(send, recv)?);
+    }
+    let entry = send.len();
+    let mut chunk_recv = vec![0u8; max * comm.size()];
+    for (c, chunk) in send.chunks(max).enumerate() {
+        let part = &mut chunk_recv[..chunk.len() * comm.size()];
+        comm.all_gather(chunk, part)?;
+        for (r, got) in part.chunks_exact(chunk.len()).enumerate() {
+            let at = r * entry + c * max;
+            recv[at..at + chunk.len()].copy_from_slice(got);
+        }
+    }
+    Ok(())
+}
+
+/// Broadcast of `buf` from `root` in calls of at most `limit` bytes (one call when it fits).
+fn broadcast_rounds<C: Communicator + ?Sized>(
+    comm: &C,
+    root: usize,
+    buf: &mut [u8],
+    limit: usize,
+) -> Result<usize> {
+    if buf.len() <= limit {
+        comm.broadcast(root, buf)?;
+        return Ok(1);
+    }
+    let mut rounds = 0;
+    for chunk in buf.chunks_mut(limit) {
+        comm.broadcast(root, chunk)?;
+        rounds += 1;
+    }
+    Ok(rounds)
+}
+
+/// Moves every rank's payload (`lens` agreed) to `root`, or to every rank when `root` is
+/// `None`, in the windowed round schedule, straight into `buf` (allocated by receivers only).
+fn payload_rounds<C: Communicator + ?Sized>(
+    comm: &C,
+    root: Option<usize>,
+    payload: &[u8],
+    lens: &[usize],
+    buf: &mut [u8],
+    limit: usize,
+) -> Result<usize> {
+    let me = comm.rank();
+    let total: usize = lens.iter().sum();
+    let offsets = dense_offsets(lens);
+    let rounds = round_count(total, limit);
+    for k in 0..rounds {
+        let rd = round(lens, &offsets, limit, k);
+        let chunk = &payload[rd.sources[me].clone()];
+        match root {
+            None => comm.all_gather_varcount(
+                chunk,
+                &mut buf[rd.window.clone()],
+                &rd.counts,
+                &rd.displs,
+            )?,
+            Some(root) => {
+                let recv = (me == root).then(|| GatherRecv {
+                    recv: &mut buf[rd.window.clone()],
+                    counts: &rd.counts,
+                    displs: &rd.displs,
+                });
+                comm.gather_varcount(root, chunk, recv)?
+            }
+        }
+    }
+    Ok(rounds)
+}
+
+/// The gathering protocol shared by all-gather (`root == None`) and gather: header with
+/// inline slots, agreement, then the payload path when any value exceeds its slot.
+fn gather_bytes<C: Communicator + ?Sized>(
+    comm: &C,
+    root: Option<usize>,
+    mine: Mine<'_>,
+    opts: &Options,
+    span: &tracing::Span,
+) -> Result<Option<Gathered>> {
+    let (me, size) = (comm.rank(), comm.size());
+    let slot = opts.small_slot_bytes;
+    let entry = entry_len(opts)?;
+    let mut own = vec![0u8; entry];
+    write_entry(&mut own, mine.announce(), mine.payload(), slot);
+    let mut header = alloc(header_len(size, entry)?)?;
+    all_gather_fixed(comm, &own, &mut header)?;
+
+    let announced: Vec<Announce> = (0..size).map(|r| read_entry(&header, r, slot)).collect();
+    let payload = mine.payload();
+    let lens = agree(&announced, |i| i, opts.max_total_bytes, mine.into_cause())?;
+    let total = within_cap(lens.iter().copied(), |i| i, opts.max_total_bytes)?;
+    let payload = payload.expect("a rank without bytes announced a sentinel and returned above");
+    if lens[me] != payload.len() {
+        return Err(ObjectError::Corrupt(format!(
+            "rank {me} announced {} bytes but the exchange reports {}",
+            payload.len(),
+            lens[me]
+        )));
+    }
+    let receives = root.is_none_or(|r| r == me);
+    if lens.iter().all(|&l| l <= slot) {
+        record(span, "small", total, 0);
+        if !receives {
+            return Ok(None);
+        }
+        let ranges = (0..size)
+            .map(|r| r * entry + WORD..r * entry + WORD + lens[r])
+            .collect();
+        return Ok(Some(Gathered::new(header, ranges)));
+    }
+    let limit = opts.round_limit(comm.max_count());
+    let mut buf = if receives { alloc(total)? } else { Vec::new() };
+    let rounds = payload_rounds(comm, root, payload, &lens, &mut buf, limit)?;
+    record(
+        span,
+        if rounds == 1 { "single" } else { "rounds" },
+        total,
+        rounds,
+    );
+    if !receives {
+        return Ok(None);
+    }
+    let offsets = dense_offsets(&lens);
+    let ranges = (0..size)
+        .map(|r| offsets[r]..offsets[r] + lens[r])
+        .collect();
+    Ok(Some(Gathered::new(buf, ranges)))
+}
+
+fn serialize<T: Serialize + ?Sized>(value: &T) -> std::result::Result<Vec<u8>, postcard::Error> {
+    postcard::to_allocvec(value)
+}
+
+fn mine_of(serialized: &std::result::Result<Vec<u8>, postcard::Error>) -> Mine<'_> {
+    match serialized {
+        Ok(bytes) => Mine::Bytes(bytes),
+        Err(e) => Mine::Failed(e.clone()),
+    }
+}
+
+/// All-gather of raw bytes: every rank receives every rank's bytes in one buffer with a view
+/// per rank. Small contributions travel in the length exchange (one transport call).
+///
+/// ```
+/// use tpcomm_objects::all_gather_bytes;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(3).run(|comm| {
+///     let mine = vec![comm.rank() as u8; comm.rank()]; // 0, 1 and 2 bytes
+///     let all = all_gather_bytes(&comm, &mine)?;
+///     Ok::<_, tpcomm_objects::ObjectError>(all.iter().map(<[u8]>::to_vec).collect::<Vec<_>>())
+/// });
+/// for r in results {
+///     assert_eq!(r.unwrap().unwrap(), vec![vec![], vec![1], vec![2, 2]]);
+/// }
+/// ```
+pub fn all_gather_bytes<C: Communicator + ?Sized>(comm: &C, bytes: &[u8]) -> Result<Gathered> {
+    all_gather_bytes_with(comm, bytes, &Options::default())
+}
+
+/// [`all_gather_bytes`] with options.
+pub fn all_gather_bytes_with<C: Communicator + ?Sized>(
+    comm: &C,
+    bytes: &[u8],
+    opts: &Options,
+) -> Result<Gathered> {
+    let span = span(comm, "all_gather_bytes");
+    let _g = span.enter();
+    Ok(gather_bytes(comm, None, Mine::Bytes(bytes), opts, &span)?.expect("every rank receives"))
+}
+
+/// All-gather of a value, returning the serialized values of every rank in a [`Gathered`]
+/// from which they can be decoded *borrowing* (`&str`, `&[u8]`).
+pub fn all_gather_borrowed<C, T>(comm: &C, value: &T) -> Result<Gathered>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + ?Sized,
+{
+    all_gather_borrowed_with(comm, value, &Options::default())
+}
+
+/// [`all_gather_borrowed`] with options.
+pub fn all_gather_borrowed_with<C, T>(comm: &C, value: &T, opts: &Options) -> Result<Gathered>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + ?Sized,
+{
+    let span = span(comm, "all_gather");
+    let _g = span.enter();
+    let serialized = serialize(value);
+    Ok(gather_bytes(comm, None, mine_of(&serialized), opts, &span)?.expect("every rank receives"))
+}
+
+/// All-gather: every rank gets every rank's value, in rank order.
+///
+/// Errors are agreed: when any rank fails to serialize, every rank returns
+/// [`ObjectError::PeerSerialization`] naming all failing ranks; when the announced total
+/// exceeds the cap, every rank returns [`ObjectError::TooLarge`]. No rank is left blocked.
+///
+/// ```
+/// use tpcomm_objects::all_gather;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(3).run(|comm| {
+///     let mine = (comm.rank() as u32, format!("worker-{}", comm.rank()));
+///     all_gather(&comm, &mine)
+/// });
+/// for r in results {
+///     let all = r.unwrap().unwrap();
+///     assert_eq!(all[2], (2, "worker-2".to_string()));
+/// }
+/// ```
+pub fn all_gather<C, T>(comm: &C, value: &T) -> Result<Vec<T>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    all_gather_with(comm, value, &Options::default())
+}
+
+/// [`all_gather`] with options.
+pub fn all_gather_with<C, T>(comm: &C, value: &T, opts: &Options) -> Result<Vec<T>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    all_gather_borrowed_with(comm, value, opts)?.decode()
+}
+
+/// Gather to `root`: `Some(values)` on the root (rank order), `None` elsewhere.
+///
+/// ```
+/// use tpcomm_objects::gather;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(3).run(|comm| gather(&comm, 1, &(comm.rank() * 10)));
+/// assert_eq!(results[1].as_ref().unwrap().as_ref().unwrap(), &Some(vec![0usize, 10, 20]));
+/// assert_eq!(results[0].as_ref().unwrap().as_ref().unwrap(), &None);
+/// ```
+pub fn gather<C, T>(comm: &C, root: usize, value: &T) -> Result<Option<Vec<T>>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    gather_with(comm, root, value, &Options::default())
+}
+
+/// [`gather`] with options.
+pub fn gather_with<C, T>(comm: &C, root: usize, value: &T, opts: &Options) -> Result<Option<Vec<T>>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    check_root(comm, root)?;
+    let span = span(comm, "gather");
+    let _g = span.enter();
+    let serialized = serialize(value);
+    match gather_bytes(comm, Some(root), mine_of(&serialized), opts, &span)? {
+        Some(g) => Ok(Some(g.decode()?)),
+        None => Ok(None),
+    }
+}
+
+/// Broadcast from `root`: the root passes `Some(value)`, the others `None` (ignored when
+/// given); every rank returns the root's value.
+///
+/// A root that passes `None` or fails to serialize makes every rank return the same error
+/// ([`ObjectError::MissingInput`] or [`ObjectError::PeerSerialization`]).
+///
+/// ```
+/// use tpcomm_objects::broadcast;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(4).run(|comm| {
+///     let config = (comm.rank() == 0).then(|| vec!["tp=4".to_string(), "pp=1".to_string()]);
+///     broadcast(&comm, 0, config.as_ref())
+/// });
+/// for r in results {
+///     assert_eq!(r.unwrap().unwrap(), vec!["tp=4", "pp=1"]);
+/// }
+/// ```
+pub fn broadcast<C, T>(comm: &C, root: usize, value: Option<&T>) -> Result<T>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    broadcast_with(comm, root, value, &Options::default())
+}
+
+/// [`broadcast`] with options.
+pub fn broadcast_with<C, T>(comm: &C, root: usize, value: Option<&T>, opts: &Options) -> Result<T>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    check_root(comm, root)?;
+    let span = span(comm, "broadcast");
+    let _g = span.enter();
+    let is_root = comm.rank() == root;
+    let slot = opts.small_slot_bytes;
+    let mut serialized = match (is_root, value) {
+        (true, Some(v)) => Some(serialize(v)),
+        _ => None,
+    };
+    let mut header = alloc(entry_len(opts)?)?;
+    if is_root {
+        let mine = serialized.as_ref().map_or(Mine::Missing, mine_of);
+        write_entry(&mut header, mine.announce(), mine.payload(), slot);
+    }
+    broadcast_rounds(comm, root, &mut header, comm.max_count().max(1))?;
+    let own_cause = match &serialized {
+        Some(Err(e)) => Some(e.clone()),
+        _ => None,
+    };
+    let lens = agree(
+        &[read_entry(&header, 0, slot)],
+        |_| root,
+        opts.max_total_bytes,
+        own_cause,
+    )?;
+    let len = within_cap(lens, |_| root, opts.max_total_bytes)?;
+    if len <= slot {
+        record(&span, "small", len, 0);
+        return decode_exact(root, &header[WORD..WORD + len]);
+    }
+    let mut buf = match serialized.take() {
+        Some(Ok(bytes)) if bytes.len() == len => bytes,
+        Some(_) => {
+            return Err(ObjectError::Corrupt(format!(
+                "root {root}: the broadcast header lost its own length"
+            )))
+        }
+        None => alloc(len)?,
+    };
+    let rounds = broadcast_rounds(comm, root, &mut buf, opts.round_limit(comm.max_count()))?;
+    record(
+        &span,
+        if rounds == 1 { "single" } else { "rounds" },
+        len,
+        rounds,
+    );
+    decode_exact(root, &buf)
+}
+
+/// Serializes `values` back to back into one buffer; returns it and each value's length.
+fn serialize_all<T: Serialize>(
+    values: &[T],
+) -> std::result::Result<(Vec<u8>, Vec<usize>), postcard::Error> {
+    let mut buf = Vec::new();
+    let mut lens = Vec::with_capacity(values.len());
+    for v in values {
+        let before = buf.len();
+        buf = postcard::to_extend(v, buf)?;
+        lens.push(buf.len() - before);
+    }
+    Ok((buf, lens))
+}
+
+/// Scatter from `root`: the root passes `Some(values)` with one value per rank; rank `i`
+/// returns `values[i]`.
+///
+/// ```
+/// use tpcomm_objects::scatter;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(3).run(|comm| {
+///     let shards: Vec<Vec<u32>> = (0..3).map(|i| vec![i; i as usize + 1]).collect();
+///     scatter(&comm, 0, (comm.rank() == 0).then_some(shards.as_slice()))
+/// });
+/// assert_eq!(results[2].as_ref().unwrap().as_ref().unwrap(), &vec![2u32, 2, 2]);
+/// ```
+pub fn scatter<C, T>(comm: &C, root: usize, values: Option<&[T]>) -> Result<T>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    scatter_with(comm, root, values, &Options::default())
+}
+
+/// [`scatter`] with options.
+pub fn scatter_with<C, T>(comm: &C, root: usize, values: Option<&[T]>, opts: &Options) -> Result<T>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    check_root(comm, root)?;
+    let span = span(comm, "scatter");
+    let _g = span.enter();
+    let (me, size) = (comm.rank(), comm.size());
+    let slot = opts.small_slot_bytes;
+    let entry = entry_len(opts)?;
+    let mut header = alloc(header_len(size, entry)?)?;
+    let mut own_cause = None;
+    let mut root_bytes = Vec::new();
+    if me == root {
+        let serialized = match values {
+            Some(v) if v.len() == size => Some(serialize_all(v)),
+            _ => None,
+        };
+        match serialized {
+            None => (0..size)
+                .for_each(|d| write_entry(&mut header[d * entry..], Announce::Missing, None, slot)),
+            Some(Err(e)) => {
+                (0..size).for_each(|d| {
+                    write_entry(&mut header[d * entry..], Announce::Failed, None, slot)
+                });
+                own_cause = Some(e);
+            }
+            Some(Ok((bytes, lens))) => {
+                let offsets = dense_offsets(&lens);
+                for d in 0..size {
+                    let own = &bytes[offsets[d]..offsets[d] + lens[d]];
+                    write_entry(
+                        &mut header[d * entry..],
+                        Announce::Len(lens[d] as u64),
+                        Some(own),
+                        slot,
+                    );
+                }
+                root_bytes = bytes;
+            }
+        }
+    }
+    broadcast_rounds(comm, root, &mut header, comm.max_count().max(1))?;
+    let announced: Vec<Announce> = (0..size).map(|d| read_entry(&header, d, slot)).collect();
+    let lens = agree(&announced, |_| root, opts.max_total_bytes, own_cause)?;
+    // Each rank allocates only its own value: the cap applies per destination.
+    for (d, &l) in lens.iter().enumerate() {
+        within_cap([l], |_| d, opts.max_total_bytes)?;
+    }
+    if me == root && root_bytes.len() != lens.iter().sum::<usize>() {
+        return Err(ObjectError::Corrupt(format!(
+            "root {root}: the scatter header lost its own lengths"
+        )));
+    }
+    if lens.iter().all(|&l| l <= slot) {
+        record(&span, "small", lens[me], 0);
+        return decode_exact(
+            root,
+            &header[me * entry + WORD..me * entry + WORD + lens[me]],
+        );
+    }
+    let mut mine = alloc(lens[me])?;
+    let limit = opts.round_limit(comm.max_count());
+    let total: usize = lens.iter().sum();
+    let offsets = dense_offsets(&lens);
+    let rounds = round_count(total, limit);
+    let zeros = vec![0usize; size];
+    for k in 0..rounds {
+        let rd = round(&lens, &offsets, limit, k);
+        let (send_buf, send_counts, send_displs) = if me == root {
+            (
+                &root_bytes[rd.window.clone()],
+                &rd.counts[..],
+                &rd.displs[..],
+            )
+        } else {
+            (&[][..], &zeros[..], &zeros[..])
+        };
+        let mut recv_counts = zeros.clone();
+        recv_counts[root] = rd.counts[me];
+        comm.all_to_all_varcount(
+            Layout {
+                buf: send_buf,
+                counts: send_counts,
+                displs: send_displs,
+            },
+            Layout {
+                buf: &mut mine[rd.sources[me].clone()],
+                counts: &recv_counts,
+                displs: &zeros,
+            },
+        )?;
+    }
+    record(
+        &span,
+        if rounds == 1 { "single" } else { "rounds" },
+        lens[me],
+        rounds,
+    );
+    decode_exact(root, &mine)
+}
+
+/// All-to-all: `values[j]` goes to rank `j`; returns the value every rank sent to this one,
+/// in rank order. `values` must hold one value per rank (otherwise every rank returns
+/// [`ObjectError::MissingInput`] naming this rank).
+///
+/// ```
+/// use tpcomm_objects::all_to_all;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(3).run(|comm| {
+///     let outgoing: Vec<String> = (0..3).map(|to| format!("{}->{to}", comm.rank())).collect();
+///     all_to_all(&comm, &outgoing)
+/// });
+/// assert_eq!(results[1].as_ref().unwrap().as_ref().unwrap(), &vec!["0->1", "1->1", "2->1"]);
+/// ```
+pub fn all_to_all<C, T>(comm: &C, values: &[T]) -> Result<Vec<T>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    all_to_all_with(comm, values, &Options::default())
+}
+
+/// [`all_to_all`] with options.
+pub fn all_to_all_with<C, T>(comm: &C, values: &[T], opts: &Options) -> Result<Vec<T>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    let span = span(comm, "all_to_all");
+    let _g = span.enter();
+    let (me, size) = (comm.rank(), comm.size());
+    let (announce, own_cause, send, send_lens): (Vec<Announce>, _, Vec<u8>, Vec<usize>) =
+        match (values.len() == size).then(|| serialize_all(values)) {
+            None => (
+                vec![Announce::Missing; size],
+                None,
+                Vec::new(),
+                vec![0; size],
+            ),
+            Some(Err(e)) => (
+                vec![Announce::Failed; size],
+                Some(e),
+                Vec::new(),
+                vec![0; size],
+            ),
+            Some(Ok((bytes, lens))) => (
+                lens.iter().map(|&l| Announce::Len(l as u64)).collect(),
+                None,
+                bytes,
+                lens,
+            ),
+        };
+    let own: Vec<u8> = announce.iter().flat_map(|a| a.word()).collect();
+    let mut header = alloc(header_len(size * size, WORD)?)?;
+    all_gather_fixed(comm, &own, &mut header)?;
+    let announced: Vec<Announce> = (0..size * size)
+        .map(|i| read_entry(&header, i, 0))
+        .collect();
+    // lens[s * size + d]: bytes rank s sends to rank d.
+    let lens = agree(&announced, |i| i / size, opts.max_total_bytes, own_cause)?;
+    let mut recv_total = 0;
+    for d in 0..size {
+        // Every rank checks every receiver's total, so all ranks agree on a violation.
+        let t = within_cap(
+            (0..size).map(|s| lens[s * size + d]),
+            |s| s,
+            opts.max_total_bytes,
+        )?;
+        if d == me {
+            recv_total = t;
+        }
+    }
+    if lens[me * size..(me + 1) * size] != send_lens[..] {
+        return Err(ObjectError::Corrupt(format!(
+            "rank {me}: the all-to-all header lost its own lengths"
+        )));
+    }
+    let recv_lens: Vec<usize> = (0..size).map(|s| lens[s * size + me]).collect();
+    let limit = opts.round_limit(comm.max_count());
+    let fits = (0..size).all(|r| {
+        let sent: usize = lens[r * size..(r + 1) * size].iter().sum();
+        let received: usize = (0..size).map(|s| lens[s * size + r]).sum();
+        sent <= limit && received <= limit
+    });
+    let mut buf = alloc(recv_total)?;
+    let recv_offsets = dense_offsets(&recv_lens);
+    if fits {
+        let (send_displs, _) =
+            dense_displacements(&send_lens).expect("checked by within_cap on the sender");
+        comm.all_to_all_varcount(
+            Layout {
+                buf: &send,
+                counts: &send_lens,
+                displs: &send_displs,
+            },
+            Layout {
+                buf: &mut buf,
+                counts: &recv_lens,
+                displs: &recv_offsets,
+            },
+        )?;
+        record(&span, "single", recv_total, 1);
+    } else {
+        // Over the limit: one windowed gather per destination, in rank order.
+        let send_offsets = dense_offsets(&send_lens);
+        let mut rounds = 0;
+        for d in 0..size {
+            let column: Vec<usize> = (0..size).map(|s| lens[s * size + d]).collect();
+            let payload = &send[send_offsets[d]..send_offsets[d] + send_lens[d]];
+            let target: &mut [u8] = if d == me { &mut buf } else { &mut [] };
+            rounds += payload_rounds(comm, Some(d), payload, &column, target, limit)?;
+        }
+        record(&span, "rounds", recv_total, rounds);
+    }
+    (0..size)
+        .map(|s| decode_exact(s, &buf[recv_offsets[s]..recv_offsets[s] + recv_lens[s]]))
+        .collect()
+}
+
+/// All-reduce with a closure: every rank gets `f(...f(f(v0, v1), v2)..., vN)`, folded in
+/// rank order, so every rank computes the same result.
+///
+/// ```
+/// use tpcomm_objects::all_reduce_with;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(4).run(|comm| {
+///     all_reduce_with(&comm, &vec![comm.rank() as u64], |mut a, b| {
+///         a.extend(b);
+///         a
+///     })
+/// });
+/// for r in results {
+///     assert_eq!(r.unwrap().unwrap(), vec![0, 1, 2, 3]);
+/// }
+/// ```
+pub fn all_reduce_with<C, T, F>(comm: &C, value: &T, f: F) -> Result<T>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+    F: FnMut(T, T) -> T,
+{
+    all_reduce_with_options(comm, value, &Options::default(), f)
+}
+
+/// [`all_reduce_with`] with options.
+pub fn all_reduce_with_options<C, T, F>(comm: &C, value: &T, opts: &Options, f: F) -> Result<T>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+    F: FnMut(T, T) -> T,
+{
+    let values: Vec<T> = all_gather_with(comm, value, opts)?;
+    Ok(values
+        .into_iter()
+        .reduce(f)
+        .expect("a communicator has at least one rank"))
+}
+
+/// Decodes a borrowed value from `bytes` sent by `rank`: the building block for callers that
+/// move bytes themselves. Rejects trailing bytes; never panics.
+pub fn decode_from<'a, T: Deserialize<'a>>(rank: usize, bytes: &'a [u8]) -> Result<T> {
+    decode_exact(rank, bytes)
+}

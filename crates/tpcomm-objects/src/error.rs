@@ -1,0 +1,84 @@
+//! The error type of object collectives.
+
+use tpcomm_transport::TransportError;
+
+/// Why a peer's bytes could not be turned into a value.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// postcard rejected the bytes.
+    #[error("postcard: {0}")]
+    Postcard(#[from] postcard::Error),
+    /// The value decoded but bytes were left over: the bytes are not one value of this type.
+    #[error("{0} bytes left over after the value")]
+    TrailingBytes(usize),
+}
+
+/// Every failure of an object collective.
+///
+/// Errors decided from exchanged data (`PeerSerialization`, `MissingRootValue`,
+/// `TooLarge`) are returned by *every* rank, because every rank decides them from the same
+/// exchanged lengths. `Decode` is local to the rank that decoded the bytes.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ObjectError {
+    /// The transport failed (including timeouts naming the ranks that never arrived).
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// One or more ranks failed to serialize their value. Every rank returns this error;
+    /// on a failing rank, `source` is its own serialization error.
+    #[error("ranks {ranks:?} failed to serialize their values")]
+    PeerSerialization {
+        /// Every rank that failed, ascending.
+        ranks: Vec<usize>,
+        /// This rank's own cause, when it is one of `ranks`.
+        #[source]
+        source: Option<postcard::Error>,
+    },
+    /// A rank did not provide what the collective needs (a root without a value for
+    /// `broadcast`, not one value per rank for `scatter` or `all_to_all`). It announced so
+    /// in the length exchange, and every rank returns this error.
+    #[error("rank {rank} provided no valid input for this collective")]
+    MissingInput {
+        /// The rank (the root, for rooted collectives).
+        rank: usize,
+    },
+    /// The announced lengths exceed the `max_total_bytes` cap (or overflow): nothing was
+    /// allocated. Every rank returns this error.
+    #[error(
+        "announced bytes ({announced}) exceed the cap of {cap} bytes (first offending rank {rank})"
+    )]
+    TooLarge {
+        /// The total announced, or `"overflow"`.
+        announced: String,
+        /// The cap in force.
+        cap: usize,
+        /// The rank whose length pushed the total over the cap.
+        rank: usize,
+    },
+    /// The bytes from `rank` are not a valid value of the requested type.
+    #[error("cannot decode the value from rank {rank}: {source}")]
+    Decode {
+        /// The rank the bytes came from.
+        rank: usize,
+        /// Why.
+        #[source]
+        source: DecodeError,
+    },
+    /// The exchanged header disagrees with what this rank sent: bytes were corrupted in
+    /// flight.
+    #[error("corrupt exchange: {0}")]
+    Corrupt(String),
+    /// The receive buffer could not be allocated.
+    #[error("cannot allocate {bytes} bytes for the receive buffer")]
+    Allocation {
+        /// The size requested.
+        bytes: usize,
+    },
+    /// A caller argument was invalid on this rank (root out of range, bad options).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+/// Result of object collectives.
+pub type Result<T, E = ObjectError> = std::result::Result<T, E>;

@@ -1,0 +1,95 @@
+//! [`Gathered`]: one receive buffer with a view per rank, from which values borrow.
+
+use std::ops::Range;
+
+use serde::Deserialize;
+
+use crate::error::{DecodeError, ObjectError, Result};
+
+/// The bytes of every rank in one buffer, with a view per rank.
+///
+/// Values decoded with [`decode`](Self::decode) may borrow from it (`&str`, `&[u8]` with
+/// `serde_bytes`), so nothing is copied after the transfer.
+///
+/// ```
+/// use tpcomm_objects::all_gather_borrowed;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(2).run(|comm| {
+///     let name = format!("rank-{}", comm.rank());
+///     let gathered = all_gather_borrowed(&comm, &name.as_str())?;
+///     let names: Vec<&str> = gathered.decode()?; // borrows from `gathered`
+///     Ok::<_, tpcomm_objects::ObjectError>(names.join(","))
+/// });
+/// for r in results {
+///     assert_eq!(r.unwrap().unwrap(), "rank-0,rank-1");
+/// }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Gathered {
+    buf: Vec<u8>,
+    ranges: Vec<Range<usize>>,
+}
+
+impl Gathered {
+    pub(crate) fn new(buf: Vec<u8>, ranges: Vec<Range<usize>>) -> Self {
+        debug_assert!(ranges.iter().all(|r| r.end <= buf.len()));
+        Self { buf, ranges }
+    }
+
+    /// Number of ranks (views).
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
+    /// True when there is no view (never the case for a collective's result).
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    /// The bytes of `rank`, or `None` when out of range.
+    pub fn bytes(&self, rank: usize) -> Option<&[u8]> {
+        self.ranges.get(rank).map(|r| &self.buf[r.clone()])
+    }
+
+    /// The bytes of every rank, in rank order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = &[u8]> + '_ {
+        self.ranges.iter().map(|r| &self.buf[r.clone()])
+    }
+
+    /// The whole receive buffer (views may not cover all of it).
+    pub fn buffer(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// Decodes the value of every rank; values may borrow from `self`.
+    ///
+    /// Fails with [`ObjectError::Decode`] naming the first rank whose bytes are not exactly
+    /// one `T` (trailing bytes included). Never panics, whatever the bytes.
+    pub fn decode<'a, T: Deserialize<'a>>(&'a self) -> Result<Vec<T>> {
+        (0..self.len()).map(|rank| self.decode_rank(rank)).collect()
+    }
+
+    /// Decodes the value of one rank.
+    pub fn decode_rank<'a, T: Deserialize<'a>>(&'a self, rank: usize) -> Result<T> {
+        let bytes = self.bytes(rank).ok_or_else(|| {
+            ObjectError::InvalidArgument(format!("no rank {rank} in {} views", self.len()))
+        })?;
+        decode_exact(rank, bytes)
+    }
+}
+
+/// Decodes exactly one `T` from `bytes` (from `rank`), rejecting trailing bytes.
+pub(crate) fn decode_exact<'a, T: Deserialize<'a>>(rank: usize, bytes: &'a [u8]) -> Result<T> {
+    match postcard::take_from_bytes::<T>(bytes) {
+        Ok((value, [])) => Ok(value),
+        Ok((_, rest)) => Err(ObjectError::Decode {
+            rank,
+            source: DecodeError::TrailingBytes(rest.len()),
+        }),
+        Err(e) => Err(ObjectError::Decode {
+            rank,
+            source: DecodeError::Postcard(e),
+        }),
+    }
+}

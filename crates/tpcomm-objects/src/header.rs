@@ -1,0 +1,197 @@
+//! The length exchange: a fixed-width 64-bit length per rank, plus an optional inline slot.
+//!
+//! Each rank contributes `8 + slot` bytes: its length as a little-endian `u64` (or a
+//! sentinel), followed by its value's bytes when they fit the slot. The header is moved
+//! by one fixed-size transport call (in chunks only when it exceeds `max_count`, which no
+//! real MPI does). Lengths are never serialized.
+
+use crate::error::{ObjectError, Result};
+
+/// Width of a length word.
+pub(crate) const WORD: usize = 8;
+/// The rank failed to serialize its value.
+const FAILED: u64 = u64::MAX;
+/// The rank had no valid value to send (a root without input).
+const MISSING: u64 = u64::MAX - 1;
+
+/// What a rank announces in its length word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Announce {
+    /// A serialized value of this many bytes.
+    Len(u64),
+    /// Serialization failed.
+    Failed,
+    /// No valid input.
+    Missing,
+}
+
+impl Announce {
+    pub(crate) fn word(self) -> [u8; WORD] {
+        match self {
+            Announce::Len(n) => n.min(MISSING - 1).to_le_bytes(),
+            Announce::Failed => FAILED.to_le_bytes(),
+            Announce::Missing => MISSING.to_le_bytes(),
+        }
+    }
+
+    pub(crate) fn parse(word: [u8; WORD]) -> Self {
+        match u64::from_le_bytes(word) {
+            FAILED => Announce::Failed,
+            MISSING => Announce::Missing,
+            n => Announce::Len(n),
+        }
+    }
+}
+
+/// Writes one header entry (`word` + inline bytes when they fit `slot`) into `out`, which is
+/// `WORD + slot` bytes long.
+pub(crate) fn write_entry(out: &mut [u8], announce: Announce, payload: Option<&[u8]>, slot: usize) {
+    out[..WORD].copy_from_slice(&announce.word());
+    if let Some(p) = payload {
+        if p.len() <= slot {
+            out[WORD..WORD + p.len()].copy_from_slice(p);
+        }
+    }
+}
+
+/// Reads the announcement of entry `i` of a header buffer made of `WORD + slot`-byte entries.
+pub(crate) fn read_entry(buf: &[u8], i: usize, slot: usize) -> Announce {
+    let at = i * (WORD + slot);
+    let mut w = [0u8; WORD];
+    w.copy_from_slice(&buf[at..at + WORD]);
+    Announce::parse(w)
+}
+
+/// Turns the announcements into lengths, or the error every rank returns: the ranks that
+/// failed to serialize, else the first rank without input, else a length that does not fit
+/// `usize`.
+///
+/// `announced[i]` came from rank `owners(i)` (the identity for one entry per rank; the root
+/// for every entry of a rooted header). `own_cause` is this rank's serialization error,
+/// when it failed.
+pub(crate) fn agree(
+    announced: &[Announce],
+    owners: impl Fn(usize) -> usize,
+    cap: usize,
+    own_cause: Option<postcard::Error>,
+) -> Result<Vec<usize>> {
+    let mut failed: Vec<usize> = (0..announced.len())
+        .filter(|&i| announced[i] == Announce::Failed)
+        .map(&owners)
+        .collect();
+    failed.dedup();
+    if !failed.is_empty() {
+        return Err(ObjectError::PeerSerialization {
+            ranks: failed,
+            source: own_cause,
+        });
+    }
+    if let Some(i) = announced.iter().position(|a| *a == Announce::Missing) {
+        return Err(ObjectError::MissingInput { rank: owners(i) });
+    }
+    announced
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let Announce::Len(n) = *a else {
+                unreachable!("sentinels handled above")
+            };
+            usize::try_from(n).map_err(|_| ObjectError::TooLarge {
+                announced: n.to_string(),
+                cap,
+                rank: owners(i),
+            })
+        })
+        .collect()
+}
+
+/// Checks that the bytes one rank would receive, `lens` (entry `i` from rank `owners(i)`),
+/// sum to at most `cap` without overflowing; returns the sum.
+pub(crate) fn within_cap(
+    lens: impl IntoIterator<Item = usize>,
+    owners: impl Fn(usize) -> usize,
+    cap: usize,
+) -> Result<usize> {
+    let mut total = 0usize;
+    for (i, n) in lens.into_iter().enumerate() {
+        let too_large = |announced: String| ObjectError::TooLarge {
+            announced,
+            cap,
+            rank: owners(i),
+        };
+        total = total
+            .checked_add(n)
+            .ok_or_else(|| too_large("more than usize::MAX".into()))?;
+        if total > cap {
+            return Err(too_large(format!("at least {total}")));
+        }
+    }
+    Ok(total)
+}
+
+/// Allocates a zeroed buffer of `bytes` without aborting on failure.
+pub(crate) fn alloc(bytes: usize) -> Result<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(bytes)
+        .map_err(|_| ObjectError::Allocation { bytes })?;
+    v.resize(bytes, 0);
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_round_trip_including_sentinels_and_zero() {
+        for a in [
+            Announce::Len(0),
+            Announce::Len(1),
+            Announce::Len(1 << 40),
+            Announce::Failed,
+            Announce::Missing,
+        ] {
+            assert_eq!(Announce::parse(a.word()), a);
+        }
+    }
+
+    #[test]
+    fn zero_is_a_valid_length() {
+        let lens = agree(&[Announce::Len(0), Announce::Len(0)], |i| i, 10, None).unwrap();
+        assert_eq!(lens, vec![0, 0]);
+        assert_eq!(within_cap(lens, |i| i, 0).unwrap(), 0);
+    }
+
+    #[test]
+    fn every_failing_rank_is_named() {
+        let announced = [Announce::Failed, Announce::Len(3), Announce::Failed];
+        let e = agree(&announced, |i| i, 10, None).unwrap_err();
+        assert!(matches!(e, ObjectError::PeerSerialization { ranks, .. } if ranks == vec![0, 2]));
+    }
+
+    #[test]
+    fn failures_outrank_missing_input() {
+        let announced = [Announce::Missing, Announce::Failed];
+        let e = agree(&announced, |i| i, 10, None).unwrap_err();
+        assert!(matches!(e, ObjectError::PeerSerialization { ranks, .. } if ranks == vec![1]));
+    }
+
+    #[test]
+    fn a_sum_over_the_cap_names_the_rank_that_crossed_it() {
+        let e = within_cap([6, 5], |i| i, 10).unwrap_err();
+        assert!(matches!(
+            e,
+            ObjectError::TooLarge {
+                rank: 1,
+                cap: 10,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn an_overflowing_sum_is_rejected() {
+        let e = within_cap([usize::MAX - 2, usize::MAX - 2], |i| i, usize::MAX).unwrap_err();
+        assert!(matches!(e, ObjectError::TooLarge { rank: 1, .. }), "{e}");
+    }
+}

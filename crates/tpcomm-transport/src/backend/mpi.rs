@@ -1,0 +1,677 @@
+//! The MPI backend (feature `mpi`): a [`Communicator`] over an MPI communicator.
+//!
+//! [`MpiCommunicator`] owns a *duplicate* of an MPI communicator (`MPI_COMM_WORLD` or any
+//! communicator made with rsmpi, such as a split), so its traffic can never match messages
+//! of the application's own calls on the original, and it frees that duplicate on drop.
+//!
+//! rsmpi (the `mpi` crate) is used for two things only: initialization (its `Universe`)
+//! and its generated `ffi` bindings. Every operation calls the C functions directly,
+//! because rsmpi's safe layer has traps that this crate's invariants forbid:
+//!
+//! - **Return codes are ignored.** rsmpi discards what MPI functions return and leaves
+//!   communicators on the default `MPI_ERRORS_ARE_FATAL` handler, so a failure aborts the
+//!   whole job. Here the duplicate is switched to `MPI_ERRORS_RETURN`, every return code is
+//!   checked, and a failure becomes [`TransportError::Mpi`] with the call's name, the raw
+//!   code, its class (`MPI_Error_class`) and its text (`MPI_Error_string`). If
+//!   `MPI_Error_class` itself fails, the class is reported as `-1`.
+//! - **Counts panic.** rsmpi converts slice lengths to MPI's 32-bit counts with
+//!   `expect`, panicking on buffers over 2 GiB. Here [`Communicator::max_count`] is
+//!   `i32::MAX` (the shared argument checks reject anything larger with a typed error),
+//!   and every count, displacement and root is still converted with `try_from`, a failure
+//!   being an [`InvalidArgument`](TransportError::InvalidArgument) error, never a panic or a
+//!   truncating `as`.
+//! - **Empty slices alias `MPI_IN_PLACE`.** An empty Rust slice of bytes points at the
+//!   dangling address `0x1`, which is exactly Open MPI's `MPI_IN_PLACE`, and rsmpi passes
+//!   `as_ptr()` through. An empty *receive* buffer then makes Open MPI fail with
+//!   `MPI_ERR_ARG` (fatal under rsmpi: `all_gather_into` of two empty slices aborts the
+//!   job); an empty *send* buffer silently turns the call into its in-place variant (an
+//!   all-to-all-v then sends from the receive buffer with the receive counts). Here a
+//!   zero-length buffer is replaced by the address of a local one-byte scratch array
+//!   (distinct for send and receive, so the two never alias); MPI reads or writes nothing
+//!   there.
+//! - **Dropping panics.** rsmpi's communicator `Drop` asserts on `MPI_Comm_free`'s result.
+//!   Here `Drop` checks the code and logs a failure with `tracing::warn`, and skips the free
+//!   (with a warning) when MPI was already finalized, where freeing would be erroneous.
+//!
+//! Bytes travel as `MPI_UINT8_T` (rsmpi exposes no `MPI_BYTE` handle; both are one byte
+//! and untranslated between homogeneous hosts). Ranks of a gather other than the root pass
+//! null receive arguments, which MPI ignores there. On a communicator of one rank,
+//! `all_gather_varcount` copies locally without calling MPI: MPICH 4.0 ignores the
+//! displacement in that case (fixed later by pmodels/mpich#6374).
+//!
+//! # What MPI still requires of the caller
+//!
+//! - **Matching arguments on every rank.** The shared checks only see this rank's
+//!   arguments. MPI requires the ranks' counts to match (the same broadcast length, the same
+//!   block length, `recv.counts[j]` here equal to `send.counts[me]` on rank `j`...) and does
+//!   not always detect a mismatch: Open MPI 4.1 reports a small one as `MPI_ERR_TRUNCATE`,
+//!   but a broadcast of 5000 bytes from the root into 10-byte buffers elsewhere corrupted
+//!   the receivers' heap in a test (MPICH 4.0 reported the same case as a truncation).
+//!   Upper layers that exchange lengths first (as tpcomm-objects does) meet this by
+//!   construction.
+//! - **An error is not an abort.** After a failed collective MPI leaves the communicator's
+//!   state undefined, and the other ranks are not told: with 4 ranks, a truncation error on
+//!   two ranks of a broadcast left a third blocked in it. Treat [`TransportError::Mpi`] as
+//!   fatal for the communicator (and usually the job).
+//! - **Threads.** MPI handles are plain values, but MPI only allows concurrent calls from
+//!   several threads when it provides `MPI_THREAD_MULTIPLE`. When it provides less
+//!   (`MPI_Init` usually gives `MPI_THREAD_SINGLE`), every MPI call made by this module
+//!   holds one process-wide lock, so calls through these communicators from several threads
+//!   are serialized, as `MPI_THREAD_SERIALIZED` requires (`SINGLE` and `FUNNELED` formally
+//!   also require a single calling thread; Open MPI 4.1 and MPICH 4.0 accepted serialized
+//!   calls from another thread in tests, but initialize with at least
+//!   `Threading::Serialized` to be conforming).
+//!   Blocking collectives on *different* communicators from several threads of one rank
+//!   can then deadlock (a thread blocked in one collective holds the lock while a peer
+//!   waits for this rank in the other), exactly as under `MPI_THREAD_SERIALIZED`; that
+//!   needs `MPI_THREAD_MULTIPLE`. Even then, two threads must not run collectives on the
+//!   *same* communicator at once: every rank must issue a communicator's collectives in
+//!   the same order. MPI calls made outside this module (through rsmpi directly) are not
+//!   covered by the lock.
+//! - **Lifetime.** Drop every `MpiCommunicator` before the rsmpi `Universe` (which
+//!   finalizes MPI); `MPI_Comm_free` is collective in the standard (local in Open MPI and
+//!   MPICH). Creating one ([`MpiCommunicator::world`], [`MpiCommunicator::duplicate`],
+//!   [`Communicator::split`]) is collective over the parent.
+//! - **Construction errors** of `MPI_Comm_dup` go to the *parent* communicator's error
+//!   handler (by default `MPI_ERRORS_ARE_FATAL`); this module does not change the caller's
+//!   communicator. Errors of `split` go to this module's duplicate and are returned.
+
+use std::ffi::{c_int, c_void};
+use std::fmt;
+use std::ptr;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use mpi::ffi;
+
+use crate::check::{AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs};
+use crate::communicator::Communicator;
+use crate::error::{ArgumentError, Op, Result, TransportError};
+
+/// The MPI standard fixes `MPI_SUCCESS` to 0; its binding's integer type differs between
+/// implementations, so compare against a `c_int` constant checked here at compile time.
+const MPI_SUCCESS: c_int = 0;
+const _: () = assert!(ffi::MPI_SUCCESS == 0);
+
+/// MPI-3 counts and displacements are `int`.
+const MAX_COUNT: usize = c_int::MAX as usize;
+
+/// Length of the buffer `MPI_Error_string` writes into.
+const ERROR_STRING_LEN: usize = ffi::MPI_MAX_ERROR_STRING as usize;
+
+/// Serializes this module's MPI calls when MPI does not provide `MPI_THREAD_MULTIPLE`.
+static MPI_CALLS: Mutex<()> = Mutex::new(());
+
+/// Takes the process-wide MPI lock. No code panics while holding it, so a poisoned lock is
+/// still usable.
+fn lock_mpi() -> MutexGuard<'static, ()> {
+    MPI_CALLS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// An MPI communicator (a duplicate this value owns) running tpcomm's collectives.
+///
+/// Create it with [`world`](Self::world) or [`duplicate`](Self::duplicate), make
+/// sub-groups with [`Communicator::split`]. Errors are returned, never fatal: the owned
+/// communicator uses `MPI_ERRORS_RETURN`. See the [module docs](self) for what this
+/// backend does differently from rsmpi's safe layer.
+///
+/// ```no_run
+/// use tpcomm_transport::{Communicator, MpiCommunicator};
+///
+/// let universe = mpi::initialize().expect("MPI initializes once");
+/// let comm = MpiCommunicator::world(&universe)?;
+/// let mut all = vec![0u8; comm.size()];
+/// comm.all_gather(&[comm.rank() as u8], &mut all)?;
+/// drop(comm); // before the universe, which finalizes MPI
+/// # Ok::<(), tpcomm_transport::TransportError>(())
+/// ```
+pub struct MpiCommunicator {
+    /// The owned duplicate, with `MPI_ERRORS_RETURN`; freed on drop.
+    comm: ffi::MPI_Comm,
+    rank: usize,
+    size: usize,
+    /// Whether MPI calls must hold [`MPI_CALLS`] (MPI provides less than
+    /// `MPI_THREAD_MULTIPLE`).
+    serialize: bool,
+}
+
+// SAFETY: an `MPI_Comm` is a plain handle value (a pointer in Open MPI, an integer in
+// MPICH) naming library state that belongs to the process, not to the thread that created
+// it; MPI lets any thread use it. Which threads may call MPI *concurrently* is the `Sync`
+// question, answered below.
+unsafe impl Send for MpiCommunicator {}
+
+// SAFETY: `&MpiCommunicator` only exposes methods that pass the handle to MPI. When MPI
+// provides `MPI_THREAD_MULTIPLE`, MPI allows concurrent calls from any thread. Otherwise
+// (`serialize == true`) every MPI call of this module holds the process-wide `MPI_CALLS`
+// lock, so this type never makes two MPI calls at once. What MPI leaves to the program at
+// every thread level (ordering a communicator's collectives alike on all ranks, matching
+// counts across ranks) is documented on the module, as for any MPI program.
+unsafe impl Sync for MpiCommunicator {}
+
+impl fmt::Debug for MpiCommunicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MpiCommunicator")
+            .field("comm", &self.comm)
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("serialize", &self.serialize)
+            .finish()
+    }
+}
+
+impl MpiCommunicator {
+    /// Duplicates `MPI_COMM_WORLD` of an initialized universe (`MPI_Comm_dup`) and sets
+    /// `MPI_ERRORS_RETURN` on the duplicate. Collective: every rank calls it.
+    pub fn world(universe: &mpi::environment::Universe) -> Result<Self> {
+        Self::duplicate(&universe.world())
+    }
+
+    /// Duplicates any rsmpi intra-communicator (for example a split made with rsmpi) and
+    /// sets `MPI_ERRORS_RETURN` on the duplicate. The original is left untouched.
+    /// Collective: every rank of `comm` calls it.
+    ///
+    /// Fails with [`TransportError::Setup`] when MPI is not initialized or already
+    /// finalized, or when `comm` is `MPI_COMM_NULL` or an inter-communicator.
+    pub fn duplicate<C: mpi::topology::Communicator>(comm: &C) -> Result<Self> {
+        let op = Op::Setup;
+        let _guard = lock_mpi();
+        ensure_live()?;
+        let parent = comm.as_raw();
+        if parent == comm_null() {
+            return Err(TransportError::Setup(
+                "the communicator is MPI_COMM_NULL".into(),
+            ));
+        }
+        let mut inter: c_int = 0;
+        // SAFETY: MPI is initialized and not finalized (checked above), `parent` is a live
+        // communicator owned by `comm`, and `inter` is a valid place for one int.
+        let code = unsafe { ffi::MPI_Comm_test_inter(parent, &mut inter) };
+        check(op, "MPI_Comm_test_inter", code)?;
+        if inter != 0 {
+            return Err(TransportError::Setup(
+                "inter-communicators are not supported; pass an intra-communicator".into(),
+            ));
+        }
+        let serialize = !thread_multiple(op)?;
+        let mut new = comm_null();
+        // SAFETY: as above; `new` is a valid place for the new handle. Every rank of
+        // `parent` makes this collective call (documented on the callers).
+        let code = unsafe { ffi::MPI_Comm_dup(parent, &mut new) };
+        check(op, "MPI_Comm_dup", code)?;
+        let this = Self::adopt(new, serialize, op)?;
+        tracing::debug!(
+            rank = this.rank,
+            size = this.size,
+            serialize,
+            "MPI communicator duplicated"
+        );
+        Ok(this)
+    }
+
+    /// The raw handle, for interop. It stays owned by `self`: do not free it, and do not
+    /// use it after `self` is dropped.
+    pub fn as_raw(&self) -> ffi::MPI_Comm {
+        self.comm
+    }
+
+    /// Takes ownership of a freshly created communicator: sets `MPI_ERRORS_RETURN` and
+    /// reads rank and size. On failure the handle is freed. The caller holds the MPI lock
+    /// if one is needed.
+    fn adopt(mut raw: ffi::MPI_Comm, serialize: bool, op: Op) -> Result<Self> {
+        match configure(raw, op) {
+            Ok((rank, size)) => Ok(Self {
+                comm: raw,
+                rank,
+                size,
+                serialize,
+            }),
+            Err(e) => {
+                if let Err(free_err) = free_comm(&mut raw) {
+                    tracing::warn!(error = %free_err, "freeing a half-built communicator failed");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The process-wide lock, when MPI needs calls serialized.
+    fn lock(&self) -> Option<MutexGuard<'static, ()>> {
+        self.serialize.then(lock_mpi)
+    }
+
+    /// Converts a count, displacement or root to MPI's `int`.
+    fn int(&self, op: Op, which: &'static str, index: usize, value: usize) -> Result<c_int> {
+        c_int::try_from(value).map_err(|_| TransportError::InvalidArgument {
+            op,
+            rank: self.rank,
+            source: ArgumentError::CountTooLarge {
+                which,
+                index,
+                value,
+                max: MAX_COUNT,
+            },
+        })
+    }
+
+    /// Converts a counts or displacements table to MPI's `int`s.
+    fn ints(&self, op: Op, which: &'static str, values: &[usize]) -> Result<Vec<c_int>> {
+        values
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| self.int(op, which, i, v))
+            .collect()
+    }
+}
+
+impl Drop for MpiCommunicator {
+    fn drop(&mut self) {
+        let _guard = lock_mpi();
+        match finalized() {
+            Ok(false) => {}
+            Ok(true) => {
+                tracing::warn!(
+                    rank = self.rank,
+                    "MPI was finalized before this MpiCommunicator was dropped; not freeing it"
+                );
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "MPI_Finalized failed; not freeing the communicator");
+                return;
+            }
+        }
+        if let Err(e) = free_comm(&mut self.comm) {
+            tracing::warn!(rank = self.rank, error = %e, "MPI_Comm_free failed");
+        }
+    }
+}
+
+impl Communicator for MpiCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn max_count(&self) -> usize {
+        MAX_COUNT
+    }
+
+    fn backend_name(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Self>> {
+        let op = Op::Split;
+        let mpi_color = match color {
+            // SAFETY: reading an immutable handle constant exported by rsmpi's C shim.
+            None => unsafe { ffi::RSMPI_UNDEFINED },
+            Some(c) => c_int::try_from(c).map_err(|_| TransportError::InvalidArgument {
+                op,
+                rank: self.rank,
+                source: ArgumentError::CountTooLarge {
+                    which: "color",
+                    index: self.rank,
+                    value: usize::try_from(c).unwrap_or(usize::MAX),
+                    max: MAX_COUNT,
+                },
+            })?,
+        };
+        let _guard = self.lock();
+        let mut new = comm_null();
+        // SAFETY: `self.comm` is a live communicator owned by `self` (freed only in Drop),
+        // MPI is initialized (a live communicator implies it), and `new` is a valid place
+        // for the new handle.
+        let code = unsafe { ffi::MPI_Comm_split(self.comm, mpi_color, key, &mut new) };
+        check(op, "MPI_Comm_split", code)?;
+        let Some(color) = color else {
+            if new != comm_null() {
+                // Not what MPI specifies for MPI_UNDEFINED; do not leak it.
+                if let Err(e) = free_comm(&mut new) {
+                    tracing::warn!(error = %e, "freeing an unexpected split result failed");
+                }
+            }
+            tracing::debug!(rank = self.rank, key, "split: no color, no sub-group");
+            return Ok(None);
+        };
+        if new == comm_null() {
+            return Err(TransportError::Setup(format!(
+                "MPI_Comm_split returned MPI_COMM_NULL for color {color}"
+            )));
+        }
+        let child = Self::adopt(new, self.serialize, op)?;
+        tracing::debug!(
+            rank = self.rank,
+            color,
+            key,
+            new_rank = child.rank,
+            new_size = child.size,
+            "split"
+        );
+        Ok(Some(child))
+    }
+
+    fn raw_barrier(&self) -> Result<()> {
+        let _guard = self.lock();
+        // SAFETY: `self.comm` is a live communicator owned by `self`.
+        let code = unsafe { ffi::MPI_Barrier(self.comm) };
+        check(Op::Barrier, "MPI_Barrier", code)
+    }
+
+    fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<()> {
+        let op = Op::AllGather;
+        let count = self.int(op, "send count", self.rank, args.block_len())?;
+        let mut scratch = Scratch::default();
+        let send = send_ptr(args.send(), &scratch.send);
+        let recv = recv_ptr(args.recv(), &mut scratch.recv);
+        let byte = byte_type();
+        let _guard = self.lock();
+        // SAFETY: `send` is valid for `count` bytes (this rank's slice, or scratch when
+        // empty); `recv` is valid for writes of `size * count` bytes (checked by
+        // `AllGatherArgs`), and is a distinct, non-overlapping allocation from `send`
+        // (a `&[u8]` and a `&mut [u8]` cannot overlap; the scratch bytes are distinct).
+        // Both outlive the blocking call. `self.comm` is live.
+        let code = unsafe { ffi::MPI_Allgather(send, count, byte, recv, count, byte, self.comm) };
+        check(op, "MPI_Allgather", code)
+    }
+
+    fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<()> {
+        let op = Op::AllGatherVarcount;
+        let (send, recv, counts, displs) = args.parts();
+        if self.size == 1 {
+            // MPICH 4.0 (fixed by pmodels/mpich#6374, 2023) copies a lone rank's bytes to
+            // the start of the receive buffer, ignoring its displacement: copy here.
+            return copy_own_region(op, self.rank, send, recv, displs[0]);
+        }
+        let send_count = self.int(op, "send count", self.rank, send.len())?;
+        let counts = self.ints(op, "counts", counts)?;
+        let displs = self.ints(op, "displacements", displs)?;
+        let mut scratch = Scratch::default();
+        let send = send_ptr(send, &scratch.send);
+        let recv = recv_ptr(recv, &mut scratch.recv);
+        let byte = byte_type();
+        let _guard = self.lock();
+        // SAFETY: `VarcountArgs` guarantees one count and displacement per rank, each region
+        // inside `recv` and non-overlapping, and `send.len() == counts[rank]`; `counts` and
+        // `displs` hold `size` ints and outlive the call. `send` and `recv` point to
+        // distinct memory (scratch bytes when empty) valid for the call. `self.comm` is
+        // live.
+        let code = unsafe {
+            ffi::MPI_Allgatherv(
+                send,
+                send_count,
+                byte,
+                recv,
+                counts.as_ptr(),
+                displs.as_ptr(),
+                byte,
+                self.comm,
+            )
+        };
+        check(op, "MPI_Allgatherv", code)
+    }
+
+    fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> Result<()> {
+        let op = Op::GatherVarcount;
+        let root = self.int(op, "root", self.rank, args.root())?;
+        let (send, layout) = args.parts();
+        let send_count = self.int(op, "send count", self.rank, send.len())?;
+        let mut scratch = Scratch::default();
+        let send = send_ptr(send, &scratch.send);
+        // Receive arguments are significant at the root only; elsewhere MPI ignores them
+        // and null is allowed.
+        let (recv, counts, displs) = match layout {
+            Some(layout) => (
+                recv_ptr(layout.recv, &mut scratch.recv),
+                self.ints(op, "counts", layout.counts)?,
+                self.ints(op, "displacements", layout.displs)?,
+            ),
+            None => (ptr::null_mut(), Vec::new(), Vec::new()),
+        };
+        let (counts_ptr, displs_ptr) = if counts.is_empty() {
+            (ptr::null(), ptr::null())
+        } else {
+            (counts.as_ptr(), displs.as_ptr())
+        };
+        let byte = byte_type();
+        let _guard = self.lock();
+        // SAFETY: `send` is valid for `send_count` bytes. At the root, `GatherArgs`
+        // guarantees a receive layout with one in-bounds, non-overlapping region per rank
+        // and `counts`/`displs` of `size` ints, all outliving the call, and `recv` is
+        // distinct from `send`; at other ranks the receive arguments are null, which MPI
+        // ignores there. `root` is in range (checked). `self.comm` is live.
+        let code = unsafe {
+            ffi::MPI_Gatherv(
+                send, send_count, byte, recv, counts_ptr, displs_ptr, byte, root, self.comm,
+            )
+        };
+        check(op, "MPI_Gatherv", code)
+    }
+
+    fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> Result<()> {
+        let op = Op::Broadcast;
+        let root = self.int(op, "root", self.rank, args.root())?;
+        let buf = args.buf();
+        let count = self.int(op, "buffer length", self.rank, buf.len())?;
+        let mut scratch = Scratch::default();
+        let buf = recv_ptr(buf, &mut scratch.recv);
+        let byte = byte_type();
+        let _guard = self.lock();
+        // SAFETY: `buf` is valid for reads and writes of `count` bytes (the caller's
+        // slice, or a scratch byte when `count == 0`) for the whole blocking call; `root`
+        // is in range (checked); `self.comm` is live.
+        let code = unsafe { ffi::MPI_Bcast(buf, count, byte, root, self.comm) };
+        check(op, "MPI_Bcast", code)
+    }
+
+    fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<()> {
+        let op = Op::AllToAllVarcount;
+        let (send, recv) = args.parts();
+        let send_counts = self.ints(op, "send counts", send.counts)?;
+        let send_displs = self.ints(op, "send displacements", send.displs)?;
+        let recv_counts = self.ints(op, "counts", recv.counts)?;
+        let recv_displs = self.ints(op, "displacements", recv.displs)?;
+        let mut scratch = Scratch::default();
+        let send = send_ptr(send.buf, &scratch.send);
+        let recv = recv_ptr(recv.buf, &mut scratch.recv);
+        let byte = byte_type();
+        let _guard = self.lock();
+        // SAFETY: `AllToAllArgs` guarantees both layouts have `size` entries whose regions
+        // lie inside their buffers, receive regions not overlapping; the four int tables
+        // hold `size` entries and outlive the call. `send` and `recv` point to distinct
+        // memory (scratch bytes when empty) valid for the call. `self.comm` is live.
+        let code = unsafe {
+            ffi::MPI_Alltoallv(
+                send,
+                send_counts.as_ptr(),
+                send_displs.as_ptr(),
+                byte,
+                recv,
+                recv_counts.as_ptr(),
+                recv_displs.as_ptr(),
+                byte,
+                self.comm,
+            )
+        };
+        check(op, "MPI_Alltoallv", code)
+    }
+}
+
+/// Stand-ins for empty buffers: an empty slice's dangling address (`0x1`) is Open MPI's
+/// `MPI_IN_PLACE`, so MPI gets the address of one of these bytes instead.
+#[derive(Default)]
+struct Scratch {
+    send: [u8; 1],
+    recv: [u8; 1],
+}
+
+/// The address MPI gets for a send buffer.
+fn send_ptr(buf: &[u8], scratch: &[u8; 1]) -> *const c_void {
+    if buf.is_empty() {
+        scratch.as_ptr().cast()
+    } else {
+        buf.as_ptr().cast()
+    }
+}
+
+/// The address MPI gets for a receive buffer.
+fn recv_ptr(buf: &mut [u8], scratch: &mut [u8; 1]) -> *mut c_void {
+    if buf.is_empty() {
+        scratch.as_mut_ptr().cast()
+    } else {
+        buf.as_mut_ptr().cast()
+    }
+}
+
+/// Copies this rank's `send` into `recv` at `displ` (a communicator of one rank).
+fn copy_own_region(op: Op, rank: usize, send: &[u8], recv: &mut [u8], displ: usize) -> Result<()> {
+    let buffer_len = recv.len();
+    let region = displ
+        .checked_add(send.len())
+        .and_then(|end| recv.get_mut(displ..end));
+    let Some(region) = region else {
+        return Err(TransportError::InvalidArgument {
+            op,
+            rank,
+            source: ArgumentError::OutOfBounds {
+                which: "receive",
+                index: rank,
+                displacement: displ,
+                count: send.len(),
+                buffer_len,
+            },
+        });
+    };
+    region.copy_from_slice(send);
+    Ok(())
+}
+
+/// `MPI_COMM_NULL`.
+fn comm_null() -> ffi::MPI_Comm {
+    // SAFETY: reading an immutable handle constant exported by rsmpi's C shim.
+    unsafe { ffi::RSMPI_COMM_NULL }
+}
+
+/// The one-byte datatype bytes travel as (`MPI_UINT8_T`).
+fn byte_type() -> ffi::MPI_Datatype {
+    // SAFETY: reading an immutable handle constant exported by rsmpi's C shim.
+    unsafe { ffi::RSMPI_UINT8_T }
+}
+
+/// Maps a return code to `Ok` or to [`TransportError::Mpi`].
+fn check(op: Op, call: &'static str, code: c_int) -> Result<()> {
+    if code == MPI_SUCCESS {
+        Ok(())
+    } else {
+        Err(mpi_error(op, call, code))
+    }
+}
+
+/// Builds [`TransportError::Mpi`] from a failed call's code, with its class and text.
+fn mpi_error(op: Op, call: &'static str, code: c_int) -> TransportError {
+    let mut class: c_int = -1;
+    // SAFETY: `code` was returned by MPI (so MPI is initialized); `class` is a valid place
+    // for one int. MPI_Error_class may be called at any thread level for a valid code.
+    let rc = unsafe { ffi::MPI_Error_class(code, &mut class) };
+    if rc != MPI_SUCCESS {
+        class = -1;
+    }
+    TransportError::Mpi {
+        op,
+        call,
+        code,
+        class,
+        message: error_string(code),
+    }
+}
+
+/// `MPI_Error_string` of `code`, or a note when MPI cannot describe it.
+fn error_string(code: c_int) -> String {
+    let mut buf = [0u8; ERROR_STRING_LEN];
+    let mut len: c_int = 0;
+    // SAFETY: `buf` holds MPI_MAX_ERROR_STRING bytes, as MPI_Error_string requires, and
+    // `len` is a valid place for one int.
+    let rc = unsafe { ffi::MPI_Error_string(code, buf.as_mut_ptr().cast(), &mut len) };
+    if rc != MPI_SUCCESS {
+        return format!("no description (MPI_Error_string failed with code {rc})");
+    }
+    let len = usize::try_from(len).unwrap_or(0).min(buf.len());
+    let text = &buf[..len];
+    let text = text.split(|&b| b == 0).next().unwrap_or_default();
+    String::from_utf8_lossy(text).trim_end().to_owned()
+}
+
+/// Whether MPI has been finalized.
+fn finalized() -> Result<bool> {
+    let mut flag: c_int = 0;
+    // SAFETY: MPI_Finalized may be called at any time, even before MPI_Init and after
+    // MPI_Finalize; `flag` is a valid place for one int.
+    let code = unsafe { ffi::MPI_Finalized(&mut flag) };
+    check(Op::Setup, "MPI_Finalized", code)?;
+    Ok(flag != 0)
+}
+
+/// Fails with [`TransportError::Setup`] unless MPI is initialized and not finalized.
+fn ensure_live() -> Result<()> {
+    let mut flag: c_int = 0;
+    // SAFETY: MPI_Initialized may be called at any time, even before MPI_Init; `flag` is a
+    // valid place for one int.
+    let code = unsafe { ffi::MPI_Initialized(&mut flag) };
+    check(Op::Setup, "MPI_Initialized", code)?;
+    if flag == 0 {
+        return Err(TransportError::Setup("MPI is not initialized".into()));
+    }
+    if finalized()? {
+        return Err(TransportError::Setup(
+            "MPI has already been finalized".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether MPI provides `MPI_THREAD_MULTIPLE`.
+fn thread_multiple(op: Op) -> Result<bool> {
+    let mut provided: c_int = 0;
+    // SAFETY: MPI is initialized (callers check); `provided` is a valid place for one int.
+    let code = unsafe { ffi::MPI_Query_thread(&mut provided) };
+    check(op, "MPI_Query_thread", code)?;
+    // SAFETY: reading an immutable constant exported by rsmpi's C shim.
+    let multiple = unsafe { ffi::RSMPI_THREAD_MULTIPLE };
+    Ok(provided >= multiple)
+}
+
+/// Sets `MPI_ERRORS_RETURN` on a new communicator and reads its rank and size.
+fn configure(comm: ffi::MPI_Comm, op: Op) -> Result<(usize, usize)> {
+    // SAFETY: `comm` is a live communicator just created by MPI; `MPI_ERRORS_RETURN` is a
+    // predefined error handler read from rsmpi's C shim.
+    let code = unsafe { ffi::MPI_Comm_set_errhandler(comm, ffi::RSMPI_ERRORS_RETURN) };
+    check(op, "MPI_Comm_set_errhandler", code)?;
+    let (mut rank, mut size): (c_int, c_int) = (0, 0);
+    // SAFETY: `comm` is live; `rank` is a valid place for one int.
+    let code = unsafe { ffi::MPI_Comm_rank(comm, &mut rank) };
+    check(op, "MPI_Comm_rank", code)?;
+    // SAFETY: `comm` is live; `size` is a valid place for one int.
+    let code = unsafe { ffi::MPI_Comm_size(comm, &mut size) };
+    check(op, "MPI_Comm_size", code)?;
+    let rank = usize::try_from(rank)
+        .map_err(|_| TransportError::Setup(format!("MPI_Comm_rank returned {rank}")))?;
+    let size = usize::try_from(size)
+        .ok()
+        .filter(|&s| s > rank)
+        .ok_or_else(|| TransportError::Setup(format!("MPI_Comm_size returned {size}")))?;
+    Ok((rank, size))
+}
+
+/// `MPI_Comm_free` with its code checked; sets `*comm` to `MPI_COMM_NULL` on success.
+fn free_comm(comm: &mut ffi::MPI_Comm) -> Result<()> {
+    if *comm == comm_null() {
+        return Ok(());
+    }
+    // SAFETY: `*comm` is a live communicator created by MPI and owned by the caller, MPI
+    // is not finalized (callers check or just created it), and nothing uses the handle
+    // after this call.
+    let code = unsafe { ffi::MPI_Comm_free(comm) };
+    check(Op::Setup, "MPI_Comm_free", code)
+}

@@ -1,0 +1,226 @@
+//! Object-collective cases of the conformance suite: the classic values of the MPI world's
+//! object tests through every collective and root, the round path, and failure agreement.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize, Serializer};
+use tpcomm::objects::{self, ObjectError, Options};
+use tpcomm::transport::Communicator;
+
+use crate::{CaseResult, Rng};
+
+/// Every kind of value the MPI world's object-collective tests send.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Value {
+    /// `None` in Python.
+    Unit,
+    /// An optional, absent.
+    Nothing(Option<u32>),
+    /// A boolean.
+    Bool(bool),
+    /// A signed integer.
+    I64(i64),
+    /// An unsigned integer.
+    U64(u64),
+    /// A float, by bits so NaN compares equal.
+    F64Bits(u64),
+    /// A string.
+    Text(String),
+    /// A list.
+    List(Vec<Value>),
+    /// A tuple.
+    Pair(Box<(Value, Value)>),
+    /// A map.
+    Map(BTreeMap<String, Value>),
+}
+
+/// The classic values as rank `rank` sends them, the last one a list of all the others.
+pub fn classic_values(rank: usize) -> Vec<Value> {
+    let mut map = BTreeMap::new();
+    map.insert("rank".to_string(), Value::U64(rank as u64));
+    map.insert("empty".to_string(), Value::Text(String::new()));
+    let all = vec![
+        Value::Unit,
+        Value::Nothing(None),
+        Value::Bool(rank.is_multiple_of(2)),
+        Value::I64(i64::MIN),
+        Value::I64(i64::MAX),
+        Value::U64(u64::MAX),
+        Value::F64Bits(f64::NAN.to_bits()),
+        Value::F64Bits((-0.0f64).to_bits()),
+        Value::F64Bits(1.5e300f64.to_bits()),
+        Value::Text(format!("héllo from rank {rank} ✓")),
+        Value::Pair(Box::new((Value::Bool(true), Value::I64(-(rank as i64))))),
+        Value::Map(map),
+    ];
+    let mut v = all.clone();
+    v.push(Value::List(all));
+    v
+}
+
+fn same<T: PartialEq + std::fmt::Debug>(what: &str, got: T, want: T) -> CaseResult {
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("{what}: got {got:?}, want {want:?}"))
+    }
+}
+
+fn obj<T>(what: &str, r: Result<T, ObjectError>) -> Result<T, String> {
+    r.map_err(|e| format!("{what}: unexpected error: {e}"))
+}
+
+pub(crate) fn classic_values_everywhere<C: Communicator>(comm: &C) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    for (i, v) in classic_values(me).into_iter().enumerate() {
+        let expected: Vec<Value> = (0..n).map(|r| classic_values(r)[i].clone()).collect();
+        same(
+            "all_gather",
+            obj("all_gather", objects::all_gather(comm, &v))?,
+            expected.clone(),
+        )?;
+        for root in 0..n {
+            let got = obj("gather", objects::gather(comm, root, &v))?;
+            same("gather", got, (me == root).then(|| expected.clone()))?;
+            let b = obj(
+                "broadcast",
+                objects::broadcast(comm, root, (me == root).then_some(&v)),
+            )?;
+            same("broadcast", b, classic_values(root)[i].clone())?;
+            let s = obj(
+                "scatter",
+                objects::scatter(comm, root, (me == root).then_some(&expected[..])),
+            )?;
+            same("scatter", s, classic_values(me)[i].clone())?;
+        }
+        let outgoing: Vec<(usize, Value)> = (0..n).map(|d| (d, v.clone())).collect();
+        let incoming = obj("all_to_all", objects::all_to_all(comm, &outgoing))?;
+        same(
+            "all_to_all",
+            incoming,
+            (0..n).map(|s| (me, classic_values(s)[i].clone())).collect(),
+        )?;
+        let folded = obj(
+            "all_reduce_with",
+            objects::all_reduce_with(comm, &vec![v.clone()], |mut a, b| {
+                a.extend(b);
+                a
+            }),
+        )?;
+        same("all_reduce_with", folded, expected)?;
+    }
+    Ok(())
+}
+
+fn blob(rank: usize, tag: usize, len: usize) -> serde_bytes::ByteBuf {
+    serde_bytes::ByteBuf::from(crate::filled(rank, tag, len))
+}
+
+pub(crate) fn round_path_with_random_sizes<C: Communicator>(comm: &C) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    let mut rng = Rng::new(77);
+    for tag in 0..6 {
+        // Rounds of 97 bytes and a 16-byte slot: most exchanges take several rounds.
+        let opts = Options {
+            round_bytes: Some(97),
+            small_slot_bytes: 16,
+            ..Options::default()
+        };
+        let lens: Vec<usize> = (0..n).map(|_| rng.size(700)).collect();
+        let all: Vec<_> = (0..n).map(|r| blob(r, tag, lens[r])).collect();
+        same(
+            "all_gather (rounds)",
+            obj(
+                "all_gather",
+                objects::all_gather_with(comm, &all[me], &opts),
+            )?,
+            all.clone(),
+        )?;
+        let root = rng.below(n);
+        let got = obj("gather", objects::gather_with(comm, root, &all[me], &opts))?;
+        same("gather (rounds)", got, (me == root).then(|| all.clone()))?;
+        let b = obj(
+            "broadcast",
+            objects::broadcast_with(comm, root, (me == root).then_some(&all[root]), &opts),
+        )?;
+        same("broadcast (rounds)", b, all[root].clone())?;
+        let s = obj(
+            "scatter",
+            objects::scatter_with(comm, root, (me == root).then_some(&all[..]), &opts),
+        )?;
+        same("scatter (rounds)", s, all[me].clone())?;
+        let outgoing: Vec<_> = (0..n).map(|d| blob(me * 16 + d, tag, lens[d])).collect();
+        let incoming = obj(
+            "all_to_all",
+            objects::all_to_all_with(comm, &outgoing, &opts),
+        )?;
+        same(
+            "all_to_all (rounds)",
+            incoming,
+            (0..n).map(|s| blob(s * 16 + me, tag, lens[me])).collect(),
+        )?;
+    }
+    Ok(())
+}
+
+/// Serializes as a `u32`, or fails when `fail` is set.
+struct FailOn(bool);
+
+impl Serialize for FailOn {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.0 {
+            Err(serde::ser::Error::custom("refusing to serialize"))
+        } else {
+            s.serialize_u32(1)
+        }
+    }
+}
+
+pub(crate) fn serialization_failure_is_agreed<C: Communicator>(comm: &C) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    let failing = n - 1;
+    match objects::all_gather_borrowed(comm, &FailOn(me == failing)) {
+        Err(ObjectError::PeerSerialization { ranks, source })
+            if ranks == vec![failing] && source.is_some() == (me == failing) => {}
+        other => {
+            return Err(format!(
+                "expected PeerSerialization naming rank {failing}, got {other:?}"
+            ))
+        }
+    }
+    // The communicator is still in step afterwards.
+    same(
+        "all_gather after the failure",
+        obj("all_gather", objects::all_gather(comm, &me))?,
+        (0..n).collect(),
+    )
+}
+
+pub(crate) fn cap_violation_is_agreed<C: Communicator>(comm: &C) -> CaseResult {
+    let n = comm.size();
+    let opts = Options {
+        max_total_bytes: 300 * n - 1,
+        ..Options::default()
+    };
+    match objects::all_gather_with(comm, &serde_bytes::ByteBuf::from(vec![0u8; 298]), &opts) {
+        Err(ObjectError::TooLarge { rank, .. }) if rank == n - 1 => Ok(()),
+        other => Err(format!(
+            "expected TooLarge naming rank {}, got {other:?}",
+            n - 1
+        )),
+    }
+}
+
+pub(crate) fn work_on_split_sub_groups<C: Communicator>(comm: &C) -> CaseResult {
+    let me = comm.rank();
+    let sub = crate::ok("split", comm.split(Some((me % 2) as u32), 0))?.ok_or("no sub-group")?;
+    let names = obj(
+        "all_gather on a sub-group",
+        objects::all_gather(&sub, &format!("parent-{me}")),
+    )?;
+    let want: Vec<String> = (0..comm.size())
+        .filter(|r| r % 2 == me % 2)
+        .map(|r| format!("parent-{r}"))
+        .collect();
+    same("sub-group names", names, want)
+}

@@ -1,0 +1,45 @@
+//! `cargo xtask bench`: runs the benchmark CLI the way `docs/benchmarks.md` records it.
+
+use std::process::Command;
+
+use crate::{setup, util};
+
+pub(crate) fn run(args: &[String]) -> Result<(), String> {
+    let mut mpi = true;
+    for a in args {
+        match a.as_str() {
+            "--no-mpi" => mpi = false,
+            other => return Err(format!("unknown option `{other}`")),
+        }
+    }
+    let out = util::root().join("target/bench");
+    std::fs::create_dir_all(&out).map_err(|e| format!("creating {}: {e}", out.display()))?;
+    if mpi {
+        setup::ensure_mpi_toolchain()?;
+    }
+    let mut build = util::cargo();
+    build.args(["build", "--release", "-p", "tpcomm-bench"]);
+    if mpi {
+        build.args(["--features", "mpi"]);
+    }
+    util::run(build)?;
+    let exe = util::root().join("target/release/tpcomm-bench");
+
+    for ranks in ["2", "4"] {
+        let mut local = Command::new(&exe);
+        let json = out.join(format!("transport-local-{ranks}.json"));
+        local
+            .args(["transport", "--ranks", ranks, "--json"])
+            .arg(&json);
+        util::run(local)?;
+    }
+    if mpi {
+        let mut cmd = util::mpirun(2);
+        cmd.arg(&exe)
+            .args(["transport", "--transport", "mpi", "--json"]);
+        cmd.arg(out.join("transport-mpi-2.json"));
+        util::run(cmd)?;
+    }
+    eprintln!("xtask bench: JSON written under {}", out.display());
+    Ok(())
+}

@@ -1,0 +1,51 @@
+//! `cargo xtask`: the project's automation, one module per task.
+//!
+//! - `cargo xtask setup`: installs the system packages the tests need (MPI, libclang).
+//! - `cargo xtask test`: the full test suite (the README's test command, run by CI).
+//! - `cargo xtask bench`: the benchmark tables recorded in `docs/benchmarks.md`.
+
+mod bench;
+mod setup;
+mod test;
+mod util;
+
+use std::process::ExitCode;
+
+const USAGE: &str = "\
+usage: cargo xtask <task> [options]
+
+tasks:
+  setup                 install the system packages the tests need (MPI, libclang)
+  test [--skip-mpi] [--large]
+                        fmt, clippy, unit/property/doc tests, the MPI suite under mpirun;
+                        prints a closing `N passed, N failed` line. --skip-mpi is refused
+                        when CI=true; --large adds the all-gather past 2 GiB over MPI
+                        (2 ranks, about 9 GiB of memory).
+  bench [--no-mpi]      run the benchmark CLI (local, and MPI with 2 ranks) and write JSON
+                        under target/bench/
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((task, rest)) = args.split_first() else {
+        eprint!("{USAGE}");
+        return ExitCode::FAILURE;
+    };
+    let result = match task.as_str() {
+        "setup" => setup::run(rest),
+        "test" => test::run(rest),
+        "bench" => bench::run(rest),
+        "help" | "--help" | "-h" => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        other => Err(format!("unknown task `{other}`\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask {task}: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

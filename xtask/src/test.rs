@@ -1,0 +1,209 @@
+//! `cargo xtask test`: the full suite, as CI runs it.
+//!
+//! Steps: set up MPI when missing, `cargo fmt --check`, clippy with warnings denied (every
+//! feature), every unit/property/integration/doc test (every feature), then the MPI
+//! conformance programs under `mpirun -np 2` and `-np 4`. The closing line,
+//! `total: N passed, N failed`, covers the cargo tests and the MPI cases together.
+
+use std::process::Command;
+
+use crate::{setup, util};
+
+/// Rank counts the MPI suite runs with (4 is oversubscribed on a 2-core machine).
+const MPI_RANKS: [usize; 2] = [2, 4];
+/// Upper bound on one mpirun, so a hang fails instead of eating CI's time.
+const MPI_TIMEOUT_SECS: u32 = 600;
+
+#[derive(Debug, Default)]
+struct Tally {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+    problems: Vec<String>,
+}
+
+impl Tally {
+    /// Reads cargo's `test result: ok. 12 passed; 0 failed; 1 ignored; ...` lines.
+    fn cargo_line(&mut self, line: &str) {
+        let Some(rest) = line.strip_prefix("test result: ") else {
+            return;
+        };
+        for part in rest.split(';') {
+            let words: Vec<&str> = part.split_whitespace().collect();
+            let (Some(num), Some(label)) = (words.iter().rev().nth(1), words.last()) else {
+                continue;
+            };
+            let Ok(n) = num.parse::<u64>() else { continue };
+            match *label {
+                "passed" => self.passed += n,
+                "failed" => self.failed += n,
+                "ignored" => self.ignored += n,
+                _ => {}
+            }
+        }
+    }
+}
+
+pub(crate) fn run(args: &[String]) -> Result<(), String> {
+    let mut skip_mpi = false;
+    let mut large = false;
+    for a in args {
+        match a.as_str() {
+            "--skip-mpi" => skip_mpi = true,
+            "--large" => large = true,
+            other => return Err(format!("unknown option `{other}`")),
+        }
+    }
+    let ci = std::env::var("CI")
+        .map(|v| v == "true" || v == "1")
+        .unwrap_or(false);
+    if skip_mpi && ci {
+        return Err("--skip-mpi is refused when CI=true: the MPI suite must run in CI".into());
+    }
+    if skip_mpi && large {
+        return Err("--large runs over MPI and cannot be combined with --skip-mpi".into());
+    }
+    setup::ensure_mpi_toolchain()?;
+
+    let mut fmt = util::cargo();
+    fmt.args(["fmt", "--all", "--check"]);
+    util::run(fmt)?;
+
+    let mut clippy = util::cargo();
+    clippy.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--all-features",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    util::run(clippy)?;
+
+    let mut tally = Tally::default();
+    let mut tests = util::cargo();
+    tests.args(["test", "--workspace", "--all-features", "--no-fail-fast"]);
+    let ok = util::run_lines(tests, |line| tally.cargo_line(line))?;
+    if !ok {
+        tally
+            .problems
+            .push("cargo test exited with a failure".into());
+    }
+
+    if skip_mpi {
+        eprintln!("xtask test: MPI suite SKIPPED (--skip-mpi); these cases are not counted");
+    } else {
+        run_mpi_suite(&mut tally)?;
+        if large {
+            run_large(&mut tally)?;
+        }
+    }
+
+    println!();
+    if tally.ignored > 0 {
+        println!("({} tests ignored)", tally.ignored);
+    }
+    for p in &tally.problems {
+        println!("problem: {p}");
+    }
+    println!("total: {} passed, {} failed", tally.passed, tally.failed);
+    if tally.failed > 0 || !tally.problems.is_empty() || tally.passed == 0 {
+        return Err("the test suite failed".into());
+    }
+    Ok(())
+}
+
+fn run_mpi_suite(tally: &mut Tally) -> Result<(), String> {
+    let mut build = util::cargo();
+    build.args([
+        "build",
+        "-p",
+        "tpcomm-conformance",
+        "--features",
+        "mpi",
+        "--bin",
+        "mpi-conformance",
+    ]);
+    util::run(build)?;
+    let exe = util::root().join("target/debug/mpi-conformance");
+    for np in MPI_RANKS {
+        run_mpi_program(tally, np, &exe)?;
+    }
+    Ok(())
+}
+
+/// The opt-in all-gather past 2 GiB (`--large`): 2 ranks, release build.
+fn run_large(tally: &mut Tally) -> Result<(), String> {
+    let mut build = util::cargo();
+    build.args([
+        "build",
+        "--release",
+        "-p",
+        "tpcomm-conformance",
+        "--features",
+        "mpi",
+        "--bin",
+        "mpi-large-gather",
+    ]);
+    util::run(build)?;
+    run_mpi_program(
+        tally,
+        2,
+        &util::root().join("target/release/mpi-large-gather"),
+    )
+}
+
+/// Runs `exe` under `mpirun -np np` (bounded by a timeout) and counts its `case ...` lines.
+fn run_mpi_program(tally: &mut Tally, np: usize, exe: &std::path::Path) -> Result<(), String> {
+    let name = exe
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut cmd = Command::new("timeout");
+    cmd.args(["--kill-after=10", &MPI_TIMEOUT_SECS.to_string()]);
+    let mpirun = util::mpirun(np);
+    cmd.arg(mpirun.get_program())
+        .args(mpirun.get_args())
+        .arg(exe);
+    cmd.current_dir(util::root());
+    let (mut passed, mut failed) = (0u64, 0u64);
+    let ok = util::run_lines(cmd, |line| {
+        if line.starts_with("case ") {
+            if line.ends_with(" ... ok") {
+                passed += 1;
+            } else {
+                failed += 1;
+            }
+        }
+    })?;
+    tally.passed += passed;
+    tally.failed += failed;
+    if !ok {
+        tally
+            .problems
+            .push(format!("mpirun -np {np} {name} exited with a failure"));
+    }
+    if passed + failed == 0 {
+        tally
+            .problems
+            .push(format!("mpirun -np {np} {name} reported no case"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Tally;
+
+    #[test]
+    fn cargo_result_lines_are_summed() {
+        let mut t = Tally::default();
+        t.cargo_line("test result: ok. 12 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.01s");
+        t.cargo_line(
+            "test result: FAILED. 3 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out",
+        );
+        t.cargo_line("test something ... ok");
+        assert_eq!((t.passed, t.failed, t.ignored), (15, 2, 1));
+    }
+}

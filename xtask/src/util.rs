@@ -1,0 +1,99 @@
+//! Small process helpers shared by the tasks.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+/// The workspace root (the parent of this crate's folder).
+pub(crate) fn root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
+}
+
+/// `cargo` as invoked by the user (respects `$CARGO`).
+pub(crate) fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(root());
+    cmd
+}
+
+/// Renders a command for logs.
+pub(crate) fn show(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for a in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&a.to_string_lossy());
+    }
+    s
+}
+
+/// Runs `cmd` with inherited output; fails unless it exits 0.
+pub(crate) fn run(mut cmd: Command) -> Result<(), String> {
+    eprintln!("$ {}", show(&cmd));
+    let status = cmd
+        .status()
+        .map_err(|e| format!("cannot start `{}`: {e}", show(&cmd)))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("`{}` failed ({status})", show(&cmd)))
+    }
+}
+
+/// Runs `cmd`, echoing its stdout line by line and handing each line to `on_line`
+/// (stderr is inherited). Returns whether it exited 0.
+pub(crate) fn run_lines(mut cmd: Command, mut on_line: impl FnMut(&str)) -> Result<bool, String> {
+    eprintln!("$ {}", show(&cmd));
+    cmd.stdout(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start `{}`: {e}", show(&cmd)))?;
+    let stdout = child.stdout.take().ok_or("child has no stdout")?;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.map_err(|e| format!("reading output of `{}`: {e}", show(&cmd)))?;
+        println!("{line}");
+        on_line(&line);
+    }
+    let status = child
+        .wait()
+        .map_err(|e| format!("waiting for `{}`: {e}", show(&cmd)))?;
+    Ok(status.success())
+}
+
+/// Whether `program` is found on PATH.
+pub(crate) fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
+        .unwrap_or(false)
+}
+
+/// Whether this process runs as root.
+pub(crate) fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// The `mpirun` command line for `np` ranks (Open MPI needs flags to run as root and to
+/// place more ranks than cores).
+pub(crate) fn mpirun(np: usize) -> Command {
+    let mut cmd = Command::new("mpirun");
+    let version = Command::new("mpirun")
+        .arg("--version")
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)
+        })
+        .unwrap_or_default();
+    if version.contains("Open MPI") || version.contains("OpenRTE") {
+        if is_root() {
+            cmd.arg("--allow-run-as-root");
+        }
+        cmd.args(["--oversubscribe", "--bind-to", "none"]);
+    }
+    cmd.arg("-np").arg(np.to_string());
+    cmd.current_dir(root());
+    cmd
+}

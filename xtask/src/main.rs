@@ -3,8 +3,11 @@
 //! - `cargo xtask setup`: installs the system packages the tests need (MPI, libclang).
 //! - `cargo xtask test`: the full test suite (the README's test command, run by CI).
 //! - `cargo xtask bench`: the benchmark tables recorded in `docs/benchmarks.md`.
+//! - `cargo xtask setup-cuda` / `cargo xtask kernels`: nvcc from the pinned wheels; the
+//!   all-reduce fatbin with its ptxas resource report.
 
 mod bench;
+mod cuda;
 mod setup;
 mod test;
 mod util;
@@ -23,6 +26,10 @@ tasks:
                         (2 ranks, about 9 GiB of memory).
   bench [--no-mpi]      run the benchmark CLI (local, and MPI with 2 ranks) and write JSON
                         under target/bench/
+  setup-cuda            when no nvcc is found, download the pinned CUDA 13.0 compiler wheels
+                        into target/ and unpack them (no GPU needed)
+  kernels               build kernels/allreduce.cu into target/kernels/allreduce.fatbin and
+                        print the ptxas resource report; fails on spills or local memory
 ";
 
 fn main() -> ExitCode {
@@ -35,6 +42,8 @@ fn main() -> ExitCode {
         "setup" => setup::run(rest),
         "test" => test::run(rest),
         "bench" => bench::run(rest),
+        "setup-cuda" => cuda::setup_cuda(rest),
+        "kernels" => cuda::kernels(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())

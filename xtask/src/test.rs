@@ -1,13 +1,14 @@
 //! `cargo xtask test`: the full suite, as CI runs it.
 //!
-//! Steps: set up MPI when missing, `cargo fmt --check`, clippy with warnings denied (every
+//! Steps: set up MPI when missing, set up nvcc when missing and build the CUDA kernels
+//! (`cuda.rs`), `cargo fmt --check`, clippy with warnings denied (every
 //! feature), every unit/property/integration/doc test (every feature), then the MPI
 //! conformance programs under `mpirun -np 2` and `-np 4`. The closing line,
 //! `total: N passed, N failed`, covers the cargo tests and the MPI cases together.
 
 use std::process::Command;
 
-use crate::{setup, util};
+use crate::{cuda, setup, util};
 
 /// Rank counts the MPI suite runs with (4 is oversubscribed on a 2-core machine).
 const MPI_RANKS: [usize; 2] = [2, 4];
@@ -64,6 +65,9 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         return Err("--large runs over MPI and cannot be combined with --skip-mpi".into());
     }
     setup::ensure_mpi_toolchain()?;
+    // The CUDA kernels build on every run, CI included (nvcc from the pinned wheels).
+    cuda::ensure_nvcc()?;
+    cuda::kernels(&[])?;
 
     let mut fmt = util::cargo();
     fmt.args(["fmt", "--all", "--check"]);

@@ -87,7 +87,7 @@ impl Shape {
                 }));
             }
         }
-        if reject_overlap {
+        if reject_overlap && !ascending_disjoint(counts, displs) {
             let mut regions: Vec<(usize, usize, usize)> = counts
                 .iter()
                 .zip(displs)
@@ -108,6 +108,23 @@ impl Shape {
         }
         Ok(())
     }
+}
+
+/// True when the non-empty regions, taken in rank order, each start at or after the end of
+/// the previous one: the common (dense, rank-ordered) layout, proved disjoint without
+/// allocating or sorting. Regions must already be known to be in bounds (no overflow).
+fn ascending_disjoint(counts: &[usize], displs: &[usize]) -> bool {
+    let mut end = 0;
+    for (&c, &d) in counts.iter().zip(displs) {
+        if c == 0 {
+            continue;
+        }
+        if d < end {
+            return false;
+        }
+        end = d + c;
+    }
+    true
 }
 
 /// Checked arguments of a fixed-size all-gather: every rank sends `send.len()` bytes and

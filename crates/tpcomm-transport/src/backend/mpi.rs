@@ -254,12 +254,50 @@ impl MpiCommunicator {
     }
 
     /// Converts a counts or displacements table to MPI's `int`s.
-    fn ints(&self, op: Op, which: &'static str, values: &[usize]) -> Result<Vec<c_int>> {
-        values
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| self.int(op, which, i, v))
-            .collect()
+    fn ints(&self, op: Op, which: &'static str, values: &[usize]) -> Result<Ints> {
+        let mut out = Ints::with_len(values.len());
+        for (i, (slot, &v)) in out.iter_mut().zip(values).enumerate() {
+            *slot = self.int(op, which, i, v)?;
+        }
+        Ok(out)
+    }
+}
+
+/// Counts or displacements converted to MPI's `int`: inline up to [`Ints::INLINE`] ranks,
+/// so that a varcount call on a typical group allocates nothing.
+enum Ints {
+    Inline([c_int; Ints::INLINE], usize),
+    Heap(Vec<c_int>),
+}
+
+impl Ints {
+    const INLINE: usize = 16;
+
+    fn with_len(len: usize) -> Self {
+        if len <= Self::INLINE {
+            Ints::Inline([0; Self::INLINE], len)
+        } else {
+            Ints::Heap(vec![0; len])
+        }
+    }
+}
+
+impl std::ops::Deref for Ints {
+    type Target = [c_int];
+    fn deref(&self) -> &[c_int] {
+        match self {
+            Ints::Inline(a, n) => &a[..*n],
+            Ints::Heap(v) => v,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Ints {
+    fn deref_mut(&mut self) -> &mut [c_int] {
+        match self {
+            Ints::Inline(a, n) => &mut a[..*n],
+            Ints::Heap(v) => v,
+        }
     }
 }
 
@@ -428,7 +466,7 @@ impl Communicator for MpiCommunicator {
                 self.ints(op, "counts", layout.counts)?,
                 self.ints(op, "displacements", layout.displs)?,
             ),
-            None => (ptr::null_mut(), Vec::new(), Vec::new()),
+            None => (ptr::null_mut(), Ints::with_len(0), Ints::with_len(0)),
         };
         let (counts_ptr, displs_ptr) = if counts.is_empty() {
             (ptr::null(), ptr::null())

@@ -1,0 +1,62 @@
+//! The one error type of the bench.
+
+use std::path::PathBuf;
+
+use tpcomm::TransportError;
+
+/// Everything that stops a benchmark run.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum BenchError {
+    /// A collective failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The options make no sense together (clap checks each option alone).
+    #[error("{0}")]
+    Usage(String),
+    /// A collective returned without error but moved the wrong bytes.
+    #[error(
+        "{path} {op} of {bytes} B delivered wrong data on rank {rank}: {detail} \
+         (ranks that saw wrong data: {bad_ranks:?})"
+    )]
+    WrongData {
+        /// `"tpcomm"` or `"rsmpi"`.
+        path: &'static str,
+        /// The operation.
+        op: &'static str,
+        /// The size in the table's convention.
+        bytes: usize,
+        /// The first rank that saw wrong data.
+        rank: usize,
+        /// What was wrong, as seen on this rank (or "see rank N").
+        detail: String,
+        /// Every rank that saw wrong data.
+        bad_ranks: Vec<usize>,
+    },
+    /// Writing the JSON report failed.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Serializing the JSON report failed.
+    #[error("cannot serialize the JSON report: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// `e` followed by its sources, `": "`-separated.
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}

@@ -1,0 +1,130 @@
+//! `tpcomm-bench`: nccl-tests-style tables for tpcomm's collectives.
+//!
+//! One subcommand per layer of tpcomm; each prints one table per operation (size, count,
+//! time, algorithm bandwidth, bus bandwidth) and can write every figure as JSON.
+//!
+//! ```text
+//! tpcomm-bench transport                      # 2 ranks as threads of this process
+//! tpcomm-bench transport --ranks 4 --json t.json
+//! mpirun -np 2 tpcomm-bench transport --transport mpi   # MPI ranks, plus direct rsmpi
+//! ```
+//!
+//! Benchmarks are programs that print tables, never timed assertions inside tests: the
+//! figures depend on the machine. Each subcommand verifies the data its collectives moved
+//! (once per size, outside the timed part) so that a broken transport cannot print a nice
+//! table.
+//!
+//! Logging goes to stderr through `tracing`, off unless `RUST_LOG` asks for it.
+
+mod error;
+mod report;
+mod sweep;
+mod transport;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::error::BenchError;
+
+/// nccl-tests-style benchmarks of tpcomm's collectives.
+#[derive(Debug, Parser)]
+#[command(name = "tpcomm-bench", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// One subcommand per tpcomm layer.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Transport collectives (all-gather, gathers, broadcast, all-to-all) over host bytes.
+    ///
+    /// Ranks are threads of one process by default; under `mpirun` with `--transport mpi`
+    /// they are MPI ranks, and every operation is also timed through rsmpi directly.
+    Transport(transport::TransportArgs),
+}
+
+fn main() -> ExitCode {
+    init_tracing();
+    let cli = Cli::parse();
+    let result: Result<(), BenchError> = match cli.command {
+        Command::Transport(args) => transport::run(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tpcomm-bench: error: {}", error::chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (off when unset or invalid).
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::{Cli, Command};
+    use crate::transport::{Transport, TransportOp};
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn transport_defaults_measure_every_op_from_8_bytes_to_64_mib_locally() {
+        let Command::Transport(args) = Cli::try_parse_from(["tpcomm-bench", "transport"])
+            .unwrap()
+            .command;
+        assert_eq!(args.ops, TransportOp::ALL.to_vec());
+        assert_eq!(args.transport, Transport::Local);
+        assert_eq!(args.ranks, None);
+        assert_eq!(
+            (
+                args.sweep.min_bytes,
+                args.sweep.max_bytes,
+                args.sweep.factor
+            ),
+            (8, 64 << 20, 2)
+        );
+        assert_eq!((args.sweep.iters, args.sweep.warmup), (None, None));
+    }
+
+    #[test]
+    fn transport_options_parse() {
+        let cli = Cli::try_parse_from([
+            "tpcomm-bench",
+            "transport",
+            "--ranks",
+            "4",
+            "--ops",
+            "broadcast,all_gather",
+            "--max-bytes",
+            "1KiB",
+            "--json",
+            "/tmp/x.json",
+        ])
+        .unwrap();
+        let Command::Transport(args) = cli.command;
+        assert_eq!(args.ranks, Some(4));
+        assert_eq!(
+            args.ops,
+            vec![TransportOp::Broadcast, TransportOp::AllGather]
+        );
+        assert_eq!(args.sweep.max_bytes, 1024);
+        assert!(Cli::try_parse_from(["tpcomm-bench", "transport", "--ops", "all_reduce"]).is_err());
+        assert!(Cli::try_parse_from(["tpcomm-bench", "transport", "--ranks", "0"]).is_err());
+        assert!(Cli::try_parse_from(["tpcomm-bench", "transport", "--factor", "1"]).is_err());
+    }
+}

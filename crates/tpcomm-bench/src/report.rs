@@ -1,0 +1,459 @@
+//! What every subcommand reports: statistics over iterations, nccl-tests-style tables on
+//! stdout, and a JSON file with every figure.
+//!
+//! Conventions (nccl-tests, `doc/PERFORMANCE.md`): `time` is the median over iterations of
+//! the slowest rank's time; `algbw = size / time`; `busbw = algbw * factor`, where the
+//! factor (`(n-1)/n` for gathers and all-to-all, 1 for broadcast) makes the figure
+//! comparable to the hardware's bandwidth whatever the number of ranks. GB/s are 10^9
+//! bytes per second.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+use crate::error::BenchError;
+
+/// Median, minimum and maximum of per-iteration times.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub(crate) struct Stats {
+    /// Median, in microseconds (mean of the two middle samples for an even count).
+    pub(crate) median_us: f64,
+    /// Fastest iteration, in microseconds.
+    pub(crate) min_us: f64,
+    /// Slowest iteration, in microseconds.
+    pub(crate) max_us: f64,
+}
+
+impl Stats {
+    /// Statistics of `samples_ns` (nanoseconds); `None` when there are no samples.
+    pub(crate) fn of(samples_ns: &[u64]) -> Option<Self> {
+        let mut sorted = samples_ns.to_vec();
+        sorted.sort_unstable();
+        let (&min, &max) = (sorted.first()?, sorted.last()?);
+        let mid = sorted.len() / 2;
+        let median_ns = if sorted.len() % 2 == 1 {
+            sorted[mid] as f64
+        } else {
+            (sorted[mid - 1] as f64 + sorted[mid] as f64) / 2.0
+        };
+        Some(Self {
+            median_us: median_ns / 1e3,
+            min_us: min as f64 / 1e3,
+            max_us: max as f64 / 1e3,
+        })
+    }
+}
+
+/// How bus bandwidth relates to algorithm bandwidth for an operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BusModel {
+    /// `busbw = algbw * (n-1)/n`: all-gather, gather, all-to-all, reduce-scatter.
+    AllButOwnShare,
+    /// `busbw = algbw`: broadcast, reduce.
+    Same,
+}
+
+impl BusModel {
+    fn factor(self, ranks: usize) -> f64 {
+        match self {
+            BusModel::AllButOwnShare if ranks > 0 => (ranks - 1) as f64 / ranks as f64,
+            BusModel::AllButOwnShare => 0.0,
+            BusModel::Same => 1.0,
+        }
+    }
+}
+
+/// Bandwidth in GB/s (10^9 bytes per second) of `bytes` moved in `us` microseconds.
+fn gbps(bytes: usize, us: f64) -> f64 {
+    if us > 0.0 {
+        bytes as f64 / us / 1e3
+    } else {
+        0.0
+    }
+}
+
+/// One line of a table: one operation at one size.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Row {
+    /// Operation name (`all_gather`, ...).
+    pub(crate) op: &'static str,
+    /// Size in the nccl-tests convention of that operation.
+    pub(crate) bytes: usize,
+    /// Elements (`bytes` divided by the element size).
+    pub(crate) count: usize,
+    /// Element type.
+    #[serde(rename = "type")]
+    pub(crate) dtype: &'static str,
+    /// Root rank of rooted operations.
+    pub(crate) root: Option<usize>,
+    /// Timed iterations.
+    pub(crate) iters: usize,
+    /// Untimed iterations before them.
+    pub(crate) warmup: usize,
+    /// Median over iterations of the slowest rank's time, in microseconds.
+    pub(crate) median_us: f64,
+    /// Fastest iteration, in microseconds.
+    pub(crate) min_us: f64,
+    /// Slowest iteration, in microseconds.
+    pub(crate) max_us: f64,
+    /// `bytes / median`, GB/s.
+    pub(crate) algbw_gbps: f64,
+    /// `algbw` times the operation's bus factor, GB/s.
+    pub(crate) busbw_gbps: f64,
+    /// The same operation timed through the underlying library directly (rsmpi), median.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) direct_median_us: Option<f64>,
+    /// Direct path, fastest iteration.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) direct_min_us: Option<f64>,
+    /// Direct path, slowest iteration.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) direct_max_us: Option<f64>,
+    /// `median_us / direct_median_us`: what the wrapper costs (1.0 = nothing).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) ratio: Option<f64>,
+    /// Every iteration's time (slowest rank), nanoseconds, in the order they ran.
+    pub(crate) samples_ns: Vec<u64>,
+    /// Same for the direct path.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) direct_samples_ns: Option<Vec<u64>>,
+}
+
+/// What a [`Row`] is built from.
+#[derive(Debug)]
+pub(crate) struct Measurement<'a> {
+    pub(crate) op: &'static str,
+    pub(crate) bytes: usize,
+    pub(crate) elem_size: usize,
+    pub(crate) dtype: &'static str,
+    pub(crate) root: Option<usize>,
+    pub(crate) ranks: usize,
+    pub(crate) bus: BusModel,
+    pub(crate) warmup: usize,
+    pub(crate) samples_ns: &'a [u64],
+    pub(crate) direct_samples_ns: Option<&'a [u64]>,
+}
+
+impl Row {
+    /// Computes the row's figures; `None` without samples.
+    pub(crate) fn new(m: &Measurement<'_>) -> Option<Self> {
+        let stats = Stats::of(m.samples_ns)?;
+        let direct = m.direct_samples_ns.and_then(Stats::of);
+        let algbw = gbps(m.bytes, stats.median_us);
+        Some(Self {
+            op: m.op,
+            bytes: m.bytes,
+            count: m.bytes / m.elem_size.max(1),
+            dtype: m.dtype,
+            root: m.root,
+            iters: m.samples_ns.len(),
+            warmup: m.warmup,
+            median_us: stats.median_us,
+            min_us: stats.min_us,
+            max_us: stats.max_us,
+            algbw_gbps: algbw,
+            busbw_gbps: algbw * m.bus.factor(m.ranks),
+            direct_median_us: direct.map(|d| d.median_us),
+            direct_min_us: direct.map(|d| d.min_us),
+            direct_max_us: direct.map(|d| d.max_us),
+            ratio: direct
+                .filter(|d| d.median_us > 0.0)
+                .map(|d| stats.median_us / d.median_us),
+            samples_ns: m.samples_ns.to_vec(),
+            direct_samples_ns: m.direct_samples_ns.map(<[u64]>::to_vec),
+        })
+    }
+}
+
+/// Prints nccl-tests-style tables on stdout, one row at a time as they are measured.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Table {
+    /// Adds the columns of the direct path (`direct`, `ratio`).
+    pub(crate) direct: bool,
+}
+
+impl Table {
+    /// Prints the title and the two header lines of a table.
+    pub(crate) fn header(&self, title: &str) {
+        let mut head = format!(
+            "#{:>11} {:>12} {:>6} {:>5} {:>6} {:>10} {:>10} {:>8} {:>8}",
+            "size", "count", "type", "root", "iters", "time", "min", "algbw", "busbw"
+        );
+        let mut unit = format!(
+            "#{:>11} {:>12} {:>6} {:>5} {:>6} {:>10} {:>10} {:>8} {:>8}",
+            "(B)", "(elements)", "", "", "", "(us)", "(us)", "(GB/s)", "(GB/s)"
+        );
+        if self.direct {
+            head.push_str(&format!(
+                " {:>10} {:>10} {:>7}",
+                "direct", "dir min", "ratio"
+            ));
+            unit.push_str(&format!(" {:>10} {:>10} {:>7}", "(us)", "(us)", "tp/dir"));
+        }
+        println!("#");
+        println!("# {title}");
+        println!("{head}");
+        println!("{unit}");
+        flush();
+    }
+
+    /// Prints one row.
+    pub(crate) fn row(&self, row: &Row) {
+        let root = row.root.map_or_else(|| "-".to_string(), |r| r.to_string());
+        let mut line = format!(
+            "{:>12} {:>12} {:>6} {:>5} {:>6} {:>10.3} {:>10.3} {:>8.3} {:>8.3}",
+            row.bytes,
+            row.count,
+            row.dtype,
+            root,
+            row.iters,
+            row.median_us,
+            row.min_us,
+            row.algbw_gbps,
+            row.busbw_gbps
+        );
+        if self.direct {
+            match (row.direct_median_us, row.direct_min_us, row.ratio) {
+                (Some(median), Some(min), Some(ratio)) => {
+                    line.push_str(&format!(" {median:>10.3} {min:>10.3} {ratio:>6.2}x"));
+                }
+                _ => line.push_str(&format!(" {:>10} {:>10} {:>7}", "-", "-", "-")),
+            }
+        }
+        println!("{line}");
+        flush();
+    }
+
+    /// Prints a comment line.
+    pub(crate) fn note(&self, text: &str) {
+        if text.is_empty() {
+            println!("#");
+        } else {
+            println!("# {text}");
+        }
+        flush();
+    }
+}
+
+fn flush() {
+    // A closed stdout (`| head`) must not abort the run; the JSON file is still written.
+    let _ = std::io::stdout().flush();
+}
+
+/// The machine the figures come from.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Machine {
+    pub(crate) hostname: String,
+    /// Logical CPUs online on the machine.
+    pub(crate) nproc: usize,
+    /// Logical CPUs this process may run on (its affinity mask: one under `mpirun`'s
+    /// default binding to cores).
+    pub(crate) cpus_usable: usize,
+    pub(crate) os: String,
+    pub(crate) os_release: Option<String>,
+    pub(crate) arch: String,
+    pub(crate) cpu_model: Option<String>,
+}
+
+impl Machine {
+    /// Facts about this machine; unknown ones are empty or `None`, never an error.
+    pub(crate) fn current() -> Self {
+        let read = |path: &str| {
+            std::fs::read_to_string(path)
+                .ok()
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+        };
+        let hostname = read("/proc/sys/kernel/hostname")
+            .or_else(|| read("/etc/hostname"))
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_default();
+        let cpu_model = read("/proc/cpuinfo").and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        });
+        let cpus_usable = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let nproc = read("/sys/devices/system/cpu/online")
+            .and_then(|list| count_cpu_list(&list))
+            .unwrap_or(cpus_usable);
+        Self {
+            hostname,
+            nproc,
+            cpus_usable,
+            os: std::env::consts::OS.to_string(),
+            os_release: read("/proc/sys/kernel/osrelease"),
+            arch: std::env::consts::ARCH.to_string(),
+            cpu_model,
+        }
+    }
+
+    /// One line for table headers.
+    pub(crate) fn describe(&self) -> String {
+        let mut s = format!("host {}, {} CPUs", self.hostname, self.nproc);
+        if self.cpus_usable != self.nproc {
+            s.push_str(&format!(" ({} usable per process)", self.cpus_usable));
+        }
+        s.push_str(&format!(
+            ", {} {}",
+            self.os,
+            self.os_release.as_deref().unwrap_or("")
+        ));
+        if let Some(cpu) = &self.cpu_model {
+            s.push_str(", ");
+            s.push_str(cpu);
+        }
+        s
+    }
+}
+
+/// Number of CPUs in a Linux CPU list such as `0-3,8,10-11`; `None` if malformed.
+fn count_cpu_list(list: &str) -> Option<usize> {
+    let mut n = 0;
+    for part in list.trim().split(',') {
+        n += match part.split_once('-') {
+            Some((a, b)) => {
+                b.parse::<usize>()
+                    .ok()?
+                    .checked_sub(a.parse::<usize>().ok()?)?
+                    + 1
+            }
+            None => {
+                part.parse::<usize>().ok()?;
+                1
+            }
+        };
+    }
+    Some(n)
+}
+
+/// The JSON document `--json` writes.
+#[derive(Debug, Serialize)]
+pub(crate) struct Report<'a, S: Serialize> {
+    /// `"tpcomm-bench"`.
+    pub(crate) tool: &'static str,
+    /// The bench's version.
+    pub(crate) version: &'static str,
+    /// The subcommand (`"transport"`, ...).
+    pub(crate) subcommand: &'static str,
+    /// The command line, program name first.
+    pub(crate) command_line: Vec<String>,
+    /// Seconds since the Unix epoch when the report was written.
+    pub(crate) unix_time: u64,
+    pub(crate) machine: Machine,
+    /// Backend name (`"local"`, `"mpi"`).
+    pub(crate) transport: &'static str,
+    /// Number of ranks.
+    pub(crate) ranks: usize,
+    /// The MPI library's version string, in MPI mode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) mpi_library: Option<String>,
+    /// The subcommand's settings.
+    pub(crate) settings: &'a S,
+    /// Every row of every table, in the order printed.
+    pub(crate) rows: &'a [Row],
+}
+
+/// Seconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn unix_time() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Fails now, rather than after the whole run, when `path` cannot be written: creates (and
+/// removes) the temporary file [`write_json`] will use.
+pub(crate) fn check_writable(path: &Path) -> Result<(), BenchError> {
+    let tmp = tmp_path(path);
+    std::fs::File::create(&tmp).map_err(|source| BenchError::Write {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let _ = std::fs::remove_file(&tmp);
+    Ok(())
+}
+
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut tmp = PathBuf::from(path);
+    tmp.as_mut_os_string().push(".tmp");
+    tmp
+}
+
+/// Writes `report` to `path` as pretty JSON, through a temporary file renamed into place,
+/// so that an interrupted run never leaves a truncated report.
+pub(crate) fn write_json<S: Serialize>(
+    path: &Path,
+    report: &Report<'_, S>,
+) -> Result<(), BenchError> {
+    let mut text = serde_json::to_string_pretty(report)?;
+    text.push('\n');
+    let tmp = tmp_path(path);
+    let write_err = |source| BenchError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    std::fs::write(&tmp, text).map_err(write_err)?;
+    std::fs::rename(&tmp, path).map_err(write_err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_count_ranges_and_singles() {
+        assert_eq!(count_cpu_list("0-1\n"), Some(2));
+        assert_eq!(count_cpu_list("0-3,8,10-11"), Some(7));
+        assert_eq!(count_cpu_list("0"), Some(1));
+        assert_eq!(count_cpu_list("x"), None);
+        assert_eq!(count_cpu_list("3-1"), None);
+    }
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        let s = Stats::of(&[3000, 1000, 2000]).unwrap();
+        assert_eq!((s.median_us, s.min_us, s.max_us), (2.0, 1.0, 3.0));
+        let s = Stats::of(&[4000, 1000, 2000, 3000]).unwrap();
+        assert_eq!(s.median_us, 2.5);
+        assert!(Stats::of(&[]).is_none());
+    }
+
+    fn measurement(samples: &[u64], bus: BusModel) -> Measurement<'_> {
+        Measurement {
+            op: "all_gather",
+            bytes: 1_000_000,
+            elem_size: 1,
+            dtype: "uint8",
+            root: None,
+            ranks: 4,
+            bus,
+            warmup: 0,
+            samples_ns: samples,
+            direct_samples_ns: None,
+        }
+    }
+
+    #[test]
+    fn bandwidths_follow_nccl_tests() {
+        // 1 MB in 1 ms: 1 GB/s algorithm bandwidth.
+        let row = Row::new(&measurement(&[1_000_000], BusModel::AllButOwnShare)).unwrap();
+        assert!((row.algbw_gbps - 1.0).abs() < 1e-12);
+        assert!((row.busbw_gbps - 0.75).abs() < 1e-12);
+        let row = Row::new(&measurement(&[1_000_000], BusModel::Same)).unwrap();
+        assert!((row.busbw_gbps - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn ratio_is_wrapper_over_direct_median() {
+        let direct = [1000, 1000, 1000];
+        let m = Measurement {
+            direct_samples_ns: Some(&direct),
+            ..measurement(&[1100, 1100, 1100], BusModel::Same)
+        };
+        let row = Row::new(&m).unwrap();
+        assert!((row.ratio.unwrap() - 1.1).abs() < 1e-12);
+    }
+}

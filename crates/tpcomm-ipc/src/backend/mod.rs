@@ -1,0 +1,3 @@
+//! Peer-memory backends. The `unsafe` code of this crate lives here only.
+
+pub mod host;

@@ -1,0 +1,26 @@
+//! # tpcomm-ipc
+//!
+//! Peer memory for tensor-parallel programs: allocations that other ranks map, behind one
+//! [`PeerMemory`] trait, and the [`PeerMappings`] registry that exchanges handles through
+//! `tpcomm-objects` over any `Communicator`, opens each handle once, and can close every
+//! imported mapping and rebuild them all (suspend/resume).
+//!
+//! Backends:
+//! - [`HostMemory`] (always built): memfd shared-memory segments; peers in other processes
+//!   fetch the descriptor (`pidfd_getfd`, or `/proc/<pid>/fd`), threads of the same process
+//!   map it again. The CPU twin of CUDA IPC, where every piece of the lifecycle is tested
+//!   without a GPU.
+//!
+//! What may change across [`PeerMappings::close_all`] + [`PeerMappings::reopen_all`]: the
+//! addresses of peer mappings (and so any pointer to them). What never changes: local
+//! allocations and their addresses, the group id, exchange ids and region order.
+
+pub mod backend;
+mod error;
+mod memory;
+mod registry;
+
+pub use backend::host::{AddressHold, HostBuffer, HostHandle, HostMapping, HostMemory};
+pub use error::{IpcError, Result};
+pub use memory::{MemoryRegion, PeerMemory};
+pub use registry::{Counters, Envelope, ExchangeId, PeerMappings, Region};

@@ -1,0 +1,82 @@
+//! The [`PeerMemory`] trait: what a backend (host shared memory, CUDA IPC) provides.
+
+use std::fmt::Debug;
+use std::hash::Hash;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::error::Result;
+
+mod sealed {
+    pub trait Sealed {}
+}
+pub(crate) use sealed::Sealed;
+
+/// A range of backend memory: a local allocation or a mapping of a peer's.
+///
+/// Sealed: only backend types implement it, so an address handed to a copy is always one
+/// that the backend itself mapped and that stays valid while the value lives.
+pub trait MemoryRegion: Sealed + Debug + Send + Sync {
+    /// Address of the first byte (a host or device address, per backend).
+    fn addr(&self) -> u64;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// True for an empty region (never produced by the backends).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A peer-memory backend: exportable allocations, handles, peer mappings and copies.
+///
+/// Handles are plain serde values with stable bytes: they travel to peers through any
+/// [`Communicator`](tpcomm_transport::Communicator) (see
+/// [`PeerMappings`](crate::PeerMappings)). Opening a handle yields a mapping at an address
+/// chosen by the backend; closing and reopening may give another address.
+pub trait PeerMemory: Send + Sync + Debug + 'static {
+    /// A serialized reference to `len` bytes at `offset` in one exportable allocation.
+    type Handle: Clone + Debug + Eq + Hash + Serialize + DeserializeOwned + Send + Sync;
+    /// A local allocation that peers can map.
+    type Buffer: MemoryRegion;
+    /// This process's mapping of a peer's allocation (closed on drop).
+    type Mapping: MemoryRegion;
+
+    /// A short name (`"host"`, `"cuda"`).
+    fn name(&self) -> &'static str;
+
+    /// Allocates an exportable buffer of at least `bytes` bytes (rounded up to the
+    /// backend's granularity: a page for host memory, 2 MiB for CUDA so that no two
+    /// buffers share a handle). The memory is zeroed.
+    fn allocate(&self, bytes: usize) -> Result<Self::Buffer>;
+
+    /// Exports `len` bytes at address `addr`, which must lie inside one exportable
+    /// allocation of this process: the handle names the allocation's base plus the offset.
+    fn export(&self, addr: u64, len: usize) -> Result<Self::Handle>;
+
+    /// Opens a peer's handle. Never call it twice for the same handle in one process
+    /// without closing in between ([`PeerMappings`](crate::PeerMappings) memoizes to
+    /// guarantee that).
+    fn open(&self, handle: &Self::Handle) -> Result<Self::Mapping>;
+
+    /// Closes a mapping, reporting a failure (dropping it closes too, logging failures).
+    fn close(&self, mapping: Self::Mapping) -> Result<()>;
+
+    /// Copies `src` into `region` at `offset`.
+    fn write<R: MemoryRegion>(&self, region: &R, offset: usize, src: &[u8]) -> Result<()>;
+
+    /// Copies `dst.len()` bytes from `region` at `offset` into `dst`.
+    fn read<R: MemoryRegion>(&self, region: &R, offset: usize, dst: &mut [u8]) -> Result<()>;
+}
+
+/// Checks that `offset..offset + len` lies inside a region of `region_len` bytes.
+pub(crate) fn check_range(offset: usize, len: usize, region_len: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(crate::IpcError::OutOfBounds {
+            offset,
+            len,
+            region_len,
+        }),
+    }
+}

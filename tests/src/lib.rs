@@ -9,6 +9,7 @@
 //! After each case the ranks all-gather a pass flag, so a case passes only if it passed on
 //! every rank, and every rank reports the same verdicts.
 
+pub mod ipc;
 pub mod objects;
 
 use tpcomm::transport::{
@@ -152,6 +153,10 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
         (
             "objects_work_on_split_sub_groups",
             objects::work_on_split_sub_groups,
+        ),
+        (
+            "ipc_host_peers_read_patterns_across_close_and_reopen",
+            ipc::host_peers_read_patterns_across_reopen,
         ),
     ];
     let mut reports = Vec::with_capacity(cases.len());

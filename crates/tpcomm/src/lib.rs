@@ -5,7 +5,7 @@
 //!
 //! | feature | what it adds |
 //! |---------|--------------|
-//! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator) |
+//! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator); [`ipc`] (peer memory, host shared-memory backend) |
 //! | `mpi`   | `transport::MpiCommunicator` over MPI (rsmpi) |
 //!
 //! ```
@@ -19,6 +19,7 @@
 //! assert!(sums.into_iter().all(|s| s.unwrap().unwrap() == 3));
 //! ```
 
+pub use tpcomm_ipc as ipc;
 pub use tpcomm_objects as objects;
 pub use tpcomm_objects::ObjectError;
 pub use tpcomm_transport as transport;

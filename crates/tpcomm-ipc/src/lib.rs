@@ -10,6 +10,10 @@
 //!   fetch the descriptor (`pidfd_getfd`, or `/proc/<pid>/fd`), threads of the same process
 //!   map it again. The CPU twin of CUDA IPC, where every piece of the lifecycle is tested
 //!   without a GPU.
+//! - `CudaMemory` (feature `cuda`): legacy CUDA IPC (`cuIpcGetMemHandle` /
+//!   `cuIpcOpenMemHandle`) over `cuMemAlloc` buffers rounded up to 2 MiB, one process per rank.
+//!   The driver is loaded at run time: the feature builds without CUDA, and a machine without
+//!   a driver or GPU gets [`IpcError::NoDevice`].
 //!
 //! What may change across [`PeerMappings::close_all`] + [`PeerMappings::reopen_all`]: the
 //! addresses of peer mappings (and so any pointer to them). What never changes: local
@@ -20,6 +24,8 @@ mod error;
 mod memory;
 mod registry;
 
+#[cfg(feature = "cuda")]
+pub use backend::cuda::{CudaBuffer, CudaHandle, CudaMapping, CudaMemory};
 pub use backend::host::{AddressHold, HostBuffer, HostHandle, HostMapping, HostMemory};
 pub use error::{IpcError, Result};
 pub use memory::{MemoryRegion, PeerMemory};

@@ -1,3 +1,5 @@
 //! Peer-memory backends. The `unsafe` code of this crate lives here only.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod host;

@@ -1,0 +1,414 @@
+//! The CUDA backend. Tests that need a GPU print why they skip on a machine without one
+//! (`skipped: no CUDA device: ...`) and pass; with `TPCOMM_REQUIRE_GPU=1` a skip is a failure.
+//! The tests of loading, handles and their bytes run everywhere.
+#![cfg(feature = "cuda")]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+
+use cudarc::driver::sys;
+use tpcomm_ipc::{CudaHandle, CudaMemory, IpcError, MemoryRegion, PeerMemory};
+use tpcomm_transport::LocalGroup;
+
+fn require_gpu() -> bool {
+    std::env::var("TPCOMM_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// The backend on device 0, or `None` after printing why the test skips.
+fn gpu() -> Option<CudaMemory> {
+    match CudaMemory::new(0) {
+        Ok(mem) => Some(mem),
+        Err(IpcError::NoDevice(why)) => {
+            assert!(
+                !require_gpu(),
+                "TPCOMM_REQUIRE_GPU=1 but there is no CUDA device: {why}"
+            );
+            eprintln!("skipped: no CUDA device: {why}");
+            None
+        }
+        Err(e) => panic!("CudaMemory::new(0) failed with something other than NoDevice: {e}"),
+    }
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(7) ^ seed ^ (i >> 8) as u8)
+        .collect()
+}
+
+/// The bytes of `h` exactly as they travel between ranks (tpcomm-objects' all-gather).
+fn wire_bytes(h: &CudaHandle) -> Vec<u8> {
+    let mut out = LocalGroup::new(1).run(|comm| {
+        tpcomm_objects::all_gather_borrowed(&comm, h)
+            .unwrap()
+            .bytes(0)
+            .unwrap()
+            .to_vec()
+    });
+    out.pop().unwrap().unwrap()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+fn sample_handle() -> CudaHandle {
+    CudaHandle {
+        ipc: std::array::from_fn(|i| i as u8),
+        base_len: 2 << 20,
+        offset: 4096,
+        len: 100,
+        device: 1,
+        pid: 300,
+    }
+}
+
+// ---------------------------------------------------------------- runs everywhere
+
+#[test]
+fn new_without_a_usable_gpu_is_no_device_and_never_panics() {
+    match CudaMemory::new(0) {
+        Err(IpcError::NoDevice(why)) => {
+            assert!(
+                !require_gpu(),
+                "TPCOMM_REQUIRE_GPU=1 but there is no CUDA device: {why}"
+            );
+            assert!(!why.is_empty());
+            eprintln!("no CUDA device, as expected without a GPU: {why}");
+        }
+        Ok(mem) => {
+            assert_eq!(mem.device_ordinal(), 0);
+            eprintln!("a CUDA device is present: new(0) works");
+        }
+        Err(e) => panic!("expected NoDevice or a backend, got {e}"),
+    }
+}
+
+#[test]
+fn a_device_ordinal_that_does_not_exist_is_no_device() {
+    for ordinal in [-1, 4096, i32::MAX] {
+        match CudaMemory::new(ordinal) {
+            Err(IpcError::NoDevice(why)) => assert!(!why.is_empty()),
+            other => panic!("ordinal {ordinal}: expected NoDevice, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn the_result_layer_reports_a_missing_driver_as_no_device() {
+    // Every checked call loads the driver first; none may panic without one.
+    match tpcomm_ipc::backend::cuda::result::load() {
+        Ok(()) => eprintln!("the CUDA driver library is present"),
+        Err(IpcError::NoDevice(why)) => {
+            assert!(why.contains("libcuda") || why.contains("lacks"), "{why}");
+            assert!(matches!(
+                tpcomm_ipc::backend::cuda::result::device_count(),
+                Err(IpcError::NoDevice(_))
+            ));
+            assert!(matches!(
+                tpcomm_ipc::backend::cuda::result::mem_alloc(1 << 20),
+                Err(IpcError::NoDevice(_))
+            ));
+        }
+        Err(e) => panic!("expected NoDevice, got {e}"),
+    }
+}
+
+#[test]
+fn handle_bytes_are_stable() {
+    let h = sample_handle();
+    let bytes = wire_bytes(&h);
+    let mut expected = vec![64u8];
+    expected.extend(0..64u8);
+    expected.extend([0x80, 0x80, 0x80, 0x01]); // base_len 2 MiB, varint
+    expected.extend([0x80, 0x20]); // offset 4096
+    expected.push(100); // len
+    expected.push(2); // device 1, zigzag varint
+    expected.extend([0xac, 0x02]); // pid 300
+    assert_eq!(bytes, expected);
+    let back: CudaHandle = tpcomm_objects::decode_from(0, &bytes).unwrap();
+    assert_eq!(back, h);
+}
+
+#[test]
+fn an_ipc_handle_of_the_wrong_size_does_not_decode() {
+    let mut bytes = wire_bytes(&sample_handle());
+    bytes[0] = 63; // claims 63 IPC bytes
+    assert!(tpcomm_objects::decode_from::<CudaHandle>(0, &bytes).is_err());
+    assert!(tpcomm_objects::decode_from::<CudaHandle>(0, &bytes[..40]).is_err());
+}
+
+// ---------------------------------------------------------------- needs a GPU
+
+#[test]
+fn allocations_are_rounded_to_2_mib_zeroed_and_exported_as_base_plus_offset() {
+    let Some(mem) = gpu() else { return };
+    let buf = mem.allocate(100).unwrap();
+    assert_eq!(buf.len(), 2 << 20);
+    let mut got = vec![0xffu8; 4096];
+    mem.read(&buf, (2 << 20) - 4096, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 0), "fresh buffers are zeroed");
+
+    let h = mem.export(buf.addr() + 4096, 100).unwrap();
+    assert_eq!((h.offset, h.len, h.base_len), (4096, 100, 2 << 20));
+    assert_eq!((h.pid, h.device), (std::process::id(), 0));
+    let whole = mem.export(buf.addr(), 2 << 20).unwrap();
+    assert_eq!(whole.ipc, h.ipc, "one allocation, one IPC handle");
+
+    for (addr, len) in [
+        (buf.addr() + (2 << 20) - 10, 100),
+        (buf.addr(), 0),
+        (buf.addr(), (2 << 20) + 1),
+    ] {
+        assert!(
+            matches!(mem.export(addr, len), Err(IpcError::NotExportable { .. })),
+            "{len} bytes at offset {}",
+            addr - buf.addr()
+        );
+    }
+    assert!(matches!(
+        mem.write(&buf, (2 << 20) - 4, &[0; 8]),
+        Err(IpcError::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        mem.allocate(0),
+        Err(IpcError::InvalidAllocation(_))
+    ));
+}
+
+#[test]
+fn host_memory_is_not_exportable() {
+    let Some(mem) = gpu() else { return };
+    let stack = [0u8; 64];
+    match mem.export(stack.as_ptr() as u64, 64) {
+        Err(IpcError::NotExportable { reason, .. }) => {
+            assert!(reason.contains("device memory"), "{reason}")
+        }
+        other => panic!("expected NotExportable, got {other:?}"),
+    }
+}
+
+#[test]
+fn opening_a_handle_in_the_process_that_exported_it_is_refused() {
+    let Some(mem) = gpu() else { return };
+    let buf = mem.allocate(4096).unwrap();
+    let h = mem.export(buf.addr(), 4096).unwrap();
+    match mem.open(&h) {
+        Err(IpcError::InvalidHandle(why)) => assert!(why.contains("exporting process"), "{why}"),
+        other => panic!("expected InvalidHandle, got {other:?}"),
+    }
+}
+
+#[test]
+fn memory_pool_allocations_are_not_exportable() {
+    let Some(mem) = gpu() else { return };
+    mem.bind_to_thread().unwrap();
+    let stream: sys::CUstream = std::ptr::null_mut();
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: out-pointer to a local; the legacy default stream of the current context.
+    let r = unsafe { sys::cuMemAllocAsync(&mut ptr, 2 << 20, stream) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemAllocAsync");
+    // SAFETY: no pointers.
+    let r = unsafe { sys::cuStreamSynchronize(stream) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuStreamSynchronize");
+    let result = mem.export(ptr, 4096);
+    // SAFETY: frees the allocation made above, once.
+    unsafe {
+        sys::cuMemFreeAsync(ptr, stream);
+        sys::cuStreamSynchronize(stream);
+    }
+    match result {
+        Err(IpcError::NotExportable { reason, .. }) => {
+            assert!(
+                reason.contains("pool") && reason.contains("legacy-CUDA-IPC"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected NotExportable, got {other:?}"),
+    }
+}
+
+#[test]
+fn vmm_allocations_are_not_exportable() {
+    let Some(mem) = gpu() else { return };
+    mem.bind_to_thread().unwrap();
+    let ok = sys::CUresult::CUDA_SUCCESS;
+    let location = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: 0,
+    };
+    let prop = sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location,
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    };
+    let access = sys::CUmemAccessDesc {
+        location,
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    let mut size = 0usize;
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: out-pointers to locals; the reservation, allocation and mapping made here are
+    // undone below, in reverse order.
+    unsafe {
+        assert_eq!(
+            sys::cuMemGetAllocationGranularity(
+                &mut size,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            ),
+            ok
+        );
+        assert_eq!(sys::cuMemCreate(&mut handle, size, &prop, 0), ok);
+        assert_eq!(sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0), ok);
+        assert_eq!(sys::cuMemMap(ptr, size, 0, handle, 0), ok);
+        assert_eq!(sys::cuMemSetAccess(ptr, size, &access, 1), ok);
+    }
+    let result = mem.export(ptr, 64);
+    // SAFETY: undoes the mapping, reservation and allocation above, once each.
+    unsafe {
+        sys::cuMemUnmap(ptr, size);
+        sys::cuMemAddressFree(ptr, size);
+        sys::cuMemRelease(handle);
+    }
+    match result {
+        Err(IpcError::NotExportable { reason, .. }) => {
+            assert!(
+                reason.contains("VMM") && reason.contains("legacy-CUDA-IPC"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected NotExportable, got {other:?}"),
+    }
+}
+
+const CHILD_OFFSET: usize = (1 << 20) + 100;
+const CHILD_LEN: usize = 64 << 10;
+
+/// Not a test on its own: the exporting process of the two-process test. It allocates,
+/// writes a pattern, prints its handle, and on `CHECK` prints the first 16 bytes of the
+/// range (written by the parent through its mapping). Exits at the end of its stdin.
+#[test]
+#[ignore = "helper process of a_peer_process_opens_reads_closes_and_reopens_a_handle"]
+fn child_cuda_exporter() {
+    if std::env::var_os("TPCOMM_CUDA_CHILD").is_none() {
+        return;
+    }
+    let mem = CudaMemory::new(0).unwrap();
+    let buf = mem.allocate(3 << 20).unwrap();
+    mem.write(&buf, CHILD_OFFSET, &pattern(5, CHILD_LEN))
+        .unwrap();
+    let h = mem
+        .export(buf.addr() + CHILD_OFFSET as u64, CHILD_LEN)
+        .unwrap();
+    println!("HANDLE {}", hex(&wire_bytes(&h)));
+    let mut lines = std::io::stdin().lock().lines();
+    while let Some(Ok(line)) = lines.next() {
+        if line.trim() == "CHECK" {
+            let mut got = [0u8; 16];
+            mem.read(&buf, CHILD_OFFSET, &mut got).unwrap();
+            println!("MARKER {}", hex(&got));
+        }
+    }
+}
+
+#[test]
+fn a_peer_process_opens_reads_closes_and_reopens_a_handle() {
+    let Some(mem) = gpu() else { return };
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_cuda_exporter",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("TPCOMM_CUDA_CHILD", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // The harness may print "test child_cuda_exporter ... " on the same line.
+    let mut field = |tag: &str| {
+        lines
+            .find_map(|l| {
+                l.ok()
+                    .and_then(|l| l.split_once(tag).map(|(_, rest)| rest.trim().to_string()))
+            })
+            .unwrap_or_else(|| panic!("the child prints {tag}"))
+    };
+    let wire = unhex(&field("HANDLE "));
+    let h: CudaHandle = tpcomm_objects::decode_from(0, &wire).unwrap();
+    assert_eq!(h.pid, child.id());
+    assert_eq!((h.offset, h.len), (CHILD_OFFSET as u64, CHILD_LEN as u64));
+    assert_eq!(h.base_len, 4 << 20, "3 MiB rounded up to 2 MiB multiples");
+
+    let m = mem.open(&h).expect("another process opens the handle");
+    assert_eq!(m.len(), CHILD_LEN);
+    assert_eq!(m.addr(), m.allocation_base() + CHILD_OFFSET as u64);
+    let mut got = vec![0u8; CHILD_LEN];
+    mem.read(&m, 0, &mut got).unwrap();
+    assert_eq!(got, pattern(5, CHILD_LEN), "cross-process read");
+    let marker = [0xa5u8; 16];
+    mem.write(&m, 0, &marker).unwrap();
+    let first = m.addr();
+    mem.close(m).expect("an explicit close reports success");
+
+    let again = mem.open(&h).expect("a closed handle opens again");
+    let mut got = vec![0u8; CHILD_LEN];
+    mem.read(&again, 0, &mut got).unwrap();
+    assert_eq!(got[..16], marker);
+    assert_eq!(got[16..], pattern(5, CHILD_LEN)[16..]);
+    eprintln!(
+        "reopened at {:#x} (first at {first:#x}){}",
+        again.addr(),
+        if again.addr() == first {
+            ", same address"
+        } else {
+            ", moved"
+        }
+    );
+    // A second mapping of the same allocation shares the driver mapping.
+    let twin = mem
+        .open(&h)
+        .expect("the same handle opens twice through the table");
+    assert_eq!(twin.addr(), again.addr());
+    drop(again);
+    mem.read(&twin, 0, &mut got[..16]).unwrap();
+    assert_eq!(got[..16], marker, "still mapped while one mapping remains");
+    drop(twin);
+
+    writeln!(stdin, "CHECK").unwrap();
+    assert_eq!(
+        unhex(&field("MARKER ")),
+        marker,
+        "the owner sees the peer's write"
+    );
+
+    child.kill().unwrap();
+    child.wait().unwrap();
+    match mem.open(&h) {
+        Err(e) => eprintln!("after the owner died, open fails: {e}"),
+        Ok(m) => {
+            eprintln!("after the owner died, the driver still opened its handle");
+            mem.close(m).unwrap();
+        }
+    }
+}

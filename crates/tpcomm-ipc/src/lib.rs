@@ -21,6 +21,7 @@
 
 pub mod backend;
 mod error;
+mod fault;
 mod memory;
 mod registry;
 
@@ -28,5 +29,6 @@ mod registry;
 pub use backend::cuda::{CudaBuffer, CudaHandle, CudaMapping, CudaMemory};
 pub use backend::host::{AddressHold, HostBuffer, HostHandle, HostMapping, HostMemory};
 pub use error::{IpcError, Result};
+pub use fault::{FaultInjection, FaultPoint};
 pub use memory::{MemoryRegion, PeerMemory};
 pub use registry::{Counters, Envelope, ExchangeId, PeerMappings, Region};

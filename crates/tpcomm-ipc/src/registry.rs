@@ -237,7 +237,9 @@ impl<B: PeerMemory> PeerMappings<B> {
             return Ok(slots);
         }
         for slot in opened_here {
-            self.close_slot(slot);
+            if let Err(e) = self.close_slot(slot) {
+                tracing::warn!(error = %e, slot, "closing a mapping while rolling back failed");
+            }
         }
         Err(IpcError::PeerOpenFailed {
             ranks: failed,
@@ -295,17 +297,15 @@ impl<B: PeerMemory> PeerMappings<B> {
         Ok((slot, true))
     }
 
-    fn close_slot(&mut self, slot: usize) -> bool {
+    /// Closes one slot; `Ok(false)` when it was not open. The slot is gone either way.
+    fn close_slot(&mut self, slot: usize) -> Result<bool> {
         let Some(mapping) = self.slab.get_mut(slot).and_then(Option::take) else {
-            return false;
+            return Ok(false);
         };
         self.memo.retain(|_, s| *s != slot);
-        if let Err(e) = self.backend.close(mapping) {
-            tracing::warn!(error = %e, slot, "closing a peer mapping failed");
-        }
         self.counters.open -= 1;
         self.counters.closes += 1;
-        true
+        self.backend.close(mapping).map(|()| true)
     }
 
     /// The mapping of region `index` of `rank` in exchange `id`.
@@ -346,17 +346,30 @@ impl<B: PeerMemory> PeerMappings<B> {
 
     /// Closes every imported mapping; local memory is untouched. Returns how many were
     /// closed. Repeating it is a no-op returning 0.
+    ///
+    /// Every mapping is closed (and unreachable) even when some close fails; the first
+    /// failure is then returned.
     pub fn close_all(&mut self) -> Result<usize> {
         let _span = tracing::debug_span!("peer_close_all", rank = self.rank).entered();
         let mut closed = 0;
+        let mut first_error = None;
         for slot in 0..self.slab.len() {
-            closed += usize::from(self.close_slot(slot));
+            match self.close_slot(slot) {
+                Ok(was_open) => closed += usize::from(was_open),
+                Err(e) => {
+                    closed += 1;
+                    first_error.get_or_insert(e);
+                }
+            }
         }
         self.slab.clear();
         self.memo.clear();
         self.closed = true;
         tracing::debug!(closed, "peer mappings closed");
-        Ok(closed)
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(closed),
+        }
     }
 
     /// Collective: exports fresh handles for every region of every exchange, exchanges and
@@ -386,7 +399,9 @@ impl<B: PeerMemory> PeerMappings<B> {
         self.exchanges = exchanges;
         if result.is_err() {
             // Leave a consistent closed state: nothing half-open.
-            self.close_all()?;
+            if let Err(e) = self.close_all() {
+                tracing::warn!(error = %e, "closing after a failed reopen failed");
+            }
         }
         result
     }
@@ -395,7 +410,9 @@ impl<B: PeerMemory> PeerMappings<B> {
 impl<B: PeerMemory> Drop for PeerMappings<B> {
     fn drop(&mut self) {
         for slot in 0..self.slab.len() {
-            self.close_slot(slot);
+            if let Err(e) = self.close_slot(slot) {
+                tracing::warn!(error = %e, slot, "closing a peer mapping on drop failed");
+            }
         }
     }
 }

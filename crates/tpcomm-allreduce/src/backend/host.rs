@@ -1,0 +1,285 @@
+//! The host backend: a real CPU all-reduce over shared memory ([`HostMemory`]).
+//!
+//! A launch runs on the calling thread. It reads the RankSignals table and its RankData
+//! slot *when it runs* (so a launch recorded before a suspend uses the addresses written
+//! after the resume), then:
+//!
+//! - one-stage: start barrier; reduce every rank's input in rank order with f32
+//!   accumulation into the output; end barrier (peers may still read this rank's input
+//!   until then);
+//! - two-stage: start barrier; reduce this rank's n-th of the elements into its temp
+//!   buffer; a release/acquire barrier (peers' temp writes visible); copy every rank's
+//!   reduced n-th from its temp buffer into the output; end barrier.
+//!
+//! Barrier: this rank's epoch (its Signal counter + 1) is stored with *release* into every
+//! peer's slot for this rank, then this rank waits with *acquire* loads until every peer's
+//! slot in its own block shows the epoch. Waits spin briefly, then yield, then sleep in
+//! short steps (ranks may outnumber cores), and give up at the timeout naming the peer.
+
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use tpcomm_ipc::{HostBuffer, HostMapping, HostMemory, MemoryRegion, PeerMemory};
+
+use super::{Backend, Buffer, Launch};
+use crate::dispatch::Algorithm;
+use crate::dtype::{DType, Element};
+use crate::error::{AllReduceError, Result};
+
+/// Host Signal block: three flag arrays (one 64-byte line each), the epoch counter, the
+/// nonce. Offsets in bytes.
+const START: usize = 0;
+const MID: usize = 64;
+const END: usize = 128;
+const COUNTER: usize = 192;
+const NONCE: usize = 256;
+const SIGNAL_BYTES: usize = 320;
+
+/// The CPU backend over [`HostMemory`] (or a wrapper of it with the same buffers, such as
+/// `tpcomm_ipc::FaultInjection<HostMemory>` in tests).
+pub struct HostBackend<M = HostMemory>(PhantomData<fn() -> M>);
+
+impl<M> HostBackend<M> {
+    /// The backend.
+    pub fn new() -> Self {
+        Self(PhantomData)
+    }
+}
+
+impl<M> Default for HostBackend<M> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<M> Clone for HostBackend<M> {
+    fn clone(&self) -> Self {
+        Self::new()
+    }
+}
+
+impl<M> std::fmt::Debug for HostBackend<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HostBackend")
+    }
+}
+
+/// A flag word of a Signal block at `base + offset`.
+///
+/// # Safety
+/// `base` must be the address of a live, mapped Signal block of at least `SIGNAL_BYTES`
+/// bytes for as long as the reference is used.
+unsafe fn flag<'a>(base: u64, offset: usize) -> &'a AtomicU32 {
+    // SAFETY: the caller guarantees a live mapping; offsets are 4-byte aligned inside
+    // SIGNAL_BYTES and the memory is only ever accessed atomically.
+    unsafe { AtomicU32::from_ptr((base as usize + offset) as *mut u32) }
+}
+
+fn read_table<M: PeerMemory>(memory: &M, table: &M::Buffer, offset: usize) -> Result<[u64; 8]> {
+    let mut raw = [0u8; 64];
+    memory.read(table, offset, &mut raw)?;
+    let mut out = [0u64; 8];
+    for (o, chunk) in out.iter_mut().zip(raw.chunks_exact(8)) {
+        *o = u64::from_le_bytes(chunk.try_into().expect("8-byte chunk"));
+    }
+    Ok(out)
+}
+
+struct Barrier<'a> {
+    rank: usize,
+    world: usize,
+    own: u64,
+    signals: &'a [u64; 8],
+    epoch: u32,
+    timeout: Duration,
+}
+
+impl Barrier<'_> {
+    /// Publishes this rank's epoch to every peer's `array`, then waits for every peer's.
+    fn cross(&self, array: usize, name: &'static str) -> Result<()> {
+        for p in 0..self.world {
+            // SAFETY: the tables hold live Signal mappings for every rank of the group
+            // (the driver rewrites them after every reopen before any launch).
+            unsafe { flag(self.signals[p], array + 4 * self.rank) }
+                .store(self.epoch, Ordering::Release);
+        }
+        let started = Instant::now();
+        for p in 0..self.world {
+            // SAFETY: this rank's own Signal block, alive for the launch.
+            let slot = unsafe { flag(self.own, array + 4 * p) };
+            let mut spins = 0u32;
+            while slot.load(Ordering::Acquire) != self.epoch {
+                spins += 1;
+                if spins < 256 {
+                    std::hint::spin_loop();
+                } else if spins < 1024 {
+                    std::thread::yield_now();
+                } else {
+                    let waited = started.elapsed();
+                    if waited >= self.timeout {
+                        return Err(AllReduceError::Timeout {
+                            rank: self.rank,
+                            peer: p,
+                            barrier: name,
+                            waited,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Elements per accumulation chunk.
+const CHUNK: usize = 1024;
+
+/// `out[i] = sum over r in rank order of inputs[r][i]` for `i` in `range`, f32 accumulation.
+///
+/// # Safety
+/// Every `inputs[r]` must point to at least `range.end` readable elements of `T` and
+/// `out` to at least `range.end` writable ones, none written concurrently.
+unsafe fn reduce<T: Element>(inputs: &[u64], out: u64, range: Range<usize>) {
+    let mut acc = [0f32; CHUNK];
+    let mut start = range.start;
+    while start < range.end {
+        let n = (range.end - start).min(CHUNK);
+        acc[..n].fill(0.0);
+        for &input in inputs {
+            // SAFETY: per the function contract, `start + n <= range.end` elements.
+            let src = unsafe { std::slice::from_raw_parts((input as *const T).add(start), n) };
+            for (a, v) in acc[..n].iter_mut().zip(src) {
+                *a += v.to_f32();
+            }
+        }
+        // SAFETY: per the function contract.
+        let dst = unsafe { std::slice::from_raw_parts_mut((out as *mut T).add(start), n) };
+        for (d, a) in dst.iter_mut().zip(&acc[..n]) {
+            *d = T::from_f32(*a);
+        }
+        start += n;
+    }
+}
+
+/// The part of `count` elements that rank `r` of `world` reduces in two-stage: equal
+/// parts rounded to 16-byte packs, the last one taking the rest.
+pub(crate) fn part(count: usize, elem: usize, world: usize, r: usize) -> Range<usize> {
+    let per_pack = 16 / elem;
+    let packs = count.div_ceil(per_pack);
+    let each = packs.div_ceil(world) * per_pack;
+    let start = (r * each).min(count);
+    start..((r + 1) * each).min(count)
+}
+
+fn run<T: Element, M: HostLike>(
+    l: &Launch<'_, HostBackend<M>>,
+    temps: &[u64; 8],
+    inputs: &[u64],
+    barrier: &Barrier<'_>,
+) -> Result<()> {
+    barrier.cross(START, "start")?;
+    match l.algorithm {
+        Algorithm::OneStage => {
+            // SAFETY: the start barrier ordered every rank's input writes before these
+            // reads; inputs and output hold `count` elements (checked by the driver), and
+            // no rank writes an input before the end barrier.
+            unsafe { reduce::<T>(inputs, l.out, 0..l.count) };
+        }
+        Algorithm::TwoStage => {
+            let mine = part(l.count, T::DTYPE.size(), l.world, l.rank);
+            // SAFETY: as above; this rank's temp buffer holds `count` elements and only
+            // this rank writes it, before the mid barrier.
+            unsafe { reduce::<T>(inputs, temps[l.rank], mine) };
+            barrier.cross(MID, "mid")?;
+            for r in 0..l.world {
+                let p = part(l.count, T::DTYPE.size(), l.world, r);
+                let bytes = p.len() * T::DTYPE.size();
+                let offset = p.start * T::DTYPE.size();
+                // SAFETY: rank r finished writing its part of its temp buffer before the
+                // mid barrier (release/acquire); the output holds `count` elements.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (temps[r] as *const u8).add(offset),
+                        (l.out as *mut u8).add(offset),
+                        bytes,
+                    )
+                };
+            }
+        }
+    }
+    barrier.cross(END, "end")
+}
+
+/// Peer memory whose buffers are host shared memory.
+pub trait HostLike: PeerMemory<Buffer = HostBuffer, Mapping = HostMapping> {}
+impl<M: PeerMemory<Buffer = HostBuffer, Mapping = HostMapping>> HostLike for M {}
+
+impl<M: HostLike> Backend for HostBackend<M> {
+    type Memory = M;
+
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn signal_bytes(&self) -> usize {
+        SIGNAL_BYTES
+    }
+
+    fn nonce_offset(&self) -> usize {
+        NONCE
+    }
+
+    fn reset_signal(&self, memory: &M, signal: &Buffer<Self>) -> Result<()> {
+        Ok(memory.write(signal, 0, &[0u8; NONCE])?)
+    }
+
+    fn launch(&self, memory: &M, l: &Launch<'_, Self>) -> Result<()> {
+        let signals = read_table(memory, l.rank_signals, 0)?;
+        let temps = read_table(memory, l.rank_signals, 64)?;
+        let inputs = read_table(memory, l.rank_data, l.slot * super::RANK_DATA_BYTES)?;
+        let own = l.own_signal.addr();
+        // SAFETY: this rank's own Signal block, alive for the launch.
+        let counter = unsafe { flag(own, COUNTER) };
+        let epoch = counter.load(Ordering::Relaxed).wrapping_add(1);
+        counter.store(epoch, Ordering::Relaxed);
+        let barrier = Barrier {
+            rank: l.rank,
+            world: l.world,
+            own,
+            signals: &signals,
+            epoch,
+            timeout: l.timeout,
+        };
+        let inputs = &inputs[..l.world];
+        match l.dtype {
+            DType::F32 => run::<f32, M>(l, &temps, inputs, &barrier),
+            DType::F16 => run::<f16, M>(l, &temps, inputs, &barrier),
+            DType::Bf16 => run::<bf16, M>(l, &temps, inputs, &barrier),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::part;
+
+    #[test]
+    fn parts_cover_every_element_once_in_whole_packs() {
+        for world in 1..=8 {
+            for count in [4usize, 8, 12, 1000, 4096, 4100] {
+                let mut next = 0;
+                for r in 0..world {
+                    let p = part(count, 4, world, r);
+                    assert_eq!(p.start, next);
+                    assert!(p.start.is_multiple_of(4) || p.is_empty());
+                    next = p.end;
+                }
+                assert_eq!(next, count);
+            }
+        }
+    }
+}

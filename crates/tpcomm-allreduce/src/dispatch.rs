@@ -1,0 +1,148 @@
+//! Which algorithm serves an all-reduce, as a pure function of size and world size.
+//!
+//! One-stage: every rank reads every peer's whole input and reduces it (n reads of the
+//! whole size per rank, two barriers). Two-stage: each rank reduces one n-th into its temp
+//! buffer, a release/acquire barrier, then every rank gathers the n reduced parts (about
+//! two whole-size passes per rank, three barriers). One-stage wins while latency
+//! dominates; two-stage once bandwidth does, earlier for larger worlds. The thresholds
+//! below were measured on the host backend with `tpcomm-bench allreduce` (docs/all-reduce.md).
+
+use std::fmt;
+
+/// The algorithm a launch uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Every rank reads all inputs.
+    OneStage,
+    /// Reduce-scatter, then all-gather.
+    TwoStage,
+}
+
+impl Algorithm {
+    /// `"1stage"` or `"2stage"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::OneStage => "1stage",
+            Algorithm::TwoStage => "2stage",
+        }
+    }
+}
+
+/// Why an all-reduce goes to the fallback (MPI or NCCL) instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FallbackReason {
+    /// The byte size is not a multiple of 16 (kernels move 16-byte packs).
+    SizeNotMultipleOf16 {
+        /// The size.
+        bytes: usize,
+    },
+    /// Larger than the staging buffers.
+    TooLarge {
+        /// The size.
+        bytes: usize,
+        /// The largest size served.
+        max: usize,
+    },
+    /// More ranks than the tables hold.
+    UnsupportedWorldSize {
+        /// The world size.
+        world: usize,
+    },
+    /// Nothing to reduce.
+    Empty,
+}
+
+impl fmt::Display for FallbackReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FallbackReason::SizeNotMultipleOf16 { bytes } => {
+                write!(f, "{bytes} bytes is not a multiple of 16")
+            }
+            FallbackReason::TooLarge { bytes, max } => {
+                write!(f, "{bytes} bytes is above the maximum of {max}")
+            }
+            FallbackReason::UnsupportedWorldSize { world } => {
+                write!(f, "world size {world} is not supported (1..=8)")
+            }
+            FallbackReason::Empty => f.write_str("empty input"),
+        }
+    }
+}
+
+/// Largest world size the tables hold.
+pub const MAX_RANKS: usize = 8;
+
+/// Sizes up to this many bytes use one-stage, for each world size (index = world size).
+/// Measured on the host backend (2-core machine; see docs/all-reduce.md).
+pub const ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
+    0,
+    usize::MAX,
+    512 << 10,
+    256 << 10,
+    256 << 10,
+    128 << 10,
+    128 << 10,
+    128 << 10,
+    128 << 10,
+];
+
+/// The algorithm for `bytes` on `world` ranks, or why the fallback must serve it.
+pub fn choose(bytes: usize, world: usize, max_bytes: usize) -> Result<Algorithm, FallbackReason> {
+    if world == 0 || world > MAX_RANKS {
+        return Err(FallbackReason::UnsupportedWorldSize { world });
+    }
+    if bytes == 0 {
+        return Err(FallbackReason::Empty);
+    }
+    if !bytes.is_multiple_of(16) {
+        return Err(FallbackReason::SizeNotMultipleOf16 { bytes });
+    }
+    if bytes > max_bytes {
+        return Err(FallbackReason::TooLarge {
+            bytes,
+            max: max_bytes,
+        });
+    }
+    Ok(if bytes <= ONE_STAGE_MAX_BYTES[world] {
+        Algorithm::OneStage
+    } else {
+        Algorithm::TwoStage
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_sizes_use_one_stage_and_large_ones_two_stage() {
+        for world in 2..=MAX_RANKS {
+            let t = ONE_STAGE_MAX_BYTES[world];
+            assert_eq!(choose(16, world, 8 << 20), Ok(Algorithm::OneStage));
+            assert_eq!(choose(t, world, 8 << 20), Ok(Algorithm::OneStage));
+            assert_eq!(choose(t + 16, world, 8 << 20), Ok(Algorithm::TwoStage));
+        }
+    }
+
+    #[test]
+    fn a_single_rank_never_needs_two_stages() {
+        assert_eq!(choose(8 << 20, 1, 8 << 20), Ok(Algorithm::OneStage));
+    }
+
+    #[test]
+    fn unsupported_inputs_name_their_reason() {
+        assert_eq!(
+            choose(24, 2, 1 << 20),
+            Err(FallbackReason::SizeNotMultipleOf16 { bytes: 24 })
+        );
+        assert_eq!(choose(0, 2, 1 << 20), Err(FallbackReason::Empty));
+        assert_eq!(
+            choose(32, 9, 1 << 20),
+            Err(FallbackReason::UnsupportedWorldSize { world: 9 })
+        );
+        assert_eq!(
+            choose(64, 2, 32),
+            Err(FallbackReason::TooLarge { bytes: 64, max: 32 })
+        );
+    }
+}

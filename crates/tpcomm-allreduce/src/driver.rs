@@ -1,0 +1,686 @@
+//! [`CustomAllReduce`]: allocations, stable tables, registration, capture, lifecycle.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tpcomm_ipc::{ExchangeId, MemoryRegion, PeerMappings, PeerMemory, Region};
+use tpcomm_transport::Communicator;
+
+use crate::backend::{Backend, Buffer, Launch, RANK_DATA_BYTES, RANK_SIGNALS_BYTES};
+use crate::dispatch::{self, Algorithm, MAX_RANKS};
+use crate::dtype::{DType, Element};
+use crate::error::{AllReduceError, Result};
+use crate::lifecycle::{Lifecycle, Phase, Step, Transition};
+
+/// Settings of a [`CustomAllReduce`]; every rank must pass equal settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Largest all-reduce served, in bytes (sizes the staging and temp buffers; default
+    /// 8 MiB). Larger inputs get [`FallbackReason::TooLarge`](crate::FallbackReason).
+    pub max_bytes: usize,
+    /// RankData slots (slot 0 serves eager inputs; default 1024).
+    pub slots: usize,
+    /// Bound on every barrier wait inside a launch (default 30 s).
+    pub timeout: Duration,
+    /// Forces one algorithm for every size it can serve (benchmarks, tests); `None` (the
+    /// default) dispatches by size and world size.
+    pub algorithm: Option<Algorithm>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            max_bytes: 8 << 20,
+            slots: 1024,
+            timeout: Duration::from_secs(30),
+            algorithm: None,
+        }
+    }
+}
+
+impl Config {
+    fn choose(&self, bytes: usize, world: usize) -> Result<Algorithm> {
+        let chosen =
+            dispatch::choose(bytes, world, self.max_bytes).map_err(AllReduceError::Fallback)?;
+        Ok(self.algorithm.unwrap_or(chosen))
+    }
+}
+
+/// Where the addresses of a RankData slot come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotSource {
+    /// The staging buffers (region 1 of the base exchange).
+    Eager,
+    /// Region `index` of an exchange.
+    Exchanged(ExchangeId, usize),
+    /// A captured input waiting for `register_graph_buffers`.
+    Pending,
+}
+
+/// Index of each base region in the base exchange.
+const SIGNAL: usize = 0;
+const STAGING: usize = 1;
+const TEMP: usize = 2;
+
+#[derive(Debug)]
+struct Resources<B: Backend> {
+    peers: PeerMappings<B::Memory>,
+    signal: Buffer<B>,
+    staging: Buffer<B>,
+    /// Only peers and launches (through the tables) touch it; owned here to keep it alive.
+    _temp: Buffer<B>,
+    rank_signals: Buffer<B>,
+    rank_data: Buffer<B>,
+    base: ExchangeId,
+}
+
+/// An input shared with every peer up front ([`CustomAllReduce::register_buffer`]):
+/// all-reduces of it are zero-copy. Borrows the buffer, so it cannot outlive it.
+#[derive(Debug, Clone, Copy)]
+pub struct RegisteredInput<'b, B: Backend> {
+    buffer: &'b Buffer<B>,
+    slot: usize,
+}
+
+/// One launch recorded by [`CustomAllReduce::capture`].
+#[derive(Debug)]
+struct Recorded<'b, B: Backend> {
+    slot: usize,
+    output: &'b Buffer<B>,
+    dtype: DType,
+    count: usize,
+    algorithm: Algorithm,
+}
+
+/// The launches recorded during a capture: the host equivalent of a CUDA graph. Replaying
+/// reads the tables at run time, so a plan captured before a suspend replays correctly
+/// after the resume.
+#[derive(Debug)]
+pub struct CapturedPlan<'b, B: Backend> {
+    launches: Vec<Recorded<'b, B>>,
+}
+
+impl<B: Backend> CapturedPlan<'_, B> {
+    /// Number of recorded launches.
+    pub fn len(&self) -> usize {
+        self.launches.len()
+    }
+
+    /// True when nothing was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.launches.is_empty()
+    }
+
+    /// Runs every recorded launch in order (collective, like the launches themselves).
+    pub fn replay(&self, ar: &mut CustomAllReduce<B>) -> Result<()> {
+        for l in &self.launches {
+            ar.launch(
+                "replay",
+                l.slot,
+                l.dtype,
+                l.count,
+                l.algorithm,
+                l.output.addr(),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The recording side of a capture (see [`CustomAllReduce::capture`]).
+#[derive(Debug)]
+pub struct Capture<'a, 'b, B: Backend> {
+    ar: &'a mut CustomAllReduce<B>,
+    launches: Vec<Recorded<'b, B>>,
+}
+
+impl<'b, B: Backend> Capture<'_, 'b, B> {
+    /// Records an all-reduce of the first `count` elements of `input` into `output`. An
+    /// input not registered yet gets the next free RankData slot, filled by
+    /// [`CustomAllReduce::register_graph_buffers`].
+    pub fn all_reduce(
+        &mut self,
+        input: &'b Buffer<B>,
+        output: &'b Buffer<B>,
+        dtype: DType,
+        count: usize,
+    ) -> Result<Algorithm> {
+        self.ar.lifecycle.check_operation("capture")?;
+        let bytes = self
+            .ar
+            .checked_bytes(dtype, count, input.len(), output.len())?;
+        let algorithm = self.ar.config.choose(bytes, self.ar.world)?;
+        check_no_alias(algorithm, input.addr(), output.addr(), bytes)?;
+        let slot = match self.ar.registered.get(&(input.addr(), bytes)) {
+            Some(&slot) => slot,
+            None => {
+                let slot = self.ar.free_slot()?;
+                self.ar.slots[slot] = Some(SlotSource::Pending);
+                self.ar.pending.push((
+                    slot,
+                    Region {
+                        addr: input.addr(),
+                        len: bytes,
+                    },
+                ));
+                self.ar.registered.insert((input.addr(), bytes), slot);
+                slot
+            }
+        };
+        self.launches.push(Recorded {
+            slot,
+            output,
+            dtype,
+            count,
+            algorithm,
+        });
+        Ok(algorithm)
+    }
+}
+
+fn check_no_alias(algorithm: Algorithm, input: u64, output: u64, bytes: usize) -> Result<()> {
+    let overlap = input < output + bytes as u64 && output < input + bytes as u64;
+    if algorithm == Algorithm::OneStage && overlap {
+        return Err(AllReduceError::InvalidArgument(
+            "the one-stage output must not overlap its input (peers read the input until the end barrier)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The graph-safe custom all-reduce of one group of ranks.
+///
+/// Per rank it owns a Signal block, a staging buffer for eager inputs and a temp buffer for
+/// two-stage, all in peer memory shared through [`PeerMappings`], plus two *stable tables*
+/// at addresses fixed for its whole life: RankSignals (every rank's Signal and temp
+/// address as mapped here) and a pool of RankData slots (every rank's input address).
+/// Launches name table entries, never peer addresses, so
+/// [`prepare_for_suspend`](Self::prepare_for_suspend) can close every mapping and
+/// [`reinit_after_resume`](Self::reinit_after_resume) reopen them elsewhere while captured
+/// plans stay valid.
+///
+/// ```
+/// use tpcomm_allreduce::{Config, CustomAllReduce, HostBackend};
+/// use tpcomm_ipc::HostMemory;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(2).run(|comm| -> tpcomm_allreduce::Result<Vec<f32>> {
+///     let mut ar = CustomAllReduce::new(HostBackend::new(), HostMemory::new(), &comm, Config::default())?;
+///     let input = vec![comm.rank() as f32 + 1.0; 64];
+///     let mut out = vec![0f32; 64];
+///     ar.all_reduce(&input, &mut out)?;
+///     ar.prepare_for_suspend(&comm)?;
+///     ar.reinit_after_resume(&comm)?;
+///     ar.all_reduce(&input, &mut out)?;
+///     Ok(out)
+/// });
+/// for r in results {
+///     assert_eq!(r.unwrap().unwrap(), vec![3.0f32; 64]);
+/// }
+/// ```
+#[derive(Debug)]
+pub struct CustomAllReduce<B: Backend> {
+    backend: B,
+    rank: usize,
+    world: usize,
+    config: Config,
+    lifecycle: Lifecycle,
+    res: Option<Resources<B>>,
+    /// Source of each RankData slot (`None` = free).
+    slots: Vec<Option<SlotSource>>,
+    /// (input address, bytes) -> slot, for registered and captured inputs.
+    registered: HashMap<(u64, usize), usize>,
+    /// Captured inputs awaiting `register_graph_buffers`, in capture order.
+    pending: Vec<(usize, Region)>,
+}
+
+impl<B: Backend> CustomAllReduce<B> {
+    /// Collective: allocates this rank's Signal, staging and temp buffers and the tables,
+    /// exchanges the buffers with every peer and fills the tables.
+    pub fn new<C: Communicator + ?Sized>(
+        backend: B,
+        memory: B::Memory,
+        comm: &C,
+        config: Config,
+    ) -> Result<Self> {
+        let world = comm.size();
+        if world > MAX_RANKS {
+            return Err(AllReduceError::Fallback(
+                dispatch::FallbackReason::UnsupportedWorldSize { world },
+            ));
+        }
+        if config.slots < 1 || config.max_bytes < 16 {
+            return Err(AllReduceError::InvalidArgument(
+                "need at least 1 slot and 16 bytes".into(),
+            ));
+        }
+        let _span = tracing::debug_span!(
+            "allreduce_new",
+            rank = comm.rank(),
+            world,
+            backend = backend.name()
+        )
+        .entered();
+        let signal = memory.allocate(backend.signal_bytes())?;
+        let staging = memory.allocate(config.max_bytes)?;
+        let temp = memory.allocate(config.max_bytes)?;
+        let rank_signals = memory.allocate(RANK_SIGNALS_BYTES)?;
+        let pool_bytes = config
+            .slots
+            .checked_mul(RANK_DATA_BYTES)
+            .ok_or_else(|| AllReduceError::InvalidArgument("slot pool size overflows".into()))?;
+        let rank_data = memory.allocate(pool_bytes)?;
+        backend.reset_signal(&memory, &signal)?;
+        let mut peers = PeerMappings::new(memory, comm)?;
+        let regions = [
+            Region {
+                addr: signal.addr(),
+                len: backend.signal_bytes(),
+            },
+            Region {
+                addr: staging.addr(),
+                len: config.max_bytes,
+            },
+            Region {
+                addr: temp.addr(),
+                len: config.max_bytes,
+            },
+        ];
+        let base = peers.exchange(comm, &regions)?;
+        let mut slots = vec![None; config.slots];
+        slots[0] = Some(SlotSource::Eager);
+        let mut ar = Self {
+            backend,
+            rank: comm.rank(),
+            world,
+            config,
+            lifecycle: Lifecycle::new(),
+            res: Some(Resources {
+                peers,
+                signal,
+                staging,
+                _temp: temp,
+                rank_signals,
+                rank_data,
+                base,
+            }),
+            slots,
+            registered: HashMap::new(),
+            pending: Vec::new(),
+        };
+        ar.write_tables()?;
+        comm.barrier()?;
+        Ok(ar)
+    }
+
+    /// The lifecycle phase.
+    pub fn phase(&self) -> Phase {
+        self.lifecycle.phase()
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The peer-memory backend (to allocate inputs that can be registered or captured).
+    pub fn memory(&self) -> Result<&B::Memory> {
+        Ok(self.resources("memory")?.peers.backend())
+    }
+
+    /// The registry of peer mappings (for counters and tests).
+    pub fn peer_mappings(&self) -> Result<&PeerMappings<B::Memory>> {
+        Ok(&self.resources("peer_mappings")?.peers)
+    }
+
+    /// The address at which region `index` (0 Signal, 1 staging, 2 temp) of `rank` is
+    /// mapped now.
+    pub fn base_address(&self, rank: usize, index: usize) -> Result<u64> {
+        let res = self.resources("base_address")?;
+        Ok(res.peers.address(res.base, rank, index)?)
+    }
+
+    /// The address of this rank's RankSignals table (never changes).
+    pub fn rank_signals_address(&self) -> Result<u64> {
+        Ok(self.resources("rank_signals_address")?.rank_signals.addr())
+    }
+
+    fn resources(&self, call: &'static str) -> Result<&Resources<B>> {
+        self.res.as_ref().ok_or(AllReduceError::WrongState {
+            call,
+            phase: Phase::Closed,
+        })
+    }
+
+    /// Rewrites every RankSignals entry and every RankData slot from the current mappings.
+    fn write_tables(&mut self) -> Result<()> {
+        let res = self.res.as_ref().ok_or(AllReduceError::WrongState {
+            call: "write_tables",
+            phase: Phase::Closed,
+        })?;
+        let memory = res.peers.backend();
+        let mut table = [0u8; RANK_SIGNALS_BYTES];
+        for r in 0..self.world {
+            let signal = res.peers.address(res.base, r, SIGNAL)?;
+            let temp = res.peers.address(res.base, r, TEMP)?;
+            table[8 * r..8 * r + 8].copy_from_slice(&signal.to_le_bytes());
+            table[64 + 8 * r..64 + 8 * r + 8].copy_from_slice(&temp.to_le_bytes());
+        }
+        memory.write(&res.rank_signals, 0, &table)?;
+        for (slot, source) in self.slots.iter().enumerate() {
+            let (id, index) = match source {
+                Some(SlotSource::Eager) => (res.base, STAGING),
+                Some(SlotSource::Exchanged(id, index)) => (*id, *index),
+                Some(SlotSource::Pending) | None => continue,
+            };
+            let mut entry = [0u8; RANK_DATA_BYTES];
+            for r in 0..self.world {
+                let addr = res.peers.address(id, r, index)?;
+                entry[8 * r..8 * r + 8].copy_from_slice(&addr.to_le_bytes());
+            }
+            memory.write(&res.rank_data, slot * RANK_DATA_BYTES, &entry)?;
+        }
+        Ok(())
+    }
+
+    fn free_slot(&self) -> Result<usize> {
+        self.slots
+            .iter()
+            .position(Option::is_none)
+            .ok_or(AllReduceError::SlotsExhausted(self.slots.len()))
+    }
+
+    fn checked_bytes(
+        &self,
+        dtype: DType,
+        count: usize,
+        input_len: usize,
+        output_len: usize,
+    ) -> Result<usize> {
+        let bytes = count
+            .checked_mul(dtype.size())
+            .ok_or_else(|| AllReduceError::InvalidArgument(format!("{count} elements overflow")))?;
+        if bytes > input_len || bytes > output_len {
+            return Err(AllReduceError::InvalidArgument(format!(
+                "{count} {} elements ({bytes} bytes) do not fit the input ({input_len} bytes) or output ({output_len} bytes)",
+                dtype.name()
+            )));
+        }
+        Ok(bytes)
+    }
+
+    /// Runs one launch; a failure leaves the communicator Failed.
+    fn launch(
+        &mut self,
+        call: &'static str,
+        slot: usize,
+        dtype: DType,
+        count: usize,
+        algorithm: Algorithm,
+        out: u64,
+    ) -> Result<()> {
+        self.lifecycle.check_operation(call)?;
+        if self.slots.get(slot) == Some(&Some(SlotSource::Pending)) {
+            return Err(AllReduceError::UnregisteredGraphBuffers);
+        }
+        let res = self.resources(call)?;
+        let launch = Launch {
+            algorithm,
+            dtype,
+            count,
+            rank: self.rank,
+            world: self.world,
+            rank_signals: &res.rank_signals,
+            rank_data: &res.rank_data,
+            slot,
+            own_signal: &res.signal,
+            out,
+            timeout: self.config.timeout,
+        };
+        let _span = tracing::trace_span!(
+            "allreduce",
+            rank = self.rank,
+            dtype = dtype.name(),
+            count,
+            algorithm = algorithm.name(),
+            slot
+        )
+        .entered();
+        match self.backend.launch(res.peers.backend(), &launch) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.lifecycle.fail(call, e)),
+        }
+    }
+
+    /// Eager all-reduce: copies `input` into the staging buffer and reduces every rank's
+    /// staging buffer into `output`. Returns the algorithm used, or
+    /// [`AllReduceError::Fallback`] with the reason when the custom path cannot serve it.
+    pub fn all_reduce<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<Algorithm> {
+        self.lifecycle.check_operation("all_reduce")?;
+        if input.len() != output.len() {
+            return Err(AllReduceError::InvalidArgument(format!(
+                "input has {} elements, output {}",
+                input.len(),
+                output.len()
+            )));
+        }
+        let bytes = std::mem::size_of_val(input);
+        let algorithm = self.config.choose(bytes, self.world)?;
+        let res = self.resources("all_reduce")?;
+        res.peers
+            .backend()
+            .write(&res.staging, 0, bytemuck::cast_slice(input))?;
+        let out = output.as_mut_ptr() as u64;
+        self.launch("all_reduce", 0, T::DTYPE, input.len(), algorithm, out)?;
+        Ok(algorithm)
+    }
+
+    /// Collective: shares `buffer` (backend memory, e.g. from [`memory`](Self::memory)) with
+    /// every peer so that all-reduces of it are zero-copy.
+    pub fn register_buffer<'b, C: Communicator + ?Sized>(
+        &mut self,
+        comm: &C,
+        buffer: &'b Buffer<B>,
+    ) -> Result<RegisteredInput<'b, B>> {
+        self.lifecycle.check_operation("register_buffer")?;
+        let slot = self.free_slot()?;
+        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+            call: "register_buffer",
+            phase: Phase::Closed,
+        })?;
+        let id = res.peers.exchange(
+            comm,
+            &[Region {
+                addr: buffer.addr(),
+                len: buffer.len(),
+            }],
+        )?;
+        self.slots[slot] = Some(SlotSource::Exchanged(id, 0));
+        self.write_tables()?;
+        Ok(RegisteredInput { buffer, slot })
+    }
+
+    /// Zero-copy all-reduce of the first `output.len()` elements of a registered input.
+    pub fn all_reduce_registered<T: Element>(
+        &mut self,
+        input: &RegisteredInput<'_, B>,
+        output: &mut [T],
+    ) -> Result<Algorithm> {
+        self.lifecycle.check_operation("all_reduce_registered")?;
+        let bytes = self.checked_bytes(
+            T::DTYPE,
+            output.len(),
+            input.buffer.len(),
+            std::mem::size_of_val(output),
+        )?;
+        let algorithm = self.config.choose(bytes, self.world)?;
+        let out = output.as_mut_ptr() as u64;
+        check_no_alias(algorithm, input.buffer.addr(), out, bytes)?;
+        self.launch(
+            "all_reduce_registered",
+            input.slot,
+            T::DTYPE,
+            output.len(),
+            algorithm,
+            out,
+        )?;
+        Ok(algorithm)
+    }
+
+    /// Records the all-reduces `f` issues without running them. Inputs not registered yet
+    /// take the next free RankData slots; call
+    /// [`register_graph_buffers`](Self::register_graph_buffers) (collective) before the
+    /// first replay.
+    pub fn capture<'b, F>(&mut self, f: F) -> Result<CapturedPlan<'b, B>>
+    where
+        F: FnOnce(&mut Capture<'_, 'b, B>) -> Result<()>,
+    {
+        self.lifecycle.check_operation("capture")?;
+        let mut cap = Capture {
+            ar: self,
+            launches: Vec::new(),
+        };
+        f(&mut cap)?;
+        Ok(CapturedPlan {
+            launches: cap.launches,
+        })
+    }
+
+    /// Collective: exports every input captured since the last call, all-gathers the
+    /// handles, opens them and fills their RankData slots. Every rank must have captured
+    /// the same number of new inputs.
+    pub fn register_graph_buffers<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<usize> {
+        self.lifecycle.check_operation("register_graph_buffers")?;
+        let pending = std::mem::take(&mut self.pending);
+        let regions: Vec<Region> = pending.iter().map(|(_, r)| *r).collect();
+        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+            call: "register_graph_buffers",
+            phase: Phase::Closed,
+        })?;
+        let id = res.peers.exchange(comm, &regions)?;
+        for (index, (slot, _)) in pending.iter().enumerate() {
+            self.slots[*slot] = Some(SlotSource::Exchanged(id, index));
+        }
+        self.write_tables()?;
+        Ok(pending.len())
+    }
+
+    /// Collective: barrier, close every imported mapping (Signal blocks, staging, temp,
+    /// registered and graph buffers), barrier. A no-op while Suspended; a failure leaves the
+    /// communicator Failed.
+    pub fn prepare_for_suspend<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        if self.lifecycle.begin(Transition::Suspend)? == Step::NoOp {
+            return Ok(());
+        }
+        let _span = tracing::debug_span!("prepare_for_suspend", rank = self.rank).entered();
+        let outcome = self.suspend_steps(comm);
+        self.lifecycle.finish(Transition::Suspend, outcome)
+    }
+
+    fn suspend_steps<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        comm.barrier()?;
+        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+            call: "prepare_for_suspend",
+            phase: Phase::Closed,
+        })?;
+        let closed = res.peers.close_all()?;
+        tracing::debug!(closed, "mappings closed for suspend");
+        comm.barrier()?;
+        Ok(())
+    }
+
+    /// Collective: fresh handles, exchange, reopen; rewrite every RankSignals and RankData
+    /// entry in place; reset and re-agree the flag counters; prove the new mappings (each
+    /// rank writes a fresh nonce into its Signal block and reads every peer's through the new
+    /// mapping); barrier. A no-op while Active; a failure leaves the communicator Failed.
+    pub fn reinit_after_resume<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        if self.lifecycle.begin(Transition::Resume)? == Step::NoOp {
+            return Ok(());
+        }
+        let _span = tracing::debug_span!("reinit_after_resume", rank = self.rank).entered();
+        let outcome = self.resume_steps(comm);
+        self.lifecycle.finish(Transition::Resume, outcome)
+    }
+
+    fn resume_steps<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        {
+            let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+                call: "reinit_after_resume",
+                phase: Phase::Closed,
+            })?;
+            res.peers.reopen_all(comm)?;
+        }
+        self.write_tables()?;
+        let res = self.resources("reinit_after_resume")?;
+        let memory = res.peers.backend();
+        self.backend.reset_signal(memory, &res.signal)?;
+        let nonce = fresh_nonce(self.rank);
+        memory.write(
+            &res.signal,
+            self.backend.nonce_offset(),
+            &nonce.to_le_bytes(),
+        )?;
+        // Everybody reset its flags and wrote its nonce before anybody reads or launches.
+        let nonces: Vec<u64> = tpcomm_objects::all_gather(comm, &nonce)?;
+        for (peer, &expected) in nonces.iter().enumerate().filter(|&(p, _)| p != self.rank) {
+            let mapping = res.peers.peer(res.base, peer, SIGNAL)?;
+            let mut raw = [0u8; 8];
+            memory.read(mapping, self.backend.nonce_offset(), &mut raw)?;
+            let found = u64::from_le_bytes(raw);
+            if found != expected {
+                return Err(AllReduceError::NonceMismatch {
+                    peer,
+                    expected,
+                    found,
+                });
+            }
+        }
+        comm.barrier()?;
+        Ok(())
+    }
+
+    /// Releases everything (mappings and local buffers) from any phase; later calls fail
+    /// with a Closed error. Not collective. Returns the first error closing met, after
+    /// releasing everything anyway.
+    pub fn close(&mut self) -> Result<()> {
+        self.lifecycle.close();
+        match self.res.take() {
+            Some(mut res) => {
+                let closed = res.peers.close_all().map(drop);
+                drop(res);
+                Ok(closed?)
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+impl<B: Backend> Drop for CustomAllReduce<B> {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            tracing::warn!(error = %e, "closing the custom all-reduce on drop failed");
+        }
+    }
+}
+
+/// A nonce unlikely to repeat: time, rank and a per-process counter mixed.
+fn fresh_nonce(rank: usize) -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut z = t
+        ^ ((rank as u64) << 56)
+        ^ COUNTER
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) | 1
+}

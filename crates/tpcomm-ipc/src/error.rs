@@ -60,6 +60,14 @@ pub enum IpcError {
         /// Length of the region.
         region_len: usize,
     },
+    /// A copy was handed a region of another backend (e.g. device memory to the host backend).
+    #[error("{backend} backend cannot copy into a {region}")]
+    ForeignRegion {
+        /// The backend asked to copy.
+        backend: &'static str,
+        /// The region's type.
+        region: &'static str,
+    },
     /// An allocation request was invalid (zero bytes, overflow).
     #[error("invalid allocation: {0}")]
     InvalidAllocation(String),

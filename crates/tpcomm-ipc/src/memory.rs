@@ -16,7 +16,8 @@ pub(crate) use sealed::Sealed;
 /// A range of backend memory: a local allocation or a mapping of a peer's.
 ///
 /// Sealed: only backend types implement it, so an address handed to a copy is always one
-/// that the backend itself mapped and that stays valid while the value lives.
+/// that a backend itself mapped and that stays valid while the value lives; each backend
+/// checks (with [`as_any`](Self::as_any)) that the region is one of its own types.
 pub trait MemoryRegion: Sealed + Debug + Send + Sync {
     /// Address of the first byte (a host or device address, per backend).
     fn addr(&self) -> u64;
@@ -26,6 +27,11 @@ pub trait MemoryRegion: Sealed + Debug + Send + Sync {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// The concrete region, so that a backend copies only into its own buffer and mapping
+    /// types: handed another backend's region (a device address to a host backend, say) it
+    /// returns [`IpcError::ForeignRegion`](crate::IpcError::ForeignRegion) instead of
+    /// touching the address.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// A peer-memory backend: exportable allocations, handles, peer mappings and copies.

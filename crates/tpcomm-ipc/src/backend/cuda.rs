@@ -573,6 +573,9 @@ impl MemoryRegion for CudaBuffer {
     fn len(&self) -> usize {
         self.len
     }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 impl MemoryRegion for CudaMapping {
@@ -581,6 +584,9 @@ impl MemoryRegion for CudaMapping {
     }
     fn len(&self) -> usize {
         self.len
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -740,6 +746,19 @@ impl CudaMemory {
             Err(IpcError::Cuda { name, .. }) => Err(not_device(name)),
             Err(e) => Err(e),
         }
+    }
+}
+
+/// Accepts only this backend's own region types: device memory it allocated or mapped.
+fn cuda_region<R: MemoryRegion>(region: &R) -> Result<()> {
+    let any = region.as_any();
+    if any.is::<CudaBuffer>() || any.is::<CudaMapping>() {
+        Ok(())
+    } else {
+        Err(IpcError::ForeignRegion {
+            backend: "cuda",
+            region: std::any::type_name::<R>(),
+        })
     }
 }
 
@@ -919,6 +938,7 @@ impl PeerMemory for CudaMemory {
     }
 
     fn write<R: MemoryRegion>(&self, region: &R, offset: usize, src: &[u8]) -> Result<()> {
+        cuda_region(region)?;
         check_range(offset, src.len(), region.len())?;
         if src.is_empty() {
             return Ok(());
@@ -926,12 +946,13 @@ impl PeerMemory for CudaMemory {
         self.ctx.make_current()?;
         self.check_device_memory(region.addr(), region.len())?;
         // SAFETY: `region` is device memory (checked above) that stays mapped while the
-        // borrow lives (the trait is sealed: a CudaBuffer or CudaMapping), and the range was
+        // borrow lives (a CudaBuffer or CudaMapping, checked above), and the range was
         // checked against its length.
         unsafe { result::memcpy_htod(region.addr() + offset as u64, src) }
     }
 
     fn read<R: MemoryRegion>(&self, region: &R, offset: usize, dst: &mut [u8]) -> Result<()> {
+        cuda_region(region)?;
         check_range(offset, dst.len(), region.len())?;
         if dst.is_empty() {
             return Ok(());

@@ -136,6 +136,9 @@ impl MemoryRegion for HostBuffer {
     fn len(&self) -> usize {
         self.len
     }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 impl MemoryRegion for HostMapping {
@@ -144,6 +147,9 @@ impl MemoryRegion for HostMapping {
     }
     fn len(&self) -> usize {
         self.len
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -334,6 +340,19 @@ fn fetch_fd(pid: u32, fd: i32) -> Result<OwnedFd> {
     }
 }
 
+/// Accepts only this backend's own region types: host memory mapped by this process.
+fn host_region<R: MemoryRegion>(region: &R) -> Result<()> {
+    let any = region.as_any();
+    if any.is::<HostBuffer>() || any.is::<HostMapping>() {
+        Ok(())
+    } else {
+        Err(IpcError::ForeignRegion {
+            backend: "host",
+            region: std::any::type_name::<R>(),
+        })
+    }
+}
+
 impl PeerMemory for HostMemory {
     type Handle = HostHandle;
     type Buffer = HostBuffer;
@@ -463,8 +482,9 @@ impl PeerMemory for HostMemory {
     }
 
     fn write<R: MemoryRegion>(&self, region: &R, offset: usize, src: &[u8]) -> Result<()> {
+        host_region(region)?;
         check_range(offset, src.len(), region.len())?;
-        // SAFETY: `region` is a live HostBuffer or HostMapping (the trait is sealed), mapped
+        // SAFETY: `region` is a live HostBuffer or HostMapping (checked above), mapped
         // read-write for `region.len()` bytes, and the range was checked above; `src` is a
         // Rust slice that cannot overlap shared memory we only reach through raw pointers.
         unsafe {
@@ -478,6 +498,7 @@ impl PeerMemory for HostMemory {
     }
 
     fn read<R: MemoryRegion>(&self, region: &R, offset: usize, dst: &mut [u8]) -> Result<()> {
+        host_region(region)?;
         check_range(offset, dst.len(), region.len())?;
         // SAFETY: as in `write`: a live mapping of at least `offset + dst.len()` bytes.
         unsafe {

@@ -9,6 +9,7 @@
 //! After each case the ranks all-gather a pass flag, so a case passes only if it passed on
 //! every rank, and every rank reports the same verdicts.
 
+pub mod allreduce;
 pub mod ipc;
 pub mod objects;
 
@@ -157,6 +158,10 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
         (
             "ipc_host_peers_read_patterns_across_close_and_reopen",
             ipc::host_peers_read_patterns_across_reopen,
+        ),
+        (
+            "allreduce_host_matches_reference_and_survives_suspend_resume",
+            allreduce::host_matches_reference_and_survives_suspend_resume,
         ),
     ];
     let mut reports = Vec::with_capacity(cases.len());

@@ -5,8 +5,9 @@
 //!
 //! | feature | what it adds |
 //! |---------|--------------|
-//! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator); [`ipc`] (peer memory, host shared-memory backend) |
+//! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator); [`ipc`] (peer memory, host shared-memory backend); [`allreduce`] (custom all-reduce, host backend) |
 //! | `mpi`   | `transport::MpiCommunicator` over MPI (rsmpi) |
+//! | `cuda`  | `ipc::CudaMemory`: CUDA IPC peer memory (driver loaded at run time) |
 //!
 //! ```
 //! use tpcomm::transport::{Communicator, LocalGroup};
@@ -19,6 +20,7 @@
 //! assert!(sums.into_iter().all(|s| s.unwrap().unwrap() == 3));
 //! ```
 
+pub use tpcomm_allreduce as allreduce;
 pub use tpcomm_ipc as ipc;
 pub use tpcomm_objects as objects;
 pub use tpcomm_objects::ObjectError;

@@ -4,6 +4,14 @@
 //! the backend a *checked* argument bundle. The bundles have private fields and no public
 //! constructor, so a backend can only ever receive arguments that went through this module:
 //! the checks live in one place and cannot be skipped by a new backend.
+//!
+//! The checks run on every call, so their cost is part of every collective's latency. The
+//! bundle constructors are `#[inline(always)]`: the provided methods are generic, so they
+//! are compiled in the caller's crate, where a constructor that is not inlined returns its
+//! `Result<bundle>` through memory and the caller reloads it with wider loads than the
+//! stores that wrote it, which x86 cores cannot forward (a store-forwarding stall). A
+//! layout is first tried by a short loop that only accepts (see `Shape::layout`); the
+//! full check, which names the first problem, runs when that loop is not sure.
 
 use crate::error::{ArgumentError, Op, Result, TransportError};
 
@@ -48,7 +56,67 @@ impl Shape {
     }
 
     /// Checks one counts/displacements table against a buffer of `buffer_len` bytes.
+    ///
+    /// A valid layout whose non-empty regions are in rank order (the common case) is
+    /// accepted by [`layout_fits`](Self::layout_fits), a short loop that builds nothing;
+    /// anything else goes through [`layout_detail`](Self::layout_detail), which accepts
+    /// exactly the same layouts and names the first problem of the others.
+    #[inline(always)]
     fn layout(
+        &self,
+        which: &'static str,
+        counts: &[usize],
+        displs: &[usize],
+        buffer_len: usize,
+        reject_overlap: bool,
+    ) -> Result<()> {
+        if self.layout_fits(counts, displs, buffer_len, reject_overlap) {
+            return Ok(());
+        }
+        self.layout_detail(which, counts, displs, buffer_len, reject_overlap)
+    }
+
+    /// True when [`layout_detail`](Self::layout_detail) is sure to accept the layout: right
+    /// table lengths, every count and displacement at most `max_count`, every region inside
+    /// the buffer, and (when overlap is rejected) the non-empty regions in ascending order
+    /// without overlap. A `false` only means "look closer".
+    #[inline(always)]
+    fn layout_fits(
+        &self,
+        counts: &[usize],
+        displs: &[usize],
+        buffer_len: usize,
+        reject_overlap: bool,
+    ) -> bool {
+        if counts.len() != self.size || displs.len() != self.size {
+            return false;
+        }
+        let mut ascending = true;
+        let mut prev_end = 0;
+        for (&count, &displacement) in counts.iter().zip(displs) {
+            if count > self.max_count || displacement > self.max_count {
+                return false;
+            }
+            let Some(end) = displacement.checked_add(count) else {
+                return false;
+            };
+            if end > buffer_len {
+                return false;
+            }
+            if count != 0 {
+                ascending &= displacement >= prev_end;
+                prev_end = end;
+            }
+        }
+        ascending || !reject_overlap
+    }
+
+    /// The full check behind [`layout`](Self::layout): the first problem in table, then
+    /// rank, order; regions not in rank order are sorted (allocating) to look for
+    /// overlaps.
+    #[cold]
+    #[inline(never)]
+    fn layout_detail(
         &self,
         which: &'static str,
         counts: &[usize],
@@ -136,6 +204,7 @@ pub struct AllGatherArgs<'a> {
 }
 
 impl<'a> AllGatherArgs<'a> {
+    #[inline(always)]
     pub(crate) fn check(shape: Shape, send: &'a [u8], recv: &'a mut [u8]) -> Result<Self> {
         shape.count("send count", shape.rank, send.len())?;
         let expected = send.len().checked_mul(shape.size).ok_or_else(|| {
@@ -187,6 +256,7 @@ pub struct VarcountArgs<'a> {
 }
 
 impl<'a> VarcountArgs<'a> {
+    #[inline(always)]
     pub(crate) fn check(
         shape: Shape,
         send: &'a [u8],
@@ -259,6 +329,7 @@ pub struct GatherArgs<'a> {
 }
 
 impl<'a> GatherArgs<'a> {
+    #[inline(always)]
     pub(crate) fn check(
         shape: Shape,
         root: usize,
@@ -312,6 +383,7 @@ pub struct BroadcastArgs<'a> {
 }
 
 impl<'a> BroadcastArgs<'a> {
+    #[inline(always)]
     pub(crate) fn check(shape: Shape, root: usize, buf: &'a mut [u8]) -> Result<Self> {
         shape.root(root)?;
         shape.count("buffer length", shape.rank, buf.len())?;
@@ -357,6 +429,7 @@ pub struct Layout<'a, B> {
 }
 
 impl<'a> AllToAllArgs<'a> {
+    #[inline(always)]
     pub(crate) fn check(
         shape: Shape,
         send: Layout<'a, &'a [u8]>,
@@ -475,6 +548,29 @@ mod tests {
                 accepted,
                 valid_by_model(size, rank, max, send_len, recv_len, &counts, &displs)
             );
+        }
+
+        #[test]
+        fn layout_fast_path_agrees_with_the_full_check(
+            (size, counts, displs) in (1usize..6).prop_flat_map(|size| (
+                Just(size),
+                prop::collection::vec(prop_oneof![Just(0usize), 0usize..20], size),
+                prop::collection::vec(0usize..60, size),
+            )),
+            max in 1usize..64,
+            buffer_len in 0usize..100,
+            reject_overlap in any::<bool>(),
+            send_side in any::<bool>(),
+        ) {
+            let s = shape(size, 0, max);
+            let which = if send_side { "send" } else { "receive" };
+            let fits = s.layout_fits(&counts, &displs, buffer_len, reject_overlap);
+            let full = s.layout_detail(which, &counts, &displs, buffer_len, reject_overlap);
+            if fits {
+                prop_assert!(full.is_ok(), "accepted by the fast path, rejected by the full check: {:?}", full);
+            }
+            let checked = s.layout(which, &counts, &displs, buffer_len, reject_overlap);
+            prop_assert_eq!(format!("{checked:?}"), format!("{full:?}"));
         }
 
         #[test]

@@ -10,7 +10,7 @@ use crate::error::{Op, Result};
 /// Every rank of the group calls the same collectives in the same order (MPI semantics).
 /// The provided methods (`barrier`, `all_gather`, ...) are the API: they check their
 /// arguments (see [`crate::check`]), open a `tracing` span with the rank, the size and the
-/// byte count, and call the backend's `raw_*` hook with a checked argument bundle. A bad
+/// byte count (when `DEBUG` is enabled), and call the backend's `raw_*` hook with a checked argument bundle. A bad
 /// argument is an [`InvalidArgument`](crate::TransportError::InvalidArgument) error raised
 /// on the calling rank before anything is sent; nothing is truncated or panics.
 ///
@@ -46,7 +46,7 @@ pub trait Communicator: Send + Sync {
 
     /// Blocks until every rank has entered the barrier.
     fn barrier(&self) -> Result<()> {
-        let _span = span(self, Op::Barrier, 0).entered();
+        let _span = enter_span(self, Op::Barrier, || 0);
         self.raw_barrier()
     }
 
@@ -54,7 +54,7 @@ pub trait Communicator: Send + Sync {
     /// `recv` must hold `size() * send.len()` bytes and receives rank `i`'s bytes at
     /// `i * send.len()`.
     fn all_gather(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
-        let _span = span(self, Op::AllGather, recv.len()).entered();
+        let _span = enter_span(self, Op::AllGather, || recv.len());
         let args = AllGatherArgs::check(shape(self, Op::AllGather), send, recv)?;
         self.raw_all_gather(args)
     }
@@ -69,8 +69,7 @@ pub trait Communicator: Send + Sync {
         counts: &[usize],
         displs: &[usize],
     ) -> Result<()> {
-        let bytes = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
-        let _span = span(self, Op::AllGatherVarcount, bytes).entered();
+        let _span = enter_span(self, Op::AllGatherVarcount, || saturating_sum(counts));
         let args = VarcountArgs::check(
             shape(self, Op::AllGatherVarcount),
             send,
@@ -89,7 +88,7 @@ pub trait Communicator: Send + Sync {
         send: &[u8],
         recv: Option<GatherRecv<'_>>,
     ) -> Result<()> {
-        let _span = span(self, Op::GatherVarcount, send.len()).entered();
+        let _span = enter_span(self, Op::GatherVarcount, || send.len());
         let args = GatherArgs::check(shape(self, Op::GatherVarcount), root, send, recv)?;
         self.raw_gather_varcount(args)
     }
@@ -97,7 +96,7 @@ pub trait Communicator: Send + Sync {
     /// Broadcast of `buf.len()` bytes from `root`; every rank passes a buffer of the same
     /// length.
     fn broadcast(&self, root: usize, buf: &mut [u8]) -> Result<()> {
-        let _span = span(self, Op::Broadcast, buf.len()).entered();
+        let _span = enter_span(self, Op::Broadcast, || buf.len());
         let args = BroadcastArgs::check(shape(self, Op::Broadcast), root, buf)?;
         self.raw_broadcast(args)
     }
@@ -110,8 +109,7 @@ pub trait Communicator: Send + Sync {
         send: Layout<'_, &[u8]>,
         recv: Layout<'_, &mut [u8]>,
     ) -> Result<()> {
-        let bytes = send.counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
-        let _span = span(self, Op::AllToAllVarcount, bytes).entered();
+        let _span = enter_span(self, Op::AllToAllVarcount, || saturating_sum(send.counts));
         let args = AllToAllArgs::check(shape(self, Op::AllToAllVarcount), send, recv)?;
         self.raw_all_to_all_varcount(args)
     }
@@ -154,6 +152,37 @@ fn shape<C: Communicator + ?Sized>(comm: &C, op: Op) -> Shape {
     }
 }
 
+/// Enters the `collective` span of one call, or returns `None` without creating anything
+/// when `DEBUG` is disabled (the usual case outside debugging). `bytes` is only computed
+/// for an enabled span.
+///
+/// This is the test `debug_span!` starts with, done first and inline: a disabled
+/// `tracing::Span` is still a 40-byte value, which `span` (not inlined) wrote with two
+/// 8-byte stores and the caller reloaded with 16-byte loads to move it into the entered
+/// span, a store-forwarding stall on every collective. `None` is a single store.
+#[inline(always)]
+fn enter_span<C: Communicator + ?Sized>(
+    comm: &C,
+    op: Op,
+    bytes: impl FnOnce() -> usize,
+) -> Option<tracing::span::EnteredSpan> {
+    let debug = tracing::Level::DEBUG;
+    if debug <= tracing::level_filters::STATIC_MAX_LEVEL
+        && debug <= tracing::level_filters::LevelFilter::current()
+    {
+        Some(span(comm, op, bytes()).entered())
+    } else {
+        None
+    }
+}
+
+/// The sum of `counts`, saturating (a byte count for the span only).
+fn saturating_sum(counts: &[usize]) -> usize {
+    counts.iter().fold(0usize, |a, &c| a.saturating_add(c))
+}
+
+/// The `collective` span (kept out of line: it is only called when `DEBUG` is enabled).
+#[inline(never)]
 fn span<C: Communicator + ?Sized>(comm: &C, op: Op, bytes: usize) -> tracing::Span {
     tracing::debug_span!(
         "collective",

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use tpcomm::TransportError;
+use tpcomm::{ObjectError, TransportError};
 
 /// Everything that stops a benchmark run.
 #[derive(Debug, thiserror::Error)]
@@ -10,6 +10,12 @@ pub(crate) enum BenchError {
     /// A collective failed.
     #[error(transparent)]
     Transport(#[from] TransportError),
+    /// An object collective failed.
+    #[error(transparent)]
+    Object(#[from] ObjectError),
+    /// The hand-written floor of `objects` failed to encode or decode.
+    #[error("floor: postcard: {0}")]
+    Postcard(#[from] postcard::Error),
     /// The options make no sense together (clap checks each option alone).
     #[error("{0}")]
     Usage(String),

@@ -7,6 +7,8 @@
 //! tpcomm-bench transport                      # 2 ranks as threads of this process
 //! tpcomm-bench transport --ranks 4 --json t.json
 //! mpirun -np 2 tpcomm-bench transport --transport mpi   # MPI ranks, plus direct rsmpi
+//! tpcomm-bench objects                        # object all-gather vs the hand-written floor
+//! mpirun -np 2 tpcomm-bench objects --transport mpi --json objects.json
 //! ```
 //!
 //! Benchmarks are programs that print tables, never timed assertions inside tests: the
@@ -17,8 +19,11 @@
 //! Logging goes to stderr through `tracing`, off unless `RUST_LOG` asks for it.
 
 mod error;
+mod launch;
+mod objects;
 mod report;
 mod sweep;
+mod timing;
 mod transport;
 
 use std::process::ExitCode;
@@ -43,6 +48,11 @@ enum Command {
     /// Ranks are threads of one process by default; under `mpirun` with `--transport mpi`
     /// they are MPI ranks, and every operation is also timed through rsmpi directly.
     Transport(transport::TransportArgs),
+    /// Object all-gather (tpcomm-objects) of issue 3's payloads: tpcomm owned, tpcomm
+    /// borrowed, and the hand-written floor (postcard + lengths + one varcount).
+    ///
+    /// Local threads by default; `--transport mpi` under `mpirun`.
+    Objects(objects::ObjectsArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +60,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result: Result<(), BenchError> = match cli.command {
         Command::Transport(args) => transport::run(&args),
+        Command::Objects(args) => objects::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -86,7 +97,10 @@ mod tests {
     fn transport_defaults_measure_every_op_from_8_bytes_to_64_mib_locally() {
         let Command::Transport(args) = Cli::try_parse_from(["tpcomm-bench", "transport"])
             .unwrap()
-            .command;
+            .command
+        else {
+            panic!("not the transport subcommand")
+        };
         assert_eq!(args.ops, TransportOp::ALL.to_vec());
         assert_eq!(args.transport, Transport::Local);
         assert_eq!(args.ranks, None);
@@ -98,7 +112,10 @@ mod tests {
             ),
             (8, 64 << 20, 2)
         );
-        assert_eq!((args.sweep.iters, args.sweep.warmup), (None, None));
+        assert_eq!(
+            (args.sweep.iter.iters, args.sweep.iter.warmup),
+            (None, None)
+        );
     }
 
     #[test]
@@ -116,7 +133,9 @@ mod tests {
             "/tmp/x.json",
         ])
         .unwrap();
-        let Command::Transport(args) = cli.command;
+        let Command::Transport(args) = cli.command else {
+            panic!("not the transport subcommand")
+        };
         assert_eq!(args.ranks, Some(4));
         assert_eq!(
             args.ops,

@@ -167,63 +167,122 @@ impl Row {
     }
 }
 
-/// Prints nccl-tests-style tables on stdout, one row at a time as they are measured.
+/// One column of a printed table: right-aligned to `width` characters, with a name line
+/// and a unit line above it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Column {
+    pub(crate) name: &'static str,
+    pub(crate) unit: &'static str,
+    pub(crate) width: usize,
+}
+
+impl Column {
+    pub(crate) const fn new(name: &'static str, unit: &'static str, width: usize) -> Self {
+        Self { name, unit, width }
+    }
+}
+
+/// The nccl-tests columns of every table of `transport`.
+const NCCL_COLUMNS: [Column; 9] = [
+    Column::new("size", "(B)", 12),
+    Column::new("count", "(elements)", 12),
+    Column::new("type", "", 6),
+    Column::new("root", "", 5),
+    Column::new("iters", "", 6),
+    Column::new("time", "(us)", 10),
+    Column::new("min", "(us)", 10),
+    Column::new("algbw", "(GB/s)", 8),
+    Column::new("busbw", "(GB/s)", 8),
+];
+
+/// The columns of the direct path, after [`NCCL_COLUMNS`].
+const DIRECT_COLUMNS: [Column; 3] = [
+    Column::new("direct", "(us)", 10),
+    Column::new("dir min", "(us)", 10),
+    Column::new("ratio", "tp/dir", 7),
+];
+
+/// Joins `cells` right-aligned to the widths of `columns`, space-separated; with `comment`
+/// the line starts with `#`, taken from the first column's width (as nccl-tests' headers).
+fn line(columns: &[Column], cells: &[&str], comment: bool) -> String {
+    let mut out = String::new();
+    for (i, (col, cell)) in columns.iter().zip(cells).enumerate() {
+        match i {
+            0 if comment => {
+                let width = col.width.saturating_sub(1);
+                out.push_str(&format!("#{cell:>width$}"));
+            }
+            0 => out.push_str(&format!("{cell:>width$}", width = col.width)),
+            _ => out.push_str(&format!(" {cell:>width$}", width = col.width)),
+        }
+    }
+    out
+}
+
+/// Prints tables on stdout (nccl-tests' layout, or the columns a subcommand passes), one
+/// row at a time as they are measured.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Table {
-    /// Adds the columns of the direct path (`direct`, `ratio`).
+    /// Adds the columns of the direct path (`direct`, `ratio`) to the nccl-tests layout.
     pub(crate) direct: bool,
 }
 
 impl Table {
-    /// Prints the title and the two header lines of a table.
-    pub(crate) fn header(&self, title: &str) {
-        let mut head = format!(
-            "#{:>11} {:>12} {:>6} {:>5} {:>6} {:>10} {:>10} {:>8} {:>8}",
-            "size", "count", "type", "root", "iters", "time", "min", "algbw", "busbw"
-        );
-        let mut unit = format!(
-            "#{:>11} {:>12} {:>6} {:>5} {:>6} {:>10} {:>10} {:>8} {:>8}",
-            "(B)", "(elements)", "", "", "", "(us)", "(us)", "(GB/s)", "(GB/s)"
-        );
+    fn nccl_columns(&self) -> Vec<Column> {
+        let mut columns = NCCL_COLUMNS.to_vec();
         if self.direct {
-            head.push_str(&format!(
-                " {:>10} {:>10} {:>7}",
-                "direct", "dir min", "ratio"
-            ));
-            unit.push_str(&format!(" {:>10} {:>10} {:>7}", "(us)", "(us)", "tp/dir"));
+            columns.extend(DIRECT_COLUMNS);
         }
+        columns
+    }
+
+    /// Prints the title and the two header lines of an nccl-tests-style table.
+    pub(crate) fn header(&self, title: &str) {
+        self.header_with(title, &self.nccl_columns());
+    }
+
+    /// Prints the title and the two header lines (names, units) of a table of `columns`.
+    pub(crate) fn header_with(&self, title: &str, columns: &[Column]) {
+        let names: Vec<&str> = columns.iter().map(|c| c.name).collect();
+        let units: Vec<&str> = columns.iter().map(|c| c.unit).collect();
         println!("#");
         println!("# {title}");
-        println!("{head}");
-        println!("{unit}");
+        println!("{}", line(columns, &names, true));
+        println!("{}", line(columns, &units, true));
         flush();
     }
 
-    /// Prints one row.
+    /// Prints one row of a table of `columns`, the cells already formatted.
+    pub(crate) fn cells(&self, columns: &[Column], cells: &[String]) {
+        let cells: Vec<&str> = cells.iter().map(String::as_str).collect();
+        println!("{}", line(columns, &cells, false));
+        flush();
+    }
+
+    /// Prints one row of an nccl-tests-style table.
     pub(crate) fn row(&self, row: &Row) {
-        let root = row.root.map_or_else(|| "-".to_string(), |r| r.to_string());
-        let mut line = format!(
-            "{:>12} {:>12} {:>6} {:>5} {:>6} {:>10.3} {:>10.3} {:>8.3} {:>8.3}",
-            row.bytes,
-            row.count,
-            row.dtype,
-            root,
-            row.iters,
-            row.median_us,
-            row.min_us,
-            row.algbw_gbps,
-            row.busbw_gbps
-        );
+        let mut cells = vec![
+            row.bytes.to_string(),
+            row.count.to_string(),
+            row.dtype.to_string(),
+            row.root.map_or_else(|| "-".to_string(), |r| r.to_string()),
+            row.iters.to_string(),
+            format!("{:.3}", row.median_us),
+            format!("{:.3}", row.min_us),
+            format!("{:.3}", row.algbw_gbps),
+            format!("{:.3}", row.busbw_gbps),
+        ];
         if self.direct {
             match (row.direct_median_us, row.direct_min_us, row.ratio) {
-                (Some(median), Some(min), Some(ratio)) => {
-                    line.push_str(&format!(" {median:>10.3} {min:>10.3} {ratio:>6.2}x"));
-                }
-                _ => line.push_str(&format!(" {:>10} {:>10} {:>7}", "-", "-", "-")),
+                (Some(median), Some(min), Some(ratio)) => cells.extend([
+                    format!("{median:.3}"),
+                    format!("{min:.3}"),
+                    format!("{ratio:.2}x"),
+                ]),
+                _ => cells.extend(["-".to_string(), "-".to_string(), "-".to_string()]),
             }
         }
-        println!("{line}");
-        flush();
+        self.cells(&self.nccl_columns(), &cells);
     }
 
     /// Prints a comment line.
@@ -330,9 +389,39 @@ fn count_cpu_list(list: &str) -> Option<usize> {
     Some(n)
 }
 
+/// A performance target of an issue, checked against this run's figures.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Verdict {
+    /// The target, as the issue states it.
+    pub(crate) target: String,
+    /// Whether this run's figures meet it.
+    pub(crate) met: bool,
+    /// The figures it was decided from.
+    pub(crate) detail: String,
+    /// Whether this run is the configuration the target is stated for (for example
+    /// "2 MPI ranks"); a verdict on another configuration is indicative only.
+    pub(crate) binding: bool,
+}
+
+impl Verdict {
+    /// Prints the verdict as a comment line: `target: MET|MISSED (detail)`.
+    pub(crate) fn print(&self, table: &Table) {
+        let state = if self.met { "MET" } else { "MISSED" };
+        let scope = if self.binding {
+            ""
+        } else {
+            " [indicative only]"
+        };
+        table.note(&format!(
+            "target {}: {state}{scope} ({})",
+            self.target, self.detail
+        ));
+    }
+}
+
 /// The JSON document `--json` writes.
 #[derive(Debug, Serialize)]
-pub(crate) struct Report<'a, S: Serialize> {
+pub(crate) struct Report<'a, S: Serialize, R: Serialize = Row> {
     /// `"tpcomm-bench"`.
     pub(crate) tool: &'static str,
     /// The bench's version.
@@ -354,7 +443,10 @@ pub(crate) struct Report<'a, S: Serialize> {
     /// The subcommand's settings.
     pub(crate) settings: &'a S,
     /// Every row of every table, in the order printed.
-    pub(crate) rows: &'a [Row],
+    pub(crate) rows: &'a [R],
+    /// The issue's targets checked against the rows.
+    #[serde(skip_serializing_if = "<[Verdict]>::is_empty")]
+    pub(crate) targets: &'a [Verdict],
 }
 
 /// Seconds since the Unix epoch (0 if the clock is before it).
@@ -384,9 +476,9 @@ fn tmp_path(path: &Path) -> PathBuf {
 
 /// Writes `report` to `path` as pretty JSON, through a temporary file renamed into place,
 /// so that an interrupted run never leaves a truncated report.
-pub(crate) fn write_json<S: Serialize>(
+pub(crate) fn write_json<S: Serialize, R: Serialize>(
     path: &Path,
-    report: &Report<'_, S>,
+    report: &Report<'_, S, R>,
 ) -> Result<(), BenchError> {
     let mut text = serde_json::to_string_pretty(report)?;
     text.push('\n');
@@ -444,6 +536,13 @@ mod tests {
         assert!((row.busbw_gbps - 0.75).abs() < 1e-12);
         let row = Row::new(&measurement(&[1_000_000], BusModel::Same)).unwrap();
         assert!((row.busbw_gbps - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn header_lines_start_with_a_hash_inside_the_first_column() {
+        let columns = [Column::new("size", "(B)", 6), Column::new("t", "(us)", 5)];
+        assert_eq!(line(&columns, &["size", "t"], true), "# size     t");
+        assert_eq!(line(&columns, &["64", "1.5"], false), "    64   1.5");
     }
 
     #[test]

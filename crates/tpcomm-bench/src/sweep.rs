@@ -27,7 +27,7 @@ const WARMUP_LARGE: usize = 2;
 /// The largest size accepted: MPI-3 counts are 32-bit, and rsmpi panics past them.
 const MAX_SIZE: usize = i32::MAX as usize;
 
-/// Options of the size sweep (flattened into each subcommand).
+/// Options of the size sweep (flattened into each subcommand that sweeps sizes).
 #[derive(Debug, Clone, Args, Serialize)]
 pub(crate) struct SweepArgs {
     /// Smallest size, in bytes; accepts the suffixes K/KiB, M/MiB, G/GiB (powers of 1024).
@@ -42,15 +42,73 @@ pub(crate) struct SweepArgs {
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(2..))]
     pub(crate) factor: u32,
 
-    /// Timed iterations per size [default: adaptive, about 40 ms of collective time per
-    /// size, between 20 and 1000].
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) iter: IterArgs,
+}
+
+/// Options of the iteration policy (flattened into every subcommand).
+#[derive(Debug, Clone, Args, Serialize)]
+pub(crate) struct IterArgs {
+    /// Timed iterations per case [default: adaptive, about 40 ms of collective time per
+    /// case, between 20 and 1000].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub(crate) iters: Option<u32>,
 
-    /// Untimed iterations per size before the timed ones [default: 5 below 1 MiB, 2 from
+    /// Untimed iterations per case before the timed ones [default: 5 below 1 MiB, 2 from
     /// 1 MiB].
     #[arg(long, value_name = "N")]
     pub(crate) warmup: Option<u32>,
+}
+
+impl IterArgs {
+    /// Checks what clap cannot check option by option.
+    pub(crate) fn validate(&self) -> Result<(), BenchError> {
+        if self.warmup == Some(0) && self.iters.is_none() {
+            return Err(BenchError::Usage(
+                "--warmup 0 leaves nothing to choose the iteration count from: give --iters too"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Warm-up iterations for a case moving `bytes`.
+    pub(crate) fn warmup_for(&self, bytes: usize) -> usize {
+        match self.warmup {
+            Some(n) => n as usize,
+            None if bytes >= LARGE => WARMUP_LARGE,
+            None => WARMUP_SMALL,
+        }
+    }
+
+    /// Timed iterations, given an estimate of one iteration's time (the same on every rank).
+    pub(crate) fn iters_for(&self, estimate: Duration) -> usize {
+        if let Some(n) = self.iters {
+            return n as usize;
+        }
+        let estimate_ns = estimate.as_nanos().max(1);
+        let n = TARGET_TIME.as_nanos() / estimate_ns;
+        usize::try_from(n)
+            .unwrap_or(usize::MAX)
+            .clamp(MIN_ITERS, MAX_ITERS)
+    }
+
+    /// One line describing the policy, for table headers.
+    pub(crate) fn describe(&self) -> String {
+        let iters = match self.iters {
+            Some(n) => format!("{n}"),
+            None => format!(
+                "adaptive ({MIN_ITERS}..{MAX_ITERS}, ~{} ms per case)",
+                TARGET_TIME.as_millis()
+            ),
+        };
+        let warmup = match self.warmup {
+            Some(n) => format!("{n}"),
+            None => format!("{WARMUP_SMALL} (<1 MiB), {WARMUP_LARGE} (>=1 MiB)"),
+        };
+        format!("iters {iters}; warmup {warmup}")
+    }
 }
 
 impl SweepArgs {
@@ -72,13 +130,7 @@ impl SweepArgs {
                 format_bytes(self.max_bytes)
             )));
         }
-        if self.warmup == Some(0) && self.iters.is_none() {
-            return Err(BenchError::Usage(
-                "--warmup 0 leaves nothing to choose the iteration count from: give --iters too"
-                    .into(),
-            ));
-        }
-        Ok(())
+        self.iter.validate()
     }
 
     /// The sizes of the sweep, smallest first.
@@ -95,45 +147,14 @@ impl SweepArgs {
         sizes
     }
 
-    /// Warm-up iterations for a size of `bytes`.
-    pub(crate) fn warmup_for(&self, bytes: usize) -> usize {
-        match self.warmup {
-            Some(n) => n as usize,
-            None if bytes >= LARGE => WARMUP_LARGE,
-            None => WARMUP_SMALL,
-        }
-    }
-
-    /// Timed iterations, given an estimate of one iteration's time (the same on every rank).
-    pub(crate) fn iters_for(&self, estimate: Duration) -> usize {
-        if let Some(n) = self.iters {
-            return n as usize;
-        }
-        let estimate_ns = estimate.as_nanos().max(1);
-        let n = TARGET_TIME.as_nanos() / estimate_ns;
-        usize::try_from(n)
-            .unwrap_or(usize::MAX)
-            .clamp(MIN_ITERS, MAX_ITERS)
-    }
-
     /// One line describing the sweep, for table headers.
     pub(crate) fn describe(&self) -> String {
-        let iters = match self.iters {
-            Some(n) => format!("{n}"),
-            None => format!(
-                "adaptive ({MIN_ITERS}..{MAX_ITERS}, ~{} ms per size)",
-                TARGET_TIME.as_millis()
-            ),
-        };
-        let warmup = match self.warmup {
-            Some(n) => format!("{n}"),
-            None => format!("{WARMUP_SMALL} (<1 MiB), {WARMUP_LARGE} (>=1 MiB)"),
-        };
         format!(
-            "sizes {} .. {} x{}; iters {iters}; warmup {warmup}",
+            "sizes {} .. {} x{}; {}",
             format_bytes(self.min_bytes),
             format_bytes(self.max_bytes),
-            self.factor
+            self.factor,
+            self.iter.describe()
         )
     }
 }
@@ -186,8 +207,10 @@ mod tests {
             min_bytes: min,
             max_bytes: max,
             factor,
-            iters: None,
-            warmup: None,
+            iter: IterArgs {
+                iters: None,
+                warmup: None,
+            },
         }
     }
 
@@ -228,11 +251,11 @@ mod tests {
 
     #[test]
     fn adaptive_iterations_stay_within_bounds() {
-        let s = sweep(8, 8, 2);
+        let s = sweep(8, 8, 2).iter;
         assert_eq!(s.iters_for(Duration::from_nanos(1)), MAX_ITERS);
         assert_eq!(s.iters_for(Duration::from_secs(1)), MIN_ITERS);
         assert_eq!(s.iters_for(TARGET_TIME / 100), 100);
-        let fixed = SweepArgs {
+        let fixed = IterArgs {
             iters: Some(3),
             ..s
         };
@@ -245,7 +268,10 @@ mod tests {
         assert!(sweep(16, 8, 2).validate().is_err());
         assert!(sweep(8, 1 << 31, 2).validate().is_err());
         assert!(SweepArgs {
-            warmup: Some(0),
+            iter: IterArgs {
+                iters: None,
+                warmup: Some(0),
+            },
             ..sweep(8, 8, 2)
         }
         .validate()

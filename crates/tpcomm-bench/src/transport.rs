@@ -21,14 +21,14 @@ use std::time::Instant;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use tpcomm::transport::{dense_displacements, GatherRecv, Layout, LocalGroup};
-use tpcomm::{Communicator, TransportError};
+use tpcomm::Communicator;
 
 use crate::error::BenchError;
+use crate::launch::{first_rank_output, warn_if_under_mpirun, DEFAULT_LOCAL_RANKS};
 use crate::report::{self, BusModel, Machine, Measurement, Report, Row, Table};
 use crate::sweep::SweepArgs;
+use crate::timing::{elapsed_ns, median, ranks_flagging, slowest};
 
-/// Ranks of the local group when `--ranks` is not given.
-const DEFAULT_LOCAL_RANKS: u32 = 2;
 /// Root of broadcast and gather.
 const ROOT: usize = 0;
 /// The wrapper's target: median within this factor of direct rsmpi at every size.
@@ -165,15 +165,7 @@ pub(crate) fn run(args: &TransportArgs) -> Result<(), BenchError> {
 }
 
 fn run_local(args: &TransportArgs) -> Result<(), BenchError> {
-    if let Some(var) = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-        .into_iter()
-        .find(|v| std::env::var_os(v).is_some())
-    {
-        eprintln!(
-            "tpcomm-bench: warning: {var} is set (running under mpirun?) but --transport is \
-             local: every process runs its own local group; pass --transport mpi"
-        );
-    }
+    warn_if_under_mpirun();
     if let Some(path) = &args.json {
         report::check_writable(path)?;
     }
@@ -190,33 +182,8 @@ fn run_local(args: &TransportArgs) -> Result<(), BenchError> {
     );
     let results =
         LocalGroup::new(ranks).run(|comm| bench_rank(&comm, None::<&NoDirect>, args, &table));
-    let rows = first_rank_rows(results)?;
+    let rows = first_rank_output(results)?;
     finish(args, &table, machine, "local", ranks, None, &rows)
-}
-
-/// Rank 0's rows, or the most telling error of any rank: one that is not just "the group
-/// was aborted by someone else".
-fn first_rank_rows(
-    results: Vec<Result<Result<Vec<Row>, BenchError>, TransportError>>,
-) -> Result<Vec<Row>, BenchError> {
-    let mut rows = None;
-    let mut errors = Vec::new();
-    for (rank, result) in results.into_iter().enumerate() {
-        match result.map_err(BenchError::from).and_then(|r| r) {
-            Ok(r) if rank == 0 => rows = Some(r),
-            Ok(_) => {}
-            Err(e) => errors.push(e),
-        }
-    }
-    let secondary =
-        |e: &BenchError| matches!(e, BenchError::Transport(TransportError::Aborted { .. }));
-    if let Some(i) = errors.iter().position(|e| !secondary(e)) {
-        return Err(errors.swap_remove(i));
-    }
-    if let Some(e) = errors.into_iter().next() {
-        return Err(e);
-    }
-    rows.ok_or_else(|| BenchError::Usage("rank 0 returned no rows".into()))
 }
 
 /// Prints the lines above the first table (rank 0 only).
@@ -296,6 +263,7 @@ fn finish(
             mpi_library,
             settings: args,
             rows,
+            targets: &[],
         };
         report::write_json(path, &report)?;
         table.note(&format!("JSON written to {}", path.display()));
@@ -517,7 +485,7 @@ fn near_equal_split(total: usize, parts: usize) -> Vec<usize> {
 }
 
 /// Writes bytes `offset..offset + out.len()` of the pseudo-random stream of `(rank, salt)`.
-fn pattern(out: &mut [u8], rank: usize, salt: u64, offset: usize) {
+pub(crate) fn pattern(out: &mut [u8], rank: usize, salt: u64, offset: usize) {
     let mut pos = offset;
     let mut i = 0;
     while i < out.len() {
@@ -530,7 +498,7 @@ fn pattern(out: &mut [u8], rank: usize, salt: u64, offset: usize) {
     }
 }
 
-fn splitmix64(x: u64) -> u64 {
+pub(crate) fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -609,7 +577,7 @@ fn measure<C: Communicator, D: Collectives>(
         verify(comm, d, case, salt ^ (1 << 63))?;
     }
 
-    let warmup = args.sweep.warmup_for(case.bytes);
+    let warmup = args.sweep.iter.warmup_for(case.bytes);
     let mut warm = Vec::with_capacity(warmup);
     let mut warm_direct = Vec::with_capacity(warmup);
     for _ in 0..warmup {
@@ -622,6 +590,7 @@ fn measure<C: Communicator, D: Collectives>(
     let estimate = median(&slowest(comm, &warm)?).max(median(&slowest(comm, &warm_direct)?));
     let iters = args
         .sweep
+        .iter
         .iters_for(std::time::Duration::from_nanos(estimate));
 
     let mut times = Vec::with_capacity(iters);
@@ -666,8 +635,7 @@ fn time_once<P: Collectives>(path: &P, case: &mut Case) -> Result<u64, BenchErro
     path.barrier()?;
     let start = Instant::now();
     path.run(case)?;
-    let elapsed = start.elapsed();
-    Ok(u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX))
+    Ok(elapsed_ns(start))
 }
 
 /// Runs the operation once on fresh data and checks what arrived. Collective: every rank
@@ -681,14 +649,7 @@ fn verify<C: Communicator, P: Collectives>(
     case.fill(salt);
     path.run(case)?;
     let problem = case.check(salt);
-    let mut all = vec![0u8; 8 * comm.size()];
-    comm.all_gather(&u64::from(problem.is_some()).to_le_bytes(), &mut all)?;
-    let bad_ranks: Vec<usize> = all
-        .chunks_exact(8)
-        .enumerate()
-        .filter(|(_, c)| c.iter().any(|&b| b != 0))
-        .map(|(r, _)| r)
-        .collect();
+    let bad_ranks = ranks_flagging(comm, problem.is_some())?;
     let Some(&first) = bad_ranks.first() else {
         return Ok(());
     };
@@ -702,33 +663,10 @@ fn verify<C: Communicator, P: Collectives>(
     })
 }
 
-/// For each position `i`, the largest `local[i]` over all ranks (collective; every rank
-/// passes as many values).
-fn slowest<C: Communicator>(comm: &C, local: &[u64]) -> Result<Vec<u64>, BenchError> {
-    let send: Vec<u8> = local.iter().flat_map(|t| t.to_le_bytes()).collect();
-    let mut all = vec![0u8; send.len() * comm.size()];
-    comm.all_gather(&send, &mut all)?;
-    let mut max = vec![0u64; local.len()];
-    for rank_block in all.chunks_exact(send.len().max(1)) {
-        for (m, word) in max.iter_mut().zip(rank_block.chunks_exact(8)) {
-            let mut bytes = [0u8; 8];
-            bytes.copy_from_slice(word);
-            *m = (*m).max(u64::from_le_bytes(bytes));
-        }
-    }
-    Ok(max)
-}
-
-/// Median of `values` (upper middle for an even count); 0 when empty.
-fn median(values: &[u64]) -> u64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_unstable();
-    sorted.get(sorted.len() / 2).copied().unwrap_or(0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sweep::IterArgs;
     use tpcomm::transport::LocalGroup;
 
     fn quick_args(ops: Vec<TransportOp>) -> TransportArgs {
@@ -740,8 +678,10 @@ mod tests {
                 min_bytes: 1,
                 max_bytes: 4096,
                 factor: 4,
-                iters: Some(3),
-                warmup: Some(1),
+                iter: IterArgs {
+                    iters: Some(3),
+                    warmup: Some(1),
+                },
             },
             json: None,
         }
@@ -785,7 +725,7 @@ mod tests {
         let table = Table { direct: false };
         let results =
             LocalGroup::new(3).run(|comm| bench_rank(&comm, None::<&NoDirect>, &args, &table));
-        let rows = first_rank_rows(results).unwrap();
+        let rows = first_rank_output(results).unwrap();
         // Sizes 1, 4, 16, 64, 256, 1024, 4096; block ops skip 1 B over 3 ranks.
         assert_eq!(rows.len(), 5 * 7 - 2);
         assert!(rows.iter().all(|r| r.iters == 3 && r.median_us > 0.0));

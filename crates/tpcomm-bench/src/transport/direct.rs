@@ -131,11 +131,7 @@ fn run_rank(
     let table = Table { direct: true };
     let ranks = comm.size();
     let machine = Machine::current();
-    // The version string comes with a trailing NUL and, for some libraries, several lines.
-    let library = mpi::environment::library_version().ok().map(|v| {
-        let v = v.replace('\0', "");
-        v.lines().next().unwrap_or_default().trim().to_string()
-    });
+    let library = crate::launch::mpi_library_version();
     if comm.rank() == 0 {
         if let Some(path) = &args.json {
             report::check_writable(path)?;

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use tpcomm::{ObjectError, TransportError};
+use tpcomm_ipc::IpcError;
 
 /// Everything that stops a benchmark run.
 #[derive(Debug, thiserror::Error)]
@@ -13,6 +14,9 @@ pub(crate) enum BenchError {
     /// An object collective failed.
     #[error(transparent)]
     Object(#[from] ObjectError),
+    /// A peer-memory operation failed.
+    #[error(transparent)]
+    Ipc(#[from] IpcError),
     /// The hand-written floor of `objects` failed to encode or decode.
     #[error("floor: postcard: {0}")]
     Postcard(#[from] postcard::Error),

@@ -9,6 +9,8 @@
 //! mpirun -np 2 tpcomm-bench transport --transport mpi   # MPI ranks, plus direct rsmpi
 //! tpcomm-bench objects                        # object all-gather vs the hand-written floor
 //! mpirun -np 2 tpcomm-bench objects --transport mpi --json objects.json
+//! tpcomm-bench ipc                            # exchange / close_all / reopen_all of N mappings
+//! mpirun -np 2 tpcomm-bench ipc --transport mpi --regions 1,100,1000
 //! ```
 //!
 //! Benchmarks are programs that print tables, never timed assertions inside tests: the
@@ -19,6 +21,7 @@
 //! Logging goes to stderr through `tracing`, off unless `RUST_LOG` asks for it.
 
 mod error;
+mod ipc;
 mod launch;
 mod objects;
 mod report;
@@ -53,6 +56,11 @@ enum Command {
     ///
     /// Local threads by default; `--transport mpi` under `mpirun`.
     Objects(objects::ObjectsArgs),
+    /// Peer memory (tpcomm-ipc, host backend): exchange and open N mappings, close_all,
+    /// reopen_all.
+    ///
+    /// Local threads by default; `--transport mpi` under `mpirun`.
+    Ipc(ipc::IpcArgs),
 }
 
 fn main() -> ExitCode {
@@ -61,6 +69,7 @@ fn main() -> ExitCode {
     let result: Result<(), BenchError> = match cli.command {
         Command::Transport(args) => transport::run(&args),
         Command::Objects(args) => objects::run(&args),
+        Command::Ipc(args) => ipc::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -713,10 +713,10 @@ fn summary(t: &Table, rows: &[ObjectsRow], verdicts: &[Verdict], binding: bool) 
             .find(|r| r.payload == payload && r.variant == Variant::TpcommOwned);
         let Some(owned) = owned else { continue };
         t.note(&format!(
-            "  {payload}: mpi4py (quoted) {} vs tpcomm owned {} (this run): {:.1}x",
+            "  {payload}: mpi4py (quoted) {} vs tpcomm owned {} (this run): mpi4py / tpcomm = {}",
             format_us(mpi4py_us),
             format_us(owned.stats.median_us),
-            mpi4py_us / owned.stats.median_us
+            format_ratio(mpi4py_us / owned.stats.median_us)
         ));
     }
     t.note("");
@@ -728,6 +728,15 @@ fn summary(t: &Table, rows: &[ObjectsRow], verdicts: &[Verdict], binding: bool) 
     }
     for v in verdicts {
         v.print(t);
+    }
+}
+
+/// `0.05x`, `3.10x`, `18.4x`.
+fn format_ratio(x: f64) -> String {
+    if x < 10.0 {
+        format!("{x:.2}x")
+    } else {
+        format!("{x:.1}x")
     }
 }
 

@@ -10,7 +10,7 @@
 //! 1. Every rank serializes its value once.
 //! 2. **Length exchange**: one fixed-size all-gather of a 64-bit little-endian length word
 //!    per rank (never serialized), followed by an inline slot (`small_slot_bytes`, default
-//!    256). A rank that failed to serialize sends a sentinel instead of a length.
+//!    248, so an entry is 256 bytes). A rank that failed to serialize sends a sentinel.
 //! 3. **Agreement**: every rank reads the same words, so every rank takes the same decision:
 //!    the error naming every failing rank, the cap violation, or the path.
 //! 4. **Small path**: when every value fits its slot, the values already arrived with the

@@ -10,9 +10,10 @@ pub struct Options {
     /// effective limit is the smaller of this and the communicator's `max_count`.
     /// `None` (the default) uses `max_count`.
     pub round_bytes: Option<usize>,
-    /// Size of the inline slot carried by the length exchange (default 256). When every
-    /// rank's value fits, the whole collective is one transport call; 0 disables the small
-    /// path.
+    /// Size of the inline slot carried by the length exchange (default 248, so that a
+    /// rank's header entry — the 8-byte length plus the slot — is exactly 256 bytes, the
+    /// largest message Open MPI's shared-memory path sends inline). When every rank's value
+    /// fits, the whole collective is one transport call; 0 disables the small path.
     pub small_slot_bytes: usize,
 }
 
@@ -21,7 +22,7 @@ impl Default for Options {
         Self {
             max_total_bytes: 8 << 30,
             round_bytes: None,
-            small_slot_bytes: 256,
+            small_slot_bytes: 248,
         }
     }
 }

@@ -88,8 +88,9 @@ pub struct PeerMappings<B: PeerMemory> {
     size: usize,
     group: u64,
     exchanges: Vec<Exchange>,
-    /// Open mappings; `None` once closed (indices stay stable within an open period).
-    slab: Vec<Option<B::Mapping>>,
+    /// Open mappings with the handle each was opened from; `None` once closed (indices stay
+    /// stable within an open period).
+    slab: Vec<Option<(B::Mapping, B::Handle)>>,
     /// Handle -> slab index, so a handle is opened once per process.
     memo: HashMap<B::Handle, usize>,
     closed: bool,
@@ -257,6 +258,7 @@ impl<B: PeerMemory> PeerMappings<B> {
         let (slot, _) = self.open_memoized(from, env)?;
         self.slab[slot]
             .as_ref()
+            .map(|(m, _)| m)
             .ok_or_else(|| IpcError::NoSuchMapping(format!("slot {slot}")))
     }
 
@@ -289,7 +291,7 @@ impl<B: PeerMemory> PeerMappings<B> {
             return Ok((slot, false));
         }
         let mapping = self.backend.open(&env.handle)?;
-        self.slab.push(Some(mapping));
+        self.slab.push(Some((mapping, env.handle.clone())));
         let slot = self.slab.len() - 1;
         self.memo.insert(env.handle.clone(), slot);
         self.counters.open += 1;
@@ -299,10 +301,10 @@ impl<B: PeerMemory> PeerMappings<B> {
 
     /// Closes one slot; `Ok(false)` when it was not open. The slot is gone either way.
     fn close_slot(&mut self, slot: usize) -> Result<bool> {
-        let Some(mapping) = self.slab.get_mut(slot).and_then(Option::take) else {
+        let Some((mapping, handle)) = self.slab.get_mut(slot).and_then(Option::take) else {
             return Ok(false);
         };
-        self.memo.retain(|_, s| *s != slot);
+        self.memo.remove(&handle);
         self.counters.open -= 1;
         self.counters.closes += 1;
         self.backend.close(mapping).map(|()| true)
@@ -325,7 +327,7 @@ impl<B: PeerMemory> PeerMappings<B> {
             .and_then(|s| s.get(index).copied())
             .flatten()
             .ok_or_else(missing)?;
-        self.slab[slot].as_ref().ok_or_else(missing)
+        self.slab[slot].as_ref().map(|(m, _)| m).ok_or_else(missing)
     }
 
     /// The address of region `index` of `rank` in exchange `id`: the peer mapping's address

@@ -15,10 +15,10 @@
 //! [`IpcError::StaleHandle`], never a mapping of the wrong memory. The descriptor is closed
 //! right after `mmap`: a mapping holds no descriptor.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::fmt;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::{self, NonNull};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -59,23 +59,118 @@ struct Segment {
     inode: u64,
 }
 
-/// The host (CPU) peer-memory backend. Cheap to clone; clones share the segment table.
+/// Live segments of this process by base address: every `HostMemory` of the process shares
+/// it, so that a handle exported by one thread can be opened by another without going
+/// through `/proc`.
+static SEGMENTS: Mutex<BTreeMap<usize, Segment>> = Mutex::new(BTreeMap::new());
+
+fn segments() -> std::sync::MutexGuard<'static, BTreeMap<usize, Segment>> {
+    // Nothing panics while holding the lock.
+    SEGMENTS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The host (CPU) peer-memory backend. Cheap to clone; clones share a cache of process
+/// descriptors (pidfds) of the peers whose handles they opened.
 #[derive(Debug, Clone, Default)]
 pub struct HostMemory {
-    /// Live segments of this process by base address.
-    segments: Arc<Mutex<BTreeMap<usize, Segment>>>,
+    pidfds: Arc<Mutex<HashMap<u32, Arc<OwnedFd>>>>,
 }
 
 impl HostMemory {
-    /// A backend with no segments yet.
+    /// A backend.
     pub fn new() -> Self {
         Self::default()
     }
 
-    fn table(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, Segment>> {
-        // Nothing panics while holding the lock.
-        self.segments.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The pidfd of `pid`, opened once and cached.
+    fn pidfd(&self, pid: u32) -> Result<Arc<OwnedFd>> {
+        let mut cache = self.pidfds.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(fd) = cache.get(&pid) {
+            return Ok(fd.clone());
+        }
+        let raw_pid = i32::try_from(pid)
+            .map_err(|_| IpcError::InvalidHandle(format!("pid {pid} out of range")))?;
+        let owner = Pid::from_raw(raw_pid)
+            .ok_or_else(|| IpcError::InvalidHandle(format!("pid {pid} is not a process id")))?;
+        let fd = rustix::process::pidfd_open(owner, PidfdFlags::empty()).map_err(|e| match e {
+            Errno::SRCH => IpcError::OwnerGone { pid },
+            e => IpcError::Os {
+                call: "pidfd_open",
+                source: e,
+            },
+        })?;
+        let fd = Arc::new(fd);
+        cache.insert(pid, fd.clone());
+        Ok(fd)
     }
+
+    fn forget_pidfd(&self, pid: u32) {
+        self.pidfds
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&pid);
+    }
+
+    /// Fetches descriptor `fd` (of segment `inode`) of process `pid`.
+    fn fetch_fd(&self, pid: u32, fd: i32, inode: u64) -> Result<OwnedFd> {
+        if pid == std::process::id() {
+            return dup_own(fd, inode);
+        }
+        let pidfd = self.pidfd(pid)?;
+        match rustix::process::pidfd_getfd(&*pidfd, fd, PidfdGetfdFlags::empty()) {
+            Ok(got) => Ok(got),
+            Err(Errno::BADF) => Err(IpcError::StaleHandle(format!(
+                "descriptor {fd} of pid {pid} is closed"
+            ))),
+            Err(Errno::SRCH) => {
+                self.forget_pidfd(pid);
+                Err(IpcError::OwnerGone { pid })
+            }
+            // Not allowed to ptrace the owner (or no pidfd_getfd): reopen through /proc.
+            Err(Errno::PERM | Errno::NOSYS | Errno::ACCESS) => open_via_proc(pid, fd),
+            Err(e) => Err(IpcError::Os {
+                call: "pidfd_getfd",
+                source: e,
+            }),
+        }
+    }
+}
+
+/// Duplicates this process's descriptor `fd`, which must belong to the live segment `inode`.
+fn dup_own(fd: i32, inode: u64) -> Result<OwnedFd> {
+    let table = segments();
+    if !table.values().any(|s| s.fd == fd && s.inode == inode) {
+        return Err(IpcError::StaleHandle(format!(
+            "no live segment of this process has descriptor {fd} and inode {inode}"
+        )));
+    }
+    // SAFETY: the table lists `fd` as the descriptor of a live HostBuffer, and a HostBuffer
+    // removes its entry (under this lock, which we hold) before its descriptor is closed, so
+    // `fd` stays open for the duration of this borrow.
+    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+    rustix::io::fcntl_dupfd_cloexec(borrowed, 0).map_err(os("fcntl(F_DUPFD_CLOEXEC)"))
+}
+
+/// Reopens descriptor `fd` of `pid` through `/proc` (allowed for a same-user process when
+/// ptrace restrictions forbid `pidfd_getfd`).
+fn open_via_proc(pid: u32, fd: i32) -> Result<OwnedFd> {
+    rustix::fs::open(
+        format!("/proc/{pid}/fd/{fd}"),
+        OFlags::RDWR | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| match e {
+        Errno::NOENT
+            if rustix::fs::access(format!("/proc/{pid}"), rustix::fs::Access::EXISTS).is_err() =>
+        {
+            IpcError::OwnerGone { pid }
+        }
+        Errno::NOENT => IpcError::StaleHandle(format!("descriptor {fd} of pid {pid} is closed")),
+        e => IpcError::Os {
+            call: "open /proc/<pid>/fd",
+            source: e,
+        },
+    })
 }
 
 /// A shared-memory segment owned by this process, mapped at [`addr`](MemoryRegion::addr).
@@ -83,7 +178,6 @@ pub struct HostBuffer {
     ptr: NonNull<u8>,
     len: usize,
     fd: OwnedFd,
-    segments: Arc<Mutex<BTreeMap<usize, Segment>>>,
 }
 
 /// This process's mapping of a (possibly remote) segment range.
@@ -169,10 +263,8 @@ impl HostMapping {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        self.segments
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&(self.ptr.as_ptr() as usize));
+        // Removed before `fd` is closed (fields drop after this body): see `dup_own`.
+        segments().remove(&(self.ptr.as_ptr() as usize));
         // SAFETY: `ptr`/`len` are exactly the mapping made in `allocate`, unmapped once here.
         if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) } {
             tracing::warn!(error = %e, "munmap of a host segment failed");
@@ -277,69 +369,6 @@ fn page_size() -> usize {
     rustix::param::page_size()
 }
 
-/// Fetches the owner's descriptor `fd` of process `pid`.
-fn fetch_fd(pid: u32, fd: i32) -> Result<OwnedFd> {
-    if pid == std::process::id() {
-        return rustix::fs::open(
-            format!("/proc/self/fd/{fd}"),
-            OFlags::RDWR | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| match e {
-            Errno::NOENT => {
-                IpcError::StaleHandle(format!("descriptor {fd} of this process is closed"))
-            }
-            e => IpcError::Os {
-                call: "open /proc/self/fd",
-                source: e,
-            },
-        });
-    }
-    let raw_pid = i32::try_from(pid)
-        .map_err(|_| IpcError::InvalidHandle(format!("pid {pid} out of range")))?;
-    let owner = Pid::from_raw(raw_pid)
-        .ok_or_else(|| IpcError::InvalidHandle(format!("pid {pid} is not a process id")))?;
-    let pidfd = rustix::process::pidfd_open(owner, PidfdFlags::empty()).map_err(|e| match e {
-        Errno::SRCH => IpcError::OwnerGone { pid },
-        e => IpcError::Os {
-            call: "pidfd_open",
-            source: e,
-        },
-    })?;
-    match rustix::process::pidfd_getfd(&pidfd, fd, PidfdGetfdFlags::empty()) {
-        Ok(got) => Ok(got),
-        Err(Errno::BADF) => Err(IpcError::StaleHandle(format!(
-            "descriptor {fd} of pid {pid} is closed"
-        ))),
-        Err(Errno::SRCH) => Err(IpcError::OwnerGone { pid }),
-        // Not allowed to ptrace the owner (or no pidfd_getfd): reopen through /proc.
-        Err(Errno::PERM | Errno::NOSYS | Errno::ACCESS) => rustix::fs::open(
-            format!("/proc/{pid}/fd/{fd}"),
-            OFlags::RDWR | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| match e {
-            Errno::NOENT
-                if rustix::fs::access(format!("/proc/{pid}"), rustix::fs::Access::EXISTS)
-                    .is_err() =>
-            {
-                IpcError::OwnerGone { pid }
-            }
-            Errno::NOENT => {
-                IpcError::StaleHandle(format!("descriptor {fd} of pid {pid} is closed"))
-            }
-            e => IpcError::Os {
-                call: "open /proc/<pid>/fd",
-                source: e,
-            },
-        }),
-        Err(e) => Err(IpcError::Os {
-            call: "pidfd_getfd",
-            source: e,
-        }),
-    }
-}
-
 /// Accepts only this backend's own region types: host memory mapped by this process.
 fn host_region<R: MemoryRegion>(region: &R) -> Result<()> {
     let any = region.as_any();
@@ -387,19 +416,14 @@ impl PeerMemory for HostMemory {
             dev: stat.st_dev,
             inode: stat.st_ino,
         };
-        self.table().insert(ptr.as_ptr() as usize, segment);
+        segments().insert(ptr.as_ptr() as usize, segment);
         tracing::trace!(
             len,
             fd = segment.fd,
             inode = segment.inode,
             "host segment allocated"
         );
-        Ok(HostBuffer {
-            ptr,
-            len,
-            fd,
-            segments: self.segments.clone(),
-        })
+        Ok(HostBuffer { ptr, len, fd })
     }
 
     fn export(&self, addr: u64, len: usize) -> Result<HostHandle> {
@@ -409,7 +433,7 @@ impl PeerMemory for HostMemory {
             reason: reason.into(),
         };
         let a = usize::try_from(addr).map_err(|_| not("address out of range"))?;
-        let table = self.table();
+        let table = segments();
         let (&base, seg) = table
             .range(..=a)
             .next_back()
@@ -444,7 +468,7 @@ impl PeerMemory for HostMemory {
                 h.fd
             )));
         }
-        let fd = fetch_fd(h.pid, h.fd)?;
+        let fd = self.fetch_fd(h.pid, h.fd, h.inode)?;
         let stat = rustix::fs::fstat(&fd).map_err(os("fstat"))?;
         if stat.st_ino != h.inode || stat.st_dev != h.dev {
             return Err(IpcError::StaleHandle(format!(

@@ -17,6 +17,9 @@ pub(crate) enum BenchError {
     /// A peer-memory operation failed.
     #[error(transparent)]
     Ipc(#[from] IpcError),
+    /// The custom all-reduce failed (or refused the input).
+    #[error(transparent)]
+    AllReduce(#[from] tpcomm::allreduce::AllReduceError),
     /// The hand-written floor of `objects` failed to encode or decode.
     #[error("floor: postcard: {0}")]
     Postcard(#[from] postcard::Error),

@@ -11,6 +11,8 @@
 //! mpirun -np 2 tpcomm-bench objects --transport mpi --json objects.json
 //! tpcomm-bench ipc                            # exchange / close_all / reopen_all of N mappings
 //! mpirun -np 2 tpcomm-bench ipc --transport mpi --regions 1,100,1000
+//! tpcomm-bench allreduce                      # custom all-reduce, 1 KiB .. 8 MiB, f32
+//! mpirun -np 2 tpcomm-bench allreduce --transport mpi --json ar.json   # plus MPI_Allreduce
 //! ```
 //!
 //! Benchmarks are programs that print tables, never timed assertions inside tests: the
@@ -20,6 +22,7 @@
 //!
 //! Logging goes to stderr through `tracing`, off unless `RUST_LOG` asks for it.
 
+mod allreduce;
 mod error;
 mod ipc;
 mod launch;
@@ -61,6 +64,13 @@ enum Command {
     ///
     /// Local threads by default; `--transport mpi` under `mpirun`.
     Ipc(ipc::IpcArgs),
+    /// Custom all-reduce (tpcomm-allreduce, host backend): one-stage, two-stage, the
+    /// dispatcher's choice and a replayed captured plan, 1 KiB to 8 MiB.
+    ///
+    /// Local threads by default; `--transport mpi` under `mpirun`, where MPI_Allreduce of
+    /// the same data is timed too.
+    #[command(name = "allreduce")]
+    AllReduce(allreduce::AllReduceArgs),
 }
 
 fn main() -> ExitCode {
@@ -70,6 +80,7 @@ fn main() -> ExitCode {
         Command::Transport(args) => transport::run(&args),
         Command::Objects(args) => objects::run(&args),
         Command::Ipc(args) => ipc::run(&args),
+        Command::AllReduce(args) => allreduce::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -13,6 +13,7 @@
 //! mpirun -np 2 tpcomm-bench ipc --transport mpi --regions 1,100,1000
 //! tpcomm-bench allreduce                      # custom all-reduce, 1 KiB .. 8 MiB, f32
 //! mpirun -np 2 tpcomm-bench allreduce --transport mpi --json ar.json   # plus MPI_Allreduce
+//! tpcomm-bench lifecycle                      # suspend + resume with 1, 100, 1000 graph buffers
 //! ```
 //!
 //! Benchmarks are programs that print tables, never timed assertions inside tests: the
@@ -26,6 +27,7 @@ mod allreduce;
 mod error;
 mod ipc;
 mod launch;
+mod lifecycle;
 mod objects;
 mod report;
 mod sweep;
@@ -71,6 +73,11 @@ enum Command {
     /// the same data is timed too.
     #[command(name = "allreduce")]
     AllReduce(allreduce::AllReduceArgs),
+    /// Custom all-reduce lifecycle: prepare_for_suspend + reinit_after_resume with 1, 100,
+    /// 1000 graph buffers registered, and all-reduce latency before vs after a resume.
+    ///
+    /// Local threads by default; `--transport mpi` under `mpirun`.
+    Lifecycle(lifecycle::LifecycleArgs),
 }
 
 fn main() -> ExitCode {
@@ -81,6 +88,7 @@ fn main() -> ExitCode {
         Command::Objects(args) => objects::run(&args),
         Command::Ipc(args) => ipc::run(&args),
         Command::AllReduce(args) => allreduce::run(&args),
+        Command::Lifecycle(args) => lifecycle::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

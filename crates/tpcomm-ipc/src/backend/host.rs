@@ -62,9 +62,32 @@ struct Segment {
 /// Live segments of this process by base address: every `HostMemory` of the process shares
 /// it, so that a handle exported by one thread can be opened by another without going
 /// through `/proc`.
-static SEGMENTS: Mutex<BTreeMap<usize, Segment>> = Mutex::new(BTreeMap::new());
+static SEGMENTS: Mutex<SegmentTable> = Mutex::new(SegmentTable {
+    by_addr: BTreeMap::new(),
+    inode_of_fd: BTreeMap::new(),
+});
 
-fn segments() -> std::sync::MutexGuard<'static, BTreeMap<usize, Segment>> {
+/// The live segments of this process, by base address (for `export`) and by descriptor
+/// (for same-process opens).
+struct SegmentTable {
+    by_addr: BTreeMap<usize, Segment>,
+    inode_of_fd: BTreeMap<i32, u64>,
+}
+
+impl SegmentTable {
+    fn insert(&mut self, base: usize, segment: Segment) {
+        self.inode_of_fd.insert(segment.fd, segment.inode);
+        self.by_addr.insert(base, segment);
+    }
+
+    fn remove(&mut self, base: usize) {
+        if let Some(segment) = self.by_addr.remove(&base) {
+            self.inode_of_fd.remove(&segment.fd);
+        }
+    }
+}
+
+fn segments() -> std::sync::MutexGuard<'static, SegmentTable> {
     // Nothing panics while holding the lock.
     SEGMENTS.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -139,7 +162,7 @@ impl HostMemory {
 /// Duplicates this process's descriptor `fd`, which must belong to the live segment `inode`.
 fn dup_own(fd: i32, inode: u64) -> Result<OwnedFd> {
     let table = segments();
-    if !table.values().any(|s| s.fd == fd && s.inode == inode) {
+    if table.inode_of_fd.get(&fd) != Some(&inode) {
         return Err(IpcError::StaleHandle(format!(
             "no live segment of this process has descriptor {fd} and inode {inode}"
         )));
@@ -264,7 +287,7 @@ impl HostMapping {
 impl Drop for HostBuffer {
     fn drop(&mut self) {
         // Removed before `fd` is closed (fields drop after this body): see `dup_own`.
-        segments().remove(&(self.ptr.as_ptr() as usize));
+        segments().remove(self.ptr.as_ptr() as usize);
         // SAFETY: `ptr`/`len` are exactly the mapping made in `allocate`, unmapped once here.
         if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) } {
             tracing::warn!(error = %e, "munmap of a host segment failed");
@@ -435,6 +458,7 @@ impl PeerMemory for HostMemory {
         let a = usize::try_from(addr).map_err(|_| not("address out of range"))?;
         let table = segments();
         let (&base, seg) = table
+            .by_addr
             .range(..=a)
             .next_back()
             .ok_or_else(|| not("not inside a segment of this backend"))?;

@@ -73,17 +73,21 @@ impl fmt::Display for FallbackReason {
 pub const MAX_RANKS: usize = 8;
 
 /// Sizes up to this many bytes use one-stage, for each world size (index = world size).
-/// Measured on the host backend (2-core machine; see docs/all-reduce.md).
+///
+/// Measured with `tpcomm-bench allreduce` on the host backend (2-core machine, f32, medians
+/// of 3 to 8 runs; docs/benchmarks.md): two-stage is 10-20% faster than one-stage from
+/// 128 KiB on 2 ranks and from 64-128 KiB on 4 ranks, within a few percent of it below.
+/// Larger worlds read more peers per element in one-stage, so they switch no later.
 pub const ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
     0,
     usize::MAX,
-    512 << 10,
-    256 << 10,
-    256 << 10,
-    128 << 10,
-    128 << 10,
-    128 << 10,
-    128 << 10,
+    64 << 10,
+    64 << 10,
+    64 << 10,
+    32 << 10,
+    32 << 10,
+    32 << 10,
+    32 << 10,
 ];
 
 /// The algorithm for `bytes` on `world` ranks, or why the fallback must serve it.

@@ -42,7 +42,7 @@ use tpcomm::Communicator;
 
 use crate::error::BenchError;
 use crate::launch::{self, PerRank, RunInfo};
-use crate::report::{self, Column, Report, Stats, Table, Verdict};
+use crate::report::{self, Column, Stats, Table, Verdict};
 use crate::sweep::{format_bytes, parse_bytes, IterArgs, SweepArgs};
 use crate::timing::{elapsed_ns, median, ranks_flagging, slowest, time_once};
 use crate::transport::{splitmix64, Transport};
@@ -709,25 +709,19 @@ impl PerRank for AllReduceJob<'_> {
             v.print(t);
         }
         if let Some(path) = &args.json {
-            let report = Report {
-                tool: "tpcomm-bench",
-                version: env!("CARGO_PKG_VERSION"),
-                subcommand: "allreduce",
-                command_line: std::env::args().collect(),
-                unix_time: report::unix_time(),
-                machine: info.machine.clone(),
-                transport: info.transport,
-                ranks: comm.size(),
-                mpi_library: info.mpi_library.clone(),
-                settings: &Settings {
-                    args,
-                    crossovers: &summaries,
-                },
-                rows: &rows,
-                targets: &verdicts,
+            let settings = &Settings {
+                args,
+                crossovers: &summaries,
             };
-            report::write_json(path, &report)?;
-            t.note(&format!("JSON written to {}", path.display()));
+            info.write_report(
+                t,
+                path,
+                "allreduce",
+                comm.size(),
+                &settings,
+                &rows,
+                &verdicts,
+            )?;
         }
         Ok(Some(()))
     }
@@ -1071,19 +1065,7 @@ fn targets(rows: &[AllReduceRow], binding: bool) -> Vec<Verdict> {
 }
 
 fn preamble(t: &Table, args: &AllReduceArgs, info: &RunInfo, ranks: usize) {
-    t.note(&format!(
-        "tpcomm-bench allreduce: {}",
-        std::env::args().collect::<Vec<_>>().join(" ")
-    ));
-    let plural = if ranks == 1 { "" } else { "s" };
-    t.note(&format!(
-        "transport {}, {ranks} rank{plural}",
-        info.description
-    ));
-    if let Some(lib) = &info.mpi_library {
-        t.note(&format!("MPI library: {lib}"));
-    }
-    t.note(&format!("machine: {}", info.machine.describe()));
+    info.preamble_header(t, "allreduce", ranks);
     t.note(&format!(
         "tpcomm-allreduce host backend (shared memory); {}",
         args.sweep().describe()

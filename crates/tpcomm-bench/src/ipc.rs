@@ -26,7 +26,7 @@ use tpcomm_ipc::{
 
 use crate::error::BenchError;
 use crate::launch::{self, PerRank, RunInfo};
-use crate::report::{self, Column, Report, Stats, Table, Verdict};
+use crate::report::{self, Column, Stats, Table, Verdict};
 use crate::sweep::{parse_bytes, IterArgs};
 use crate::timing::{elapsed_ns, median, ranks_flagging, slowest, time_once};
 use crate::transport::Transport;
@@ -375,41 +375,14 @@ impl PerRank for IpcJob<'_> {
             v.print(t);
         }
         if let Some(path) = &args.json {
-            let report = Report {
-                tool: "tpcomm-bench",
-                version: env!("CARGO_PKG_VERSION"),
-                subcommand: "ipc",
-                command_line: std::env::args().collect(),
-                unix_time: report::unix_time(),
-                machine: info.machine.clone(),
-                transport: info.transport,
-                ranks: comm.size(),
-                mpi_library: info.mpi_library.clone(),
-                settings: args,
-                rows: &rows,
-                targets: &verdicts,
-            };
-            report::write_json(path, &report)?;
-            t.note(&format!("JSON written to {}", path.display()));
+            info.write_report(t, path, "ipc", comm.size(), args, &rows, &verdicts)?;
         }
         Ok(Some(()))
     }
 }
 
 fn preamble(t: &Table, args: &IpcArgs, info: &RunInfo, ranks: usize) {
-    t.note(&format!(
-        "tpcomm-bench ipc: {}",
-        std::env::args().collect::<Vec<_>>().join(" ")
-    ));
-    let plural = if ranks == 1 { "" } else { "s" };
-    t.note(&format!(
-        "transport {}, {ranks} rank{plural}",
-        info.description
-    ));
-    if let Some(lib) = &info.mpi_library {
-        t.note(&format!("MPI library: {lib}"));
-    }
-    t.note(&format!("machine: {}", info.machine.describe()));
+    info.preamble_header(t, "ipc", ranks);
     t.note(&format!(
         "backend host (memfd); each region its own HostMemory::allocate({}) buffer",
         args.buffer_bytes

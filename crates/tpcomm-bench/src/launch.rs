@@ -9,7 +9,11 @@ use tpcomm::transport::LocalGroup;
 use tpcomm::{Communicator, TransportError};
 
 use crate::error::BenchError;
-use crate::report::Machine;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::report::{self, Machine, Report, Table, Verdict};
 use crate::transport::Transport;
 
 /// Ranks of the local group when `--ranks` is not given.
@@ -25,6 +29,57 @@ pub(crate) struct RunInfo {
     /// The MPI library's version line, in MPI mode.
     pub(crate) mpi_library: Option<String>,
     pub(crate) machine: Machine,
+}
+
+impl RunInfo {
+    /// The preamble lines every subcommand starts with: the command line, the transport and
+    /// rank count, the MPI library (MPI mode) and the machine.
+    pub(crate) fn preamble_header(&self, t: &Table, subcommand: &str, ranks: usize) {
+        t.note(&format!(
+            "tpcomm-bench {subcommand}: {}",
+            std::env::args().collect::<Vec<_>>().join(" ")
+        ));
+        let plural = if ranks == 1 { "" } else { "s" };
+        t.note(&format!(
+            "transport {}, {ranks} rank{plural}",
+            self.description
+        ));
+        if let Some(lib) = &self.mpi_library {
+            t.note(&format!("MPI library: {lib}"));
+        }
+        t.note(&format!("machine: {}", self.machine.describe()));
+    }
+
+    /// Writes the JSON report of `subcommand` to `path` and notes where it went.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn write_report<S: Serialize, R: Serialize>(
+        &self,
+        t: &Table,
+        path: &Path,
+        subcommand: &'static str,
+        ranks: usize,
+        settings: &S,
+        rows: &[R],
+        targets: &[Verdict],
+    ) -> Result<(), BenchError> {
+        let report = Report {
+            tool: "tpcomm-bench",
+            version: env!("CARGO_PKG_VERSION"),
+            subcommand,
+            command_line: std::env::args().collect(),
+            unix_time: report::unix_time(),
+            machine: self.machine.clone(),
+            transport: self.transport,
+            ranks,
+            mpi_library: self.mpi_library.clone(),
+            settings,
+            rows,
+            targets,
+        };
+        report::write_json(path, &report)?;
+        t.note(&format!("JSON written to {}", path.display()));
+        Ok(())
+    }
 }
 
 /// The work of one rank of a subcommand.

@@ -34,7 +34,7 @@ use crate::allreduce::{
 };
 use crate::error::BenchError;
 use crate::launch::{self, PerRank, RunInfo};
-use crate::report::{self, Column, Report, Stats, Table, Verdict};
+use crate::report::{self, Column, Stats, Table, Verdict};
 use crate::sweep::{format_bytes, parse_bytes, IterArgs};
 use crate::timing::{elapsed_ns, median, slowest, time_once};
 use crate::transport::Transport;
@@ -603,41 +603,14 @@ impl PerRank for LifecycleJob<'_> {
             v.print(t);
         }
         if let Some(path) = &args.json {
-            let report = Report {
-                tool: "tpcomm-bench",
-                version: env!("CARGO_PKG_VERSION"),
-                subcommand: "lifecycle",
-                command_line: std::env::args().collect(),
-                unix_time: report::unix_time(),
-                machine: info.machine.clone(),
-                transport: info.transport,
-                ranks: comm.size(),
-                mpi_library: info.mpi_library.clone(),
-                settings: args,
-                rows: &rows,
-                targets: &verdicts,
-            };
-            report::write_json(path, &report)?;
-            t.note(&format!("JSON written to {}", path.display()));
+            info.write_report(t, path, "lifecycle", comm.size(), args, &rows, &verdicts)?;
         }
         Ok(Some(()))
     }
 }
 
 fn preamble(t: &Table, args: &LifecycleArgs, info: &RunInfo, ranks: usize) {
-    t.note(&format!(
-        "tpcomm-bench lifecycle: {}",
-        std::env::args().collect::<Vec<_>>().join(" ")
-    ));
-    let plural = if ranks == 1 { "" } else { "s" };
-    t.note(&format!(
-        "transport {}, {ranks} rank{plural}",
-        info.description
-    ));
-    if let Some(lib) = &info.mpi_library {
-        t.note(&format!("MPI library: {lib}"));
-    }
-    t.note(&format!("machine: {}", info.machine.describe()));
+    info.preamble_header(t, "lifecycle", ranks);
     t.note(&format!(
         "tpcomm-allreduce host backend; N graph buffers = N captured f32 all-reduces of \
          distinct {} inputs from ar.memory(), then register_graph_buffers",

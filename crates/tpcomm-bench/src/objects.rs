@@ -35,7 +35,7 @@ use tpcomm::Communicator;
 
 use crate::error::BenchError;
 use crate::launch::{self, PerRank, RunInfo};
-use crate::report::{self, Column, Report, Stats, Table, Verdict};
+use crate::report::{self, Column, Stats, Table, Verdict};
 use crate::sweep::{format_bytes, parse_bytes, IterArgs};
 use crate::timing::{elapsed_ns, median, ranks_flagging, slowest, time_once};
 use crate::transport::{pattern, splitmix64, Transport};
@@ -557,41 +557,14 @@ impl PerRank for ObjectsJob<'_> {
         let verdicts = verdicts(&rows, binding);
         summary(t, &rows, &verdicts, binding);
         if let Some(path) = &args.json {
-            let report = Report {
-                tool: "tpcomm-bench",
-                version: env!("CARGO_PKG_VERSION"),
-                subcommand: "objects",
-                command_line: std::env::args().collect(),
-                unix_time: report::unix_time(),
-                machine: info.machine.clone(),
-                transport: info.transport,
-                ranks: comm.size(),
-                mpi_library: info.mpi_library.clone(),
-                settings: args,
-                rows: &rows,
-                targets: &verdicts,
-            };
-            report::write_json(path, &report)?;
-            t.note(&format!("JSON written to {}", path.display()));
+            info.write_report(t, path, "objects", comm.size(), args, &rows, &verdicts)?;
         }
         Ok(Some(()))
     }
 }
 
 fn preamble(t: &Table, args: &ObjectsArgs, info: &RunInfo, ranks: usize) {
-    t.note(&format!(
-        "tpcomm-bench objects: {}",
-        std::env::args().collect::<Vec<_>>().join(" ")
-    ));
-    let plural = if ranks == 1 { "" } else { "s" };
-    t.note(&format!(
-        "transport {}, {ranks} rank{plural}",
-        info.description
-    ));
-    if let Some(lib) = &info.mpi_library {
-        t.note(&format!("MPI library: {lib}"));
-    }
-    t.note(&format!("machine: {}", info.machine.describe()));
+    info.preamble_header(t, "objects", ranks);
     t.note(&args.iter.describe());
     t.note("time: median over iterations of the slowest rank (a barrier before each iteration);");
     t.note("  timed until the gathered values are in hand (dropping them is not timed)");

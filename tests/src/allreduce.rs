@@ -57,7 +57,8 @@ fn eager<T: Element, C: Communicator>(
     )
 }
 
-/// Eager all-reduces of every dtype on both algorithms against an f64 reference, then a
+/// Eager all-reduces of every dtype from 16 B to 1 MiB (and f32 at 8 MiB) against an f64
+/// reference, on whichever algorithm the dispatcher picks, then a
 /// captured plan replayed before and after a suspend/resume.
 pub(crate) fn host_matches_reference_and_survives_suspend_resume<C: Communicator>(
     comm: &C,
@@ -78,6 +79,8 @@ pub(crate) fn host_matches_reference_and_survives_suspend_resume<C: Communicator
         eager::<half::f16, C>(&mut x, comm, seed, bytes)?;
         eager::<half::bf16, C>(&mut x, comm, seed, bytes)?;
     }
+    // The largest size the default configuration serves, two-stage on every world size.
+    eager::<f32, C>(&mut x, comm, 2000, 8 << 20)?;
     let mem = ar("memory", x.memory())?.clone();
     let input = mem.allocate(1 << 20).map_err(|e| e.to_string())?;
     let output = mem.allocate(1 << 20).map_err(|e| e.to_string())?;

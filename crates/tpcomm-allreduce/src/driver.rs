@@ -588,10 +588,12 @@ impl<B: Backend> CustomAllReduce<B> {
             call: "prepare_for_suspend",
             phase: Phase::Closed,
         })?;
-        let closed = res.peers.close_all()?;
-        tracing::debug!(closed, "mappings closed for suspend");
+        // A failed close still joins the last barrier, so that peers are not left waiting;
+        // only this rank fails.
+        let closed = res.peers.close_all();
         comm.barrier()?;
-        Ok(())
+        tracing::debug!(closed = ?closed.as_ref().ok(), "mappings closed for suspend");
+        closed.map(drop).map_err(AllReduceError::from)
     }
 
     /// Collective: fresh handles, exchange, reopen; rewrite every RankSignals and RankData
@@ -627,21 +629,24 @@ impl<B: Backend> CustomAllReduce<B> {
         )?;
         // Everybody reset its flags and wrote its nonce before anybody reads or launches.
         let nonces: Vec<u64> = tpcomm_objects::all_gather(comm, &nonce)?;
+        let mut proof = Ok(());
         for (peer, &expected) in nonces.iter().enumerate().filter(|&(p, _)| p != self.rank) {
             let mapping = res.peers.peer(res.base, peer, SIGNAL)?;
             let mut raw = [0u8; 8];
             memory.read(mapping, self.backend.nonce_offset(), &mut raw)?;
             let found = u64::from_le_bytes(raw);
             if found != expected {
-                return Err(AllReduceError::NonceMismatch {
+                proof = Err(AllReduceError::NonceMismatch {
                     peer,
                     expected,
                     found,
                 });
+                break;
             }
         }
+        // A failed proof still joins the last barrier: peers are not left waiting.
         comm.barrier()?;
-        Ok(())
+        proof
     }
 
     /// Releases everything (mappings and local buffers) from any phase; later calls fail

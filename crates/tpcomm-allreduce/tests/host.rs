@@ -396,7 +396,7 @@ fn is_injected(e: &AllReduceError) -> bool {
 }
 
 #[test]
-fn a_failed_close_during_suspend_leaves_that_rank_failed_for_good() {
+fn a_failed_close_during_suspend_fails_that_rank_for_good_and_frees_its_peer() {
     let out = with_fault(FaultPoint::Close, false);
     let (outcome, later, phase) = &out[0];
     assert!(
@@ -407,6 +407,20 @@ fn a_failed_close_during_suspend_leaves_that_rank_failed_for_good() {
         "{later:?}"
     );
     assert_eq!(*phase, Phase::Failed);
+    // The peer is not left waiting: its suspend completes.
+    let (outcome, later, phase) = &out[1];
+    assert!(outcome.is_ok(), "{outcome:?}");
+    assert!(
+        matches!(
+            later,
+            Err(AllReduceError::WrongState {
+                phase: Phase::Suspended,
+                ..
+            })
+        ),
+        "{later:?}"
+    );
+    assert_eq!(*phase, Phase::Suspended);
 }
 
 #[test]

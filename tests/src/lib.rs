@@ -71,7 +71,8 @@ pub fn pattern(rank: usize, tag: usize, i: usize) -> u8 {
     (rank.wrapping_mul(131) ^ tag.wrapping_mul(31) ^ i.wrapping_mul(7)) as u8
 }
 
-pub(crate) fn filled(rank: usize, tag: usize, len: usize) -> Vec<u8> {
+/// `len` bytes of [`pattern`] for `rank` and `tag`.
+pub fn filled(rank: usize, tag: usize, len: usize) -> Vec<u8> {
     (0..len).map(|i| pattern(rank, tag, i)).collect()
 }
 

@@ -9,6 +9,7 @@
 mod bench;
 mod cuda;
 mod setup;
+mod soak;
 mod test;
 mod util;
 
@@ -26,6 +27,8 @@ tasks:
                         (2 ranks, about 9 GiB of memory).
   bench [--no-mpi]      run the benchmark CLI (local, and MPI with 2 ranks) and write JSON
                         under target/bench/
+  soak [--minutes N]    the mixed soak loop (objects, all-reduces, replays, suspend/resume)
+                        under mpirun -np 2 for N minutes; fails on a wrong result or a leak
   setup-cuda            when no nvcc is found, download the pinned CUDA 13.0 compiler wheels
                         into target/ and unpack them (no GPU needed)
   kernels               build kernels/allreduce.cu into target/kernels/allreduce.fatbin and
@@ -42,6 +45,7 @@ fn main() -> ExitCode {
         "setup" => setup::run(rest),
         "test" => test::run(rest),
         "bench" => bench::run(rest),
+        "soak" => soak::run(rest),
         "setup-cuda" => cuda::setup_cuda(rest),
         "kernels" => cuda::kernels(rest),
         "help" | "--help" | "-h" => {

@@ -8,6 +8,7 @@
 
 mod bench;
 mod cuda;
+mod fuzz;
 mod setup;
 mod soak;
 mod test;
@@ -29,6 +30,8 @@ tasks:
                         under target/bench/
   soak [--minutes N]    the mixed soak loop (objects, all-reduces, replays, suspend/resume)
                         under mpirun -np 2 for N minutes; fails on a wrong result or a leak
+  fuzz [--seconds N] [TARGET...]
+                        build the libFuzzer targets in fuzz/ and run each for N s (10)
   setup-cuda            when no nvcc is found, download the pinned CUDA 13.0 compiler wheels
                         into target/ and unpack them (no GPU needed)
   kernels               build kernels/allreduce.cu into target/kernels/allreduce.fatbin and
@@ -46,6 +49,7 @@ fn main() -> ExitCode {
         "test" => test::run(rest),
         "bench" => bench::run(rest),
         "soak" => soak::run(rest),
+        "fuzz" => fuzz::run(rest),
         "setup-cuda" => cuda::setup_cuda(rest),
         "kernels" => cuda::kernels(rest),
         "help" | "--help" | "-h" => {

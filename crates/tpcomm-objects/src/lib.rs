@@ -40,3 +40,46 @@ pub use collectives::{
 pub use error::{DecodeError, ObjectError, Result};
 pub use gathered::Gathered;
 pub use options::Options;
+
+/// The round schedule, exposed for the fuzz targets in `fuzz/` only: not part of the API,
+/// no stability promise.
+#[doc(hidden)]
+pub mod fuzzing {
+    use std::ops::Range;
+
+    /// One round of a schedule (see `rounds.rs`): the window of the dense layout it fills
+    /// and, per rank, the bytes sent, where they land in the window and which of the
+    /// rank's own bytes they are.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct ScheduledRound {
+        /// The window of the final buffer.
+        pub window: Range<usize>,
+        /// Bytes per rank.
+        pub counts: Vec<usize>,
+        /// Displacement per rank, relative to `window.start`.
+        pub displs: Vec<usize>,
+        /// The part of each rank's own bytes sent.
+        pub sources: Vec<Range<usize>>,
+    }
+
+    /// Offsets of each rank's bytes in the dense layout (`lens` must sum within `usize`).
+    pub fn dense_offsets(lens: &[usize]) -> Vec<usize> {
+        crate::rounds::dense_offsets(lens)
+    }
+
+    /// Number of rounds for `total` bytes in windows of `limit`.
+    pub fn round_count(total: usize, limit: usize) -> usize {
+        crate::rounds::round_count(total, limit)
+    }
+
+    /// Round `k` of the schedule of `lens` (dense `offsets`) in windows of `limit`.
+    pub fn round(lens: &[usize], offsets: &[usize], limit: usize, k: usize) -> ScheduledRound {
+        let r = crate::rounds::round(lens, offsets, limit, k);
+        ScheduledRound {
+            window: r.window,
+            counts: r.counts,
+            displs: r.displs,
+            sources: r.sources,
+        }
+    }
+}

@@ -22,6 +22,14 @@ pub enum Op {
     Split,
     /// Creating or tearing down a communicator.
     Setup,
+    /// `DeviceCommunicator::all_reduce` (feature `nccl`).
+    AllReduce,
+    /// `DeviceCommunicator::reduce_scatter` (feature `nccl`).
+    ReduceScatter,
+    /// Suspending a device communicator (feature `nccl`).
+    Suspend,
+    /// Resuming a device communicator (feature `nccl`).
+    Resume,
 }
 
 impl Op {
@@ -36,6 +44,10 @@ impl Op {
             Op::AllToAllVarcount => "all_to_all_varcount",
             Op::Split => "split",
             Op::Setup => "setup",
+            Op::AllReduce => "all_reduce",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::Suspend => "suspend",
+            Op::Resume => "resume",
         }
     }
 }
@@ -135,6 +147,16 @@ pub enum ArgumentError {
     /// The root of a gather passed no receive layout.
     #[error("the root of a gather must pass a receive buffer with counts and displacements")]
     MissingRootReceive,
+    /// A device buffer lives on another device than the communicator's.
+    #[error("{which} buffer is on device {actual}, the communicator on device {expected}")]
+    WrongDevice {
+        /// `"send"` or `"receive"`.
+        which: &'static str,
+        /// The communicator's device ordinal.
+        expected: usize,
+        /// The buffer's device ordinal.
+        actual: usize,
+    },
 }
 
 /// Every failure of a transport operation.
@@ -214,6 +236,60 @@ pub enum TransportError {
     /// The communicator could not be built.
     #[error("cannot create a communicator: {0}")]
     Setup(String),
+    /// An NCCL call returned an error code (feature `nccl`).
+    #[error("{op}: {call} failed with NCCL error code {code}: {message}")]
+    Nccl {
+        /// The operation.
+        op: Op,
+        /// The NCCL function that failed.
+        call: &'static str,
+        /// The raw `ncclResult_t` it returned (kept even when this crate does not know it).
+        code: i32,
+        /// `ncclGetErrorString` of the code, followed by `ncclGetLastError` when NCCL has
+        /// more to say.
+        message: String,
+    },
+    /// A CUDA driver call made for a device communicator failed (feature `nccl`).
+    #[error("{op}: {call} failed with CUDA error code {code}: {message}")]
+    Cuda {
+        /// The operation.
+        op: Op,
+        /// What was called.
+        call: &'static str,
+        /// The raw `CUresult`.
+        code: i32,
+        /// The driver's name and description of the code.
+        message: String,
+    },
+    /// A library a backend loads at run time is not installed, or lacks a function the
+    /// backend needs; nothing of it was called.
+    #[error("{library} is not usable: {detail}")]
+    LibraryMissing {
+        /// `"libcuda"` or `"libnccl"`.
+        library: &'static str,
+        /// Where it was looked for, or which functions are missing.
+        detail: String,
+    },
+    /// The CUDA driver is present but the requested device is not (no GPU, or the ordinal is
+    /// out of range).
+    #[error("no usable CUDA device: {0}")]
+    NoDevice(String),
+    /// The loaded library does not offer this operation.
+    #[error("{op} is not supported: {reason}")]
+    Unsupported {
+        /// The operation.
+        op: Op,
+        /// Why (which library version or symbol is missing).
+        reason: String,
+    },
+    /// The communicator is suspended: only `resume` (and dropping it) are allowed.
+    #[error("{op} on rank {rank}: the communicator is suspended")]
+    Suspended {
+        /// The operation that was refused.
+        op: Op,
+        /// The calling rank.
+        rank: usize,
+    },
 }
 
 impl TransportError {
@@ -225,7 +301,14 @@ impl TransportError {
             | TransportError::RankPanicked { rank, .. } => Some(*rank),
             TransportError::Aborted { by, .. } => Some(*by),
             TransportError::Timeout { missing, .. } => missing.first().copied(),
-            TransportError::Mpi { .. } | TransportError::Setup(_) => None,
+            TransportError::Mpi { .. }
+            | TransportError::Setup(_)
+            | TransportError::Nccl { .. }
+            | TransportError::Cuda { .. }
+            | TransportError::LibraryMissing { .. }
+            | TransportError::NoDevice(_)
+            | TransportError::Unsupported { .. }
+            | TransportError::Suspended { .. } => None,
         }
     }
 }

@@ -5,7 +5,10 @@
 //! - [`LocalGroup`] (always built, the embedded default): N communicators for N threads of
 //!   one process, with real blocking semantics and bounded waits;
 //! - `MpiCommunicator` (feature `mpi`): an MPI communicator (world or a split), with every
-//!   MPI return code checked and counts converted with checks.
+//!   MPI return code checked and counts converted with checks;
+//! - `NcclCommunicator` (feature `nccl`): a `DeviceCommunicator` over
+//!   NCCL for device buffers (cudarc), bootstrapped through any host [`Communicator`]; libcuda
+//!   and libnccl are loaded at run time, and a machine without them gets a typed error.
 //!
 //! Argument checks are shared by every backend (module [`check`]): a bad argument is a
 //! typed [`TransportError::InvalidArgument`] naming the argument, raised before anything is
@@ -18,11 +21,17 @@
 pub mod backend;
 pub mod check;
 mod communicator;
+#[cfg(feature = "nccl")]
+pub mod device;
 mod error;
 
 pub use backend::local::{LocalCommunicator, LocalGroup, LocalGroupConfig};
 #[cfg(feature = "mpi")]
 pub use backend::mpi::MpiCommunicator;
-pub use check::{GatherRecv, Layout};
+#[cfg(feature = "nccl")]
+pub use backend::nccl::{NcclCommunicator, NcclLibrary};
+pub use check::{DeviceCollective, GatherRecv, Layout};
 pub use communicator::{dense_displacements, Communicator};
+#[cfg(feature = "nccl")]
+pub use device::{DeviceArgs, DeviceCommunicator, DeviceElement, ReduceOp};
 pub use error::{ArgumentError, Op, Result, TransportError};

@@ -8,6 +8,7 @@
 //! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator); [`ipc`] (peer memory, host shared-memory backend); [`allreduce`] (custom all-reduce, host backend) |
 //! | `mpi`   | `transport::MpiCommunicator` over MPI (rsmpi) |
 //! | `cuda`  | `ipc::CudaMemory`: CUDA IPC peer memory (driver loaded at run time) |
+//! | `nccl`  | `transport::NcclCommunicator` and `transport::DeviceCommunicator`: NCCL collectives on device buffers (libcuda and libnccl loaded at run time) |
 //!
 //! ```
 //! use tpcomm::transport::{Communicator, LocalGroup};

@@ -10,10 +10,10 @@
 //! The lengths respect what the collectives guarantee before scheduling: their sum fits
 //! `usize` (checked by `within_cap`), and `limit >= 1`.
 //!
-//! Known finding, skipped so the target keeps exploring: when the total comes within
-//! `limit` of `usize::MAX`, the last round's `start + limit` overflows (see the ignored
-//! test in `crates/tpcomm-objects/tests/fuzz_regressions.rs`). Set `SKIP_KNOWN_OVERFLOW`
-//! to false once `rounds.rs` saturates there.
+//! Earlier finding, fixed: when the total came within `limit` of `usize::MAX`, the last
+//! round's `start + limit` overflowed (regression test in
+//! `crates/tpcomm-objects/tests/fuzz_regressions.rs`). `SKIP_KNOWN_OVERFLOW` stays as a
+//! switch for the next such finding.
 
 #![no_main]
 
@@ -21,7 +21,7 @@ use libfuzzer_sys::fuzz_target;
 use tpcomm_objects::fuzzing::{dense_offsets, round, round_count};
 
 const MAX_WALK: usize = 4096;
-const SKIP_KNOWN_OVERFLOW: bool = true;
+const SKIP_KNOWN_OVERFLOW: bool = false;
 
 /// Reads one length: a small one, or any `usize`, chosen by a tag byte.
 fn read_usize(data: &mut &[u8]) -> Option<usize> {

@@ -46,7 +46,8 @@ pub(crate) fn round_count(total: usize, limit: usize) -> usize {
 pub(crate) fn round(lens: &[usize], offsets: &[usize], limit: usize, k: usize) -> Round {
     let total: usize = lens.iter().sum();
     let start = k * limit;
-    let end = (start + limit).min(total);
+    // Saturating: a total within one window of usize::MAX must not wrap (found by fuzzing).
+    let end = start.saturating_add(limit).min(total);
     let mut counts = Vec::with_capacity(lens.len());
     let mut displs = Vec::with_capacity(lens.len());
     let mut sources = Vec::with_capacity(lens.len());

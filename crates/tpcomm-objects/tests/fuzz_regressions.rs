@@ -4,11 +4,10 @@ use tpcomm_objects::fuzzing::{dense_offsets, round, round_count};
 
 /// `fuzz/` target `round_schedule`, input `4a2a05ffffffffffffffff2a05`: one rank of
 /// `usize::MAX` bytes in windows of 37. The last round computes `start + limit`, which
-/// overflows (a panic with overflow checks, an empty window without), so its bytes are
-/// never scheduled. Reachable only with `Options::max_total_bytes` within one window of
-/// `usize::MAX`.
+/// overflowed (a panic with overflow checks, an empty window without), so its bytes were
+/// never scheduled; it saturates now. Reachable only with `Options::max_total_bytes` within
+/// one window of `usize::MAX`.
 #[test]
-#[ignore = "open finding: rounds.rs `start + limit` must saturate at usize::MAX"]
 fn the_last_round_of_a_total_near_usize_max_covers_the_end_of_the_layout() {
     let lens = [usize::MAX];
     let limit = 37;

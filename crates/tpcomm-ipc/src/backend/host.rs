@@ -105,26 +105,30 @@ impl HostMemory {
         Self::default()
     }
 
-    /// The pidfd of `pid`, opened once and cached.
-    fn pidfd(&self, pid: u32) -> Result<Arc<OwnedFd>> {
+    /// The pidfd of `pid`, opened once and cached; `None` where the kernel (or a tool such
+    /// as valgrind) does not provide `pidfd_open`, in which case `/proc` serves instead.
+    fn pidfd(&self, pid: u32) -> Result<Option<Arc<OwnedFd>>> {
         let mut cache = self.pidfds.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(fd) = cache.get(&pid) {
-            return Ok(fd.clone());
+            return Ok(Some(fd.clone()));
         }
         let raw_pid = i32::try_from(pid)
             .map_err(|_| IpcError::InvalidHandle(format!("pid {pid} out of range")))?;
         let owner = Pid::from_raw(raw_pid)
             .ok_or_else(|| IpcError::InvalidHandle(format!("pid {pid} is not a process id")))?;
-        let fd = rustix::process::pidfd_open(owner, PidfdFlags::empty()).map_err(|e| match e {
-            Errno::SRCH => IpcError::OwnerGone { pid },
-            e => IpcError::Os {
+        match rustix::process::pidfd_open(owner, PidfdFlags::empty()) {
+            Ok(fd) => {
+                let fd = Arc::new(fd);
+                cache.insert(pid, fd.clone());
+                Ok(Some(fd))
+            }
+            Err(Errno::SRCH) => Err(IpcError::OwnerGone { pid }),
+            Err(Errno::NOSYS | Errno::PERM | Errno::ACCESS) => Ok(None),
+            Err(e) => Err(IpcError::Os {
                 call: "pidfd_open",
                 source: e,
-            },
-        })?;
-        let fd = Arc::new(fd);
-        cache.insert(pid, fd.clone());
-        Ok(fd)
+            }),
+        }
     }
 
     fn forget_pidfd(&self, pid: u32) {
@@ -139,7 +143,9 @@ impl HostMemory {
         if pid == std::process::id() {
             return dup_own(fd, inode);
         }
-        let pidfd = self.pidfd(pid)?;
+        let Some(pidfd) = self.pidfd(pid)? else {
+            return open_via_proc(pid, fd);
+        };
         match rustix::process::pidfd_getfd(&*pidfd, fd, PidfdGetfdFlags::empty()) {
             Ok(got) => Ok(got),
             Err(Errno::BADF) => Err(IpcError::StaleHandle(format!(

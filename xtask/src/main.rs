@@ -13,6 +13,7 @@ mod setup;
 mod soak;
 mod test;
 mod util;
+mod valgrind;
 
 use std::process::ExitCode;
 
@@ -30,6 +31,7 @@ tasks:
                         under target/bench/
   soak [--minutes N]    the mixed soak loop (objects, all-reduces, replays, suspend/resume)
                         under mpirun -np 2 for N minutes; fails on a wrong result or a leak
+  valgrind              the host backends' test suites under valgrind memcheck
   fuzz [--seconds N] [TARGET...]
                         build the libFuzzer targets in fuzz/ and run each for N s (10)
   setup-cuda            when no nvcc is found, download the pinned CUDA 13.0 compiler wheels
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
         "test" => test::run(rest),
         "bench" => bench::run(rest),
         "soak" => soak::run(rest),
+        "valgrind" => valgrind::run(rest),
         "fuzz" => fuzz::run(rest),
         "setup-cuda" => cuda::setup_cuda(rest),
         "kernels" => cuda::kernels(rest),

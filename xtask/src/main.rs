@@ -9,6 +9,7 @@
 mod bench;
 mod cuda;
 mod fuzz;
+mod loom;
 mod setup;
 mod soak;
 mod test;
@@ -38,6 +39,9 @@ tasks:
                         into target/ and unpack them (no GPU needed)
   kernels               build kernels/allreduce.cu into target/kernels/allreduce.fatbin and
                         print the ptxas resource report; fails on spills or local memory
+  loom [--preemptions N]
+                        model-check the host flag barrier and two-stage handoff with loom
+                        (2 and 3 ranks, epoch wrap-around) into target/loom
 ";
 
 fn main() -> ExitCode {
@@ -52,6 +56,7 @@ fn main() -> ExitCode {
         "bench" => bench::run(rest),
         "soak" => soak::run(rest),
         "valgrind" => valgrind::run(rest),
+        "loom" => loom::run(rest),
         "fuzz" => fuzz::run(rest),
         "setup-cuda" => cuda::setup_cuda(rest),
         "kernels" => cuda::kernels(rest),

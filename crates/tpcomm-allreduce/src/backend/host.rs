@@ -15,11 +15,15 @@
 //! peer's slot for this rank, then this rank waits with *acquire* loads until every peer's
 //! slot in its own block shows the epoch. Waits spin briefly, then yield, then sleep in
 //! short steps (ranks may outnumber cores), and give up at the timeout naming the peer.
+//! The barrier, the epoch and the order of a launch's phases live in [`flags`], generic
+//! over the flag words, so that the same code is model-checked with loom
+//! (`cargo xtask loom`); this module supplies the shared-memory slots.
+
+mod flags;
 
 use std::marker::PhantomData;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::AtomicU32;
 
 use half::{bf16, f16};
 use tpcomm_ipc::{HostBuffer, HostMapping, HostMemory, MemoryRegion, PeerMemory};
@@ -27,7 +31,7 @@ use tpcomm_ipc::{HostBuffer, HostMapping, HostMemory, MemoryRegion, PeerMemory};
 use super::{Backend, Buffer, Launch};
 use crate::dispatch::Algorithm;
 use crate::dtype::{DType, Element};
-use crate::error::{AllReduceError, Result};
+use crate::error::Result;
 
 /// Host Signal block: three flag arrays (one 64-byte line each), the epoch counter, the
 /// nonce. Offsets in bytes.
@@ -88,52 +92,48 @@ fn read_table<M: PeerMemory>(memory: &M, table: &M::Buffer, offset: usize) -> Re
     Ok(out)
 }
 
-struct Barrier<'a> {
-    rank: usize,
-    world: usize,
+/// The group's Signal blocks as mapped in this process, for [`flags::FlagBarrier`].
+struct SignalBlocks<'a> {
     own: u64,
     signals: &'a [u64; 8],
-    epoch: u32,
-    timeout: Duration,
 }
 
-impl Barrier<'_> {
-    /// Publishes this rank's epoch to every peer's `array`, then waits for every peer's.
-    fn cross(&self, array: usize, name: &'static str) -> Result<()> {
-        for p in 0..self.world {
-            // SAFETY: the tables hold live Signal mappings for every rank of the group
-            // (the driver rewrites them after every reopen before any launch).
-            unsafe { flag(self.signals[p], array + 4 * self.rank) }
-                .store(self.epoch, Ordering::Release);
-        }
-        let started = Instant::now();
-        for p in 0..self.world {
-            // SAFETY: this rank's own Signal block, alive for the launch.
-            let slot = unsafe { flag(self.own, array + 4 * p) };
-            let mut spins = 0u32;
-            while slot.load(Ordering::Acquire) != self.epoch {
-                spins += 1;
-                if spins < 256 {
-                    std::hint::spin_loop();
-                } else if spins < 1024 {
-                    std::thread::yield_now();
-                } else {
-                    let waited = started.elapsed();
-                    if waited >= self.timeout {
-                        return Err(AllReduceError::Timeout {
-                            rank: self.rank,
-                            peer: p,
-                            barrier: name,
-                            waited,
-                        });
-                    }
-                    std::thread::sleep(Duration::from_micros(20));
-                }
-            }
-        }
-        Ok(())
+impl<'a> SignalBlocks<'a> {
+    /// # Safety
+    /// `own` and every `signals[p]` a barrier names (`p < world`) must be live, mapped
+    /// Signal blocks of at least `SIGNAL_BYTES` bytes for as long as the value is used.
+    unsafe fn new(own: u64, signals: &'a [u64; 8]) -> Self {
+        Self { own, signals }
     }
 }
+
+fn array(kind: flags::Kind) -> usize {
+    match kind {
+        flags::Kind::Start => START,
+        flags::Kind::Mid => MID,
+        flags::Kind::End => END,
+    }
+}
+
+impl flags::Blocks for SignalBlocks<'_> {
+    type Slot = AtomicU32;
+
+    #[inline(always)]
+    fn peer(&self, peer: usize, kind: flags::Kind, writer: usize) -> &AtomicU32 {
+        // SAFETY: per `SignalBlocks::new`, the tables hold live Signal mappings for every
+        // rank of the group (the driver rewrites them after every reopen before any
+        // launch); `writer < world <= 8` keeps the slot inside its 64-byte array.
+        unsafe { flag(self.signals[peer], array(kind) + 4 * writer) }
+    }
+
+    #[inline(always)]
+    fn own(&self, kind: flags::Kind, writer: usize) -> &AtomicU32 {
+        // SAFETY: this rank's own Signal block, alive for the launch (`SignalBlocks::new`).
+        unsafe { flag(self.own, array(kind) + 4 * writer) }
+    }
+}
+
+type Barrier<'a> = flags::FlagBarrier<'a, SignalBlocks<'a>>;
 
 /// Elements per accumulation chunk.
 const CHUNK: usize = 1024;
@@ -181,37 +181,46 @@ fn run<T: Element, M: HostLike>(
     inputs: &[u64],
     barrier: &Barrier<'_>,
 ) -> Result<()> {
-    barrier.cross(START, "start")?;
     match l.algorithm {
-        Algorithm::OneStage => {
-            // SAFETY: the start barrier ordered every rank's input writes before these
-            // reads; inputs and output hold `count` elements (checked by the driver), and
-            // no rank writes an input before the end barrier.
-            unsafe { reduce::<T>(inputs, l.out, 0..l.count) };
-        }
-        Algorithm::TwoStage => {
-            let mine = part(l.count, T::DTYPE.size(), l.world, l.rank);
-            // SAFETY: as above; this rank's temp buffer holds `count` elements and only
-            // this rank writes it, before the mid barrier.
-            unsafe { reduce::<T>(inputs, temps[l.rank], mine) };
-            barrier.cross(MID, "mid")?;
-            for r in 0..l.world {
-                let p = part(l.count, T::DTYPE.size(), l.world, r);
-                let bytes = p.len() * T::DTYPE.size();
-                let offset = p.start * T::DTYPE.size();
-                // SAFETY: rank r finished writing its part of its temp buffer before the
-                // mid barrier (release/acquire); the output holds `count` elements.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        (temps[r] as *const u8).add(offset),
-                        (l.out as *mut u8).add(offset),
-                        bytes,
-                    )
-                };
-            }
-        }
+        Algorithm::OneStage => barrier.launch::<flags::Backoff>(
+            false,
+            || {
+                // SAFETY: the start barrier ordered every rank's input writes before these
+                // reads; inputs and output hold `count` elements (checked by the driver),
+                // and no rank writes an input before the end barrier.
+                unsafe { reduce::<T>(inputs, l.out, 0..l.count) };
+            },
+            || {},
+        ),
+        Algorithm::TwoStage => barrier.launch::<flags::Backoff>(
+            true,
+            || {
+                let mine = part(l.count, T::DTYPE.size(), l.world, l.rank);
+                // SAFETY: as above; this rank's temp buffer holds `count` elements and only
+                // this rank writes it, before the mid barrier.
+                unsafe { reduce::<T>(inputs, temps[l.rank], mine) };
+            },
+            || gather::<T, M>(l, temps),
+        ),
     }
-    barrier.cross(END, "end")
+}
+
+/// Two-stage, after the mid barrier: every rank's part from its owner's temp buffer.
+fn gather<T: Element, M: HostLike>(l: &Launch<'_, HostBackend<M>>, temps: &[u64; 8]) {
+    for r in 0..l.world {
+        let p = part(l.count, T::DTYPE.size(), l.world, r);
+        let bytes = p.len() * T::DTYPE.size();
+        let offset = p.start * T::DTYPE.size();
+        // SAFETY: rank r finished writing its part of its temp buffer before the
+        // mid barrier (release/acquire); the output holds `count` elements.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (temps[r] as *const u8).add(offset),
+                (l.out as *mut u8).add(offset),
+                bytes,
+            )
+        };
+    }
 }
 
 /// Peer memory whose buffers are host shared memory.
@@ -244,13 +253,15 @@ impl<M: HostLike> Backend for HostBackend<M> {
         let own = l.own_signal.addr();
         // SAFETY: this rank's own Signal block, alive for the launch.
         let counter = unsafe { flag(own, COUNTER) };
-        let epoch = counter.load(Ordering::Relaxed).wrapping_add(1);
-        counter.store(epoch, Ordering::Relaxed);
+        let epoch = flags::next_epoch(counter);
+        // SAFETY: the own block is alive for the launch, and the tables hold live Signal
+        // mappings for every rank of the group (the driver rewrites them after every
+        // reopen before any launch).
+        let blocks = unsafe { SignalBlocks::new(own, &signals) };
         let barrier = Barrier {
+            blocks: &blocks,
             rank: l.rank,
             world: l.world,
-            own,
-            signals: &signals,
             epoch,
             timeout: l.timeout,
         };

@@ -96,6 +96,40 @@ pub(crate) fn ok<T>(what: &str, r: Result<T, TransportError>) -> Result<T, Strin
     r.map_err(|e| format!("{what}: unexpected error: {e}"))
 }
 
+/// True on every rank when `ok` is true on every rank (one all-gather of a flag); false
+/// also when the exchange itself fails.
+pub fn all_ranks_ok<C: Communicator>(comm: &C, ok: bool) -> bool {
+    let mut flags = vec![0u8; comm.size()];
+    comm.all_gather(&[u8::from(ok)], &mut flags).is_ok() && flags.iter().all(|&f| f == 1)
+}
+
+/// The frame of the MPI programs xtask launches: initializes MPI, runs `body` on a
+/// duplicate of `MPI_COMM_WORLD`, drops the communicator before MPI is finalized, and exits
+/// with success when `body` returned true.
+#[cfg(feature = "mpi")]
+pub fn mpi_program(
+    name: &str,
+    body: impl FnOnce(&tpcomm::transport::MpiCommunicator) -> bool,
+) -> std::process::ExitCode {
+    let Some(universe) = mpi::initialize() else {
+        eprintln!("{name}: MPI was already initialized");
+        return std::process::ExitCode::FAILURE;
+    };
+    let ok = match tpcomm::transport::MpiCommunicator::world(&universe) {
+        Ok(comm) => body(&comm),
+        Err(e) => {
+            eprintln!("{name}: cannot create the communicator: {e}");
+            false
+        }
+    };
+    drop(universe);
+    if ok {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
+}
+
 /// A named case: run collectively by every rank.
 type Case<C> = (&'static str, fn(&C) -> CaseResult);
 

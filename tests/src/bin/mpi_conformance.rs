@@ -6,47 +6,32 @@
 
 use std::process::ExitCode;
 
-use tpcomm::transport::{Communicator, MpiCommunicator};
+use tpcomm::transport::Communicator;
 use tpcomm_conformance::run_all;
 
 fn main() -> ExitCode {
-    let Some(universe) = mpi::initialize() else {
-        eprintln!("mpi-conformance: MPI was already initialized");
-        return ExitCode::FAILURE;
-    };
-    let comm = match MpiCommunicator::world(&universe) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("mpi-conformance: cannot create the communicator: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let reports = run_all(&comm);
-    let failed = reports.iter().filter(|r| !r.passed).count();
-    if comm.rank() == 0 {
-        for r in &reports {
-            if r.passed {
-                println!("case {} ... ok", r.name);
-            } else {
-                println!("case {} ... FAILED: {}", r.name, r.detail);
+    tpcomm_conformance::mpi_program("mpi-conformance", |comm| {
+        let reports = run_all(comm);
+        let failed = reports.iter().filter(|r| !r.passed).count();
+        if comm.rank() == 0 {
+            for r in &reports {
+                if r.passed {
+                    println!("case {} ... ok", r.name);
+                } else {
+                    println!("case {} ... FAILED: {}", r.name, r.detail);
+                }
+            }
+            println!(
+                "mpi-conformance ({} ranks): {} passed, {} failed",
+                comm.size(),
+                reports.len() - failed,
+                failed
+            );
+        } else {
+            for r in reports.iter().filter(|r| !r.passed) {
+                eprintln!("rank {}: case {} failed: {}", comm.rank(), r.name, r.detail);
             }
         }
-        println!(
-            "mpi-conformance ({} ranks): {} passed, {} failed",
-            comm.size(),
-            reports.len() - failed,
-            failed
-        );
-    } else {
-        for r in reports.iter().filter(|r| !r.passed) {
-            eprintln!("rank {}: case {} failed: {}", comm.rank(), r.name, r.detail);
-        }
-    }
-    drop(comm);
-    drop(universe);
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+        failed == 0
+    })
 }

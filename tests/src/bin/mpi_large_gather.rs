@@ -26,17 +26,11 @@ fn peak_rss() -> Option<u64> {
 }
 
 fn main() -> ExitCode {
-    let Some(universe) = mpi::initialize() else {
-        eprintln!("mpi-large-gather: MPI was already initialized");
-        return ExitCode::FAILURE;
-    };
-    let comm = match MpiCommunicator::world(&universe) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("mpi-large-gather: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    tpcomm_conformance::mpi_program("mpi-large-gather", run_program)
+}
+
+/// One rank's part; true when every rank succeeded.
+fn run_program(comm: &MpiCommunicator) -> bool {
     let mib: usize = std::env::var("TPCOMM_LARGE_MIB")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -47,7 +41,7 @@ fn main() -> ExitCode {
     let mine: Vec<u8> = (0..per_rank).map(|i| byte(me, i)).collect();
 
     let started = Instant::now();
-    let result = objects::all_gather_borrowed(&comm, serde_bytes::Bytes::new(&mine));
+    let result = objects::all_gather_borrowed(comm, serde_bytes::Bytes::new(&mine));
     let elapsed = started.elapsed();
     let verdict = match result {
         Err(e) => Err(format!("all_gather failed: {e}")),
@@ -71,9 +65,7 @@ fn main() -> ExitCode {
     let peak = peak_rss().unwrap_or(0);
     let ratio = peak as f64 / gathered_bytes as f64;
     let ok = verdict.is_ok();
-    let mut flags = vec![0u8; n];
-    let all_ok =
-        comm.all_gather(&[u8::from(ok)], &mut flags).is_ok() && flags.iter().all(|&f| f == 1);
+    let all_ok = tpcomm_conformance::all_ranks_ok(comm, ok);
     let mut peaks = vec![0u8; 8 * n];
     let _ = comm.all_gather(&peak.to_le_bytes(), &mut peaks);
     if me == 0 {
@@ -99,11 +91,5 @@ fn main() -> ExitCode {
     } else if let Err(e) = &verdict {
         eprintln!("rank {me}: {e} (ratio {ratio:.2})");
     }
-    drop(comm);
-    drop(universe);
-    if all_ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    all_ok
 }

@@ -202,22 +202,16 @@ fn run<C: Communicator>(
 }
 
 fn main() -> ExitCode {
-    let Some(universe) = mpi::initialize() else {
-        eprintln!("mpi-soak: MPI was already initialized");
-        return ExitCode::FAILURE;
-    };
-    let comm = match MpiCommunicator::world(&universe) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("mpi-soak: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    tpcomm_conformance::mpi_program("mpi-soak", run_program)
+}
+
+/// One rank's part; true when every rank succeeded.
+fn run_program(comm: &MpiCommunicator) -> bool {
     let seconds: f64 = std::env::var("TPCOMM_SOAK_SECONDS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(60.0);
-    let result = run(&comm, seconds);
+    let result = run(comm, seconds);
     let ok = matches!(&result, Ok((t, start, end, _)) if t.failures.is_empty() && start.fds == end.fds && start.maps == end.maps);
     match &result {
         Ok((t, start, end, elapsed)) => {
@@ -245,9 +239,7 @@ fn main() -> ExitCode {
         }
         Err(e) => println!("rank {}: FAILED to run: {e}", comm.rank()),
     }
-    let mut flags = vec![0u8; comm.size()];
-    let all_ok =
-        comm.all_gather(&[u8::from(ok)], &mut flags).is_ok() && flags.iter().all(|&f| f == 1);
+    let all_ok = tpcomm_conformance::all_ranks_ok(comm, ok);
     if comm.rank() == 0 {
         if all_ok {
             println!("case soak_every_result_right_and_resources_flat ... ok");
@@ -255,11 +247,5 @@ fn main() -> ExitCode {
             println!("case soak_every_result_right_and_resources_flat ... FAILED");
         }
     }
-    drop(comm);
-    drop(universe);
-    if all_ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    all_ok
 }

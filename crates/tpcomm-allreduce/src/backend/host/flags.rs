@@ -318,49 +318,32 @@ mod loom_tests {
         }
     }
 
+    /// A loom flag word whose publishing store is release (`RELEASE`) or relaxed, and whose
+    /// observing load is acquire (`ACQUIRE`) or relaxed: one type for the real protocol and
+    /// its deliberately broken variants.
+    struct LoomSlot<const RELEASE: bool, const ACQUIRE: bool>(LoomU32);
     /// The flag word of the real protocol.
-    struct Good(LoomU32);
+    type Good = LoomSlot<true, true>;
     /// The deliberately broken protocol: relaxed instead of release.
-    struct RelaxedStore(LoomU32);
+    type RelaxedStore = LoomSlot<false, true>;
     /// The deliberately broken protocol: relaxed instead of acquire.
-    struct RelaxedLoad(LoomU32);
+    type RelaxedLoad = LoomSlot<true, false>;
 
-    impl Slot for Good {
+    impl<const RELEASE: bool, const ACQUIRE: bool> Slot for LoomSlot<RELEASE, ACQUIRE> {
         fn store_release(&self, value: u32) {
-            self.0.store(value, Ordering::Release);
+            let order = if RELEASE {
+                Ordering::Release
+            } else {
+                Ordering::Relaxed
+            };
+            self.0.store(value, order);
         }
         fn load_acquire(&self) -> u32 {
-            self.0.load(Ordering::Acquire)
-        }
-        fn load_relaxed(&self) -> u32 {
-            self.0.load(Ordering::Relaxed)
-        }
-        fn store_relaxed(&self, value: u32) {
-            self.0.store(value, Ordering::Relaxed);
-        }
-    }
-
-    impl Slot for RelaxedStore {
-        fn store_release(&self, value: u32) {
-            self.0.store(value, Ordering::Relaxed);
-        }
-        fn load_acquire(&self) -> u32 {
-            self.0.load(Ordering::Acquire)
-        }
-        fn load_relaxed(&self) -> u32 {
-            self.0.load(Ordering::Relaxed)
-        }
-        fn store_relaxed(&self, value: u32) {
-            self.0.store(value, Ordering::Relaxed);
-        }
-    }
-
-    impl Slot for RelaxedLoad {
-        fn store_release(&self, value: u32) {
-            self.0.store(value, Ordering::Release);
-        }
-        fn load_acquire(&self) -> u32 {
-            self.0.load(Ordering::Relaxed)
+            self.0.load(if ACQUIRE {
+                Ordering::Acquire
+            } else {
+                Ordering::Relaxed
+            })
         }
         fn load_relaxed(&self) -> u32 {
             self.0.load(Ordering::Relaxed)
@@ -373,17 +356,7 @@ mod loom_tests {
     trait NewSlot: Slot + Send + Sync + 'static {
         fn new(value: u32) -> Self;
     }
-    impl NewSlot for Good {
-        fn new(value: u32) -> Self {
-            Self(LoomU32::new(value))
-        }
-    }
-    impl NewSlot for RelaxedStore {
-        fn new(value: u32) -> Self {
-            Self(LoomU32::new(value))
-        }
-    }
-    impl NewSlot for RelaxedLoad {
+    impl<const RELEASE: bool, const ACQUIRE: bool> NewSlot for LoomSlot<RELEASE, ACQUIRE> {
         fn new(value: u32) -> Self {
             Self(LoomU32::new(value))
         }

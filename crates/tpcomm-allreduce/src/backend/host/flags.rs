@@ -522,7 +522,7 @@ mod loom_tests {
     }
 
     fn alternate(n: u32) -> bool {
-        n % 2 == 0
+        n.is_multiple_of(2)
     }
 
     fn always(_: u32) -> bool {

@@ -19,11 +19,7 @@ fn gpu() -> Option<CudaMemory> {
     match CudaMemory::new(0) {
         Ok(mem) => Some(mem),
         Err(IpcError::NoDevice(why)) => {
-            assert!(
-                !require_gpu(),
-                "TPCOMM_REQUIRE_GPU=1 but there is no CUDA device: {why}"
-            );
-            eprintln!("skipped: no CUDA device: {why}");
+            tpcomm_transport::testing::skip_without_gpu(&format!("no CUDA device: {why}"));
             None
         }
         Err(e) => panic!("CudaMemory::new(0) failed with something other than NoDevice: {e}"),
@@ -204,6 +200,36 @@ fn opening_a_handle_in_the_process_that_exported_it_is_refused() {
         Err(IpcError::InvalidHandle(why)) => assert!(why.contains("exporting process"), "{why}"),
         other => panic!("expected InvalidHandle, got {other:?}"),
     }
+}
+
+#[test]
+fn a_same_process_backend_opens_its_own_handles_as_aliases() {
+    let Some(_) = gpu() else { return };
+    let mem = CudaMemory::same_process(0).unwrap();
+    assert!(mem.is_same_process());
+    let buf = mem.allocate(8192).unwrap();
+    mem.write(&buf, 0, &pattern(9, 8192)).unwrap();
+    let h = mem.export(buf.addr() + 4096, 4096).unwrap();
+    let m = mem.open(&h).unwrap();
+    // The alias is the exporter's own address: no driver mapping was made.
+    assert_eq!(m.addr(), buf.addr() + 4096);
+    let mut back = vec![0u8; 4096];
+    mem.read(&m, 0, &mut back).unwrap();
+    assert_eq!(back, pattern(9, 8192)[4096..]);
+    // Writes through the alias land in the buffer.
+    mem.write(&m, 0, &[0xab; 16]).unwrap();
+    let mut head = [0u8; 16];
+    mem.read(&buf, 4096, &mut head).unwrap();
+    assert_eq!(head, [0xab; 16]);
+    mem.close(m).unwrap();
+    // Reopening gives the same address; the buffer is untouched by the close.
+    let again = mem.open(&h).unwrap();
+    assert_eq!(again.addr(), buf.addr() + 4096);
+    drop(again);
+    // A handle naming this process but no allocation it exported is refused.
+    let mut forged = h.clone();
+    forged.ipc[0] ^= 0xff;
+    assert!(matches!(mem.open(&forged), Err(IpcError::InvalidHandle(_))));
 }
 
 #[test]

@@ -26,7 +26,8 @@
 //!   this process's pid with [`IpcError::InvalidHandle`] before asking the driver. The
 //!   [`PeerMappings`](crate::PeerMappings) registry never opens its own rank's handles, but
 //!   ranks that are threads of one process (a `LocalGroup`) would open each other's: use one
-//!   process per rank with this backend. (Processes in different pid namespaces can carry the
+//!   process per rank with this backend, or [`CudaMemory::same_process`], which opens this
+//!   process's own handles as aliases of the local allocation (ranks as streams of one GPU). (Processes in different pid namespaces can carry the
 //!   same pid; such a handle is refused too.)
 //! - **One driver mapping per allocation and process.** Opening the same IPC handle twice in
 //!   one context is an error in the driver. A process-wide table keyed by the 64 handle bytes
@@ -92,6 +93,7 @@ pub mod result {
         "cuDevicePrimaryCtxRelease_v2",
         "cuCtxSetCurrent",
         "cuCtxSynchronize",
+        "cuStreamSynchronize",
         "cuMemAlloc_v2",
         "cuMemFree_v2",
         "cuMemsetD8_v2",
@@ -133,6 +135,28 @@ pub mod result {
             Err(format!(
                 "the CUDA driver library lacks {missing:?}: the driver is older than CUDA 11.4"
             ))
+        }
+    }
+
+    /// Checks that the loaded driver library exports every function in `names` (for layers
+    /// above this one that call more of the driver); [`IpcError::NoDevice`] names the missing
+    /// ones. Never calls them, never panics.
+    pub fn require(names: &[&str]) -> Result<()> {
+        load()?;
+        // SAFETY: `load` succeeded, so the library is loaded and `culib` does not panic.
+        let lib = unsafe { sys::culib() };
+        let missing: Vec<&str> = names
+            .iter()
+            .copied()
+            // SAFETY: only looked up as an opaque function pointer, never called through it.
+            .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(IpcError::NoDevice(format!(
+                "the CUDA driver library lacks {missing:?}: the driver is too old"
+            )))
         }
     }
 
@@ -264,6 +288,17 @@ pub mod result {
         load()?;
         // SAFETY: no pointers.
         check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    /// `cuStreamSynchronize` of the legacy default stream: waits for work issued on it (and,
+    /// by its implicit ordering, for earlier work of *blocking* streams), never for work of
+    /// non-blocking streams, so it cannot wait on another rank's spinning kernel.
+    pub fn legacy_stream_synchronize() -> Result<()> {
+        load()?;
+        // SAFETY: the null stream handle names the legacy default stream.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(std::ptr::null_mut())
+        })
     }
 
     /// `cuMemAlloc_v2`: `bytes` bytes of device memory in the current context. Free with
@@ -530,6 +565,7 @@ impl Drop for PrimaryContext {
 #[derive(Debug, Clone)]
 pub struct CudaMemory {
     ctx: Arc<PrimaryContext>,
+    same_process: bool,
 }
 
 /// A device allocation of this process (`cuMemAlloc`, a multiple of 2 MiB, zeroed), freed
@@ -550,6 +586,9 @@ pub struct CudaMapping {
     len: usize,
     ctx: Arc<PrimaryContext>,
     released: bool,
+    /// A same-process alias of this process's own allocation ([`CudaMemory::same_process`]):
+    /// nothing was opened in the driver, nothing is closed.
+    alias: bool,
 }
 
 impl fmt::Debug for CudaMapping {
@@ -559,6 +598,7 @@ impl fmt::Debug for CudaMapping {
             .field("len", &self.len)
             .field("allocation_base", &format_args!("{:#x}", self.base))
             .field("device", &self.key.1)
+            .field("alias", &self.alias)
             .finish()
     }
 }
@@ -610,7 +650,7 @@ impl CudaMapping {
 
     /// Drops this mapping's reference to the driver mapping; the last one closes it.
     fn release(&mut self) -> Result<()> {
-        if std::mem::replace(&mut self.released, true) {
+        if std::mem::replace(&mut self.released, true) || self.alias {
             return Ok(());
         }
         let mut table = open_table();
@@ -674,6 +714,18 @@ fn open_table() -> MutexGuard<'static, HashMap<OpenKey, Opened>> {
         .unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Allocations this process exported: the 64 handle bytes -> the allocation's base, so that a
+/// [`CudaMemory::same_process`] backend can open its own handles as aliases.
+fn export_table() -> MutexGuard<'static, HashMap<[u8; result::IPC_HANDLE_BYTES], CUdeviceptr>> {
+    static TABLE: OnceLock<Mutex<HashMap<[u8; result::IPC_HANDLE_BYTES], CUdeviceptr>>> =
+        OnceLock::new();
+    // Nothing panics while holding the lock.
+    TABLE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
 /// Turns a failed open into [`IpcError::OwnerGone`] when the exporting process is gone.
 fn owner_gone_or(e: IpcError, pid: u32) -> IpcError {
     let gone = i32::try_from(pid)
@@ -718,7 +770,65 @@ impl CudaMemory {
             driver = result::driver_version().unwrap_or(0),
             "CUDA peer-memory backend ready"
         );
-        Ok(Self { ctx })
+        Ok(Self {
+            ctx,
+            same_process: false,
+        })
+    }
+
+    /// A backend for ranks that are threads of one process sharing device
+    /// `device_ordinal` (one-GPU tests and benchmarks of the multi-rank kernels): a handle
+    /// exported by this process opens as an *alias* of the exporter's allocation (the same
+    /// device address, nothing opened or closed in the driver), since CUDA IPC cannot open a
+    /// handle in the process that exported it. Handles of other processes open through CUDA
+    /// IPC as with [`new`](Self::new).
+    ///
+    /// An alias does not keep the allocation alive: the exporting rank must keep its buffer
+    /// until every rank has closed its mappings (the all-reduce's lifecycle does). Aliases
+    /// never move, so a close and reopen gives the same address.
+    pub fn same_process(device_ordinal: i32) -> Result<Self> {
+        let mut memory = Self::new(device_ordinal)?;
+        memory.same_process = true;
+        Ok(memory)
+    }
+
+    /// True for a [`same_process`](Self::same_process) backend.
+    pub fn is_same_process(&self) -> bool {
+        self.same_process
+    }
+
+    /// Opens a handle this process exported as an alias of the local allocation, after
+    /// checking that the allocation still exists with the size the handle names.
+    fn open_alias(&self, h: &CudaHandle, len: usize) -> Result<CudaMapping> {
+        let base = export_table().get(&h.ipc).copied().ok_or_else(|| {
+            IpcError::InvalidHandle(
+                "the handle names this process but no allocation it exported".into(),
+            )
+        })?;
+        self.ctx.make_current()?;
+        match result::mem_get_address_range(base) {
+            Ok((b, size)) if b == base && size as u64 == h.base_len => {}
+            Ok((_, size)) => {
+                return Err(IpcError::InvalidHandle(format!(
+                    "the allocation is {size} bytes, the handle says {}",
+                    h.base_len
+                )))
+            }
+            Err(e) => {
+                return Err(IpcError::InvalidHandle(format!(
+                    "the exported allocation at {base:#x} is gone: {e}"
+                )))
+            }
+        }
+        Ok(CudaMapping {
+            key: (h.ipc, self.ctx.ordinal),
+            base,
+            offset: h.offset,
+            len,
+            ctx: self.ctx.clone(),
+            released: false,
+            alias: true,
+        })
     }
 
     /// The device ordinal this backend allocates on and opens into.
@@ -788,8 +898,10 @@ impl PeerMemory for CudaMemory {
         };
         // SAFETY: the whole fresh allocation, not yet shared with anyone.
         unsafe { result::memset_d8(buffer.ptr, 0, len) }?;
-        // Zeroed before anyone can export it.
-        result::ctx_synchronize()?;
+        // Zeroed before anyone can export it. The memset ran on the legacy default stream;
+        // waiting for that stream alone (not the whole context) never waits on kernels of
+        // other ranks that share this context (ranks as threads, `same_process`).
+        result::legacy_stream_synchronize()?;
         tracing::trace!(len, ptr = buffer.ptr, "CUDA buffer allocated");
         Ok(buffer)
     }
@@ -844,6 +956,7 @@ impl PeerMemory for CudaMemory {
         }
         let device = result::pointer_device_ordinal(addr)?;
         let ipc = result::ipc_get_mem_handle(base)?;
+        export_table().insert(ipc, base);
         Ok(CudaHandle {
             ipc,
             base_len: size as u64,
@@ -863,10 +976,17 @@ impl PeerMemory for CudaMemory {
         }
         let len = usize::try_from(h.len)
             .map_err(|_| IpcError::InvalidHandle("length out of range".into()))?;
+        if h.pid == std::process::id() && self.same_process {
+            if h.ipc.iter().all(|&b| b == 0) {
+                return Err(IpcError::InvalidHandle("all-zero CUDA IPC handle".into()));
+            }
+            return self.open_alias(h, len);
+        }
         if h.pid == std::process::id() {
             return Err(IpcError::InvalidHandle(format!(
                 "the handle was exported by this process (pid {}): CUDA IPC cannot open a \
-                 handle in the exporting process; use the local buffer",
+                 handle in the exporting process; use the local buffer (or \
+                 CudaMemory::same_process for ranks that are threads of one process)",
                 h.pid
             )));
         }
@@ -930,6 +1050,7 @@ impl PeerMemory for CudaMemory {
             len,
             ctx: self.ctx.clone(),
             released: false,
+            alias: false,
         })
     }
 

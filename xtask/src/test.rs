@@ -20,6 +20,9 @@ struct Tally {
     passed: u64,
     failed: u64,
     ignored: u64,
+    /// Tests that returned early because the machine has no GPU (or no NCCL): reported by
+    /// libtest as passed, moved here from `passed`.
+    skipped: Vec<String>,
     problems: Vec<String>,
 }
 
@@ -41,6 +44,15 @@ impl Tally {
                 "ignored" => self.ignored += n,
                 _ => {}
             }
+        }
+    }
+
+    /// Moves the tests listed in a skip log (one `name<TAB>reason` line each) from passed to
+    /// skipped.
+    fn skips_from(&mut self, log: &str) {
+        for line in log.lines().filter(|l| !l.trim().is_empty()) {
+            self.skipped.push(line.replace('\t', ": "));
+            self.passed = self.passed.saturating_sub(1);
         }
     }
 }
@@ -88,7 +100,14 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let mut tally = Tally::default();
     let mut tests = util::cargo();
     tests.args(["test", "--workspace", "--all-features", "--no-fail-fast"]);
+    // GPU tests that find no GPU append a line here (tpcomm_transport::testing).
+    let skip_log = util::root().join("target/test-skips.log");
+    if skip_log.exists() {
+        std::fs::remove_file(&skip_log).map_err(|e| format!("{}: {e}", skip_log.display()))?;
+    }
+    tests.env("TPCOMM_SKIP_LOG", &skip_log);
     let ok = util::run_lines(tests, |line| tally.cargo_line(line))?;
+    tally.skips_from(&std::fs::read_to_string(&skip_log).unwrap_or_default());
     if !ok {
         tally
             .problems
@@ -107,6 +126,15 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     println!();
     if tally.ignored > 0 {
         println!("({} tests ignored)", tally.ignored);
+    }
+    if !tally.skipped.is_empty() {
+        println!(
+            "({} GPU tests skipped, not counted as passed; `cargo xtask gpu-check` runs them on a GPU):",
+            tally.skipped.len()
+        );
+        for s in &tally.skipped {
+            println!("  skipped: {s}");
+        }
     }
     for p in &tally.problems {
         println!("problem: {p}");
@@ -209,5 +237,8 @@ mod tests {
         );
         t.cargo_line("test something ... ok");
         assert_eq!((t.passed, t.failed, t.ignored), (15, 2, 1));
+        t.skips_from("gpu_test\tno CUDA device\nother\tno NCCL\n");
+        assert_eq!(t.passed, 13);
+        assert_eq!(t.skipped, ["gpu_test: no CUDA device", "other: no NCCL"]);
     }
 }

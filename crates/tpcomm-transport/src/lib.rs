@@ -24,6 +24,8 @@ mod communicator;
 #[cfg(feature = "nccl")]
 pub mod device;
 mod error;
+#[doc(hidden)]
+pub mod testing;
 
 pub use backend::local::{LocalCommunicator, LocalGroup, LocalGroupConfig};
 #[cfg(feature = "mpi")]

@@ -36,10 +36,9 @@ fn gpu_comm_or_skip(test: &str) -> Option<NcclCommunicator> {
     match NcclCommunicator::new(&one_rank_host(), 0) {
         Ok(comm) => Some(comm),
         Err(e) if is_unavailable(&e) => {
-            if std::env::var("TPCOMM_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{test}: TPCOMM_REQUIRE_GPU=1 but no GPU/NCCL: {e}");
-            }
-            eprintln!("{test}: SKIPPED (needs a GPU and libnccl): {e}");
+            tpcomm_transport::testing::skip_without_gpu(&format!(
+                "{test} needs a GPU and libnccl: {e}"
+            ));
             None
         }
         Err(e) => panic!("{test}: creating the NCCL communicator failed: {e}"),

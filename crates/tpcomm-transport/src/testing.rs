@@ -1,0 +1,36 @@
+//! Test support shared by the GPU suites of every crate (not part of the API).
+//!
+//! A test that needs a GPU and finds none calls [`skip_without_gpu`]: under
+//! `TPCOMM_REQUIRE_GPU=1` that is a failure; otherwise the reason goes to stderr and, when
+//! `TPCOMM_SKIP_LOG` names a file, one line (the test's name and the reason) is appended to
+//! it, so that `cargo xtask test` counts the test as skipped rather than passed.
+
+use std::io::Write;
+
+/// True when `TPCOMM_REQUIRE_GPU=1`.
+pub fn gpu_required() -> bool {
+    std::env::var("TPCOMM_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// Records that the calling test skips because `why` (no GPU, no driver, no NCCL); panics
+/// instead when [`gpu_required`].
+pub fn skip_without_gpu(why: &str) {
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("unnamed test");
+    assert!(
+        !gpu_required(),
+        "{test}: TPCOMM_REQUIRE_GPU=1 but the GPU is unusable: {why}"
+    );
+    eprintln!("skipped: {test}: {why}");
+    if let Some(path) = std::env::var_os("TPCOMM_SKIP_LOG") {
+        let line = format!("{test}\t{}\n", why.replace('\n', " "));
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(line.as_bytes()));
+        if let Err(e) = written {
+            panic!("{test}: cannot record the skip in {path:?}: {e}");
+        }
+    }
+}

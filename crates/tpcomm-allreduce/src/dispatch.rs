@@ -50,6 +50,20 @@ pub enum FallbackReason {
     },
     /// Nothing to reduce.
     Empty,
+    /// Two ranks' devices cannot access each other's memory (no P2P between them): the
+    /// peer-memory kernels cannot run on this group.
+    NoPeerAccess {
+        /// The rank whose device cannot reach the peer's.
+        rank: usize,
+        /// The peer.
+        peer: usize,
+    },
+    /// The backend has no launch for this request (the CUDA kernels serve world sizes 2,
+    /// 4, 6 and 8).
+    NoKernel {
+        /// What the backend said.
+        reason: String,
+    },
 }
 
 impl fmt::Display for FallbackReason {
@@ -65,6 +79,11 @@ impl fmt::Display for FallbackReason {
                 write!(f, "world size {world} is not supported (1..=8)")
             }
             FallbackReason::Empty => f.write_str("empty input"),
+            FallbackReason::NoPeerAccess { rank, peer } => write!(
+                f,
+                "rank {rank}'s device cannot access rank {peer}'s device memory (no P2P)"
+            ),
+            FallbackReason::NoKernel { reason } => write!(f, "no custom kernel: {reason}"),
         }
     }
 }

@@ -39,10 +39,22 @@ impl Default for Config {
 }
 
 impl Config {
-    fn choose(&self, bytes: usize, world: usize) -> Result<Algorithm> {
+    /// The algorithm for `bytes` of `dtype` on `world` ranks, if `backend` has a launch for
+    /// it; the fallback reason otherwise.
+    fn choose<B: Backend>(
+        &self,
+        backend: &B,
+        dtype: DType,
+        bytes: usize,
+        world: usize,
+    ) -> Result<Algorithm> {
         let chosen =
             dispatch::choose(bytes, world, self.max_bytes).map_err(AllReduceError::Fallback)?;
-        Ok(self.algorithm.unwrap_or(chosen))
+        let algorithm = self.algorithm.unwrap_or(chosen);
+        backend
+            .supports(world, dtype, bytes, algorithm)
+            .map_err(AllReduceError::Fallback)?;
+        Ok(algorithm)
     }
 }
 
@@ -149,24 +161,9 @@ impl<'b, B: Backend> Capture<'_, 'b, B> {
         let bytes = self
             .ar
             .checked_bytes(dtype, count, input.len(), output.len())?;
-        let algorithm = self.ar.config.choose(bytes, self.ar.world)?;
+        let algorithm = self.ar.choose(dtype, bytes)?;
         check_no_alias(algorithm, input.addr(), output.addr(), bytes)?;
-        let slot = match self.ar.registered.get(&(input.addr(), bytes)) {
-            Some(&slot) => slot,
-            None => {
-                let slot = self.ar.free_slot()?;
-                self.ar.slots[slot] = Some(SlotSource::Pending);
-                self.ar.pending.push((
-                    slot,
-                    Region {
-                        addr: input.addr(),
-                        len: bytes,
-                    },
-                ));
-                self.ar.registered.insert((input.addr(), bytes), slot);
-                slot
-            }
-        };
+        let slot = self.ar.graph_slot(input.addr(), bytes)?;
         self.launches.push(Recorded {
             slot,
             output,
@@ -232,6 +229,8 @@ pub struct CustomAllReduce<B: Backend> {
     registered: HashMap<(u64, usize), usize>,
     /// Captured inputs awaiting `register_graph_buffers`, in capture order.
     pending: Vec<(usize, Region)>,
+    /// Registered buffers: address -> (slot, length).
+    buffers: HashMap<u64, (usize, usize)>,
 }
 
 impl<B: Backend> CustomAllReduce<B> {
@@ -307,10 +306,17 @@ impl<B: Backend> CustomAllReduce<B> {
             slots,
             registered: HashMap::new(),
             pending: Vec::new(),
+            buffers: HashMap::new(),
         };
         ar.write_tables()?;
         comm.barrier()?;
         Ok(ar)
+    }
+
+    /// Fails unless an operation may run now (Active).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn check_operation(&self, call: &'static str) -> Result<()> {
+        self.lifecycle.check_operation(call)
     }
 
     /// The lifecycle phase.
@@ -350,6 +356,27 @@ impl<B: Backend> CustomAllReduce<B> {
         Ok(self.resources("rank_signals_address")?.rank_signals.addr())
     }
 
+    /// The addresses RankData slot `slot` holds now, one per rank (read back from the
+    /// table; zero for a slot never written).
+    pub fn rank_data_slot(&self, slot: usize) -> Result<Vec<u64>> {
+        if slot >= self.slots.len() {
+            return Err(AllReduceError::InvalidArgument(format!(
+                "slot {slot} is outside the pool of {}",
+                self.slots.len()
+            )));
+        }
+        let res = self.resources("rank_data_slot")?;
+        let mut raw = [0u8; RANK_DATA_BYTES];
+        res.peers
+            .backend()
+            .read(&res.rank_data, slot * RANK_DATA_BYTES, &mut raw)?;
+        Ok(raw
+            .chunks_exact(8)
+            .take(self.world)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk")))
+            .collect())
+    }
+
     fn resources(&self, call: &'static str) -> Result<&Resources<B>> {
         self.res.as_ref().ok_or(AllReduceError::WrongState {
             call,
@@ -371,7 +398,8 @@ impl<B: Backend> CustomAllReduce<B> {
             table[8 * r..8 * r + 8].copy_from_slice(&signal.to_le_bytes());
             table[64 + 8 * r..64 + 8 * r + 8].copy_from_slice(&temp.to_le_bytes());
         }
-        memory.write(&res.rank_signals, 0, &table)?;
+        self.backend
+            .write_table(memory, &res.rank_signals, 0, &table)?;
         for (slot, source) in self.slots.iter().enumerate() {
             let (id, index) = match source {
                 Some(SlotSource::Eager) => (res.base, STAGING),
@@ -383,7 +411,8 @@ impl<B: Backend> CustomAllReduce<B> {
                 let addr = res.peers.address(id, r, index)?;
                 entry[8 * r..8 * r + 8].copy_from_slice(&addr.to_le_bytes());
             }
-            memory.write(&res.rank_data, slot * RANK_DATA_BYTES, &entry)?;
+            self.backend
+                .write_table(memory, &res.rank_data, slot * RANK_DATA_BYTES, &entry)?;
         }
         Ok(())
     }
@@ -424,8 +453,24 @@ impl<B: Backend> CustomAllReduce<B> {
         algorithm: Algorithm,
         out: u64,
     ) -> Result<()> {
+        self.launch_slot(call, slot, dtype, count, algorithm, out, false)
+    }
+
+    /// [`launch`](Self::launch); `recording` (a device graph capture) may name a slot still
+    /// waiting for `register_graph_buffers`, since nothing runs until the graph is replayed.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_slot(
+        &mut self,
+        call: &'static str,
+        slot: usize,
+        dtype: DType,
+        count: usize,
+        algorithm: Algorithm,
+        out: u64,
+        recording: bool,
+    ) -> Result<()> {
         self.lifecycle.check_operation(call)?;
-        if self.slots.get(slot) == Some(&Some(SlotSource::Pending)) {
+        if !recording && self.slots.get(slot) == Some(&Some(SlotSource::Pending)) {
             return Err(AllReduceError::UnregisteredGraphBuffers);
         }
         let res = self.resources(call)?;
@@ -462,6 +507,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// [`AllReduceError::Fallback`] with the reason when the custom path cannot serve it.
     pub fn all_reduce<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<Algorithm> {
         self.lifecycle.check_operation("all_reduce")?;
+        self.check_host_addressable("all_reduce")?;
         if input.len() != output.len() {
             return Err(AllReduceError::InvalidArgument(format!(
                 "input has {} elements, output {}",
@@ -470,7 +516,7 @@ impl<B: Backend> CustomAllReduce<B> {
             )));
         }
         let bytes = std::mem::size_of_val(input);
-        let algorithm = self.config.choose(bytes, self.world)?;
+        let algorithm = self.choose(T::DTYPE, bytes)?;
         let res = self.resources("all_reduce")?;
         res.peers
             .backend()
@@ -488,6 +534,7 @@ impl<B: Backend> CustomAllReduce<B> {
         buffer: &'b Buffer<B>,
     ) -> Result<RegisteredInput<'b, B>> {
         self.lifecycle.check_operation("register_buffer")?;
+        self.refuse_while_capturing("register_buffer")?;
         let slot = self.free_slot()?;
         let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
             call: "register_buffer",
@@ -501,6 +548,7 @@ impl<B: Backend> CustomAllReduce<B> {
             }],
         )?;
         self.slots[slot] = Some(SlotSource::Exchanged(id, 0));
+        self.buffers.insert(buffer.addr(), (slot, buffer.len()));
         self.write_tables()?;
         Ok(RegisteredInput { buffer, slot })
     }
@@ -512,13 +560,14 @@ impl<B: Backend> CustomAllReduce<B> {
         output: &mut [T],
     ) -> Result<Algorithm> {
         self.lifecycle.check_operation("all_reduce_registered")?;
+        self.check_host_addressable("all_reduce_registered")?;
         let bytes = self.checked_bytes(
             T::DTYPE,
             output.len(),
             input.buffer.len(),
             std::mem::size_of_val(output),
         )?;
-        let algorithm = self.config.choose(bytes, self.world)?;
+        let algorithm = self.choose(T::DTYPE, bytes)?;
         let out = output.as_mut_ptr() as u64;
         check_no_alias(algorithm, input.buffer.addr(), out, bytes)?;
         self.launch(
@@ -530,6 +579,152 @@ impl<B: Backend> CustomAllReduce<B> {
             out,
         )?;
         Ok(algorithm)
+    }
+
+    /// Refuses `call` (which writes the tables) while the backend records a graph: nothing
+    /// may be copied between host and device then, and refusing before any state changes
+    /// keeps captured inputs pending.
+    fn refuse_while_capturing(&self, call: &'static str) -> Result<()> {
+        if self.backend.capturing()? {
+            return Err(AllReduceError::InvalidArgument(format!(
+                "{call} writes the tables and cannot run while the stream is being captured: \
+                 call it after the capture ends"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_host_addressable(&self, call: &'static str) -> Result<()> {
+        if self.backend.host_addressable() {
+            Ok(())
+        } else {
+            Err(AllReduceError::InvalidArgument(format!(
+                "{call} takes host slices, but the {} backend reduces device buffers: use \
+                 all_reduce_buffer",
+                self.backend.name()
+            )))
+        }
+    }
+
+    /// The algorithm for `bytes` of `dtype`, or the reason the fallback must serve it.
+    fn choose(&self, dtype: DType, bytes: usize) -> Result<Algorithm> {
+        self.config.choose(&self.backend, dtype, bytes, self.world)
+    }
+
+    /// The slot of a registered or captured input of `bytes` at `addr`, if any.
+    fn slot_of(&self, addr: u64, bytes: usize) -> Option<usize> {
+        self.registered.get(&(addr, bytes)).copied().or_else(|| {
+            self.buffers
+                .get(&addr)
+                .filter(|&&(_, len)| bytes <= len)
+                .map(|&(slot, _)| slot)
+        })
+    }
+
+    /// The slot of a captured input: its existing one, or the next free slot, pending until
+    /// [`register_graph_buffers`](Self::register_graph_buffers).
+    fn graph_slot(&mut self, addr: u64, bytes: usize) -> Result<usize> {
+        if let Some(slot) = self.slot_of(addr, bytes) {
+            return Ok(slot);
+        }
+        let slot = self.free_slot()?;
+        self.slots[slot] = Some(SlotSource::Pending);
+        self.pending.push((slot, Region { addr, len: bytes }));
+        self.registered.insert((addr, bytes), slot);
+        Ok(slot)
+    }
+
+    /// All-reduce of the first `count` elements of `input` into `output`, both buffers of
+    /// this backend's memory (device buffers for CUDA): the entry point of device backends,
+    /// and of host programs that keep their tensors in shared memory.
+    ///
+    /// - `input` registered ([`register_buffer`](Self::register_buffer)) or captured
+    ///   before: zero-copy through its RankData slot.
+    /// - While the backend is capturing a device graph ([`Backend::capturing`]): the input
+    ///   takes the next free RankData slot and the launch is recorded; call
+    ///   [`register_graph_buffers`](Self::register_graph_buffers) (collective) after the
+    ///   capture, before the first replay. Nothing is copied between host and device.
+    /// - Otherwise (eager): `input` is copied into the staging buffer first.
+    ///
+    /// Returns the algorithm, or [`AllReduceError::Fallback`] with the reason when the
+    /// custom path cannot serve it (nothing ran; the communicator stays usable).
+    pub fn all_reduce_buffer(
+        &mut self,
+        input: &Buffer<B>,
+        output: &Buffer<B>,
+        dtype: DType,
+        count: usize,
+    ) -> Result<Algorithm> {
+        self.lifecycle.check_operation("all_reduce_buffer")?;
+        let bytes = self.checked_bytes(dtype, count, input.len(), output.len())?;
+        let algorithm = self.choose(dtype, bytes)?;
+        let recording = self.backend.capturing()?;
+        let slot = match self.slot_of(input.addr(), bytes) {
+            Some(slot) => Some(slot),
+            None if recording => Some(self.graph_slot(input.addr(), bytes)?),
+            None => None,
+        };
+        match slot {
+            Some(slot) => {
+                check_no_alias(algorithm, input.addr(), output.addr(), bytes)?;
+                self.launch_slot(
+                    "all_reduce_buffer",
+                    slot,
+                    dtype,
+                    count,
+                    algorithm,
+                    output.addr(),
+                    recording,
+                )?;
+            }
+            None => {
+                let res = self.resources("all_reduce_buffer")?;
+                if let Err(e) = self
+                    .backend
+                    .stage(res.peers.backend(), input, &res.staging, bytes)
+                {
+                    return Err(self.lifecycle.fail("all_reduce_buffer", e));
+                }
+                self.launch(
+                    "all_reduce_buffer",
+                    0,
+                    dtype,
+                    count,
+                    algorithm,
+                    output.addr(),
+                )?;
+            }
+        }
+        Ok(algorithm)
+    }
+
+    /// Waits for every launch issued so far (device backends run them asynchronously) and
+    /// reports a barrier timeout a launch recorded; a failure leaves the communicator
+    /// Failed.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.lifecycle.check_operation("synchronize")?;
+        let res = self.resources("synchronize")?;
+        match self.backend.synchronize(res.peers.backend(), &res.signal) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.lifecycle.fail("synchronize", e)),
+        }
+    }
+
+    /// Captured inputs still waiting for
+    /// [`register_graph_buffers`](Self::register_graph_buffers).
+    pub fn pending_graph_buffers(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Fails unless a captured graph may run now: Active, and every captured input
+    /// registered.
+    pub fn check_replay(&self) -> Result<()> {
+        self.lifecycle.check_operation("replay")?;
+        if self.pending.is_empty() {
+            Ok(())
+        } else {
+            Err(AllReduceError::UnregisteredGraphBuffers)
+        }
     }
 
     /// Records the all-reduces `f` issues without running them. Inputs not registered yet
@@ -556,6 +751,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// the same number of new inputs.
     pub fn register_graph_buffers<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<usize> {
         self.lifecycle.check_operation("register_graph_buffers")?;
+        self.refuse_while_capturing("register_graph_buffers")?;
         let pending = std::mem::take(&mut self.pending);
         let regions: Vec<Region> = pending.iter().map(|(_, r)| *r).collect();
         let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
@@ -574,6 +770,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// registered and graph buffers), barrier. A no-op while Suspended; a failure leaves the
     /// communicator Failed.
     pub fn prepare_for_suspend<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        self.refuse_while_capturing("prepare_for_suspend")?;
         if self.lifecycle.begin(Transition::Suspend)? == Step::NoOp {
             return Ok(());
         }
@@ -583,16 +780,22 @@ impl<B: Backend> CustomAllReduce<B> {
     }
 
     fn suspend_steps<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        // Launches still running read peer mappings: every rank drains its own before
+        // anybody closes. A failed drain still joins both barriers (peers are not left
+        // waiting); only this rank fails.
+        let drained = {
+            let res = self.resources("prepare_for_suspend")?;
+            self.backend.synchronize(res.peers.backend(), &res.signal)
+        };
         comm.barrier()?;
         let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
             call: "prepare_for_suspend",
             phase: Phase::Closed,
         })?;
-        // A failed close still joins the last barrier, so that peers are not left waiting;
-        // only this rank fails.
         let closed = res.peers.close_all();
         comm.barrier()?;
         tracing::debug!(closed = ?closed.as_ref().ok(), "mappings closed for suspend");
+        drained?;
         closed.map(drop).map_err(AllReduceError::from)
     }
 
@@ -601,6 +804,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// rank writes a fresh nonce into its Signal block and reads every peer's through the new
     /// mapping); barrier. A no-op while Active; a failure leaves the communicator Failed.
     pub fn reinit_after_resume<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        self.refuse_while_capturing("reinit_after_resume")?;
         if self.lifecycle.begin(Transition::Resume)? == Step::NoOp {
             return Ok(());
         }
@@ -622,7 +826,8 @@ impl<B: Backend> CustomAllReduce<B> {
         let memory = res.peers.backend();
         self.backend.reset_signal(memory, &res.signal)?;
         let nonce = fresh_nonce(self.rank);
-        memory.write(
+        self.backend.write_table(
+            memory,
             &res.signal,
             self.backend.nonce_offset(),
             &nonce.to_le_bytes(),
@@ -656,6 +861,11 @@ impl<B: Backend> CustomAllReduce<B> {
         self.lifecycle.close();
         match self.res.take() {
             Some(mut res) => {
+                // Launches still in flight read these buffers: wait for them (bounded by the
+                // launch timeout) before anything is freed.
+                if let Err(e) = self.backend.synchronize(res.peers.backend(), &res.signal) {
+                    tracing::warn!(error = %e, "draining launches before close failed");
+                }
                 let closed = res.peers.close_all().map(drop);
                 drop(res);
                 Ok(closed?)

@@ -19,12 +19,18 @@ pub mod dispatch;
 mod driver;
 pub mod dtype;
 mod error;
+#[cfg(feature = "nccl")]
+mod fallback;
 pub mod lifecycle;
 
+#[cfg(feature = "cuda")]
+pub use backend::cuda::{CudaBackend, CudaOptions, DeviceGraph};
 pub use backend::host::HostBackend;
 pub use backend::Backend;
 pub use dispatch::{Algorithm, FallbackReason};
 pub use driver::{Capture, CapturedPlan, Config, CustomAllReduce, RegisteredInput};
 pub use dtype::{DType, Element};
 pub use error::{AllReduceError, Result};
+#[cfg(feature = "nccl")]
+pub use fallback::{DeviceAllReduce, Route};
 pub use lifecycle::{Lifecycle, Phase};

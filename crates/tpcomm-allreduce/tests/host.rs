@@ -1,7 +1,7 @@
 //! The host custom all-reduce on the local group: correctness against an f64 reference,
 //! capture/suspend/resume/replay with moved mappings, the lifecycle, timeouts.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use half::{bf16, f16};
 use tpcomm_allreduce::{
@@ -13,6 +13,9 @@ use tpcomm_ipc::{
 };
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
+mod common;
+use common::{check, inputs, run_seed};
+
 type Ar = CustomAllReduce<HostBackend>;
 type R<T> = tpcomm_allreduce::Result<T>;
 
@@ -22,47 +25,6 @@ fn group(n: usize) -> LocalGroup {
 
 fn new_ar(comm: &LocalCommunicator, config: Config) -> R<Ar> {
     CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, config)
-}
-
-/// A fresh seed per run, so every run sees new data.
-fn run_seed() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-}
-
-/// Deterministic values for (seed, rank, i) in [-2, 2).
-fn value(seed: u64, rank: usize, i: usize) -> f32 {
-    let mut z = seed ^ ((rank as u64) << 48) ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    ((z >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-}
-
-fn inputs<T: Element>(seed: u64, rank: usize, count: usize) -> Vec<T> {
-    (0..count)
-        .map(|i| T::from_f32(value(seed, rank, i)))
-        .collect()
-}
-
-/// Checks `out` against the f64 sum of every rank's (rounded) inputs.
-fn check<T: Element>(seed: u64, world: usize, out: &[T]) -> Result<(), String> {
-    let tolerance = match T::DTYPE {
-        DType::F32 => 1e-5,
-        DType::F16 => 2e-3,
-        DType::Bf16 => 1.6e-2,
-    };
-    for (i, o) in out.iter().enumerate() {
-        let reference: f64 = (0..world)
-            .map(|r| f64::from(T::from_f32(value(seed, r, i)).to_f32()))
-            .sum();
-        let got = f64::from(o.to_f32());
-        if (got - reference).abs() > tolerance * (1.0 + reference.abs()) * world as f64 {
-            return Err(format!("element {i}: got {got}, reference {reference}"));
-        }
-    }
-    Ok(())
 }
 
 fn correctness_for<T: Element>(world: usize, sizes: &[usize], algorithm: Algorithm) {

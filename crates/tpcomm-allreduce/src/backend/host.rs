@@ -246,6 +246,25 @@ impl<M: HostLike> Backend for HostBackend<M> {
         Ok(memory.write(signal, 0, &[0u8; NONCE])?)
     }
 
+    fn stage(
+        &self,
+        memory: &M,
+        input: &HostBuffer,
+        staging: &HostBuffer,
+        bytes: usize,
+    ) -> Result<()> {
+        if bytes > input.len() {
+            return Err(crate::AllReduceError::InvalidArgument(format!(
+                "{bytes} bytes do not fit the {}-byte input",
+                input.len()
+            )));
+        }
+        // SAFETY: a live host buffer of at least `bytes` bytes (checked above), borrowed
+        // for the call; only this rank writes its own buffers.
+        let src = unsafe { std::slice::from_raw_parts(input.addr() as *const u8, bytes) };
+        Ok(memory.write(staging, 0, src)?)
+    }
+
     fn launch(&self, memory: &M, l: &Launch<'_, Self>) -> Result<()> {
         let signals = read_table(memory, l.rank_signals, 0)?;
         let temps = read_table(memory, l.rank_signals, 64)?;

@@ -4,6 +4,8 @@
 //! ([`CustomAllReduce`](crate::CustomAllReduce)) owns everything else: allocations, the
 //! stable tables, registration, capture and the lifecycle, identical for every backend.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod host;
 
 use std::fmt::Debug;
@@ -11,7 +13,7 @@ use std::time::Duration;
 
 use tpcomm_ipc::PeerMemory;
 
-use crate::dispatch::Algorithm;
+use crate::dispatch::{Algorithm, FallbackReason};
 use crate::dtype::DType;
 use crate::error::Result;
 
@@ -73,4 +75,65 @@ pub trait Backend: Send + Sync + Debug + 'static {
 
     /// Runs (or enqueues, for a device) one launch.
     fn launch(&self, memory: &Self::Memory, launch: &Launch<'_, Self>) -> Result<()>;
+
+    /// Whether this backend has a launch for `bytes` of `dtype` on `world` ranks with
+    /// `algorithm`; the reason otherwise. Asked before anything runs, so a refusal is a
+    /// [`Fallback`](crate::AllReduceError::Fallback) that leaves the communicator usable.
+    fn supports(
+        &self,
+        world: usize,
+        dtype: DType,
+        bytes: usize,
+        algorithm: Algorithm,
+    ) -> std::result::Result<(), FallbackReason> {
+        let _ = (world, dtype, bytes, algorithm);
+        Ok(())
+    }
+
+    /// True when the eager and registered entry points that take host slices
+    /// ([`all_reduce`](crate::CustomAllReduce::all_reduce),
+    /// [`all_reduce_registered`](crate::CustomAllReduce::all_reduce_registered)) can write
+    /// their output: the backend's launches address host memory. A device backend returns
+    /// false and serves [`all_reduce_buffer`](crate::CustomAllReduce::all_reduce_buffer).
+    fn host_addressable(&self) -> bool {
+        true
+    }
+
+    /// Writes `bytes` into a stable table (RankSignals or a RankData slot) at `offset`,
+    /// ordered after every launch issued before and before every launch issued after.
+    fn write_table(
+        &self,
+        memory: &Self::Memory,
+        table: &Buffer<Self>,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<()> {
+        Ok(memory.write(table, offset, bytes)?)
+    }
+
+    /// Copies the first `bytes` of `input` into `staging` (the eager path), ordered like a
+    /// launch.
+    fn stage(
+        &self,
+        memory: &Self::Memory,
+        input: &Buffer<Self>,
+        staging: &Buffer<Self>,
+        bytes: usize,
+    ) -> Result<()>;
+
+    /// True while this backend's launches are being recorded into a device graph (CUDA
+    /// stream capture) instead of running: inputs then take RankData slots filled later by
+    /// [`register_graph_buffers`](crate::CustomAllReduce::register_graph_buffers), and
+    /// nothing may copy between host and device.
+    fn capturing(&self) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Waits until every launch issued so far has finished, and reports a barrier timeout
+    /// that a device launch recorded in this rank's Signal block. The host backend runs
+    /// launches to completion on the calling thread, so it has nothing to wait for.
+    fn synchronize(&self, memory: &Self::Memory, own_signal: &Buffer<Self>) -> Result<()> {
+        let _ = (memory, own_signal);
+        Ok(())
+    }
 }

@@ -1,0 +1,800 @@
+//! The CUDA backend: the kernels of `tpcomm-kernels` over CUDA IPC peer memory.
+//!
+//! - **Memory.** Every buffer (Signal block, staging, temp, both tables) comes from
+//!   [`CudaMemory`]; the RankSignals table and the RankData pool are device allocations at
+//!   addresses fixed for the communicator's life. Table entries are written with
+//!   `cuMemcpyHtoDAsync` on the backend's stream, so they are ordered after every launch
+//!   issued before and before every launch issued after.
+//! - **Launches.** The fatbin is loaded once per backend (`cuModuleLoadData`) and all 24
+//!   entry points are resolved up front (so no kernel is loaded lazily while a peer's kernel
+//!   spins waiting for this rank). A launch passes the addresses of its RankData slot, this
+//!   rank's RankSignals table and Signal block, never a peer address: a launch recorded in a
+//!   CUDA graph keeps working after a resume rewrites the tables in place.
+//! - **Stream.** One non-blocking stream per backend ([`CudaBackend::stream`]); eager inputs
+//!   are copied into the staging buffer on it (`cuMemcpyDtoDAsync`), and NCCL can share it
+//!   ([`DeviceAllReduce`] does).
+//! - **Capture.** While the stream is being captured (`cuStreamIsCapturing`), the driver gives
+//!   each new input the next RankData slot and records the launch; nothing is copied between
+//!   host and device and no table is written until
+//!   [`register_graph_buffers`](crate::CustomAllReduce::register_graph_buffers).
+//!   [`CustomAllReduce::capture_graph`] captures and instantiates a graph;
+//!   [`CustomAllReduce::replay_graph`] refuses to launch it while captured inputs are
+//!   unregistered or the communicator is not Active.
+//! - **Errors.** A kernel that waits longer than the configured timeout at a barrier stops
+//!   and records which peer never arrived in its Signal block; [`Backend::synchronize`]
+//!   reports it as [`AllReduceError::Timeout`] naming the peer.
+//! - **Who can run it.** [`CudaBackend::new`] agrees across ranks whether every pair of
+//!   devices can access each other's memory (`cuDeviceCanAccessPeer`, devices matched by
+//!   UUID); when not, every request gets [`FallbackReason::NoPeerAccess`]. World sizes
+//!   without a kernel (1, 3, 5, 7) get [`FallbackReason::NoKernel`].
+
+use std::ffi::{c_void, CString};
+use std::mem::offset_of;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{sys, CudaContext, CudaGraph, CudaStream, DriverError};
+use tpcomm_ipc::backend::cuda::result as cu;
+use tpcomm_ipc::{CudaBuffer, CudaMemory, MemoryRegion, PeerMemory};
+use tpcomm_kernels as kernels;
+use tpcomm_transport::Communicator;
+
+use super::{Backend, Launch, RANK_DATA_BYTES};
+use crate::dispatch::{Algorithm, FallbackReason};
+use crate::driver::CustomAllReduce;
+use crate::dtype::DType;
+use crate::error::{AllReduceError, Result};
+
+/// Every driver function this module and the cudarc calls it makes use; checked before the
+/// first call so that an old driver is a typed error, never cudarc's loader panic.
+const SYMBOLS: &[&str] = &[
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuModuleUnload",
+    "cuLaunchKernel",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoDAsync_v2",
+    "cuMemsetD8Async",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuStreamIsCapturing",
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
+    "cuGraphInstantiateWithFlags",
+    "cuGraphLaunch",
+    "cuGraphExecDestroy",
+    "cuGraphDestroy",
+    "cuDeviceGetAttribute",
+    "cuDeviceCanAccessPeer",
+    "cuDeviceGetUuid_v2",
+    "cuCtxGetCurrent",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuEventElapsedTime_v2",
+    "cuEventDestroy_v2",
+];
+
+/// Byte offset of the error word in a Signal block.
+const ERROR_OFFSET: usize = offset_of!(kernels::Signal, error);
+/// Byte offset of the nonce in a Signal block (everything before it is launch state).
+const NONCE_OFFSET: usize = offset_of!(kernels::Signal, nonce);
+
+fn driver_error(call: &'static str, e: DriverError) -> AllReduceError {
+    cu::error(call, e.0).into()
+}
+
+fn check(call: &'static str, code: sys::CUresult) -> Result<()> {
+    Ok(cu::check(call, code)?)
+}
+
+/// Tuning of a [`CudaBackend`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Upper bound on the thread blocks of one launch (1..=64; default 36). Every rank must
+    /// pass the same value: block `b` of one rank synchronizes with block `b` of the others.
+    pub max_blocks: u32,
+    /// Ranks whose kernels share this device at the same time (default 1). A spinning
+    /// kernel needs every peer's blocks resident at once, so with several ranks on one GPU
+    /// (ranks as threads of one process, one-GPU tests) each launch takes at most
+    /// `multiprocessors / ranks_per_device` blocks.
+    pub ranks_per_device: usize,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            max_blocks: kernels::DEFAULT_BLOCKS,
+            ranks_per_device: 1,
+        }
+    }
+}
+
+/// The loaded fatbin and its entry points, in [`kernels::KERNELS`] order.
+#[derive(Debug)]
+struct Module {
+    ctx: Arc<CudaContext>,
+    module: sys::CUmodule,
+    functions: Vec<sys::CUfunction>,
+}
+
+// SAFETY: module and function handles are plain driver handles, usable from any thread
+// once the owning context is current (every use binds it first).
+unsafe impl Send for Module {}
+// SAFETY: as above; launches only read the handles.
+unsafe impl Sync for Module {}
+
+impl Module {
+    fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
+        ctx.bind_to_thread()
+            .map_err(|e| driver_error("cuCtxSetCurrent", e))?;
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: FATBIN is a complete, 16-byte aligned fatbin image that lives for the
+        // whole program; the driver copies what it needs.
+        check("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&mut module, kernels::FATBIN.as_ptr().cast::<c_void>())
+        })?;
+        let mut loaded = Module {
+            ctx: ctx.clone(),
+            module,
+            functions: Vec::with_capacity(kernels::KERNELS.len()),
+        };
+        for name in kernels::KERNELS {
+            let c_name = CString::new(name).expect("kernel names have no NUL");
+            let mut f: sys::CUfunction = std::ptr::null_mut();
+            // SAFETY: `module` was loaded above and is alive; out-pointer to a local.
+            check("cuModuleGetFunction", unsafe {
+                sys::cuModuleGetFunction(&mut f, loaded.module, c_name.as_ptr())
+            })?;
+            loaded.functions.push(f);
+        }
+        Ok(loaded)
+    }
+
+    fn function(&self, name: &str) -> Result<sys::CUfunction> {
+        kernels::KERNELS
+            .iter()
+            .position(|k| *k == name)
+            .map(|i| self.functions[i])
+            .ok_or_else(|| AllReduceError::InvalidArgument(format!("no kernel named {name}")))
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        let unloaded = self
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error("cuCtxSetCurrent", e));
+        let unloaded = unloaded.and_then(|()| {
+            // SAFETY: loaded in `Module::load`, unloaded once; the backend owning it drains
+            // its stream when dropped (before its fields), so no launch of it is pending.
+            check("cuModuleUnload", unsafe { sys::cuModuleUnload(self.module) })
+        });
+        if let Err(e) = unloaded {
+            tracing::warn!(error = %e, "unloading the all-reduce kernels failed");
+        }
+    }
+}
+
+/// The CUDA backend of [`CustomAllReduce`]: one device, one stream, the fatbin loaded.
+pub struct CudaBackend {
+    memory: CudaMemory,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    module: Module,
+    options: CudaOptions,
+    multiprocessors: u32,
+    peer_access: std::result::Result<(), FallbackReason>,
+    rank: usize,
+    /// The barrier timeout of the latest launch, in nanoseconds (for the error report).
+    timeout_ns: AtomicU64,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Launches (and graph replays) still queued use the module and the buffers: wait
+        // for them (each barrier wait is bounded by the launch timeout) before the fields go.
+        if let Err(e) = self.sync_stream() {
+            tracing::warn!(error = %e, "draining the all-reduce stream on drop failed");
+        }
+    }
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.memory.device_ordinal())
+            .field("options", &self.options)
+            .field("multiprocessors", &self.multiprocessors)
+            .field("peer_access", &self.peer_access)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Collective: a backend on `memory`'s device with a fresh non-blocking stream and the
+    /// kernels loaded; agrees with every rank of `comm` whether all their devices can access
+    /// each other's memory.
+    ///
+    /// Fails with `IpcError::NoDevice` (through [`AllReduceError::Ipc`]) when the driver
+    /// lacks a function this backend calls; every driver failure is typed with its code.
+    pub fn new<C: Communicator + ?Sized>(
+        comm: &C,
+        memory: &CudaMemory,
+        options: CudaOptions,
+    ) -> Result<Self> {
+        if options.max_blocks == 0 || options.max_blocks as usize > kernels::MAX_BLOCKS {
+            return Err(AllReduceError::InvalidArgument(format!(
+                "max_blocks {} is outside 1..={}",
+                options.max_blocks,
+                kernels::MAX_BLOCKS
+            )));
+        }
+        if options.ranks_per_device == 0 {
+            return Err(AllReduceError::InvalidArgument(
+                "ranks_per_device must be at least 1".into(),
+            ));
+        }
+        // Every rank learns whether every rank could set up, so none is left waiting in the
+        // peer-access exchange below.
+        let local = Self::open_device(memory);
+        let ready: Vec<Option<String>> =
+            tpcomm_objects::all_gather(comm, &local.as_ref().err().map(ToString::to_string))?;
+        let (ctx, stream, module, multiprocessors, uuid) = local?;
+        if let Some((rank, why)) = ready
+            .iter()
+            .enumerate()
+            .find_map(|(r, e)| e.as_ref().map(|e| (r, e)))
+        {
+            return Err(AllReduceError::InvalidArgument(format!(
+                "rank {rank} could not set up its CUDA backend: {why}"
+            )));
+        }
+        let uuids: Vec<[u8; 16]> = tpcomm_objects::all_gather(comm, &uuid)?;
+        let lacking = Self::first_peer_without_access(&ctx, &uuids, comm.rank())?;
+        let all: Vec<Option<usize>> = tpcomm_objects::all_gather(comm, &lacking)?;
+        let peer_access = match all.iter().enumerate().find_map(|(r, p)| p.map(|p| (r, p))) {
+            Some((rank, peer)) => Err(FallbackReason::NoPeerAccess { rank, peer }),
+            None => Ok(()),
+        };
+        tracing::debug!(
+            rank = comm.rank(),
+            device = memory.device_ordinal(),
+            multiprocessors,
+            ?peer_access,
+            "CUDA all-reduce backend ready"
+        );
+        Ok(Self {
+            memory: memory.clone(),
+            ctx,
+            stream,
+            module,
+            options,
+            multiprocessors,
+            peer_access,
+            rank: comm.rank(),
+            timeout_ns: AtomicU64::new(0),
+        })
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn open_device(
+        memory: &CudaMemory,
+    ) -> Result<(Arc<CudaContext>, Arc<CudaStream>, Module, u32, [u8; 16])> {
+        cu::require(SYMBOLS)?;
+        let ordinal = memory.device_ordinal() as usize;
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+        // SAFETY: this backend never uses cudarc's CudaSlice, whose synchronization the
+        // event tracking manages; turning it off keeps stream creation from synchronizing
+        // the whole context (which would wait on other ranks' spinning kernels).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_error("cuStreamCreate", e))?;
+        let module = Module::load(&ctx)?;
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_error("cuDeviceGetAttribute", e))?;
+        let uuid = ctx
+            .uuid()
+            .map_err(|e| driver_error("cuDeviceGetUuid_v2", e))?;
+        Ok((
+            ctx,
+            stream,
+            module,
+            multiprocessors.max(1) as u32,
+            uuid.bytes.map(|b| b as u8),
+        ))
+    }
+
+    /// The first rank whose device this process cannot access (not visible here, or no P2P
+    /// with this rank's device), if any.
+    fn first_peer_without_access(
+        ctx: &Arc<CudaContext>,
+        uuids: &[[u8; 16]],
+        rank: usize,
+    ) -> Result<Option<usize>> {
+        let own = ctx.cu_device();
+        let count = CudaContext::device_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
+        let mut visible = Vec::new();
+        for ordinal in 0..count {
+            let mut dev: sys::CUdevice = 0;
+            // SAFETY: out-pointer to a local; the ordinal is in range.
+            check("cuDeviceGet", unsafe {
+                sys::cuDeviceGet(&mut dev, ordinal)
+            })?;
+            let mut uuid = sys::CUuuid { bytes: [0; 16] };
+            // SAFETY: out-pointer to a local.
+            check("cuDeviceGetUuid_v2", unsafe {
+                sys::cuDeviceGetUuid_v2(&mut uuid, dev)
+            })?;
+            visible.push((uuid.bytes.map(|b| b as u8), dev));
+        }
+        for (peer, uuid) in uuids.iter().enumerate() {
+            if peer == rank || *uuid == uuids[rank] {
+                continue;
+            }
+            let Some(&(_, dev)) = visible.iter().find(|(u, _)| u == uuid) else {
+                return Ok(Some(peer));
+            };
+            let mut can = 0;
+            // SAFETY: out-pointer to a local; both devices exist.
+            check("cuDeviceCanAccessPeer", unsafe {
+                sys::cuDeviceCanAccessPeer(&mut can, own, dev)
+            })?;
+            if can == 0 {
+                return Ok(Some(peer));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The stream every launch, staging copy and table write of this backend is issued on
+    /// (non-blocking: the legacy default stream does not wait for it).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The cudarc context of the device (for events and graphs).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The options.
+    pub fn options(&self) -> &CudaOptions {
+        &self.options
+    }
+
+    /// Whether every rank's device can access every other's (agreed in
+    /// [`new`](Self::new)); the reason otherwise.
+    pub fn peer_access(&self) -> std::result::Result<(), FallbackReason> {
+        self.peer_access.clone()
+    }
+
+    /// The block bound of one launch: the option, and at most an equal share of the
+    /// multiprocessors when several ranks share the device.
+    pub fn max_blocks(&self) -> u32 {
+        block_bound(
+            self.options.max_blocks,
+            self.multiprocessors,
+            self.options.ranks_per_device,
+        )
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error("cuCtxSetCurrent", e))
+    }
+
+    fn sync_stream(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_error("cuStreamSynchronize", e))
+    }
+
+    fn refuse_while_capturing(&self, what: &str) -> Result<()> {
+        if self.capturing()? {
+            return Err(AllReduceError::InvalidArgument(format!(
+                "{what} while the stream is being captured: call it before or after the capture"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Blocks one launch may use: `max_blocks`, and at most an equal share of the
+/// `multiprocessors` among `ranks_per_device` ranks (at least 1).
+pub fn block_bound(max_blocks: u32, multiprocessors: u32, ranks_per_device: usize) -> u32 {
+    let ranks = u32::try_from(ranks_per_device.max(1)).unwrap_or(u32::MAX);
+    max_blocks.min((multiprocessors / ranks).max(1))
+}
+
+/// Whether the kernels serve a request: the agreed peer access first, then a kernel for
+/// the element type, world size and size. Pure: the same on every rank given the same
+/// arguments, so every rank takes the same path.
+pub fn route(
+    peer_access: &std::result::Result<(), FallbackReason>,
+    world: usize,
+    dtype: DType,
+    bytes: usize,
+    algorithm: Algorithm,
+    max_blocks: u32,
+) -> std::result::Result<(), FallbackReason> {
+    peer_access.clone()?;
+    kernels::launch_config(
+        kernel_dtype(dtype),
+        world,
+        bytes as u64,
+        kernel_algorithm(algorithm),
+        max_blocks,
+    )
+    .map(drop)
+    .map_err(|e| FallbackReason::NoKernel {
+        reason: e.to_string(),
+    })
+}
+
+fn kernel_dtype(dtype: DType) -> kernels::Dtype {
+    match dtype {
+        DType::F32 => kernels::Dtype::F32,
+        DType::F16 => kernels::Dtype::F16,
+        DType::Bf16 => kernels::Dtype::Bf16,
+    }
+}
+
+fn kernel_algorithm(algorithm: Algorithm) -> kernels::Algorithm {
+    match algorithm {
+        Algorithm::OneStage => kernels::Algorithm::OneStage,
+        Algorithm::TwoStage => kernels::Algorithm::TwoStage,
+    }
+}
+
+fn timeout_ns(timeout: Duration) -> u64 {
+    // 0 would mean "wait forever" to the kernels: a zero timeout waits 1 ns instead.
+    u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX).max(1)
+}
+
+/// The error a kernel recorded in an error word, as the driver reports it.
+fn timeout_error(word: u32, rank: usize, timeout: Duration) -> Option<AllReduceError> {
+    match kernels::ErrorWord::decode(word) {
+        kernels::ErrorWord::Clear => None,
+        kernels::ErrorWord::Timeout(t) => Some(AllReduceError::Timeout {
+            rank,
+            peer: t.peer,
+            barrier: match t.barrier {
+                kernels::BarrierKind::Start => "start",
+                kernels::BarrierKind::End => "end",
+                kernels::BarrierKind::Mid => "mid",
+            },
+            waited: timeout,
+        }),
+        kernels::ErrorWord::Unknown(w) => Some(AllReduceError::InvalidArgument(format!(
+            "the kernel recorded an unknown error word {w:#x}"
+        ))),
+    }
+}
+
+impl Backend for CudaBackend {
+    type Memory = CudaMemory;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn signal_bytes(&self) -> usize {
+        kernels::SIGNAL_BYTES
+    }
+
+    fn nonce_offset(&self) -> usize {
+        NONCE_OFFSET
+    }
+
+    fn reset_signal(&self, _memory: &CudaMemory, signal: &CudaBuffer) -> Result<()> {
+        self.refuse_while_capturing("resetting the Signal block")?;
+        self.bind()?;
+        // SAFETY: this rank's own Signal block (a live CudaBuffer of at least SIGNAL_BYTES,
+        // checked by the allocation), written on this backend's stream.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(
+                signal.device_ptr(),
+                0,
+                NONCE_OFFSET,
+                self.stream.cu_stream(),
+            )
+        })?;
+        self.sync_stream()
+    }
+
+    fn launch(&self, _memory: &CudaMemory, l: &Launch<'_, Self>) -> Result<()> {
+        let bytes = l.count * l.dtype.size();
+        let config = kernels::launch_config(
+            kernel_dtype(l.dtype),
+            l.world,
+            bytes as u64,
+            kernel_algorithm(l.algorithm),
+            self.max_blocks(),
+        )
+        .map_err(|e| AllReduceError::InvalidArgument(e.to_string()))?;
+        kernels::check_alignment(l.out)
+            .map_err(|e| AllReduceError::InvalidArgument(e.to_string()))?;
+        let function = self.module.function(config.kernel)?;
+        let mut data = l.rank_data.device_ptr() + (l.slot * RANK_DATA_BYTES) as u64;
+        let mut peers = l.rank_signals.device_ptr();
+        let mut own = l.own_signal.device_ptr();
+        let mut out = l.out;
+        let mut rank = l.rank as i32;
+        let mut elements = config.elements as i64;
+        let mut timeout = timeout_ns(l.timeout);
+        self.timeout_ns.store(timeout, Ordering::Relaxed);
+        let mut params: [*mut c_void; 7] = [
+            (&mut data as *mut u64).cast(),
+            (&mut peers as *mut u64).cast(),
+            (&mut own as *mut u64).cast(),
+            (&mut out as *mut u64).cast(),
+            (&mut rank as *mut i32).cast(),
+            (&mut elements as *mut i64).cast(),
+            (&mut timeout as *mut u64).cast(),
+        ];
+        self.bind()?;
+        // SAFETY: `function` belongs to the loaded module and takes exactly these seven
+        // arguments (kernels/allreduce.cu: RankData*, RankSignals*, Signal*, void*, int,
+        // long long, unsigned long long), each pointed to by `params` for the call; the
+        // pointers name this rank's stable tables, own Signal block and an output of
+        // `bytes` bytes that the driver checked; grid and block come from launch_config.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                function,
+                config.blocks,
+                1,
+                1,
+                config.threads,
+                1,
+                1,
+                config.shared_mem_bytes,
+                self.stream.cu_stream(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+
+    fn supports(
+        &self,
+        world: usize,
+        dtype: DType,
+        bytes: usize,
+        algorithm: Algorithm,
+    ) -> std::result::Result<(), FallbackReason> {
+        route(
+            &self.peer_access,
+            world,
+            dtype,
+            bytes,
+            algorithm,
+            self.max_blocks(),
+        )
+    }
+
+    fn host_addressable(&self) -> bool {
+        false
+    }
+
+    fn write_table(
+        &self,
+        _memory: &CudaMemory,
+        table: &CudaBuffer,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<()> {
+        if offset
+            .checked_add(bytes.len())
+            .is_none_or(|end| end > table.len())
+        {
+            return Err(AllReduceError::InvalidArgument(format!(
+                "{} bytes at offset {offset} do not fit the {}-byte table",
+                bytes.len(),
+                table.len()
+            )));
+        }
+        self.refuse_while_capturing("writing a table")?;
+        self.bind()?;
+        // SAFETY: the range lies inside a live CudaBuffer (checked above); the source is
+        // pageable host memory, which the driver stages before the call returns.
+        check("cuMemcpyHtoDAsync_v2", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                table.device_ptr() + offset as u64,
+                bytes.as_ptr().cast::<c_void>(),
+                bytes.len(),
+                self.stream.cu_stream(),
+            )
+        })?;
+        self.sync_stream()
+    }
+
+    fn stage(
+        &self,
+        _memory: &CudaMemory,
+        input: &CudaBuffer,
+        staging: &CudaBuffer,
+        bytes: usize,
+    ) -> Result<()> {
+        if bytes > input.len() || bytes > staging.len() {
+            return Err(AllReduceError::InvalidArgument(format!(
+                "{bytes} bytes do not fit the {}-byte input or the {}-byte staging buffer",
+                input.len(),
+                staging.len()
+            )));
+        }
+        self.bind()?;
+        // SAFETY: both ranges lie inside live device buffers (checked above), and the copy
+        // is ordered on this backend's stream with the launch that reads the staging buffer.
+        check("cuMemcpyDtoDAsync_v2", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(
+                staging.device_ptr(),
+                input.device_ptr(),
+                bytes,
+                self.stream.cu_stream(),
+            )
+        })
+    }
+
+    fn capturing(&self) -> Result<bool> {
+        use sys::CUstreamCaptureStatus as S;
+        match self
+            .stream
+            .capture_status()
+            .map_err(|e| driver_error("cuStreamIsCapturing", e))?
+        {
+            S::CU_STREAM_CAPTURE_STATUS_NONE => Ok(false),
+            S::CU_STREAM_CAPTURE_STATUS_ACTIVE => Ok(true),
+            S::CU_STREAM_CAPTURE_STATUS_INVALIDATED => Err(AllReduceError::InvalidArgument(
+                "the stream's capture was invalidated by an earlier error".into(),
+            )),
+        }
+    }
+
+    fn synchronize(&self, memory: &CudaMemory, own_signal: &CudaBuffer) -> Result<()> {
+        self.refuse_while_capturing("synchronizing")?;
+        self.sync_stream()?;
+        let mut word = [0u8; 4];
+        memory.read(own_signal, ERROR_OFFSET, &mut word)?;
+        let waited = Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed));
+        match timeout_error(u32::from_le_bytes(word), self.rank, waited) {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+}
+
+/// A CUDA graph of all-reduce launches captured by [`CustomAllReduce::capture_graph`].
+pub struct DeviceGraph {
+    graph: CudaGraph,
+    launches: usize,
+}
+
+impl std::fmt::Debug for DeviceGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceGraph")
+            .field("launches", &self.launches)
+            .finish()
+    }
+}
+
+impl DeviceGraph {
+    /// The all-reduces recorded.
+    pub fn launches(&self) -> usize {
+        self.launches
+    }
+}
+
+impl CustomAllReduce<CudaBackend> {
+    /// Captures the all-reduces `f` issues (through
+    /// [`all_reduce_buffer`](Self::all_reduce_buffer)) on the backend's stream into a CUDA
+    /// graph (thread-local capture mode) and instantiates it. Inputs not registered yet take
+    /// the next RankData slots: call [`register_graph_buffers`](Self::register_graph_buffers)
+    /// (collective) before the first [`replay_graph`](Self::replay_graph).
+    pub fn capture_graph<F>(&mut self, f: F) -> Result<DeviceGraph>
+    where
+        F: FnOnce(&mut Self) -> Result<usize>,
+    {
+        self.check_operation("capture_graph")?;
+        let stream = self.backend().stream().clone();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| driver_error("cuStreamBeginCapture_v2", e))?;
+        let recorded = f(self);
+        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        let launches = recorded?;
+        let graph = ended
+            .map_err(|e| driver_error("cuStreamEndCapture", e))?
+            .ok_or_else(|| {
+                AllReduceError::InvalidArgument("the capture recorded nothing".into())
+            })?;
+        Ok(DeviceGraph { graph, launches })
+    }
+
+    /// Launches a captured graph on the backend's stream (asynchronously; see
+    /// [`synchronize`](Self::synchronize)). Refused while captured inputs are unregistered
+    /// or the communicator is not Active, since the graph's launches would read unwritten
+    /// table slots or closed mappings.
+    pub fn replay_graph(&mut self, graph: &DeviceGraph) -> Result<()> {
+        self.check_replay()?;
+        graph
+            .graph
+            .launch()
+            .map_err(|e| driver_error("cuGraphLaunch", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_sharing_a_device_split_its_multiprocessors() {
+        // H200: 132 multiprocessors.
+        assert_eq!(block_bound(36, 132, 1), 36);
+        assert_eq!(block_bound(36, 132, 4), 33);
+        assert_eq!(block_bound(36, 132, 8), 16);
+        assert_eq!(block_bound(64, 132, 2), 64);
+        // Never zero, whatever the split.
+        assert_eq!(block_bound(36, 4, 8), 1);
+        assert_eq!(block_bound(36, 132, 0), 36);
+    }
+
+    #[test]
+    fn requests_route_to_the_kernels_or_name_why_not() {
+        let ok = Ok(());
+        let one = Algorithm::OneStage;
+        assert_eq!(route(&ok, 2, DType::Bf16, 4096, one, 36), Ok(()));
+        assert_eq!(
+            route(&ok, 8, DType::F32, 8 << 20, Algorithm::TwoStage, 16),
+            Ok(())
+        );
+        for world in [1, 3, 5, 7] {
+            match route(&ok, world, DType::F32, 4096, one, 36) {
+                Err(FallbackReason::NoKernel { reason }) => {
+                    assert!(reason.contains(&format!("world size {world}")), "{reason}")
+                }
+                other => panic!("world {world}: {other:?}"),
+            }
+        }
+        // Peer access is checked first: no P2P means NCCL whatever the size.
+        let no_p2p = Err(FallbackReason::NoPeerAccess { rank: 1, peer: 3 });
+        assert_eq!(
+            route(&no_p2p, 4, DType::F16, 4096, one, 36),
+            Err(FallbackReason::NoPeerAccess { rank: 1, peer: 3 })
+        );
+    }
+
+    #[test]
+    fn error_words_become_timeouts_naming_the_peer_and_barrier() {
+        assert!(timeout_error(0, 0, Duration::ZERO).is_none());
+        let word = 0x8000_0000 | (3 << 16) | (7 << 8) | 2;
+        match timeout_error(word, 5, Duration::from_millis(40)) {
+            Some(AllReduceError::Timeout {
+                rank: 5,
+                peer: 2,
+                barrier: "mid",
+                waited,
+            }) => assert_eq!(waited, Duration::from_millis(40)),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            timeout_error(0x1234, 0, Duration::ZERO),
+            Some(AllReduceError::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn a_zero_timeout_never_means_wait_forever() {
+        assert_eq!(timeout_ns(Duration::ZERO), 1);
+        assert_eq!(timeout_ns(Duration::from_secs(30)), 30_000_000_000);
+        assert_eq!(timeout_ns(Duration::MAX), u64::MAX);
+    }
+}

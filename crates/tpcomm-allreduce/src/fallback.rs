@@ -1,0 +1,159 @@
+//! [`DeviceAllReduce`]: the custom CUDA kernels where they serve, NCCL everywhere else.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use half::{bf16, f16};
+use tpcomm_ipc::{CudaBuffer, CudaMemory, MemoryRegion};
+use tpcomm_transport::device::{DeviceCommunicator, DeviceElement, ReduceOp};
+use tpcomm_transport::{Communicator, NcclCommunicator};
+
+use crate::backend::cuda::{CudaBackend, CudaOptions};
+use crate::dispatch::{Algorithm, FallbackReason};
+use crate::driver::{Config, CustomAllReduce};
+use crate::dtype::DType;
+use crate::error::{AllReduceError, Result};
+
+/// Which path served an all-reduce.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// The custom peer-memory kernel.
+    Custom(Algorithm),
+    /// NCCL, for this reason.
+    Nccl(FallbackReason),
+}
+
+/// `count` elements of a [`CudaBuffer`] seen as a cudarc device slice on the backend's
+/// stream (ordering is the stream's: nothing to record or wait for).
+struct Span<'a, T> {
+    ptr: u64,
+    len: usize,
+    stream: &'a Arc<CudaStream>,
+    _t: std::marker::PhantomData<T>,
+}
+
+impl<T> DeviceSlice<T> for Span<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for Span<'_, T> {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for Span<'_, T> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        _stream: &'a CudaStream,
+    ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
+/// The all-reduce of an inference engine on CUDA: the custom kernels
+/// ([`CustomAllReduce<CudaBackend>`]) when the devices are fully connected (P2P) and the
+/// size, element type and world size have a kernel; NCCL on the same stream otherwise, with
+/// the reason traced (`debug`) and returned.
+///
+/// Both paths are collective: every rank must pass the same element type and count, so that
+/// every rank takes the same path.
+#[derive(Debug)]
+pub struct DeviceAllReduce {
+    custom: CustomAllReduce<CudaBackend>,
+    nccl: NcclCommunicator,
+}
+
+impl DeviceAllReduce {
+    /// Collective: the CUDA backend on `memory`'s device, the custom all-reduce over it and
+    /// an NCCL communicator on the backend's stream, bootstrapped through `comm`.
+    pub fn new<C: Communicator>(
+        comm: &C,
+        memory: CudaMemory,
+        options: CudaOptions,
+        config: Config,
+    ) -> Result<Self> {
+        let backend = CudaBackend::new(comm, &memory, options)?;
+        let nccl = NcclCommunicator::with_stream(comm, backend.stream().clone())?;
+        let custom = CustomAllReduce::new(backend, memory, comm, config)?;
+        Ok(Self { custom, nccl })
+    }
+
+    /// The custom all-reduce (registration, capture, suspend/resume).
+    pub fn custom(&mut self) -> &mut CustomAllReduce<CudaBackend> {
+        &mut self.custom
+    }
+
+    /// The NCCL communicator.
+    pub fn nccl(&self) -> &NcclCommunicator {
+        &self.nccl
+    }
+
+    /// Sums the first `count` elements of `input` over every rank into `output`, both on
+    /// this rank's device, through the custom kernel or NCCL; returns which served it.
+    /// Asynchronous on the backend's stream (see [`synchronize`](Self::synchronize)).
+    pub fn all_reduce(
+        &mut self,
+        input: &CudaBuffer,
+        output: &CudaBuffer,
+        dtype: DType,
+        count: usize,
+    ) -> Result<Route> {
+        match self.custom.all_reduce_buffer(input, output, dtype, count) {
+            Ok(algorithm) => Ok(Route::Custom(algorithm)),
+            Err(AllReduceError::Fallback(reason)) => {
+                tracing::debug!(%reason, dtype = dtype.name(), count, "all-reduce falls back to NCCL");
+                match dtype {
+                    DType::F32 => self.nccl_sum::<f32>(input, output, count)?,
+                    DType::F16 => self.nccl_sum::<f16>(input, output, count)?,
+                    DType::Bf16 => self.nccl_sum::<bf16>(input, output, count)?,
+                }
+                Ok(Route::Nccl(reason))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn nccl_sum<T: DeviceElement>(
+        &self,
+        input: &CudaBuffer,
+        output: &CudaBuffer,
+        count: usize,
+    ) -> Result<()> {
+        let bytes = count
+            .checked_mul(std::mem::size_of::<T>())
+            .filter(|&b| b <= input.len() && b <= output.len())
+            .ok_or_else(|| {
+                AllReduceError::InvalidArgument(format!(
+                    "{count} elements do not fit the input ({} bytes) or output ({} bytes)",
+                    input.len(),
+                    output.len()
+                ))
+            })?;
+        let stream = self.nccl.stream();
+        let send = Span::<T> {
+            ptr: input.addr(),
+            len: bytes / std::mem::size_of::<T>(),
+            stream,
+            _t: std::marker::PhantomData,
+        };
+        let mut recv = Span::<T> {
+            ptr: output.addr(),
+            len: send.len,
+            stream,
+            _t: std::marker::PhantomData,
+        };
+        Ok(self.nccl.all_reduce(&send, &mut recv, ReduceOp::Sum)?)
+    }
+
+    /// Waits for everything issued on the stream and reports a kernel timeout.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.custom.synchronize()?;
+        Ok(self.nccl.synchronize()?)
+    }
+}

@@ -1,0 +1,208 @@
+//! The driver's device-graph bookkeeping, without a GPU: a backend that records launches
+//! while "capturing" (as CUDA stream capture does) and runs them on the host otherwise. It
+//! checks slot assignment during a capture, the refusals before registration, the table
+//! contents after registration and after a resume that moves every peer mapping, and the
+//! results of the registered launches.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tpcomm_allreduce::backend::{Backend, Launch};
+use tpcomm_allreduce::{
+    AllReduceError, Config, CustomAllReduce, DType, Element, HostBackend, Phase,
+};
+use tpcomm_ipc::{AddressHold, HostBuffer, HostMemory, MemoryRegion, PeerMemory};
+use tpcomm_transport::{Communicator, LocalGroup};
+
+mod common;
+use common::{check, inputs, run_seed};
+
+type R<T> = tpcomm_allreduce::Result<T>;
+
+/// The host backend, plus a capture switch: while on, launches are recorded (slot, count)
+/// instead of run, and the driver sees [`Backend::capturing`] true.
+#[derive(Debug, Default)]
+struct Recording {
+    inner: HostBackend,
+    capturing: AtomicBool,
+    recorded: Mutex<Vec<(usize, usize)>>,
+}
+
+impl Backend for Recording {
+    type Memory = HostMemory;
+
+    fn name(&self) -> &'static str {
+        "recording"
+    }
+    fn signal_bytes(&self) -> usize {
+        self.inner.signal_bytes()
+    }
+    fn nonce_offset(&self) -> usize {
+        self.inner.nonce_offset()
+    }
+    fn reset_signal(&self, memory: &HostMemory, signal: &HostBuffer) -> R<()> {
+        self.inner.reset_signal(memory, signal)
+    }
+    fn launch(&self, memory: &HostMemory, l: &Launch<'_, Self>) -> R<()> {
+        if self.capturing.load(Ordering::SeqCst) {
+            self.recorded.lock().unwrap().push((l.slot, l.count));
+            return Ok(());
+        }
+        self.inner.launch(
+            memory,
+            &Launch {
+                algorithm: l.algorithm,
+                dtype: l.dtype,
+                count: l.count,
+                rank: l.rank,
+                world: l.world,
+                rank_signals: l.rank_signals,
+                rank_data: l.rank_data,
+                slot: l.slot,
+                own_signal: l.own_signal,
+                out: l.out,
+                timeout: l.timeout,
+            },
+        )
+    }
+    fn stage(
+        &self,
+        memory: &HostMemory,
+        input: &HostBuffer,
+        staging: &HostBuffer,
+        bytes: usize,
+    ) -> R<()> {
+        assert!(
+            !self.capturing.load(Ordering::SeqCst),
+            "the driver staged (copied) an input during a capture"
+        );
+        self.inner.stage(memory, input, staging, bytes)
+    }
+    fn capturing(&self) -> R<bool> {
+        Ok(self.capturing.load(Ordering::SeqCst))
+    }
+}
+
+fn fill<T: Element>(memory: &HostMemory, buf: &HostBuffer, v: &[T]) -> R<()> {
+    Ok(memory.write(buf, 0, bytemuck::cast_slice(v))?)
+}
+
+fn read_f32(memory: &HostMemory, buf: &HostBuffer, count: usize) -> R<Vec<f32>> {
+    let mut raw = vec![0u8; count * 4];
+    memory.read(buf, 0, &mut raw)?;
+    Ok(raw
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect())
+}
+
+#[test]
+fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
+    let seed = run_seed();
+    let results = LocalGroup::new(3)
+        .timeout(Duration::from_secs(60))
+        .run(|comm| -> R<()> {
+            let memory = HostMemory::new();
+            let mut ar = CustomAllReduce::new(
+                Recording::default(),
+                memory.clone(),
+                &comm,
+                Config::default(),
+            )?;
+            let count = 4096;
+            let a = memory.allocate(count * 4)?;
+            let b = memory.allocate(count * 4)?;
+            let out = memory.allocate(count * 4)?;
+
+            ar.backend().capturing.store(true, Ordering::SeqCst);
+            ar.all_reduce_buffer(&a, &out, DType::F32, count)?;
+            ar.all_reduce_buffer(&b, &out, DType::F32, 1024)?;
+            ar.all_reduce_buffer(&a, &out, DType::F32, count)?;
+            // Registering writes the tables: refused during the capture, nothing changes.
+            assert!(matches!(
+                ar.register_graph_buffers(&comm),
+                Err(AllReduceError::InvalidArgument(_))
+            ));
+            assert!(matches!(
+                ar.prepare_for_suspend(&comm),
+                Err(AllReduceError::InvalidArgument(_))
+            ));
+            ar.backend().capturing.store(false, Ordering::SeqCst);
+
+            // Slot 0 is the staging buffer's; captured inputs get 1, 2, and `a` again 1.
+            assert_eq!(
+                *ar.backend().recorded.lock().unwrap(),
+                vec![(1, count), (2, 1024), (1, count)]
+            );
+            assert_eq!(ar.pending_graph_buffers(), 2);
+            assert_eq!(
+                ar.rank_data_slot(1)?,
+                vec![0; 3],
+                "written before registration"
+            );
+            assert!(matches!(
+                ar.check_replay(),
+                Err(AllReduceError::UnregisteredGraphBuffers)
+            ));
+            // Outside the capture, an unregistered captured input is refused, not run, and
+            // the communicator stays usable.
+            assert!(matches!(
+                ar.all_reduce_buffer(&a, &out, DType::F32, count),
+                Err(AllReduceError::UnregisteredGraphBuffers)
+            ));
+            assert_eq!(ar.phase(), Phase::Active);
+
+            assert_eq!(ar.register_graph_buffers(&comm)?, 2);
+            ar.check_replay()?;
+            let slot_a = ar.rank_data_slot(1)?;
+            assert_eq!(
+                slot_a[comm.rank()],
+                a.addr(),
+                "own entry is the local buffer"
+            );
+            assert!(slot_a.iter().all(|&p| p != 0));
+            assert_eq!(ar.rank_data_slot(2)?[comm.rank()], b.addr());
+
+            // A registered launch reads every peer's `a` through slot 1: zero-copy.
+            let data = inputs::<f32>(seed, comm.rank(), count);
+            fill(&memory, &a, &data)?;
+            comm.barrier()?;
+            ar.all_reduce_buffer(&a, &out, DType::F32, count)?;
+            check(seed, comm.size(), &read_f32(&memory, &out, count)?)
+                .map_err(AllReduceError::InvalidArgument)?;
+            comm.barrier()?;
+
+            // Suspend, hold every old peer address so the reopen must move, resume: the
+            // slot's peer entries are rewritten in place, the own entry never moves.
+            ar.prepare_for_suspend(&comm)?;
+            let holds: Vec<AddressHold> = slot_a
+                .iter()
+                .enumerate()
+                .filter(|&(r, _)| r != comm.rank())
+                .map(|(_, &p)| AddressHold::at(p & !4095, 4096))
+                .collect::<Result<_, _>>()?;
+            ar.reinit_after_resume(&comm)?;
+            drop(holds);
+            let moved = ar.rank_data_slot(1)?;
+            for (r, (&before, &after)) in slot_a.iter().zip(&moved).enumerate() {
+                if r == comm.rank() {
+                    assert_eq!(after, before);
+                } else {
+                    assert_ne!(after, before, "rank {r}'s mapping did not move");
+                }
+            }
+            let data = inputs::<f32>(seed + 1, comm.rank(), count);
+            fill(&memory, &a, &data)?;
+            comm.barrier()?;
+            ar.all_reduce_buffer(&a, &out, DType::F32, count)?;
+            check(seed + 1, comm.size(), &read_f32(&memory, &out, count)?)
+                .map_err(AllReduceError::InvalidArgument)?;
+            comm.barrier()?;
+            Ok(())
+        });
+    for (rank, r) in results.into_iter().enumerate() {
+        r.expect("rank finished")
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}

@@ -1,0 +1,436 @@
+//! The CUDA backend. Tests that need a GPU print why they skip on a machine without one
+//! (`skipped: ...: no CUDA device: ...`) and pass; with `TPCOMM_REQUIRE_GPU=1` a skip is a
+//! failure. Ranks are threads of one process sharing device 0 (`CudaMemory::same_process`,
+//! each rank on its own stream), since CUDA IPC cannot open a handle in the process that
+//! exported it; the two-process IPC path is tested in tpcomm-ipc's `cuda` suite.
+#![cfg(feature = "cuda")]
+
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use tpcomm_allreduce::{
+    Algorithm, AllReduceError, Config, CudaBackend, CudaOptions, CustomAllReduce, DType, Element,
+    FallbackReason, Phase,
+};
+use tpcomm_ipc::{CudaBuffer, CudaMemory, IpcError, PeerMemory};
+use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
+
+mod common;
+use common::{check, inputs, run_seed};
+
+type Ar = CustomAllReduce<CudaBackend>;
+type R<T> = tpcomm_allreduce::Result<T>;
+
+use tpcomm_transport::testing::skip_without_gpu;
+
+/// True when device 0 is usable; otherwise records why the test skips (a failure under
+/// `TPCOMM_REQUIRE_GPU=1`).
+fn gpu() -> bool {
+    match CudaMemory::same_process(0) {
+        Ok(_) => true,
+        Err(IpcError::NoDevice(why)) => {
+            skip_without_gpu(&format!("no CUDA device: {why}"));
+            false
+        }
+        Err(e) => panic!("CudaMemory::same_process(0) failed with {e}"),
+    }
+}
+
+fn group(n: usize) -> LocalGroup {
+    LocalGroup::new(n).timeout(Duration::from_secs(120))
+}
+
+/// The backend and the all-reduce of one rank on device 0, sized for `world` ranks sharing
+/// it.
+fn new_ar(comm: &LocalCommunicator, config: Config) -> R<Ar> {
+    let memory = CudaMemory::same_process(0)?;
+    let options = CudaOptions {
+        ranks_per_device: comm.size(),
+        ..CudaOptions::default()
+    };
+    let backend = CudaBackend::new(comm, &memory, options)?;
+    CustomAllReduce::new(backend, memory, comm, config)
+}
+
+fn to_bytes<T: Element>(v: &[T]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+fn upload<T: Element>(memory: &CudaMemory, buf: &CudaBuffer, v: &[T]) -> R<()> {
+    Ok(memory.write(buf, 0, &to_bytes(v))?)
+}
+
+fn download<T: Element>(memory: &CudaMemory, buf: &CudaBuffer, count: usize) -> R<Vec<T>> {
+    let mut raw = vec![0u8; count * T::DTYPE.size()];
+    memory.read(buf, 0, &mut raw)?;
+    Ok(raw
+        .chunks_exact(T::DTYPE.size())
+        .map(bytemuck::pod_read_unaligned)
+        .collect())
+}
+
+/// Fills `buf` with 0xff bytes: NaN in every element type.
+fn poison(memory: &CudaMemory, buf: &CudaBuffer, bytes: usize) -> R<()> {
+    Ok(memory.write(buf, 0, &vec![0xffu8; bytes])?)
+}
+
+/// Every size and algorithm the kernels serve for `T` on `world` ranks, eager and
+/// registered, against the f64 reference.
+fn kernels_match_reference<T: Element>(world: usize) {
+    let seed = run_seed();
+    // 16 bytes, one pack short of / past a block's worth, odd pack counts, 1 MiB, and a
+    // size whose packs do not divide by the world size.
+    let sizes = [
+        16usize,
+        8 << 10,
+        (8 << 10) + 16,
+        48_016,
+        1 << 20,
+        (3 << 20) + 48,
+    ];
+    let results = group(world).run(|comm| -> R<usize> {
+        let mut checked = 0;
+        for algorithm in [Algorithm::OneStage, Algorithm::TwoStage] {
+            let config = Config {
+                max_bytes: 4 << 20,
+                algorithm: Some(algorithm),
+                timeout: Duration::from_secs(20),
+                ..Config::default()
+            };
+            let mut ar = new_ar(&comm, config)?;
+            let memory = ar.memory()?.clone();
+            let input = memory.allocate(4 << 20)?;
+            let output = memory.allocate(4 << 20)?;
+            let registered_input = memory.allocate(4 << 20)?;
+            // Registered once; all_reduce_buffer finds it by address (zero-copy).
+            ar.register_buffer(&comm, &registered_input)?;
+            for (k, &bytes) in sizes.iter().enumerate() {
+                let count = bytes / T::DTYPE.size();
+                let case = seed + 1000 * k as u64 + algorithm as u64;
+                let data = inputs::<T>(case, comm.rank(), count);
+                for zero_copy in [false, true] {
+                    let src = if zero_copy { &registered_input } else { &input };
+                    upload(&memory, src, &data)?;
+                    poison(&memory, &output, bytes)?;
+                    // Every rank's input is in place before any rank launches.
+                    comm.barrier()?;
+                    let used = ar.all_reduce_buffer(src, &output, T::DTYPE, count)?;
+                    assert_eq!(used, algorithm);
+                    ar.synchronize()?;
+                    let out = download::<T>(&memory, &output, count)?;
+                    check(case, world, &out).map_err(|e| {
+                        AllReduceError::InvalidArgument(format!(
+                            "{} {} world {world} {bytes} bytes zero_copy={zero_copy}: {e}",
+                            T::DTYPE.name(),
+                            algorithm.name()
+                        ))
+                    })?;
+                    checked += 1;
+                    // Nobody overwrites an input a peer may still read.
+                    comm.barrier()?;
+                }
+            }
+            ar.close()?;
+        }
+        Ok(checked)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let checked = r
+            .expect("rank finished")
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(checked, 2 * 2 * sizes.len());
+    }
+}
+
+#[test]
+fn kernels_match_an_f64_reference_for_every_dtype_algorithm_and_world_size() {
+    if !gpu() {
+        return;
+    }
+    for world in [2, 4, 6, 8] {
+        kernels_match_reference::<f32>(world);
+        kernels_match_reference::<f16>(world);
+        kernels_match_reference::<bf16>(world);
+    }
+}
+
+#[test]
+fn world_sizes_without_a_kernel_fall_back_and_the_communicator_stays_usable() {
+    if !gpu() {
+        return;
+    }
+    let results = group(3).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let buf = memory.allocate(1 << 10)?;
+        let out = memory.allocate(1 << 10)?;
+        match ar.all_reduce_buffer(&buf, &out, DType::F32, 256) {
+            Err(AllReduceError::Fallback(FallbackReason::NoKernel { reason })) => {
+                assert!(reason.contains("world size 3"), "{reason}");
+            }
+            other => panic!("expected NoKernel, got {other:?}"),
+        }
+        assert_eq!(ar.phase(), Phase::Active);
+        // A size that is not a multiple of 16 is refused before the backend is asked.
+        assert!(matches!(
+            ar.all_reduce_buffer(&buf, &out, DType::F32, 3),
+            Err(AllReduceError::Fallback(
+                FallbackReason::SizeNotMultipleOf16 { bytes: 12 }
+            ))
+        ));
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
+}
+
+#[test]
+fn host_slices_are_refused_by_the_device_backend() {
+    if !gpu() {
+        return;
+    }
+    let results = group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let input = vec![1f32; 64];
+        let mut out = vec![0f32; 64];
+        let err = ar.all_reduce(&input, &mut out).unwrap_err();
+        assert!(err.to_string().contains("all_reduce_buffer"), "{err}");
+        assert_eq!(ar.phase(), Phase::Active);
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
+}
+
+/// Sets every element of `buf` on this rank to `rank + 1 + shift`: sums are exact.
+fn fill_rank<T: Element>(
+    memory: &CudaMemory,
+    buf: &CudaBuffer,
+    rank: usize,
+    shift: f32,
+    count: usize,
+) -> R<()> {
+    upload(
+        memory,
+        buf,
+        &vec![T::from_f32(rank as f32 + 1.0 + shift); count],
+    )
+}
+
+fn expect_all<T: Element>(memory: &CudaMemory, buf: &CudaBuffer, count: usize, want: f32) -> R<()> {
+    let out = download::<T>(memory, buf, count)?;
+    if let Some((i, v)) = out.iter().enumerate().find(|(_, v)| v.to_f32() != want) {
+        return Err(AllReduceError::InvalidArgument(format!(
+            "element {i} is {}, expected {want}",
+            v.to_f32()
+        )));
+    }
+    Ok(())
+}
+
+#[test]
+fn a_graph_captured_before_suspend_replays_correctly_after_resume() {
+    if !gpu() {
+        return;
+    }
+    for world in [2, 4] {
+        let results = group(world).run(|comm| -> R<()> {
+            let mut ar = new_ar(&comm, Config::default())?;
+            let memory = ar.memory()?.clone();
+            // One size served by one-stage, one by two-stage.
+            let small = 1024usize; // f32 elements: 4 KiB
+            let large = 256 << 10; // 1 MiB
+            let a = memory.allocate(small * 4)?;
+            let b = memory.allocate(large * 4)?;
+            let out_a = memory.allocate(small * 4)?;
+            let out_b = memory.allocate(large * 4)?;
+            let graph = ar.capture_graph(|ar| {
+                let first = ar.all_reduce_buffer(&a, &out_a, DType::F32, small)?;
+                let second = ar.all_reduce_buffer(&b, &out_b, DType::F32, large)?;
+                assert_eq!((first, second), (Algorithm::OneStage, Algorithm::TwoStage));
+                Ok(2)
+            })?;
+            assert_eq!(graph.launches(), 2);
+            assert_eq!(ar.pending_graph_buffers(), 2);
+            // Replaying before the slots are written would read empty table entries.
+            assert!(matches!(
+                ar.replay_graph(&graph),
+                Err(AllReduceError::UnregisteredGraphBuffers)
+            ));
+            assert_eq!(ar.register_graph_buffers(&comm)?, 2);
+            assert_eq!(ar.pending_graph_buffers(), 0);
+
+            let sum = |shift: f32| (1..=comm.size()).map(|r| r as f32 + shift).sum::<f32>();
+            for (round, shift) in [0.0f32, 10.0].into_iter().enumerate() {
+                fill_rank::<f32>(&memory, &a, comm.rank(), shift, small)?;
+                fill_rank::<f32>(&memory, &b, comm.rank(), 2.0 * shift, large)?;
+                comm.barrier()?;
+                ar.replay_graph(&graph)?;
+                ar.synchronize()?;
+                expect_all::<f32>(&memory, &out_a, small, sum(shift))?;
+                expect_all::<f32>(&memory, &out_b, large, sum(2.0 * shift))?;
+                comm.barrier()?;
+                if round == 0 {
+                    ar.prepare_for_suspend(&comm)?;
+                    assert_eq!(ar.phase(), Phase::Suspended);
+                    assert_eq!(ar.peer_mappings()?.counters().open, 0);
+                    assert!(matches!(
+                        ar.replay_graph(&graph),
+                        Err(AllReduceError::WrongState { .. })
+                    ));
+                    ar.reinit_after_resume(&comm)?;
+                    assert_eq!(ar.phase(), Phase::Active);
+                }
+            }
+            Ok(())
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            r.expect("rank finished")
+                .unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn inputs_captured_twice_share_a_slot_and_registration_waits_for_the_capture_to_end() {
+    if !gpu() {
+        return;
+    }
+    let results = group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let input = memory.allocate(4096)?;
+        let out = memory.allocate(4096)?;
+        let graph = ar.capture_graph(|ar| {
+            ar.all_reduce_buffer(&input, &out, DType::Bf16, 2048)?;
+            ar.all_reduce_buffer(&input, &out, DType::Bf16, 2048)?;
+            // Tables are never written while capturing: refused before anything changes.
+            match ar.register_graph_buffers(&comm) {
+                Err(AllReduceError::InvalidArgument(why)) => {
+                    assert!(why.contains("captur"), "{why}")
+                }
+                other => panic!("expected a refusal, got {other:?}"),
+            }
+            Ok(2)
+        })?;
+        assert_eq!(ar.phase(), Phase::Active);
+        assert_eq!(ar.pending_graph_buffers(), 1);
+        assert_eq!(ar.register_graph_buffers(&comm)?, 1);
+        fill_rank::<bf16>(&memory, &input, comm.rank(), 0.0, 2048)?;
+        comm.barrier()?;
+        ar.replay_graph(&graph)?;
+        ar.synchronize()?;
+        // Replayed twice into the same output from the same input: 1 + 2.
+        expect_all::<bf16>(&memory, &out, 2048, 3.0)?;
+        comm.barrier()?;
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
+}
+
+#[test]
+fn a_rank_that_never_launches_makes_its_peer_time_out_naming_it() {
+    if !gpu() {
+        return;
+    }
+    let timeout = Duration::from_millis(300);
+    let results = group(2).run(|comm| -> R<Option<Duration>> {
+        let config = Config {
+            timeout,
+            ..Config::default()
+        };
+        let mut ar = new_ar(&comm, config)?;
+        let memory = ar.memory()?.clone();
+        let input = memory.allocate(4096)?;
+        let out = memory.allocate(4096)?;
+        let mut waited = None;
+        if comm.rank() == 0 {
+            let start = Instant::now();
+            ar.all_reduce_buffer(&input, &out, DType::F32, 1024)?;
+            // The failure is kept as the communicator's cause: every later call returns it.
+            match ar.synchronize() {
+                Err(AllReduceError::Failed { during, cause }) => {
+                    assert_eq!(during, "synchronize");
+                    match &*cause {
+                        AllReduceError::Timeout {
+                            rank,
+                            peer,
+                            barrier,
+                            waited,
+                        } => {
+                            assert_eq!((*rank, *peer, *barrier), (0, 1, "start"));
+                            assert_eq!(*waited, timeout);
+                        }
+                        other => panic!("expected a timeout naming rank 1, got {other:?}"),
+                    }
+                }
+                other => panic!("expected a failure caused by a timeout, got {other:?}"),
+            }
+            waited = Some(start.elapsed());
+            assert_eq!(ar.phase(), Phase::Failed);
+            assert!(matches!(
+                ar.all_reduce_buffer(&input, &out, DType::F32, 1024),
+                Err(AllReduceError::Failed { .. })
+            ));
+        }
+        // Rank 1 keeps its buffers alive until rank 0 has given up.
+        comm.barrier()?;
+        Ok(waited)
+    });
+    let waited = results[0].as_ref().unwrap().as_ref().unwrap().unwrap();
+    assert!(waited >= timeout, "gave up after {waited:?}");
+    assert!(
+        waited < timeout + Duration::from_secs(10),
+        "gave up after {waited:?}"
+    );
+    results[1].as_ref().unwrap().as_ref().unwrap();
+}
+
+#[test]
+fn an_unusable_device_ordinal_is_a_typed_error() {
+    match CudaMemory::same_process(4096) {
+        Err(IpcError::NoDevice(why)) => assert!(!why.is_empty()),
+        other => panic!("expected NoDevice, got {other:?}"),
+    }
+}
+
+#[cfg(feature = "nccl")]
+#[test]
+fn one_rank_falls_back_to_nccl_and_sums_correctly() {
+    use tpcomm_allreduce::{DeviceAllReduce, Route};
+    if !gpu() {
+        return;
+    }
+    if let Err(e) = tpcomm_transport::NcclLibrary::load() {
+        skip_without_gpu(&format!("no NCCL: {e}"));
+        return;
+    }
+    let results = group(1).run(|comm| -> R<()> {
+        let memory = CudaMemory::same_process(0)?;
+        let mut dar = DeviceAllReduce::new(
+            &comm,
+            memory.clone(),
+            CudaOptions::default(),
+            Config::default(),
+        )?;
+        let input = memory.allocate(4096)?;
+        let out = memory.allocate(4096)?;
+        upload(&memory, &input, &vec![3.5f32; 1024])?;
+        poison(&memory, &out, 4096)?;
+        let route = dar.all_reduce(&input, &out, DType::F32, 1024)?;
+        assert!(
+            matches!(route, Route::Nccl(FallbackReason::NoKernel { .. })),
+            "{route:?}"
+        );
+        dar.synchronize()?;
+        expect_all::<f32>(&memory, &out, 1024, 3.5)?;
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
+}

@@ -99,8 +99,9 @@ pub trait Backend: Send + Sync + Debug + 'static {
         true
     }
 
-    /// Writes `bytes` into a stable table (RankSignals or a RankData slot) at `offset`,
-    /// ordered after every launch issued before and before every launch issued after.
+    /// Writes `bytes` at `offset` of one of this rank's own buffers that launches read (a
+    /// stable table, or the nonce of its Signal block), ordered after every launch issued
+    /// before and before every launch issued after.
     fn write_table(
         &self,
         memory: &Self::Memory,

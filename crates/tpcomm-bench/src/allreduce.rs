@@ -157,7 +157,7 @@ pub(crate) enum DTypeArg {
 }
 
 impl DTypeArg {
-    fn dtype(self) -> DType {
+    pub(crate) fn dtype(self) -> DType {
         match self {
             DTypeArg::F32 => DType::F32,
             DTypeArg::F16 => DType::F16,

@@ -54,6 +54,15 @@ pub(crate) enum BenchError {
         #[source]
         source: std::io::Error,
     },
+    /// A CUDA driver call of the bench itself (events, graphs) failed.
+    #[cfg(feature = "cuda")]
+    #[error("CUDA {call}: {detail}")]
+    Cuda {
+        /// The driver function.
+        call: &'static str,
+        /// The driver's error.
+        detail: String,
+    },
     /// Serializing the JSON report failed.
     #[error("cannot serialize the JSON report: {0}")]
     Json(#[from] serde_json::Error),

@@ -14,6 +14,7 @@
 //! tpcomm-bench allreduce                      # custom all-reduce, 1 KiB .. 8 MiB, f32
 //! mpirun -np 2 tpcomm-bench allreduce --transport mpi --json ar.json   # plus MPI_Allreduce
 //! tpcomm-bench lifecycle                      # suspend + resume with 1, 100, 1000 graph buffers
+//! tpcomm-bench gpu                            # CUDA backend on one GPU (features cuda, nccl)
 //! ```
 //!
 //! Benchmarks are programs that print tables, never timed assertions inside tests: the
@@ -25,6 +26,7 @@
 
 mod allreduce;
 mod error;
+mod gpu;
 mod ipc;
 mod launch;
 mod lifecycle;
@@ -78,6 +80,12 @@ enum Command {
     ///
     /// Local threads by default; `--transport mpi` under `mpirun`.
     Lifecycle(lifecycle::LifecycleArgs),
+    /// Custom all-reduce, CUDA backend, on one GPU (ranks as threads): CUDA graphs of K
+    /// all-reduces replayed per world size (2, 4, 8), algorithm, type and size, before and
+    /// after a suspend/resume, every graph verified; NCCL on one rank as the reference.
+    ///
+    /// Needs the `cuda` feature (and `nccl` for the reference row) and a GPU.
+    Gpu(gpu::GpuArgs),
 }
 
 fn main() -> ExitCode {
@@ -89,6 +97,7 @@ fn main() -> ExitCode {
         Command::Ipc(args) => ipc::run(&args),
         Command::AllReduce(args) => allreduce::run(&args),
         Command::Lifecycle(args) => lifecycle::run(&args),
+        Command::Gpu(args) => gpu::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,1309 @@
+//! `tpcomm-bench gpu`: the CUDA backend of the custom all-reduce on one GPU, captured into
+//! CUDA graphs and replayed, before and after a suspend/resume, with NCCL as the reference.
+//!
+//! Ranks are threads of this process sharing one device ([`CudaMemory::same_process`]:
+//! every rank opens its peers' buffers as aliases, and `CudaOptions::ranks_per_device` gives
+//! each rank's launch an equal share of the multiprocessors, so that every rank's blocks are
+//! resident at once). Per world size (2, 4, 8) and forced algorithm (`Config::algorithm`):
+//!
+//! 1. every rank captures, per element type and size, one CUDA graph of `K` all-reduces of
+//!    one input buffer into one output buffer (`CustomAllReduce::capture_graph`), then
+//!    registers the captured inputs in one collective call (`register_graph_buffers`);
+//! 2. per graph: a check (every rank's input filled with small integers, the output
+//!    poisoned, one replay, the output compared bit for bit with the exact sum on every
+//!    rank, agreed across ranks), warm-up replays, then timed replays: each rank thread
+//!    replays its own graph (the kernels spin-wait on each other, so all ranks launch
+//!    concurrently) between CUDA events on its backend stream; a replay's time is the
+//!    slowest rank's, divided by `K`;
+//! 3. `prepare_for_suspend` + `reinit_after_resume` (timed), then step 2 again on the *same*
+//!    graphs (new input values, so a graph that reads stale tables cannot pass).
+//!
+//! The NCCL reference (feature `nccl`), measured after the custom rows (so that an NCCL
+//! failure or hang cannot cost them; the JSON report is written before and after it):
+//! `ncclAllReduce` on one rank (one GPU cannot host two NCCL ranks), `K` per graph, timed
+//! the same way; it is a copy-bound lower bound, not a multi-GPU all-reduce. The closing
+//! lines give custom / NCCL per size.
+//!
+//! Nothing here synchronizes the whole context (`cuCtxSynchronize`) while kernels may run:
+//! waits are per stream or per event, and allocations and frees happen only after every
+//! rank drained its stream and passed a barrier.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+
+use crate::allreduce::DTypeArg;
+use crate::error::BenchError;
+use crate::sweep::{format_bytes, parse_bytes};
+
+/// Options of `tpcomm-bench gpu`.
+#[derive(Debug, Clone, Args, Serialize)]
+pub(crate) struct GpuArgs {
+    /// World sizes (ranks as threads on one GPU), comma-separated; the kernels serve 2, 4,
+    /// 6 and 8.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "2,4,8",
+        value_parser = clap::value_parser!(u32).range(2..=8),
+        value_name = "N,.."
+    )]
+    pub(crate) worlds: Vec<u32>,
+
+    /// Element types timed at every world size.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "bf16",
+        value_name = "DTYPES"
+    )]
+    pub(crate) dtypes: Vec<DTypeArg>,
+
+    /// World sizes at which f32 is timed too (`none` for none).
+    #[arg(long, value_delimiter = ',', default_value = "2", value_parser = parse_world_or_none, value_name = "N,..")]
+    pub(crate) f32_worlds: Vec<Option<u32>>,
+
+    /// Algorithms, each forced through `Config::algorithm`.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "1stage,2stage",
+        value_name = "ALGS"
+    )]
+    pub(crate) algorithms: Vec<AlgorithmArg>,
+
+    /// Smallest size in bytes (a multiple of 16); suffixes K/KiB, M/MiB.
+    #[arg(long, default_value = "1KiB", value_parser = parse_bytes, value_name = "BYTES")]
+    pub(crate) min_bytes: usize,
+
+    /// Largest size in bytes (a multiple of 16; always measured, even off the factor's
+    /// steps).
+    #[arg(long, default_value = "8MiB", value_parser = parse_bytes, value_name = "BYTES")]
+    pub(crate) max_bytes: usize,
+
+    /// Each size is the previous one times this factor.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..))]
+    pub(crate) factor: u32,
+
+    /// All-reduces captured in each graph (K).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=256), value_name = "K")]
+    pub(crate) graph_launches: u32,
+
+    /// Timed graph replays per row, before and after the resume each.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u32).range(1..=10000), value_name = "N")]
+    pub(crate) iters: u32,
+
+    /// Untimed graph replays before the timed ones.
+    #[arg(long, default_value_t = 5, value_name = "N")]
+    pub(crate) warmup: u32,
+
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0, value_name = "ORDINAL")]
+    pub(crate) device: i32,
+
+    /// Upper bound on the blocks of one launch [default: CudaOptions' default]; each rank
+    /// gets at most multiprocessors / ranks anyway.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64), value_name = "N")]
+    pub(crate) max_blocks: Option<u32>,
+
+    /// Bound on every barrier wait inside a kernel, in seconds (a hung kernel becomes a
+    /// Timeout error naming the missing peer).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..), value_name = "S")]
+    pub(crate) kernel_timeout_s: u64,
+
+    /// Skip the NCCL reference.
+    #[arg(long)]
+    pub(crate) no_nccl: bool,
+
+    /// Also write every figure (and every replay's time) to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) json: Option<PathBuf>,
+}
+
+/// `none` or a world size 2..=8.
+fn parse_world_or_none(text: &str) -> Result<Option<u32>, String> {
+    if text.eq_ignore_ascii_case("none") {
+        return Ok(None);
+    }
+    match text.parse::<u32>() {
+        Ok(n) if (2..=8).contains(&n) => Ok(Some(n)),
+        _ => Err(format!("`{text}` is not a world size 2..=8 or `none`")),
+    }
+}
+
+/// An algorithm on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+pub(crate) enum AlgorithmArg {
+    /// One-stage: every rank reads every peer's whole input.
+    #[value(name = "1stage")]
+    #[serde(rename = "1stage")]
+    OneStage,
+    /// Two-stage: reduce-scatter into temp buffers, then all-gather.
+    #[value(name = "2stage")]
+    #[serde(rename = "2stage")]
+    TwoStage,
+}
+
+impl GpuArgs {
+    /// The sizes: `min_bytes` times powers of `factor` up to `max_bytes`, and `max_bytes`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn sizes(&self) -> Vec<usize> {
+        let mut sizes = Vec::new();
+        let mut size = self.min_bytes;
+        while size < self.max_bytes {
+            sizes.push(size);
+            match size.checked_mul(self.factor as usize) {
+                Some(next) => size = next,
+                None => break,
+            }
+        }
+        sizes.push(self.max_bytes);
+        sizes
+    }
+
+    /// The element types timed at `world` ranks, in order, without repeats.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn dtypes_for(&self, world: u32) -> Vec<DTypeArg> {
+        let mut out = Vec::new();
+        for &d in &self.dtypes {
+            if !out.contains(&d) {
+                out.push(d);
+            }
+        }
+        if self.f32_worlds.contains(&Some(world)) && !out.contains(&DTypeArg::F32) {
+            out.push(DTypeArg::F32);
+        }
+        out
+    }
+
+    fn validate(&self) -> Result<(), BenchError> {
+        for (name, v) in [
+            ("--min-bytes", self.min_bytes),
+            ("--max-bytes", self.max_bytes),
+        ] {
+            if v == 0 || !v.is_multiple_of(16) {
+                return Err(BenchError::Usage(format!(
+                    "{name} ({v}) must be a positive multiple of 16 bytes: the kernels move \
+                     16-byte packs"
+                )));
+            }
+        }
+        if self.min_bytes > self.max_bytes {
+            return Err(BenchError::Usage(format!(
+                "--min-bytes ({}) is above --max-bytes ({})",
+                format_bytes(self.min_bytes),
+                format_bytes(self.max_bytes)
+            )));
+        }
+        if let Some(w) = self.worlds.iter().find(|&&w| w % 2 == 1) {
+            return Err(BenchError::Usage(format!(
+                "world size {w}: the CUDA kernels serve 2, 4, 6 and 8 ranks"
+            )));
+        }
+        if self.worlds.is_empty() || self.dtypes.is_empty() || self.algorithms.is_empty() {
+            return Err(BenchError::Usage(
+                "--worlds, --dtypes and --algorithms need at least one value".into(),
+            ));
+        }
+        if self.device < 0 {
+            return Err(BenchError::Usage("--device must be 0 or more".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Runs the subcommand.
+pub(crate) fn run(args: &GpuArgs) -> Result<(), BenchError> {
+    args.validate()?;
+    imp::run(args)
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    use super::GpuArgs;
+    use crate::error::BenchError;
+
+    pub(super) fn run(_: &GpuArgs) -> Result<(), BenchError> {
+        Err(BenchError::Usage(
+            "this tpcomm-bench was built without `cuda`: rebuild with \
+             `cargo build --release -p tpcomm-bench --features cuda,nccl` (nvcc from \
+             `cargo xtask setup-cuda`), or run `cargo xtask gpu-check`"
+                .into(),
+        ))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream, DriverError};
+    use serde::Serialize;
+    use tpcomm::allreduce::{
+        Algorithm, Backend, Config, CudaBackend, CudaOptions, CustomAllReduce, DType, DeviceGraph,
+        Element,
+    };
+    use tpcomm::ipc::{CudaBuffer, CudaMemory, PeerMemory};
+    use tpcomm::transport::LocalGroup;
+    use tpcomm::Communicator;
+
+    use super::{AlgorithmArg, GpuArgs};
+    use crate::allreduce::{agree, check, expected, input, DTypeArg};
+    use crate::error::BenchError;
+    use crate::launch::{self, RunInfo};
+    use crate::report::{self, Column, Machine, Stats, Table};
+    use crate::sweep::format_bytes;
+    use crate::timing::{elapsed_ns, slowest};
+
+    type CudaAllReduce = CustomAllReduce<CudaBackend>;
+
+    /// Hardware work queues asked for when the environment does not say: every rank's
+    /// stream gets its own queue, so that no rank's kernel waits in a queue behind a peer's
+    /// kernel that spins waiting for it.
+    const DEVICE_MAX_CONNECTIONS: &str = "32";
+
+    pub(super) fn cuda_error(call: &'static str) -> impl FnOnce(DriverError) -> BenchError {
+        move |e| BenchError::Cuda {
+            call,
+            detail: e.to_string(),
+        }
+    }
+
+    fn algorithm_of(a: AlgorithmArg) -> Algorithm {
+        match a {
+            AlgorithmArg::OneStage => Algorithm::OneStage,
+            AlgorithmArg::TwoStage => Algorithm::TwoStage,
+        }
+    }
+
+    /// nccl-tests' bus factor of all-reduce, `2(n-1)/n`.
+    fn bus_factor(ranks: usize) -> f64 {
+        2.0 * (ranks.max(1) - 1) as f64 / ranks.max(1) as f64
+    }
+
+    fn gbps(bytes: usize, us: f64) -> f64 {
+        if us > 0.0 {
+            bytes as f64 / us / 1e3
+        } else {
+            0.0
+        }
+    }
+
+    /// One custom all-reduce row: a graph of `K` all-reduces, before and after a resume.
+    #[derive(Debug, Clone, Serialize)]
+    pub(crate) struct GpuRow {
+        pub(crate) ranks: usize,
+        #[serde(rename = "type")]
+        pub(crate) dtype: &'static str,
+        /// Bytes per rank.
+        pub(crate) bytes: usize,
+        pub(crate) count: usize,
+        /// `1stage` or `2stage` (forced).
+        pub(crate) algorithm: &'static str,
+        /// Blocks per launch (each rank's share of the multiprocessors, bounded).
+        pub(crate) blocks: u32,
+        /// All-reduces per graph (K).
+        pub(crate) graph_launches: usize,
+        /// Timed replays per phase.
+        pub(crate) iters: usize,
+        pub(crate) warmup: usize,
+        /// Per all-reduce: median, min, max over replays of the slowest rank's replay / K.
+        #[serde(flatten)]
+        pub(crate) stats: Stats,
+        pub(crate) algbw_gbps: f64,
+        pub(crate) busbw_gbps: f64,
+        /// The same graph after prepare_for_suspend + reinit_after_resume.
+        pub(crate) after_resume: Stats,
+        /// `after_resume.median / median`.
+        pub(crate) after_over_before: f64,
+        /// prepare_for_suspend + reinit_after_resume of this communicator (every graph of
+        /// the row's world, algorithm registered), slowest rank, microseconds.
+        pub(crate) suspend_resume_us: f64,
+        /// NCCL (one rank) median per all-reduce at the same type and size.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub(crate) nccl_median_us: Option<f64>,
+        /// `median / nccl_median_us`.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub(crate) vs_nccl: Option<f64>,
+        /// Per replay, slowest rank, nanoseconds per all-reduce.
+        pub(crate) samples_ns: Vec<u64>,
+        pub(crate) after_samples_ns: Vec<u64>,
+    }
+
+    /// One NCCL reference row.
+    #[derive(Debug, Clone, Serialize)]
+    pub(crate) struct NcclRow {
+        #[serde(rename = "type")]
+        pub(crate) dtype: &'static str,
+        pub(crate) bytes: usize,
+        pub(crate) count: usize,
+        /// `"graph"` (K all-reduces captured and replayed) or `"eager"` (capture failed).
+        pub(crate) mode: &'static str,
+        pub(crate) graph_launches: usize,
+        pub(crate) iters: usize,
+        #[serde(flatten)]
+        pub(crate) stats: Stats,
+        pub(crate) samples_ns: Vec<u64>,
+    }
+
+    /// A row of the JSON report.
+    #[derive(Debug, Clone, Serialize)]
+    #[serde(tag = "kind", rename_all = "snake_case")]
+    pub(crate) enum ReportRow {
+        Custom(GpuRow),
+        Nccl(NcclRow),
+    }
+
+    /// What the JSON report records besides the options.
+    #[derive(Debug, Serialize)]
+    struct Settings<'a> {
+        #[serde(flatten)]
+        args: &'a GpuArgs,
+        sizes: Vec<usize>,
+        device: String,
+        driver: String,
+        nccl_library: Option<String>,
+        /// False for the report written before the NCCL reference.
+        complete: bool,
+        cuda_device_max_connections: Option<String>,
+        cuda_module_loading: Option<String>,
+        elapsed_s: f64,
+    }
+
+    const COLUMNS: [Column; 12] = [
+        Column::new("ranks", "", 5),
+        Column::new("type", "", 5),
+        Column::new("size", "(B)", 9),
+        Column::new("alg", "", 6),
+        Column::new("blk", "", 4),
+        Column::new("iters", "", 5),
+        Column::new("time", "(us)", 9),
+        Column::new("min", "(us)", 9),
+        Column::new("busbw", "(GB/s)", 8),
+        Column::new("after", "(us)", 9),
+        Column::new("aft/bef", "", 7),
+        Column::new("s+r", "(us)", 9),
+    ];
+
+    fn print_row(t: &Table, r: &GpuRow) {
+        t.cells(
+            &COLUMNS,
+            &[
+                r.ranks.to_string(),
+                r.dtype.to_string(),
+                r.bytes.to_string(),
+                r.algorithm.to_string(),
+                r.blocks.to_string(),
+                r.iters.to_string(),
+                format!("{:.2}", r.stats.median_us),
+                format!("{:.2}", r.stats.min_us),
+                format!("{:.2}", r.busbw_gbps),
+                format!("{:.2}", r.after_resume.median_us),
+                format!("{:.3}", r.after_over_before),
+                format!("{:.0}", r.suspend_resume_us),
+            ],
+        );
+    }
+
+    /// Timing events around each of `n` launches on one stream.
+    struct Timer {
+        events: Vec<CudaEvent>,
+    }
+
+    impl Timer {
+        fn new(ctx: &Arc<CudaContext>, launches: usize) -> Result<Self, BenchError> {
+            let events = (0..=launches)
+                .map(|_| ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(cuda_error("cuEventCreate"))?;
+            Ok(Self { events })
+        }
+
+        /// Records event `i` (0 before the first launch, `i` after launch `i`).
+        fn mark(&self, i: usize, stream: &CudaStream) -> Result<(), BenchError> {
+            self.events[i]
+                .record(stream)
+                .map_err(cuda_error("cuEventRecord"))
+        }
+
+        /// After the stream drained: each launch's time divided by `per`, nanoseconds.
+        fn per_launch_ns(&self, per: usize) -> Result<Vec<u64>, BenchError> {
+            self.events
+                .windows(2)
+                .map(|w| {
+                    let ms = w[0]
+                        .elapsed_ms(&w[1])
+                        .map_err(cuda_error("cuEventElapsedTime"))?;
+                    Ok((f64::from(ms) * 1e6 / per.max(1) as f64).round() as u64)
+                })
+                .collect()
+        }
+    }
+
+    /// Bytes of this rank's input for `salt` (small integers: exact sums in every type).
+    fn input_bytes(dtype: DType, rank: usize, count: usize, salt: u64) -> Vec<u8> {
+        fn typed<T: Element>(rank: usize, count: usize, salt: u64) -> Vec<u8> {
+            bytemuck::cast_slice(&input::<T>(rank, count, salt)).to_vec()
+        }
+        match dtype {
+            DType::F32 => typed::<f32>(rank, count, salt),
+            DType::F16 => typed::<half::f16>(rank, count, salt),
+            DType::Bf16 => typed::<half::bf16>(rank, count, salt),
+        }
+    }
+
+    /// `count` NaNs of `dtype`.
+    fn poison_bytes(dtype: DType, count: usize) -> Vec<u8> {
+        fn typed<T: Element>(count: usize) -> Vec<u8> {
+            bytemuck::cast_slice(&vec![T::from_f32(f32::NAN); count]).to_vec()
+        }
+        match dtype {
+            DType::F32 => typed::<f32>(count),
+            DType::F16 => typed::<half::f16>(count),
+            DType::Bf16 => typed::<half::bf16>(count),
+        }
+    }
+
+    /// What is wrong with `raw` (elements of `dtype`) against `want`, if anything.
+    fn check_bytes(dtype: DType, raw: &[u8], want: &[f32]) -> Option<String> {
+        fn typed<T: Element>(raw: &[u8], want: &[f32]) -> Option<String> {
+            let mut got =
+                vec![<T as bytemuck::Zeroable>::zeroed(); raw.len() / std::mem::size_of::<T>()];
+            bytemuck::cast_slice_mut::<T, u8>(&mut got).copy_from_slice(raw);
+            check(&got, want)
+        }
+        match dtype {
+            DType::F32 => typed::<f32>(raw, want),
+            DType::F16 => typed::<half::f16>(raw, want),
+            DType::Bf16 => typed::<half::bf16>(raw, want),
+        }
+    }
+
+    /// One captured graph of a rank.
+    struct Case {
+        dtype: DType,
+        bytes: usize,
+        count: usize,
+        graph: DeviceGraph,
+    }
+
+    /// The buffers and communicator of one rank for one algorithm.
+    struct Rank<'c, C> {
+        comm: &'c C,
+        ar: CudaAllReduce,
+        memory: CudaMemory,
+        input: CudaBuffer,
+        output: CudaBuffer,
+        k: usize,
+        iters: usize,
+        warmup: usize,
+    }
+
+    impl<C: Communicator> Rank<'_, C> {
+        /// Collective: fills every rank's input for `salt`, replays `case` once and checks
+        /// the output on every rank; fails on every rank when any rank saw a wrong value.
+        fn verify(
+            &mut self,
+            case: &Case,
+            salt: u64,
+            phase: &'static str,
+        ) -> Result<(), BenchError> {
+            let (rank, world) = (self.comm.rank(), self.comm.size());
+            let data = input_bytes(case.dtype, rank, case.count, salt);
+            self.memory.write(&self.input, 0, &data)?;
+            self.memory
+                .write(&self.output, 0, &poison_bytes(case.dtype, case.count))?;
+            self.comm.barrier()?;
+            self.ar.replay_graph(&case.graph)?;
+            self.ar.synchronize()?;
+            let mut raw = vec![0u8; case.bytes];
+            self.memory.read(&self.output, 0, &mut raw)?;
+            let problem = check_bytes(case.dtype, &raw, &expected(world, case.count, salt));
+            agree(
+                self.comm,
+                problem,
+                "tpcomm-allreduce cuda",
+                phase,
+                case.bytes,
+            )
+        }
+
+        /// Collective: warm-up replays, then `iters` timed replays of `case` on every rank
+        /// at once; per replay, the slowest rank's time divided by K, nanoseconds.
+        fn time(&mut self, case: &Case) -> Result<Vec<u64>, BenchError> {
+            for _ in 0..self.warmup {
+                self.ar.replay_graph(&case.graph)?;
+            }
+            self.ar.synchronize()?;
+            let stream = self.ar.backend().stream().clone();
+            let timer = Timer::new(self.ar.backend().context(), self.iters)?;
+            self.comm.barrier()?;
+            timer.mark(0, &stream)?;
+            for i in 1..=self.iters {
+                self.ar.replay_graph(&case.graph)?;
+                timer.mark(i, &stream)?;
+            }
+            self.ar.synchronize()?;
+            let local = timer.per_launch_ns(self.k)?;
+            slowest(self.comm, &local)
+        }
+    }
+
+    /// What one world size's run found (rank 0's rows; empty on other ranks).
+    struct WorldOutcome {
+        rows: Vec<GpuRow>,
+    }
+
+    /// Every algorithm at one world size, on this rank.
+    fn run_world<C: Communicator>(comm: &C, args: &GpuArgs) -> Result<WorldOutcome, BenchError> {
+        let world = comm.size();
+        let sizes = args.sizes();
+        let max_bytes = args.max_bytes;
+        let k = args.graph_launches as usize;
+        let dtypes: Vec<DType> = args
+            .dtypes_for(world as u32)
+            .into_iter()
+            .map(DTypeArg::dtype)
+            .collect();
+        let memory = CudaMemory::same_process(args.device)?;
+        let mut rows = Vec::new();
+        for (a, &alg) in args.algorithms.iter().enumerate() {
+            let algorithm = algorithm_of(alg);
+            let defaults = CudaOptions::default();
+            let options = CudaOptions {
+                max_blocks: args.max_blocks.unwrap_or(defaults.max_blocks),
+                ranks_per_device: world,
+            };
+            let backend = CudaBackend::new(comm, &memory, options)?;
+            let blocks = backend.max_blocks();
+            let config = Config {
+                max_bytes,
+                timeout: Duration::from_secs(args.kernel_timeout_s),
+                algorithm: Some(algorithm),
+                ..Config::default()
+            };
+            let ar = CustomAllReduce::new(backend, memory.clone(), comm, config)?;
+            let input_buf = memory.allocate(max_bytes)?;
+            let output_buf = memory.allocate(max_bytes)?;
+            let mut r = Rank {
+                comm,
+                ar,
+                memory: memory.clone(),
+                input: input_buf,
+                output: output_buf,
+                k,
+                iters: args.iters as usize,
+                warmup: args.warmup as usize,
+            };
+            comm.barrier()?;
+
+            // Capture every graph first, register the captured inputs in one call.
+            let mut cases = Vec::new();
+            for &dtype in &dtypes {
+                for &bytes in &sizes {
+                    let count = bytes / dtype.size();
+                    if let Err(reason) = r.ar.backend().supports(world, dtype, bytes, algorithm) {
+                        if comm.rank() == 0 {
+                            eprintln!(
+                                "tpcomm-bench gpu: {world} ranks {} {} {}: no kernel ({reason}), \
+                                 skipped",
+                                dtype.name(),
+                                format_bytes(bytes),
+                                algorithm.name()
+                            );
+                        }
+                        continue;
+                    }
+                    let (input_ref, output_ref) = (&r.input, &r.output);
+                    let graph = r.ar.capture_graph(|ar| {
+                        for _ in 0..k {
+                            ar.all_reduce_buffer(input_ref, output_ref, dtype, count)?;
+                        }
+                        Ok(k)
+                    })?;
+                    cases.push(Case {
+                        dtype,
+                        bytes,
+                        count,
+                        graph,
+                    });
+                }
+            }
+            r.ar.register_graph_buffers(comm)?;
+
+            let salt = |phase: u64, i: usize| {
+                ((world as u64) << 40) ^ ((a as u64) << 32) ^ (phase << 24) ^ i as u64
+            };
+            let mut before = Vec::with_capacity(cases.len());
+            for (i, case) in cases.iter().enumerate() {
+                r.verify(case, salt(1, i), "graph replay")?;
+                before.push(r.time(case)?);
+            }
+
+            r.ar.synchronize()?;
+            comm.barrier()?;
+            let started = Instant::now();
+            r.ar.prepare_for_suspend(comm)?;
+            r.ar.reinit_after_resume(comm)?;
+            let suspend_resume_ns = slowest(comm, &[elapsed_ns(started)])?[0];
+
+            let mut after = Vec::with_capacity(cases.len());
+            for (i, case) in cases.iter().enumerate() {
+                r.verify(case, salt(2, i), "graph replay after resume")?;
+                after.push(r.time(case)?);
+            }
+
+            // Teardown with every stream drained: frees and module unloads may wait for the
+            // whole device.
+            r.ar.synchronize()?;
+            comm.barrier()?;
+            if comm.rank() == 0 {
+                let first = rows.len();
+                for ((case, before), after) in cases.iter().zip(&before).zip(&after) {
+                    let stats = Stats::of(before).unwrap_or(Stats {
+                        median_us: 0.0,
+                        min_us: 0.0,
+                        max_us: 0.0,
+                    });
+                    let after_stats = Stats::of(after).unwrap_or(stats);
+                    let algbw = gbps(case.bytes, stats.median_us);
+                    rows.push(GpuRow {
+                        ranks: world,
+                        dtype: case.dtype.name(),
+                        bytes: case.bytes,
+                        count: case.count,
+                        algorithm: algorithm.name(),
+                        blocks,
+                        graph_launches: k,
+                        iters: before.len(),
+                        warmup: args.warmup as usize,
+                        stats,
+                        algbw_gbps: algbw,
+                        busbw_gbps: algbw * bus_factor(world),
+                        after_resume: after_stats,
+                        after_over_before: if stats.median_us > 0.0 {
+                            after_stats.median_us / stats.median_us
+                        } else {
+                            0.0
+                        },
+                        suspend_resume_us: suspend_resume_ns as f64 / 1e3,
+                        nccl_median_us: None,
+                        vs_nccl: None,
+                        samples_ns: before.clone(),
+                        after_samples_ns: after.clone(),
+                    });
+                }
+                // Printed as soon as measured: a run cut short keeps what it measured.
+                for row in &rows[first..] {
+                    print_row(&Table { direct: false }, row);
+                }
+            }
+            drop(cases);
+            let Rank {
+                mut ar,
+                input,
+                output,
+                ..
+            } = r;
+            ar.close()?;
+            comm.barrier()?;
+            drop((input, output));
+            drop(ar);
+            comm.barrier()?;
+        }
+        Ok(WorldOutcome { rows })
+    }
+
+    /// The device's name, compute capability and multiprocessors; the driver's versions.
+    fn describe_device(ordinal: i32) -> (String, String) {
+        let device = CudaContext::new(ordinal as usize)
+            .and_then(|ctx| {
+                let name = ctx.name()?;
+                let (major, minor) = ctx.compute_capability()?;
+                let sms = ctx
+                    .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+                let mem = ctx.total_mem()?;
+                Ok(format!(
+                    "{name} (device {ordinal}, sm_{major}{minor}, {sms} SMs, {:.0} GiB)",
+                    mem as f64 / (1u64 << 30) as f64
+                ))
+            })
+            .unwrap_or_else(|e| format!("device {ordinal} (not described: {e})"));
+        let api = tpcomm::ipc::backend::cuda::result::driver_version()
+            .map(|v| format!("CUDA {}.{}", v / 1000, (v % 1000) / 10))
+            .unwrap_or_else(|e| format!("unknown ({e})"));
+        let kernel = std::fs::read_to_string("/proc/driver/nvidia/version")
+            .ok()
+            .and_then(|s| s.lines().next().map(str::to_string))
+            .and_then(|l| {
+                l.split_whitespace()
+                    .find(|w| {
+                        w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.')
+                    })
+                    .map(str::to_string)
+            });
+        let driver = match kernel {
+            Some(k) => format!("{api} driver API, kernel module {k}"),
+            None => format!("{api} driver API"),
+        };
+        (device, driver)
+    }
+
+    pub(super) fn run(args: &GpuArgs) -> Result<(), BenchError> {
+        let started = Instant::now();
+        if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+            // Before the driver is initialised and while this process has one thread.
+            std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", DEVICE_MAX_CONNECTIONS);
+        }
+        if let Some(path) = &args.json {
+            report::check_writable(path)?;
+        }
+        launch::warn_if_under_mpirun();
+        let t = Table { direct: false };
+        let info = RunInfo {
+            transport: "local",
+            description: "local (ranks as threads of this process, all on one GPU)",
+            mpi_library: None,
+            machine: Machine::current(),
+        };
+        // Probe the device first: a machine without one fails here with a typed error.
+        drop(CudaMemory::new(args.device)?);
+        let (device, driver) = describe_device(args.device);
+        let sizes = args.sizes();
+        let k = args.graph_launches;
+        let worlds: Vec<String> = args.worlds.iter().map(u32::to_string).collect();
+        t.note(&format!(
+            "tpcomm-bench gpu: {}",
+            std::env::args().collect::<Vec<_>>().join(" ")
+        ));
+        t.note(&format!(
+            "transport {}; world sizes {}",
+            info.description,
+            worlds.join(", ")
+        ));
+        t.note(&format!("machine: {}", info.machine.describe()));
+        t.note(&format!("GPU: {device}; {driver}"));
+        t.note(&format!(
+            "env: CUDA_DEVICE_MAX_CONNECTIONS={}, CUDA_MODULE_LOADING={}",
+            std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").unwrap_or_default(),
+            std::env::var("CUDA_MODULE_LOADING").unwrap_or_else(|_| "(unset)".into())
+        ));
+        t.note(&format!(
+            "sizes {}; K = {k} all-reduces per graph; {} timed replays after {} warm-up, \
+             before and after the resume",
+            sizes
+                .iter()
+                .map(|&b| format_bytes(b))
+                .collect::<Vec<_>>()
+                .join(", "),
+            args.iters,
+            args.warmup
+        ));
+        t.note(
+            "each row: CustomAllReduce<CudaBackend> forced to one algorithm; every rank captures \
+             a CUDA graph of K all-reduces (one input buffer -> one output buffer, \
+             capture_graph), registers it (register_graph_buffers) and replays it concurrently \
+             with its peers",
+        );
+        t.note(
+            "time: per all-reduce, median over replays of the slowest rank's replay time (CUDA \
+             events on its backend stream) / K; blk: blocks per launch (SMs / ranks, bounded)",
+        );
+        t.note(
+            "after: the same graphs after prepare_for_suspend + reinit_after_resume (s+r: its \
+             time, slowest rank); same-process aliases do not move, so this proves the tables \
+             and flags survive, not that a remap works",
+        );
+        t.note(
+            "busbw = algbw * 2(n-1)/n as in nccl-tests, but every rank shares one GPU's memory: \
+             not a link bandwidth",
+        );
+        t.note(
+            "every graph verified before timing, before and after the resume (small-integer \
+             inputs, output poisoned, compared bit for bit on every rank)",
+        );
+
+        t.note("");
+        t.header_with(
+            "custom all-reduce (CUDA graphs, ranks as threads on one GPU)",
+            &COLUMNS,
+        );
+        let mut rows: Vec<GpuRow> = Vec::new();
+        for &world in &args.worlds {
+            let results = LocalGroup::new(world as usize).run(|comm| run_world(&comm, args));
+            rows.extend(launch::first_rank_output(results)?.rows);
+        }
+        let report = Report {
+            info: &info,
+            args,
+            sizes: sizes.clone(),
+            device,
+            driver,
+            started,
+        };
+        // Written now and again after NCCL: an NCCL failure or hang cannot cost these rows.
+        report.write(&t, &rows, &[], None, false)?;
+
+        let dtypes: Vec<DType> = {
+            let mut v = Vec::new();
+            for r in &rows {
+                if let Some(d) = [DType::F32, DType::F16, DType::Bf16]
+                    .into_iter()
+                    .find(|d| d.name() == r.dtype)
+                {
+                    if !v.contains(&d) {
+                        v.push(d);
+                    }
+                }
+            }
+            v
+        };
+        t.note("");
+        let (nccl_rows, nccl_library) = if args.no_nccl {
+            t.note("nccl: skipped (--no-nccl)");
+            (Vec::new(), None)
+        } else {
+            match nccl::reference(&t, args, &dtypes, &sizes) {
+                Ok(found) => found,
+                Err(e) => {
+                    let e = crate::error::chain(&e);
+                    t.note(&format!("nccl: reference FAILED: {e}"));
+                    eprintln!("tpcomm-bench gpu: nccl reference failed: {e}");
+                    (Vec::new(), None)
+                }
+            }
+        };
+        for r in &mut rows {
+            r.nccl_median_us = nccl_rows
+                .iter()
+                .find(|n| n.dtype == r.dtype && n.bytes == r.bytes)
+                .map(|n| n.stats.median_us);
+            r.vs_nccl = r
+                .nccl_median_us
+                .filter(|&n| n > 0.0)
+                .map(|n| r.stats.median_us / n);
+        }
+        summarize(&t, &rows);
+        t.note(&format!("total {:.1} s", started.elapsed().as_secs_f64()));
+        report.write(&t, &rows, &nccl_rows, nccl_library, true)
+    }
+
+    /// The JSON report (written when `--json` is given).
+    struct Report<'a> {
+        info: &'a RunInfo,
+        args: &'a GpuArgs,
+        sizes: Vec<usize>,
+        device: String,
+        driver: String,
+        started: Instant,
+    }
+
+    impl Report<'_> {
+        fn write(
+            &self,
+            t: &Table,
+            rows: &[GpuRow],
+            nccl_rows: &[NcclRow],
+            nccl_library: Option<String>,
+            complete: bool,
+        ) -> Result<(), BenchError> {
+            let Some(path) = &self.args.json else {
+                return Ok(());
+            };
+            let settings = Settings {
+                args: self.args,
+                sizes: self.sizes.clone(),
+                device: self.device.clone(),
+                driver: self.driver.clone(),
+                nccl_library,
+                complete,
+                cuda_device_max_connections: std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok(),
+                cuda_module_loading: std::env::var("CUDA_MODULE_LOADING").ok(),
+                elapsed_s: self.started.elapsed().as_secs_f64(),
+            };
+            let all: Vec<ReportRow> = nccl_rows
+                .iter()
+                .cloned()
+                .map(ReportRow::Nccl)
+                .chain(rows.iter().cloned().map(ReportRow::Custom))
+                .collect();
+            let ranks = self.args.worlds.iter().copied().max().unwrap_or(0) as usize;
+            self.info
+                .write_report(t, path, "gpu", ranks, &settings, &all, &[])
+        }
+    }
+
+    /// Closing lines: per world, type and algorithm, the after/before spread and the
+    /// custom / NCCL ratio per size with its geometric mean.
+    fn summarize(t: &Table, rows: &[GpuRow]) {
+        t.note("");
+        let mut keys: Vec<(usize, &str, &str)> = Vec::new();
+        for r in rows {
+            let key = (r.ranks, r.dtype, r.algorithm);
+            if !keys.contains(&key) {
+                keys.push(key);
+            }
+        }
+        for (ranks, dtype, algorithm) in keys {
+            let group: Vec<&GpuRow> = rows
+                .iter()
+                .filter(|r| (r.ranks, r.dtype, r.algorithm) == (ranks, dtype, algorithm))
+                .collect();
+            let spread = group.iter().map(|r| r.after_over_before);
+            let worst = spread.clone().fold(0.0f64, f64::max);
+            let best = spread.fold(f64::INFINITY, f64::min);
+            t.note(&format!(
+                "{ranks} ranks {dtype} {algorithm}: after/before resume {best:.3}..{worst:.3}"
+            ));
+            let ratios: Vec<(usize, f64)> = group
+                .iter()
+                .filter_map(|r| r.vs_nccl.map(|v| (r.bytes, v)))
+                .collect();
+            if !ratios.is_empty() {
+                let g =
+                    (ratios.iter().map(|(_, x)| x.ln()).sum::<f64>() / ratios.len() as f64).exp();
+                let per: Vec<String> = ratios
+                    .iter()
+                    .map(|&(b, v)| format!("{} {v:.2}", format_bytes(b)))
+                    .collect();
+                t.note(&format!(
+                    "{ranks} ranks {dtype} {algorithm}: time / nccl(1 rank) per size: {}; \
+                     geomean {g:.2}x",
+                    per.join(", ")
+                ));
+            }
+        }
+    }
+
+    #[cfg(feature = "nccl")]
+    mod nccl {
+        use std::marker::PhantomData;
+        use std::sync::Arc;
+
+        use cudarc::driver::{
+            sys, CudaGraph, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+        };
+        use tpcomm::allreduce::DType;
+        use tpcomm::ipc::{CudaBuffer, CudaMemory, MemoryRegion, PeerMemory};
+        use tpcomm::transport::{
+            DeviceCommunicator, DeviceElement, LocalGroup, NcclCommunicator, ReduceOp,
+        };
+        use tpcomm::TransportError;
+
+        use super::{check_bytes, cuda_error, input_bytes, poison_bytes, NcclRow, Timer};
+        use crate::allreduce::expected;
+        use crate::error::BenchError;
+        use crate::gpu::GpuArgs;
+        use crate::report::{Stats, Table};
+        use crate::sweep::format_bytes;
+
+        /// `len` elements at a raw device address, seen as a cudarc slice on `stream`
+        /// (no event tracking: ordering is the stream's).
+        struct Span<'a, T> {
+            ptr: u64,
+            len: usize,
+            stream: &'a Arc<CudaStream>,
+            _t: PhantomData<T>,
+        }
+
+        impl<T> DeviceSlice<T> for Span<'_, T> {
+            fn len(&self) -> usize {
+                self.len
+            }
+            fn stream(&self) -> &Arc<CudaStream> {
+                self.stream
+            }
+        }
+
+        impl<T> DevicePtr<T> for Span<'_, T> {
+            fn device_ptr<'a>(
+                &'a self,
+                _stream: &'a CudaStream,
+            ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+                (self.ptr, SyncOnDrop::Record(None))
+            }
+        }
+
+        impl<T> DevicePtrMut<T> for Span<'_, T> {
+            fn device_ptr_mut<'a>(
+                &'a mut self,
+                _stream: &'a CudaStream,
+            ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+                (self.ptr, SyncOnDrop::Record(None))
+            }
+        }
+
+        struct Buffers {
+            memory: CudaMemory,
+            send: CudaBuffer,
+            recv: CudaBuffer,
+        }
+
+        /// `k` all-reduces of `count` elements of `T`, send -> recv.
+        fn enqueue<T: DeviceElement>(
+            comm: &NcclCommunicator,
+            b: &Buffers,
+            count: usize,
+            k: usize,
+        ) -> Result<(), BenchError> {
+            let stream = comm.stream();
+            let send = Span::<T> {
+                ptr: b.send.addr(),
+                len: count,
+                stream,
+                _t: PhantomData,
+            };
+            let mut recv = Span::<T> {
+                ptr: b.recv.addr(),
+                len: count,
+                stream,
+                _t: PhantomData,
+            };
+            for _ in 0..k {
+                comm.all_reduce(&send, &mut recv, ReduceOp::Sum)?;
+            }
+            Ok(())
+        }
+
+        fn enqueue_dtype(
+            comm: &NcclCommunicator,
+            b: &Buffers,
+            dtype: DType,
+            count: usize,
+            k: usize,
+        ) -> Result<(), BenchError> {
+            match dtype {
+                DType::F32 => enqueue::<f32>(comm, b, count, k),
+                DType::F16 => enqueue::<half::f16>(comm, b, count, k),
+                DType::Bf16 => enqueue::<half::bf16>(comm, b, count, k),
+            }
+        }
+
+        /// A graph of `k` all-reduces, or `None` when the capture failed (the reason on
+        /// stderr).
+        fn capture(
+            comm: &NcclCommunicator,
+            b: &Buffers,
+            dtype: DType,
+            count: usize,
+            k: usize,
+        ) -> Option<CudaGraph> {
+            let stream = comm.stream();
+            if let Err(e) =
+                stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            {
+                eprintln!("tpcomm-bench gpu: nccl: cannot capture ({e}); timing eager calls");
+                return None;
+            }
+            let enqueued = enqueue_dtype(comm, b, dtype, count, k);
+            let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+            match (enqueued, ended) {
+                (Ok(()), Ok(Some(graph))) => Some(graph),
+                (Err(e), _) => {
+                    eprintln!("tpcomm-bench gpu: nccl: capture failed ({e}); timing eager calls");
+                    None
+                }
+                (Ok(()), Err(e)) => {
+                    eprintln!("tpcomm-bench gpu: nccl: capture failed ({e}); timing eager calls");
+                    None
+                }
+                (Ok(()), Ok(None)) => None,
+            }
+        }
+
+        /// The NCCL rows, one per type and size, and the library's description; no rows (and
+        /// a note) when libnccl or the device is missing.
+        pub(super) fn reference(
+            t: &Table,
+            args: &GpuArgs,
+            dtypes: &[DType],
+            sizes: &[usize],
+        ) -> Result<(Vec<NcclRow>, Option<String>), BenchError> {
+            let host = LocalGroup::new(1).communicators()?.remove(0);
+            let comm = match NcclCommunicator::new(&host, args.device as usize) {
+                Ok(c) => c,
+                Err(e @ (TransportError::LibraryMissing { .. } | TransportError::NoDevice(_))) => {
+                    t.note(&format!("nccl: reference skipped: {e}"));
+                    return Ok((Vec::new(), None));
+                }
+                Err(e) => return Err(e.into()),
+            };
+            let library = format!("{} ({})", comm.library().version(), comm.library().path());
+            t.note(&format!(
+                "nccl: ncclAllReduce on 1 rank (one GPU cannot host two NCCL ranks: a copy-bound \
+                 lower bound, not a multi-GPU all-reduce), K per graph, timed like the rows; \
+                 library {library}"
+            ));
+            let memory = CudaMemory::new(args.device)?;
+            let max = sizes.iter().copied().max().unwrap_or(16);
+            let b = Buffers {
+                send: memory.allocate(max)?,
+                recv: memory.allocate(max)?,
+                memory,
+            };
+            let k = args.graph_launches as usize;
+            let iters = args.iters as usize;
+            let stream = comm.stream().clone();
+            // One eager call first: NCCL sets up its resources outside any capture.
+            enqueue_dtype(&comm, &b, DType::F32, 4, 1)?;
+            comm.synchronize()?;
+            let mut rows = Vec::new();
+            for &dtype in dtypes {
+                let mut line = Vec::new();
+                for &bytes in sizes {
+                    let count = bytes / dtype.size();
+                    let salt = 0x5eed ^ bytes as u64;
+                    b.memory
+                        .write(&b.send, 0, &input_bytes(dtype, 0, count, salt))?;
+                    b.memory.write(&b.recv, 0, &poison_bytes(dtype, count))?;
+                    let graph = capture(&comm, &b, dtype, count, k);
+                    let launch = || -> Result<(), BenchError> {
+                        match &graph {
+                            Some(g) => g.launch().map_err(cuda_error("cuGraphLaunch")),
+                            None => enqueue_dtype(&comm, &b, dtype, count, k),
+                        }
+                    };
+                    launch()?;
+                    comm.synchronize()?;
+                    let mut raw = vec![0u8; bytes];
+                    b.memory.read(&b.recv, 0, &mut raw)?;
+                    if let Some(problem) = check_bytes(dtype, &raw, &expected(1, count, salt)) {
+                        return Err(BenchError::WrongData {
+                            path: "nccl",
+                            op: "all_reduce",
+                            bytes,
+                            rank: 0,
+                            detail: problem,
+                            bad_ranks: vec![0],
+                        });
+                    }
+                    for _ in 0..args.warmup {
+                        launch()?;
+                    }
+                    comm.synchronize()?;
+                    let timer = Timer::new(stream.context(), iters)?;
+                    timer.mark(0, &stream)?;
+                    for i in 1..=iters {
+                        launch()?;
+                        timer.mark(i, &stream)?;
+                    }
+                    comm.synchronize()?;
+                    let samples = timer.per_launch_ns(k)?;
+                    let Some(stats) = Stats::of(&samples) else {
+                        continue;
+                    };
+                    line.push(format!("{} {:.2}", format_bytes(bytes), stats.median_us));
+                    rows.push(NcclRow {
+                        dtype: dtype.name(),
+                        bytes,
+                        count,
+                        mode: if graph.is_some() { "graph" } else { "eager" },
+                        graph_launches: k,
+                        iters,
+                        stats,
+                        samples_ns: samples,
+                    });
+                }
+                t.note(&format!(
+                    "nccl {} us per all-reduce: {}",
+                    dtype.name(),
+                    line.join(", ")
+                ));
+            }
+            Ok((rows, Some(library)))
+        }
+    }
+
+    #[cfg(not(feature = "nccl"))]
+    mod nccl {
+        use tpcomm::allreduce::DType;
+
+        use super::NcclRow;
+        use crate::error::BenchError;
+        use crate::gpu::GpuArgs;
+        use crate::report::Table;
+
+        pub(super) fn reference(
+            t: &Table,
+            _: &GpuArgs,
+            _: &[DType],
+            _: &[usize],
+        ) -> Result<(Vec<NcclRow>, Option<String>), BenchError> {
+            t.note("nccl: reference skipped (built without the `nccl` feature)");
+            Ok((Vec::new(), None))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::{Cli, Command};
+
+    fn parse(extra: &[&str]) -> GpuArgs {
+        let mut argv = vec!["tpcomm-bench", "gpu"];
+        argv.extend_from_slice(extra);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Gpu(args) => args,
+            _ => panic!("not the gpu subcommand"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_bf16_at_2_4_8_ranks_and_f32_at_2_from_1_kib_to_8_mib() {
+        let args = parse(&[]);
+        assert_eq!(args.worlds, vec![2, 4, 8]);
+        assert_eq!(args.dtypes_for(2), vec![DTypeArg::Bf16, DTypeArg::F32]);
+        assert_eq!(args.dtypes_for(4), vec![DTypeArg::Bf16]);
+        assert_eq!(
+            args.sizes(),
+            vec![
+                1 << 10,
+                4 << 10,
+                16 << 10,
+                64 << 10,
+                256 << 10,
+                1 << 20,
+                4 << 20,
+                8 << 20
+            ]
+        );
+        assert_eq!(
+            args.algorithms,
+            vec![AlgorithmArg::OneStage, AlgorithmArg::TwoStage]
+        );
+        assert!(args.validate().is_ok());
+    }
+
+    #[test]
+    fn bad_options_are_refused() {
+        assert!(Cli::try_parse_from(["tpcomm-bench", "gpu", "--worlds", "9"]).is_err());
+        assert!(Cli::try_parse_from(["tpcomm-bench", "gpu", "--f32-worlds", "1"]).is_err());
+        assert!(parse(&["--worlds", "3"]).validate().is_err());
+        assert!(parse(&["--min-bytes", "1000"]).validate().is_err());
+        assert!(parse(&["--min-bytes", "16MiB"]).validate().is_err());
+        let none = parse(&["--f32-worlds", "none", "--dtypes", "f16,bf16,f16"]);
+        assert_eq!(none.dtypes_for(2), vec![DTypeArg::F16, DTypeArg::Bf16]);
+    }
+
+    #[test]
+    fn sizes_end_at_the_maximum_even_off_the_factor() {
+        let args = parse(&["--min-bytes", "1KiB", "--max-bytes", "1KiB"]);
+        assert_eq!(args.sizes(), vec![1 << 10]);
+        let args = parse(&["--min-bytes", "16", "--max-bytes", "48", "--factor", "2"]);
+        assert_eq!(args.sizes(), vec![16, 32, 48]);
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn without_cuda_the_subcommand_says_how_to_build_it() {
+        let err = run(&parse(&[])).unwrap_err().to_string();
+        assert!(err.contains("without `cuda`"), "{err}");
+    }
+}

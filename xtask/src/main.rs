@@ -5,10 +5,14 @@
 //! - `cargo xtask bench`: the benchmark tables recorded in `docs/benchmarks.md`.
 //! - `cargo xtask setup-cuda` / `cargo xtask kernels`: nvcc from the pinned wheels; the
 //!   all-reduce fatbin with its ptxas resource report.
+//! - `cargo xtask gpu-check [--bundle DIR]`: the GPU tests and `tpcomm-bench gpu`, built
+//!   here into a bundle with a `run.sh` for a machine with a GPU (run at once without
+//!   `--bundle`).
 
 mod bench;
 mod cuda;
 mod fuzz;
+mod gpu_check;
 mod loom;
 mod setup;
 mod soak;
@@ -39,6 +43,12 @@ tasks:
                         into target/ and unpack them (no GPU needed)
   kernels               build kernels/allreduce.cu into target/kernels/allreduce.fatbin and
                         print the ptxas resource report; fails on spills or local memory
+  gpu-check [--bundle DIR]
+                        build the GPU test executables and `tpcomm-bench gpu` (features
+                        cuda, nccl; release, debug info stripped) into DIR with a run.sh
+                        that runs them all on a GPU machine (no cargo needed there):
+                        `bash DIR/run.sh`; without --bundle, build into
+                        target/gpu-check/bundle and run it here
   loom [--preemptions N]
                         model-check the host flag barrier and two-stage handoff with loom
                         (2 and 3 ranks, epoch wrap-around) into target/loom
@@ -60,6 +70,7 @@ fn main() -> ExitCode {
         "fuzz" => fuzz::run(rest),
         "setup-cuda" => cuda::setup_cuda(rest),
         "kernels" => cuda::kernels(rest),
+        "gpu-check" => gpu_check::run(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())

@@ -437,7 +437,7 @@ fn one_rank_falls_back_to_nccl_and_sums_correctly() {
 
 /// Two processes as two ranks: a test-only transport over one Unix socket (the suite runs
 /// without MPI on the GPU machine). Only what the all-reduce's setup, exchanges and
-/// lifecycle use is served: barrier, all-gather and varcount all-gather.
+/// lifecycle use is served: barrier, all-gather, varcount all-gather and broadcast.
 mod pair {
     use std::io::{Read, Write};
     use std::os::unix::net::UnixStream;
@@ -545,8 +545,24 @@ mod pair {
         fn raw_gather_varcount(&self, _args: GatherArgs<'_>) -> Result<()> {
             Err(self.unsupported("gather"))
         }
-        fn raw_broadcast(&self, _args: BroadcastArgs<'_>) -> Result<()> {
-            Err(self.unsupported("broadcast"))
+        fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> Result<()> {
+            let root = args.root();
+            let buf = args.buf();
+            if root == self.rank {
+                self.exchange(buf).map(drop)
+            } else {
+                let theirs = self.exchange(&[])?;
+                if theirs.len() != buf.len() {
+                    return Err(TransportError::Setup(format!(
+                        "broadcast: root sent {} bytes, rank {} expected {}",
+                        theirs.len(),
+                        self.rank,
+                        buf.len()
+                    )));
+                }
+                buf.copy_from_slice(&theirs);
+                Ok(())
+            }
         }
         fn raw_all_to_all_varcount(&self, _args: AllToAllArgs<'_>) -> Result<()> {
             Err(self.unsupported("all-to-all"))
@@ -556,6 +572,66 @@ mod pair {
 
 /// Env var naming the socket the child rank connects to.
 const PAIR_SOCKET: &str = "TPCOMM_TEST_PAIR_SOCKET";
+/// Env var naming what the child rank runs: `cuda` or `host`.
+const PAIR_MODE: &str = "TPCOMM_TEST_PAIR_MODE";
+
+/// Rank 0 of a two-process test: spawns this executable as rank 1 running `mode`, runs
+/// `body` as rank 0 over the pair transport, and returns its outcome once rank 1 succeeded.
+fn run_pair<T>(mode: &str, body: impl FnOnce(&pair::Pair) -> R<T>) -> T {
+    let dir = std::env::temp_dir().join(format!("tpcomm-pair-{}-{mode}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_pair_rank", "--ignored", "--nocapture"])
+        .env(PAIR_SOCKET, &path)
+        .env(PAIR_MODE, mode)
+        // libtest's own summary of the helper would be counted as a test by `xtask test`;
+        // failures still show on stderr.
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    let comm = pair::Pair::new(0, stream);
+    let outcome = body(&comm);
+    drop(comm);
+    let status = child.wait().unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    let value = outcome.unwrap_or_else(|e| panic!("rank 0: {e}"));
+    assert!(status.success(), "rank 1 failed: {status}");
+    value
+}
+
+/// One rank of the host all-reduce across two processes (memfd peer memory): checks the
+/// pair transport itself on every machine, GPU or not.
+fn host_pair_rank(comm: &pair::Pair) -> R<()> {
+    use tpcomm_allreduce::HostBackend;
+    use tpcomm_ipc::HostMemory;
+    let mut ar = CustomAllReduce::new(
+        HostBackend::new(),
+        HostMemory::new(),
+        comm,
+        Config::default(),
+    )?;
+    let input = vec![comm.rank() as f32 + 1.0; 4096];
+    let mut out = vec![f32::NAN; 4096];
+    for _ in 0..2 {
+        ar.all_reduce(&input, &mut out)?;
+        assert!(
+            out.iter().all(|&v| v == 3.0),
+            "host all-reduce over the pair transport"
+        );
+        ar.prepare_for_suspend(comm)?;
+        ar.reinit_after_resume(comm)?;
+    }
+    comm.barrier()?;
+    Ok(())
+}
+
+#[test]
+fn the_pair_transport_carries_the_host_all_reduce_across_two_processes() {
+    run_pair("host", host_pair_rank);
+}
 
 /// One rank of the two-process test: real CUDA IPC between the processes. Captures a graph
 /// of a one-stage and a two-stage all-reduce, replays it, suspends, holds every address the
@@ -623,12 +699,17 @@ fn two_process_rank(comm: &pair::Pair) -> R<bool> {
 }
 
 #[test]
-#[ignore = "helper process of two_processes_replay_a_graph_after_resume_with_moved_mappings"]
+#[ignore = "helper process (rank 1) of the two-process tests"]
 fn child_pair_rank() {
-    let path = std::env::var(PAIR_SOCKET).expect("run by the two-process test");
+    let path = std::env::var(PAIR_SOCKET).expect("run by a two-process test");
     let stream = std::os::unix::net::UnixStream::connect(path).expect("connect to rank 0");
     let comm = pair::Pair::new(1, stream);
-    two_process_rank(&comm).unwrap_or_else(|e| panic!("rank 1: {e}"));
+    let outcome = match std::env::var(PAIR_MODE).as_deref() {
+        Ok("host") => host_pair_rank(&comm),
+        Ok("cuda") => two_process_rank(&comm).map(drop),
+        other => panic!("unknown {PAIR_MODE}: {other:?}"),
+    };
+    outcome.unwrap_or_else(|e| panic!("rank 1: {e}"));
 }
 
 #[test]
@@ -636,21 +717,6 @@ fn two_processes_replay_a_graph_after_resume_with_moved_mappings() {
     if !gpu() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("tpcomm-pair-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sock");
-    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_pair_rank", "--ignored", "--nocapture"])
-        .env(PAIR_SOCKET, &path)
-        .spawn()
-        .unwrap();
-    let (stream, _) = listener.accept().unwrap();
-    let comm = pair::Pair::new(0, stream);
-    let outcome = two_process_rank(&comm);
-    let status = child.wait().unwrap();
-    std::fs::remove_dir_all(&dir).ok();
-    let moved = outcome.unwrap_or_else(|e| panic!("rank 0: {e}"));
-    assert!(status.success(), "rank 1 failed: {status}");
+    let moved = run_pair("cuda", two_process_rank);
     eprintln!("peer mappings moved on resume: {moved}");
 }

@@ -400,20 +400,27 @@ impl<B: Backend> CustomAllReduce<B> {
         }
         self.backend
             .write_table(memory, &res.rank_signals, 0, &table)?;
-        for (slot, source) in self.slots.iter().enumerate() {
+        // The pool up to its last used slot, in one write (one device copy for CUDA): free
+        // and pending slots hold zeros, as they did since the pool was allocated.
+        let used = self
+            .slots
+            .iter()
+            .rposition(Option::is_some)
+            .map_or(0, |s| s + 1);
+        let mut pool = vec![0u8; used * RANK_DATA_BYTES];
+        for (slot, source) in self.slots[..used].iter().enumerate() {
             let (id, index) = match source {
                 Some(SlotSource::Eager) => (res.base, STAGING),
                 Some(SlotSource::Exchanged(id, index)) => (*id, *index),
                 Some(SlotSource::Pending) | None => continue,
             };
-            let mut entry = [0u8; RANK_DATA_BYTES];
+            let entry = &mut pool[slot * RANK_DATA_BYTES..][..RANK_DATA_BYTES];
             for r in 0..self.world {
                 let addr = res.peers.address(id, r, index)?;
                 entry[8 * r..8 * r + 8].copy_from_slice(&addr.to_le_bytes());
             }
-            self.backend
-                .write_table(memory, &res.rank_data, slot * RANK_DATA_BYTES, &entry)?;
         }
+        self.backend.write_table(memory, &res.rank_data, 0, &pool)?;
         Ok(())
     }
 

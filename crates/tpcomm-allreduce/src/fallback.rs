@@ -1,10 +1,7 @@
 //! [`DeviceAllReduce`]: the custom CUDA kernels where they serve, NCCL everywhere else.
 
-use std::sync::Arc;
-
-use cudarc::driver::{sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use half::{bf16, f16};
-use tpcomm_ipc::{CudaBuffer, CudaMemory, MemoryRegion};
+use tpcomm_ipc::{CudaBuffer, CudaMemory};
 use tpcomm_transport::device::{DeviceCommunicator, DeviceElement, ReduceOp};
 use tpcomm_transport::{Communicator, NcclCommunicator};
 
@@ -21,39 +18,6 @@ pub enum Route {
     Custom(Algorithm),
     /// NCCL, for this reason.
     Nccl(FallbackReason),
-}
-
-/// `count` elements of a [`CudaBuffer`] seen as a cudarc device slice on the backend's
-/// stream (ordering is the stream's: nothing to record or wait for).
-struct Span<'a, T> {
-    ptr: u64,
-    len: usize,
-    stream: &'a Arc<CudaStream>,
-    _t: std::marker::PhantomData<T>,
-}
-
-impl<T> DeviceSlice<T> for Span<'_, T> {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.stream
-    }
-}
-
-impl<T> DevicePtr<T> for Span<'_, T> {
-    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        (self.ptr, SyncOnDrop::Record(None))
-    }
-}
-
-impl<T> DevicePtrMut<T> for Span<'_, T> {
-    fn device_ptr_mut<'a>(
-        &'a mut self,
-        _stream: &'a CudaStream,
-    ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        (self.ptr, SyncOnDrop::Record(None))
-    }
 }
 
 /// The all-reduce of an inference engine on CUDA: the custom kernels
@@ -125,29 +89,9 @@ impl DeviceAllReduce {
         output: &CudaBuffer,
         count: usize,
     ) -> Result<()> {
-        let bytes = count
-            .checked_mul(std::mem::size_of::<T>())
-            .filter(|&b| b <= input.len() && b <= output.len())
-            .ok_or_else(|| {
-                AllReduceError::InvalidArgument(format!(
-                    "{count} elements do not fit the input ({} bytes) or output ({} bytes)",
-                    input.len(),
-                    output.len()
-                ))
-            })?;
         let stream = self.nccl.stream();
-        let send = Span::<T> {
-            ptr: input.addr(),
-            len: bytes / std::mem::size_of::<T>(),
-            stream,
-            _t: std::marker::PhantomData,
-        };
-        let mut recv = Span::<T> {
-            ptr: output.addr(),
-            len: send.len,
-            stream,
-            _t: std::marker::PhantomData,
-        };
+        let send = input.view::<T>(count, stream)?;
+        let mut recv = output.view::<T>(count, stream)?;
         Ok(self.nccl.all_reduce(&send, &mut recv, ReduceOp::Sum)?)
     }
 

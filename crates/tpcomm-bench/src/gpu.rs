@@ -981,14 +981,9 @@ mod imp {
 
     #[cfg(feature = "nccl")]
     mod nccl {
-        use std::marker::PhantomData;
-        use std::sync::Arc;
-
-        use cudarc::driver::{
-            sys, CudaGraph, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
-        };
+        use cudarc::driver::{sys, CudaGraph};
         use tpcomm::allreduce::DType;
-        use tpcomm::ipc::{CudaBuffer, CudaMemory, MemoryRegion, PeerMemory};
+        use tpcomm::ipc::{CudaBuffer, CudaMemory, PeerMemory};
         use tpcomm::transport::{
             DeviceCommunicator, DeviceElement, LocalGroup, NcclCommunicator, ReduceOp,
         };
@@ -1000,42 +995,6 @@ mod imp {
         use crate::gpu::GpuArgs;
         use crate::report::{Stats, Table};
         use crate::sweep::format_bytes;
-
-        /// `len` elements at a raw device address, seen as a cudarc slice on `stream`
-        /// (no event tracking: ordering is the stream's).
-        struct Span<'a, T> {
-            ptr: u64,
-            len: usize,
-            stream: &'a Arc<CudaStream>,
-            _t: PhantomData<T>,
-        }
-
-        impl<T> DeviceSlice<T> for Span<'_, T> {
-            fn len(&self) -> usize {
-                self.len
-            }
-            fn stream(&self) -> &Arc<CudaStream> {
-                self.stream
-            }
-        }
-
-        impl<T> DevicePtr<T> for Span<'_, T> {
-            fn device_ptr<'a>(
-                &'a self,
-                _stream: &'a CudaStream,
-            ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-                (self.ptr, SyncOnDrop::Record(None))
-            }
-        }
-
-        impl<T> DevicePtrMut<T> for Span<'_, T> {
-            fn device_ptr_mut<'a>(
-                &'a mut self,
-                _stream: &'a CudaStream,
-            ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-                (self.ptr, SyncOnDrop::Record(None))
-            }
-        }
 
         struct Buffers {
             memory: CudaMemory,
@@ -1051,18 +1010,8 @@ mod imp {
             k: usize,
         ) -> Result<(), BenchError> {
             let stream = comm.stream();
-            let send = Span::<T> {
-                ptr: b.send.addr(),
-                len: count,
-                stream,
-                _t: PhantomData,
-            };
-            let mut recv = Span::<T> {
-                ptr: b.recv.addr(),
-                len: count,
-                stream,
-                _t: PhantomData,
-            };
+            let send = b.send.view::<T>(count, stream)?;
+            let mut recv = b.recv.view::<T>(count, stream)?;
             for _ in 0..k {
                 comm.all_reduce(&send, &mut recv, ReduceOp::Sum)?;
             }

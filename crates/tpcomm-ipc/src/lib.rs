@@ -26,7 +26,9 @@ mod memory;
 mod registry;
 
 #[cfg(feature = "cuda")]
-pub use backend::cuda::{CudaAddressHold, CudaBuffer, CudaHandle, CudaMapping, CudaMemory};
+pub use backend::cuda::{
+    BufferView, CudaAddressHold, CudaBuffer, CudaHandle, CudaMapping, CudaMemory,
+};
 pub use backend::host::{AddressHold, HostBuffer, HostHandle, HostMapping, HostMemory};
 pub use error::{IpcError, Result};
 pub use fault::{FaultInjection, FaultPoint};

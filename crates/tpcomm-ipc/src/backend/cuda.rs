@@ -121,14 +121,7 @@ pub mod result {
         }
         // SAFETY: `is_culib_present` just loaded one of the same candidates, so `culib` finds
         // a library and does not panic; looking symbols up calls nothing.
-        let lib = unsafe { sys::culib() };
-        let missing: Vec<&str> = SYMBOLS
-            .iter()
-            .copied()
-            // SAFETY: the symbol is only looked up (as an opaque function pointer), never
-            // called through this type.
-            .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
-            .collect();
+        let missing = unsafe { missing_symbols(SYMBOLS) };
         if missing.is_empty() {
             Ok(())
         } else {
@@ -144,13 +137,7 @@ pub mod result {
     pub fn require(names: &[&str]) -> Result<()> {
         load()?;
         // SAFETY: `load` succeeded, so the library is loaded and `culib` does not panic.
-        let lib = unsafe { sys::culib() };
-        let missing: Vec<&str> = names
-            .iter()
-            .copied()
-            // SAFETY: only looked up as an opaque function pointer, never called through it.
-            .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
-            .collect();
+        let missing = unsafe { missing_symbols(names) };
         if missing.is_empty() {
             Ok(())
         } else {
@@ -158,6 +145,23 @@ pub mod result {
                 "the CUDA driver library lacks {missing:?}: the driver is too old"
             )))
         }
+    }
+
+    /// The names in `names` that the driver library does not export.
+    ///
+    /// # Safety
+    /// The driver library was found (`is_culib_present` returned true), so `culib` does not
+    /// panic.
+    unsafe fn missing_symbols<'n>(names: &[&'n str]) -> Vec<&'n str> {
+        // SAFETY: caller's contract.
+        let lib = unsafe { sys::culib() };
+        names
+            .iter()
+            .copied()
+            // SAFETY: the symbol is only looked up (as an opaque function pointer), never
+            // called through this type.
+            .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
+            .collect()
     }
 
     /// Loads the driver library (once per process) and checks that it exports every function
@@ -634,6 +638,61 @@ impl CudaBuffer {
     /// The device address of the first byte (for kernels and tables).
     pub fn device_ptr(&self) -> u64 {
         self.ptr
+    }
+
+    /// The first `len` elements of `T` of this buffer as a cudarc device slice on `stream`,
+    /// for cudarc APIs such as NCCL's collectives. Ordering is the stream's: no event is
+    /// recorded or waited for. Fails with [`IpcError::OutOfBounds`] when they do not fit.
+    pub fn view<'a, T>(
+        &'a self,
+        len: usize,
+        stream: &'a Arc<cudarc::driver::CudaStream>,
+    ) -> Result<BufferView<'a, T>> {
+        let bytes = len.saturating_mul(std::mem::size_of::<T>());
+        check_range(0, bytes, self.len)?;
+        Ok(BufferView {
+            ptr: self.ptr,
+            len,
+            stream,
+            _buffer: std::marker::PhantomData,
+        })
+    }
+}
+
+/// Elements of a [`CudaBuffer`] seen as a cudarc device slice ([`CudaBuffer::view`]); borrows
+/// the buffer, so it cannot outlive it.
+#[derive(Debug)]
+pub struct BufferView<'a, T> {
+    ptr: CUdeviceptr,
+    len: usize,
+    stream: &'a Arc<cudarc::driver::CudaStream>,
+    _buffer: std::marker::PhantomData<(&'a CudaBuffer, T)>,
+}
+
+impl<T> cudarc::driver::DeviceSlice<T> for BufferView<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<cudarc::driver::CudaStream> {
+        self.stream
+    }
+}
+
+impl<T> cudarc::driver::DevicePtr<T> for BufferView<'_, T> {
+    fn device_ptr<'a>(
+        &'a self,
+        _stream: &'a cudarc::driver::CudaStream,
+    ) -> (CUdeviceptr, cudarc::driver::SyncOnDrop<'a>) {
+        (self.ptr, cudarc::driver::SyncOnDrop::Record(None))
+    }
+}
+
+impl<T> cudarc::driver::DevicePtrMut<T> for BufferView<'_, T> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        _stream: &'a cudarc::driver::CudaStream,
+    ) -> (CUdeviceptr, cudarc::driver::SyncOnDrop<'a>) {
+        (self.ptr, cudarc::driver::SyncOnDrop::Record(None))
     }
 }
 

@@ -171,7 +171,9 @@ impl Drop for Module {
         let unloaded = unloaded.and_then(|()| {
             // SAFETY: loaded in `Module::load`, unloaded once; the backend owning it drains
             // its stream when dropped (before its fields), so no launch of it is pending.
-            check("cuModuleUnload", unsafe { sys::cuModuleUnload(self.module) })
+            check("cuModuleUnload", unsafe {
+                sys::cuModuleUnload(self.module)
+            })
         });
         if let Err(e) = unloaded {
             tracing::warn!(error = %e, "unloading the all-reduce kernels failed");

@@ -105,7 +105,8 @@ pub fn all_ranks_ok<C: Communicator>(comm: &C, ok: bool) -> bool {
 
 /// The frame of the MPI programs xtask launches: initializes MPI, runs `body` on a
 /// duplicate of `MPI_COMM_WORLD`, drops the communicator before MPI is finalized, and exits
-/// with success when `body` returned true.
+/// with success when `body` returned true. With `TPCOMM_MPI_TIMEOUT_MS` set, the
+/// communicator bounds every collective by that timeout (`MpiCommunicator::with_timeout`).
 #[cfg(feature = "mpi")]
 pub fn mpi_program(
     name: &str,
@@ -115,7 +116,15 @@ pub fn mpi_program(
         eprintln!("{name}: MPI was already initialized");
         return std::process::ExitCode::FAILURE;
     };
-    let ok = match tpcomm::transport::MpiCommunicator::world(&universe) {
+    let timeout = std::env::var("TPCOMM_MPI_TIMEOUT_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map(std::time::Duration::from_millis);
+    let comm = tpcomm::transport::MpiCommunicator::world(&universe).and_then(|c| match timeout {
+        Some(t) => c.with_timeout(t),
+        None => Ok(c),
+    });
+    let ok = match comm {
         Ok(comm) => body(&comm),
         Err(e) => {
             eprintln!("{name}: cannot create the communicator: {e}");

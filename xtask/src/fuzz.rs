@@ -53,6 +53,33 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     if chosen.is_empty() {
         chosen = TARGETS.to_vec();
     }
+    let outcomes = run_targets(&chosen, seconds)?;
+    let found = outcomes.iter().filter(|o| o.finding.is_some()).count();
+    if found == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "{found} target(s) found a failing input: replay it with \
+             `cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run {} <target> <input>`, \
+             then keep it as a regression test",
+            BUILD_FLAGS.join(" ")
+        ))
+    }
+}
+
+/// The smoke pass of `cargo xtask test`: every target for `seconds`; returns
+/// `(target, finding)` per target (`None` when it found nothing).
+pub(crate) fn smoke(seconds: u64) -> Result<Vec<(&'static str, Option<String>)>, String> {
+    let outcomes = run_targets(&TARGETS, seconds)?;
+    Ok(outcomes
+        .into_iter()
+        .map(|o| (o.target, o.finding))
+        .collect())
+}
+
+/// Installs cargo-fuzz when missing, builds the targets, runs each of `chosen` for
+/// `seconds` and prints the table of executions and findings.
+fn run_targets(chosen: &[&'static str], seconds: u64) -> Result<Vec<Outcome>, String> {
     ensure_cargo_fuzz()?;
     let fuzz_dir = util::root().join("fuzz");
 
@@ -72,17 +99,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         let finding = o.finding.as_deref().unwrap_or("none");
         println!("{:<18} {:>14}  {finding}", o.target, execs);
     }
-    let found = outcomes.iter().filter(|o| o.finding.is_some()).count();
-    if found == 0 {
-        Ok(())
-    } else {
-        Err(format!(
-            "{found} target(s) found a failing input: replay it with \
-             `cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run {} <target> <input>`, \
-             then keep it as a regression test",
-            BUILD_FLAGS.join(" ")
-        ))
-    }
+    Ok(outcomes)
 }
 
 /// `cargo fuzz` in `fuzz/`, with nightly features unlocked on the stable compiler.

@@ -2,6 +2,7 @@
 //!
 //! - `cargo xtask setup`: installs the system packages the tests need (MPI, libclang).
 //! - `cargo xtask test`: the full test suite (the README's test command, run by CI).
+//! - `cargo xtask faults`: ranks killed at each phase under MPI (also part of `test`).
 //! - `cargo xtask bench`: the benchmark tables recorded in `docs/benchmarks.md`.
 //! - `cargo xtask setup-cuda` / `cargo xtask kernels`: nvcc from the pinned wheels; the
 //!   all-reduce fatbin with its ptxas resource report.
@@ -11,6 +12,7 @@
 
 mod bench;
 mod cuda;
+mod faults;
 mod fuzz;
 mod gpu_check;
 mod loom;
@@ -37,6 +39,10 @@ tasks:
   soak [--minutes N]    the mixed soak loop (objects, all-reduces, replays, suspend/resume)
                         under mpirun -np 2 for N minutes; fails on a wrong result or a leak
   valgrind              the host backends' test suites under valgrind memcheck
+  faults                fault injection under mpirun --enable-recovery: a rank SIGKILLed at
+                        each phase of an object collective, an all-reduce and
+                        suspend/resume (2, 3, 4 ranks); survivors must name it within the
+                        timeout, exit, and leave no process, /dev/shm entry or memfd behind
   fuzz [--seconds N] [TARGET...]
                         build the libFuzzer targets in fuzz/ and run each for N s (10)
   setup-cuda            when no nvcc is found, download the pinned CUDA 13.0 compiler wheels
@@ -68,6 +74,7 @@ fn main() -> ExitCode {
         "valgrind" => valgrind::run(rest),
         "loom" => loom::run(rest),
         "fuzz" => fuzz::run(rest),
+        "faults" => faults::run(rest),
         "setup-cuda" => cuda::setup_cuda(rest),
         "kernels" => cuda::kernels(rest),
         "gpu-check" => gpu_check::run(rest),

@@ -3,15 +3,25 @@
 //! Steps: set up MPI when missing, set up nvcc when missing and build the CUDA kernels
 //! (`cuda.rs`), `cargo fmt --check`, clippy with warnings denied (every
 //! feature), every unit/property/integration/doc test (every feature), then the MPI
-//! conformance programs under `mpirun -np 2` and `-np 4`. The closing line,
-//! `total: N passed, N failed`, covers the cargo tests and the MPI cases together.
+//! conformance programs under `mpirun -np 2` and `-np 4`, and once more with `-np 3` and a
+//! timeout on the communicator (the nonblocking, deadline-polled path), the fault suite
+//! (`faults.rs`: ranks SIGKILLed at each phase), and a fuzz smoke pass (`fuzz.rs`, every
+//! target for a few seconds). The closing line, `total: N passed, N failed`, covers the
+//! cargo tests, the MPI cases, the fault cases and the fuzz targets together.
 
 use std::process::Command;
 
-use crate::{cuda, setup, util};
+use crate::{cuda, faults, fuzz, setup, util};
 
 /// Rank counts the MPI suite runs with (4 is oversubscribed on a 2-core machine).
 const MPI_RANKS: [usize; 2] = [2, 4];
+/// Rank count of the extra conformance run with a timeout on the MPI communicator (every
+/// collective then runs nonblocking, polled against the deadline).
+const MPI_TIMED_RANKS: usize = 3;
+/// The timeout of that run: far above any collective of the suite, so it never fires.
+const MPI_TIMED_TIMEOUT_MS: u32 = 120_000;
+/// Seconds per target of the fuzz smoke pass.
+const FUZZ_SMOKE_SECS: u64 = 10;
 /// Upper bound on one mpirun, so a hang fails instead of eating CI's time.
 const MPI_TIMEOUT_SECS: u32 = 600;
 
@@ -118,10 +128,12 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         eprintln!("xtask test: MPI suite SKIPPED (--skip-mpi); these cases are not counted");
     } else {
         run_mpi_suite(&mut tally)?;
+        run_fault_suite(&mut tally)?;
         if large {
             run_large(&mut tally)?;
         }
     }
+    run_fuzz_smoke(&mut tally)?;
 
     println!();
     if tally.ignored > 0 {
@@ -160,7 +172,47 @@ fn run_mpi_suite(tally: &mut Tally) -> Result<(), String> {
     util::run(build)?;
     let exe = util::root().join("target/debug/mpi-conformance");
     for np in MPI_RANKS {
-        run_mpi_program(tally, np, &exe)?;
+        run_mpi_program(tally, np, &exe, None)?;
+    }
+    run_mpi_program(tally, MPI_TIMED_RANKS, &exe, Some(MPI_TIMED_TIMEOUT_MS))?;
+    Ok(())
+}
+
+/// `cargo xtask faults`: each case counts as one test.
+fn run_fault_suite(tally: &mut Tally) -> Result<(), String> {
+    let started = std::time::Instant::now();
+    let outcome = faults::suite()?;
+    eprintln!(
+        "xtask test: fault suite took {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    tally.passed += outcome.passed;
+    tally.failed += outcome.failed;
+    if outcome.passed + outcome.failed == 0 {
+        tally.problems.push("the fault suite ran no case".into());
+    }
+    Ok(())
+}
+
+/// A short `cargo xtask fuzz` pass: each target counts as one test (a finding fails it).
+fn run_fuzz_smoke(tally: &mut Tally) -> Result<(), String> {
+    let started = std::time::Instant::now();
+    let outcomes = fuzz::smoke(FUZZ_SMOKE_SECS)?;
+    eprintln!(
+        "xtask test: fuzz smoke pass ({FUZZ_SMOKE_SECS} s per target) took {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    for (target, finding) in outcomes {
+        match finding {
+            None => {
+                println!("fuzz {target} ({FUZZ_SMOKE_SECS} s) ... ok");
+                tally.passed += 1;
+            }
+            Some(f) => {
+                println!("fuzz {target} ({FUZZ_SMOKE_SECS} s) ... FAILED: {f}");
+                tally.failed += 1;
+            }
+        }
     }
     Ok(())
 }
@@ -183,11 +235,19 @@ fn run_large(tally: &mut Tally) -> Result<(), String> {
         tally,
         2,
         &util::root().join("target/release/mpi-large-gather"),
+        None,
     )
 }
 
 /// Runs `exe` under `mpirun -np np` (bounded by a timeout) and counts its `case ...` lines.
-fn run_mpi_program(tally: &mut Tally, np: usize, exe: &std::path::Path) -> Result<(), String> {
+/// With `timeout_ms`, the program's MPI communicator bounds every collective by it
+/// (`TPCOMM_MPI_TIMEOUT_MS`, read by `mpi_program`).
+fn run_mpi_program(
+    tally: &mut Tally,
+    np: usize,
+    exe: &std::path::Path,
+    timeout_ms: Option<u32>,
+) -> Result<(), String> {
     let name = exe
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -199,6 +259,14 @@ fn run_mpi_program(tally: &mut Tally, np: usize, exe: &std::path::Path) -> Resul
         .args(mpirun.get_args())
         .arg(exe);
     cmd.current_dir(util::root());
+    if let Some(ms) = timeout_ms {
+        cmd.env("TPCOMM_MPI_TIMEOUT_MS", ms.to_string());
+    }
+    let label = match timeout_ms {
+        Some(ms) => format!("{name} (timeout {ms} ms)"),
+        None => name,
+    };
+    let name = label;
     let (mut passed, mut failed) = (0u64, 0u64);
     let ok = util::run_lines(cmd, |line| {
         if line.starts_with("case ") {

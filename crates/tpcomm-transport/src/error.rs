@@ -188,6 +188,27 @@ pub enum TransportError {
         /// The ranks that did not arrive in time.
         missing: Vec<usize>,
     },
+    /// A wait on peers ran past the configured timeout where the transport cannot see which
+    /// ranks arrived (an MPI collective: MPI does not say who is missing). Instead it names
+    /// the peers whose *process* it found gone (same host, checked through `/proc`) and the
+    /// peers it could not check (other hosts).
+    #[error(
+        "{op} on rank {rank} timed out after {waited:?}: {}",
+        describe_unresponsive(gone, unchecked)
+    )]
+    Unresponsive {
+        /// The operation.
+        op: Op,
+        /// The rank that waited.
+        rank: usize,
+        /// How long it waited.
+        waited: Duration,
+        /// Peers whose process no longer exists, in the order they were found gone while
+        /// waiting (the first one died first, as far as this rank could see).
+        gone: Vec<usize>,
+        /// Peers on other hosts (or whose identity could not be read), not checked.
+        unchecked: Vec<usize>,
+    },
     /// Ranks called different operations, or made inconsistent calls, at the same point.
     #[error("{op} on rank {rank}: ranks disagree: {detail}")]
     Mismatch {
@@ -301,6 +322,7 @@ impl TransportError {
             | TransportError::RankPanicked { rank, .. } => Some(*rank),
             TransportError::Aborted { by, .. } => Some(*by),
             TransportError::Timeout { missing, .. } => missing.first().copied(),
+            TransportError::Unresponsive { gone, .. } => gone.first().copied(),
             TransportError::Mpi { .. }
             | TransportError::Setup(_)
             | TransportError::Nccl { .. }
@@ -311,6 +333,21 @@ impl TransportError {
             | TransportError::Suspended { .. } => None,
         }
     }
+}
+
+/// The peer part of [`TransportError::Unresponsive`]'s message.
+fn describe_unresponsive(gone: &[usize], unchecked: &[usize]) -> String {
+    let mut text = if gone.is_empty() {
+        "no peer process on this host is gone (a rank is late or stuck)".to_string()
+    } else {
+        format!("the processes of ranks {gone:?} are gone")
+    };
+    if !unchecked.is_empty() {
+        text.push_str(&format!(
+            "; ranks {unchecked:?} run on other hosts and could not be checked"
+        ));
+    }
+    text
 }
 
 /// Result of transport operations.

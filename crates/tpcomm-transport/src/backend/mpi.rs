@@ -79,7 +79,8 @@
 use std::ffi::{c_int, c_void};
 use std::fmt;
 use std::ptr;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
@@ -132,6 +133,16 @@ pub struct MpiCommunicator {
     /// Whether MPI calls must hold [`MPI_CALLS`] (MPI provides less than
     /// `MPI_THREAD_MULTIPLE`).
     serialize: bool,
+    /// The bound on every collective's wait, set by [`MpiCommunicator::with_timeout`]; `None`
+    /// runs the blocking MPI calls.
+    timeout: Option<Duration>,
+    /// Every rank's process identity (index = rank), gathered by `with_timeout`; empty
+    /// without a timeout.
+    peers: Vec<ProcessIdentity>,
+    /// Set when a collective was abandoned at its deadline: the communicator's state is
+    /// undefined from then on, and every later collective fails with this text (and the
+    /// first peer found gone, if any).
+    broken: OnceLock<(Option<usize>, String)>,
 }
 
 // SAFETY: an `MPI_Comm` is a plain handle value (a pointer in Open MPI, an integer in
@@ -155,6 +166,7 @@ impl fmt::Debug for MpiCommunicator {
             .field("rank", &self.rank)
             .field("size", &self.size)
             .field("serialize", &self.serialize)
+            .field("timeout", &self.timeout)
             .finish()
     }
 }
@@ -224,6 +236,9 @@ impl MpiCommunicator {
                 rank,
                 size,
                 serialize,
+                timeout: None,
+                peers: Vec::new(),
+                broken: OnceLock::new(),
             }),
             Err(e) => {
                 if let Err(free_err) = free_comm(&mut raw) {
@@ -363,7 +378,7 @@ impl Communicator for MpiCommunicator {
                 },
             })?,
         };
-        let _guard = self.lock();
+        let guard = self.lock();
         let mut new = comm_null();
         // SAFETY: `self.comm` is a live communicator owned by `self` (freed only in Drop),
         // MPI is initialized (a live communicator implies it), and `new` is a valid place
@@ -385,7 +400,12 @@ impl Communicator for MpiCommunicator {
                 "MPI_Comm_split returned MPI_COMM_NULL for color {color}"
             )));
         }
-        let child = Self::adopt(new, self.serialize, op)?;
+        let mut child = Self::adopt(new, self.serialize, op)?;
+        // Arming the timeout runs a collective, which takes the lock itself.
+        drop(guard);
+        if let Some(timeout) = self.timeout {
+            child.arm_timeout(timeout)?;
+        }
         tracing::debug!(
             rank = self.rank,
             color,
@@ -398,6 +418,9 @@ impl Communicator for MpiCommunicator {
     }
 
     fn raw_barrier(&self) -> Result<()> {
+        if let Some(timeout) = self.timed(Op::Barrier)? {
+            return self.timed_barrier(timeout);
+        }
         let _guard = self.lock();
         // SAFETY: `self.comm` is a live communicator owned by `self`.
         let code = unsafe { ffi::MPI_Barrier(self.comm) };
@@ -405,6 +428,9 @@ impl Communicator for MpiCommunicator {
     }
 
     fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<()> {
+        if let Some(timeout) = self.timed(Op::AllGather)? {
+            return self.timed_all_gather(timeout, args);
+        }
         let op = Op::AllGather;
         let count = self.int(op, "send count", self.rank, args.block_len())?;
         let mut scratch = Scratch::default();
@@ -422,6 +448,9 @@ impl Communicator for MpiCommunicator {
     }
 
     fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<()> {
+        if let Some(timeout) = self.timed(Op::AllGatherVarcount)? {
+            return self.timed_all_gather_varcount(timeout, args);
+        }
         let op = Op::AllGatherVarcount;
         let (send, recv, counts, displs) = args.parts();
         if self.size == 1 {
@@ -459,6 +488,9 @@ impl Communicator for MpiCommunicator {
     }
 
     fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> Result<()> {
+        if let Some(timeout) = self.timed(Op::GatherVarcount)? {
+            return self.timed_gather_varcount(timeout, args);
+        }
         let op = Op::GatherVarcount;
         let root = self.int(op, "root", self.rank, args.root())?;
         let (send, layout) = args.parts();
@@ -495,6 +527,9 @@ impl Communicator for MpiCommunicator {
     }
 
     fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> Result<()> {
+        if let Some(timeout) = self.timed(Op::Broadcast)? {
+            return self.timed_broadcast(timeout, args);
+        }
         let op = Op::Broadcast;
         let root = self.int(op, "root", self.rank, args.root())?;
         let buf = args.buf();
@@ -511,6 +546,9 @@ impl Communicator for MpiCommunicator {
     }
 
     fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<()> {
+        if let Some(timeout) = self.timed(Op::AllToAllVarcount)? {
+            return self.timed_all_to_all_varcount(timeout, args);
+        }
         let op = Op::AllToAllVarcount;
         let (send, recv) = args.parts();
         let mut tables = [
@@ -548,6 +586,560 @@ impl Communicator for MpiCommunicator {
         };
         check(op, "MPI_Alltoallv", code)
     }
+}
+
+/// Collectives bounded by a timeout (see [`MpiCommunicator::with_timeout`]).
+///
+/// MPI offers no blocking call with a deadline, and a blocked MPI call never returns when a
+/// peer died (Open MPI 4.1's shared-memory transport does not notice a dead peer). So with a
+/// timeout every collective is started as its nonblocking variant (`MPI_Ibarrier`,
+/// `MPI_Iallgather`...) and polled with `MPI_Test` until it completes or the deadline
+/// passes. MPI forbids cancelling or freeing a pending collective request, and keeps the
+/// right to read the send buffer and write the receive buffer until it completes. So the
+/// collective runs on buffers and count tables owned by an [`InFlight`] (copied in, the
+/// receive buffer copied back on completion): at the deadline the `InFlight` is leaked, never freed, and the
+/// caller's buffers are free to go. The communicator is then broken: every later collective
+/// fails at once (its state is undefined for MPI, and the abandoned request would match the
+/// next collective's messages).
+impl MpiCommunicator {
+    /// Bounds every later collective of this communicator (and of its splits) by `timeout`:
+    /// a collective that has not completed by then fails with
+    /// [`TransportError::Unresponsive`], naming the peers whose process is gone, in the
+    /// order they were found gone while waiting (peers on this host are checked through
+    /// `/proc` every tenth of the timeout, at most every 100 ms; others are listed as
+    /// unchecked). The first one named is the rank that died first, as seen from here. After such a
+    /// failure every collective of this communicator fails with
+    /// [`TransportError::Aborted`].
+    ///
+    /// Collective: every rank calls it (it all-gathers each rank's process identity, under
+    /// the timeout already). The cost is copying each collective's send bytes in, and its
+    /// receive buffer in and out, of owned buffers, and polling instead of blocking (with
+    /// sleeps of up to 200 us between polls); without a timeout
+    /// the blocking MPI calls run on the caller's buffers as before.
+    ///
+    /// A timeout only helps when the job outlives a dead rank: Open MPI aborts the whole job
+    /// when a rank dies unless `mpirun` runs with `--enable-recovery`.
+    pub fn with_timeout(mut self, timeout: Duration) -> Result<Self> {
+        self.arm_timeout(timeout)?;
+        Ok(self)
+    }
+
+    /// The bound set by [`with_timeout`](Self::with_timeout), if any.
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+
+    /// Sets the timeout and gathers every rank's process identity (collective).
+    fn arm_timeout(&mut self, timeout: Duration) -> Result<()> {
+        self.timeout = Some(timeout);
+        let mine = ProcessIdentity::current().encode();
+        let mut all = vec![0u8; self.size * ProcessIdentity::LEN];
+        self.all_gather(&mine, &mut all)?;
+        self.peers = all
+            .chunks_exact(ProcessIdentity::LEN)
+            .map(ProcessIdentity::decode)
+            .collect();
+        Ok(())
+    }
+
+    /// `Some(timeout)` when collectives are bounded; an error when an earlier one was
+    /// abandoned.
+    fn timed(&self, op: Op) -> Result<Option<Duration>> {
+        if let Some(reason) = self.broken.get() {
+            let (first_gone, reason) = reason;
+            return Err(TransportError::Aborted {
+                op,
+                rank: self.rank,
+                by: first_gone.unwrap_or(self.rank),
+                reason: reason.clone(),
+            });
+        }
+        Ok(self.timeout)
+    }
+
+    /// Starts a nonblocking collective with `start` (which returns the MPI code) and polls
+    /// it until it completes, or until `timeout`, when the job is leaked and the
+    /// communicator broken. Returns the completed job (its receive buffer filled).
+    fn run_timed(
+        &self,
+        op: Op,
+        call: &'static str,
+        timeout: Duration,
+        mut job: InFlight,
+        start: impl FnOnce(&mut InFlight, ffi::MPI_Comm) -> c_int,
+    ) -> Result<InFlight> {
+        let begun = Instant::now();
+        {
+            let _guard = self.lock();
+            let code = start(&mut job, self.comm);
+            check(op, call, code)?;
+        }
+        let mut polls: u32 = 0;
+        // Peers found gone so far, in the order they were found: checked every tenth of the
+        // timeout (at most every 100 ms) while waiting, so that a rank that died first is
+        // named first even when other ranks exit after their own timeouts later.
+        let mut gone: Vec<usize> = Vec::new();
+        let check_every = (timeout / 10).min(Duration::from_millis(100));
+        let mut next_check = begun + check_every;
+        loop {
+            let mut done: c_int = 0;
+            let code = {
+                let _guard = self.lock();
+                // SAFETY: `job.request` is the active request `start` created on the live
+                // `self.comm`; `done` is a valid place for one int; the status is ignored
+                // (`MPI_STATUS_IGNORE`, a constant read from rsmpi's C shim). The buffers
+                // and tables the request uses are owned by `job`, alive until it completes.
+                unsafe { ffi::MPI_Test(&mut job.request, &mut done, ffi::RSMPI_STATUS_IGNORE) }
+            };
+            if code != MPI_SUCCESS {
+                // Whether MPI still uses the buffers is unknown: never free them.
+                std::mem::forget(job);
+                let _ = self
+                    .broken
+                    .set((None, format!("{call} failed while being tested")));
+                return Err(mpi_error(op, "MPI_Test", code));
+            }
+            if done != 0 {
+                return Ok(job);
+            }
+            let waited = begun.elapsed();
+            if Instant::now() >= next_check || waited >= timeout {
+                next_check = Instant::now() + check_every;
+                for rank in self.peer_report().0 {
+                    if !gone.contains(&rank) {
+                        gone.push(rank);
+                    }
+                }
+            }
+            if waited >= timeout {
+                // MPI may still read and write these buffers: leak them.
+                std::mem::forget(job);
+                let unchecked = self.peer_report().1;
+                let _ = self.broken.set((
+                    gone.first().copied(),
+                    format!(
+                        "an earlier {op} timed out after {waited:?} (peers gone: {gone:?}); \
+                         the communicator's state is undefined"
+                    ),
+                ));
+                tracing::warn!(rank = self.rank, %op, ?waited, ?gone, ?unchecked, "collective timed out");
+                return Err(TransportError::Unresponsive {
+                    op,
+                    rank: self.rank,
+                    waited,
+                    gone,
+                    unchecked,
+                });
+            }
+            back_off(polls);
+            polls = polls.saturating_add(1);
+        }
+    }
+
+    /// Which peers' processes are gone, and which could not be checked.
+    fn peer_report(&self) -> (Vec<usize>, Vec<usize>) {
+        let (mut gone, mut unchecked) = (Vec::new(), Vec::new());
+        let me = self.peers.get(self.rank);
+        for rank in (0..self.size).filter(|&r| r != self.rank) {
+            let liveness = match (me, self.peers.get(rank)) {
+                (Some(me), Some(peer)) if me.same_host(peer) => peer.liveness(),
+                _ => Liveness::Unknown,
+            };
+            match liveness {
+                Liveness::Gone => gone.push(rank),
+                Liveness::Unknown => unchecked.push(rank),
+                Liveness::Alive => {}
+            }
+        }
+        (gone, unchecked)
+    }
+
+    fn timed_barrier(&self, timeout: Duration) -> Result<()> {
+        let op = Op::Barrier;
+        let job = InFlight::new(Vec::new(), &[], Vec::new());
+        self.run_timed(op, "MPI_Ibarrier", timeout, job, |job, comm| {
+            // SAFETY: `comm` is live; `job.request` is a valid place for the request.
+            unsafe { ffi::MPI_Ibarrier(comm, &mut job.request) }
+        })?;
+        Ok(())
+    }
+
+    fn timed_all_gather(&self, timeout: Duration, mut args: AllGatherArgs<'_>) -> Result<()> {
+        let op = Op::AllGather;
+        let count = self.int(op, "send count", self.rank, args.block_len())?;
+        let (send, recv) = args.parts();
+        let job = InFlight::new(send.to_vec(), recv, Vec::new());
+        let job = self.run_timed(op, "MPI_Iallgather", timeout, job, |job, comm| {
+            let byte = byte_type();
+            // SAFETY: `job.send` holds `count` bytes (at least one: never MPI_IN_PLACE's
+            // address), `job.recv` holds `size * count` bytes (the checked receive length)
+            // and is a distinct allocation; both live in `job` until the request completes
+            // or forever (leaked at the deadline). `comm` is live.
+            unsafe {
+                ffi::MPI_Iallgather(
+                    job.send.as_ptr().cast(),
+                    count,
+                    byte,
+                    job.recv.as_mut_ptr().cast(),
+                    count,
+                    byte,
+                    comm,
+                    &mut job.request,
+                )
+            }
+        })?;
+        job.copy_out(recv);
+        Ok(())
+    }
+
+    fn timed_all_gather_varcount(
+        &self,
+        timeout: Duration,
+        mut args: VarcountArgs<'_>,
+    ) -> Result<()> {
+        let op = Op::AllGatherVarcount;
+        let (send, recv, counts, displs) = args.parts();
+        if self.size == 1 {
+            return copy_own_region(op, self.rank, send, recv, displs[0]);
+        }
+        let send_count = self.int(op, "send count", self.rank, send.len())?;
+        let (mut counts_table, mut displs_table) = (IntTable::new(), IntTable::new());
+        let mut tables = self.ints(op, "counts", counts, &mut counts_table)?.to_vec();
+        tables.extend_from_slice(self.ints(op, "displacements", displs, &mut displs_table)?);
+        let size = self.size;
+        let job = InFlight::new(send.to_vec(), recv, tables);
+        let job = self.run_timed(op, "MPI_Iallgatherv", timeout, job, |job, comm| {
+            let byte = byte_type();
+            let (counts, displs) = job.ints.split_at(size);
+            // SAFETY: `VarcountArgs` checked one count and displacement per rank, each region
+            // inside a receive buffer of `job.recv`'s length, and the send length equal to
+            // this rank's count; `counts` and `displs` hold `size` ints each. Buffers and
+            // tables are owned by `job` (at least one byte each, distinct allocations) and
+            // live until the request completes or forever. `comm` is live.
+            unsafe {
+                ffi::MPI_Iallgatherv(
+                    job.send.as_ptr().cast(),
+                    send_count,
+                    byte,
+                    job.recv.as_mut_ptr().cast(),
+                    counts.as_ptr(),
+                    displs.as_ptr(),
+                    byte,
+                    comm,
+                    &mut job.request,
+                )
+            }
+        })?;
+        job.copy_out(recv);
+        Ok(())
+    }
+
+    fn timed_gather_varcount(&self, timeout: Duration, mut args: GatherArgs<'_>) -> Result<()> {
+        let op = Op::GatherVarcount;
+        let root = self.int(op, "root", self.rank, args.root())?;
+        let (send, layout) = args.parts();
+        let send_count = self.int(op, "send count", self.rank, send.len())?;
+        let (mut counts_table, mut displs_table) = (IntTable::new(), IntTable::new());
+        let (recv_init, tables) = match &layout {
+            Some(layout) => {
+                let mut tables = self
+                    .ints(op, "counts", layout.counts, &mut counts_table)?
+                    .to_vec();
+                tables.extend_from_slice(self.ints(
+                    op,
+                    "displacements",
+                    layout.displs,
+                    &mut displs_table,
+                )?);
+                (&*layout.recv, tables)
+            }
+            None => (&[][..], Vec::new()),
+        };
+        let at_root = layout.is_some();
+        let size = self.size;
+        let job = InFlight::new(send.to_vec(), recv_init, tables);
+        let job = self.run_timed(op, "MPI_Igatherv", timeout, job, |job, comm| {
+            let byte = byte_type();
+            let (recv, counts, displs) = if at_root {
+                let (counts, displs) = job.ints.split_at(size);
+                (
+                    job.recv.as_mut_ptr().cast(),
+                    counts.as_ptr(),
+                    displs.as_ptr(),
+                )
+            } else {
+                (ptr::null_mut(), ptr::null(), ptr::null())
+            };
+            // SAFETY: `job.send` holds `send_count` bytes. At the root, `GatherArgs` checked
+            // one in-bounds, non-overlapping region per rank within a receive buffer of
+            // `job.recv`'s length, and the tables hold `size` ints each; elsewhere the
+            // receive arguments are null, which MPI ignores. Everything is owned by `job`
+            // until the request completes or forever. `root` is in range; `comm` is live.
+            unsafe {
+                ffi::MPI_Igatherv(
+                    job.send.as_ptr().cast(),
+                    send_count,
+                    byte,
+                    recv,
+                    counts,
+                    displs,
+                    byte,
+                    root,
+                    comm,
+                    &mut job.request,
+                )
+            }
+        })?;
+        if let Some(layout) = layout {
+            job.copy_out(layout.recv);
+        }
+        Ok(())
+    }
+
+    fn timed_broadcast(&self, timeout: Duration, mut args: BroadcastArgs<'_>) -> Result<()> {
+        let op = Op::Broadcast;
+        let root = self.int(op, "root", self.rank, args.root())?;
+        let buf = args.buf();
+        let count = self.int(op, "buffer length", self.rank, buf.len())?;
+        let job = InFlight::new(Vec::new(), buf, Vec::new());
+        let job = self.run_timed(op, "MPI_Ibcast", timeout, job, |job, comm| {
+            // SAFETY: `job.recv` holds at least `count` bytes (a copy of the caller's
+            // buffer), owned by `job` until the request completes or forever; `root` is in
+            // range; `comm` is live.
+            unsafe {
+                ffi::MPI_Ibcast(
+                    job.recv.as_mut_ptr().cast(),
+                    count,
+                    byte_type(),
+                    root,
+                    comm,
+                    &mut job.request,
+                )
+            }
+        })?;
+        job.copy_out(buf);
+        Ok(())
+    }
+
+    fn timed_all_to_all_varcount(
+        &self,
+        timeout: Duration,
+        mut args: AllToAllArgs<'_>,
+    ) -> Result<()> {
+        let op = Op::AllToAllVarcount;
+        let (send, recv) = args.parts();
+        let mut scratch = [
+            IntTable::new(),
+            IntTable::new(),
+            IntTable::new(),
+            IntTable::new(),
+        ];
+        let [a, b, c, d] = &mut scratch;
+        let mut tables = self.ints(op, "send counts", send.counts, a)?.to_vec();
+        tables.extend_from_slice(self.ints(op, "send displacements", send.displs, b)?);
+        tables.extend_from_slice(self.ints(op, "counts", recv.counts, c)?);
+        tables.extend_from_slice(self.ints(op, "displacements", recv.displs, d)?);
+        let size = self.size;
+        let job = InFlight::new(send.buf.to_vec(), recv.buf, tables);
+        let job = self.run_timed(op, "MPI_Ialltoallv", timeout, job, |job, comm| {
+            let byte = byte_type();
+            let t = &job.ints;
+            let (sc, sd, rc, rd) = (
+                &t[..size],
+                &t[size..2 * size],
+                &t[2 * size..3 * size],
+                &t[3 * size..],
+            );
+            // SAFETY: `AllToAllArgs` checked both layouts: `size` entries each, regions
+            // inside send and receive buffers of `job.send`'s and `job.recv`'s lengths,
+            // receive regions not overlapping; the four tables hold `size` ints. Buffers
+            // and tables are owned by `job` (distinct allocations, at least one byte) until
+            // the request completes or forever. `comm` is live.
+            unsafe {
+                ffi::MPI_Ialltoallv(
+                    job.send.as_ptr().cast(),
+                    sc.as_ptr(),
+                    sd.as_ptr(),
+                    byte,
+                    job.recv.as_mut_ptr().cast(),
+                    rc.as_ptr(),
+                    rd.as_ptr(),
+                    byte,
+                    comm,
+                    &mut job.request,
+                )
+            }
+        })?;
+        job.copy_out(recv.buf);
+        Ok(())
+    }
+}
+
+/// What a nonblocking collective works on, owned so that it can outlive the call: the
+/// request, copies of the send and receive bytes, and the count/displacement tables.
+/// Buffers hold at least one byte, so their address is never `MPI_IN_PLACE`'s (`0x1`).
+/// An `InFlight` abandoned at a deadline is leaked (`mem::forget`): MPI may still use it.
+struct InFlight {
+    request: ffi::MPI_Request,
+    send: Vec<u8>,
+    recv: Vec<u8>,
+    ints: Vec<c_int>,
+}
+
+impl InFlight {
+    /// `recv` is copied in too: bytes of the caller's receive buffer outside every region
+    /// (gaps of a varcount layout) must come back unchanged.
+    fn new(mut send: Vec<u8>, recv: &[u8], ints: Vec<c_int>) -> Self {
+        if send.is_empty() {
+            send.push(0);
+        }
+        let recv = if recv.is_empty() {
+            vec![0]
+        } else {
+            recv.to_vec()
+        };
+        Self {
+            // SAFETY: reading an immutable handle constant exported by rsmpi's C shim.
+            request: unsafe { ffi::RSMPI_REQUEST_NULL },
+            send,
+            recv,
+            ints,
+        }
+    }
+
+    /// Copies the received bytes into the caller's buffer (of the length `new` was given).
+    fn copy_out(&self, out: &mut [u8]) {
+        let n = out.len();
+        out.copy_from_slice(&self.recv[..n]);
+    }
+}
+
+/// Waits between two `MPI_Test` polls: yields first, then sleeps from 10 us up to 200 us,
+/// so that oversubscribed ranks leave the cores to the peers they wait for.
+fn back_off(polls: u32) {
+    if polls < 32 {
+        std::thread::yield_now();
+    } else {
+        let shift = (polls - 32).min(5);
+        std::thread::sleep(Duration::from_micros((10u64 << shift).min(200)));
+    }
+}
+
+/// Who a rank's process is, so that a peer on the same host can tell whether it still
+/// exists: the kernel's boot id and PID namespace (the same on both sides means the PID
+/// means the same process), the PID and the process's start time (so a reused PID is not
+/// mistaken for the rank). All zero where `/proc` cannot be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ProcessIdentity {
+    boot_id: [u8; 36],
+    pid_namespace: u64,
+    pid: u32,
+    start_time: u64,
+}
+
+/// Whether a peer's process still exists.
+enum Liveness {
+    Alive,
+    Gone,
+    Unknown,
+}
+
+impl ProcessIdentity {
+    /// Encoded length: boot id, namespace, pid, start time, padded to 64 bytes.
+    const LEN: usize = 64;
+
+    fn current() -> Self {
+        let mut boot_id = [0u8; 36];
+        if let Ok(text) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
+            let text = text.trim().as_bytes();
+            let n = text.len().min(boot_id.len());
+            boot_id[..n].copy_from_slice(&text[..n]);
+        }
+        let pid_namespace = std::fs::read_link("/proc/self/ns/pid")
+            .ok()
+            .and_then(|link| {
+                let link = link.to_string_lossy().into_owned();
+                let digits: String = link.chars().filter(char::is_ascii_digit).collect();
+                digits.parse().ok()
+            })
+            .unwrap_or(0);
+        let pid = std::process::id();
+        let start_time = read_stat(pid).map_or(0, |(_, start)| start);
+        Self {
+            boot_id,
+            pid_namespace,
+            pid,
+            start_time,
+        }
+    }
+
+    fn encode(&self) -> [u8; Self::LEN] {
+        let mut out = [0u8; Self::LEN];
+        out[..36].copy_from_slice(&self.boot_id);
+        out[40..48].copy_from_slice(&self.pid_namespace.to_le_bytes());
+        out[48..52].copy_from_slice(&self.pid.to_le_bytes());
+        out[56..64].copy_from_slice(&self.start_time.to_le_bytes());
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Self {
+        let mut id = Self {
+            boot_id: [0; 36],
+            pid_namespace: 0,
+            pid: 0,
+            start_time: 0,
+        };
+        if bytes.len() == Self::LEN {
+            id.boot_id.copy_from_slice(&bytes[..36]);
+            let word = |r: std::ops::Range<usize>| {
+                let mut w = [0u8; 8];
+                w[..r.len()].copy_from_slice(&bytes[r]);
+                u64::from_le_bytes(w)
+            };
+            id.pid_namespace = word(40..48);
+            id.pid = u32::try_from(word(48..52)).unwrap_or(0);
+            id.start_time = word(56..64);
+        }
+        id
+    }
+
+    /// Same kernel and PID namespace, both known.
+    fn same_host(&self, other: &Self) -> bool {
+        self.boot_id != [0; 36]
+            && self.pid_namespace != 0
+            && self.boot_id == other.boot_id
+            && self.pid_namespace == other.pid_namespace
+    }
+
+    /// Whether this process (seen from the same host) still exists.
+    fn liveness(&self) -> Liveness {
+        if self.pid == 0 || self.start_time == 0 {
+            return Liveness::Unknown;
+        }
+        match read_stat(self.pid) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Liveness::Gone,
+            Err(_) => Liveness::Unknown,
+            Ok((state, start)) if start != self.start_time || matches!(state, 'Z' | 'X') => {
+                Liveness::Gone
+            }
+            Ok(_) => Liveness::Alive,
+        }
+    }
+}
+
+/// The state letter and start time (field 22, in clock ticks since boot) of
+/// `/proc/<pid>/stat`.
+fn read_stat(pid: u32) -> std::io::Result<(char, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name (field 2) is parenthesized and may hold spaces: parse after it.
+    let rest = text.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let state = fields.first().and_then(|f| f.chars().next()).unwrap_or('?');
+    let start = fields
+        .get(19)
+        .and_then(|f| f.parse().ok())
+        .ok_or_else(|| std::io::Error::other("unexpected /proc/<pid>/stat format"))?;
+    Ok((state, start))
 }
 
 /// Stand-ins for empty buffers: an empty slice's dangling address (`0x1`) is Open MPI's

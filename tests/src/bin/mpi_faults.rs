@@ -1,0 +1,383 @@
+//! Fault injection under MPI: one rank SIGKILLs itself at a chosen phase, the others must
+//! fail within the timeout with an error naming it (`cargo xtask faults`).
+//!
+//! `mpirun --enable-recovery -np N mpi-faults PHASE VICTIM TIMEOUT_MS`. Every rank builds an
+//! MPI communicator bounded by the timeout (`MpiCommunicator::with_timeout`) and a host
+//! custom all-reduce with the same barrier timeout, runs one round of every operation
+//! successfully (an object all-gather, an all-reduce, a suspend/resume), then runs the
+//! operation of `PHASE` again, during which rank `VICTIM` kills itself with SIGKILL:
+//!
+//! - `object-lengths`: at the first transport call of an object all-gather (the length
+//!   exchange);
+//! - `object-payload`: at its second call (the payload; values are 4 KiB, past the inline
+//!   slot, so there is one);
+//! - `allreduce-launch`: just before an all-reduce (the others wait in its start barrier);
+//! - `suspend`: at the second transport call of `prepare_for_suspend` (its closing
+//!   barrier, after the mappings are closed);
+//! - `resume`: at the first transport call of `reinit_after_resume` (the handle exchange).
+//!
+//! Each survivor prints `survivor R: PHASE failed after S s naming rank V: ERROR` when its
+//! typed error names the victim first (survivors that already exited may follow it), or `survivor R: PHASE FAILED: ...` otherwise, then
+//! checks that its communicator refuses further collectives at once when the MPI wait
+//! timed out, and prints `rank R: exiting without MPI_Finalize` at the end (finalizing after
+//! a peer died can hang in Open MPI 4.1). The victim prints
+//! `victim V: SIGKILL at PHASE` just before it dies. The xtask driver judges these lines,
+//! the time bound, and what the job leaves behind.
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use tpcomm::allreduce::{AllReduceError, Config, CustomAllReduce, HostBackend};
+use tpcomm::ipc::{HostMemory, IpcError};
+use tpcomm::objects;
+use tpcomm::transport::check::{
+    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
+};
+use tpcomm::transport::{Communicator, GatherRecv, MpiCommunicator, Op};
+use tpcomm::{ObjectError, TransportError};
+
+/// The phases a rank can be killed at.
+const PHASES: [&str; 5] = [
+    "object-lengths",
+    "object-payload",
+    "allreduce-launch",
+    "suspend",
+    "resume",
+];
+
+/// An MPI communicator that kills this process at its `kill_at`-th transport call (1-based)
+/// once armed; 0 means never.
+struct FaultyComm<'a> {
+    inner: &'a MpiCommunicator,
+    calls: AtomicUsize,
+    kill_at: AtomicUsize,
+    phase: &'static str,
+}
+
+impl FaultyComm<'_> {
+    /// Kills this process at the `nth` transport call from now.
+    fn arm(&self, nth: usize) {
+        self.calls.store(0, Ordering::SeqCst);
+        self.kill_at.store(nth, Ordering::SeqCst);
+    }
+
+    fn count_call(&self) {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.kill_at.load(Ordering::SeqCst) == call {
+            die(self.inner.rank(), self.phase);
+        }
+    }
+}
+
+/// SIGKILLs this process (through kill(1): no unsafe code in this program).
+fn die(rank: usize, phase: &str) -> ! {
+    println!("victim {rank}: SIGKILL at {phase}");
+    let pid = std::process::id().to_string();
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid])
+        .status();
+    // kill(1) returns after the signal is queued; wait for it to land.
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+impl Communicator for FaultyComm<'_> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn max_count(&self) -> usize {
+        self.inner.max_count()
+    }
+    fn backend_name(&self) -> &'static str {
+        "mpi-faulty"
+    }
+    fn split(&self, _color: Option<u32>, _key: i32) -> Result<Option<Self>, TransportError> {
+        Err(TransportError::Unsupported {
+            op: Op::Split,
+            reason: "the fault-injection wrapper does not split".into(),
+        })
+    }
+    fn raw_barrier(&self) -> Result<(), TransportError> {
+        self.count_call();
+        self.inner.barrier()
+    }
+    fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<(), TransportError> {
+        self.count_call();
+        let (send, recv) = args.parts();
+        self.inner.all_gather(send, recv)
+    }
+    fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<(), TransportError> {
+        self.count_call();
+        let (send, recv, counts, displs) = args.parts();
+        self.inner.all_gather_varcount(send, recv, counts, displs)
+    }
+    fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> Result<(), TransportError> {
+        self.count_call();
+        let root = args.root();
+        let (send, layout) = args.parts();
+        let layout = layout.map(|l| GatherRecv {
+            recv: &mut *l.recv,
+            counts: l.counts,
+            displs: l.displs,
+        });
+        self.inner.gather_varcount(root, send, layout)
+    }
+    fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> Result<(), TransportError> {
+        self.count_call();
+        let root = args.root();
+        self.inner.broadcast(root, args.buf())
+    }
+    fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<(), TransportError> {
+        self.count_call();
+        let (send, recv) = args.parts();
+        self.inner.all_to_all_varcount(send, recv)
+    }
+}
+
+/// The ranks a typed error blames (empty when it blames nobody).
+fn blamed_by_transport(e: &TransportError) -> Vec<usize> {
+    match e {
+        TransportError::Unresponsive { gone, .. } => gone.clone(),
+        TransportError::Timeout { missing, .. } => missing.clone(),
+        other => other.culprit().into_iter().collect(),
+    }
+}
+
+fn blamed_by_allreduce(e: &AllReduceError) -> Vec<usize> {
+    match e {
+        AllReduceError::Timeout { peer, .. } => vec![*peer],
+        AllReduceError::Transport(t) => blamed_by_transport(t),
+        AllReduceError::Failed { cause, .. } => blamed_by_allreduce(cause),
+        AllReduceError::Ipc(ipc) => match &**ipc {
+            IpcError::Exchange(o) => blamed_by_objects(o),
+            _ => Vec::new(),
+        },
+        _ => Vec::new(),
+    }
+}
+
+fn blamed_by_objects(e: &ObjectError) -> Vec<usize> {
+    match e {
+        ObjectError::Transport(t) => blamed_by_transport(t),
+        _ => Vec::new(),
+    }
+}
+
+/// A phase's failure: the ranks it blames, its text, and whether the MPI wait timed out
+/// (so that the communicator must now refuse further collectives).
+struct Failure {
+    blamed: Vec<usize>,
+    text: String,
+    mpi_timed_out: bool,
+}
+
+fn from_transport(e: &TransportError) -> bool {
+    matches!(e, TransportError::Unresponsive { .. })
+}
+
+fn object_failure(e: ObjectError) -> Failure {
+    Failure {
+        blamed: blamed_by_objects(&e),
+        mpi_timed_out: matches!(&e, ObjectError::Transport(t) if from_transport(t)),
+        text: e.to_string(),
+    }
+}
+
+fn allreduce_failure(e: AllReduceError) -> Failure {
+    fn timed_out(e: &AllReduceError) -> bool {
+        match e {
+            AllReduceError::Transport(t) => from_transport(t),
+            AllReduceError::Failed { cause, .. } => timed_out(cause),
+            AllReduceError::Ipc(ipc) => {
+                matches!(&**ipc, IpcError::Exchange(ObjectError::Transport(t)) if from_transport(t))
+            }
+            _ => false,
+        }
+    }
+    Failure {
+        blamed: blamed_by_allreduce(&e),
+        mpi_timed_out: timed_out(&e),
+        text: e.to_string(),
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let parsed = match args.as_slice() {
+        [phase, victim, ms] => PHASES
+            .iter()
+            .find(|p| *p == phase)
+            .and_then(|p| Some((*p, victim.parse().ok()?, ms.parse().ok()?))),
+        _ => None,
+    };
+    let Some((phase, victim, timeout_ms)) = parsed else {
+        eprintln!(
+            "usage: mpi-faults PHASE VICTIM TIMEOUT_MS (phases: {})",
+            PHASES.join(", ")
+        );
+        return ExitCode::FAILURE;
+    };
+    let timeout = Duration::from_millis(timeout_ms);
+    let Some(universe) = mpi::initialize() else {
+        eprintln!("mpi-faults: MPI was already initialized");
+        return ExitCode::FAILURE;
+    };
+    let comm = MpiCommunicator::world(&universe).and_then(|c| c.with_timeout(timeout));
+    let (rank, ok) = match comm {
+        Ok(comm) => {
+            let rank = comm.rank();
+            let ok = run(&comm, phase, victim, timeout);
+            drop(comm);
+            (rank, ok)
+        }
+        Err(e) => {
+            eprintln!("mpi-faults: cannot create the communicator: {e}");
+            (usize::MAX, false)
+        }
+    };
+    // Every survivor here has lost a peer, and MPI_Finalize after a peer died is not safe
+    // with Open MPI 4.1 even under --enable-recovery: it waits in a fence that includes the
+    // dead rank, and hung in about one run in seven. So the process exits without
+    // finalizing (what a real program should do after `Unresponsive`); mpirun tolerates
+    // that under --enable-recovery.
+    std::mem::forget(universe);
+    println!("rank {rank}: exiting without MPI_Finalize");
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// One rank's part; true when it behaved as expected.
+fn run(comm: &MpiCommunicator, phase: &'static str, victim: usize, timeout: Duration) -> bool {
+    let me = comm.rank();
+    if victim >= comm.size() {
+        eprintln!("rank {me}: victim {victim} is not a rank");
+        return false;
+    }
+    let faulty = FaultyComm {
+        inner: comm,
+        calls: AtomicUsize::new(0),
+        kill_at: AtomicUsize::new(0),
+        phase,
+    };
+    let config = Config {
+        max_bytes: 64 << 10,
+        slots: 8,
+        timeout,
+        ..Config::default()
+    };
+    let mut ar = match CustomAllReduce::new(HostBackend::new(), HostMemory::new(), &faulty, config)
+    {
+        Ok(ar) => ar,
+        Err(e) => {
+            println!("rank {me}: setup FAILED: {e}");
+            return false;
+        }
+    };
+    let value = vec![me as u8; 4096];
+    let input = vec![1.0f32; 1024];
+    let mut output = vec![0.0f32; 1024];
+    // One healthy round of everything, so the fault hits a working job.
+    let warm = objects::all_gather(&faulty, &value)
+        .map_err(|e| e.to_string())
+        .and_then(|_| {
+            ar.all_reduce(&input, &mut output)
+                .map_err(|e| e.to_string())
+        })
+        .and_then(|_| ar.prepare_for_suspend(&faulty).map_err(|e| e.to_string()))
+        .and_then(|_| ar.reinit_after_resume(&faulty).map_err(|e| e.to_string()));
+    if let Err(e) = warm {
+        println!("rank {me}: warm-up FAILED: {e}");
+        return false;
+    }
+    if output.iter().any(|&x| x != comm.size() as f32) {
+        println!("rank {me}: warm-up all-reduce gave a wrong sum");
+        return false;
+    }
+
+    let is_victim = me == victim;
+    let started = Instant::now();
+    let outcome: Result<(), Failure> = match phase {
+        "object-lengths" | "object-payload" => {
+            if is_victim {
+                faulty.arm(if phase == "object-lengths" { 1 } else { 2 });
+            }
+            objects::all_gather(&faulty, &value)
+                .map(drop)
+                .map_err(object_failure)
+        }
+        "allreduce-launch" => {
+            if is_victim {
+                die(me, phase);
+            }
+            ar.all_reduce(&input, &mut output)
+                .map(drop)
+                .map_err(allreduce_failure)
+        }
+        "suspend" => {
+            if is_victim {
+                faulty.arm(2);
+            }
+            ar.prepare_for_suspend(&faulty).map_err(allreduce_failure)
+        }
+        _ => {
+            // resume
+            let suspended = ar.prepare_for_suspend(&faulty);
+            if let Err(e) = suspended {
+                println!("rank {me}: suspend before the resume FAILED: {e}");
+                return false;
+            }
+            if is_victim {
+                faulty.arm(1);
+            }
+            ar.reinit_after_resume(&faulty).map_err(allreduce_failure)
+        }
+    };
+    let waited = started.elapsed();
+    let failure = match outcome {
+        Ok(()) => {
+            println!("survivor {me}: {phase} FAILED: it succeeded although rank {victim} died");
+            return false;
+        }
+        Err(f) => f,
+    };
+    // Survivors that timed out first may have exited before this one's deadline: they are
+    // gone too, and rightly listed, but after the victim, which died first.
+    if failure.blamed.first() != Some(&victim) {
+        println!(
+            "survivor {me}: {phase} FAILED: the error blames {:?}, not {victim} first, after {:.2} s: {}",
+            failure.blamed,
+            waited.as_secs_f64(),
+            failure.text
+        );
+        return false;
+    }
+    println!(
+        "survivor {me}: {phase} failed after {:.2} s naming rank {victim}: {}",
+        waited.as_secs_f64(),
+        failure.text
+    );
+    if failure.mpi_timed_out {
+        // The abandoned collective broke the communicator: the next call must fail at once.
+        let refused_at = Instant::now();
+        let next = comm.barrier();
+        let ok =
+            matches!(next, Err(TransportError::Aborted { .. })) && refused_at.elapsed() < timeout;
+        if !ok {
+            println!("survivor {me}: FAILED: a collective after the timeout gave {next:?}");
+            return false;
+        }
+    }
+    if let Err(e) = ar.close() {
+        println!("survivor {me}: FAILED: close after the fault: {e}");
+        return false;
+    }
+    true
+}

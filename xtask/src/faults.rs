@@ -64,18 +64,7 @@ pub(crate) fn suite() -> Result<Outcome, String> {
     if !open_mpi() {
         return Err("the fault suite needs Open MPI's mpirun (--enable-recovery)".into());
     }
-    let mut build = util::cargo();
-    build.args([
-        "build",
-        "-p",
-        "tpcomm-conformance",
-        "--features",
-        "mpi",
-        "--bin",
-        "mpi-faults",
-    ]);
-    util::run(build)?;
-    let exe = util::root().join("target/debug/mpi-faults");
+    let exe = util::mpi_program("mpi-faults", false)?;
     let mut outcome = Outcome::default();
     for np in RANKS {
         for (i, phase) in PHASES.iter().enumerate() {

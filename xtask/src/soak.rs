@@ -28,24 +28,13 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         }
     }
     setup::ensure_mpi_toolchain()?;
-    let mut build = util::cargo();
-    build.args([
-        "build",
-        "--release",
-        "-p",
-        "tpcomm-conformance",
-        "--features",
-        "mpi",
-        "--bin",
-        "mpi-soak",
-    ]);
-    util::run(build)?;
+    let exe = util::mpi_program("mpi-soak", true)?;
     let limit = (minutes * 60.0) as u64 + 300;
     let mut cmd = Command::new("timeout");
     cmd.args(["--kill-after=10", &limit.to_string()]);
     let mpirun = util::mpirun(2);
     cmd.arg(mpirun.get_program()).args(mpirun.get_args());
-    cmd.arg(util::root().join("target/release/mpi-soak"));
+    cmd.arg(&exe);
     cmd.env("TPCOMM_SOAK_SECONDS", (minutes * 60.0).to_string());
     cmd.current_dir(util::root());
     util::run(cmd)

@@ -159,18 +159,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
 }
 
 fn run_mpi_suite(tally: &mut Tally) -> Result<(), String> {
-    let mut build = util::cargo();
-    build.args([
-        "build",
-        "-p",
-        "tpcomm-conformance",
-        "--features",
-        "mpi",
-        "--bin",
-        "mpi-conformance",
-    ]);
-    util::run(build)?;
-    let exe = util::root().join("target/debug/mpi-conformance");
+    let exe = util::mpi_program("mpi-conformance", false)?;
     for np in MPI_RANKS {
         run_mpi_program(tally, np, &exe, None)?;
     }
@@ -219,24 +208,8 @@ fn run_fuzz_smoke(tally: &mut Tally) -> Result<(), String> {
 
 /// The opt-in all-gather past 2 GiB (`--large`): 2 ranks, release build.
 fn run_large(tally: &mut Tally) -> Result<(), String> {
-    let mut build = util::cargo();
-    build.args([
-        "build",
-        "--release",
-        "-p",
-        "tpcomm-conformance",
-        "--features",
-        "mpi",
-        "--bin",
-        "mpi-large-gather",
-    ]);
-    util::run(build)?;
-    run_mpi_program(
-        tally,
-        2,
-        &util::root().join("target/release/mpi-large-gather"),
-        None,
-    )
+    let exe = util::mpi_program("mpi-large-gather", true)?;
+    run_mpi_program(tally, 2, &exe, None)
 }
 
 /// Runs `exe` under `mpirun -np np` (bounded by a timeout) and counts its `case ...` lines.

@@ -78,6 +78,27 @@ pub(crate) fn is_root() -> bool {
 
 /// The `mpirun` command line for `np` ranks (Open MPI needs flags to run as root and to
 /// place more ranks than cores).
+/// Builds the MPI program `bin` of `tpcomm-conformance` (`tests/src/bin/`) with the `mpi`
+/// feature and returns its path.
+pub(crate) fn mpi_program(bin: &str, release: bool) -> Result<PathBuf, String> {
+    let mut build = cargo();
+    build.arg("build");
+    if release {
+        build.arg("--release");
+    }
+    build.args([
+        "-p",
+        "tpcomm-conformance",
+        "--features",
+        "mpi",
+        "--bin",
+        bin,
+    ]);
+    run(build)?;
+    let profile = if release { "release" } else { "debug" };
+    Ok(root().join("target").join(profile).join(bin))
+}
+
 pub(crate) fn mpirun(np: usize) -> Command {
     let mut cmd = Command::new("mpirun");
     let version = Command::new("mpirun")

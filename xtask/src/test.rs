@@ -145,7 +145,11 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             tally.skipped.len()
         );
         for s in &tally.skipped {
-            println!("  skipped: {s}");
+            // The reasons repeat the loader's whole search list: the first line of each is
+            // enough here (the full text is in target/test-skips.log).
+            let short: String = s.chars().take(150).collect();
+            let cut = if short.len() < s.len() { " ..." } else { "" };
+            println!("  skipped: {short}{cut}");
         }
     }
     for p in &tally.problems {

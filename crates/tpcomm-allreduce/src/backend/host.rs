@@ -152,15 +152,11 @@ unsafe fn reduce<T: Element>(inputs: &[u64], out: u64, range: Range<usize>) {
         for &input in inputs {
             // SAFETY: per the function contract, `start + n <= range.end` elements.
             let src = unsafe { std::slice::from_raw_parts((input as *const T).add(start), n) };
-            for (a, v) in acc[..n].iter_mut().zip(src) {
-                *a += v.to_f32();
-            }
+            T::accumulate(src, &mut acc[..n]);
         }
         // SAFETY: per the function contract.
         let dst = unsafe { std::slice::from_raw_parts_mut((out as *mut T).add(start), n) };
-        for (d, a) in dst.iter_mut().zip(&acc[..n]) {
-            *d = T::from_f32(*a);
-        }
+        T::narrow(&acc[..n], dst);
         start += n;
     }
 }

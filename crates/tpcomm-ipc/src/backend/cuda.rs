@@ -107,21 +107,7 @@ pub mod result {
     ];
 
     fn try_load() -> std::result::Result<(), String> {
-        // SAFETY: loading the CUDA driver library runs its initialisers, which is how the
-        // library is meant to be used; the library is only probed here, nothing is called.
-        if !unsafe { sys::is_culib_present() } {
-            let mut names = cudarc::get_lib_name_candidates("cuda");
-            let mut seen = std::collections::HashSet::new();
-            names.retain(|n| seen.insert(n.clone()));
-            return Err(format!(
-                "the CUDA driver library (libcuda) is not installed or not on the loader path \
-                 (looked for {})",
-                names.join(", ")
-            ));
-        }
-        // SAFETY: `is_culib_present` just loaded one of the same candidates, so `culib` finds
-        // a library and does not panic; looking symbols up calls nothing.
-        let missing = unsafe { missing_symbols(SYMBOLS) };
+        let missing = tpcomm_transport::backend::cuda_driver::missing_symbols(SYMBOLS)?;
         if missing.is_empty() {
             Ok(())
         } else {
@@ -136,8 +122,8 @@ pub mod result {
     /// ones. Never calls them, never panics.
     pub fn require(names: &[&str]) -> Result<()> {
         load()?;
-        // SAFETY: `load` succeeded, so the library is loaded and `culib` does not panic.
-        let missing = unsafe { missing_symbols(names) };
+        let missing = tpcomm_transport::backend::cuda_driver::missing_symbols(names)
+            .map_err(IpcError::NoDevice)?;
         if missing.is_empty() {
             Ok(())
         } else {
@@ -145,23 +131,6 @@ pub mod result {
                 "the CUDA driver library lacks {missing:?}: the driver is too old"
             )))
         }
-    }
-
-    /// The names in `names` that the driver library does not export.
-    ///
-    /// # Safety
-    /// The driver library was found (`is_culib_present` returned true), so `culib` does not
-    /// panic.
-    unsafe fn missing_symbols<'n>(names: &[&'n str]) -> Vec<&'n str> {
-        // SAFETY: caller's contract.
-        let lib = unsafe { sys::culib() };
-        names
-            .iter()
-            .copied()
-            // SAFETY: the symbol is only looked up (as an opaque function pointer), never
-            // called through this type.
-            .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
-            .collect()
     }
 
     /// Loads the driver library (once per process) and checks that it exports every function

@@ -1,5 +1,7 @@
 //! Transport backends. `unsafe` code of this crate lives here only.
 
+#[cfg(feature = "cuda-driver")]
+pub mod cuda_driver;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;

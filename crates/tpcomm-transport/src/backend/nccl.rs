@@ -357,28 +357,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
 
 fn load_driver() -> Result<()> {
     fn try_load() -> std::result::Result<(), String> {
-        use cudarc::driver::sys;
-        // SAFETY: loading the CUDA driver library runs its initialisers, which is how the
-        // library is meant to be used; nothing is called.
-        if !unsafe { sys::is_culib_present() } {
-            let mut names = cudarc::get_lib_name_candidates("cuda");
-            let mut seen = std::collections::HashSet::new();
-            names.retain(|n| seen.insert(n.clone()));
-            return Err(format!(
-                "the CUDA driver library is not installed or not on the loader path (looked \
-                 for {})",
-                names.join(", ")
-            ));
-        }
-        // SAFETY: `is_culib_present` just loaded one of the same candidates, so `culib` finds
-        // a library and does not panic; looking symbols up calls nothing.
-        let lib = unsafe { sys::culib() };
-        let missing: Vec<&str> = DRIVER_SYMBOLS
-            .iter()
-            .copied()
-            // SAFETY: the symbol is only looked up, never called through this type.
-            .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
-            .collect();
+        let missing = super::cuda_driver::missing_symbols(DRIVER_SYMBOLS)?;
         if missing.is_empty() {
             Ok(())
         } else {

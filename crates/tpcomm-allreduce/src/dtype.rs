@@ -134,7 +134,11 @@ mod tests {
         let start: Vec<f32> = (0..n).map(|i| (i % 11) as f32 * 0.5).collect();
         let mut batched = start.clone();
         T::accumulate(&src, &mut batched);
-        let expected: Vec<f32> = start.iter().zip(&src).map(|(a, v)| a + v.to_f32()).collect();
+        let expected: Vec<f32> = start
+            .iter()
+            .zip(&src)
+            .map(|(a, v)| a + v.to_f32())
+            .collect();
         assert_eq!(batched, expected);
         let mut narrowed = vec![T::from_f32(0.0); n];
         T::narrow(&batched, &mut narrowed);

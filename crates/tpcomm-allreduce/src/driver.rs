@@ -231,6 +231,8 @@ pub struct CustomAllReduce<B: Backend> {
     pending: Vec<(usize, Region)>,
     /// Registered buffers: address -> (slot, length).
     buffers: HashMap<u64, (usize, usize)>,
+    /// Launches recorded into device graphs (while the backend was capturing) so far.
+    recorded: usize,
 }
 
 impl<B: Backend> CustomAllReduce<B> {
@@ -307,6 +309,7 @@ impl<B: Backend> CustomAllReduce<B> {
             registered: HashMap::new(),
             pending: Vec::new(),
             buffers: HashMap::new(),
+            recorded: 0,
         };
         ar.write_tables()?;
         comm.barrier()?;
@@ -317,6 +320,13 @@ impl<B: Backend> CustomAllReduce<B> {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn check_operation(&self, call: &'static str) -> Result<()> {
         self.lifecycle.check_operation(call)
+    }
+
+    /// Launches recorded into device graphs so far (a device graph's size is the
+    /// difference across its capture).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn recorded_launches(&self) -> usize {
+        self.recorded
     }
 
     /// The lifecycle phase.
@@ -504,7 +514,10 @@ impl<B: Backend> CustomAllReduce<B> {
         )
         .entered();
         match self.backend.launch(res.peers.backend(), &launch) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.recorded += usize::from(recording);
+                Ok(())
+            }
             Err(e) => Err(self.lifecycle.fail(call, e)),
         }
     }

@@ -63,6 +63,15 @@ pub enum AllReduceError {
         /// What this rank read.
         found: u64,
     },
+    /// Another rank could not set up its part of a collective setup (this rank's own failure
+    /// is returned as itself); every rank fails the setup together.
+    #[error("rank {rank} could not set up: {reason}")]
+    PeerSetup {
+        /// The rank that failed.
+        rank: usize,
+        /// Its error, as text.
+        reason: String,
+    },
     /// Peer memory failed.
     #[error(transparent)]
     Ipc(Arc<IpcError>),

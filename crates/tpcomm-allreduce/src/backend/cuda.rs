@@ -251,9 +251,10 @@ impl CudaBackend {
             .enumerate()
             .find_map(|(r, e)| e.as_ref().map(|e| (r, e)))
         {
-            return Err(AllReduceError::InvalidArgument(format!(
-                "rank {rank} could not set up its CUDA backend: {why}"
-            )));
+            return Err(AllReduceError::PeerSetup {
+                rank,
+                reason: why.clone(),
+            });
         }
         let uuids: Vec<[u8; 16]> = tpcomm_objects::all_gather(comm, &uuid)?;
         let lacking = Self::first_peer_without_access(&ctx, &uuids, comm.rank())?;
@@ -702,16 +703,18 @@ impl CustomAllReduce<CudaBackend> {
     /// (collective) before the first [`replay_graph`](Self::replay_graph).
     pub fn capture_graph<F>(&mut self, f: F) -> Result<DeviceGraph>
     where
-        F: FnOnce(&mut Self) -> Result<usize>,
+        F: FnOnce(&mut Self) -> Result<()>,
     {
         self.check_operation("capture_graph")?;
+        let before = self.recorded_launches();
         let stream = self.backend().stream().clone();
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| driver_error("cuStreamBeginCapture_v2", e))?;
         let recorded = f(self);
         let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        let launches = recorded?;
+        recorded?;
+        let launches = self.recorded_launches() - before;
         let graph = ended
             .map_err(|e| driver_error("cuStreamEndCapture", e))?
             .ok_or_else(|| {

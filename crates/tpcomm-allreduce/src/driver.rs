@@ -233,6 +233,8 @@ pub struct CustomAllReduce<B: Backend> {
     buffers: HashMap<u64, (usize, usize)>,
     /// Launches recorded into device graphs (while the backend was capturing) so far.
     recorded: usize,
+    /// Unique in the process: ties device graphs to the communicator that captured them.
+    id: u64,
 }
 
 impl<B: Backend> CustomAllReduce<B> {
@@ -310,6 +312,11 @@ impl<B: Backend> CustomAllReduce<B> {
             pending: Vec::new(),
             buffers: HashMap::new(),
             recorded: 0,
+            id: {
+                use std::sync::atomic::{AtomicU64, Ordering};
+                static NEXT: AtomicU64 = AtomicU64::new(1);
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            },
         };
         ar.write_tables()?;
         comm.barrier()?;
@@ -327,6 +334,12 @@ impl<B: Backend> CustomAllReduce<B> {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn recorded_launches(&self) -> usize {
         self.recorded
+    }
+
+    /// This communicator's identity in the process.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// The lifecycle phase.

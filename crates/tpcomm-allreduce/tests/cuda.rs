@@ -330,6 +330,12 @@ fn inputs_captured_twice_share_a_slot_and_registration_waits_for_the_capture_to_
         // Replayed twice into the same output from the same input: 1 + 2.
         expect_all::<bf16>(&memory, &out, 2048, 3.0)?;
         comm.barrier()?;
+        // A graph belongs to the communicator that captured it.
+        let mut other = new_ar(&comm, Config::default())?;
+        assert!(matches!(
+            other.replay_graph(&graph),
+            Err(AllReduceError::InvalidArgument(_))
+        ));
         Ok(())
     });
     for r in results {

@@ -678,6 +678,7 @@ impl Backend for CudaBackend {
 pub struct DeviceGraph {
     graph: CudaGraph,
     launches: usize,
+    owner: u64,
 }
 
 impl std::fmt::Debug for DeviceGraph {
@@ -720,14 +721,23 @@ impl CustomAllReduce<CudaBackend> {
             .ok_or_else(|| {
                 AllReduceError::InvalidArgument("the capture recorded nothing".into())
             })?;
-        Ok(DeviceGraph { graph, launches })
+        Ok(DeviceGraph {
+            graph,
+            launches,
+            owner: self.id(),
+        })
     }
 
     /// Launches a captured graph on the backend's stream (asynchronously; see
     /// [`synchronize`](Self::synchronize)). Refused while captured inputs are unregistered
     /// or the communicator is not Active, since the graph's launches would read unwritten
-    /// table slots or closed mappings.
+    /// table slots or closed mappings, and for a graph another communicator captured.
     pub fn replay_graph(&mut self, graph: &DeviceGraph) -> Result<()> {
+        if graph.owner != self.id() {
+            return Err(AllReduceError::InvalidArgument(
+                "the graph was captured by another communicator".into(),
+            ));
+        }
         self.check_replay()?;
         graph
             .graph

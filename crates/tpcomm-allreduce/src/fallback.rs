@@ -95,6 +95,32 @@ impl DeviceAllReduce {
         Ok(self.nccl.all_reduce(&send, &mut recv, ReduceOp::Sum)?)
     }
 
+    /// Collective: suspends both paths — the custom all-reduce closes every peer mapping
+    /// ([`CustomAllReduce::prepare_for_suspend`]), then NCCL releases its memory where the
+    /// loaded library has `ncclCommSuspend` (2.29+; older ones keep it, traced).
+    pub fn prepare_for_suspend<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        self.custom.prepare_for_suspend(comm)?;
+        if self.nccl.library().supports_suspend() {
+            self.nccl.suspend()?;
+        } else {
+            tracing::debug!(
+                version = self.nccl.library().version(),
+                "NCCL has no ncclCommSuspend: its memory stays allocated while suspended"
+            );
+        }
+        Ok(())
+    }
+
+    /// Collective: the reverse of [`prepare_for_suspend`](Self::prepare_for_suspend): NCCL
+    /// resumes (where it was suspended), then the custom all-reduce reopens every mapping and
+    /// rewrites its tables ([`CustomAllReduce::reinit_after_resume`]).
+    pub fn reinit_after_resume<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        if self.nccl.is_suspended() {
+            self.nccl.resume()?;
+        }
+        self.custom.reinit_after_resume(comm)
+    }
+
     /// Waits for everything issued on the stream and reports a kernel timeout.
     pub fn synchronize(&mut self) -> Result<()> {
         self.custom.synchronize()?;

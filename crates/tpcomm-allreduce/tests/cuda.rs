@@ -411,7 +411,7 @@ fn an_unusable_device_ordinal_is_a_typed_error() {
 
 #[cfg(feature = "nccl")]
 #[test]
-fn one_rank_falls_back_to_nccl_and_sums_correctly() {
+fn one_rank_falls_back_to_nccl_and_sums_correctly_across_a_suspend() {
     use tpcomm_allreduce::{DeviceAllReduce, Route};
     if !gpu() {
         return;
@@ -437,6 +437,15 @@ fn one_rank_falls_back_to_nccl_and_sums_correctly() {
             matches!(route, Route::Nccl(FallbackReason::NoKernel { .. })),
             "{route:?}"
         );
+        dar.synchronize()?;
+        expect_all::<f32>(&memory, &out, 1024, 3.5)?;
+        // Both paths through a suspend and resume, then again.
+        dar.prepare_for_suspend(&comm)?;
+        assert_eq!(dar.custom().phase(), Phase::Suspended);
+        dar.reinit_after_resume(&comm)?;
+        assert_eq!(dar.custom().phase(), Phase::Active);
+        poison(&memory, &out, 4096)?;
+        dar.all_reduce(&input, &out, DType::F32, 1024)?;
         dar.synchronize()?;
         expect_all::<f32>(&memory, &out, 1024, 3.5)?;
         Ok(())

@@ -614,14 +614,10 @@ impl PerRank for AllReduceJob<'_> {
     fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
         let args = self.args;
         let mpi = MpiDirect::for_run(info);
-        let table = Table { direct: false };
-        let printer = (comm.rank() == 0).then_some(&table);
-        if let Some(t) = printer {
-            if let Some(path) = &args.json {
-                report::check_writable(path)?;
-            }
+        let table = report::rank0_table(comm.rank(), args.json.as_deref(), |t| {
             preamble(t, args, info, comm.size());
-        }
+        })?;
+        let printer = table.as_ref();
         let sizes = args.sweep().sizes();
         let max_bytes = sizes.last().copied().unwrap_or(args.max_bytes);
         let sync = new_sync(comm)?;

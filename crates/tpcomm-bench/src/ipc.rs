@@ -343,18 +343,14 @@ impl PerRank for IpcJob<'_> {
 
     fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
         let args = self.args;
-        let table = Table { direct: false };
-        let printer = (comm.rank() == 0).then_some(&table);
-        if let Some(t) = printer {
-            if let Some(path) = &args.json {
-                report::check_writable(path)?;
-            }
+        let table = report::rank0_table(comm.rank(), args.json.as_deref(), |t| {
             preamble(t, args, info, comm.size());
             t.header_with(
                 "peer mappings: exchange N regions per rank, close_all, reopen_all",
                 &COLUMNS,
             );
-        }
+        })?;
+        let printer = table.as_ref();
         let mut rows = Vec::new();
         for &n in &args.regions {
             let n_rows = bench_regions(comm, n as usize, args.buffer_bytes, &args.iter)?;

@@ -559,18 +559,14 @@ impl PerRank for LifecycleJob<'_> {
 
     fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
         let args = self.args;
-        let table = Table { direct: false };
-        let printer = (comm.rank() == 0).then_some(&table);
-        if let Some(t) = printer {
-            if let Some(path) = &args.json {
-                report::check_writable(path)?;
-            }
+        let table = report::rank0_table(comm.rank(), args.json.as_deref(), |t| {
             preamble(t, args, info, comm.size());
             t.header_with(
                 "suspend/resume: prepare_for_suspend, reinit_after_resume, and their sum",
                 &TRANSITION_COLUMNS,
             );
-        }
+        })?;
+        let printer = table.as_ref();
         let mut transitions = Vec::new();
         let mut latencies = Vec::new();
         for &n in &args.graph_buffers {

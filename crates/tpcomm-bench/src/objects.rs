@@ -525,18 +525,14 @@ impl PerRank for ObjectsJob<'_> {
 
     fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
         let args = self.args;
-        let table = Table { direct: false };
-        let printer = (comm.rank() == 0).then_some(&table);
-        if let Some(t) = printer {
-            if let Some(path) = &args.json {
-                report::check_writable(path)?;
-            }
+        let table = report::rank0_table(comm.rank(), args.json.as_deref(), |t| {
             preamble(t, args, info, comm.size());
             t.header_with(
                 "object all-gather: one value per rank, every rank gets all of them",
                 &COLUMNS,
             );
-        }
+        })?;
+        let printer = table.as_ref();
         let mut rows = Vec::new();
         for &payload in &args.payloads {
             let payload_rows = match payload {

@@ -458,6 +458,25 @@ pub(crate) fn unix_time() -> u64 {
 
 /// Fails now, rather than after the whole run, when `path` cannot be written: creates (and
 /// removes) the temporary file [`write_json`] will use.
+/// Rank 0's table of a subcommand without the direct-path columns, once `json` (if any) is
+/// known to be writable and `start` has printed the head of the report; `None` on every other
+/// rank (which prints nothing).
+pub(crate) fn rank0_table(
+    rank: usize,
+    json: Option<&Path>,
+    start: impl FnOnce(&Table),
+) -> Result<Option<Table>, BenchError> {
+    if rank != 0 {
+        return Ok(None);
+    }
+    if let Some(path) = json {
+        check_writable(path)?;
+    }
+    let table = Table { direct: false };
+    start(&table);
+    Ok(Some(table))
+}
+
 pub(crate) fn check_writable(path: &Path) -> Result<(), BenchError> {
     let tmp = tmp_path(path);
     std::fs::File::create(&tmp).map_err(|source| BenchError::Write {

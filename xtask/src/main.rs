@@ -6,12 +6,16 @@
 //! - `cargo xtask bench`: the benchmark tables recorded in `docs/benchmarks.md`.
 //! - `cargo xtask setup-cuda` / `cargo xtask kernels`: nvcc from the pinned wheels; the
 //!   all-reduce fatbin with its ptxas resource report.
+//! - `cargo xtask downstream`: programs outside the workspace that use tpcomm's GPU features
+//!   next to their own cudarc (configured like candle, cudarc's defaults, an older CUDA)
+//!   must build with one cudarc (also part of `test`).
 //! - `cargo xtask gpu-check [--bundle DIR]`: the GPU tests and `tpcomm-bench gpu`, built
 //!   here into a bundle with a `run.sh` for a machine with a GPU (run at once without
 //!   `--bundle`).
 
 mod bench;
 mod cuda;
+mod downstream;
 mod faults;
 mod fuzz;
 mod gpu_check;
@@ -49,6 +53,9 @@ tasks:
                         into target/ and unpack them (no GPU needed)
   kernels               build kernels/allreduce.cu into target/kernels/allreduce.fatbin and
                         print the ptxas resource report; fails on spills or local memory
+  downstream            build the programs under tests/downstream/ (tpcomm's `gpu` feature next
+                        to cudarc configured like candle-core, with cudarc's defaults, with
+                        CUDA 12.8): each must build and hold one cudarc (no GPU needed)
   gpu-check [--bundle DIR]
                         build the GPU test executables and `tpcomm-bench gpu` (features
                         cuda, nccl; release, debug info stripped) into DIR with a run.sh
@@ -77,6 +84,7 @@ fn main() -> ExitCode {
         "faults" => faults::run(rest),
         "setup-cuda" => cuda::setup_cuda(rest),
         "kernels" => cuda::kernels(rest),
+        "downstream" => downstream::run(rest),
         "gpu-check" => gpu_check::run(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");

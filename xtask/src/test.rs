@@ -6,12 +6,14 @@
 //! conformance programs under `mpirun -np 2` and `-np 4`, and once more with `-np 3` and a
 //! timeout on the communicator (the nonblocking, deadline-polled path), the fault suite
 //! (`faults.rs`: ranks SIGKILLed at each phase), and a fuzz smoke pass (`fuzz.rs`, every
-//! target for a few seconds). The closing line, `total: N passed, N failed`, covers the
-//! cargo tests, the MPI cases, the fault cases and the fuzz targets together.
+//! target for a few seconds), and the downstream builds (`downstream.rs`: tpcomm's GPU
+//! features next to cudarc configured as engines configure it). The closing line, `total: N
+//! passed, N failed`, covers the cargo tests, the MPI cases, the fault cases, the fuzz
+//! targets and the downstream programs together.
 
 use std::process::Command;
 
-use crate::{cuda, faults, fuzz, setup, util};
+use crate::{cuda, downstream, faults, fuzz, setup, util};
 
 /// Rank counts the MPI suite runs with (4 is oversubscribed on a 2-core machine).
 const MPI_RANKS: [usize; 2] = [2, 4];
@@ -134,6 +136,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         }
     }
     run_fuzz_smoke(&mut tally)?;
+    run_downstream(&mut tally)?;
 
     println!();
     if tally.ignored > 0 {
@@ -207,6 +210,22 @@ fn run_fuzz_smoke(tally: &mut Tally) -> Result<(), String> {
             }
         }
     }
+    Ok(())
+}
+
+/// `cargo xtask downstream`: each program counts as one test.
+fn run_downstream(tally: &mut Tally) -> Result<(), String> {
+    let started = std::time::Instant::now();
+    for (_, finding) in downstream::check_all()? {
+        match finding {
+            None => tally.passed += 1,
+            Some(_) => tally.failed += 1,
+        }
+    }
+    eprintln!(
+        "xtask test: downstream builds took {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 

@@ -19,7 +19,6 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
-use cudarc::nccl::sys::{ncclDataType_t, ncclRedOp_t};
 
 use crate::check::{device_count, DeviceCollective};
 use crate::error::{ArgumentError, Op, Result, TransportError};
@@ -38,15 +37,60 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
-    /// NCCL's name for the reduction.
-    pub fn nccl(self) -> ncclRedOp_t {
+    /// NCCL's code for the reduction.
+    pub fn nccl(self) -> NcclRedOp {
         match self {
-            ReduceOp::Sum => ncclRedOp_t::ncclSum,
-            ReduceOp::Prod => ncclRedOp_t::ncclProd,
-            ReduceOp::Max => ncclRedOp_t::ncclMax,
-            ReduceOp::Min => ncclRedOp_t::ncclMin,
+            ReduceOp::Sum => NcclRedOp::Sum,
+            ReduceOp::Prod => NcclRedOp::Prod,
+            ReduceOp::Max => NcclRedOp::Max,
+            ReduceOp::Min => NcclRedOp::Min,
         }
     }
+}
+
+/// NCCL's `ncclRedOp_t` for the built-in reductions, with the values `nccl.h` gives them.
+///
+/// tpcomm declares the few NCCL types it passes instead of taking cudarc's: cudarc's NCCL
+/// module makes a program that links cudarc (`dynamic-linking`) link libnccl too, while
+/// tpcomm loads libnccl at run time and reports its absence as an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(i32)] // a C enum: an `int`
+pub enum NcclRedOp {
+    /// `ncclSum`.
+    Sum = 0,
+    /// `ncclProd`.
+    Prod = 1,
+    /// `ncclMax`.
+    Max = 2,
+    /// `ncclMin`.
+    Min = 3,
+}
+
+/// NCCL's `ncclDataType_t` for the element types of [`DeviceElement`], with the values
+/// `nccl.h` gives them (NCCL 2.10 and newer, bf16 included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(i32)] // a C enum: an `int`
+pub enum NcclDataType {
+    /// `ncclInt8`.
+    Int8 = 0,
+    /// `ncclUint8`.
+    Uint8 = 1,
+    /// `ncclInt32`.
+    Int32 = 2,
+    /// `ncclUint32`.
+    Uint32 = 3,
+    /// `ncclInt64`.
+    Int64 = 4,
+    /// `ncclUint64`.
+    Uint64 = 5,
+    /// `ncclFloat16`.
+    Float16 = 6,
+    /// `ncclFloat32`.
+    Float32 = 7,
+    /// `ncclFloat64`.
+    Float64 = 8,
+    /// `ncclBfloat16`.
+    Bfloat16 = 9,
 }
 
 mod sealed {
@@ -60,7 +104,7 @@ mod sealed {
 /// size (a wrong one would make NCCL read or write past a buffer).
 pub trait DeviceElement: sealed::Sealed + DeviceRepr + Copy + Send + Sync + 'static {
     /// NCCL's data type for this element.
-    const NCCL_TYPE: ncclDataType_t;
+    const NCCL_TYPE: NcclDataType;
     /// A short name (`"f32"`, `"bf16"`...), for spans and reports.
     const NAME: &'static str;
 }
@@ -69,23 +113,23 @@ macro_rules! device_element {
     ($($t:ty => $nccl:ident, $name:literal;)*) => {$(
         impl sealed::Sealed for $t {}
         impl DeviceElement for $t {
-            const NCCL_TYPE: ncclDataType_t = ncclDataType_t::$nccl;
+            const NCCL_TYPE: NcclDataType = NcclDataType::$nccl;
             const NAME: &'static str = $name;
         }
     )*};
 }
 
 device_element! {
-    i8 => ncclInt8, "i8";
-    u8 => ncclUint8, "u8";
-    i32 => ncclInt32, "i32";
-    u32 => ncclUint32, "u32";
-    i64 => ncclInt64, "i64";
-    u64 => ncclUint64, "u64";
-    half::f16 => ncclFloat16, "f16";
-    f32 => ncclFloat32, "f32";
-    f64 => ncclFloat64, "f64";
-    half::bf16 => ncclBfloat16, "bf16";
+    i8 => Int8, "i8";
+    u8 => Uint8, "u8";
+    i32 => Int32, "i32";
+    u32 => Uint32, "u32";
+    i64 => Int64, "i64";
+    u64 => Uint64, "u64";
+    half::f16 => Float16, "f16";
+    f32 => Float32, "f32";
+    f64 => Float64, "f64";
+    half::bf16 => Bfloat16, "bf16";
 }
 
 /// Checked arguments of one device collective, built only by [`DeviceCommunicator`]'s

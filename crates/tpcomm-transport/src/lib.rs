@@ -35,5 +35,7 @@ pub use backend::nccl::{NcclCommunicator, NcclLibrary};
 pub use check::{DeviceCollective, GatherRecv, Layout};
 pub use communicator::{dense_displacements, Communicator};
 #[cfg(feature = "nccl")]
-pub use device::{DeviceArgs, DeviceCommunicator, DeviceElement, ReduceOp};
+pub use device::{
+    DeviceArgs, DeviceCommunicator, DeviceElement, NcclDataType, NcclRedOp, ReduceOp,
+};
 pub use error::{ArgumentError, Op, Result, TransportError};

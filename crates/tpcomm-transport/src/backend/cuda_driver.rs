@@ -1,28 +1,29 @@
 //! Probing the CUDA driver library (`libcuda`) before any call through cudarc, whose lazy
 //! loader panics when the library or a function is missing. Shared by the NCCL transport and
 //! the CUDA peer-memory backend of `tpcomm-ipc`.
+//!
+//! The probe opens the library itself (with `libloading`) instead of asking cudarc's loader,
+//! because cudarc's loader only exists when cudarc is built with `dynamic-loading`: a program
+//! may link cudarc dynamically (`dynamic-linking`, as candle does) or statically instead, and
+//! tpcomm leaves that choice to the program (it asks only for `fallback-dynamic-loading`).
+//! The names tried are the two the driver package installs; cudarc's loader tries both of
+//! them too (among others), so when the probe finds the library, cudarc's loader finds the
+//! same one, and when cudarc links it, the loader hands back the copy already in the process.
 
-use cudarc::driver::sys;
+use std::sync::OnceLock;
 
-/// Loads `libcuda` (once per process, through cudarc's loader) and returns the names in
+/// The file names of the driver library, most specific first.
+#[cfg(not(windows))]
+const CANDIDATES: &[&str] = &["libcuda.so.1", "libcuda.so"];
+#[cfg(windows)]
+const CANDIDATES: &[&str] = &["nvcuda.dll"];
+
+/// Loads `libcuda` (once per process; the library stays loaded) and returns the names in
 /// `symbols` it does not export; `Err` with a message naming every file name tried when no
 /// driver library is found. Calls no driver function, never panics.
 pub fn missing_symbols<'n>(symbols: &[&'n str]) -> Result<Vec<&'n str>, String> {
-    // SAFETY: loading the CUDA driver library runs its initialisers, which is how the library
-    // is meant to be used; nothing is called.
-    if !unsafe { sys::is_culib_present() } {
-        let mut names = cudarc::get_lib_name_candidates("cuda");
-        let mut seen = std::collections::HashSet::new();
-        names.retain(|n| seen.insert(n.clone()));
-        return Err(format!(
-            "the CUDA driver library (libcuda) is not installed or not on the loader path \
-             (looked for {})",
-            names.join(", ")
-        ));
-    }
-    // SAFETY: `is_culib_present` just loaded one of the same candidates, so `culib` finds a
-    // library and does not panic.
-    let lib = unsafe { sys::culib() };
+    static DRIVER: OnceLock<Result<libloading::Library, String>> = OnceLock::new();
+    let lib = DRIVER.get_or_init(load).as_ref().map_err(Clone::clone)?;
     Ok(symbols
         .iter()
         .copied()
@@ -30,4 +31,41 @@ pub fn missing_symbols<'n>(symbols: &[&'n str]) -> Result<Vec<&'n str>, String> 
         // through this type.
         .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
         .collect())
+}
+
+fn load() -> Result<libloading::Library, String> {
+    let mut failures = Vec::new();
+    for &name in CANDIDATES {
+        // SAFETY: loading the CUDA driver library runs its initialisers, which is how the
+        // library is meant to be used; nothing in it is called here.
+        match unsafe { libloading::Library::new(name) } {
+            Ok(lib) => return Ok(lib),
+            Err(e) => failures.push(format!("{name}: {e}")),
+        }
+    }
+    Err(format!(
+        "the CUDA driver library (libcuda) is not installed or not on the loader path \
+         (looked for {}; first failure: {})",
+        CANDIDATES.join(", "),
+        failures.first().map_or("none", String::as_str)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::missing_symbols;
+
+    /// Without a driver, the probe fails with the names it tried; with one, a made-up symbol
+    /// is reported missing and a real one is not. Either way it returns instead of panicking.
+    #[test]
+    fn probe_reports_instead_of_panicking() {
+        match missing_symbols(&["cuInit", "tpcommNoSuchSymbol"]) {
+            Ok(missing) => assert_eq!(missing, ["tpcommNoSuchSymbol"]),
+            Err(message) => {
+                assert!(message.contains("libcuda.so.1"), "{message}");
+                // Asked again, the cached failure comes back the same.
+                assert_eq!(missing_symbols(&["cuInit"]), Err(message));
+            }
+        }
+    }
 }

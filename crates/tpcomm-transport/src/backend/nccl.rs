@@ -1,8 +1,9 @@
 //! The NCCL backend (feature `nccl`): a [`DeviceCommunicator`] over an NCCL communicator,
 //! bootstrapped through any host [`Communicator`].
 //!
-//! Three levels, in cudarc's shape: cudarc's `nccl::sys` *types* (unique id, communicator
-//! handle, data types, reductions), a checked layer here (every function of libnccl this
+//! Three levels, in cudarc's shape: the NCCL *types*, declared by tpcomm (unique id,
+//! communicator handle, data types, reductions; not cudarc's `nccl` module, which would make
+//! a program that links cudarc link libnccl too), a checked layer here (every function of libnccl this
 //! module calls is resolved up front into [`NcclLibrary`], every `ncclResult_t` is checked and
 //! becomes [`TransportError::Nccl`] with the call, the raw code, `ncclGetErrorString` and
 //! `ncclGetLastError`), and the RAII type [`NcclCommunicator`] (finalized and destroyed on
@@ -11,10 +12,11 @@
 //! - **Loading, never a panic.** cudarc's NCCL functions resolve their symbol on first call
 //!   and panic if it is missing, and its loader does not look for `libnccl.so.2` (the name the
 //!   NCCL packages install, the `nvidia-nccl-cu*` wheels included) unless a `libnccl.so`
-//!   development link exists. So this module loads libnccl itself with `libloading`: the path
-//!   in `TPCOMM_NCCL_LIBRARY` when set, else `libnccl.so.2`, `libnccl.so` and cudarc's
-//!   candidates, then resolves every required function, and returns
-//!   [`TransportError::LibraryMissing`] when the library or one of them is absent. The CUDA
+//!   development link exists (and when the program links cudarc instead of loading, cudarc
+//!   has no loader at all). So this module loads libnccl itself with `libloading`: the path
+//!   in `TPCOMM_NCCL_LIBRARY` when set, else `libnccl.so.2` and `libnccl.so`, then resolves
+//!   every required function, and returns [`TransportError::LibraryMissing`] when the
+//!   library or one of them is absent. The CUDA
 //!   driver (used through cudarc's safe driver API for the context, the stream and the
 //!   buffers) is probed the same way before its first call; a driver that finds no GPU, or an
 //!   ordinal out of range, is [`TransportError::NoDevice`].
@@ -48,10 +50,9 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
-use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 
 use crate::communicator::Communicator;
-use crate::device::{DeviceArgs, DeviceCommunicator, DeviceElement};
+use crate::device::{DeviceArgs, DeviceCommunicator, DeviceElement, NcclDataType, NcclRedOp};
 use crate::error::{Op, Result, TransportError};
 
 /// `ncclSuccess`. (`ncclInProgress` only comes from non-blocking communicators; this module
@@ -61,44 +62,56 @@ const NCCL_SUCCESS: c_int = 0;
 const NCCL_SUSPEND_MEM: c_int = 1;
 /// Bytes of an `ncclUniqueId`.
 pub const UNIQUE_ID_BYTES: usize = 128;
-const _: () = assert!(std::mem::size_of::<ncclUniqueId>() == UNIQUE_ID_BYTES);
+const _: () = assert!(std::mem::size_of::<UniqueId>() == UNIQUE_ID_BYTES);
+
+/// `ncclUniqueId`: 128 opaque bytes, passed by value to `ncclCommInitRank`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UniqueId {
+    internal: [c_char; UNIQUE_ID_BYTES],
+}
+
+/// `ncclComm_t`: an opaque pointer owned by libnccl.
+type CommHandle = *mut c_void;
+/// `cudaStream_t`, the same pointer as the driver's `CUstream`.
+type StreamHandle = *mut c_void;
 
 /// Environment variable naming the NCCL library to load instead of the default names.
 pub const NCCL_LIBRARY_ENV: &str = "TPCOMM_NCCL_LIBRARY";
 
 type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 type GetErrorStringFn = unsafe extern "C" fn(c_int) -> *const c_char;
-type GetLastErrorFn = unsafe extern "C" fn(ncclComm_t) -> *const c_char;
-type GetUniqueIdFn = unsafe extern "C" fn(*mut ncclUniqueId) -> c_int;
-type CommInitRankFn = unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> c_int;
-type CommFn = unsafe extern "C" fn(ncclComm_t) -> c_int;
-type CommGetAsyncErrorFn = unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int;
-type CommSuspendFn = unsafe extern "C" fn(ncclComm_t, c_int) -> c_int;
+type GetLastErrorFn = unsafe extern "C" fn(CommHandle) -> *const c_char;
+type GetUniqueIdFn = unsafe extern "C" fn(*mut UniqueId) -> c_int;
+type CommInitRankFn = unsafe extern "C" fn(*mut CommHandle, c_int, UniqueId, c_int) -> c_int;
+type CommFn = unsafe extern "C" fn(CommHandle) -> c_int;
+type CommGetAsyncErrorFn = unsafe extern "C" fn(CommHandle, *mut c_int) -> c_int;
+type CommSuspendFn = unsafe extern "C" fn(CommHandle, c_int) -> c_int;
 type ReduceFn = unsafe extern "C" fn(
     *const c_void,
     *mut c_void,
     usize,
-    ncclDataType_t,
-    ncclRedOp_t,
-    ncclComm_t,
-    cudaStream_t,
+    NcclDataType,
+    NcclRedOp,
+    CommHandle,
+    StreamHandle,
 ) -> c_int;
 type AllGatherFn = unsafe extern "C" fn(
     *const c_void,
     *mut c_void,
     usize,
-    ncclDataType_t,
-    ncclComm_t,
-    cudaStream_t,
+    NcclDataType,
+    CommHandle,
+    StreamHandle,
 ) -> c_int;
 type BroadcastFn = unsafe extern "C" fn(
     *const c_void,
     *mut c_void,
     usize,
-    ncclDataType_t,
+    NcclDataType,
     c_int,
-    ncclComm_t,
-    cudaStream_t,
+    CommHandle,
+    StreamHandle,
 ) -> c_int;
 
 /// libnccl, loaded once per process, with every function this module calls resolved.
@@ -170,11 +183,10 @@ impl NcclLibrary {
         if let Some(path) = std::env::var_os(NCCL_LIBRARY_ENV) {
             return vec![path.to_string_lossy().into_owned()];
         }
-        let mut names = vec!["libnccl.so.2".to_string(), "libnccl.so".to_string()];
-        names.extend(cudarc::get_lib_name_candidates("nccl"));
-        let mut seen = std::collections::HashSet::new();
-        names.retain(|n| seen.insert(n.clone()));
-        names
+        // The names the NCCL packages (and the `nvidia-nccl-cu*` wheels) install. Not
+        // cudarc's candidate list: that exists only when cudarc loads libraries at run time,
+        // and the program may link cudarc instead.
+        vec!["libnccl.so.2".to_string(), "libnccl.so".to_string()]
     }
 
     fn try_load() -> std::result::Result<NcclLibrary, String> {
@@ -291,7 +303,7 @@ impl NcclLibrary {
 
     /// The error of `call` that returned `code`, with the library's description of the code
     /// and, when `comm` is given and NCCL has one, its last error message.
-    fn error(&self, op: Op, call: &'static str, code: c_int, comm: ncclComm_t) -> TransportError {
+    fn error(&self, op: Op, call: &'static str, code: c_int, comm: CommHandle) -> TransportError {
         // SAFETY: ncclGetErrorString accepts any code and returns a static string (or null).
         let mut message = c_text(unsafe { (self.get_error_string)(code) })
             .unwrap_or_else(|| "no description from NCCL".into());
@@ -310,7 +322,7 @@ impl NcclLibrary {
         }
     }
 
-    fn check(&self, op: Op, call: &'static str, code: c_int, comm: ncclComm_t) -> Result<()> {
+    fn check(&self, op: Op, call: &'static str, code: c_int, comm: CommHandle) -> Result<()> {
         if code == NCCL_SUCCESS {
             Ok(())
         } else {
@@ -440,7 +452,7 @@ enum Lifecycle {
 /// # Ok::<(), tpcomm_transport::TransportError>(())
 /// ```
 pub struct NcclCommunicator {
-    comm: ncclComm_t,
+    comm: CommHandle,
     lib: &'static NcclLibrary,
     rank: usize,
     size: usize,
@@ -509,7 +521,7 @@ impl NcclCommunicator {
                     .context()
                     .bind_to_thread()
                     .map_err(|e| cuda_error(Op::Setup, "cuCtxSetCurrent", e))?;
-                let mut id = ncclUniqueId { internal: [0; 128] };
+                let mut id = UniqueId { internal: [0; 128] };
                 // SAFETY: out-pointer to a local of the right type.
                 let code = unsafe { (lib.get_unique_id)(&mut id) };
                 lib.check(Op::Setup, "ncclGetUniqueId", code, std::ptr::null_mut())?;
@@ -537,7 +549,7 @@ impl NcclCommunicator {
             }
         }
         host.broadcast(0, &mut id_bytes)?;
-        let mut id = ncclUniqueId { internal: [0; 128] };
+        let mut id = UniqueId { internal: [0; 128] };
         for (c, &b) in id.internal.iter_mut().zip(id_bytes.iter()) {
             *c = b as c_char;
         }
@@ -549,7 +561,7 @@ impl NcclCommunicator {
         let ctx = stream.context().clone();
         ctx.bind_to_thread()
             .map_err(|e| cuda_error(Op::Setup, "cuCtxSetCurrent", e))?;
-        let mut comm: ncclComm_t = std::ptr::null_mut();
+        let mut comm: CommHandle = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; `id` is the id rank 0 created, the same on every
         // rank; rank and size are in range and the device's context is current.
         let code = unsafe { (lib.comm_init_rank)(&mut comm, nranks, id, my_rank) };
@@ -666,7 +678,7 @@ impl NcclCommunicator {
         Ok(state)
     }
 
-    fn cu_stream(&self) -> cudaStream_t {
+    fn cu_stream(&self) -> StreamHandle {
         self.stream.cu_stream().cast()
     }
 

@@ -1,35 +1,6 @@
 //! Hands memory and streams made through this program's own cudarc to tpcomm's public API.
-//! It only has to compile (and `cargo tree -d` must list one cudarc): the point is that
-//! tpcomm's GPU features coexist with this cudarc configuration.
+//! It only has to compile (and hold one cudarc): the point is that tpcomm's GPU features
+//! coexist with this program's cudarc configuration (see its Cargo.toml). The functions are
+//! the same in every downstream program.
 
-use std::sync::Arc;
-
-use cudarc::driver::{CudaSlice, CudaStream, CudaView};
-use tpcomm::transport::{
-    Communicator, DeviceCommunicator, NcclCommunicator, ReduceOp, TransportError,
-};
-
-/// An NCCL communicator on the engine's own stream, bootstrapped over any host communicator.
-pub fn nccl_on_engine_stream<C: Communicator>(
-    host: &C,
-    stream: Arc<CudaStream>,
-) -> Result<NcclCommunicator, TransportError> {
-    NcclCommunicator::with_stream(host, stream)
-}
-
-/// Sums an engine tensor (a `CudaSlice` allocated by the engine) over every rank, in place.
-pub fn all_reduce_engine_tensor(
-    comm: &NcclCommunicator,
-    tensor: &mut CudaSlice<f32>,
-) -> Result<(), TransportError> {
-    comm.all_reduce_in_place(tensor, ReduceOp::Sum)
-}
-
-/// Sums a view of one engine tensor into another.
-pub fn all_reduce_engine_view(
-    comm: &NcclCommunicator,
-    input: &CudaView<'_, f32>,
-    output: &mut CudaSlice<f32>,
-) -> Result<(), TransportError> {
-    comm.all_reduce(input, output, ReduceOp::Sum)
-}
+include!("../../api.rs");

@@ -254,6 +254,18 @@ pub enum TransportError {
         /// `MPI_Error_string` of the code.
         message: String,
     },
+    /// An operating-system call the transport needs (for example mapping a guarded
+    /// receive buffer) failed.
+    #[error("{op}: {call} failed")]
+    Os {
+        /// The operation.
+        op: Op,
+        /// The system call that failed.
+        call: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The communicator could not be built.
     #[error("cannot create a communicator: {0}")]
     Setup(String),
@@ -324,6 +336,7 @@ impl TransportError {
             TransportError::Timeout { missing, .. } => missing.first().copied(),
             TransportError::Unresponsive { gone, .. } => gone.first().copied(),
             TransportError::Mpi { .. }
+            | TransportError::Os { .. }
             | TransportError::Setup(_)
             | TransportError::Nccl { .. }
             | TransportError::Cuda { .. }

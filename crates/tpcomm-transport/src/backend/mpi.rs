@@ -686,21 +686,35 @@ impl MpiCommunicator {
             let code = {
                 let _guard = self.lock();
                 // SAFETY: `job.request` is the active request `start` created on the live
-                // `self.comm`; `done` is a valid place for one int; the status is ignored
-                // (`MPI_STATUS_IGNORE`, a constant read from rsmpi's C shim). The buffers
-                // and tables the request uses are owned by `job`, alive until it completes.
-                unsafe { ffi::MPI_Test(&mut job.request, &mut done, ffi::RSMPI_STATUS_IGNORE) }
+                // `self.comm` (get_status neither frees nor changes it); `done` is a valid
+                // place for one int; the status is ignored (`MPI_STATUS_IGNORE`, a constant
+                // read from rsmpi's C shim). The buffers and tables the request uses are
+                // owned by `job`, alive until it completes.
+                unsafe {
+                    ffi::MPI_Request_get_status(job.request, &mut done, ffi::RSMPI_STATUS_IGNORE)
+                }
             };
-            if code != MPI_SUCCESS {
+            let code = if code != MPI_SUCCESS {
+                Some((code, "MPI_Request_get_status"))
+            } else if done != 0 {
+                let code = {
+                    let _guard = self.lock();
+                    complete_returning_errors(&mut job.request)
+                };
+                match code {
+                    Ok(()) => return Ok(job),
+                    Err(failed) => Some(failed),
+                }
+            } else {
+                None
+            };
+            if let Some((code, failed_call)) = code {
                 // Whether MPI still uses the buffers is unknown: never free them.
                 std::mem::forget(job);
                 let _ = self
                     .broken
-                    .set((None, format!("{call} failed while being tested")));
-                return Err(mpi_error(op, "MPI_Test", code));
-            }
-            if done != 0 {
-                return Ok(job);
+                    .set((None, format!("an earlier {call} failed to complete")));
+                return Err(mpi_error(op, failed_call, code));
             }
             let waited = begun.elapsed();
             if Instant::now() >= next_check || waited >= timeout {
@@ -756,7 +770,7 @@ impl MpiCommunicator {
 
     fn timed_barrier(&self, timeout: Duration) -> Result<()> {
         let op = Op::Barrier;
-        let job = InFlight::new(Vec::new(), &[], Vec::new());
+        let job = InFlight::new(op, Vec::new(), &[], Vec::new())?;
         self.run_timed(op, "MPI_Ibarrier", timeout, job, |job, comm| {
             // SAFETY: `comm` is live; `job.request` is a valid place for the request.
             unsafe { ffi::MPI_Ibarrier(comm, &mut job.request) }
@@ -768,7 +782,7 @@ impl MpiCommunicator {
         let op = Op::AllGather;
         let count = self.int(op, "send count", self.rank, args.block_len())?;
         let (send, recv) = args.parts();
-        let job = InFlight::new(send.to_vec(), recv, Vec::new());
+        let job = InFlight::new(op, send.to_vec(), recv, Vec::new())?;
         let job = self.run_timed(op, "MPI_Iallgather", timeout, job, |job, comm| {
             let byte = byte_type();
             // SAFETY: `job.send` holds `count` bytes (at least one: never MPI_IN_PLACE's
@@ -807,7 +821,7 @@ impl MpiCommunicator {
         let mut tables = self.ints(op, "counts", counts, &mut counts_table)?.to_vec();
         tables.extend_from_slice(self.ints(op, "displacements", displs, &mut displs_table)?);
         let size = self.size;
-        let job = InFlight::new(send.to_vec(), recv, tables);
+        let job = InFlight::new(op, send.to_vec(), recv, tables)?;
         let job = self.run_timed(op, "MPI_Iallgatherv", timeout, job, |job, comm| {
             let byte = byte_type();
             let (counts, displs) = job.ints.split_at(size);
@@ -857,7 +871,7 @@ impl MpiCommunicator {
         };
         let at_root = layout.is_some();
         let size = self.size;
-        let job = InFlight::new(send.to_vec(), recv_init, tables);
+        let job = InFlight::new(op, send.to_vec(), recv_init, tables)?;
         let job = self.run_timed(op, "MPI_Igatherv", timeout, job, |job, comm| {
             let byte = byte_type();
             let (recv, counts, displs) = if at_root {
@@ -901,7 +915,7 @@ impl MpiCommunicator {
         let root = self.int(op, "root", self.rank, args.root())?;
         let buf = args.buf();
         let count = self.int(op, "buffer length", self.rank, buf.len())?;
-        let job = InFlight::new(Vec::new(), buf, Vec::new());
+        let job = InFlight::new(op, Vec::new(), buf, Vec::new())?;
         let job = self.run_timed(op, "MPI_Ibcast", timeout, job, |job, comm| {
             // SAFETY: `job.recv` holds at least `count` bytes (a copy of the caller's
             // buffer), owned by `job` until the request completes or forever; `root` is in
@@ -940,7 +954,7 @@ impl MpiCommunicator {
         tables.extend_from_slice(self.ints(op, "counts", recv.counts, c)?);
         tables.extend_from_slice(self.ints(op, "displacements", recv.displs, d)?);
         let size = self.size;
-        let job = InFlight::new(send.buf.to_vec(), recv.buf, tables);
+        let job = InFlight::new(op, send.buf.to_vec(), recv.buf, tables)?;
         let job = self.run_timed(op, "MPI_Ialltoallv", timeout, job, |job, comm| {
             let byte = byte_type();
             let t = &job.ints;
@@ -978,39 +992,147 @@ impl MpiCommunicator {
 /// What a nonblocking collective works on, owned so that it can outlive the call: the
 /// request, copies of the send and receive bytes, and the count/displacement tables.
 /// Buffers hold at least one byte, so their address is never `MPI_IN_PLACE`'s (`0x1`).
-/// An `InFlight` abandoned at a deadline is leaked (`mem::forget`): MPI may still use it.
+/// The receive copy is a [`GuardedBuf`]. An `InFlight` abandoned at a deadline, or whose
+/// request failed, is leaked (`mem::forget`): MPI may still use it.
 struct InFlight {
     request: ffi::MPI_Request,
     send: Vec<u8>,
-    recv: Vec<u8>,
+    recv: GuardedBuf,
     ints: Vec<c_int>,
 }
 
 impl InFlight {
     /// `recv` is copied in too: bytes of the caller's receive buffer outside every region
     /// (gaps of a varcount layout) must come back unchanged.
-    fn new(mut send: Vec<u8>, recv: &[u8], ints: Vec<c_int>) -> Self {
+    fn new(op: Op, mut send: Vec<u8>, recv: &[u8], ints: Vec<c_int>) -> Result<Self> {
         if send.is_empty() {
             send.push(0);
         }
-        let recv = if recv.is_empty() {
-            vec![0]
-        } else {
-            recv.to_vec()
-        };
-        Self {
+        let recv = GuardedBuf::copy_of(op, if recv.is_empty() { &[0] } else { recv })?;
+        Ok(Self {
             // SAFETY: reading an immutable handle constant exported by rsmpi's C shim.
             request: unsafe { ffi::RSMPI_REQUEST_NULL },
             send,
             recv,
             ints,
-        }
+        })
     }
 
     /// Copies the received bytes into the caller's buffer (of the length `new` was given).
     fn copy_out(&self, out: &mut [u8]) {
         let n = out.len();
-        out.copy_from_slice(&self.recv[..n]);
+        out.copy_from_slice(&self.recv.as_slice()[..n]);
+    }
+}
+
+/// A receive buffer whose last byte is followed by a `PROT_NONE` page: an anonymous
+/// mapping of whole pages plus one guard page, the bytes placed so that they end exactly
+/// where the guard begins.
+///
+/// Why: Open MPI 4.1's shared-memory transport (`btl/vader` with the CMA single-copy
+/// mechanism, its default on Linux) moves a message larger than its eager limit (4 KiB)
+/// with one `process_vm_readv` of the *sender's* length into the receive buffer, even when
+/// the receive count is smaller (it reports `MPI_ERR_TRUNCATE`, after the copy). A peer
+/// that sends more than was agreed then overwrote the honest rank's heap (SIGSEGV,
+/// `malloc(): corrupted top size`). Into a guarded buffer the kernel copy stops at the
+/// guard page with `EFAULT` instead: nothing outside this mapping is written, and MPI
+/// reports the truncation as an error. (A user-space copy, as XPMEM does, would fault on
+/// the guard page instead: a crash, still no silent corruption.)
+struct GuardedBuf {
+    /// Start of the mapping (page-aligned).
+    map: *mut c_void,
+    /// Length of the mapping: the data pages plus the guard page.
+    map_len: usize,
+    /// Offset of the first byte of data in the mapping.
+    start: usize,
+    /// Bytes of data (at least one).
+    len: usize,
+}
+
+impl GuardedBuf {
+    /// A guarded buffer holding a copy of `init` (which must not be empty).
+    fn copy_of(op: Op, init: &[u8]) -> Result<Self> {
+        let os = |call: &'static str| {
+            move |e: rustix::io::Errno| TransportError::Os {
+                op,
+                call,
+                source: e.into(),
+            }
+        };
+        let len = init.len().max(1);
+        let page = rustix::param::page_size();
+        let data_len = len
+            .div_ceil(page)
+            .checked_mul(page)
+            .and_then(|d| d.checked_add(page).map(|m| (d, m)));
+        let Some((data_len, map_len)) = data_len else {
+            return Err(TransportError::Os {
+                op,
+                call: "mmap",
+                source: std::io::Error::other(format!("a {len}-byte guarded buffer")),
+            });
+        };
+        // SAFETY: a fresh private anonymous mapping at an address the kernel chooses: no
+        // existing memory is touched.
+        let map = unsafe {
+            rustix::mm::mmap_anonymous(
+                ptr::null_mut(),
+                map_len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE,
+            )
+        }
+        .map_err(os("mmap"))?;
+        let this = Self {
+            map,
+            map_len,
+            start: data_len - len,
+            len,
+        };
+        // SAFETY: `[map + data_len, map + map_len)` is the last page of the mapping just
+        // created and owned by `this`; nothing refers to it.
+        unsafe {
+            rustix::mm::mprotect(
+                map.cast::<u8>().add(data_len).cast(),
+                page,
+                rustix::mm::MprotectFlags::empty(),
+            )
+        }
+        .map_err(os("mprotect"))?;
+        // SAFETY: `start + len == data_len`: the data lies inside the readable and writable
+        // pages of the mapping, which nothing else refers to yet.
+        let data = unsafe { std::slice::from_raw_parts_mut(this.data(), len) };
+        data[..init.len()].copy_from_slice(init);
+        Ok(this)
+    }
+
+    /// The first byte of data.
+    fn data(&self) -> *mut u8 {
+        // SAFETY: `start < map_len`: the offset stays inside the mapping.
+        unsafe { self.map.cast::<u8>().add(self.start) }
+    }
+
+    /// Where MPI writes (valid for `len` bytes, followed by the guard page).
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.data()
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: the `len` data bytes are readable and owned by `self`; `&self` excludes
+        // writes through `as_mut_ptr` for the slice's life. MPI writes only while the
+        // request is active, and callers read only after it completed.
+        unsafe { std::slice::from_raw_parts(self.data(), self.len) }
+    }
+}
+
+impl Drop for GuardedBuf {
+    fn drop(&mut self) {
+        // SAFETY: `map`/`map_len` is the mapping created in `copy_of`, owned by `self`;
+        // nothing refers to it after drop (an `InFlight` MPI may still use is leaked,
+        // never dropped).
+        if let Err(e) = unsafe { rustix::mm::munmap(self.map, self.map_len) } {
+            tracing::warn!(error = %e, "munmap of a guarded receive buffer failed");
+        }
     }
 }
 
@@ -1233,6 +1355,68 @@ fn mpi_error(op: Op, call: &'static str, code: c_int) -> TransportError {
         class,
         message: error_string(code),
     }
+}
+
+/// Serializes the swaps of `MPI_COMM_WORLD`'s error handler in
+/// [`complete_returning_errors`], so that concurrent swaps cannot leave the wrong one
+/// installed.
+static WORLD_HANDLER_SWAP: Mutex<()> = Mutex::new(());
+
+/// Completes and frees a request that `MPI_Request_get_status` found complete, returning
+/// its error code instead of raising it; `Err((code, call))` names the call that failed.
+///
+/// Open MPI 4.1 raises the error of a failed nonblocking collective (for example
+/// `MPI_ERR_TRUNCATE`) in `MPI_Test`/`MPI_Wait` on `MPI_COMM_WORLD`'s error handler, not
+/// on the handler of the request's communicator (whose `MPI_ERRORS_RETURN` is then
+/// ignored): with the default `MPI_ERRORS_ARE_FATAL` the job aborted (exit code 15). And
+/// `MPI_Request_get_status`, which invokes no handler, does not say whether the request
+/// failed. So the request is completed by one `MPI_Wait` (which returns at once: the
+/// request is complete) while `MPI_COMM_WORLD` has `MPI_ERRORS_RETURN`; its previous
+/// handler is put back right after. (MPICH raises it on the request's communicator, whose
+/// handler returns.) An error that *another thread* raises on `MPI_COMM_WORLD` during that
+/// one call is returned to it instead of handled by the application's handler.
+fn complete_returning_errors(
+    request: &mut ffi::MPI_Request,
+) -> std::result::Result<(), (c_int, &'static str)> {
+    let _swap = WORLD_HANDLER_SWAP
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    // SAFETY: reading immutable handle constants exported by rsmpi's C shim.
+    let (world, errors_return) = unsafe { (ffi::RSMPI_COMM_WORLD, ffi::RSMPI_ERRORS_RETURN) };
+    let mut previous = std::mem::MaybeUninit::<ffi::MPI_Errhandler>::uninit();
+    // SAFETY: MPI is initialized (a request exists); `previous` is a valid place for a
+    // handle.
+    let rc = unsafe { ffi::MPI_Comm_get_errhandler(world, previous.as_mut_ptr()) };
+    if rc != MPI_SUCCESS {
+        return Err((rc, "MPI_Comm_get_errhandler"));
+    }
+    // SAFETY: MPI_Comm_get_errhandler succeeded, so it wrote the handle.
+    let mut previous = unsafe { previous.assume_init() };
+    // SAFETY: `world` is live while MPI is; `errors_return` is a predefined handler.
+    let rc = unsafe { ffi::MPI_Comm_set_errhandler(world, errors_return) };
+    if rc != MPI_SUCCESS {
+        // SAFETY: `previous` is the reference `MPI_Comm_get_errhandler` returned.
+        unsafe { ffi::MPI_Errhandler_free(&mut previous) };
+        return Err((rc, "MPI_Comm_set_errhandler"));
+    }
+    // SAFETY: `*request` is a complete, not yet freed request (get_status said so); MPI_Wait
+    // frees it and sets it to MPI_REQUEST_NULL; the status is ignored.
+    let code = unsafe { ffi::MPI_Wait(request, ffi::RSMPI_STATUS_IGNORE) };
+    // SAFETY: `previous` is the handler `world` had, referenced by `previous`.
+    let restored = unsafe { ffi::MPI_Comm_set_errhandler(world, previous) };
+    // SAFETY: `previous` is the reference `MPI_Comm_get_errhandler` returned; `world` keeps
+    // its own reference.
+    let freed = unsafe { ffi::MPI_Errhandler_free(&mut previous) };
+    if code != MPI_SUCCESS {
+        return Err((code, "MPI_Wait"));
+    }
+    if restored != MPI_SUCCESS {
+        return Err((restored, "MPI_Comm_set_errhandler"));
+    }
+    if freed != MPI_SUCCESS {
+        return Err((freed, "MPI_Errhandler_free"));
+    }
+    Ok(())
 }
 
 /// `MPI_Error_string` of `code`, or a note when MPI cannot describe it.

@@ -36,6 +36,43 @@ pub fn run_mpi_cases(comm: &MpiCommunicator) -> Vec<CaseReport> {
         .collect()
 }
 
+/// The cases of `mpi-single-copy-off`, a program that called
+/// `MpiCommunicator::disable_single_copy_before_init` (with result `disabled`) before
+/// initializing MPI.
+pub fn run_single_copy_off_cases(
+    comm: &MpiCommunicator,
+    disabled: &Result<(), TransportError>,
+) -> Vec<CaseReport> {
+    let was_disabled = match disabled {
+        Ok(()) => Ok(()),
+        Err(e) => Err(format!("disable_single_copy_before_init failed: {e}")),
+    };
+    let after_init = match MpiCommunicator::disable_single_copy_before_init() {
+        Err(TransportError::Setup(_)) => Ok(()),
+        other => Err(format!(
+            "disable_single_copy_before_init after MPI_Init gave {other:?}"
+        )),
+    };
+    vec![
+        agree(
+            comm,
+            "mpi_single_copy_is_disabled_before_init",
+            was_disabled.clone(),
+        ),
+        agree(
+            comm,
+            "mpi_disabling_single_copy_after_init_is_refused",
+            after_init,
+        ),
+        agree(
+            comm,
+            "mpi_a_sender_sending_more_than_agreed_gets_the_blocking_root_a_typed_error_without_single_copy",
+            // Without single copy disabled this case would overwrite the root's heap.
+            was_disabled.and_then(|()| lying_sender_gets_the_blocking_root_a_typed_error(comm)),
+        ),
+    ]
+}
+
 /// A split of `comm` with every rank, in the same order.
 fn fresh_split(comm: &MpiCommunicator) -> Result<MpiCommunicator, String> {
     comm.split(Some(0), comm.rank() as i32)
@@ -124,19 +161,39 @@ fn truncation_is_returned_on_both_paths(comm: &MpiCommunicator) -> CaseResult {
 /// path (CMA) copies the sender's length into the receive buffer. On the timed path the
 /// receive buffer ends at a guard page, so the copy fails with `EFAULT` inside the kernel
 /// and the root gets `MPI_ERR_TRUNCATE`; before, the 16-byte-per-rank heap buffer was
-/// overrun by 8 MiB (SIGSEGV or a corrupted heap). The root then still allocates and
-/// frees normally.
+/// overrun by 8 MiB (SIGSEGV or a corrupted heap).
 fn lying_sender_gets_the_timed_root_a_typed_error(comm: &MpiCommunicator) -> CaseResult {
     if comm.size() < 2 {
         return Ok(());
     }
     let timed = timed_split(comm)?;
-    let me = timed.rank();
+    lying_gather(&timed)
+}
+
+/// The same lie on the blocking path, which receives into the caller's buffer: safe only
+/// with the single-copy mechanism turned off
+/// (`MpiCommunicator::disable_single_copy_before_init`), as `mpi-single-copy-off` does.
+fn lying_sender_gets_the_blocking_root_a_typed_error(comm: &MpiCommunicator) -> CaseResult {
+    if comm.size() < 2 {
+        return Ok(());
+    }
+    let blocking = fresh_split(comm)?;
+    if blocking.timeout().is_some() {
+        return Err("the blocking case needs a communicator without a timeout".into());
+    }
+    lying_gather(&blocking)
+}
+
+/// A gather to rank 0 of 16 bytes per rank, where rank 1 sends 8 MiB (far past the eager
+/// limit: the single-copy path). The root must get `MPI_ERR_TRUNCATE`, the senders
+/// complete, and every rank's heap still works afterwards.
+fn lying_gather(sub: &MpiCommunicator) -> CaseResult {
+    let me = sub.rank();
     let expected = 16;
     let result = if me == 0 {
-        let counts = vec![expected; timed.size()];
-        let displs: Vec<usize> = (0..timed.size()).map(|r| r * expected).collect();
-        let mut recv = vec![0u8; expected * timed.size()];
+        let counts = vec![expected; sub.size()];
+        let displs: Vec<usize> = (0..sub.size()).map(|r| r * expected).collect();
+        let mut recv = vec![0u8; expected * sub.size()];
         let send = filled(me, 9, expected);
         let layout = GatherRecv {
             recv: &mut recv,
@@ -145,18 +202,15 @@ fn lying_sender_gets_the_timed_root_a_typed_error(comm: &MpiCommunicator) -> Cas
         };
         expect_truncate(
             "gather from a lying rank 1",
-            timed.gather_varcount(0, &send, Some(layout)),
+            sub.gather_varcount(0, &send, Some(layout)),
         )
     } else {
-        // Rank 1 lies about its length (8 MiB, far past the eager limit: the single-copy
-        // path); the others send what was agreed.
         let len = if me == 1 { 8 << 20 } else { expected };
         let send = filled(me, 9, len);
-        timed
-            .gather_varcount(0, &send, None)
+        sub.gather_varcount(0, &send, None)
             .map_err(|e| format!("rank {me} (sender) failed: {e}"))
     };
-    // The heap is intact: allocate, write and check a few blocks of various sizes.
+    // The heap still works: allocate, write and check blocks of a few sizes.
     for size in [24usize, 4096, 1 << 20] {
         let block = filled(me, size, size);
         if block.len() != size

@@ -43,12 +43,26 @@
 //!
 //! - **Matching arguments on every rank.** The shared checks only see this rank's
 //!   arguments. MPI requires the ranks' counts to match (the same broadcast length, the same
-//!   block length, `recv.counts[j]` here equal to `send.counts[me]` on rank `j`...) and does
-//!   not always detect a mismatch: Open MPI 4.1 reports a small one as `MPI_ERR_TRUNCATE`,
-//!   but a broadcast of 5000 bytes from the root into 10-byte buffers elsewhere corrupted
-//!   the receivers' heap in a test (MPICH 4.0 reported the same case as a truncation).
-//!   Upper layers that exchange lengths first (as tpcomm-objects does) meet this by
-//!   construction.
+//!   block length, `recv.counts[j]` here equal to `send.counts[me]` on rank `j`...) and
+//!   reports a message longer than its receive count as `MPI_ERR_TRUNCATE`. But Open MPI
+//!   4.1's shared-memory transport (`btl/vader`), with its default single-copy mechanism
+//!   (CMA), moves a message above its eager limit (4 KiB) with one copy of the *sender's*
+//!   length before it reports the truncation: a peer that sends more than was agreed
+//!   overwrites the receiver's memory past its buffer (a broadcast of 5000 bytes into
+//!   10-byte buffers, a gather of 8 MiB into 16 bytes: SIGSEGV, corrupted heap; MPICH 4.0
+//!   reported the broadcast as a truncation). What protects a rank from such a peer:
+//!   - on the timed path ([`MpiCommunicator::with_timeout`]) every receive lands in an owned
+//!     buffer that ends at a `PROT_NONE` guard page: the kernel copy stops there with
+//!     `EFAULT`, Open MPI falls back to a bounded copy and the call returns
+//!     `MPI_ERR_TRUNCATE` (with XPMEM, a user-space copy, the guard page would turn the
+//!     overwrite into a SIGSEGV instead);
+//!   - on the blocking path collectives receive into the caller's buffers, which this module
+//!     cannot guard; [`MpiCommunicator::disable_single_copy_before_init`], called on every
+//!     rank before `MPI_Init`, makes Open MPI copy every message bounded by the receive
+//!     count.
+//!
+//!   Upper layers that exchange lengths first (as tpcomm-objects does) agree on the counts
+//!   by construction; the two measures above are about peers that do not keep to them.
 //! - **An error is not an abort.** After a failed collective MPI leaves the communicator's
 //!   state undefined, and the other ranks are not told: with 4 ranks, a truncation error on
 //!   two ranks of a broadcast left a third blocked in it. Treat [`TransportError::Mpi`] as
@@ -74,7 +88,11 @@
 //!   [`Communicator::split`]) is collective over the parent.
 //! - **Construction errors** of `MPI_Comm_dup` go to the *parent* communicator's error
 //!   handler (by default `MPI_ERRORS_ARE_FATAL`); this module does not change the caller's
-//!   communicator. Errors of `split` go to this module's duplicate and are returned.
+//!   communicator, except for one call on the timed path: Open MPI 4.1 raises the error of
+//!   a failed nonblocking collective on `MPI_COMM_WORLD`'s handler (not on the handler of
+//!   the request's communicator), so a finished request is completed by one `MPI_Wait`
+//!   while `MPI_COMM_WORLD` has `MPI_ERRORS_RETURN`, its previous handler restored right
+//!   after. Errors of `split` go to this module's duplicate and are returned.
 
 use std::ffi::{c_int, c_void};
 use std::fmt;
@@ -698,11 +716,19 @@ impl Communicator for MpiCommunicator {
 /// `MPI_Iallgather`...) and polled with `MPI_Test` until it completes or the deadline
 /// passes. MPI forbids cancelling or freeing a pending collective request, and keeps the
 /// right to read the send buffer and write the receive buffer until it completes. So the
-/// collective runs on buffers and count tables owned by an [`InFlight`] (copied in, the
-/// receive buffer copied back on completion): at the deadline the `InFlight` is leaked, never freed, and the
-/// caller's buffers are free to go. The communicator is then broken: every later collective
-/// fails at once (its state is undefined for MPI, and the abandoned request would match the
-/// next collective's messages).
+/// collective runs on buffers and count tables owned by an `InFlight` (copied in, the
+/// receive buffer copied back on completion): at the deadline the `InFlight` is leaked,
+/// never freed, and the caller's buffers are free to go. The communicator is then broken:
+/// every later collective fails at once (its state is undefined for MPI, and the abandoned
+/// request would match the next collective's messages).
+///
+/// The request is polled with `MPI_Request_get_status`, which invokes no error handler,
+/// and completed by `complete_returning_errors`: in Open MPI 4.1 `MPI_Test` raised the
+/// error of a failed collective (say `MPI_ERR_TRUNCATE`) on `MPI_COMM_WORLD`'s fatal
+/// handler and the job aborted with exit code 15. A failed collective is
+/// [`TransportError::Mpi`] with the raw code, and breaks the communicator the same way.
+/// The receive copy is a `GuardedBuf`, so that a peer sending more than agreed cannot
+/// make MPI write past it (see the module docs).
 impl MpiCommunicator {
     /// Bounds every later collective of this communicator (and of its splits) by `timeout`:
     /// a collective that has not completed by then fails with
@@ -715,9 +741,16 @@ impl MpiCommunicator {
     ///
     /// Collective: every rank calls it (it all-gathers each rank's process identity, under
     /// the timeout already). The cost is copying each collective's send bytes in, and its
-    /// receive buffer in and out, of owned buffers, and polling instead of blocking (with
-    /// sleeps of up to 200 us between polls); without a timeout
-    /// the blocking MPI calls run on the caller's buffers as before.
+    /// receive buffer in and out, of owned buffers (the receive copy a fresh mapping that
+    /// ends at a guard page: one `mmap`, `mprotect` and `munmap` per collective), and
+    /// polling instead of blocking (with sleeps of up to 200 us between polls); without a
+    /// timeout the blocking MPI calls run on the caller's buffers as before.
+    ///
+    /// Errors of the collectives are returned as [`TransportError::Mpi`] (never raised on
+    /// `MPI_COMM_WORLD`'s handler), and a peer that sends more bytes than this rank's
+    /// receive count gives `MPI_ERR_TRUNCATE` without writing past the receive copy; either
+    /// breaks the communicator like a timeout (later collectives fail with
+    /// [`TransportError::Aborted`]).
     ///
     /// A timeout only helps when the job outlives a dead rank: Open MPI aborts the whole job
     /// when a rank dies unless `mpirun` runs with `--enable-recovery`.

@@ -249,9 +249,10 @@ pub enum TransportError {
         call: &'static str,
         /// The raw code it returned.
         code: i32,
-        /// The code's error class.
+        /// The code's error class (`-1` when MPI could not classify it, or was not
+        /// initialized yet).
         class: i32,
-        /// `MPI_Error_string` of the code.
+        /// `MPI_Error_string` of the code (or a note when MPI could not describe it).
         message: String,
     },
     /// An operating-system call the transport needs (for example mapping a guarded

@@ -269,7 +269,7 @@ impl MpiCommunicator {
         // SAFETY: MPI_Initialized may be called at any time; `initialized` is a valid place
         // for one int.
         let code = unsafe { ffi::MPI_Initialized(&mut initialized) };
-        check(op, "MPI_Initialized", code)?;
+        check_before_init(op, "MPI_Initialized", code)?;
         if initialized != 0 {
             return Err(TransportError::Setup(
                 "the single-copy mechanism can only be disabled before MPI is initialized".into(),
@@ -280,7 +280,7 @@ impl MpiCommunicator {
         // times; `provided` is a valid place for one int. Reading an immutable constant
         // exported by rsmpi's C shim.
         let code = unsafe { ffi::MPI_T_init_thread(ffi::RSMPI_THREAD_SINGLE, &mut provided) };
-        check(op, "MPI_T_init_thread", code)?;
+        check_before_init(op, "MPI_T_init_thread", code)?;
         let mut index: c_int = 0;
         // SAFETY: MPI_T is initialized; the name is a NUL-terminated string; `index` is a
         // valid place for one int.
@@ -294,7 +294,7 @@ impl MpiCommunicator {
                 ),
             });
         }
-        check(op, "MPI_T_cvar_get_index", code)?;
+        check_before_init(op, "MPI_T_cvar_get_index", code)?;
         let none = single_copy_value(op, index, "none")?;
         let mut handle = std::mem::MaybeUninit::<ffi::MPI_T_cvar_handle>::uninit();
         let mut count: c_int = 0;
@@ -303,7 +303,7 @@ impl MpiCommunicator {
         let code = unsafe {
             ffi::MPI_T_cvar_handle_alloc(index, ptr::null_mut(), handle.as_mut_ptr(), &mut count)
         };
-        check(op, "MPI_T_cvar_handle_alloc", code)?;
+        check_before_init(op, "MPI_T_cvar_handle_alloc", code)?;
         // SAFETY: MPI_T_cvar_handle_alloc succeeded, so it wrote the handle.
         let mut handle = unsafe { handle.assume_init() };
         let written = if count == 1 {
@@ -312,12 +312,12 @@ impl MpiCommunicator {
             // in Open MPI); `value` is 16 readable bytes.
             let code =
                 unsafe { ffi::MPI_T_cvar_write(handle, (&value as *const CvarValue).cast()) };
-            check(op, "MPI_T_cvar_write", code).and_then(|()| {
+            check_before_init(op, "MPI_T_cvar_write", code).and_then(|()| {
                 let mut read = CvarValue::new(-1);
                 // SAFETY: as above; `read` is 16 writable bytes.
                 let code =
                     unsafe { ffi::MPI_T_cvar_read(handle, (&mut read as *mut CvarValue).cast()) };
-                check(op, "MPI_T_cvar_read", code)?;
+                check_before_init(op, "MPI_T_cvar_read", code)?;
                 let now = read.0[0];
                 if now == none {
                     Ok(())
@@ -335,7 +335,7 @@ impl MpiCommunicator {
         // SAFETY: `handle` was allocated above and is not used after this call.
         let code = unsafe { ffi::MPI_T_cvar_handle_free(&mut handle) };
         written?;
-        check(op, "MPI_T_cvar_handle_free", code)?;
+        check_before_init(op, "MPI_T_cvar_handle_free", code)?;
         tracing::debug!("shared-memory single copy disabled before MPI_Init");
         Ok(())
     }
@@ -1471,6 +1471,23 @@ fn check(op: Op, call: &'static str, code: c_int) -> Result<()> {
     }
 }
 
+/// [`check`] for calls made before `MPI_Init` (the tool interface): Open MPI 4.1 aborts the
+/// process when `MPI_Error_class` or `MPI_Error_string` is called before `MPI_Init`, so the
+/// code is kept without a class (`-1`) or a description from MPI.
+fn check_before_init(op: Op, call: &'static str, code: c_int) -> Result<()> {
+    if code == MPI_SUCCESS {
+        Ok(())
+    } else {
+        Err(TransportError::Mpi {
+            op,
+            call,
+            code,
+            class: -1,
+            message: "not described (MPI is not initialized)".into(),
+        })
+    }
+}
+
 /// Builds [`TransportError::Mpi`] from a failed call's code, with its class and text (off
 /// the hot path).
 #[cold]
@@ -1535,7 +1552,7 @@ fn single_copy_value(op: Op, index: c_int, wanted: &str) -> Result<c_int> {
             &mut scope,
         )
     };
-    check(op, "MPI_T_cvar_get_info", code)?;
+    check_before_init(op, "MPI_T_cvar_get_info", code)?;
     // SAFETY: MPI_T_cvar_get_info succeeded, so it wrote the enumeration handle.
     let enumtype = unsafe { enumtype.assume_init() };
     let mut items: c_int = 0;
@@ -1551,7 +1568,7 @@ fn single_copy_value(op: Op, index: c_int, wanted: &str) -> Result<c_int> {
             &mut enum_name_len,
         )
     };
-    check(op, "MPI_T_enum_get_info", code)?;
+    check_before_init(op, "MPI_T_enum_get_info", code)?;
     let mut names = Vec::new();
     for item in 0..items {
         let mut value: c_int = 0;
@@ -1568,7 +1585,7 @@ fn single_copy_value(op: Op, index: c_int, wanted: &str) -> Result<c_int> {
                 &mut item_len,
             )
         };
-        check(op, "MPI_T_enum_get_item", code)?;
+        check_before_init(op, "MPI_T_enum_get_item", code)?;
         let text = item_name.split(|&b| b == 0).next().unwrap_or_default();
         let text = String::from_utf8_lossy(text).into_owned();
         if text == wanted {

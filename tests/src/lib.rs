@@ -11,6 +11,8 @@
 
 pub mod allreduce;
 pub mod ipc;
+#[cfg(feature = "mpi")]
+pub mod mpi_cases;
 pub mod objects;
 
 use tpcomm::transport::{
@@ -217,7 +219,7 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
 }
 
 /// All-gathers the pass flag of one case so every rank reports the same verdict.
-fn agree<C: Communicator>(comm: &C, name: &'static str, mine: CaseResult) -> CaseReport {
+pub(crate) fn agree<C: Communicator>(comm: &C, name: &'static str, mine: CaseResult) -> CaseReport {
     let mut flags = vec![0u8; comm.size()];
     let flag = [u8::from(mine.is_ok())];
     if let Err(e) = comm.all_gather(&flag, &mut flags) {

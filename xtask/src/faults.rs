@@ -86,7 +86,8 @@ pub(crate) fn suite() -> Result<Outcome, String> {
     Ok(outcome)
 }
 
-fn open_mpi() -> bool {
+/// Whether `mpirun` is Open MPI's.
+pub(crate) fn open_mpi() -> bool {
     Command::new("mpirun")
         .arg("--version")
         .output()

@@ -4,7 +4,8 @@
 //! (`cuda.rs`), `cargo fmt --check`, clippy with warnings denied (every
 //! feature), every unit/property/integration/doc test (every feature), then the MPI
 //! conformance programs under `mpirun -np 2` and `-np 4`, and once more with `-np 3` and a
-//! timeout on the communicator (the nonblocking, deadline-polled path), the fault suite
+//! timeout on the communicator (the nonblocking, deadline-polled path), `mpi-single-copy-off`
+//! under `-np 2` and `-np 4` (Open MPI only), the fault suite
 //! (`faults.rs`: ranks SIGKILLed at each phase), and a fuzz smoke pass (`fuzz.rs`, every
 //! target for a few seconds), and the downstream builds (`downstream.rs`: tpcomm's GPU
 //! features next to cudarc configured as engines configure it). The closing line, `total: N
@@ -171,6 +172,16 @@ fn run_mpi_suite(tally: &mut Tally) -> Result<(), String> {
         run_mpi_program(tally, np, &exe, None)?;
     }
     run_mpi_program(tally, MPI_TIMED_RANKS, &exe, Some(MPI_TIMED_TIMEOUT_MS))?;
+    // The blocking path's protection against a peer sending more than agreed: Open MPI
+    // with its shared-memory single-copy mechanism turned off before MPI_Init.
+    if faults::open_mpi() {
+        let exe = util::mpi_program("mpi-single-copy-off", false)?;
+        for np in MPI_RANKS {
+            run_mpi_program(tally, np, &exe, None)?;
+        }
+    } else {
+        eprintln!("xtask test: mpi-single-copy-off SKIPPED (it needs Open MPI)");
+    }
     Ok(())
 }
 

@@ -249,10 +249,23 @@ pub enum TransportError {
         call: &'static str,
         /// The raw code it returned.
         code: i32,
-        /// The code's error class.
+        /// The code's error class (`-1` when MPI could not classify it, or was not
+        /// initialized yet).
         class: i32,
-        /// `MPI_Error_string` of the code.
+        /// `MPI_Error_string` of the code (or a note when MPI could not describe it).
         message: String,
+    },
+    /// An operating-system call the transport needs (for example mapping a guarded
+    /// receive buffer) failed.
+    #[error("{op}: {call} failed")]
+    Os {
+        /// The operation.
+        op: Op,
+        /// The system call that failed.
+        call: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
     },
     /// The communicator could not be built.
     #[error("cannot create a communicator: {0}")]
@@ -324,6 +337,7 @@ impl TransportError {
             TransportError::Timeout { missing, .. } => missing.first().copied(),
             TransportError::Unresponsive { gone, .. } => gone.first().copied(),
             TransportError::Mpi { .. }
+            | TransportError::Os { .. }
             | TransportError::Setup(_)
             | TransportError::Nccl { .. }
             | TransportError::Cuda { .. }

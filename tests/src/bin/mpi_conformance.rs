@@ -11,7 +11,8 @@ use tpcomm_conformance::run_all;
 
 fn main() -> ExitCode {
     tpcomm_conformance::mpi_program("mpi-conformance", |comm| {
-        let reports = run_all(comm);
+        let mut reports = run_all(comm);
+        reports.extend(tpcomm_conformance::mpi_cases::run_mpi_cases(comm));
         let failed = reports.iter().filter(|r| !r.passed).count();
         if comm.rank() == 0 {
             for r in &reports {

@@ -43,12 +43,26 @@
 //!
 //! - **Matching arguments on every rank.** The shared checks only see this rank's
 //!   arguments. MPI requires the ranks' counts to match (the same broadcast length, the same
-//!   block length, `recv.counts[j]` here equal to `send.counts[me]` on rank `j`...) and does
-//!   not always detect a mismatch: Open MPI 4.1 reports a small one as `MPI_ERR_TRUNCATE`,
-//!   but a broadcast of 5000 bytes from the root into 10-byte buffers elsewhere corrupted
-//!   the receivers' heap in a test (MPICH 4.0 reported the same case as a truncation).
-//!   Upper layers that exchange lengths first (as tpcomm-objects does) meet this by
-//!   construction.
+//!   block length, `recv.counts[j]` here equal to `send.counts[me]` on rank `j`...) and
+//!   reports a message longer than its receive count as `MPI_ERR_TRUNCATE`. But Open MPI
+//!   4.1's shared-memory transport (`btl/vader`), with its default single-copy mechanism
+//!   (CMA), moves a message above its eager limit (4 KiB) with one copy of the *sender's*
+//!   length before it reports the truncation: a peer that sends more than was agreed
+//!   overwrites the receiver's memory past its buffer (a broadcast of 5000 bytes into
+//!   10-byte buffers, a gather of 8 MiB into 16 bytes: SIGSEGV, corrupted heap; MPICH 4.0
+//!   reported the broadcast as a truncation). What protects a rank from such a peer:
+//!   - on the timed path ([`MpiCommunicator::with_timeout`]) every receive lands in an owned
+//!     buffer that ends at a `PROT_NONE` guard page: the kernel copy stops there with
+//!     `EFAULT`, Open MPI falls back to a bounded copy and the call returns
+//!     `MPI_ERR_TRUNCATE` (with XPMEM, a user-space copy, the guard page would turn the
+//!     overwrite into a SIGSEGV instead);
+//!   - on the blocking path collectives receive into the caller's buffers, which this module
+//!     cannot guard; [`MpiCommunicator::disable_single_copy_before_init`], called on every
+//!     rank before `MPI_Init`, makes Open MPI copy every message bounded by the receive
+//!     count.
+//!
+//!   Upper layers that exchange lengths first (as tpcomm-objects does) agree on the counts
+//!   by construction; the two measures above are about peers that do not keep to them.
 //! - **An error is not an abort.** After a failed collective MPI leaves the communicator's
 //!   state undefined, and the other ranks are not told: with 4 ranks, a truncation error on
 //!   two ranks of a broadcast left a third blocked in it. Treat [`TransportError::Mpi`] as
@@ -74,7 +88,11 @@
 //!   [`Communicator::split`]) is collective over the parent.
 //! - **Construction errors** of `MPI_Comm_dup` go to the *parent* communicator's error
 //!   handler (by default `MPI_ERRORS_ARE_FATAL`); this module does not change the caller's
-//!   communicator. Errors of `split` go to this module's duplicate and are returned.
+//!   communicator, except for one call on the timed path: Open MPI 4.1 raises the error of
+//!   a failed nonblocking collective on `MPI_COMM_WORLD`'s handler (not on the handler of
+//!   the request's communicator), so a finished request is completed by one `MPI_Wait`
+//!   while `MPI_COMM_WORLD` has `MPI_ERRORS_RETURN`, its previous handler restored right
+//!   after. Errors of `split` go to this module's duplicate and are returned.
 
 use std::ffi::{c_int, c_void};
 use std::fmt;
@@ -218,6 +236,108 @@ impl MpiCommunicator {
             "MPI communicator duplicated"
         );
         Ok(this)
+    }
+
+    /// Turns off Open MPI's shared-memory single-copy mechanism (CMA, XPMEM or KNEM) for
+    /// this process, so that messages between ranks on one host go through shared-memory
+    /// fragments that MPI copies into the receive buffer *bounded by its length*. Call it
+    /// on every rank, before MPI is initialized (before `mpi::initialize()`); it sets the
+    /// control variable `btl_vader_single_copy_mechanism` to `none` through the MPI tool
+    /// interface (`MPI_T`), the same as `mpirun --mca btl_vader_single_copy_mechanism none`,
+    /// and leaves the tool interface initialized (finalizing it before `MPI_Init` undoes
+    /// the setting in Open MPI 4.1).
+    ///
+    /// Why: with single copy, Open MPI 4.1 moves a message above its eager limit (4 KiB)
+    /// with one copy of the *sender's* length, even into a smaller receive buffer: a peer
+    /// that sends more than was agreed overwrites the receiver's memory past the buffer.
+    /// On the blocking path collectives receive into the caller's buffers, which tpcomm
+    /// cannot guard (the timed path of [`with_timeout`](Self::with_timeout) receives into
+    /// guarded buffers of its own). Without single copy, such a message is reported as
+    /// `MPI_ERR_TRUNCATE` and nothing past the buffer is written. The cost is bandwidth:
+    /// large messages between ranks of one host are copied twice.
+    ///
+    /// Every rank must agree: a rank with single copy turned off that receives from a rank
+    /// that still uses it aborts (`pml_ob1_recvreq.c: invalid bml for rdma get`).
+    ///
+    /// Fails with [`TransportError::Setup`] when MPI is already initialized, and with
+    /// [`TransportError::Unsupported`] when the MPI library has no such variable (it is
+    /// Open MPI 4.x's; MPICH and Open MPI 5 have none).
+    pub fn disable_single_copy_before_init() -> Result<()> {
+        let op = Op::Setup;
+        let _guard = lock_mpi();
+        let mut initialized: c_int = 0;
+        // SAFETY: MPI_Initialized may be called at any time; `initialized` is a valid place
+        // for one int.
+        let code = unsafe { ffi::MPI_Initialized(&mut initialized) };
+        check_before_init(op, "MPI_Initialized", code)?;
+        if initialized != 0 {
+            return Err(TransportError::Setup(
+                "the single-copy mechanism can only be disabled before MPI is initialized".into(),
+            ));
+        }
+        let mut provided: c_int = 0;
+        // SAFETY: the tool interface may be initialized before MPI_Init, any number of
+        // times; `provided` is a valid place for one int. Reading an immutable constant
+        // exported by rsmpi's C shim.
+        let code = unsafe { ffi::MPI_T_init_thread(ffi::RSMPI_THREAD_SINGLE, &mut provided) };
+        check_before_init(op, "MPI_T_init_thread", code)?;
+        let mut index: c_int = 0;
+        // SAFETY: MPI_T is initialized; the name is a NUL-terminated string; `index` is a
+        // valid place for one int.
+        let code = unsafe { ffi::MPI_T_cvar_get_index(SINGLE_COPY_CVAR.as_ptr(), &mut index) };
+        if code == ffi::MPI_T_ERR_INVALID_NAME as c_int {
+            return Err(TransportError::Unsupported {
+                op,
+                reason: format!(
+                    "this MPI library has no control variable {SINGLE_COPY_CVAR:?} (Open MPI \
+                     4.x's shared-memory transport)"
+                ),
+            });
+        }
+        check_before_init(op, "MPI_T_cvar_get_index", code)?;
+        let none = single_copy_value(op, index, "none")?;
+        let mut handle = std::mem::MaybeUninit::<ffi::MPI_T_cvar_handle>::uninit();
+        let mut count: c_int = 0;
+        // SAFETY: `index` names a control variable (just looked up); it is not bound to an
+        // MPI object, so the object handle is null; `handle` and `count` are valid places.
+        let code = unsafe {
+            ffi::MPI_T_cvar_handle_alloc(index, ptr::null_mut(), handle.as_mut_ptr(), &mut count)
+        };
+        check_before_init(op, "MPI_T_cvar_handle_alloc", code)?;
+        // SAFETY: MPI_T_cvar_handle_alloc succeeded, so it wrote the handle.
+        let mut handle = unsafe { handle.assume_init() };
+        let written = if count == 1 {
+            let value = CvarValue::new(none);
+            // SAFETY: the variable holds `count == 1` scalar of at most 16 bytes (an `int`
+            // in Open MPI); `value` is 16 readable bytes.
+            let code =
+                unsafe { ffi::MPI_T_cvar_write(handle, (&value as *const CvarValue).cast()) };
+            check_before_init(op, "MPI_T_cvar_write", code).and_then(|()| {
+                let mut read = CvarValue::new(-1);
+                // SAFETY: as above; `read` is 16 writable bytes.
+                let code =
+                    unsafe { ffi::MPI_T_cvar_read(handle, (&mut read as *mut CvarValue).cast()) };
+                check_before_init(op, "MPI_T_cvar_read", code)?;
+                let now = read.0[0];
+                if now == none {
+                    Ok(())
+                } else {
+                    Err(TransportError::Setup(format!(
+                        "{SINGLE_COPY_CVAR:?} reads {now} after writing {none} (none)"
+                    )))
+                }
+            })
+        } else {
+            Err(TransportError::Setup(format!(
+                "{SINGLE_COPY_CVAR:?} holds {count} values, expected one"
+            )))
+        };
+        // SAFETY: `handle` was allocated above and is not used after this call.
+        let code = unsafe { ffi::MPI_T_cvar_handle_free(&mut handle) };
+        written?;
+        check_before_init(op, "MPI_T_cvar_handle_free", code)?;
+        tracing::debug!("shared-memory single copy disabled before MPI_Init");
+        Ok(())
     }
 
     /// The raw handle, for interop. It stays owned by `self`: do not free it, and do not
@@ -596,11 +716,19 @@ impl Communicator for MpiCommunicator {
 /// `MPI_Iallgather`...) and polled with `MPI_Test` until it completes or the deadline
 /// passes. MPI forbids cancelling or freeing a pending collective request, and keeps the
 /// right to read the send buffer and write the receive buffer until it completes. So the
-/// collective runs on buffers and count tables owned by an [`InFlight`] (copied in, the
-/// receive buffer copied back on completion): at the deadline the `InFlight` is leaked, never freed, and the
-/// caller's buffers are free to go. The communicator is then broken: every later collective
-/// fails at once (its state is undefined for MPI, and the abandoned request would match the
-/// next collective's messages).
+/// collective runs on buffers and count tables owned by an `InFlight` (copied in, the
+/// receive buffer copied back on completion): at the deadline the `InFlight` is leaked,
+/// never freed, and the caller's buffers are free to go. The communicator is then broken:
+/// every later collective fails at once (its state is undefined for MPI, and the abandoned
+/// request would match the next collective's messages).
+///
+/// The request is polled with `MPI_Request_get_status`, which invokes no error handler,
+/// and completed by `complete_returning_errors`: in Open MPI 4.1 `MPI_Test` raised the
+/// error of a failed collective (say `MPI_ERR_TRUNCATE`) on `MPI_COMM_WORLD`'s fatal
+/// handler and the job aborted with exit code 15. A failed collective is
+/// [`TransportError::Mpi`] with the raw code, and breaks the communicator the same way.
+/// The receive copy is a `GuardedBuf`, so that a peer sending more than agreed cannot
+/// make MPI write past it (see the module docs).
 impl MpiCommunicator {
     /// Bounds every later collective of this communicator (and of its splits) by `timeout`:
     /// a collective that has not completed by then fails with
@@ -613,9 +741,16 @@ impl MpiCommunicator {
     ///
     /// Collective: every rank calls it (it all-gathers each rank's process identity, under
     /// the timeout already). The cost is copying each collective's send bytes in, and its
-    /// receive buffer in and out, of owned buffers, and polling instead of blocking (with
-    /// sleeps of up to 200 us between polls); without a timeout
-    /// the blocking MPI calls run on the caller's buffers as before.
+    /// receive buffer in and out, of owned buffers (the receive copy a fresh mapping that
+    /// ends at a guard page: one `mmap`, `mprotect` and `munmap` per collective), and
+    /// polling instead of blocking (with sleeps of up to 200 us between polls); without a
+    /// timeout the blocking MPI calls run on the caller's buffers as before.
+    ///
+    /// Errors of the collectives are returned as [`TransportError::Mpi`] (never raised on
+    /// `MPI_COMM_WORLD`'s handler), and a peer that sends more bytes than this rank's
+    /// receive count gives `MPI_ERR_TRUNCATE` without writing past the receive copy; either
+    /// breaks the communicator like a timeout (later collectives fail with
+    /// [`TransportError::Aborted`]).
     ///
     /// A timeout only helps when the job outlives a dead rank: Open MPI aborts the whole job
     /// when a rank dies unless `mpirun` runs with `--enable-recovery`.
@@ -686,21 +821,35 @@ impl MpiCommunicator {
             let code = {
                 let _guard = self.lock();
                 // SAFETY: `job.request` is the active request `start` created on the live
-                // `self.comm`; `done` is a valid place for one int; the status is ignored
-                // (`MPI_STATUS_IGNORE`, a constant read from rsmpi's C shim). The buffers
-                // and tables the request uses are owned by `job`, alive until it completes.
-                unsafe { ffi::MPI_Test(&mut job.request, &mut done, ffi::RSMPI_STATUS_IGNORE) }
+                // `self.comm` (get_status neither frees nor changes it); `done` is a valid
+                // place for one int; the status is ignored (`MPI_STATUS_IGNORE`, a constant
+                // read from rsmpi's C shim). The buffers and tables the request uses are
+                // owned by `job`, alive until it completes.
+                unsafe {
+                    ffi::MPI_Request_get_status(job.request, &mut done, ffi::RSMPI_STATUS_IGNORE)
+                }
             };
-            if code != MPI_SUCCESS {
+            let code = if code != MPI_SUCCESS {
+                Some((code, "MPI_Request_get_status"))
+            } else if done != 0 {
+                let code = {
+                    let _guard = self.lock();
+                    complete_returning_errors(&mut job.request)
+                };
+                match code {
+                    Ok(()) => return Ok(job),
+                    Err(failed) => Some(failed),
+                }
+            } else {
+                None
+            };
+            if let Some((code, failed_call)) = code {
                 // Whether MPI still uses the buffers is unknown: never free them.
                 std::mem::forget(job);
                 let _ = self
                     .broken
-                    .set((None, format!("{call} failed while being tested")));
-                return Err(mpi_error(op, "MPI_Test", code));
-            }
-            if done != 0 {
-                return Ok(job);
+                    .set((None, format!("an earlier {call} failed to complete")));
+                return Err(mpi_error(op, failed_call, code));
             }
             let waited = begun.elapsed();
             if Instant::now() >= next_check || waited >= timeout {
@@ -756,7 +905,7 @@ impl MpiCommunicator {
 
     fn timed_barrier(&self, timeout: Duration) -> Result<()> {
         let op = Op::Barrier;
-        let job = InFlight::new(Vec::new(), &[], Vec::new());
+        let job = InFlight::new(op, Vec::new(), &[], Vec::new())?;
         self.run_timed(op, "MPI_Ibarrier", timeout, job, |job, comm| {
             // SAFETY: `comm` is live; `job.request` is a valid place for the request.
             unsafe { ffi::MPI_Ibarrier(comm, &mut job.request) }
@@ -768,7 +917,7 @@ impl MpiCommunicator {
         let op = Op::AllGather;
         let count = self.int(op, "send count", self.rank, args.block_len())?;
         let (send, recv) = args.parts();
-        let job = InFlight::new(send.to_vec(), recv, Vec::new());
+        let job = InFlight::new(op, send.to_vec(), recv, Vec::new())?;
         let job = self.run_timed(op, "MPI_Iallgather", timeout, job, |job, comm| {
             let byte = byte_type();
             // SAFETY: `job.send` holds `count` bytes (at least one: never MPI_IN_PLACE's
@@ -807,7 +956,7 @@ impl MpiCommunicator {
         let mut tables = self.ints(op, "counts", counts, &mut counts_table)?.to_vec();
         tables.extend_from_slice(self.ints(op, "displacements", displs, &mut displs_table)?);
         let size = self.size;
-        let job = InFlight::new(send.to_vec(), recv, tables);
+        let job = InFlight::new(op, send.to_vec(), recv, tables)?;
         let job = self.run_timed(op, "MPI_Iallgatherv", timeout, job, |job, comm| {
             let byte = byte_type();
             let (counts, displs) = job.ints.split_at(size);
@@ -857,7 +1006,7 @@ impl MpiCommunicator {
         };
         let at_root = layout.is_some();
         let size = self.size;
-        let job = InFlight::new(send.to_vec(), recv_init, tables);
+        let job = InFlight::new(op, send.to_vec(), recv_init, tables)?;
         let job = self.run_timed(op, "MPI_Igatherv", timeout, job, |job, comm| {
             let byte = byte_type();
             let (recv, counts, displs) = if at_root {
@@ -901,7 +1050,7 @@ impl MpiCommunicator {
         let root = self.int(op, "root", self.rank, args.root())?;
         let buf = args.buf();
         let count = self.int(op, "buffer length", self.rank, buf.len())?;
-        let job = InFlight::new(Vec::new(), buf, Vec::new());
+        let job = InFlight::new(op, Vec::new(), buf, Vec::new())?;
         let job = self.run_timed(op, "MPI_Ibcast", timeout, job, |job, comm| {
             // SAFETY: `job.recv` holds at least `count` bytes (a copy of the caller's
             // buffer), owned by `job` until the request completes or forever; `root` is in
@@ -940,7 +1089,7 @@ impl MpiCommunicator {
         tables.extend_from_slice(self.ints(op, "counts", recv.counts, c)?);
         tables.extend_from_slice(self.ints(op, "displacements", recv.displs, d)?);
         let size = self.size;
-        let job = InFlight::new(send.buf.to_vec(), recv.buf, tables);
+        let job = InFlight::new(op, send.buf.to_vec(), recv.buf, tables)?;
         let job = self.run_timed(op, "MPI_Ialltoallv", timeout, job, |job, comm| {
             let byte = byte_type();
             let t = &job.ints;
@@ -978,39 +1127,147 @@ impl MpiCommunicator {
 /// What a nonblocking collective works on, owned so that it can outlive the call: the
 /// request, copies of the send and receive bytes, and the count/displacement tables.
 /// Buffers hold at least one byte, so their address is never `MPI_IN_PLACE`'s (`0x1`).
-/// An `InFlight` abandoned at a deadline is leaked (`mem::forget`): MPI may still use it.
+/// The receive copy is a [`GuardedBuf`]. An `InFlight` abandoned at a deadline, or whose
+/// request failed, is leaked (`mem::forget`): MPI may still use it.
 struct InFlight {
     request: ffi::MPI_Request,
     send: Vec<u8>,
-    recv: Vec<u8>,
+    recv: GuardedBuf,
     ints: Vec<c_int>,
 }
 
 impl InFlight {
     /// `recv` is copied in too: bytes of the caller's receive buffer outside every region
     /// (gaps of a varcount layout) must come back unchanged.
-    fn new(mut send: Vec<u8>, recv: &[u8], ints: Vec<c_int>) -> Self {
+    fn new(op: Op, mut send: Vec<u8>, recv: &[u8], ints: Vec<c_int>) -> Result<Self> {
         if send.is_empty() {
             send.push(0);
         }
-        let recv = if recv.is_empty() {
-            vec![0]
-        } else {
-            recv.to_vec()
-        };
-        Self {
+        let recv = GuardedBuf::copy_of(op, if recv.is_empty() { &[0] } else { recv })?;
+        Ok(Self {
             // SAFETY: reading an immutable handle constant exported by rsmpi's C shim.
             request: unsafe { ffi::RSMPI_REQUEST_NULL },
             send,
             recv,
             ints,
-        }
+        })
     }
 
     /// Copies the received bytes into the caller's buffer (of the length `new` was given).
     fn copy_out(&self, out: &mut [u8]) {
         let n = out.len();
-        out.copy_from_slice(&self.recv[..n]);
+        out.copy_from_slice(&self.recv.as_slice()[..n]);
+    }
+}
+
+/// A receive buffer whose last byte is followed by a `PROT_NONE` page: an anonymous
+/// mapping of whole pages plus one guard page, the bytes placed so that they end exactly
+/// where the guard begins.
+///
+/// Why: Open MPI 4.1's shared-memory transport (`btl/vader` with the CMA single-copy
+/// mechanism, its default on Linux) moves a message larger than its eager limit (4 KiB)
+/// with one `process_vm_readv` of the *sender's* length into the receive buffer, even when
+/// the receive count is smaller (it reports `MPI_ERR_TRUNCATE`, after the copy). A peer
+/// that sends more than was agreed then overwrote the honest rank's heap (SIGSEGV,
+/// `malloc(): corrupted top size`). Into a guarded buffer the kernel copy stops at the
+/// guard page with `EFAULT` instead: nothing outside this mapping is written, and MPI
+/// reports the truncation as an error. (A user-space copy, as XPMEM does, would fault on
+/// the guard page instead: a crash, still no silent corruption.)
+struct GuardedBuf {
+    /// Start of the mapping (page-aligned).
+    map: *mut c_void,
+    /// Length of the mapping: the data pages plus the guard page.
+    map_len: usize,
+    /// Offset of the first byte of data in the mapping.
+    start: usize,
+    /// Bytes of data (at least one).
+    len: usize,
+}
+
+impl GuardedBuf {
+    /// A guarded buffer holding a copy of `init` (which must not be empty).
+    fn copy_of(op: Op, init: &[u8]) -> Result<Self> {
+        let os = |call: &'static str| {
+            move |e: rustix::io::Errno| TransportError::Os {
+                op,
+                call,
+                source: e.into(),
+            }
+        };
+        let len = init.len().max(1);
+        let page = rustix::param::page_size();
+        let data_len = len
+            .div_ceil(page)
+            .checked_mul(page)
+            .and_then(|d| d.checked_add(page).map(|m| (d, m)));
+        let Some((data_len, map_len)) = data_len else {
+            return Err(TransportError::Os {
+                op,
+                call: "mmap",
+                source: std::io::Error::other(format!("a {len}-byte guarded buffer")),
+            });
+        };
+        // SAFETY: a fresh private anonymous mapping at an address the kernel chooses: no
+        // existing memory is touched.
+        let map = unsafe {
+            rustix::mm::mmap_anonymous(
+                ptr::null_mut(),
+                map_len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE,
+            )
+        }
+        .map_err(os("mmap"))?;
+        let this = Self {
+            map,
+            map_len,
+            start: data_len - len,
+            len,
+        };
+        // SAFETY: `[map + data_len, map + map_len)` is the last page of the mapping just
+        // created and owned by `this`; nothing refers to it.
+        unsafe {
+            rustix::mm::mprotect(
+                map.cast::<u8>().add(data_len).cast(),
+                page,
+                rustix::mm::MprotectFlags::empty(),
+            )
+        }
+        .map_err(os("mprotect"))?;
+        // SAFETY: `start + len == data_len`: the data lies inside the readable and writable
+        // pages of the mapping, which nothing else refers to yet.
+        let data = unsafe { std::slice::from_raw_parts_mut(this.data(), len) };
+        data[..init.len()].copy_from_slice(init);
+        Ok(this)
+    }
+
+    /// The first byte of data.
+    fn data(&self) -> *mut u8 {
+        // SAFETY: `start < map_len`: the offset stays inside the mapping.
+        unsafe { self.map.cast::<u8>().add(self.start) }
+    }
+
+    /// Where MPI writes (valid for `len` bytes, followed by the guard page).
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.data()
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: the `len` data bytes are readable and owned by `self`; `&self` excludes
+        // writes through `as_mut_ptr` for the slice's life. MPI writes only while the
+        // request is active, and callers read only after it completed.
+        unsafe { std::slice::from_raw_parts(self.data(), self.len) }
+    }
+}
+
+impl Drop for GuardedBuf {
+    fn drop(&mut self) {
+        // SAFETY: `map`/`map_len` is the mapping created in `copy_of`, owned by `self`;
+        // nothing refers to it after drop (an `InFlight` MPI may still use is leaked,
+        // never dropped).
+        if let Err(e) = unsafe { rustix::mm::munmap(self.map, self.map_len) } {
+            tracing::warn!(error = %e, "munmap of a guarded receive buffer failed");
+        }
     }
 }
 
@@ -1214,6 +1471,23 @@ fn check(op: Op, call: &'static str, code: c_int) -> Result<()> {
     }
 }
 
+/// [`check`] for calls made before `MPI_Init` (the tool interface): Open MPI 4.1 aborts the
+/// process when `MPI_Error_class` or `MPI_Error_string` is called before `MPI_Init`, so the
+/// code is kept without a class (`-1`) or a description from MPI.
+fn check_before_init(op: Op, call: &'static str, code: c_int) -> Result<()> {
+    if code == MPI_SUCCESS {
+        Ok(())
+    } else {
+        Err(TransportError::Mpi {
+            op,
+            call,
+            code,
+            class: -1,
+            message: "not described (MPI is not initialized)".into(),
+        })
+    }
+}
+
 /// Builds [`TransportError::Mpi`] from a failed call's code, with its class and text (off
 /// the hot path).
 #[cold]
@@ -1233,6 +1507,157 @@ fn mpi_error(op: Op, call: &'static str, code: c_int) -> TransportError {
         class,
         message: error_string(code),
     }
+}
+
+/// Open MPI 4.x's control variable selecting the shared-memory single-copy mechanism.
+const SINGLE_COPY_CVAR: &std::ffi::CStr = c"btl_vader_single_copy_mechanism";
+
+/// One control-variable value: an `int` in its first four bytes, zero-padded to 16 bytes.
+#[repr(C, align(16))]
+struct CvarValue([c_int; 4]);
+
+impl CvarValue {
+    fn new(value: c_int) -> Self {
+        Self([value, 0, 0, 0])
+    }
+}
+
+/// The integer value of the enumeration item `wanted` of control variable `index` (an
+/// enumerated `int`, as Open MPI declares `btl_vader_single_copy_mechanism`).
+fn single_copy_value(op: Op, index: c_int, wanted: &str) -> Result<c_int> {
+    let mut name = [0u8; 256];
+    let mut name_len = name.len() as c_int;
+    let mut desc = [0u8; 1024];
+    let mut desc_len = desc.len() as c_int;
+    let (mut verbosity, mut bind, mut scope): (c_int, c_int, c_int) = (0, 0, 0);
+    // The datatype is not checked: MPI_Type_size may not be called before MPI_Init. Open
+    // MPI declares the variable an enumerated `int`; reads and writes go through a
+    // zero-padded `CvarValue`, so that even a wider scalar stays in bounds.
+    let mut datatype = std::mem::MaybeUninit::<ffi::MPI_Datatype>::uninit();
+    let mut enumtype = std::mem::MaybeUninit::<ffi::MPI_T_enum>::uninit();
+    // SAFETY: MPI_T is initialized and `index` is a valid control variable; the name and
+    // description buffers hold `name_len` and `desc_len` bytes; every other argument is a
+    // valid place for one value.
+    let code = unsafe {
+        ffi::MPI_T_cvar_get_info(
+            index,
+            name.as_mut_ptr().cast(),
+            &mut name_len,
+            &mut verbosity,
+            datatype.as_mut_ptr(),
+            enumtype.as_mut_ptr(),
+            desc.as_mut_ptr().cast(),
+            &mut desc_len,
+            &mut bind,
+            &mut scope,
+        )
+    };
+    check_before_init(op, "MPI_T_cvar_get_info", code)?;
+    // SAFETY: MPI_T_cvar_get_info succeeded, so it wrote the enumeration handle.
+    let enumtype = unsafe { enumtype.assume_init() };
+    let mut items: c_int = 0;
+    let mut enum_name = [0u8; 256];
+    let mut enum_name_len = enum_name.len() as c_int;
+    // SAFETY: `enumtype` was returned for this variable; the buffer holds
+    // `enum_name_len` bytes; `items` is a valid place for one int.
+    let code = unsafe {
+        ffi::MPI_T_enum_get_info(
+            enumtype,
+            &mut items,
+            enum_name.as_mut_ptr().cast(),
+            &mut enum_name_len,
+        )
+    };
+    check_before_init(op, "MPI_T_enum_get_info", code)?;
+    let mut names = Vec::new();
+    for item in 0..items {
+        let mut value: c_int = 0;
+        let mut item_name = [0u8; 256];
+        let mut item_len = item_name.len() as c_int;
+        // SAFETY: `item < items`; the buffer holds `item_len` bytes; `value` is a valid
+        // place for one int.
+        let code = unsafe {
+            ffi::MPI_T_enum_get_item(
+                enumtype,
+                item,
+                &mut value,
+                item_name.as_mut_ptr().cast(),
+                &mut item_len,
+            )
+        };
+        check_before_init(op, "MPI_T_enum_get_item", code)?;
+        let text = item_name.split(|&b| b == 0).next().unwrap_or_default();
+        let text = String::from_utf8_lossy(text).into_owned();
+        if text == wanted {
+            return Ok(value);
+        }
+        names.push(text);
+    }
+    Err(TransportError::Setup(format!(
+        "{SINGLE_COPY_CVAR:?} has no value {wanted:?} (it has {names:?})"
+    )))
+}
+
+/// Serializes the swaps of `MPI_COMM_WORLD`'s error handler in
+/// [`complete_returning_errors`], so that concurrent swaps cannot leave the wrong one
+/// installed.
+static WORLD_HANDLER_SWAP: Mutex<()> = Mutex::new(());
+
+/// Completes and frees a request that `MPI_Request_get_status` found complete, returning
+/// its error code instead of raising it; `Err((code, call))` names the call that failed.
+///
+/// Open MPI 4.1 raises the error of a failed nonblocking collective (for example
+/// `MPI_ERR_TRUNCATE`) in `MPI_Test`/`MPI_Wait` on `MPI_COMM_WORLD`'s error handler, not
+/// on the handler of the request's communicator (whose `MPI_ERRORS_RETURN` is then
+/// ignored): with the default `MPI_ERRORS_ARE_FATAL` the job aborted (exit code 15). And
+/// `MPI_Request_get_status`, which invokes no handler, does not say whether the request
+/// failed. So the request is completed by one `MPI_Wait` (which returns at once: the
+/// request is complete) while `MPI_COMM_WORLD` has `MPI_ERRORS_RETURN`; its previous
+/// handler is put back right after. (MPICH raises it on the request's communicator, whose
+/// handler returns.) An error that *another thread* raises on `MPI_COMM_WORLD` during that
+/// one call is returned to it instead of handled by the application's handler.
+fn complete_returning_errors(
+    request: &mut ffi::MPI_Request,
+) -> std::result::Result<(), (c_int, &'static str)> {
+    let _swap = WORLD_HANDLER_SWAP
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    // SAFETY: reading immutable handle constants exported by rsmpi's C shim.
+    let (world, errors_return) = unsafe { (ffi::RSMPI_COMM_WORLD, ffi::RSMPI_ERRORS_RETURN) };
+    let mut previous = std::mem::MaybeUninit::<ffi::MPI_Errhandler>::uninit();
+    // SAFETY: MPI is initialized (a request exists); `previous` is a valid place for a
+    // handle.
+    let rc = unsafe { ffi::MPI_Comm_get_errhandler(world, previous.as_mut_ptr()) };
+    if rc != MPI_SUCCESS {
+        return Err((rc, "MPI_Comm_get_errhandler"));
+    }
+    // SAFETY: MPI_Comm_get_errhandler succeeded, so it wrote the handle.
+    let mut previous = unsafe { previous.assume_init() };
+    // SAFETY: `world` is live while MPI is; `errors_return` is a predefined handler.
+    let rc = unsafe { ffi::MPI_Comm_set_errhandler(world, errors_return) };
+    if rc != MPI_SUCCESS {
+        // SAFETY: `previous` is the reference `MPI_Comm_get_errhandler` returned.
+        unsafe { ffi::MPI_Errhandler_free(&mut previous) };
+        return Err((rc, "MPI_Comm_set_errhandler"));
+    }
+    // SAFETY: `*request` is a complete, not yet freed request (get_status said so); MPI_Wait
+    // frees it and sets it to MPI_REQUEST_NULL; the status is ignored.
+    let code = unsafe { ffi::MPI_Wait(request, ffi::RSMPI_STATUS_IGNORE) };
+    // SAFETY: `previous` is the handler `world` had, referenced by `previous`.
+    let restored = unsafe { ffi::MPI_Comm_set_errhandler(world, previous) };
+    // SAFETY: `previous` is the reference `MPI_Comm_get_errhandler` returned; `world` keeps
+    // its own reference.
+    let freed = unsafe { ffi::MPI_Errhandler_free(&mut previous) };
+    if code != MPI_SUCCESS {
+        return Err((code, "MPI_Wait"));
+    }
+    if restored != MPI_SUCCESS {
+        return Err((restored, "MPI_Comm_set_errhandler"));
+    }
+    if freed != MPI_SUCCESS {
+        return Err((freed, "MPI_Errhandler_free"));
+    }
+    Ok(())
 }
 
 /// `MPI_Error_string` of `code`, or a note when MPI cannot describe it.

@@ -1,0 +1,40 @@
+//! MPI without the shared-memory single-copy mechanism: `mpirun -np N mpi-single-copy-off`.
+//!
+//! Calls `MpiCommunicator::disable_single_copy_before_init` before initializing MPI, then
+//! checks that a rank sending more than was agreed gets the root a typed error on the
+//! blocking path (which receives into the caller's buffer) instead of overwriting its heap.
+//! Launched by `cargo xtask test` (Open MPI only); rank 0 prints `case NAME ... ok` or
+//! `case NAME ... FAILED: detail` per case, like `mpi-conformance`.
+
+use std::process::ExitCode;
+
+use tpcomm::transport::{Communicator, MpiCommunicator};
+use tpcomm_conformance::mpi_cases::run_single_copy_off_cases;
+
+fn main() -> ExitCode {
+    let disabled = MpiCommunicator::disable_single_copy_before_init();
+    tpcomm_conformance::mpi_program("mpi-single-copy-off", |comm| {
+        let reports = run_single_copy_off_cases(comm, &disabled);
+        let failed = reports.iter().filter(|r| !r.passed).count();
+        if comm.rank() == 0 {
+            for r in &reports {
+                if r.passed {
+                    println!("case {} ... ok", r.name);
+                } else {
+                    println!("case {} ... FAILED: {}", r.name, r.detail);
+                }
+            }
+            println!(
+                "mpi-single-copy-off ({} ranks): {} passed, {} failed",
+                comm.size(),
+                reports.len() - failed,
+                failed
+            );
+        } else {
+            for r in reports.iter().filter(|r| !r.passed) {
+                eprintln!("rank {}: case {} failed: {}", comm.rank(), r.name, r.detail);
+            }
+        }
+        failed == 0
+    })
+}

@@ -1,0 +1,228 @@
+//! Cases only MPI can run (feature `mpi`): what an MPI communicator does when ranks call a
+//! collective with counts that disagree, on the blocking path and on the timed
+//! (nonblocking, deadline-polled) path. `mpi-conformance` runs them after the shared suite.
+//!
+//! Every case works on fresh splits of the communicator it is given, because a collective
+//! that failed leaves its communicator unusable; the given communicator stays in step.
+
+use std::time::Duration;
+
+use tpcomm::transport::{Communicator, GatherRecv, MpiCommunicator, TransportError};
+
+use crate::{agree, filled, CaseReport, CaseResult};
+
+/// The timeout of the timed splits: far above what the cases take, so it never fires.
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `MPI_ERR_TRUNCATE` (the error class of a message longer than its receive count).
+const ERR_TRUNCATE: i32 = mpi::ffi::MPI_ERR_TRUNCATE as i32;
+
+/// Runs every MPI-only case on `comm`; the verdicts are the same on every rank.
+pub fn run_mpi_cases(comm: &MpiCommunicator) -> Vec<CaseReport> {
+    type Case = (&'static str, fn(&MpiCommunicator) -> CaseResult);
+    let cases: [Case; 2] = [
+        (
+            "mpi_truncation_is_returned_as_a_typed_error_on_the_blocking_and_timed_paths",
+            truncation_is_returned_on_both_paths,
+        ),
+        (
+            "mpi_a_sender_sending_more_than_agreed_gets_the_timed_root_a_typed_error_not_a_corrupt_heap",
+            lying_sender_gets_the_timed_root_a_typed_error,
+        ),
+    ];
+    cases
+        .into_iter()
+        .map(|(name, case)| agree(comm, name, case(comm)))
+        .collect()
+}
+
+/// The cases of `mpi-single-copy-off`, a program that called
+/// `MpiCommunicator::disable_single_copy_before_init` (with result `disabled`) before
+/// initializing MPI.
+pub fn run_single_copy_off_cases(
+    comm: &MpiCommunicator,
+    disabled: &Result<(), TransportError>,
+) -> Vec<CaseReport> {
+    let was_disabled = match disabled {
+        Ok(()) => Ok(()),
+        Err(e) => Err(format!("disable_single_copy_before_init failed: {e}")),
+    };
+    let after_init = match MpiCommunicator::disable_single_copy_before_init() {
+        Err(TransportError::Setup(_)) => Ok(()),
+        other => Err(format!(
+            "disable_single_copy_before_init after MPI_Init gave {other:?}"
+        )),
+    };
+    vec![
+        agree(
+            comm,
+            "mpi_single_copy_is_disabled_before_init",
+            was_disabled.clone(),
+        ),
+        agree(
+            comm,
+            "mpi_disabling_single_copy_after_init_is_refused",
+            after_init,
+        ),
+        agree(
+            comm,
+            "mpi_a_sender_sending_more_than_agreed_gets_the_blocking_root_a_typed_error_without_single_copy",
+            // Without single copy disabled this case would overwrite the root's heap.
+            was_disabled.and_then(|()| lying_sender_gets_the_blocking_root_a_typed_error(comm)),
+        ),
+    ]
+}
+
+/// A split of `comm` with every rank, in the same order.
+fn fresh_split(comm: &MpiCommunicator) -> Result<MpiCommunicator, String> {
+    comm.split(Some(0), comm.rank() as i32)
+        .map_err(|e| format!("split: {e}"))?
+        .ok_or_else(|| "split with a color returned None".to_string())
+}
+
+/// A fresh split whose collectives run on the timed path.
+fn timed_split(comm: &MpiCommunicator) -> Result<MpiCommunicator, String> {
+    fresh_split(comm)?
+        .with_timeout(TIMEOUT)
+        .map_err(|e| format!("with_timeout: {e}"))
+}
+
+/// Expects `MPI_ERR_TRUNCATE` as [`TransportError::Mpi`], with the raw code kept.
+fn expect_truncate(what: &str, r: Result<(), TransportError>) -> CaseResult {
+    match r {
+        Err(TransportError::Mpi { class, code, .. }) if class == ERR_TRUNCATE && code != 0 => {
+            Ok(())
+        }
+        Err(e) => Err(format!("{what}: wrong error: {e}")),
+        Ok(()) => Err(format!(
+            "{what}: succeeded although the message was truncated"
+        )),
+    }
+}
+
+/// A gather to rank 0 where every other rank sends `sent` bytes and the root expects
+/// `expected` from each of them (its own block agrees). The root must get
+/// `MPI_ERR_TRUNCATE`; the senders complete.
+fn mismatched_gather(
+    sub: &MpiCommunicator,
+    sent: usize,
+    expected: usize,
+    what: &str,
+) -> CaseResult {
+    let me = sub.rank();
+    if me == 0 {
+        let counts = vec![expected; sub.size()];
+        let displs: Vec<usize> = (0..sub.size()).map(|r| r * expected).collect();
+        let mut recv = vec![0u8; expected * sub.size()];
+        let send = filled(me, 7, expected);
+        let layout = GatherRecv {
+            recv: &mut recv,
+            counts: &counts,
+            displs: &displs,
+        };
+        expect_truncate(what, sub.gather_varcount(0, &send, Some(layout)))
+    } else {
+        let send = filled(me, 7, sent);
+        sub.gather_varcount(0, &send, None)
+            .map_err(|e| format!("{what}: the sender failed: {e}"))
+    }
+}
+
+/// Errors that complete in `MPI_Test` on the timed path used to be raised on
+/// `MPI_COMM_WORLD`'s fatal handler (the job aborted with exit code 15); both paths must
+/// return them. Messages of 64 bytes (eager) into 8-byte receives.
+fn truncation_is_returned_on_both_paths(comm: &MpiCommunicator) -> CaseResult {
+    if comm.size() < 2 {
+        return Ok(());
+    }
+    // Blocking path (unless `comm` itself is timed: then its splits are too).
+    let blocking = fresh_split(comm)?;
+    let path = if blocking.timeout().is_some() {
+        "timed (inherited)"
+    } else {
+        "blocking"
+    };
+    mismatched_gather(&blocking, 64, 8, &format!("{path} gather"))?;
+    drop(blocking);
+
+    let timed = timed_split(comm)?;
+    mismatched_gather(&timed, 64, 8, "timed gather")?;
+    if timed.rank() == 0 {
+        // The failed collective broke the timed communicator: the next one is refused.
+        match timed.barrier() {
+            Err(TransportError::Aborted { .. }) => {}
+            other => return Err(format!("timed barrier after the failure gave {other:?}")),
+        }
+    }
+    Ok(())
+}
+
+/// A rank that sends 8 MiB where 16 bytes were agreed: Open MPI's shared-memory single-copy
+/// path (CMA) copies the sender's length into the receive buffer. On the timed path the
+/// receive buffer ends at a guard page, so the copy fails with `EFAULT` inside the kernel
+/// and the root gets `MPI_ERR_TRUNCATE`; before, the 16-byte-per-rank heap buffer was
+/// overrun by 8 MiB (SIGSEGV or a corrupted heap).
+fn lying_sender_gets_the_timed_root_a_typed_error(comm: &MpiCommunicator) -> CaseResult {
+    if comm.size() < 2 {
+        return Ok(());
+    }
+    let timed = timed_split(comm)?;
+    lying_gather(&timed)
+}
+
+/// The same lie on the blocking path, which receives into the caller's buffer: safe only
+/// with the single-copy mechanism turned off
+/// (`MpiCommunicator::disable_single_copy_before_init`), as `mpi-single-copy-off` does.
+fn lying_sender_gets_the_blocking_root_a_typed_error(comm: &MpiCommunicator) -> CaseResult {
+    if comm.size() < 2 {
+        return Ok(());
+    }
+    let blocking = fresh_split(comm)?;
+    if blocking.timeout().is_some() {
+        return Err("the blocking case needs a communicator without a timeout".into());
+    }
+    lying_gather(&blocking)
+}
+
+/// A gather to rank 0 of 16 bytes per rank, where rank 1 sends 8 MiB (far past the eager
+/// limit: the single-copy path). The root must get `MPI_ERR_TRUNCATE`, the senders
+/// complete, and every rank's heap still works afterwards.
+fn lying_gather(sub: &MpiCommunicator) -> CaseResult {
+    let me = sub.rank();
+    let expected = 16;
+    let result = if me == 0 {
+        let counts = vec![expected; sub.size()];
+        let displs: Vec<usize> = (0..sub.size()).map(|r| r * expected).collect();
+        let mut recv = vec![0u8; expected * sub.size()];
+        let send = filled(me, 9, expected);
+        let layout = GatherRecv {
+            recv: &mut recv,
+            counts: &counts,
+            displs: &displs,
+        };
+        expect_truncate(
+            "gather from a lying rank 1",
+            sub.gather_varcount(0, &send, Some(layout)),
+        )
+    } else {
+        let len = if me == 1 { 8 << 20 } else { expected };
+        let send = filled(me, 9, len);
+        sub.gather_varcount(0, &send, None)
+            .map_err(|e| format!("rank {me} (sender) failed: {e}"))
+    };
+    // The heap still works: allocate, write and check blocks of a few sizes.
+    for size in [24usize, 4096, 1 << 20] {
+        let block = filled(me, size, size);
+        if block.len() != size
+            || block
+                .iter()
+                .enumerate()
+                .any(|(i, &b)| b != crate::pattern(me, size, i))
+        {
+            return Err(format!(
+                "a {size}-byte allocation after the gather is wrong"
+            ));
+        }
+    }
+    result
+}

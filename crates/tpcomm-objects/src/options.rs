@@ -49,8 +49,10 @@ pub struct Options {
     /// [`ObjectError::Decode`] with [`DecodeError::TooDeep`](crate::DecodeError::TooDeep),
     /// naming the sender, instead of a stack overflow. Default 256.
     ///
-    /// Valid range: `1..=Options::MAX_DEPTH` (1024: decoding that deep stays well within a
-    /// 2 MiB thread stack, debug builds included).
+    /// Valid range: `1..=Options::MAX_DEPTH` (512). Decoding takes stack per level: about
+    /// 1.2 KiB in a debug build for a small recursive enum (less optimized), so the maximum
+    /// stays within a third of a 2 MiB thread stack; a type with large fields per level takes
+    /// more, and the default leaves room for that.
     pub max_depth: usize,
 }
 
@@ -73,7 +75,7 @@ impl Options {
     /// The default `max_depth`.
     pub const DEFAULT_MAX_DEPTH: usize = 256;
     /// The largest `max_depth`.
-    pub const MAX_DEPTH: usize = 1024;
+    pub const MAX_DEPTH: usize = 512;
 
     /// Checks every field against its documented range; the error says which field and why.
     pub fn validate(&self) -> Result<(), ObjectError> {
@@ -276,13 +278,13 @@ mod tests {
             max_total_bytes: 12345,
             round_bytes: Some(777),
             small_slot_bytes: 17,
-            max_depth: 1000,
+            max_depth: 500,
         };
         assert_eq!(
             WireOptions::decode(&WireOptions::encode(&opts, true)),
             WireOptions::Valid {
                 small_slot_bytes: 17,
-                max_depth: 1000,
+                max_depth: 500,
                 round_bytes: 777,
                 max_total_bytes: 12345
             }

@@ -165,13 +165,18 @@ impl Communicator for Peer {
 
 /// Runs `f` on two ranks (rank 1 hostile) and returns the honest rank's result and the
 /// peak of live heap bytes above what was live before.
-fn peak_of(f: impl Fn(&Peer) -> Result<(), ObjectError> + Sync) -> (Result<(), ObjectError>, usize) {
+fn peak_of(
+    f: impl Fn(&Peer) -> Result<(), ObjectError> + Sync,
+) -> (Result<(), ObjectError>, usize) {
     let group = LocalGroup::new(2).timeout(Duration::from_secs(20));
     let base = LIVE.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);
     let mut results = group.run(|inner| f(&Peer { inner }));
     let peak = PEAK.load(Ordering::Relaxed) - base;
-    (results.remove(0).expect("the honest rank does not panic"), peak)
+    (
+        results.remove(0).expect("the honest rank does not panic"),
+        peak,
+    )
 }
 
 #[test]

@@ -145,10 +145,10 @@ impl Communicator for Peer {
     }
     fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> TResult<()> {
         let (send, recv) = args.parts();
-        let mut staged = recv.buf.to_vec();
+        let (staged_send, mut staged) = (send.buf.to_vec(), recv.buf.to_vec());
         self.inner.all_to_all_varcount(
             Layout {
-                buf: &send.buf.to_vec(),
+                buf: &staged_send,
                 counts: send.counts,
                 displs: send.displs,
             },
@@ -162,6 +162,9 @@ impl Communicator for Peer {
         Ok(())
     }
 }
+
+/// One collective as both ranks run it.
+type Case<'a> = &'a (dyn Fn(&Peer) -> Result<(), ObjectError> + Sync);
 
 /// Runs `f` on two ranks (rank 1 hostile) and returns the honest rank's result and the
 /// peak of live heap bytes above what was live before.
@@ -184,7 +187,7 @@ fn a_peer_announcing_a_large_length_costs_the_announced_bytes_plus_one_round() {
     let announced = ANNOUNCED as usize;
     let bound = announced + Options::DEFAULT_ROUND_BYTES + (4 << 20);
     let value = ByteBuf::from(vec![7u8; 64]);
-    let cases: [(&str, &(dyn Fn(&Peer) -> Result<(), ObjectError> + Sync)); 3] = [
+    let cases: [(&str, Case<'_>); 3] = [
         ("all_gather", &|c| all_gather(c, &value).map(drop)),
         ("gather", &|c| gather(c, 0, &value).map(drop)),
         ("broadcast", &|c| {

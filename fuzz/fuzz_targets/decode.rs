@@ -1,8 +1,15 @@
 //! Postcard decode of received bytes into the project's own types, through
 //! `tpcomm_objects::decode_from` (the decode every collective runs).
 //!
-//! Whatever the bytes: an error or a value, never a panic; and a decoded value encodes and
-//! decodes back to itself (compared by encoding, so that a NaN equals itself).
+//! Whatever the bytes: an error or a value, never a panic or a stack overflow; and a decoded
+//! value encodes and decodes back to itself (compared by encoding, so that a NaN equals
+//! itself).
+//!
+//! The recursive types (`Tree`, `Chain`, and `Value`'s lists and pairs) reach the nesting
+//! bound (`Options::max_depth`): postcard alone recursed once per level, so 30,000 levels
+//! (the `deep_tree` and `deep_chain` seeds, 30 to 60 KB) overflowed the stack. The maximum
+//! input length is raised for this target (`xtask/src/fuzz.rs`) so that such inputs are
+//! reachable.
 
 #![no_main]
 
@@ -28,6 +35,20 @@ enum Value {
     List(Vec<Value>),
     Pair(Box<(Value, Value)>),
     Map(BTreeMap<String, Value>),
+}
+
+/// An enum holding `Vec<Self>` (a node is `[1, 1]` for one child).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+enum Tree {
+    Leaf,
+    Node(Vec<Tree>),
+}
+
+/// An enum holding `Box<Self>` (a link is `[1]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+enum Chain {
+    End,
+    Link(Box<Chain>),
 }
 
 /// The benchmark's `records:N` payload (`crates/tpcomm-bench/src/objects.rs`), mirrored.
@@ -73,7 +94,11 @@ fn owned<T>(bytes: &[u8])
 where
     T: Serialize + DeserializeOwned + Debug,
 {
-    if let Ok(v) = tpcomm_objects::decode_from::<T>(1, bytes) {
+    let decoded = tpcomm_objects::decode_from::<T>(1, bytes);
+    if let Err(tpcomm_objects::ObjectError::Decode { rank, .. }) = &decoded {
+        assert_eq!(*rank, 1, "a decode error names the sender");
+    }
+    if let Ok(v) = decoded {
         let again = postcard::to_allocvec(&v).expect("a decoded value encodes");
         let back: T = tpcomm_objects::decode_from(1, &again).expect("its encoding decodes");
         let twice = postcard::to_allocvec(&back).expect("the copy encodes");
@@ -85,7 +110,7 @@ fuzz_target!(|data: &[u8]| {
     let Some((&which, bytes)) = data.split_first() else {
         return;
     };
-    match which % 12 {
+    match which % 14 {
         0 => owned::<Envelope<HostHandle>>(bytes),
         1 => owned::<HostHandle>(bytes),
         // What `PeerMappings` all-gathers: each rank's envelopes, or none after a failed export.
@@ -102,8 +127,10 @@ fuzz_target!(|data: &[u8]| {
                 assert!(bytes.len() >= r.name.len());
             }
         }
-        _ => {
+        11 => {
             let _ = tpcomm_objects::decode_from::<Vec<&str>>(1, bytes);
         }
+        12 => owned::<Tree>(bytes),
+        _ => owned::<Chain>(bytes),
     }
 });

@@ -52,17 +52,33 @@ static GLOBAL: PeakAlloc = PeakAlloc;
 
 /// Serde preallocates at most 1 MiB for a sequence whatever its announced length.
 const SERDE_PREALLOCATION: usize = 1 << 20;
-/// Header buffers: at most 8 ranks squared of 8-byte words, or 8 entries of a 1 KiB slot.
+/// Header buffers: at most 8 blocks of an options field and 8 words, or 8 256-byte entries.
 const HEADER_ALLOWANCE: usize = 64 << 10;
 
 /// Rank `rank` of a group of `size` whose peers send the bytes of `stream` in call order
-/// (zeros once it runs out).
+/// (zeros once it runs out). With `same_options`, the peers' header entries carry this
+/// rank's options field (when the header moves in one call), so that the fuzzer gets past
+/// the options agreement to the lengths; without, it exercises the agreement itself.
 #[derive(Debug)]
 struct HostilePeers<'a> {
     rank: usize,
     size: usize,
     max_count: usize,
+    same_options: bool,
     stream: Mutex<&'a [u8]>,
+}
+
+/// Where the options field sits in a header contribution of `len` bytes: after the length
+/// word of a 256-byte entry (all-gather, gather, broadcast), or first in a block of an
+/// options field and one word per rank (scatter, all-to-all). `None` for a chunk.
+fn options_field(len: usize, size: usize) -> Option<std::ops::Range<usize>> {
+    if len == 256 {
+        Some(8..32)
+    } else if len == 24 + 8 * size {
+        Some(0..24)
+    } else {
+        None
+    }
 }
 
 impl HostilePeers<'_> {
@@ -113,8 +129,12 @@ impl Communicator for HostilePeers<'_> {
     fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> TransportResult<()> {
         let (send, recv) = args.parts();
         let block = send.len();
+        let field = options_field(block, self.size).filter(|_| self.same_options);
         for (r, region) in recv.chunks_exact_mut(block.max(1)).enumerate() {
             self.deliver(r, region, send);
+            if let Some(f) = field.clone() {
+                region[f.clone()].copy_from_slice(&send[f]);
+            }
         }
         Ok(())
     }
@@ -151,6 +171,7 @@ impl Communicator for HostilePeers<'_> {
 /// Reads the shape of the run from the first bytes of the input.
 struct Setup {
     size: usize,
+    same_options: bool,
     rank: usize,
     max_count: usize,
     opts: Options,
@@ -161,6 +182,7 @@ struct Setup {
 fn setup(data: &[u8]) -> Option<(Setup, &[u8])> {
     let (head, rest) = data.split_at_checked(8)?;
     let size = 1 + usize::from(head[0] % 8);
+    let same_options = head[0] & 0x80 == 0;
     let rank = usize::from(head[1]) % size;
     // Mostly a real MPI's limit; sometimes a tiny one, so the header and payload go in rounds.
     let max_count = if head[2] & 0x80 == 0 {
@@ -172,13 +194,15 @@ fn setup(data: &[u8]) -> Option<(Setup, &[u8])> {
     let opts = Options {
         max_total_bytes: cap,
         round_bytes: (head[5] & 0x80 != 0).then_some(16 + usize::from(head[5] & 0x7F)),
-        small_slot_bytes: [0, 1, 8, 248, 1016][usize::from(head[5] & 0x7F) % 5],
+        small_slot_bytes: [0, 1, 8, 100, 224][usize::from(head[5] & 0x7F) % 5],
+        max_depth: Options::DEFAULT_MAX_DEPTH,
     };
     let op = head[6];
     let own_len = usize::from(head[7]) * 4;
     Some((
         Setup {
             size,
+            same_options,
             rank,
             max_count,
             opts,
@@ -252,6 +276,7 @@ fuzz_target!(|data: &[u8]| {
         rank: s.rank,
         size: s.size,
         max_count: s.max_count,
+        same_options: s.same_options,
         stream: Mutex::new(stream),
     };
     LARGEST.store(0, Ordering::Relaxed);

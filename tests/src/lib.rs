@@ -202,6 +202,18 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
             objects::work_on_split_sub_groups,
         ),
         (
+            "objects_different_round_bytes_is_an_options_mismatch_on_every_rank",
+            objects::different_round_bytes_is_an_options_mismatch,
+        ),
+        (
+            "objects_invalid_options_on_one_rank_are_reported_by_every_rank",
+            objects::invalid_options_on_one_rank_are_reported_by_every_rank,
+        ),
+        (
+            "objects_deep_nesting_from_a_peer_is_a_decode_error",
+            objects::deep_nesting_from_a_peer_is_a_decode_error,
+        ),
+        (
             "ipc_host_peers_read_patterns_across_close_and_reopen",
             ipc::host_peers_read_patterns_across_reopen,
         ),

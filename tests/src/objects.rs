@@ -224,3 +224,133 @@ pub(crate) fn work_on_split_sub_groups<C: Communicator>(comm: &C) -> CaseResult 
         .collect();
     same("sub-group names", names, want)
 }
+
+/// Values that take the payload path in several rounds of about 100 bytes.
+fn payload_value(rank: usize) -> serde_bytes::ByteBuf {
+    blob(rank, 9, 400 + 30 * rank)
+}
+
+/// Every rank but 0 passes a different `round_bytes` (on MPI this used to return wrong
+/// values on some ranks and `MPI_ERR_TRUNCATE` on others): every rank of every collective
+/// returns `OptionsMismatch` naming the option and the ranks, and the communicator is still
+/// in step afterwards.
+pub(crate) fn different_round_bytes_is_an_options_mismatch<C: Communicator>(
+    comm: &C,
+) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    if n == 1 {
+        return Ok(());
+    }
+    let opts = Options {
+        round_bytes: Some(97 + me),
+        small_slot_bytes: 16,
+        ..Options::default()
+    };
+    let others: Vec<usize> = (1..n).collect();
+    let expect = |what: &str, r: Result<(), ObjectError>| match r {
+        Err(ObjectError::OptionsMismatch {
+            option: "round_bytes",
+            reference: 0,
+            ranks,
+        }) if ranks == others => Ok(()),
+        other => Err(format!(
+            "{what}: expected OptionsMismatch on round_bytes naming {others:?}, got {other:?}"
+        )),
+    };
+    let mine = payload_value(me);
+    let all: Vec<_> = (0..n).map(payload_value).collect();
+    expect(
+        "all_gather",
+        objects::all_gather_with(comm, &mine, &opts).map(drop),
+    )?;
+    expect(
+        "gather",
+        objects::gather_with(comm, 0, &mine, &opts).map(drop),
+    )?;
+    expect(
+        "broadcast",
+        objects::broadcast_with(comm, n - 1, (me == n - 1).then_some(&mine), &opts).map(drop),
+    )?;
+    expect(
+        "scatter",
+        objects::scatter_with(comm, 0, (me == 0).then_some(&all[..]), &opts).map(drop),
+    )?;
+    expect(
+        "all_to_all",
+        objects::all_to_all_with(comm, &all, &opts).map(drop),
+    )?;
+    same(
+        "all_gather after the mismatch",
+        obj("all_gather", objects::all_gather(comm, &me))?,
+        (0..n).collect(),
+    )
+}
+
+/// The last rank passes `round_bytes = Some(0)`: it returns `InvalidArgument`, every other
+/// rank `PeerInvalidOptions` naming it, nobody waits, and the communicator stays in step.
+pub(crate) fn invalid_options_on_one_rank_are_reported_by_every_rank<C: Communicator>(
+    comm: &C,
+) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    let bad = n - 1;
+    let opts = Options {
+        round_bytes: if me == bad { Some(0) } else { None },
+        ..Options::default()
+    };
+    match objects::all_gather_with(comm, &payload_value(me), &opts) {
+        Err(ObjectError::InvalidArgument(_)) if me == bad => {}
+        Err(ObjectError::PeerInvalidOptions { ranks }) if me != bad && ranks == vec![bad] => {}
+        other => return Err(format!("rank {me}: got {other:?}")),
+    }
+    same(
+        "all_gather after the invalid options",
+        obj("all_gather", objects::all_gather(comm, &me))?,
+        (0..n).collect(),
+    )
+}
+
+/// A recursive value, as the hostile rank's crafted bytes claim to be.
+#[derive(Debug, Serialize, Deserialize)]
+enum Tree {
+    Leaf,
+    Node(Vec<Tree>),
+}
+
+/// Bytes that serialize verbatim (a tuple of `u8`: postcard writes no length).
+struct Crafted(Vec<u8>);
+
+impl Serialize for Crafted {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
+        let mut t = s.serialize_tuple(self.0.len())?;
+        for b in &self.0 {
+            t.serialize_element(b)?;
+        }
+        t.end()
+    }
+}
+
+/// The last rank sends a `Tree` nested 30,000 levels deep (60 KB, which overflowed even an
+/// 8 MiB main-thread stack): every other rank returns `Decode { TooDeep }` naming it.
+pub(crate) fn deep_nesting_from_a_peer_is_a_decode_error<C: Communicator>(comm: &C) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    let hostile = n - 1;
+    if me == hostile {
+        let mut bytes = [1u8, 1].repeat(30_000);
+        bytes.push(0);
+        // The borrowed form sends the value's encoding without decoding anything back.
+        objects::all_gather_borrowed(comm, &Crafted(bytes))
+            .map(drop)
+            .map_err(|e| format!("hostile rank: {e}"))
+    } else {
+        match objects::all_gather(comm, &Tree::Leaf) {
+            Err(ObjectError::Decode {
+                rank,
+                source: objects::DecodeError::TooDeep { .. },
+            }) if rank == hostile => Ok(()),
+            other => Err(format!(
+                "expected Decode(TooDeep) naming rank {hostile}, got {other:?}"
+            )),
+        }
+    }
+}

@@ -18,6 +18,16 @@ use crate::util;
 /// Every target in `fuzz/Cargo.toml`.
 const TARGETS: [&str; 4] = ["length_exchange", "round_schedule", "decode", "host_handle"];
 
+/// libFuzzer's `-max_len` for targets whose interesting inputs are larger than its guess
+/// (the largest seed, at least 4096 bytes): `decode` must reach values nested 30,000 levels
+/// deep (60 KB), past which an unbounded decoder overflowed the stack.
+fn max_len(target: &str) -> Option<usize> {
+    match target {
+        "decode" => Some(128 << 10),
+        _ => None,
+    }
+}
+
 /// Flags shared by the build and the runs, so that `cargo fuzz run` does not rebuild.
 const BUILD_FLAGS: [&str; 2] = ["-O", "--debug-assertions"];
 
@@ -126,6 +136,7 @@ fn run_target(fuzz_dir: &Path, target: &'static str, seconds: u64) -> Result<Out
         .arg(&seeds)
         .arg("--")
         .arg(format!("-max_total_time={seconds}"))
+        .args(max_len(target).map(|n| format!("-max_len={n}")))
         .arg("-print_final_stats=1")
         .arg(format!("-artifact_prefix={}/", artifacts.display()));
     eprintln!("$ {}", util::show(&cmd));

@@ -9,8 +9,11 @@ use tracing::field::Empty;
 
 use crate::error::{ObjectError, Result};
 use crate::gathered::{decode_exact, Gathered};
-use crate::header::{agree, alloc, read_entry, within_cap, write_entry, Announce, WORD};
-use crate::options::Options;
+use crate::header::{
+    agree, alloc, entry_field, entry_inline, read_entry, read_word, reserve, within_cap,
+    write_entry, Announce, ENTRY, SLOT_AT, WORD,
+};
+use crate::options::{Checked, Options, FIELD};
 use crate::rounds::{dense_offsets, round, round_count};
 
 /// What this rank contributes: bytes, or why it has none.
@@ -72,15 +75,20 @@ fn check_root<C: Communicator + ?Sized>(comm: &C, root: usize) -> Result<()> {
     Ok(())
 }
 
-fn entry_len(opts: &Options) -> Result<usize> {
-    WORD.checked_add(opts.small_slot_bytes)
-        .ok_or_else(|| ObjectError::InvalidArgument("small_slot_bytes overflows".into()))
-}
-
 fn header_len(entries: usize, entry: usize) -> Result<usize> {
     entries
         .checked_mul(entry)
         .ok_or_else(|| ObjectError::InvalidArgument("header size overflows usize".into()))
+}
+
+/// The inline slot this rank uses: its option when valid, 0 otherwise (an invalid rank only
+/// flags itself in the header).
+fn slot_of(opts: &Options, checked: &Checked) -> usize {
+    if checked.invalid.is_some() {
+        0
+    } else {
+        opts.small_slot_bytes
+    }
 }
 
 /// Fixed-size all-gather of `send` (equal length on every rank), in chunks of at most
@@ -108,33 +116,38 @@ fn all_gather_fixed<C: Communicator + ?Sized>(
     Ok(())
 }
 
-/// Broadcast of `buf` from `root` in calls of at most `limit` bytes (one call when it fits).
-fn broadcast_rounds<C: Communicator + ?Sized>(
+/// Broadcast of the root's `len` bytes into `buf` in calls of at most `limit` bytes (one
+/// call when it fits). On the root `buf` holds the bytes; elsewhere it is an empty buffer
+/// of capacity `len`, grown one round at a time.
+fn broadcast_payload<C: Communicator + ?Sized>(
     comm: &C,
     root: usize,
-    buf: &mut [u8],
+    buf: &mut Vec<u8>,
+    len: usize,
     limit: usize,
 ) -> Result<usize> {
-    if buf.len() <= limit {
-        comm.broadcast(root, buf)?;
-        return Ok(1);
-    }
-    let mut rounds = 0;
-    for chunk in buf.chunks_mut(limit) {
-        comm.broadcast(root, chunk)?;
-        rounds += 1;
+    let rounds = round_count(len, limit);
+    for k in 0..rounds {
+        let start = k * limit;
+        let end = start.saturating_add(limit).min(len);
+        if buf.len() < end {
+            buf.resize(end, 0);
+        }
+        comm.broadcast(root, &mut buf[start..end])?;
     }
     Ok(rounds)
 }
 
 /// Moves every rank's payload (`lens` agreed) to `root`, or to every rank when `root` is
-/// `None`, in the windowed round schedule, straight into `buf` (allocated by receivers only).
+/// `None`, in the windowed round schedule, straight into `buf` (on receivers only: an empty
+/// buffer of capacity `sum(lens)`, grown one window at a time, so that only what arrived is
+/// ever written).
 fn payload_rounds<C: Communicator + ?Sized>(
     comm: &C,
     root: Option<usize>,
     payload: &[u8],
     lens: &[usize],
-    buf: &mut [u8],
+    mut buf: Option<&mut Vec<u8>>,
     limit: usize,
 ) -> Result<usize> {
     let me = comm.rank();
@@ -144,16 +157,22 @@ fn payload_rounds<C: Communicator + ?Sized>(
     for k in 0..rounds {
         let rd = round(lens, &offsets, limit, k);
         let chunk = &payload[rd.sources[me].clone()];
+        let window = buf.as_deref_mut().map(|b| {
+            if b.len() < rd.window.end {
+                b.resize(rd.window.end, 0);
+            }
+            &mut b[rd.window.clone()]
+        });
         match root {
             None => comm.all_gather_varcount(
                 chunk,
-                &mut buf[rd.window.clone()],
+                window.expect("every rank receives an all-gather"),
                 &rd.counts,
                 &rd.displs,
             )?,
             Some(root) => {
-                let recv = (me == root).then(|| GatherRecv {
-                    recv: &mut buf[rd.window.clone()],
+                let recv = window.map(|recv| GatherRecv {
+                    recv,
                     counts: &rd.counts,
                     displs: &rd.displs,
                 });
@@ -165,7 +184,8 @@ fn payload_rounds<C: Communicator + ?Sized>(
 }
 
 /// The gathering protocol shared by all-gather (`root == None`) and gather: header with
-/// inline slots, agreement, then the payload path when any value exceeds its slot.
+/// options and inline slots, agreement, then the payload path when any value exceeds its
+/// slot.
 fn gather_bytes<C: Communicator + ?Sized>(
     comm: &C,
     root: Option<usize>,
@@ -174,14 +194,21 @@ fn gather_bytes<C: Communicator + ?Sized>(
     span: &tracing::Span,
 ) -> Result<Option<Gathered>> {
     let (me, size) = (comm.rank(), comm.size());
-    let slot = opts.small_slot_bytes;
-    let entry = entry_len(opts)?;
-    let mut own = vec![0u8; entry];
-    write_entry(&mut own, mine.announce(), mine.payload(), slot);
-    let mut header = alloc(header_len(size, entry)?)?;
+    let checked = Checked::new(opts);
+    let slot = slot_of(opts, &checked);
+    let mut own = [0u8; ENTRY];
+    write_entry(
+        &mut own,
+        mine.announce(),
+        &checked.field,
+        mine.payload(),
+        slot,
+    );
+    let mut header = alloc(header_len(size, ENTRY)?)?;
     all_gather_fixed(comm, &own, &mut header)?;
+    checked.agree(size, |r| entry_field(&header, r))?;
 
-    let announced: Vec<Announce> = (0..size).map(|r| read_entry(&header, r, slot)).collect();
+    let announced: Vec<Announce> = (0..size).map(|r| read_entry(&header, r)).collect();
     let payload = mine.payload();
     let lens = agree(&announced, |i| i, opts.max_total_bytes, mine.into_cause())?;
     let total = within_cap(lens.iter().copied(), |i| i, opts.max_total_bytes)?;
@@ -200,13 +227,24 @@ fn gather_bytes<C: Communicator + ?Sized>(
             return Ok(None);
         }
         let ranges = (0..size)
-            .map(|r| r * entry + WORD..r * entry + WORD + lens[r])
+            .map(|r| r * ENTRY + SLOT_AT..r * ENTRY + SLOT_AT + lens[r])
             .collect();
-        return Ok(Some(Gathered::new(header, ranges)));
+        return Ok(Some(Gathered::new(header, ranges, opts.max_depth)));
     }
     let limit = opts.round_limit(comm.max_count());
-    let mut buf = if receives { alloc(total)? } else { Vec::new() };
-    let rounds = payload_rounds(comm, root, payload, &lens, &mut buf, limit)?;
+    let mut buf = if receives {
+        reserve(total)?
+    } else {
+        Vec::new()
+    };
+    let rounds = payload_rounds(
+        comm,
+        root,
+        payload,
+        &lens,
+        receives.then_some(&mut buf),
+        limit,
+    )?;
     record(
         span,
         if rounds == 1 { "single" } else { "rounds" },
@@ -220,7 +258,7 @@ fn gather_bytes<C: Communicator + ?Sized>(
     let ranges = (0..size)
         .map(|r| offsets[r]..offsets[r] + lens[r])
         .collect();
-    Ok(Some(Gathered::new(buf, ranges)))
+    Ok(Some(Gathered::new(buf, ranges, opts.max_depth)))
 }
 
 fn serialize<T: Serialize + ?Sized>(value: &T) -> std::result::Result<Vec<u8>, postcard::Error> {
@@ -401,24 +439,38 @@ where
     check_root(comm, root)?;
     let span = span(comm, "broadcast");
     let _g = span.enter();
-    let is_root = comm.rank() == root;
-    let slot = opts.small_slot_bytes;
-    let mut serialized = match (is_root, value) {
+    let (me, size) = (comm.rank(), comm.size());
+    let is_root = me == root;
+    let checked = Checked::new(opts);
+    let slot = slot_of(opts, &checked);
+    let mut serialized = match (is_root && checked.invalid.is_none(), value) {
         (true, Some(v)) => Some(serialize(v)),
         _ => None,
     };
-    let mut header = alloc(entry_len(opts)?)?;
+    // Every rank sends an entry (the root's with its length and inline bytes, the others'
+    // with their options only), so that every rank sees every rank's options.
+    let mut own = [0u8; ENTRY];
     if is_root {
         let mine = serialized.as_ref().map_or(Mine::Missing, mine_of);
-        write_entry(&mut header, mine.announce(), mine.payload(), slot);
+        write_entry(
+            &mut own,
+            mine.announce(),
+            &checked.field,
+            mine.payload(),
+            slot,
+        );
+    } else {
+        write_entry(&mut own, Announce::Len(0), &checked.field, None, 0);
     }
-    broadcast_rounds(comm, root, &mut header, comm.max_count().max(1))?;
+    let mut header = alloc(header_len(size, ENTRY)?)?;
+    all_gather_fixed(comm, &own, &mut header)?;
+    checked.agree(size, |r| entry_field(&header, r))?;
     let own_cause = match &serialized {
         Some(Err(e)) => Some(e.clone()),
         _ => None,
     };
     let lens = agree(
-        &[read_entry(&header, 0, slot)],
+        &[read_entry(&header, root)],
         |_| root,
         opts.max_total_bytes,
         own_cause,
@@ -426,8 +478,9 @@ where
     let len = within_cap(lens, |_| root, opts.max_total_bytes)?;
     if len <= slot {
         record(&span, "small", len, 0);
-        return decode_exact(root, &header[WORD..WORD + len]);
+        return decode_exact(root, entry_inline(&header, root, len), opts.max_depth);
     }
+    drop(header);
     let mut buf = match serialized.take() {
         Some(Ok(bytes)) if bytes.len() == len => bytes,
         Some(_) => {
@@ -435,16 +488,22 @@ where
                 "root {root}: the broadcast header lost its own length"
             )))
         }
-        None => alloc(len)?,
+        None => reserve(len)?,
     };
-    let rounds = broadcast_rounds(comm, root, &mut buf, opts.round_limit(comm.max_count()))?;
+    let rounds = broadcast_payload(
+        comm,
+        root,
+        &mut buf,
+        len,
+        opts.round_limit(comm.max_count()),
+    )?;
     record(
         &span,
         if rounds == 1 { "single" } else { "rounds" },
         len,
         rounds,
     );
-    decode_exact(root, &buf)
+    decode_exact(root, &buf, opts.max_depth)
 }
 
 /// Serializes `values` back to back into one buffer; returns it and each value's length.
@@ -492,42 +551,32 @@ where
     let span = span(comm, "scatter");
     let _g = span.enter();
     let (me, size) = (comm.rank(), comm.size());
-    let slot = opts.small_slot_bytes;
-    let entry = entry_len(opts)?;
-    let mut header = alloc(header_len(size, entry)?)?;
+    let checked = Checked::new(opts);
     let mut own_cause = None;
     let mut root_bytes = Vec::new();
+    let mut words = vec![Announce::Len(0); size];
     if me == root {
         let serialized = match values {
-            Some(v) if v.len() == size => Some(serialize_all(v)),
+            Some(v) if v.len() == size && checked.invalid.is_none() => Some(serialize_all(v)),
             _ => None,
         };
         match serialized {
-            None => (0..size)
-                .for_each(|d| write_entry(&mut header[d * entry..], Announce::Missing, None, slot)),
+            None => words.fill(Announce::Missing),
             Some(Err(e)) => {
-                (0..size).for_each(|d| {
-                    write_entry(&mut header[d * entry..], Announce::Failed, None, slot)
-                });
+                words.fill(Announce::Failed);
                 own_cause = Some(e);
             }
             Some(Ok((bytes, lens))) => {
-                let offsets = dense_offsets(&lens);
-                for d in 0..size {
-                    let own = &bytes[offsets[d]..offsets[d] + lens[d]];
-                    write_entry(
-                        &mut header[d * entry..],
-                        Announce::Len(lens[d] as u64),
-                        Some(own),
-                        slot,
-                    );
-                }
+                words = lens.iter().map(|&l| Announce::Len(l as u64)).collect();
                 root_bytes = bytes;
             }
         }
     }
-    broadcast_rounds(comm, root, &mut header, comm.max_count().max(1))?;
-    let announced: Vec<Announce> = (0..size).map(|d| read_entry(&header, d, slot)).collect();
+    let (header, block) = exchange_blocks(comm, checked, &words)?;
+    let announced: Vec<Announce> = (0..size)
+        .map(|d| read_word(&header, root * block + FIELD + d * WORD))
+        .collect();
+    drop(header);
     let lens = agree(&announced, |_| root, opts.max_total_bytes, own_cause)?;
     // Each rank allocates only its own value: the cap applies per destination.
     for (d, &l) in lens.iter().enumerate() {
@@ -538,14 +587,7 @@ where
             "root {root}: the scatter header lost its own lengths"
         )));
     }
-    if lens.iter().all(|&l| l <= slot) {
-        record(&span, "small", lens[me], 0);
-        return decode_exact(
-            root,
-            &header[me * entry + WORD..me * entry + WORD + lens[me]],
-        );
-    }
-    let mut mine = alloc(lens[me])?;
+    let mut mine = reserve(lens[me])?;
     let limit = opts.round_limit(comm.max_count());
     let total: usize = lens.iter().sum();
     let offsets = dense_offsets(&lens);
@@ -564,6 +606,10 @@ where
         };
         let mut recv_counts = zeros.clone();
         recv_counts[root] = rd.counts[me];
+        let part = rd.sources[me].clone();
+        if mine.len() < part.end {
+            mine.resize(part.end, 0);
+        }
         comm.all_to_all_varcount(
             Layout {
                 buf: send_buf,
@@ -571,7 +617,7 @@ where
                 displs: send_displs,
             },
             Layout {
-                buf: &mut mine[rd.sources[me].clone()],
+                buf: &mut mine[part],
                 counts: &recv_counts,
                 displs: &zeros,
             },
@@ -583,7 +629,30 @@ where
         lens[me],
         rounds,
     );
-    decode_exact(root, &mine)
+    decode_exact(root, &mine, opts.max_depth)
+}
+
+/// The header of `scatter` and `all_to_all`: every rank all-gathers a block of its options
+/// field followed by one length word per destination (`words`), and every rank checks every
+/// rank's options. Returns the header and its block size.
+fn exchange_blocks<C: Communicator + ?Sized>(
+    comm: &C,
+    checked: Checked,
+    words: &[Announce],
+) -> Result<(Vec<u8>, usize)> {
+    let size = comm.size();
+    let block = header_len(size, WORD)?
+        .checked_add(FIELD)
+        .ok_or_else(|| ObjectError::InvalidArgument("header size overflows usize".into()))?;
+    let mut own = Vec::with_capacity(block);
+    own.extend_from_slice(&checked.field);
+    for w in words {
+        own.extend_from_slice(&w.word());
+    }
+    let mut header = alloc(header_len(size, block)?)?;
+    all_gather_fixed(comm, &own, &mut header)?;
+    checked.agree(size, |r| &header[r * block..r * block + FIELD])?;
+    Ok((header, block))
 }
 
 /// All-to-all: `values[j]` goes to rank `j`; returns the value every rank sent to this one,
@@ -617,8 +686,11 @@ where
     let span = span(comm, "all_to_all");
     let _g = span.enter();
     let (me, size) = (comm.rank(), comm.size());
+    let checked = Checked::new(opts);
+    let serialized =
+        (values.len() == size && checked.invalid.is_none()).then(|| serialize_all(values));
     let (announce, own_cause, send, send_lens): (Vec<Announce>, _, Vec<u8>, Vec<usize>) =
-        match (values.len() == size).then(|| serialize_all(values)) {
+        match serialized {
             None => (
                 vec![Announce::Missing; size],
                 None,
@@ -638,12 +710,11 @@ where
                 lens,
             ),
         };
-    let own: Vec<u8> = announce.iter().flat_map(|a| a.word()).collect();
-    let mut header = alloc(header_len(size * size, WORD)?)?;
-    all_gather_fixed(comm, &own, &mut header)?;
+    let (header, block) = exchange_blocks(comm, checked, &announce)?;
     let announced: Vec<Announce> = (0..size * size)
-        .map(|i| read_entry(&header, i, 0))
+        .map(|i| read_word(&header, (i / size) * block + FIELD + (i % size) * WORD))
         .collect();
+    drop(header);
     // lens[s * size + d]: bytes rank s sends to rank d.
     let lens = agree(&announced, |i| i / size, opts.max_total_bytes, own_cause)?;
     let mut recv_total = 0;
@@ -670,9 +741,10 @@ where
         let received: usize = (0..size).map(|s| lens[s * size + r]).sum();
         sent <= limit && received <= limit
     });
-    let mut buf = alloc(recv_total)?;
+    let mut buf = reserve(recv_total)?;
     let recv_offsets = dense_offsets(&recv_lens);
     if fits {
+        buf.resize(recv_total, 0);
         let (send_displs, _) =
             dense_displacements(&send_lens).expect("checked by within_cap on the sender");
         comm.all_to_all_varcount(
@@ -695,13 +767,19 @@ where
         for d in 0..size {
             let column: Vec<usize> = (0..size).map(|s| lens[s * size + d]).collect();
             let payload = &send[send_offsets[d]..send_offsets[d] + send_lens[d]];
-            let target: &mut [u8] = if d == me { &mut buf } else { &mut [] };
+            let target = (d == me).then_some(&mut buf);
             rounds += payload_rounds(comm, Some(d), payload, &column, target, limit)?;
         }
         record(&span, "rounds", recv_total, rounds);
     }
     (0..size)
-        .map(|s| decode_exact(s, &buf[recv_offsets[s]..recv_offsets[s] + recv_lens[s]]))
+        .map(|s| {
+            decode_exact(
+                s,
+                &buf[recv_offsets[s]..recv_offsets[s] + recv_lens[s]],
+                opts.max_depth,
+            )
+        })
         .collect()
 }
 
@@ -746,7 +824,19 @@ where
 }
 
 /// Decodes a borrowed value from `bytes` sent by `rank`: the building block for callers that
-/// move bytes themselves. Rejects trailing bytes; never panics.
+/// move bytes themselves. Rejects trailing bytes and nesting deeper than
+/// [`Options::DEFAULT_MAX_DEPTH`] ([`DecodeError::TooDeep`](crate::DecodeError::TooDeep));
+/// never panics, never overflows the stack.
 pub fn decode_from<'a, T: Deserialize<'a>>(rank: usize, bytes: &'a [u8]) -> Result<T> {
-    decode_exact(rank, bytes)
+    decode_exact(rank, bytes, Options::DEFAULT_MAX_DEPTH)
+}
+
+/// [`decode_from`] with the nesting bound of `opts` (`opts.max_depth`, validated).
+pub fn decode_from_with<'a, T: Deserialize<'a>>(
+    rank: usize,
+    bytes: &'a [u8],
+    opts: &Options,
+) -> Result<T> {
+    opts.validate()?;
+    decode_exact(rank, bytes, opts.max_depth)
 }

@@ -7,11 +7,18 @@ use tpcomm_transport::TransportError;
 #[non_exhaustive]
 pub enum DecodeError {
     /// postcard rejected the bytes.
-    #[error("postcard: {0}")]
+    #[error("postcard rejected the bytes")]
     Postcard(#[from] postcard::Error),
     /// The value decoded but bytes were left over: the bytes are not one value of this type.
     #[error("{0} bytes left over after the value")]
     TrailingBytes(usize),
+    /// The bytes nest containers deeper than [`Options::max_depth`](crate::Options::max_depth)
+    /// allows: decoding stopped there instead of recursing further (a stack overflow).
+    #[error("the value nests deeper than {limit} levels (Options::max_depth)")]
+    TooDeep {
+        /// The limit in force.
+        limit: usize,
+    },
 }
 
 /// Every failure of an object collective.
@@ -57,7 +64,7 @@ pub enum ObjectError {
         rank: usize,
     },
     /// The bytes from `rank` are not a valid value of the requested type.
-    #[error("cannot decode the value from rank {rank}: {source}")]
+    #[error("cannot decode the value from rank {rank}")]
     Decode {
         /// The rank the bytes came from.
         rank: usize,
@@ -75,9 +82,32 @@ pub enum ObjectError {
         /// The size requested.
         bytes: usize,
     },
-    /// A caller argument was invalid on this rank (root out of range, bad options).
+    /// A caller argument was invalid on this rank (root out of range, options outside their
+    /// documented ranges). For options, the rank still joined the header exchange first,
+    /// flagging its options invalid, so that its peers return
+    /// [`PeerInvalidOptions`](Self::PeerInvalidOptions) instead of waiting for it.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// Some ranks passed options outside their documented ranges (they return
+    /// `InvalidArgument` themselves). Every rank with valid options returns this error.
+    #[error("ranks {ranks:?} passed invalid options")]
+    PeerInvalidOptions {
+        /// Every rank whose options are invalid, ascending.
+        ranks: Vec<usize>,
+    },
+    /// Ranks passed different [`Options`](crate::Options) (or speak another version of the
+    /// protocol, `option == "protocol"`): the options travel in the header exchange and every
+    /// rank compares them with rank 0's before deciding anything, so every rank returns this
+    /// same error and nothing else is sent.
+    #[error("ranks {ranks:?} passed a different `{option}` than rank {reference}")]
+    OptionsMismatch {
+        /// The first option (in field order) that differs.
+        option: &'static str,
+        /// The rank whose options the others are compared with (rank 0).
+        reference: usize,
+        /// Every rank whose `option` differs from the reference's, ascending.
+        ranks: Vec<usize>,
+    },
 }
 
 /// Result of object collectives.

@@ -4,6 +4,7 @@ use std::ops::Range;
 
 use serde::Deserialize;
 
+use crate::depth::{Bounded, Budget};
 use crate::error::{DecodeError, ObjectError, Result};
 
 /// The bytes of every rank in one buffer, with a view per rank.
@@ -29,12 +30,18 @@ use crate::error::{DecodeError, ObjectError, Result};
 pub struct Gathered {
     buf: Vec<u8>,
     ranges: Vec<Range<usize>>,
+    /// The nesting bound of the options the collective ran with.
+    max_depth: usize,
 }
 
 impl Gathered {
-    pub(crate) fn new(buf: Vec<u8>, ranges: Vec<Range<usize>>) -> Self {
+    pub(crate) fn new(buf: Vec<u8>, ranges: Vec<Range<usize>>, max_depth: usize) -> Self {
         debug_assert!(ranges.iter().all(|r| r.end <= buf.len()));
-        Self { buf, ranges }
+        Self {
+            buf,
+            ranges,
+            max_depth,
+        }
     }
 
     /// Number of ranks (views).
@@ -65,7 +72,8 @@ impl Gathered {
     /// Decodes the value of every rank; values may borrow from `self`.
     ///
     /// Fails with [`ObjectError::Decode`] naming the first rank whose bytes are not exactly
-    /// one `T` (trailing bytes included). Never panics, whatever the bytes.
+    /// one `T` (trailing bytes included) or nest deeper than the collective's
+    /// `Options::max_depth`. Never panics or overflows the stack, whatever the bytes.
     pub fn decode<'a, T: Deserialize<'a>>(&'a self) -> Result<Vec<T>> {
         (0..self.len()).map(|rank| self.decode_rank(rank)).collect()
     }
@@ -75,21 +83,31 @@ impl Gathered {
         let bytes = self.bytes(rank).ok_or_else(|| {
             ObjectError::InvalidArgument(format!("no rank {rank} in {} views", self.len()))
         })?;
-        decode_exact(rank, bytes)
+        decode_exact(rank, bytes, self.max_depth)
     }
 }
 
-/// Decodes exactly one `T` from `bytes` (from `rank`), rejecting trailing bytes.
-pub(crate) fn decode_exact<'a, T: Deserialize<'a>>(rank: usize, bytes: &'a [u8]) -> Result<T> {
-    match postcard::take_from_bytes::<T>(bytes) {
-        Ok((value, [])) => Ok(value),
-        Ok((_, rest)) => Err(ObjectError::Decode {
-            rank,
-            source: DecodeError::TrailingBytes(rest.len()),
-        }),
-        Err(e) => Err(ObjectError::Decode {
-            rank,
-            source: DecodeError::Postcard(e),
-        }),
-    }
+/// Decodes exactly one `T` from `bytes` (from `rank`), rejecting trailing bytes and nesting
+/// deeper than `max_depth` containers (see `depth.rs`).
+pub(crate) fn decode_exact<'a, T: Deserialize<'a>>(
+    rank: usize,
+    bytes: &'a [u8],
+    max_depth: usize,
+) -> Result<T> {
+    let budget = Budget::new(max_depth);
+    let mut de = postcard::Deserializer::from_bytes(bytes);
+    let decoded = T::deserialize(Bounded {
+        inner: &mut de,
+        budget: &budget,
+    });
+    let source = match decoded {
+        Ok(value) => match de.finalize() {
+            Ok([]) => return Ok(value),
+            Ok(rest) => DecodeError::TrailingBytes(rest.len()),
+            Err(e) => DecodeError::Postcard(e),
+        },
+        Err(_) if budget.exceeded() => DecodeError::TooDeep { limit: max_depth },
+        Err(e) => DecodeError::Postcard(e),
+    };
+    Err(ObjectError::Decode { rank, source })
 }

@@ -1,14 +1,24 @@
-//! The length exchange: a fixed-width 64-bit length per rank, plus an optional inline slot.
+//! The length exchange: a fixed-width 64-bit length per rank, the rank's options, and an
+//! inline slot.
 //!
-//! Each rank contributes `8 + slot` bytes: its length as a little-endian `u64` (or a
-//! sentinel), followed by its value's bytes when they fit the slot. The header is moved
-//! by one fixed-size transport call (in chunks only when it exceeds `max_count`, which no
-//! real MPI does). Lengths are never serialized.
+//! Each rank contributes one [`ENTRY`]-byte entry: its length as a little-endian `u64` (or a
+//! sentinel), its options field (`options::FIELD` bytes, see `WireOptions`), then its
+//! value's bytes when they fit `small_slot_bytes`. The entry size is a constant of the
+//! protocol, not an option, so ranks whose options differ still exchange equal sizes and
+//! find the difference in the options fields. The header is moved by one fixed-size
+//! transport call (in chunks only when it exceeds `max_count`, which no real MPI does).
+//! Lengths are never serialized.
 
 use crate::error::{ObjectError, Result};
+use crate::options::{Options, FIELD};
 
 /// Width of a length word.
 pub(crate) const WORD: usize = 8;
+/// Where the inline slot starts in an entry.
+pub(crate) const SLOT_AT: usize = WORD + FIELD;
+/// Size of one rank's header entry: 256 bytes, the largest message Open MPI's
+/// shared-memory path sends inline.
+pub(crate) const ENTRY: usize = SLOT_AT + Options::MAX_SMALL_SLOT_BYTES;
 /// The rank failed to serialize its value.
 const FAILED: u64 = u64::MAX;
 /// The rank had no valid value to send (a root without input).
@@ -43,23 +53,44 @@ impl Announce {
     }
 }
 
-/// Writes one header entry (`word` + inline bytes when they fit `slot`) into `out`, which is
-/// `WORD + slot` bytes long.
-pub(crate) fn write_entry(out: &mut [u8], announce: Announce, payload: Option<&[u8]>, slot: usize) {
+/// Writes one header entry (`word`, this rank's options `field`, inline bytes when they fit
+/// `slot`) into `out`, which is at least [`ENTRY`] bytes long.
+pub(crate) fn write_entry(
+    out: &mut [u8],
+    announce: Announce,
+    field: &[u8; FIELD],
+    payload: Option<&[u8]>,
+    slot: usize,
+) {
     out[..WORD].copy_from_slice(&announce.word());
+    out[WORD..SLOT_AT].copy_from_slice(field);
     if let Some(p) = payload {
         if p.len() <= slot {
-            out[WORD..WORD + p.len()].copy_from_slice(p);
+            out[SLOT_AT..SLOT_AT + p.len()].copy_from_slice(p);
         }
     }
 }
 
-/// Reads the announcement of entry `i` of a header buffer made of `WORD + slot`-byte entries.
-pub(crate) fn read_entry(buf: &[u8], i: usize, slot: usize) -> Announce {
-    let at = i * (WORD + slot);
+/// Reads the word at byte `at` of a header buffer.
+pub(crate) fn read_word(buf: &[u8], at: usize) -> Announce {
     let mut w = [0u8; WORD];
     w.copy_from_slice(&buf[at..at + WORD]);
     Announce::parse(w)
+}
+
+/// Reads the announcement of entry `i` of a header buffer made of [`ENTRY`]-byte entries.
+pub(crate) fn read_entry(buf: &[u8], i: usize) -> Announce {
+    read_word(buf, i * ENTRY)
+}
+
+/// The options field of entry `i` of a header buffer made of [`ENTRY`]-byte entries.
+pub(crate) fn entry_field(buf: &[u8], i: usize) -> &[u8] {
+    &buf[i * ENTRY + WORD..i * ENTRY + SLOT_AT]
+}
+
+/// The inline bytes of entry `i` (`len` must be at most the slot).
+pub(crate) fn entry_inline(buf: &[u8], i: usize, len: usize) -> &[u8] {
+    &buf[i * ENTRY + SLOT_AT..i * ENTRY + SLOT_AT + len]
 }
 
 /// Turns the announcements into lengths, or the error every rank returns: the ranks that
@@ -131,10 +162,18 @@ pub(crate) fn within_cap(
 
 /// Allocates a zeroed buffer of `bytes` without aborting on failure.
 pub(crate) fn alloc(bytes: usize) -> Result<Vec<u8>> {
+    let mut v = reserve(bytes)?;
+    v.resize(bytes, 0);
+    Ok(v)
+}
+
+/// Reserves an empty buffer of capacity `bytes` without aborting on failure; the payload
+/// path then grows it one round at a time (`Vec::resize` within the capacity), so that only
+/// the rounds that arrived are ever written.
+pub(crate) fn reserve(bytes: usize) -> Result<Vec<u8>> {
     let mut v = Vec::new();
     v.try_reserve_exact(bytes)
         .map_err(|_| ObjectError::Allocation { bytes })?;
-    v.resize(bytes, 0);
     Ok(v)
 }
 

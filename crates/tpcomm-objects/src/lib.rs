@@ -8,23 +8,27 @@
 //! ## Protocol (details in `docs/protocol.md`)
 //!
 //! 1. Every rank serializes its value once.
-//! 2. **Length exchange**: one fixed-size all-gather of a 64-bit little-endian length word
-//!    per rank (never serialized), followed by an inline slot (`small_slot_bytes`, default
-//!    248, so an entry is 256 bytes). A rank that failed to serialize sends a sentinel.
+//! 2. **Length exchange**: one fixed-size all-gather of a 256-byte entry per rank: a 64-bit
+//!    little-endian length word (never serialized), the rank's [`Options`] (24 bytes), and
+//!    an inline slot (`small_slot_bytes`, at most 224). A rank that failed to serialize, or
+//!    whose options are out of range, still sends its entry, with a sentinel.
 //! 3. **Agreement**: every rank reads the same words, so every rank takes the same decision:
-//!    the error naming every failing rank, the cap violation, or the path.
+//!    options that differ between ranks, the error naming every failing rank, the cap
+//!    violation, or the path.
 //! 4. **Small path**: when every value fits its slot, the values already arrived with the
 //!    lengths: the whole collective was *one* transport call.
 //! 5. **Payload path**: one varcount call when the total fits the transport's `max_count`,
 //!    otherwise rounds of at most `max_count` bytes with counts and displacements relative
 //!    to each round's window, received straight into the one final buffer.
-//! 6. **Decode**: postcard, rejecting trailing bytes; bad bytes are a `Decode { rank }`
-//!    error, never a panic.
+//! 6. **Decode**: postcard, rejecting trailing bytes, with nesting bounded by
+//!    [`Options::max_depth`]; bad bytes are a `Decode { rank }` error, never a panic or a
+//!    stack overflow.
 //!
 //! Every collective works on any sub-communicator from `split`, and opens a `tracing` span
 //! `object_collective` with the path taken (`small`, `single`, `rounds`), bytes and rounds.
 
 mod collectives;
+mod depth;
 mod error;
 mod gathered;
 mod header;
@@ -34,8 +38,8 @@ mod rounds;
 pub use collectives::{
     all_gather, all_gather_borrowed, all_gather_borrowed_with, all_gather_bytes,
     all_gather_bytes_with, all_gather_with, all_reduce_with, all_reduce_with_options, all_to_all,
-    all_to_all_with, broadcast, broadcast_with, decode_from, gather, gather_with, scatter,
-    scatter_with,
+    all_to_all_with, broadcast, broadcast_with, decode_from, decode_from_with, gather, gather_with,
+    scatter, scatter_with,
 };
 pub use error::{DecodeError, ObjectError, Result};
 pub use gathered::Gathered;

@@ -243,7 +243,8 @@ impl Communicator for Corrupting {
             let rank1 = &mut recv[entry..2 * entry];
             match self.damage {
                 Damage::LengthWord(w) => rank1[..8].copy_from_slice(&w.to_le_bytes()),
-                Damage::SlotFf if entry >= 8 + self.slot => rank1[8..].fill(0xFF),
+                // The slot follows the length word and the 24-byte options field.
+                Damage::SlotFf if entry >= 32 + self.slot => rank1[32..].fill(0xFF),
                 _ => {}
             }
         }

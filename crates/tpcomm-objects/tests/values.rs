@@ -140,7 +140,7 @@ proptest! {
     fn random_sizes_and_tiny_max_count_round_trip_through_every_collective(
         lens in prop::collection::vec(prop_oneof![Just(0usize), 0usize..8, 0usize..300, 1000usize..3000], 1..=8),
         max_count in 1usize..=64,
-        slot in prop_oneof![Just(0usize), 0usize..64, Just(256)],
+        slot in prop_oneof![Just(0usize), 0usize..64, Just(Options::MAX_SMALL_SLOT_BYTES)],
         seed in any::<u8>(),
     ) {
         let n = lens.len();

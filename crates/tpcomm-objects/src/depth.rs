@@ -1,0 +1,475 @@
+//! A nesting-depth bound for decoding peer bytes.
+//!
+//! postcard decodes a recursive type (an enum holding `Vec<Self>` or `Box<Self>`) by
+//! recursion and has no depth limit, so 10,000 crafted levels (20 KB) overflow a 2 MiB thread
+//! stack: the process aborts. [`Bounded`] wraps any `serde::Deserializer` and everything it
+//! hands out (sequence, map and enum accesses, the deserializers of `Some` and newtypes, the
+//! seeds of elements and variants), so that every nested value of the peer's bytes is decoded
+//! through it. Each *container* entered (option, sequence, tuple, tuple struct, map, struct,
+//! enum, newtype struct, and `deserialize_any`/`deserialize_ignored_any`) takes one level of a
+//! shared [`Budget`] for as long as it is being decoded; entering one more than the budget
+//! allows fails with a serde error before recursing, and the budget remembers it so that the
+//! caller reports [`DecodeError::TooDeep`](crate::DecodeError::TooDeep).
+//!
+//! Leaves (integers, strings, bytes, unit) pass through with their visitor wrapped only so
+//! that a visitor handed a nested access by an unusual deserializer stays bounded. Everything
+//! is generic and inlined: the cost on the decode path is a counter update per container.
+
+use std::cell::Cell;
+use std::fmt;
+
+use serde::de::{
+    self, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess, Visitor,
+};
+
+/// The levels of nesting left, shared by every wrapper of one decode.
+#[derive(Debug)]
+pub(crate) struct Budget {
+    left: Cell<usize>,
+    exceeded: Cell<bool>,
+}
+
+impl Budget {
+    /// A budget of `max_depth` nested containers.
+    pub(crate) fn new(max_depth: usize) -> Self {
+        Self {
+            left: Cell::new(max_depth),
+            exceeded: Cell::new(false),
+        }
+    }
+
+    /// Whether a decode through this budget failed because it nested too deep.
+    pub(crate) fn exceeded(&self) -> bool {
+        self.exceeded.get()
+    }
+
+    #[inline]
+    fn enter<E: de::Error>(&self) -> Result<(), E> {
+        match self.left.get() {
+            0 => {
+                self.exceeded.set(true);
+                Err(E::custom("nesting too deep"))
+            }
+            left => {
+                self.left.set(left - 1);
+                Ok(())
+            }
+        }
+    }
+
+    #[inline]
+    fn leave(&self) {
+        self.left.set(self.left.get() + 1);
+    }
+
+    /// Runs `f` one level deeper.
+    #[inline]
+    fn nested<T, E: de::Error>(&self, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+        self.enter()?;
+        let r = f();
+        self.leave();
+        r
+    }
+}
+
+/// A deserializer whose nesting is bounded by `budget`.
+pub(crate) struct Bounded<'b, D> {
+    pub(crate) inner: D,
+    pub(crate) budget: &'b Budget,
+}
+
+/// A visitor, seed or access wrapped so that what it hands on stays bounded.
+struct Wrap<'b, X> {
+    inner: X,
+    budget: &'b Budget,
+}
+
+impl<'b, X> Wrap<'b, X> {
+    #[inline]
+    fn new(inner: X, budget: &'b Budget) -> Self {
+        Self { inner, budget }
+    }
+}
+
+macro_rules! leaf {
+    ($($method:ident),* $(,)?) => {$(
+        #[inline]
+        fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, D::Error> {
+            self.inner.$method(Wrap::new(visitor, self.budget))
+        }
+    )*};
+}
+
+macro_rules! container {
+    ($($method:ident),* $(,)?) => {$(
+        #[inline]
+        fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, D::Error> {
+            let budget = self.budget;
+            budget.nested(|| self.inner.$method(Wrap::new(visitor, budget)))
+        }
+    )*};
+}
+
+impl<'de, D: Deserializer<'de>> Deserializer<'de> for Bounded<'_, D> {
+    type Error = D::Error;
+
+    leaf!(
+        deserialize_bool,
+        deserialize_i8,
+        deserialize_i16,
+        deserialize_i32,
+        deserialize_i64,
+        deserialize_i128,
+        deserialize_u8,
+        deserialize_u16,
+        deserialize_u32,
+        deserialize_u64,
+        deserialize_u128,
+        deserialize_f32,
+        deserialize_f64,
+        deserialize_char,
+        deserialize_str,
+        deserialize_string,
+        deserialize_bytes,
+        deserialize_byte_buf,
+        deserialize_unit,
+        deserialize_identifier,
+    );
+
+    container!(
+        deserialize_any,
+        deserialize_ignored_any,
+        deserialize_option,
+        deserialize_seq,
+        deserialize_map,
+    );
+
+    #[inline]
+    fn deserialize_unit_struct<V: Visitor<'de>>(
+        self,
+        name: &'static str,
+        visitor: V,
+    ) -> Result<V::Value, D::Error> {
+        self.inner
+            .deserialize_unit_struct(name, Wrap::new(visitor, self.budget))
+    }
+
+    #[inline]
+    fn deserialize_newtype_struct<V: Visitor<'de>>(
+        self,
+        name: &'static str,
+        visitor: V,
+    ) -> Result<V::Value, D::Error> {
+        let budget = self.budget;
+        budget.nested(|| {
+            self.inner
+                .deserialize_newtype_struct(name, Wrap::new(visitor, budget))
+        })
+    }
+
+    #[inline]
+    fn deserialize_tuple<V: Visitor<'de>>(
+        self,
+        len: usize,
+        visitor: V,
+    ) -> Result<V::Value, D::Error> {
+        let budget = self.budget;
+        budget.nested(|| {
+            self.inner
+                .deserialize_tuple(len, Wrap::new(visitor, budget))
+        })
+    }
+
+    #[inline]
+    fn deserialize_tuple_struct<V: Visitor<'de>>(
+        self,
+        name: &'static str,
+        len: usize,
+        visitor: V,
+    ) -> Result<V::Value, D::Error> {
+        let budget = self.budget;
+        budget.nested(|| {
+            self.inner
+                .deserialize_tuple_struct(name, len, Wrap::new(visitor, budget))
+        })
+    }
+
+    #[inline]
+    fn deserialize_struct<V: Visitor<'de>>(
+        self,
+        name: &'static str,
+        fields: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, D::Error> {
+        let budget = self.budget;
+        budget.nested(|| {
+            self.inner
+                .deserialize_struct(name, fields, Wrap::new(visitor, budget))
+        })
+    }
+
+    #[inline]
+    fn deserialize_enum<V: Visitor<'de>>(
+        self,
+        name: &'static str,
+        variants: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, D::Error> {
+        let budget = self.budget;
+        budget.nested(|| {
+            self.inner
+                .deserialize_enum(name, variants, Wrap::new(visitor, budget))
+        })
+    }
+
+    #[inline]
+    fn is_human_readable(&self) -> bool {
+        self.inner.is_human_readable()
+    }
+}
+
+macro_rules! forward_visit {
+    ($($method:ident: $ty:ty),* $(,)?) => {$(
+        #[inline]
+        fn $method<E: de::Error>(self, v: $ty) -> Result<Self::Value, E> {
+            self.inner.$method(v)
+        }
+    )*};
+}
+
+impl<'de, V: Visitor<'de>> Visitor<'de> for Wrap<'_, V> {
+    type Value = V::Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.expecting(f)
+    }
+
+    forward_visit!(
+        visit_bool: bool,
+        visit_i8: i8,
+        visit_i16: i16,
+        visit_i32: i32,
+        visit_i64: i64,
+        visit_i128: i128,
+        visit_u8: u8,
+        visit_u16: u16,
+        visit_u32: u32,
+        visit_u64: u64,
+        visit_u128: u128,
+        visit_f32: f32,
+        visit_f64: f64,
+        visit_char: char,
+        visit_str: &str,
+        visit_borrowed_str: &'de str,
+        visit_string: String,
+        visit_bytes: &[u8],
+        visit_borrowed_bytes: &'de [u8],
+        visit_byte_buf: Vec<u8>,
+    );
+
+    #[inline]
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        self.inner.visit_none()
+    }
+
+    #[inline]
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        self.inner.visit_unit()
+    }
+
+    #[inline]
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        self.inner.visit_some(Bounded {
+            inner: d,
+            budget: self.budget,
+        })
+    }
+
+    #[inline]
+    fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        self.inner.visit_newtype_struct(Bounded {
+            inner: d,
+            budget: self.budget,
+        })
+    }
+
+    #[inline]
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        self.inner.visit_seq(Wrap::new(seq, self.budget))
+    }
+
+    #[inline]
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        self.inner.visit_map(Wrap::new(map, self.budget))
+    }
+
+    #[inline]
+    fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<Self::Value, A::Error> {
+        self.inner.visit_enum(Wrap::new(data, self.budget))
+    }
+}
+
+/// A seed deserializes its value through a bounded deserializer.
+impl<'de, S: DeserializeSeed<'de>> DeserializeSeed<'de> for Wrap<'_, S> {
+    type Value = S::Value;
+
+    #[inline]
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        self.inner.deserialize(Bounded {
+            inner: d,
+            budget: self.budget,
+        })
+    }
+}
+
+impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for Wrap<'_, A> {
+    type Error = A::Error;
+
+    #[inline]
+    fn next_element_seed<T: DeserializeSeed<'de>>(
+        &mut self,
+        seed: T,
+    ) -> Result<Option<T::Value>, A::Error> {
+        self.inner.next_element_seed(Wrap::new(seed, self.budget))
+    }
+
+    #[inline]
+    fn size_hint(&self) -> Option<usize> {
+        self.inner.size_hint()
+    }
+}
+
+impl<'de, A: MapAccess<'de>> MapAccess<'de> for Wrap<'_, A> {
+    type Error = A::Error;
+
+    #[inline]
+    fn next_key_seed<K: DeserializeSeed<'de>>(
+        &mut self,
+        seed: K,
+    ) -> Result<Option<K::Value>, A::Error> {
+        self.inner.next_key_seed(Wrap::new(seed, self.budget))
+    }
+
+    #[inline]
+    fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, A::Error> {
+        self.inner.next_value_seed(Wrap::new(seed, self.budget))
+    }
+
+    #[inline]
+    fn size_hint(&self) -> Option<usize> {
+        self.inner.size_hint()
+    }
+}
+
+impl<'b, 'de, A: EnumAccess<'de>> EnumAccess<'de> for Wrap<'b, A> {
+    type Error = A::Error;
+    type Variant = Wrap<'b, A::Variant>;
+
+    #[inline]
+    fn variant_seed<V: DeserializeSeed<'de>>(
+        self,
+        seed: V,
+    ) -> Result<(V::Value, Self::Variant), A::Error> {
+        let budget = self.budget;
+        let (value, variant) = self.inner.variant_seed(Wrap::new(seed, budget))?;
+        Ok((value, Wrap::new(variant, budget)))
+    }
+}
+
+impl<'de, A: VariantAccess<'de>> VariantAccess<'de> for Wrap<'_, A> {
+    type Error = A::Error;
+
+    #[inline]
+    fn unit_variant(self) -> Result<(), A::Error> {
+        self.inner.unit_variant()
+    }
+
+    #[inline]
+    fn newtype_variant_seed<T: DeserializeSeed<'de>>(self, seed: T) -> Result<T::Value, A::Error> {
+        self.inner
+            .newtype_variant_seed(Wrap::new(seed, self.budget))
+    }
+
+    #[inline]
+    fn tuple_variant<V: Visitor<'de>>(self, len: usize, visitor: V) -> Result<V::Value, A::Error> {
+        let budget = self.budget;
+        budget.nested(|| self.inner.tuple_variant(len, Wrap::new(visitor, budget)))
+    }
+
+    #[inline]
+    fn struct_variant<V: Visitor<'de>>(
+        self,
+        fields: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, A::Error> {
+        let budget = self.budget;
+        budget.nested(|| {
+            self.inner
+                .struct_variant(fields, Wrap::new(visitor, budget))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, Deserialize, PartialEq)]
+    enum Tree {
+        Leaf(u8),
+        Node(Vec<Tree>),
+    }
+
+    fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8], depth: usize) -> (Option<T>, bool) {
+        let budget = Budget::new(depth);
+        let mut de = postcard::Deserializer::from_bytes(bytes);
+        let v = T::deserialize(Bounded {
+            inner: &mut de,
+            budget: &budget,
+        })
+        .ok();
+        (v, budget.exceeded())
+    }
+
+    /// `Node([Node([... Leaf(7)])])`, `levels` nodes deep.
+    fn nested(levels: usize) -> Vec<u8> {
+        let mut b = [1u8, 1].repeat(levels);
+        b.extend([0, 7]);
+        b
+    }
+
+    #[test]
+    fn a_value_within_the_budget_decodes_unchanged() {
+        // Each node is an enum and a sequence: two levels; the leaf's enum one more.
+        let (v, exceeded) = decode::<Tree>(&nested(2), 5);
+        assert_eq!(v, Some(Tree::Node(vec![Tree::Node(vec![Tree::Leaf(7)])])));
+        assert!(!exceeded);
+    }
+
+    #[test]
+    fn one_level_past_the_budget_is_refused_and_remembered() {
+        let (v, exceeded) = decode::<Tree>(&nested(2), 4);
+        assert!(v.is_none());
+        assert!(exceeded);
+    }
+
+    #[test]
+    fn the_budget_is_restored_between_siblings() {
+        // Node([Leaf, Leaf, ..., Leaf]): width never adds depth.
+        let mut b = vec![1, 100];
+        b.extend([0u8, 1].repeat(100));
+        let (v, exceeded) = decode::<Tree>(&b, 3);
+        assert!(matches!(v, Some(Tree::Node(children)) if children.len() == 100));
+        assert!(!exceeded);
+    }
+
+    #[test]
+    fn borrowed_strings_still_borrow_from_the_input() {
+        let bytes = postcard::to_allocvec(&("peer", Some(vec!["a", "bc"]))).unwrap();
+        let (v, _) = decode::<(&str, Option<Vec<&str>>)>(&bytes, 8);
+        let (s, rest) = v.expect("decodes");
+        assert_eq!((s, rest), ("peer", Some(vec!["a", "bc"])));
+        assert!(bytes.as_ptr_range().contains(&s.as_ptr()));
+    }
+}

@@ -1,0 +1,209 @@
+//! Peak memory of an honest rank when a peer announces a large length (under the cap) and
+//! then sends nothing, through a transport that stages buffers the way the MPI transport
+//! does with a timeout (every call copies its receive buffer into an owned one).
+//!
+//! Before: the honest rank allocated the whole announced receive buffer, and the transport
+//! copied all of it into its staging buffer: twice the announced bytes. Now the payload
+//! moves in rounds of at most `Options::DEFAULT_ROUND_BYTES`, so the staging copy is one
+//! round, and the receive buffer is only written as rounds arrive: the peak is the announced
+//! bytes plus one round.
+//!
+//! A dedicated test binary with one test, so that the live-bytes counter of its global
+//! allocator sees nothing else.
+
+use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde_bytes::ByteBuf;
+use tpcomm_objects::{all_gather, broadcast, gather, ObjectError, Options};
+use tpcomm_transport::check::{
+    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
+};
+use tpcomm_transport::{
+    Communicator, GatherRecv, Layout, LocalCommunicator, LocalGroup, Result as TResult,
+};
+
+/// Counts live heap bytes and their peak.
+struct LiveBytes;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+fn grew(by: usize) {
+    let now = LIVE.fetch_add(by, Ordering::Relaxed) + by;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+// SAFETY: delegates every call to the system allocator unchanged; only counts sizes.
+unsafe impl GlobalAlloc for LiveBytes {
+    unsafe fn alloc(&self, layout: AllocLayout) -> *mut u8 {
+        grew(layout.size());
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: AllocLayout) -> *mut u8 {
+        grew(layout.size());
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: AllocLayout) {
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        // SAFETY: `ptr` came from `System` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: AllocLayout, new_size: usize) -> *mut u8 {
+        if new_size >= layout.size() {
+            grew(new_size - layout.size());
+        } else {
+            LIVE.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
+        }
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: LiveBytes = LiveBytes;
+
+/// What the hostile rank announces: well under the default cap (8 GiB), well over a round.
+const ANNOUNCED: u64 = 256 << 20;
+const HOSTILE: usize = 1;
+
+/// Rank 1 overwrites its own length word with `ANNOUNCED` in every header it sends (it then
+/// sees its own length corrupted and leaves: it never sends the bytes). The honest rank
+/// stages every receive buffer in an owned copy, as the MPI transport's timed path does.
+#[derive(Debug)]
+struct Peer {
+    inner: LocalCommunicator,
+}
+
+impl Communicator for Peer {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn max_count(&self) -> usize {
+        self.inner.max_count()
+    }
+    fn backend_name(&self) -> &'static str {
+        "staging"
+    }
+    fn split(&self, _: Option<u32>, _: i32) -> TResult<Option<Self>> {
+        unimplemented!("not used by this test")
+    }
+    fn raw_barrier(&self) -> TResult<()> {
+        self.inner.barrier()
+    }
+    fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> TResult<()> {
+        let (send, recv) = args.parts();
+        let mut send = send.to_vec();
+        if self.rank() == HOSTILE {
+            send[..8].copy_from_slice(&ANNOUNCED.to_le_bytes());
+        }
+        self.inner.all_gather(&send, recv)
+    }
+    fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> TResult<()> {
+        let (send, recv, counts, displs) = args.parts();
+        let (send, mut staged) = (send.to_vec(), recv.to_vec());
+        self.inner
+            .all_gather_varcount(&send, &mut staged, counts, displs)?;
+        recv.copy_from_slice(&staged);
+        Ok(())
+    }
+    fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> TResult<()> {
+        let root = args.root();
+        let (send, recv) = args.parts();
+        let send = send.to_vec();
+        match recv {
+            Some(r) => {
+                let mut staged = r.recv.to_vec();
+                self.inner.gather_varcount(
+                    root,
+                    &send,
+                    Some(GatherRecv {
+                        recv: &mut staged,
+                        counts: r.counts,
+                        displs: r.displs,
+                    }),
+                )?;
+                r.recv.copy_from_slice(&staged);
+                Ok(())
+            }
+            None => self.inner.gather_varcount(root, &send, None),
+        }
+    }
+    fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> TResult<()> {
+        let root = args.root();
+        let buf = args.buf();
+        let mut staged = buf.to_vec();
+        self.inner.broadcast(root, &mut staged)?;
+        buf.copy_from_slice(&staged);
+        Ok(())
+    }
+    fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> TResult<()> {
+        let (send, recv) = args.parts();
+        let (staged_send, mut staged) = (send.buf.to_vec(), recv.buf.to_vec());
+        self.inner.all_to_all_varcount(
+            Layout {
+                buf: &staged_send,
+                counts: send.counts,
+                displs: send.displs,
+            },
+            Layout {
+                buf: &mut staged,
+                counts: recv.counts,
+                displs: recv.displs,
+            },
+        )?;
+        recv.buf.copy_from_slice(&staged);
+        Ok(())
+    }
+}
+
+/// One collective as both ranks run it.
+type Case<'a> = &'a (dyn Fn(&Peer) -> Result<(), ObjectError> + Sync);
+
+/// Runs `f` on two ranks (rank 1 hostile) and returns the honest rank's result and the
+/// peak of live heap bytes above what was live before.
+fn peak_of(
+    f: impl Fn(&Peer) -> Result<(), ObjectError> + Sync,
+) -> (Result<(), ObjectError>, usize) {
+    let group = LocalGroup::new(2).timeout(Duration::from_secs(20));
+    let base = LIVE.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let mut results = group.run(|inner| f(&Peer { inner }));
+    let peak = PEAK.load(Ordering::Relaxed) - base;
+    (
+        results.remove(0).expect("the honest rank does not panic"),
+        peak,
+    )
+}
+
+#[test]
+fn a_peer_announcing_a_large_length_costs_the_announced_bytes_plus_one_round() {
+    let announced = ANNOUNCED as usize;
+    let bound = announced + Options::DEFAULT_ROUND_BYTES + (4 << 20);
+    let value = ByteBuf::from(vec![7u8; 64]);
+    let cases: [(&str, Case<'_>); 3] = [
+        ("all_gather", &|c| all_gather(c, &value).map(drop)),
+        ("gather", &|c| gather(c, 0, &value).map(drop)),
+        ("broadcast", &|c| {
+            let root_value = (c.rank() == HOSTILE).then_some(&value);
+            broadcast(c, HOSTILE, root_value).map(drop)
+        }),
+    ];
+    for (name, case) in cases {
+        let (honest, peak) = peak_of(case);
+        assert!(
+            matches!(honest, Err(ObjectError::Transport(_))),
+            "{name}: the honest rank fails when the hostile one leaves, got {honest:?}"
+        );
+        assert!(
+            peak <= bound,
+            "{name}: peak {peak} bytes for {announced} announced (bound {bound}: announced + one round)"
+        );
+    }
+}

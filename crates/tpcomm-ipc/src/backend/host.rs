@@ -755,3 +755,81 @@ impl PeerMemory for HostMemory {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The `/proc` fallback, which `open` takes only where `pidfd_getfd` is not allowed.
+
+    use std::process::{Child, Command, Stdio};
+
+    use super::*;
+
+    /// A `sleep` holding `fd` as its descriptor 0, and a handle naming all `len` bytes of it.
+    fn hold(fd: OwnedFd, len: u64) -> (Child, HostHandle) {
+        let stat = rustix::fs::fstat(&fd).unwrap();
+        let child = Command::new("sleep")
+            .arg("600")
+            .stdin(Stdio::from(fd))
+            .spawn()
+            .unwrap();
+        let h = HostHandle {
+            pid: child.id(),
+            fd: 0,
+            dev: stat.st_dev,
+            inode: stat.st_ino,
+            segment_len: len,
+            offset: 0,
+            len,
+        };
+        (child, h)
+    }
+
+    fn reap(mut child: Child) {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn the_proc_fallback_reopens_a_segment_of_another_process() {
+        let fd = rustix::fs::memfd_create(SEGMENT_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, 4096).unwrap();
+        rustix::fs::fcntl_add_seals(&fd, SEGMENT_SEALS).unwrap();
+        let (child, h) = hold(fd, 4096);
+        let reopened = open_via_proc(&h);
+        reap(child);
+        check_segment(&reopened.unwrap(), &h).unwrap();
+    }
+
+    #[test]
+    fn the_proc_fallback_never_opens_an_ordinary_file_of_another_process() {
+        let path =
+            std::env::temp_dir().join(format!("tpcomm-proc-fallback-{}", std::process::id()));
+        std::fs::write(&path, [7u8; 4096]).unwrap();
+        let file = rustix::fs::open(&path, OFlags::RDWR, Mode::empty()).unwrap();
+        let (child, h) = hold(file, 4096);
+        let result = open_via_proc(&h);
+        reap(child);
+        std::fs::remove_file(&path).unwrap();
+        match result {
+            Err(IpcError::NotASegment {
+                problem: SegmentProblem::NotMemfd,
+                ..
+            }) => {}
+            other => panic!("expected NotASegment(NotMemfd), got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_proc_fallback_checks_the_inode_before_reopening() {
+        let fd = rustix::fs::memfd_create(SEGMENT_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, 4096).unwrap();
+        let (child, mut h) = hold(fd, 4096);
+        h.inode ^= 1;
+        let result = open_via_proc(&h);
+        reap(child);
+        assert!(
+            matches!(result, Err(IpcError::StaleHandle(_))),
+            "{result:?}"
+        );
+    }
+}

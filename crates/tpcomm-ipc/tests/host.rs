@@ -624,3 +624,30 @@ fn a_sealed_hugetlbfs_memfd_of_another_process_is_refused() {
         other => panic!("expected NotTmpfs, got {other:?}"),
     }
 }
+
+#[test]
+fn an_exited_owner_not_yet_reaped_is_owner_gone() {
+    let file = memfd("tpcomm-peer", 4096, SEGMENT_SEALS);
+    let mut holder = Holder::new(file.try_clone().unwrap());
+    let h = holder.handle(&file, 4096);
+    let mem = HostMemory::new();
+    mem.close(mem.open(&h).unwrap()).unwrap(); // its pidfd is cached now
+    holder.child.kill().unwrap();
+    // Until it has exited, but left a zombie (NOWAIT): its pid still exists, its
+    // descriptors do not.
+    let pid = rustix::process::Pid::from_child(&holder.child);
+    rustix::process::waitid(
+        rustix::process::WaitId::Pid(pid),
+        rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOWAIT,
+    )
+    .unwrap();
+    match mem.open(&h) {
+        Err(IpcError::OwnerGone { pid }) => assert_eq!(pid, h.pid),
+        other => panic!("expected OwnerGone, got {other:?}"),
+    }
+    // With no pidfd cached (a fresh backend) the same.
+    match HostMemory::new().open(&h) {
+        Err(IpcError::OwnerGone { pid }) => assert_eq!(pid, h.pid),
+        other => panic!("expected OwnerGone, got {other:?}"),
+    }
+}

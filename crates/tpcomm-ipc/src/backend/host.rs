@@ -251,6 +251,12 @@ impl HostMemory {
                 fd: got,
                 pidfd: Some(pidfd),
             }),
+            // An exiting or exited owner not reaped yet has no descriptors left: kernels
+            // before 6.9 say EBADF for it (later ones ESRCH).
+            Err(Errno::BADF) if has_exited(&pidfd) => {
+                self.cache().forget(pid);
+                Err(IpcError::OwnerGone { pid })
+            }
             Err(Errno::BADF) => Err(IpcError::StaleHandle(format!(
                 "descriptor {fd} of pid {pid} is closed"
             ))),

@@ -37,10 +37,12 @@
 //! whose process has exited (its pidfd polls readable) is dropped, and only the pidfd of an
 //! owner whose handle opened is kept.
 //!
-//! What these checks cannot do: `pidfd_getfd` (and `/proc/<pid>/fd`) need ptrace access to
-//! the owner, so every process that can open a peer's handle can already read and write all
-//! of that peer's memory. The checks protect an honest process from buggy or lying peers and
-//! forged handles; they are no boundary against a malicious process of the same user.
+//! What these checks cannot do: `pidfd_getfd` needs ptrace (attach) access to the owner, so
+//! a process that opens a peer's handle can already read and write all of that peer's
+//! memory; the `/proc/<pid>/fd` fallback needs read access, which opens every file the owner
+//! has open. The checks protect an honest process from buggy or lying peers and forged
+//! handles; they are no boundary against a malicious process of the same user (see
+//! `docs/peer-memory.md`).
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -735,8 +737,10 @@ impl PeerMemory for HostMemory {
         host_region(region)?;
         check_range(offset, src.len(), region.len())?;
         // SAFETY: `region` is a live HostBuffer or HostMapping (checked above), mapped
-        // read-write for `region.len()` bytes, and the range was checked above; `src` is a
-        // Rust slice that cannot overlap shared memory we only reach through raw pointers.
+        // read-write for `region.len()` bytes, and the range was checked above; the file
+        // behind it is sealed against shrinking at a size covering the mapping (made so by
+        // `allocate`, checked by `open`), so no access faults with SIGBUS; `src` is a Rust
+        // slice that cannot overlap shared memory we only reach through raw pointers.
         unsafe {
             ptr::copy_nonoverlapping(
                 src.as_ptr(),
@@ -750,7 +754,8 @@ impl PeerMemory for HostMemory {
     fn read<R: MemoryRegion>(&self, region: &R, offset: usize, dst: &mut [u8]) -> Result<()> {
         host_region(region)?;
         check_range(offset, dst.len(), region.len())?;
-        // SAFETY: as in `write`: a live mapping of at least `offset + dst.len()` bytes.
+        // SAFETY: as in `write`: a live mapping of at least `offset + dst.len()` bytes of a
+        // file that cannot shrink.
         unsafe {
             ptr::copy_nonoverlapping(
                 (region.addr() as *const u8).add(offset),

@@ -137,7 +137,7 @@ impl From<TransportError> for IpcError {
 pub enum SegmentProblem {
     /// `F_GET_SEALS` refused it (`EINVAL`): not a memfd or other shared-memory file (an
     /// ordinary file, a directory, a socket, a pipe, a device), or (through `/proc`) not a
-    /// regular file on tmpfs.
+    /// regular file on tmpfs or hugetlbfs.
     NotMemfd,
     /// Not sealed against shrinking, growing and further sealing: its owner could shrink it
     /// under the mapping, and the next access would raise SIGBUS.

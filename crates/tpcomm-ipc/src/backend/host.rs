@@ -75,6 +75,9 @@ const WRITE_SEALS: SealFlags = SealFlags::WRITE.union(SealFlags::FUTURE_WRITE);
 /// `statfs.f_type` of tmpfs, which memfds (other than hugetlbfs ones) live on.
 const TMPFS_MAGIC: u32 = 0x0102_1994;
 
+/// `statfs.f_type` of hugetlbfs.
+const HUGETLBFS_MAGIC: u32 = 0x9584_58f6;
+
 /// The handle of a range of a host shared-memory segment.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct HostHandle {
@@ -298,9 +301,9 @@ fn dup_own(fd: i32, inode: u64) -> Result<OwnedFd> {
 /// ptrace restrictions forbid `pidfd_getfd`).
 ///
 /// Reopening opens the file anew, so it is first looked at through an `O_PATH` descriptor,
-/// which opens nothing: only a regular file on tmpfs with the handle's inode is reopened, so
-/// that a forged handle can never make this process open a device, a FIFO or an ordinary
-/// file of the owner.
+/// which opens nothing: only a regular file on tmpfs (or hugetlbfs) with the handle's inode
+/// is reopened, so that a forged handle can never make this process open a device, a FIFO
+/// or an ordinary file of the owner.
 fn open_via_proc(h: &HostHandle) -> Result<OwnedFd> {
     let (pid, fd) = (h.pid, h.fd);
     let path = rustix::fs::open(
@@ -309,11 +312,7 @@ fn open_via_proc(h: &HostHandle) -> Result<OwnedFd> {
         Mode::empty(),
     )
     .map_err(|e| match e {
-        Errno::NOENT
-            if rustix::fs::access(format!("/proc/{pid}"), rustix::fs::Access::EXISTS).is_err() =>
-        {
-            IpcError::OwnerGone { pid }
-        }
+        Errno::NOENT if process_exited(pid) => IpcError::OwnerGone { pid },
         Errno::NOENT => IpcError::StaleHandle(format!("descriptor {fd} of pid {pid} is closed")),
         e => IpcError::Os {
             call: "open /proc/<pid>/fd (O_PATH)",
@@ -323,7 +322,10 @@ fn open_via_proc(h: &HostHandle) -> Result<OwnedFd> {
     let stat = rustix::fs::fstat(&path).map_err(os("fstat"))?;
     check_identity(h, &stat)?;
     let fs = rustix::fs::fstatfs(&path).map_err(os("fstatfs"))?;
-    if !FileType::from_raw_mode(stat.st_mode).is_file() || fs_magic(&fs) != TMPFS_MAGIC {
+    // hugetlbfs files are let through so that `check_segment` names them as on the
+    // `pidfd_getfd` path; opening one has no side effect either.
+    let shmem = [TMPFS_MAGIC, HUGETLBFS_MAGIC].contains(&fs_magic(&fs));
+    if !FileType::from_raw_mode(stat.st_mode).is_file() || !shmem {
         return Err(IpcError::NotASegment {
             pid,
             fd,
@@ -336,6 +338,19 @@ fn open_via_proc(h: &HostHandle) -> Result<OwnedFd> {
         Mode::empty(),
     )
     .map_err(os("open /proc/self/fd (reopen)"))
+}
+
+/// Whether process `pid` is gone or has exited (a zombie not reaped yet, whose descriptors
+/// are all closed), as `/proc` tells.
+fn process_exited(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    // `pid (comm) S ...`: the state follows the last `)` (comm may hold anything).
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    matches!(state, Some('Z' | 'X' | 'x'))
 }
 
 /// The handle's descriptor names the handle's inode, or the handle is stale.
@@ -842,5 +857,25 @@ mod tests {
             matches!(result, Err(IpcError::StaleHandle(_))),
             "{result:?}"
         );
+    }
+
+    #[test]
+    fn the_proc_fallback_names_an_exited_owner_not_yet_reaped() {
+        let fd = rustix::fs::memfd_create(SEGMENT_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, 4096).unwrap();
+        let (mut child, h) = hold(fd, 4096);
+        child.kill().unwrap();
+        // Until it has exited, leaving a zombie (NOWAIT): its descriptors are gone.
+        rustix::process::waitid(
+            rustix::process::WaitId::Pid(Pid::from_child(&child)),
+            rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOWAIT,
+        )
+        .unwrap();
+        let result = open_via_proc(&h);
+        child.wait().unwrap();
+        match result {
+            Err(IpcError::OwnerGone { pid }) => assert_eq!(pid, h.pid),
+            other => panic!("expected OwnerGone, got {other:?}"),
+        }
     }
 }

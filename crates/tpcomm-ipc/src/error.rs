@@ -31,6 +31,18 @@ pub enum IpcError {
     /// a size that does not match the segment).
     #[error("invalid handle: {0}")]
     InvalidHandle(String),
+    /// The descriptor a handle names is not a segment made by the host backend (an ordinary
+    /// file, a socket, an unsealed or write-sealed memfd, another program's memfd): it was
+    /// closed again and nothing was mapped.
+    #[error("descriptor {fd} of pid {pid} is not a tpcomm segment: {problem}")]
+    NotASegment {
+        /// The owner's pid, as the handle names it.
+        pid: u32,
+        /// The descriptor number in the owner, as the handle names it.
+        fd: i32,
+        /// What the descriptor is instead.
+        problem: SegmentProblem,
+    },
     /// The handle was exported by another group of ranks.
     #[error("handle from another group (group {found:#x}, this group {expected:#x})")]
     ForeignHandle {
@@ -113,6 +125,64 @@ pub enum IpcError {
 impl From<TransportError> for IpcError {
     fn from(e: TransportError) -> Self {
         IpcError::Exchange(ObjectError::Transport(e))
+    }
+}
+
+/// Why a descriptor fetched for a host handle is not a segment of the host backend (see
+/// [`IpcError::NotASegment`]). A segment is a memfd named `tpcomm-peer`, on the kernel's
+/// internal tmpfs, sealed with `F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL` and not sealed
+/// against writing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SegmentProblem {
+    /// `F_GET_SEALS` refused it (`EINVAL`): not a memfd or other shared-memory file (an
+    /// ordinary file, a directory, a socket, a pipe, a device), or (through `/proc`) not a
+    /// regular file on tmpfs or hugetlbfs.
+    NotMemfd,
+    /// Not sealed against shrinking, growing and further sealing: its owner could shrink it
+    /// under the mapping, and the next access would raise SIGBUS.
+    Unsealed {
+        /// The seals it has (`F_GET_SEALS`, raw bits).
+        seals: u32,
+    },
+    /// Sealed against writing (`F_SEAL_WRITE` or `F_SEAL_FUTURE_WRITE`): it cannot be mapped
+    /// read-write.
+    WriteSealed {
+        /// The seals it has (`F_GET_SEALS`, raw bits).
+        seals: u32,
+    },
+    /// A memfd on another file system than tmpfs (a hugetlbfs memfd).
+    NotTmpfs {
+        /// The file system's magic number (`statfs.f_type`).
+        fs_type: u32,
+    },
+    /// A memfd with another name than the host backend's: another program's segment.
+    ForeignName {
+        /// Its name as `/proc/self/fd` shows it.
+        name: String,
+    },
+}
+
+impl std::fmt::Display for SegmentProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NotMemfd => f.write_str("it is not a memfd (F_GET_SEALS refused it)"),
+            Self::Unsealed { seals } => write!(
+                f,
+                "it is not sealed against shrinking, growing and sealing \
+                 (seals {seals:#x}, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL required)"
+            ),
+            Self::WriteSealed { seals } => write!(
+                f,
+                "it is sealed against writing (seals {seals:#x}) and cannot be mapped read-write"
+            ),
+            Self::NotTmpfs { fs_type } => {
+                write!(f, "it lives on file system {fs_type:#x}, not on tmpfs")
+            }
+            Self::ForeignName { name } => {
+                write!(f, "it is {name:?}, not a memfd named \"tpcomm-peer\"")
+            }
+        }
     }
 }
 

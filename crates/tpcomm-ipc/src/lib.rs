@@ -30,7 +30,7 @@ pub use backend::cuda::{
     BufferView, CudaAddressHold, CudaBuffer, CudaHandle, CudaMapping, CudaMemory,
 };
 pub use backend::host::{AddressHold, HostBuffer, HostHandle, HostMapping, HostMemory};
-pub use error::{IpcError, Result};
+pub use error::{IpcError, Result, SegmentProblem};
 pub use fault::{FaultInjection, FaultPoint};
 pub use memory::{MemoryRegion, PeerMemory};
 pub use registry::{Counters, Envelope, ExchangeId, PeerMappings, Region};

@@ -1,12 +1,15 @@
 //! The host backend and the registry across threads (local group) and processes.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::os::fd::OwnedFd;
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use rustix::fs::{MemfdFlags, OFlags, SealFlags};
+use rustix::io::Errno;
 use tpcomm_ipc::{
     AddressHold, Envelope, HostHandle, HostMemory, IpcError, MemoryRegion, PeerMappings,
-    PeerMemory, Region,
+    PeerMemory, Region, SegmentProblem,
 };
 use tpcomm_transport::{Communicator, LocalGroup};
 
@@ -414,4 +417,237 @@ fn segment_of_a_killed_owner_is_gone_and_nothing_is_left_behind() {
         shm_before,
         "no name was ever created in /dev/shm"
     );
+}
+
+/// Another process that holds a file as its descriptor 0 (standard input) until dropped
+/// (then it is killed and reaped): the owner named by a forged handle.
+struct Holder {
+    child: Child,
+}
+
+impl Holder {
+    fn new(fd: OwnedFd) -> Self {
+        let child = Command::new("sleep")
+            .arg("600")
+            .stdin(Stdio::from(fd))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn sleep");
+        Self { child }
+    }
+
+    /// A handle naming all `len` bytes of `file` (a copy of the holder's descriptor 0), with
+    /// its true device and inode: what a forger who knows the file can write.
+    fn handle(&self, file: &OwnedFd, len: u64) -> HostHandle {
+        let stat = rustix::fs::fstat(file).unwrap();
+        HostHandle {
+            pid: self.child.id(),
+            fd: 0,
+            dev: stat.st_dev,
+            inode: stat.st_ino,
+            segment_len: len,
+            offset: 0,
+            len,
+        }
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A memfd of `len` bytes named `name`, made to be sealed, with `seals` added.
+fn memfd(name: &str, len: u64, seals: SealFlags) -> OwnedFd {
+    let fd =
+        rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&fd, len).unwrap();
+    if !seals.is_empty() {
+        rustix::fs::fcntl_add_seals(&fd, seals).unwrap();
+    }
+    fd
+}
+
+const SEGMENT_SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
+
+/// Opens `file` (held by another process as descriptor 0) by a handle and returns what
+/// `open` said, with the problem when it is `NotASegment`.
+fn open_held(file: OwnedFd, len: u64) -> Result<(), SegmentProblem> {
+    let holder = Holder::new(file.try_clone().unwrap());
+    let h = holder.handle(&file, len);
+    match HostMemory::new().open(&h) {
+        Ok(_) => Ok(()),
+        Err(IpcError::NotASegment { pid, fd, problem }) => {
+            assert_eq!((pid, fd), (h.pid, 0), "the error names the handle's owner");
+            Err(problem)
+        }
+        Err(e) => panic!("expected NotASegment, got {e:?}"),
+    }
+}
+
+/// The descriptors of this process that name `path`.
+fn descriptors_of(path: &std::path::Path) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|target| target == path))
+        .count()
+}
+
+#[test]
+fn a_sealed_tpcomm_memfd_of_another_process_opens() {
+    // The control of the forged-handle tests below: the same holder and handle, but naming
+    // a memfd made like a segment, opens and shows its contents.
+    let file = memfd("tpcomm-peer", 8192, SealFlags::empty());
+    rustix::io::write(&file, &pattern(5, 5, 8192)).unwrap();
+    rustix::fs::fcntl_add_seals(&file, SEGMENT_SEALS).unwrap();
+    let holder = Holder::new(file.try_clone().unwrap());
+    let mem = HostMemory::new();
+    let mapping = mem.open(&holder.handle(&file, 8192)).unwrap();
+    let mut got = vec![0u8; 8192];
+    mem.read(&mapping, 0, &mut got).unwrap();
+    assert_eq!(got, pattern(5, 5, 8192));
+}
+
+#[test]
+fn a_forged_handle_naming_an_ordinary_file_of_another_process_is_refused_and_the_file_is_unchanged()
+{
+    let path = std::env::temp_dir().join(format!("tpcomm-forged-handle-{}", std::process::id()));
+    let contents = pattern(3, 1, 8192);
+    std::fs::write(&path, &contents).unwrap();
+    let file = rustix::fs::open(
+        &path,
+        OFlags::RDWR | OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .unwrap();
+    let result = open_held(file, 8192);
+    let after = std::fs::read(&path).unwrap();
+    let still_open = descriptors_of(&path);
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(result, Err(SegmentProblem::NotMemfd));
+    assert_eq!(after, contents, "the file is unchanged");
+    assert_eq!(still_open, 0, "the fetched descriptor was closed");
+}
+
+#[test]
+fn an_unsealed_memfd_of_another_process_is_refused() {
+    // Its owner could shrink it under the mapping: the next access would raise SIGBUS.
+    assert_eq!(
+        open_held(memfd("tpcomm-peer", 8192, SealFlags::empty()), 8192),
+        Err(SegmentProblem::Unsealed { seals: 0 })
+    );
+    // Fixed in size but still open to more seals: not what the backend makes either.
+    let size_only = SealFlags::SHRINK | SealFlags::GROW;
+    assert_eq!(
+        open_held(memfd("tpcomm-peer", 8192, size_only), 8192),
+        Err(SegmentProblem::Unsealed {
+            seals: size_only.bits()
+        })
+    );
+}
+
+#[test]
+fn a_write_sealed_memfd_of_another_process_is_refused() {
+    let seals = SEGMENT_SEALS | SealFlags::WRITE;
+    assert_eq!(
+        open_held(memfd("tpcomm-peer", 8192, seals), 8192),
+        Err(SegmentProblem::WriteSealed {
+            seals: seals.bits()
+        })
+    );
+}
+
+#[test]
+fn a_sealed_memfd_of_another_program_is_refused() {
+    assert_eq!(
+        open_held(memfd("wayland-keymap", 8192, SEGMENT_SEALS), 8192),
+        Err(SegmentProblem::ForeignName {
+            name: "/memfd:wayland-keymap (deleted)".into()
+        })
+    );
+}
+
+#[test]
+fn a_segment_cannot_be_truncated_or_grown_by_its_owner_while_a_peer_maps_it() {
+    let mem = HostMemory::new();
+    let buf = mem.allocate(8192).unwrap();
+    mem.write(&buf, 0, &pattern(1, 2, 8192)).unwrap();
+    let h = mem.export(buf.addr(), 8192).unwrap();
+    let mapping = mem.open(&h).unwrap();
+    // The owner's own descriptor, reopened: the same inode, so the same seals.
+    let owner = rustix::fs::open(
+        format!("/proc/self/fd/{}", h.fd),
+        OFlags::RDWR | OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .unwrap();
+    let seals = rustix::fs::fcntl_get_seals(&owner).unwrap();
+    assert!(seals.contains(SEGMENT_SEALS), "seals {seals:?}");
+    assert_eq!(rustix::fs::ftruncate(&owner, 0), Err(Errno::PERM));
+    assert_eq!(rustix::fs::ftruncate(&owner, 4096), Err(Errno::PERM));
+    assert_eq!(rustix::fs::ftruncate(&owner, 3 * 8192), Err(Errno::PERM));
+    assert_eq!(
+        rustix::fs::fcntl_add_seals(&owner, SealFlags::FUTURE_WRITE),
+        Err(Errno::PERM),
+        "no seal can be added"
+    );
+    let mut got = vec![0u8; 8192];
+    mem.read(&mapping, 0, &mut got).unwrap();
+    assert_eq!(got, pattern(1, 2, 8192), "the peer reads all of it");
+}
+
+#[test]
+fn a_sealed_hugetlbfs_memfd_of_another_process_is_refused() {
+    // Only tmpfs memfds are segments. hugetlbfs memfds are made without reserving pages
+    // (this machine may have none); the check looks at the file system before any mmap.
+    let file = match rustix::fs::memfd_create(
+        "tpcomm-peer",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING | MemfdFlags::HUGETLB,
+    ) {
+        Ok(file) => file,
+        Err(e) => {
+            eprintln!("skipped: this kernel makes no hugetlbfs memfd ({e})");
+            return;
+        }
+    };
+    let len = 2 << 20;
+    rustix::fs::ftruncate(&file, len).unwrap();
+    rustix::fs::fcntl_add_seals(&file, SEGMENT_SEALS).unwrap();
+    match open_held(file, len) {
+        Err(SegmentProblem::NotTmpfs { fs_type }) => assert_eq!(fs_type, 0x9584_58f6),
+        other => panic!("expected NotTmpfs, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_exited_owner_not_yet_reaped_is_owner_gone() {
+    let file = memfd("tpcomm-peer", 4096, SEGMENT_SEALS);
+    let mut holder = Holder::new(file.try_clone().unwrap());
+    let h = holder.handle(&file, 4096);
+    let mem = HostMemory::new();
+    mem.close(mem.open(&h).unwrap()).unwrap(); // its pidfd is cached now
+    holder.child.kill().unwrap();
+    // Until it has exited, but left a zombie (NOWAIT): its pid still exists, its
+    // descriptors do not.
+    let pid = rustix::process::Pid::from_child(&holder.child);
+    rustix::process::waitid(
+        rustix::process::WaitId::Pid(pid),
+        rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOWAIT,
+    )
+    .unwrap();
+    match mem.open(&h) {
+        Err(IpcError::OwnerGone { pid }) => assert_eq!(pid, h.pid),
+        other => panic!("expected OwnerGone, got {other:?}"),
+    }
+    // With no pidfd cached (a fresh backend) the same.
+    match HostMemory::new().open(&h) {
+        Err(IpcError::OwnerGone { pid }) => assert_eq!(pid, h.pid),
+        other => panic!("expected OwnerGone, got {other:?}"),
+    }
 }

@@ -1,7 +1,8 @@
 //! The host backend: shared-memory segments made with `memfd_create`.
 //!
-//! A segment is an anonymous memfd, sized once with `ftruncate`, sealed against growing
-//! and shrinking, mode 0600, and mapped `MAP_SHARED` into its owner. It never has a name in
+//! A segment is an anonymous memfd named `tpcomm-peer`, sized once with `ftruncate`, sealed
+//! against growing and shrinking (and against further sealing) before it is mapped or
+//! exported, mode 0600, and mapped `MAP_SHARED` into its owner. It never has a name in
 //! `/dev/shm`, so nothing is left behind after any exit, SIGKILL included: the kernel frees
 //! the segment when its last descriptor and mapping are gone.
 //!
@@ -9,27 +10,73 @@
 //! segment's device and inode (its identity), its size, and the exported range. Another
 //! process opens it by fetching the descriptor with `pidfd_getfd` (falling back to
 //! reopening `/proc/<pid>/fd/<n>`, which also works for an unprivileged same-user process
-//! when ptrace restrictions forbid `pidfd_getfd`); another thread of the owner reopens
-//! `/proc/self/fd/<n>`. Either way the descriptor's inode is checked against the handle
-//! before anything is mapped, so a descriptor number that was closed or reused gives
-//! [`IpcError::StaleHandle`], never a mapping of the wrong memory. The descriptor is closed
-//! right after `mmap`: a mapping holds no descriptor.
+//! when ptrace restrictions forbid `pidfd_getfd`); another thread of the owner duplicates
+//! its own descriptor. Before anything is mapped, the descriptor must be the segment the
+//! handle names and a segment of this backend at all:
+//!
+//! - its inode and device are the handle's, or the handle is [`IpcError::StaleHandle`] (a
+//!   descriptor number that was closed or reused);
+//! - `F_GET_SEALS` accepts it (only memfds and other shmem files have seals) and reports
+//!   `F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL` and no write seal. The kernel starts every
+//!   tmpfs file and every memfd made without `MFD_ALLOW_SEALING` with `F_SEAL_SEAL` alone,
+//!   and seals are never removed, so these seals mean: a memfd made to be sealed, whose size
+//!   no one can change any more. A peer's truncation can then never turn an access of the
+//!   mapping into SIGBUS;
+//! - it lives on tmpfs (`fstatfs`), which rules out hugetlbfs memfds;
+//! - `/proc/self/fd/<n>` names it `/memfd:tpcomm-peer (deleted)`: a segment of this backend
+//!   and not another program's sealed memfd (the name is no secret: it only keeps forged
+//!   handles off other programs' memory);
+//! - its size (read after the seals) is the handle's segment size.
+//!
+//! Anything else is [`IpcError::NotASegment`] (or `StaleHandle` / `InvalidHandle`), the
+//! fetched descriptor is closed and nothing is mapped. The descriptor is also closed right
+//! after a successful `mmap`: a mapping holds no descriptor.
+//!
+//! The pidfds of owners are cached for reuse, at most
+//! [`HostMemory::PIDFD_CACHE_CAPACITY`] of them (least recently used first out); an entry
+//! whose process has exited (its pidfd polls readable) is dropped, and only the pidfd of an
+//! owner whose handle opened is kept.
+//!
+//! What these checks cannot do: `pidfd_getfd` needs ptrace (attach) access to the owner, so
+//! a process that opens a peer's handle can already read and write all of that peer's
+//! memory; the `/proc/<pid>/fd` fallback needs read access, which opens every file the owner
+//! has open. The checks protect an honest process from buggy or lying peers and forged
+//! handles; they are no boundary against a malicious process of the same user (see
+//! `docs/peer-memory.md`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::fmt;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::{self, NonNull};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use rustix::fs::{MemfdFlags, Mode, OFlags, SealFlags};
+use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::fs::{FileType, MemfdFlags, Mode, OFlags, SealFlags};
 use rustix::io::Errno;
 use rustix::mm::{MapFlags, ProtFlags};
 use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{os, IpcError, Result};
+use crate::error::{os, IpcError, Result, SegmentProblem};
 use crate::memory::{check_range, MemoryRegion, PeerMemory, Sealed};
+
+/// The name of every segment (the kernel shows it as `/memfd:tpcomm-peer`).
+const SEGMENT_NAME: &str = "tpcomm-peer";
+
+/// The seals of every segment: its size is fixed, and no seal can be added.
+const SEGMENT_SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
+
+/// Seals that forbid mapping a segment read-write.
+const WRITE_SEALS: SealFlags = SealFlags::WRITE.union(SealFlags::FUTURE_WRITE);
+
+/// `statfs.f_type` of tmpfs, which memfds (other than hugetlbfs ones) live on.
+const TMPFS_MAGIC: u32 = 0x0102_1994;
+
+/// `statfs.f_type` of hugetlbfs.
+const HUGETLBFS_MAGIC: u32 = 0x9584_58f6;
 
 /// The handle of a range of a host shared-memory segment.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -96,32 +143,90 @@ fn segments() -> std::sync::MutexGuard<'static, SegmentTable> {
 /// descriptors (pidfds) of the peers whose handles they opened.
 #[derive(Debug, Clone, Default)]
 pub struct HostMemory {
-    pidfds: Arc<Mutex<HashMap<u32, Arc<OwnedFd>>>>,
+    pidfds: Arc<Mutex<PidfdCache>>,
+}
+
+/// The pidfds of owners whose handles opened, most recently used last; at most
+/// [`HostMemory::PIDFD_CACHE_CAPACITY`], none of a process known to have exited.
+#[derive(Debug, Default)]
+struct PidfdCache {
+    entries: Vec<(u32, Arc<OwnedFd>)>,
+}
+
+impl PidfdCache {
+    /// The cached pidfd of `pid`, unless its process has exited (the entry is dropped then:
+    /// the pid may name a new process now).
+    fn get(&mut self, pid: u32) -> Option<Arc<OwnedFd>> {
+        let i = self.entries.iter().position(|(p, _)| *p == pid)?;
+        let entry = self.entries.remove(i);
+        if has_exited(&entry.1) {
+            return None;
+        }
+        let pidfd = entry.1.clone();
+        self.entries.push(entry);
+        Some(pidfd)
+    }
+
+    /// Keeps the pidfd of `pid` (whose handle just opened) as the most recently used, after
+    /// dropping the entries of exited processes and, when full, the least recently used.
+    fn keep(&mut self, pid: u32, pidfd: Arc<OwnedFd>) {
+        self.entries.retain(|(p, fd)| *p != pid && !has_exited(fd));
+        if self.entries.len() >= HostMemory::PIDFD_CACHE_CAPACITY {
+            self.entries.remove(0);
+        }
+        self.entries.push((pid, pidfd));
+    }
+
+    fn forget(&mut self, pid: u32) {
+        self.entries.retain(|(p, _)| *p != pid);
+    }
+}
+
+/// Whether the process of `pidfd` has exited: a pidfd polls readable from then on. An
+/// error of `poll` (none is expected) counts as alive; the cache is bounded anyway.
+fn has_exited(pidfd: &OwnedFd) -> bool {
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(rustix::event::poll(&mut fds, Some(&now)), Ok(n) if n > 0)
+}
+
+/// A descriptor fetched for a handle, and the owner's pidfd it was fetched with (to cache
+/// once the open succeeded).
+struct Fetched {
+    fd: OwnedFd,
+    pidfd: Option<Arc<OwnedFd>>,
 }
 
 impl HostMemory {
+    /// How many owners' pidfds a backend (and its clones) keeps open at most.
+    pub const PIDFD_CACHE_CAPACITY: usize = 32;
+
     /// A backend.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// The pidfd of `pid`, opened once and cached; `None` where the kernel (or a tool such
-    /// as valgrind) does not provide `pidfd_open`, in which case `/proc` serves instead.
+    fn cache(&self) -> std::sync::MutexGuard<'_, PidfdCache> {
+        // Nothing panics while holding the lock.
+        self.pidfds.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The pidfd of `pid`, cached or freshly opened (and not cached: see
+    /// [`PidfdCache::keep`]); `None` where the kernel (or a tool such as valgrind) does not
+    /// provide `pidfd_open`, in which case `/proc` serves instead.
     fn pidfd(&self, pid: u32) -> Result<Option<Arc<OwnedFd>>> {
-        let mut cache = self.pidfds.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(fd) = cache.get(&pid) {
-            return Ok(Some(fd.clone()));
+        if let Some(fd) = self.cache().get(pid) {
+            return Ok(Some(fd));
         }
         let raw_pid = i32::try_from(pid)
             .map_err(|_| IpcError::InvalidHandle(format!("pid {pid} out of range")))?;
         let owner = Pid::from_raw(raw_pid)
             .ok_or_else(|| IpcError::InvalidHandle(format!("pid {pid} is not a process id")))?;
         match rustix::process::pidfd_open(owner, PidfdFlags::empty()) {
-            Ok(fd) => {
-                let fd = Arc::new(fd);
-                cache.insert(pid, fd.clone());
-                Ok(Some(fd))
-            }
+            Ok(fd) => Ok(Some(Arc::new(fd))),
             Err(Errno::SRCH) => Err(IpcError::OwnerGone { pid }),
             Err(Errno::NOSYS | Errno::PERM | Errno::ACCESS) => Ok(None),
             Err(e) => Err(IpcError::Os {
@@ -131,32 +236,44 @@ impl HostMemory {
         }
     }
 
-    fn forget_pidfd(&self, pid: u32) {
-        self.pidfds
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&pid);
-    }
-
-    /// Fetches descriptor `fd` (of segment `inode`) of process `pid`.
-    fn fetch_fd(&self, pid: u32, fd: i32, inode: u64) -> Result<OwnedFd> {
+    /// Fetches the descriptor `h` names (not checked yet: see [`check_segment`]).
+    fn fetch_fd(&self, h: &HostHandle) -> Result<Fetched> {
+        let (pid, fd) = (h.pid, h.fd);
         if pid == std::process::id() {
-            return dup_own(fd, inode);
+            return Ok(Fetched {
+                fd: dup_own(fd, h.inode)?,
+                pidfd: None,
+            });
         }
         let Some(pidfd) = self.pidfd(pid)? else {
-            return open_via_proc(pid, fd);
+            return Ok(Fetched {
+                fd: open_via_proc(h)?,
+                pidfd: None,
+            });
         };
         match rustix::process::pidfd_getfd(&*pidfd, fd, PidfdGetfdFlags::empty()) {
-            Ok(got) => Ok(got),
+            Ok(got) => Ok(Fetched {
+                fd: got,
+                pidfd: Some(pidfd),
+            }),
+            // An exiting or exited owner not reaped yet has no descriptors left: kernels
+            // before 6.9 say EBADF for it (later ones ESRCH).
+            Err(Errno::BADF) if has_exited(&pidfd) => {
+                self.cache().forget(pid);
+                Err(IpcError::OwnerGone { pid })
+            }
             Err(Errno::BADF) => Err(IpcError::StaleHandle(format!(
                 "descriptor {fd} of pid {pid} is closed"
             ))),
             Err(Errno::SRCH) => {
-                self.forget_pidfd(pid);
+                self.cache().forget(pid);
                 Err(IpcError::OwnerGone { pid })
             }
             // Not allowed to ptrace the owner (or no pidfd_getfd): reopen through /proc.
-            Err(Errno::PERM | Errno::NOSYS | Errno::ACCESS) => open_via_proc(pid, fd),
+            Err(Errno::PERM | Errno::NOSYS | Errno::ACCESS) => Ok(Fetched {
+                fd: open_via_proc(h)?,
+                pidfd: None,
+            }),
             Err(e) => Err(IpcError::Os {
                 call: "pidfd_getfd",
                 source: e,
@@ -180,26 +297,131 @@ fn dup_own(fd: i32, inode: u64) -> Result<OwnedFd> {
     rustix::io::fcntl_dupfd_cloexec(borrowed, 0).map_err(os("fcntl(F_DUPFD_CLOEXEC)"))
 }
 
-/// Reopens descriptor `fd` of `pid` through `/proc` (allowed for a same-user process when
+/// Reopens the descriptor `h` names through `/proc` (allowed for a same-user process when
 /// ptrace restrictions forbid `pidfd_getfd`).
-fn open_via_proc(pid: u32, fd: i32) -> Result<OwnedFd> {
-    rustix::fs::open(
+///
+/// Reopening opens the file anew, so it is first looked at through an `O_PATH` descriptor,
+/// which opens nothing: only a regular file on tmpfs (or hugetlbfs) with the handle's inode
+/// is reopened, so that a forged handle can never make this process open a device, a FIFO
+/// or an ordinary file of the owner.
+fn open_via_proc(h: &HostHandle) -> Result<OwnedFd> {
+    let (pid, fd) = (h.pid, h.fd);
+    let path = rustix::fs::open(
         format!("/proc/{pid}/fd/{fd}"),
-        OFlags::RDWR | OFlags::CLOEXEC,
+        OFlags::PATH | OFlags::CLOEXEC,
         Mode::empty(),
     )
     .map_err(|e| match e {
-        Errno::NOENT
-            if rustix::fs::access(format!("/proc/{pid}"), rustix::fs::Access::EXISTS).is_err() =>
-        {
-            IpcError::OwnerGone { pid }
-        }
+        Errno::NOENT if process_exited(pid) => IpcError::OwnerGone { pid },
         Errno::NOENT => IpcError::StaleHandle(format!("descriptor {fd} of pid {pid} is closed")),
         e => IpcError::Os {
-            call: "open /proc/<pid>/fd",
+            call: "open /proc/<pid>/fd (O_PATH)",
             source: e,
         },
-    })
+    })?;
+    let stat = rustix::fs::fstat(&path).map_err(os("fstat"))?;
+    check_identity(h, &stat)?;
+    let fs = rustix::fs::fstatfs(&path).map_err(os("fstatfs"))?;
+    // hugetlbfs files are let through so that `check_segment` names them as on the
+    // `pidfd_getfd` path; opening one has no side effect either.
+    let shmem = [TMPFS_MAGIC, HUGETLBFS_MAGIC].contains(&fs_magic(&fs));
+    if !FileType::from_raw_mode(stat.st_mode).is_file() || !shmem {
+        return Err(IpcError::NotASegment {
+            pid,
+            fd,
+            problem: SegmentProblem::NotMemfd,
+        });
+    }
+    rustix::fs::open(
+        format!("/proc/self/fd/{}", path.as_raw_fd()),
+        OFlags::RDWR | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    )
+    .map_err(os("open /proc/self/fd (reopen)"))
+}
+
+/// Whether process `pid` is gone or has exited (a zombie not reaped yet, whose descriptors
+/// are all closed), as `/proc` tells.
+fn process_exited(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    // `pid (comm) S ...`: the state follows the last `)` (comm may hold anything).
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    matches!(state, Some('Z' | 'X' | 'x'))
+}
+
+/// The handle's descriptor names the handle's inode, or the handle is stale.
+fn check_identity(h: &HostHandle, stat: &rustix::fs::Stat) -> Result<()> {
+    if stat.st_ino != h.inode || stat.st_dev != h.dev {
+        return Err(IpcError::StaleHandle(format!(
+            "descriptor {} of pid {} names inode {} now, not segment inode {}",
+            h.fd, h.pid, stat.st_ino, h.inode
+        )));
+    }
+    Ok(())
+}
+
+/// The file system magic number (32 bits on every file system; the field's width varies by
+/// architecture).
+fn fs_magic(fs: &rustix::fs::StatFs) -> u32 {
+    fs.f_type as u32
+}
+
+/// Checks, before anything is mapped, that `fd` (fetched for `h`) is the segment `h` names
+/// and a segment of this backend: see the module documentation for each check and why.
+fn check_segment(fd: &OwnedFd, h: &HostHandle) -> Result<()> {
+    let not = |problem| IpcError::NotASegment {
+        pid: h.pid,
+        fd: h.fd,
+        problem,
+    };
+    check_identity(h, &rustix::fs::fstat(fd).map_err(os("fstat"))?)?;
+    let seals = match rustix::fs::fcntl_get_seals(fd) {
+        Ok(seals) => seals,
+        Err(Errno::INVAL) => return Err(not(SegmentProblem::NotMemfd)),
+        Err(e) => {
+            return Err(IpcError::Os {
+                call: "fcntl(F_GET_SEALS)",
+                source: e,
+            })
+        }
+    };
+    if !seals.contains(SEGMENT_SEALS) {
+        return Err(not(SegmentProblem::Unsealed {
+            seals: seals.bits(),
+        }));
+    }
+    if seals.intersects(WRITE_SEALS) {
+        return Err(not(SegmentProblem::WriteSealed {
+            seals: seals.bits(),
+        }));
+    }
+    let fs = rustix::fs::fstatfs(fd).map_err(os("fstatfs"))?;
+    if fs_magic(&fs) != TMPFS_MAGIC {
+        return Err(not(SegmentProblem::NotTmpfs {
+            fs_type: fs_magic(&fs),
+        }));
+    }
+    let link = rustix::fs::readlink(format!("/proc/self/fd/{}", fd.as_raw_fd()), Vec::new())
+        .map_err(os("readlink /proc/self/fd"))?;
+    let name = link.to_string_lossy();
+    if name != format!("/memfd:{SEGMENT_NAME} (deleted)") {
+        return Err(not(SegmentProblem::ForeignName {
+            name: name.into_owned(),
+        }));
+    }
+    // Read after the seals: the size cannot change any more.
+    let size = rustix::fs::fstat(fd).map_err(os("fstat"))?.st_size;
+    if u64::try_from(size).ok() != Some(h.segment_len) {
+        return Err(IpcError::InvalidHandle(format!(
+            "segment is {size} bytes, the handle says {}",
+            h.segment_len
+        )));
+    }
+    Ok(())
 }
 
 /// A shared-memory segment owned by this process, mapped at [`addr`](MemoryRegion::addr).
@@ -429,14 +651,14 @@ impl PeerMemory for HostMemory {
             IpcError::InvalidAllocation(format!("{bytes} bytes overflow when rounded to pages"))
         })?;
         let fd = rustix::fs::memfd_create(
-            "tpcomm-peer",
+            SEGMENT_NAME,
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
         )
         .map_err(os("memfd_create"))?;
         rustix::fs::fchmod(&fd, Mode::RUSR | Mode::WUSR).map_err(os("fchmod 0600"))?;
         rustix::fs::ftruncate(&fd, len as u64).map_err(os("ftruncate"))?;
-        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
-            .map_err(os("fcntl(F_ADD_SEALS)"))?;
+        // Sealed before it is mapped or exported: no one can change its size from now on.
+        rustix::fs::fcntl_add_seals(&fd, SEGMENT_SEALS).map_err(os("fcntl(F_ADD_SEALS)"))?;
         let stat = rustix::fs::fstat(&fd).map_err(os("fstat"))?;
         let ptr = map_shared(&fd, 0, len)?;
         let segment = Segment {
@@ -498,20 +720,8 @@ impl PeerMemory for HostMemory {
                 h.fd
             )));
         }
-        let fd = self.fetch_fd(h.pid, h.fd, h.inode)?;
-        let stat = rustix::fs::fstat(&fd).map_err(os("fstat"))?;
-        if stat.st_ino != h.inode || stat.st_dev != h.dev {
-            return Err(IpcError::StaleHandle(format!(
-                "descriptor {} of pid {} names inode {} now, not segment inode {}",
-                h.fd, h.pid, stat.st_ino, h.inode
-            )));
-        }
-        if stat.st_size as u64 != h.segment_len {
-            return Err(IpcError::InvalidHandle(format!(
-                "segment is {} bytes, the handle says {}",
-                stat.st_size, h.segment_len
-            )));
-        }
+        let Fetched { fd, pidfd } = self.fetch_fd(h)?;
+        check_segment(&fd, h)?;
         let page = page_size() as u64;
         let map_offset = h.offset - h.offset % page;
         let delta = (h.offset - map_offset) as usize;
@@ -519,6 +729,9 @@ impl PeerMemory for HostMemory {
             .map_err(|_| IpcError::InvalidHandle("length out of range".into()))?;
         let map_len = delta + len;
         let map = map_shared(&fd, map_offset, map_len)?;
+        if let Some(pidfd) = pidfd {
+            self.cache().keep(h.pid, pidfd);
+        }
         Ok(HostMapping {
             map,
             map_len,
@@ -539,8 +752,10 @@ impl PeerMemory for HostMemory {
         host_region(region)?;
         check_range(offset, src.len(), region.len())?;
         // SAFETY: `region` is a live HostBuffer or HostMapping (checked above), mapped
-        // read-write for `region.len()` bytes, and the range was checked above; `src` is a
-        // Rust slice that cannot overlap shared memory we only reach through raw pointers.
+        // read-write for `region.len()` bytes, and the range was checked above; the file
+        // behind it is sealed against shrinking at a size covering the mapping (made so by
+        // `allocate`, checked by `open`), so no access faults with SIGBUS; `src` is a Rust
+        // slice that cannot overlap shared memory we only reach through raw pointers.
         unsafe {
             ptr::copy_nonoverlapping(
                 src.as_ptr(),
@@ -554,7 +769,8 @@ impl PeerMemory for HostMemory {
     fn read<R: MemoryRegion>(&self, region: &R, offset: usize, dst: &mut [u8]) -> Result<()> {
         host_region(region)?;
         check_range(offset, dst.len(), region.len())?;
-        // SAFETY: as in `write`: a live mapping of at least `offset + dst.len()` bytes.
+        // SAFETY: as in `write`: a live mapping of at least `offset + dst.len()` bytes of a
+        // file that cannot shrink.
         unsafe {
             ptr::copy_nonoverlapping(
                 (region.addr() as *const u8).add(offset),
@@ -563,5 +779,103 @@ impl PeerMemory for HostMemory {
             )
         };
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The `/proc` fallback, which `open` takes only where `pidfd_getfd` is not allowed.
+
+    use std::process::{Child, Command, Stdio};
+
+    use super::*;
+
+    /// A `sleep` holding `fd` as its descriptor 0, and a handle naming all `len` bytes of it.
+    fn hold(fd: OwnedFd, len: u64) -> (Child, HostHandle) {
+        let stat = rustix::fs::fstat(&fd).unwrap();
+        let child = Command::new("sleep")
+            .arg("600")
+            .stdin(Stdio::from(fd))
+            .spawn()
+            .unwrap();
+        let h = HostHandle {
+            pid: child.id(),
+            fd: 0,
+            dev: stat.st_dev,
+            inode: stat.st_ino,
+            segment_len: len,
+            offset: 0,
+            len,
+        };
+        (child, h)
+    }
+
+    fn reap(mut child: Child) {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn the_proc_fallback_reopens_a_segment_of_another_process() {
+        let fd = rustix::fs::memfd_create(SEGMENT_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, 4096).unwrap();
+        rustix::fs::fcntl_add_seals(&fd, SEGMENT_SEALS).unwrap();
+        let (child, h) = hold(fd, 4096);
+        let reopened = open_via_proc(&h);
+        reap(child);
+        check_segment(&reopened.unwrap(), &h).unwrap();
+    }
+
+    #[test]
+    fn the_proc_fallback_never_opens_an_ordinary_file_of_another_process() {
+        let path =
+            std::env::temp_dir().join(format!("tpcomm-proc-fallback-{}", std::process::id()));
+        std::fs::write(&path, [7u8; 4096]).unwrap();
+        let file = rustix::fs::open(&path, OFlags::RDWR, Mode::empty()).unwrap();
+        let (child, h) = hold(file, 4096);
+        let result = open_via_proc(&h);
+        reap(child);
+        std::fs::remove_file(&path).unwrap();
+        match result {
+            Err(IpcError::NotASegment {
+                problem: SegmentProblem::NotMemfd,
+                ..
+            }) => {}
+            other => panic!("expected NotASegment(NotMemfd), got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_proc_fallback_checks_the_inode_before_reopening() {
+        let fd = rustix::fs::memfd_create(SEGMENT_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, 4096).unwrap();
+        let (child, mut h) = hold(fd, 4096);
+        h.inode ^= 1;
+        let result = open_via_proc(&h);
+        reap(child);
+        assert!(
+            matches!(result, Err(IpcError::StaleHandle(_))),
+            "{result:?}"
+        );
+    }
+
+    #[test]
+    fn the_proc_fallback_names_an_exited_owner_not_yet_reaped() {
+        let fd = rustix::fs::memfd_create(SEGMENT_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, 4096).unwrap();
+        let (mut child, h) = hold(fd, 4096);
+        child.kill().unwrap();
+        // Until it has exited, leaving a zombie (NOWAIT): its descriptors are gone.
+        rustix::process::waitid(
+            rustix::process::WaitId::Pid(Pid::from_child(&child)),
+            rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOWAIT,
+        )
+        .unwrap();
+        let result = open_via_proc(&h);
+        child.wait().unwrap();
+        match result {
+            Err(IpcError::OwnerGone { pid }) => assert_eq!(pid, h.pid),
+            other => panic!("expected OwnerGone, got {other:?}"),
+        }
     }
 }

@@ -63,6 +63,73 @@ pub enum AllReduceError {
         /// What this rank read.
         found: u64,
     },
+    /// A launch would read more bytes of a buffer than some rank's region holds (registered
+    /// buffers of different sizes, temp buffers of different sizes); refused before
+    /// anything ran, on this rank (nothing changes: the communicator stays usable).
+    #[error("a launch of {bytes} bytes reads rank {rank}'s {buffer} buffer (RankData slot {slot}), which holds {region_bytes} bytes")]
+    RegionTooSmall {
+        /// `"input"` (the slot's regions) or `"temp"` (two-stage).
+        buffer: &'static str,
+        /// The slot.
+        slot: usize,
+        /// Bytes the launch reduces.
+        bytes: usize,
+        /// The rank whose region is the smallest.
+        rank: usize,
+        /// Its length.
+        region_bytes: usize,
+    },
+    /// The ranks launched different all-reduces (element counts or types): detected at the
+    /// start barrier, before any peer data was read. Every rank of the launch reports it.
+    #[error("rank {rank} launched {bytes} bytes of {dtype}, but rank {peer} launched {peer_bytes} bytes of {peer_dtype}")]
+    LaunchMismatch {
+        /// This rank.
+        rank: usize,
+        /// Bytes this rank reduces.
+        bytes: u64,
+        /// Element type this rank reduces.
+        dtype: &'static str,
+        /// A rank that launched something else.
+        peer: usize,
+        /// Bytes it reduces.
+        peer_bytes: u64,
+        /// Element type it reduces (`"unknown"` for a code this version does not know).
+        peer_dtype: &'static str,
+    },
+    /// Captured call `call` (in capture order) reduces different sizes on two ranks.
+    #[error("captured call #{call} reduces {bytes} bytes on rank {rank} but {peer_bytes} bytes on rank {peer}")]
+    CaptureMismatch {
+        /// Index of the captured call since the last registration.
+        call: usize,
+        /// This rank.
+        rank: usize,
+        /// Bytes this rank captured.
+        bytes: usize,
+        /// A rank that captured another size.
+        peer: usize,
+        /// Bytes it captured.
+        peer_bytes: usize,
+    },
+    /// A captured plan (or device graph) or registered input was used on a communicator
+    /// other than the one that made it.
+    #[error("{what} belongs to communicator #{owner}, not to this one (#{communicator})")]
+    ForeignToken {
+        /// What was passed: "a captured plan", "a device graph", "a registered input".
+        what: &'static str,
+        /// The communicator that made it.
+        owner: u64,
+        /// The communicator it was passed to.
+        communicator: u64,
+    },
+    /// Ranks disagreed on a collective call's arguments (e.g. unregistered different
+    /// buffers); nothing changed.
+    #[error("ranks disagree on {what}: {values:?}")]
+    Disagreement {
+        /// What was compared.
+        what: &'static str,
+        /// Every rank's value, in rank order.
+        values: Vec<u64>,
+    },
     /// Another rank could not set up its part of a collective setup (this rank's own failure
     /// is returned as itself); every rank fails the setup together.
     #[error("rank {rank} could not set up: {reason}")]

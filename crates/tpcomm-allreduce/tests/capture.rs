@@ -130,12 +130,13 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
             ));
             ar.backend().capturing.store(false, Ordering::SeqCst);
 
-            // Slot 0 is the staging buffer's; captured inputs get 1, 2, and `a` again 1.
+            // Slot 0 is the staging buffer's; captured calls get 1, 2, 3: one slot per
+            // call, `a` captured twice takes two.
             assert_eq!(
                 *ar.backend().recorded.lock().unwrap(),
-                vec![(1, count), (2, 1024), (1, count)]
+                vec![(1, count), (2, 1024), (3, count)]
             );
-            assert_eq!(ar.pending_graph_buffers(), 2);
+            assert_eq!(ar.pending_graph_buffers(), 3);
             assert_eq!(
                 ar.rank_data_slot(1)?,
                 vec![0; 3],
@@ -145,15 +146,18 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
                 ar.check_replay(),
                 Err(AllReduceError::UnregisteredGraphBuffers)
             ));
-            // Outside the capture, an unregistered captured input is refused, not run, and
-            // the communicator stays usable.
-            assert!(matches!(
-                ar.all_reduce_buffer(&a, &out, DType::F32, count),
-                Err(AllReduceError::UnregisteredGraphBuffers)
-            ));
+            // Outside the capture, a captured input is an ordinary eager input: staged, never
+            // looked up by address (its slot is the captured call's, not the buffer's).
+            let data = inputs::<f32>(seed + 2, comm.rank(), count);
+            fill(&memory, &a, &data)?;
+            comm.barrier()?;
+            ar.all_reduce_buffer(&a, &out, DType::F32, count)?;
+            check(seed + 2, comm.size(), &read_f32(&memory, &out, count)?)
+                .map_err(AllReduceError::InvalidArgument)?;
+            comm.barrier()?;
             assert_eq!(ar.phase(), Phase::Active);
 
-            assert_eq!(ar.register_graph_buffers(&comm)?, 2);
+            assert_eq!(ar.register_graph_buffers(&comm)?, 3);
             ar.check_replay()?;
             let slot_a = ar.rank_data_slot(1)?;
             assert_eq!(
@@ -163,15 +167,7 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
             );
             assert!(slot_a.iter().all(|&p| p != 0));
             assert_eq!(ar.rank_data_slot(2)?[comm.rank()], b.addr());
-
-            // A registered launch reads every peer's `a` through slot 1: zero-copy.
-            let data = inputs::<f32>(seed, comm.rank(), count);
-            fill(&memory, &a, &data)?;
-            comm.barrier()?;
-            ar.all_reduce_buffer(&a, &out, DType::F32, count)?;
-            check(seed, comm.size(), &read_f32(&memory, &out, count)?)
-                .map_err(AllReduceError::InvalidArgument)?;
-            comm.barrier()?;
+            assert_eq!(ar.rank_data_slot(3)?, slot_a, "`a` again, in its own slot");
 
             // Suspend, hold every old peer address so the reopen must move, resume: the
             // slot's peer entries are rewritten in place, the own entry never moves.

@@ -101,15 +101,16 @@ fn kernels_match_reference<T: Element>(world: usize) {
             let memory = ar.memory()?.clone();
             let input = memory.allocate(4 << 20)?;
             let output = memory.allocate(4 << 20)?;
-            let registered_input = memory.allocate(4 << 20)?;
-            // Registered once; all_reduce_buffer finds it by address (zero-copy).
-            ar.register_buffer(&comm, &registered_input)?;
+            // Registered once (the communicator keeps it); all_reduce_buffer finds it by
+            // address (zero-copy).
+            let registered = ar.register_buffer(&comm, memory.allocate(4 << 20)?)?;
+            let registered_input = registered.buffer();
             for (k, &bytes) in sizes.iter().enumerate() {
                 let count = bytes / T::DTYPE.size();
                 let case = seed + 1000 * k as u64 + algorithm as u64;
                 let data = inputs::<T>(case, comm.rank(), count);
                 for zero_copy in [false, true] {
-                    let src = if zero_copy { &registered_input } else { &input };
+                    let src = if zero_copy { registered_input } else { &input };
                     upload(&memory, src, &data)?;
                     poison(&memory, &output, bytes)?;
                     // Every rank's input is in place before any rank launches.
@@ -294,7 +295,7 @@ fn a_graph_captured_before_suspend_replays_correctly_after_resume() {
 }
 
 #[test]
-fn inputs_captured_twice_share_a_slot_and_registration_waits_for_the_capture_to_end() {
+fn inputs_captured_twice_take_a_slot_per_call_and_registration_waits_for_the_capture_to_end() {
     if !gpu() {
         return;
     }
@@ -321,8 +322,9 @@ fn inputs_captured_twice_share_a_slot_and_registration_waits_for_the_capture_to_
             2,
             "the refused registration recorded nothing"
         );
-        assert_eq!(ar.pending_graph_buffers(), 1);
-        assert_eq!(ar.register_graph_buffers(&comm)?, 1);
+        // One slot per captured call, as vLLM: never deduplicated by address.
+        assert_eq!(ar.pending_graph_buffers(), 2);
+        assert_eq!(ar.register_graph_buffers(&comm)?, 2);
         fill_rank::<bf16>(&memory, &input, comm.rank(), 0.0, 2048)?;
         comm.barrier()?;
         ar.replay_graph(&graph)?;
@@ -334,7 +336,10 @@ fn inputs_captured_twice_share_a_slot_and_registration_waits_for_the_capture_to_
         let mut other = new_ar(&comm, Config::default())?;
         assert!(matches!(
             other.replay_graph(&graph),
-            Err(AllReduceError::InvalidArgument(_))
+            Err(AllReduceError::ForeignToken {
+                what: "a device graph",
+                ..
+            })
         ));
         Ok(())
     });

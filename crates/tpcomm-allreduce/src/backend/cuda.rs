@@ -734,9 +734,11 @@ impl CustomAllReduce<CudaBackend> {
     /// table slots or closed mappings, and for a graph another communicator captured.
     pub fn replay_graph(&mut self, graph: &DeviceGraph) -> Result<()> {
         if graph.owner != self.id() {
-            return Err(AllReduceError::InvalidArgument(
-                "the graph was captured by another communicator".into(),
-            ));
+            return Err(AllReduceError::ForeignToken {
+                what: "a device graph",
+                owner: graph.owner,
+                communicator: self.id(),
+            });
         }
         self.check_replay()?;
         graph

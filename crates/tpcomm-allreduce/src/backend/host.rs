@@ -4,6 +4,12 @@
 //! slot *when it runs* (so a launch recorded before a suspend uses the addresses written
 //! after the resume), then:
 //!
+//! - before the start barrier, this rank publishes the launch's *shape* (bytes and element
+//!   type) in every peer's Signal block, next to its start flag; after the barrier it
+//!   compares every peer's shape with its own. Different shapes (ranks reducing different
+//!   counts or types) skip the work, cross the end barrier and fail with
+//!   [`LaunchMismatch`](crate::AllReduceError::LaunchMismatch) on every rank, before any
+//!   peer data is read: no extra round trip, one store and one load per peer.
 //! - one-stage: start barrier; reduce every rank's input in rank order with f32
 //!   accumulation into the output; end barrier (peers may still read this rank's input
 //!   until then);
@@ -23,7 +29,7 @@ mod flags;
 
 use std::marker::PhantomData;
 use std::ops::Range;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use half::{bf16, f16};
 use tpcomm_ipc::{HostBuffer, HostMapping, HostMemory, MemoryRegion, PeerMemory};
@@ -34,13 +40,39 @@ use crate::dtype::{DType, Element};
 use crate::error::Result;
 
 /// Host Signal block: three flag arrays (one 64-byte line each), the epoch counter, the
-/// nonce. Offsets in bytes.
+/// nonce, the shapes (one 64-bit word per writer: what it launched). Offsets in bytes.
 const START: usize = 0;
 const MID: usize = 64;
 const END: usize = 128;
 const COUNTER: usize = 192;
 const NONCE: usize = 256;
-const SIGNAL_BYTES: usize = 320;
+const SHAPES: usize = 320;
+const SIGNAL_BYTES: usize = 384;
+
+/// Bits of a shape word holding the byte count (the rest: element type code + 1).
+const SHAPE_BYTES_BITS: u32 = 56;
+
+/// The shape word of a launch of `bytes` bytes of `dtype` (never 0).
+fn shape_word(dtype: DType, bytes: usize) -> u64 {
+    let code: u64 = match dtype {
+        DType::F32 => 1,
+        DType::F16 => 2,
+        DType::Bf16 => 3,
+    };
+    (bytes as u64 & ((1 << SHAPE_BYTES_BITS) - 1)) | (code << SHAPE_BYTES_BITS)
+}
+
+/// Bytes and element type name of a shape word.
+fn decode_shape(word: u64) -> (u64, &'static str) {
+    let bytes = word & ((1 << SHAPE_BYTES_BITS) - 1);
+    let dtype = match word >> SHAPE_BYTES_BITS {
+        1 => "f32",
+        2 => "f16",
+        3 => "bf16",
+        _ => "unknown",
+    };
+    (bytes, dtype)
+}
 
 /// The CPU backend over [`HostMemory`] (or a wrapper of it with the same buffers, such as
 /// `tpcomm_ipc::FaultInjection<HostMemory>` in tests).
@@ -104,6 +136,51 @@ impl<'a> SignalBlocks<'a> {
     /// Signal blocks of at least `SIGNAL_BYTES` bytes for as long as the value is used.
     unsafe fn new(own: u64, signals: &'a [u64; 8]) -> Self {
         Self { own, signals }
+    }
+
+    /// The shape word `writer` publishes in the block at `base`.
+    ///
+    /// # Safety
+    /// `base` is this rank's own block or one of `signals[..world]` (per [`Self::new`]),
+    /// and `writer < 8`.
+    unsafe fn shape(base: u64, writer: usize) -> &'a AtomicU64 {
+        debug_assert!(writer < 8);
+        // SAFETY: per the contract, a live block of SIGNAL_BYTES; SHAPES + 8 * writer is
+        // 8-byte aligned (blocks start a page) and inside it for `writer < 8`; the word is
+        // only ever accessed atomically.
+        unsafe { AtomicU64::from_ptr((base as usize + SHAPES + 8 * writer) as *mut u64) }
+    }
+
+    /// Stores this rank's shape into every block's word for `rank` (before the start
+    /// barrier, whose release stores publish it).
+    fn publish_shape(&self, rank: usize, world: usize, word: u64) {
+        for p in 0..world {
+            // SAFETY: `signals[p]` for `p < world` is live (`Self::new`); `rank < world <= 8`
+            // (the driver refuses larger groups).
+            unsafe { Self::shape(self.signals[p], rank) }.store(word, Ordering::Relaxed);
+        }
+    }
+
+    /// After the start barrier: the first peer whose published shape differs from `word`.
+    fn check_shapes(&self, rank: usize, world: usize, word: u64) -> Result<()> {
+        for peer in 0..world {
+            // SAFETY: this rank's own block is live (`Self::new`); `peer < world <= 8`. The
+            // start barrier's acquire loads ordered the peer's store before this load.
+            let theirs = unsafe { Self::shape(self.own, peer) }.load(Ordering::Relaxed);
+            if theirs != word {
+                let (bytes, dtype) = decode_shape(word);
+                let (peer_bytes, peer_dtype) = decode_shape(theirs);
+                return Err(crate::AllReduceError::LaunchMismatch {
+                    rank,
+                    bytes,
+                    dtype,
+                    peer,
+                    peer_bytes,
+                    peer_dtype,
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -176,24 +253,29 @@ fn run<T: Element, M: HostLike>(
     temps: &[u64; 8],
     inputs: &[u64],
     barrier: &Barrier<'_>,
+    verify: impl FnOnce() -> Result<()>,
 ) -> Result<()> {
     match l.algorithm {
         Algorithm::OneStage => barrier.launch::<flags::Backoff>(
             false,
+            verify,
             || {
                 // SAFETY: the start barrier ordered every rank's input writes before these
-                // reads; inputs and output hold `count` elements (checked by the driver),
-                // and no rank writes an input before the end barrier.
+                // reads; the driver checked that every rank's region in the slot holds
+                // `count` elements and that the output does, `verify` that every rank
+                // launched `count` elements; no rank writes an input before the end
+                // barrier.
                 unsafe { reduce::<T>(inputs, l.out, 0..l.count) };
             },
             || {},
         ),
         Algorithm::TwoStage => barrier.launch::<flags::Backoff>(
             true,
+            verify,
             || {
                 let mine = part(l.count, T::DTYPE.size(), l.world, l.rank);
-                // SAFETY: as above; this rank's temp buffer holds `count` elements and only
-                // this rank writes it, before the mid barrier.
+                // SAFETY: as above; the driver checked that every rank's temp buffer holds
+                // `count` elements; only this rank writes its own, before the mid barrier.
                 unsafe { reduce::<T>(inputs, temps[l.rank], mine) };
             },
             || gather::<T, M>(l, temps),
@@ -208,7 +290,8 @@ fn gather<T: Element, M: HostLike>(l: &Launch<'_, HostBackend<M>>, temps: &[u64;
         let bytes = p.len() * T::DTYPE.size();
         let offset = p.start * T::DTYPE.size();
         // SAFETY: rank r finished writing its part of its temp buffer before the
-        // mid barrier (release/acquire); the output holds `count` elements.
+        // mid barrier (release/acquire); the driver checked that every rank's temp buffer
+        // and the output hold `count` elements.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 (temps[r] as *const u8).add(offset),
@@ -281,10 +364,13 @@ impl<M: HostLike> Backend for HostBackend<M> {
             timeout: l.timeout,
         };
         let inputs = &inputs[..l.world];
+        let shape = shape_word(l.dtype, l.count * l.dtype.size());
+        blocks.publish_shape(l.rank, l.world, shape);
+        let verify = || blocks.check_shapes(l.rank, l.world, shape);
         match l.dtype {
-            DType::F32 => run::<f32, M>(l, &temps, inputs, &barrier),
-            DType::F16 => run::<f16, M>(l, &temps, inputs, &barrier),
-            DType::Bf16 => run::<bf16, M>(l, &temps, inputs, &barrier),
+            DType::F32 => run::<f32, M>(l, &temps, inputs, &barrier, verify),
+            DType::F16 => run::<f16, M>(l, &temps, inputs, &barrier, verify),
+            DType::Bf16 => run::<bf16, M>(l, &temps, inputs, &barrier, verify),
         }
     }
 }

@@ -79,9 +79,10 @@ pub enum AllReduceError {
         /// Its length.
         region_bytes: usize,
     },
-    /// The ranks launched different all-reduces (element counts or types): detected at the
-    /// start barrier, before any peer data was read. Every rank of the launch reports it.
-    #[error("rank {rank} launched {bytes} bytes of {dtype}, but rank {peer} launched {peer_bytes} bytes of {peer_dtype}")]
+    /// The ranks launched different all-reduces (element counts, types, or RankData slots:
+    /// different inputs): detected at the start barrier, before any peer data was read.
+    /// Every rank of the launch reports it.
+    #[error("rank {rank} launched {bytes} bytes of {dtype} from slot {slot}, but rank {peer} launched {peer_bytes} bytes of {peer_dtype} from slot {peer_slot}")]
     LaunchMismatch {
         /// This rank.
         rank: usize,
@@ -89,12 +90,16 @@ pub enum AllReduceError {
         bytes: u64,
         /// Element type this rank reduces.
         dtype: &'static str,
+        /// The RankData slot this rank's launch reads (0: the staging buffers).
+        slot: usize,
         /// A rank that launched something else.
         peer: usize,
         /// Bytes it reduces.
         peer_bytes: u64,
         /// Element type it reduces (`"unknown"` for a code this version does not know).
         peer_dtype: &'static str,
+        /// The slot its launch reads.
+        peer_slot: usize,
     },
     /// Captured call `call` (in capture order) reduces different sizes on two ranks.
     #[error("captured call #{call} reduces {bytes} bytes on rank {rank} but {peer_bytes} bytes on rank {peer}")]

@@ -4,10 +4,10 @@
 //! slot *when it runs* (so a launch recorded before a suspend uses the addresses written
 //! after the resume), then:
 //!
-//! - before the start barrier, this rank publishes the launch's *shape* (bytes and element
-//!   type) in every peer's Signal block, next to its start flag; after the barrier it
-//!   compares every peer's shape with its own. Different shapes (ranks reducing different
-//!   counts or types) skip the work, cross the end barrier and fail with
+//! - before the start barrier, this rank publishes the launch's *shape* (bytes, element
+//!   type, RankData slot) in every peer's Signal block, next to its start flag; after the
+//!   barrier it compares every peer's shape with its own. Different shapes (ranks reducing
+//!   different counts, types or inputs) skip the work, cross the end barrier and fail with
 //!   [`LaunchMismatch`](crate::AllReduceError::LaunchMismatch) on every rank, before any
 //!   peer data is read: no extra round trip, one store and one load per peer.
 //! - one-stage: start barrier; reduce every rank's input in rank order with f32
@@ -49,29 +49,35 @@ const NONCE: usize = 256;
 const SHAPES: usize = 320;
 const SIGNAL_BYTES: usize = 384;
 
-/// Bits of a shape word holding the byte count (the rest: element type code + 1).
-const SHAPE_BYTES_BITS: u32 = 56;
+/// A shape word: bits 0..40 the byte count, 40..44 the element type (code, never 0),
+/// 44..64 the RankData slot. Launches are at most `max_bytes` (far below 2^40 bytes); slots
+/// are compared modulo 2^20.
+const SHAPE_BYTES_BITS: u32 = 40;
+const SHAPE_DTYPE_BITS: u32 = 4;
+const SHAPE_SLOT_SHIFT: u32 = SHAPE_BYTES_BITS + SHAPE_DTYPE_BITS;
 
-/// The shape word of a launch of `bytes` bytes of `dtype` (never 0).
-fn shape_word(dtype: DType, bytes: usize) -> u64 {
+/// The shape word of a launch of `bytes` bytes of `dtype` from `slot` (never 0).
+fn shape_word(dtype: DType, bytes: usize, slot: usize) -> u64 {
     let code: u64 = match dtype {
         DType::F32 => 1,
         DType::F16 => 2,
         DType::Bf16 => 3,
     };
-    (bytes as u64 & ((1 << SHAPE_BYTES_BITS) - 1)) | (code << SHAPE_BYTES_BITS)
+    (bytes as u64 & ((1 << SHAPE_BYTES_BITS) - 1))
+        | (code << SHAPE_BYTES_BITS)
+        | ((slot as u64) << SHAPE_SLOT_SHIFT)
 }
 
-/// Bytes and element type name of a shape word.
-fn decode_shape(word: u64) -> (u64, &'static str) {
+/// Bytes, element type name and slot of a shape word.
+fn decode_shape(word: u64) -> (u64, &'static str, usize) {
     let bytes = word & ((1 << SHAPE_BYTES_BITS) - 1);
-    let dtype = match word >> SHAPE_BYTES_BITS {
+    let dtype = match (word >> SHAPE_BYTES_BITS) & ((1 << SHAPE_DTYPE_BITS) - 1) {
         1 => "f32",
         2 => "f16",
         3 => "bf16",
         _ => "unknown",
     };
-    (bytes, dtype)
+    (bytes, dtype, (word >> SHAPE_SLOT_SHIFT) as usize)
 }
 
 /// The CPU backend over [`HostMemory`] (or a wrapper of it with the same buffers, such as
@@ -168,15 +174,17 @@ impl<'a> SignalBlocks<'a> {
             // start barrier's acquire loads ordered the peer's store before this load.
             let theirs = unsafe { Self::shape(self.own, peer) }.load(Ordering::Relaxed);
             if theirs != word {
-                let (bytes, dtype) = decode_shape(word);
-                let (peer_bytes, peer_dtype) = decode_shape(theirs);
+                let (bytes, dtype, slot) = decode_shape(word);
+                let (peer_bytes, peer_dtype, peer_slot) = decode_shape(theirs);
                 return Err(crate::AllReduceError::LaunchMismatch {
                     rank,
                     bytes,
                     dtype,
+                    slot,
                     peer,
                     peer_bytes,
                     peer_dtype,
+                    peer_slot,
                 });
             }
         }
@@ -364,7 +372,7 @@ impl<M: HostLike> Backend for HostBackend<M> {
             timeout: l.timeout,
         };
         let inputs = &inputs[..l.world];
-        let shape = shape_word(l.dtype, l.count * l.dtype.size());
+        let shape = shape_word(l.dtype, l.count * l.dtype.size(), l.slot);
         blocks.publish_shape(l.rank, l.world, shape);
         let verify = || blocks.check_shapes(l.rank, l.world, shape);
         match l.dtype {
@@ -377,7 +385,20 @@ impl<M: HostLike> Backend for HostBackend<M> {
 
 #[cfg(test)]
 mod tests {
-    use super::part;
+    use super::{decode_shape, part, shape_word};
+    use crate::dtype::DType;
+
+    #[test]
+    fn shape_words_round_trip_and_differ_in_every_field() {
+        let base = shape_word(DType::F32, 4096, 3);
+        assert_eq!(decode_shape(base), (4096, "f32", 3));
+        assert_eq!(decode_shape(shape_word(DType::Bf16, 16, 0)), (16, "bf16", 0));
+        assert_ne!(base, 0);
+        assert_ne!(base, shape_word(DType::F32, 4112, 3));
+        assert_ne!(base, shape_word(DType::F16, 4096, 3));
+        assert_ne!(base, shape_word(DType::F32, 4096, 4));
+        assert_eq!(decode_shape(base | (0xf << 40)).1, "unknown");
+    }
 
     #[test]
     fn parts_cover_every_element_once_in_whole_packs() {

@@ -450,7 +450,11 @@ fn ranks_unregistering_or_reducing_different_registrations_are_refused() {
         // Reducing different registrations (rank 0 `y`, rank 1 `x`: equal sizes, other
         // slots) would sum other buffers than each rank passed: the slot travels with the
         // launch's shape, so both ranks refuse.
-        match ar.all_reduce_registered(&kept, &mut [0f32; 1024]).as_ref().map_err(cause) {
+        match ar
+            .all_reduce_registered(&kept, &mut [0f32; 1024])
+            .as_ref()
+            .map_err(cause)
+        {
             Err(AllReduceError::LaunchMismatch {
                 slot, peer_slot, ..
             }) if *slot == kept.slot() && *peer_slot == spent_slot => {}

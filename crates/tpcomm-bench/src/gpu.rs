@@ -584,6 +584,8 @@ mod imp {
                 max_bytes,
                 timeout: Duration::from_secs(args.kernel_timeout_s),
                 algorithm: Some(algorithm),
+                // Every captured call takes its own RankData slot (K per case), plus slot 0.
+                slots: (1 + k * dtypes.len() * sizes.len()).max(Config::default().slots),
                 ..Config::default()
             };
             let ar = CustomAllReduce::new(backend, memory.clone(), comm, config)?;

@@ -392,7 +392,10 @@ mod tests {
     fn shape_words_round_trip_and_differ_in_every_field() {
         let base = shape_word(DType::F32, 4096, 3);
         assert_eq!(decode_shape(base), (4096, "f32", 3));
-        assert_eq!(decode_shape(shape_word(DType::Bf16, 16, 0)), (16, "bf16", 0));
+        assert_eq!(
+            decode_shape(shape_word(DType::Bf16, 16, 0)),
+            (16, "bf16", 0)
+        );
         assert_ne!(base, 0);
         assert_ne!(base, shape_word(DType::F32, 4112, 3));
         assert_ne!(base, shape_word(DType::F16, 4096, 3));

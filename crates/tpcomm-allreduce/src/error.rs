@@ -82,7 +82,11 @@ pub enum AllReduceError {
     /// The ranks launched different all-reduces (element counts, types, or RankData slots:
     /// different inputs): detected at the start barrier, before any peer data was read.
     /// Every rank of the launch reports it.
-    #[error("rank {rank} launched {bytes} bytes of {dtype} from slot {slot}, but rank {peer} launched {peer_bytes} bytes of {peer_dtype} from slot {peer_slot}")]
+    #[error(
+        "rank {rank} launched {bytes} bytes of {dtype}{}, but rank {peer} launched {peer_bytes} bytes of {peer_dtype}{}",
+        from_slot(*.slot),
+        from_slot(*.peer_slot)
+    )]
     LaunchMismatch {
         /// This rank.
         rank: usize,
@@ -90,16 +94,17 @@ pub enum AllReduceError {
         bytes: u64,
         /// Element type this rank reduces.
         dtype: &'static str,
-        /// The RankData slot this rank's launch reads (0: the staging buffers).
-        slot: usize,
+        /// The RankData slot this rank's launch reads (0: the staging buffers), where the
+        /// backend carries it (the host backend; not the CUDA kernels).
+        slot: Option<usize>,
         /// A rank that launched something else.
         peer: usize,
         /// Bytes it reduces.
         peer_bytes: u64,
         /// Element type it reduces (`"unknown"` for a code this version does not know).
         peer_dtype: &'static str,
-        /// The slot its launch reads.
-        peer_slot: usize,
+        /// The slot its launch reads, where carried.
+        peer_slot: Option<usize>,
     },
     /// Captured call `call` (in capture order) reduces different sizes on two ranks.
     #[error("captured call #{call} reduces {bytes} bytes on rank {rank} but {peer_bytes} bytes on rank {peer}")]
@@ -168,6 +173,11 @@ impl From<tpcomm_objects::ObjectError> for AllReduceError {
     fn from(e: tpcomm_objects::ObjectError) -> Self {
         AllReduceError::Ipc(Arc::new(IpcError::Exchange(e)))
     }
+}
+
+/// " from slot N", or nothing when the backend does not carry slots.
+fn from_slot(slot: Option<usize>) -> String {
+    slot.map(|s| format!(" from slot {s}")).unwrap_or_default()
 }
 
 /// Result of all-reduce operations.

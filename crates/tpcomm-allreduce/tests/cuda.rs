@@ -745,3 +745,50 @@ fn two_processes_replay_a_graph_after_resume_with_moved_mappings() {
     let moved = run_pair("cuda", two_process_rank);
     eprintln!("peer mappings moved on resume: {moved}");
 }
+
+#[test]
+fn ranks_launching_different_counts_fail_with_a_launch_mismatch_on_the_gpu() {
+    // The start flags carry each launch's shape: rank 0 reduces 1024 f32, rank 1 2048 (one
+    // block each), so both see the other's shape, skip the reduction, cross the end barrier
+    // and record the mismatch; synchronize reports it naming both sizes.
+    if !gpu() {
+        return;
+    }
+    let results = group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let input = memory.allocate(8192)?;
+        let out = memory.allocate(8192)?;
+        let count = if comm.rank() == 0 { 1024 } else { 2048 };
+        comm.barrier()?;
+        ar.all_reduce_buffer(&input, &out, DType::F32, count)?;
+        let (mine, theirs) = if comm.rank() == 0 {
+            (4096, 8192)
+        } else {
+            (8192, 4096)
+        };
+        match ar.synchronize() {
+            Err(AllReduceError::Failed { cause, .. }) => match cause.as_ref() {
+                AllReduceError::LaunchMismatch {
+                    rank,
+                    bytes,
+                    dtype: "f32",
+                    peer,
+                    peer_bytes,
+                    peer_dtype: "f32",
+                    ..
+                } if *rank == comm.rank()
+                    && *bytes == mine
+                    && *peer == 1 - comm.rank()
+                    && *peer_bytes == theirs => {}
+                other => panic!("expected a LaunchMismatch, got {other:?}"),
+            },
+            other => panic!("expected a failed synchronize, got {other:?}"),
+        }
+        assert_eq!(ar.phase(), Phase::Failed);
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
+}

@@ -180,11 +180,11 @@ impl<'a> SignalBlocks<'a> {
                     rank,
                     bytes,
                     dtype,
-                    slot,
+                    slot: Some(slot),
                     peer,
                     peer_bytes,
                     peer_dtype,
-                    peer_slot,
+                    peer_slot: Some(peer_slot),
                 });
             }
         }

@@ -68,6 +68,10 @@ enum SlotSource {
     Exchanged(ExchangeId, usize),
     /// A captured input waiting for `register_graph_buffers`.
     Pending,
+    /// A registered buffer's slot that a capture recorded, unregistered since: never
+    /// reused (a plan or graph that still names it must not read another buffer), zero in
+    /// the table, and launches of it are refused.
+    Retired,
 }
 
 /// Index of each base region in the base exchange.
@@ -272,8 +276,11 @@ pub struct CustomAllReduce<B: Backend> {
     pending: Vec<(usize, Region)>,
     /// Registered buffers by address.
     buffers: HashMap<u64, Registration<B>>,
-    /// Launches recorded into device graphs (while the backend was capturing) so far.
-    recorded: usize,
+    /// Per slot, whether a capture (a plan or a device graph) recorded a launch of it.
+    captured: Vec<bool>,
+    /// The slot of every launch recorded into device graphs (while the backend was
+    /// capturing) so far, in order.
+    recorded: Vec<usize>,
     /// Unique in the process: ties device graphs to the communicator that captured them.
     id: u64,
 }
@@ -334,6 +341,7 @@ impl<B: Backend> CustomAllReduce<B> {
         let mut slots = vec![None; config.slots];
         slots[0] = Some(SlotSource::Eager);
         let slot_limits = vec![(0, comm.rank()); config.slots];
+        let captured = vec![false; config.slots];
         let mut ar = Self {
             backend,
             rank: comm.rank(),
@@ -354,7 +362,8 @@ impl<B: Backend> CustomAllReduce<B> {
             temp_limit: (0, comm.rank()),
             pending: Vec::new(),
             buffers: HashMap::new(),
-            recorded: 0,
+            captured,
+            recorded: Vec::new(),
             id: {
                 use std::sync::atomic::{AtomicU64, Ordering};
                 static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -376,7 +385,30 @@ impl<B: Backend> CustomAllReduce<B> {
     /// difference across its capture).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn recorded_launches(&self) -> usize {
-        self.recorded
+        self.recorded.len()
+    }
+
+    /// The distinct slots of the launches recorded into device graphs since `since`
+    /// launches (what a device graph captured across that span reads).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn recorded_slots(&self, since: usize) -> Vec<usize> {
+        let mut slots = self.recorded.get(since..).unwrap_or_default().to_vec();
+        slots.sort_unstable();
+        slots.dedup();
+        slots
+    }
+
+    /// Fails when one of `slots` held a registered buffer that was unregistered since a
+    /// capture recorded it ([`AllReduceError::UnregisteredInput`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn check_slots_live(&self, slots: &[usize]) -> Result<()> {
+        match slots
+            .iter()
+            .find(|&&s| self.slots.get(s) == Some(&Some(SlotSource::Retired)))
+        {
+            Some(&slot) => Err(AllReduceError::UnregisteredInput { slot }),
+            None => Ok(()),
+        }
     }
 
     /// This communicator's identity in the process.
@@ -484,7 +516,7 @@ impl<B: Backend> CustomAllReduce<B> {
             let (id, index) = match source {
                 Some(SlotSource::Eager) => (res.base, STAGING),
                 Some(SlotSource::Exchanged(id, index)) => (*id, *index),
-                Some(SlotSource::Pending) | None => continue,
+                Some(SlotSource::Pending | SlotSource::Retired) | None => continue,
             };
             let entry = &mut pool[slot * RANK_DATA_BYTES..][..RANK_DATA_BYTES];
             let mut limit = (usize::MAX, self.rank);
@@ -570,9 +602,13 @@ impl<B: Backend> CustomAllReduce<B> {
         recording: bool,
     ) -> Result<()> {
         self.lifecycle.check_operation(call)?;
-        let pending = self.slots.get(slot) == Some(&Some(SlotSource::Pending));
+        let source = self.slots.get(slot).copied().flatten();
+        let pending = source == Some(SlotSource::Pending);
         if pending && !recording {
             return Err(AllReduceError::UnregisteredGraphBuffers);
+        }
+        if source == Some(SlotSource::Retired) {
+            return Err(AllReduceError::UnregisteredInput { slot });
         }
         // What every rank's region in the slot holds bounds what the launch reads (a
         // pending slot, only while recording, is checked by register_graph_buffers: every
@@ -626,7 +662,10 @@ impl<B: Backend> CustomAllReduce<B> {
         .entered();
         match self.backend.launch(res.peers.backend(), &launch) {
             Ok(()) => {
-                self.recorded += usize::from(recording);
+                if recording {
+                    self.recorded.push(slot);
+                    self.captured[slot] = true;
+                }
                 Ok(())
             }
             Err(e) => Err(self.lifecycle.fail(call, e)),
@@ -741,7 +780,13 @@ impl<B: Backend> CustomAllReduce<B> {
             .ok_or_else(|| {
                 AllReduceError::InvalidArgument("the input is not registered here".into())
             })?;
-        self.slots[registration.slot] = None;
+        // A slot a capture recorded is retired, never reused: a plan or graph naming it is
+        // refused instead of reading whichever buffer took the slot next.
+        self.slots[registration.slot] = if self.captured[registration.slot] {
+            Some(SlotSource::Retired)
+        } else {
+            None
+        };
         self.slot_limits[registration.slot] = (0, self.rank);
         let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
             call: "unregister",
@@ -842,9 +887,11 @@ impl<B: Backend> CustomAllReduce<B> {
     /// every rank must name every rank's input of its `k`-th call.
     fn graph_slot(&mut self, addr: u64, bytes: usize) -> Result<usize> {
         if let Some(slot) = self.slot_of(addr, bytes) {
+            self.captured[slot] = true;
             return Ok(slot);
         }
         let slot = self.free_slot()?;
+        self.captured[slot] = true;
         self.slots[slot] = Some(SlotSource::Pending);
         self.pending.push((slot, Region { addr, len: bytes }));
         Ok(slot)

@@ -50,6 +50,13 @@ pub enum AllReduceError {
     /// A captured input was used before `register_graph_buffers`.
     #[error("captured inputs are not registered yet: call register_graph_buffers after capture")]
     UnregisteredGraphBuffers,
+    /// A captured plan or device graph reads a registered buffer that was unregistered
+    /// since; nothing ran.
+    #[error("the launch reads RankData slot {slot}, whose registered buffer was unregistered after it was captured")]
+    UnregisteredInput {
+        /// The slot.
+        slot: usize,
+    },
     /// The RankData slot pool is full.
     #[error("all {0} RankData slots are in use")]
     SlotsExhausted(usize),

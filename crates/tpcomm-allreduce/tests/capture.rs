@@ -202,3 +202,45 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
             .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
 }
+
+#[test]
+fn a_captured_registered_buffer_keeps_its_slot_retired_after_unregister() {
+    // A device graph does not borrow its inputs: after the registered buffer it captured is
+    // unregistered, the slot must never go to another registration (the graph would then
+    // silently reduce that buffer); replay_graph refuses it (tests/cuda.rs).
+    let results = LocalGroup::new(2)
+        .timeout(Duration::from_secs(60))
+        .run(|comm| -> R<()> {
+            let memory = HostMemory::new();
+            let mut ar = CustomAllReduce::new(
+                Recording::default(),
+                memory.clone(),
+                &comm,
+                Config::default(),
+            )?;
+            let out = memory.allocate(4096)?;
+            let captured = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+            let never_captured = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+            let (captured_slot, free_slot) = (captured.slot(), never_captured.slot());
+            ar.backend().capturing.store(true, Ordering::SeqCst);
+            ar.all_reduce_buffer(captured.buffer(), &out, DType::F32, 1024)?;
+            ar.backend().capturing.store(false, Ordering::SeqCst);
+            assert_eq!(
+                *ar.backend().recorded.lock().unwrap(),
+                vec![(captured_slot, 1024)],
+                "a registered input is recorded with its own slot"
+            );
+            drop(ar.unregister(&comm, captured)?);
+            drop(ar.unregister(&comm, never_captured)?);
+            let next = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+            assert_eq!(next.slot(), free_slot, "an uncaptured slot is reused");
+            let after = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+            assert_ne!(after.slot(), captured_slot, "a captured slot is retired");
+            assert_eq!(ar.rank_data_slot(captured_slot)?, vec![0; 2]);
+            Ok(())
+        });
+    for (rank, r) in results.into_iter().enumerate() {
+        r.expect("rank finished")
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}

@@ -792,3 +792,32 @@ fn ranks_launching_different_counts_fail_with_a_launch_mismatch_on_the_gpu() {
         r.unwrap().unwrap();
     }
 }
+
+#[test]
+fn a_graph_reading_an_unregistered_buffer_is_refused() {
+    if !gpu() {
+        return;
+    }
+    let results = group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let out = memory.allocate(4096)?;
+        let input = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+        let slot = input.slot();
+        let graph = ar.capture_graph(|ar| {
+            ar.all_reduce_buffer(input.buffer(), &out, DType::F32, 1024)
+                .map(drop)
+        })?;
+        ar.check_replay()?;
+        drop(ar.unregister(&comm, input)?);
+        match ar.replay_graph(&graph) {
+            Err(AllReduceError::UnregisteredInput { slot: s }) if s == slot => {}
+            other => panic!("expected UnregisteredInput, got {other:?}"),
+        }
+        assert_eq!(ar.phase(), Phase::Active);
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
+}

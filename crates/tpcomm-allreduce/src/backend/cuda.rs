@@ -715,6 +715,8 @@ pub struct DeviceGraph {
     graph: CudaGraph,
     launches: usize,
     owner: u64,
+    /// The RankData slots its launches read.
+    slots: Vec<usize>,
 }
 
 impl std::fmt::Debug for DeviceGraph {
@@ -761,13 +763,16 @@ impl CustomAllReduce<CudaBackend> {
             graph,
             launches,
             owner: self.id(),
+            slots: self.recorded_slots(before),
         })
     }
 
     /// Launches a captured graph on the backend's stream (asynchronously; see
     /// [`synchronize`](Self::synchronize)). Refused while captured inputs are unregistered
     /// or the communicator is not Active, since the graph's launches would read unwritten
-    /// table slots or closed mappings, and for a graph another communicator captured.
+    /// table slots or closed mappings, for a graph another communicator captured
+    /// ([`AllReduceError::ForeignToken`]), and for a graph reading a registered buffer
+    /// unregistered since ([`AllReduceError::UnregisteredInput`]).
     pub fn replay_graph(&mut self, graph: &DeviceGraph) -> Result<()> {
         if graph.owner != self.id() {
             return Err(AllReduceError::ForeignToken {
@@ -777,6 +782,7 @@ impl CustomAllReduce<CudaBackend> {
             });
         }
         self.check_replay()?;
+        self.check_slots_live(&graph.slots)?;
         graph
             .graph
             .launch()

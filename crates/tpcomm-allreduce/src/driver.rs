@@ -492,6 +492,15 @@ impl<B: Backend> CustomAllReduce<B> {
         let mut table = [0u8; RANK_SIGNALS_BYTES];
         let mut temp_limit = (usize::MAX, self.rank);
         for r in 0..self.world {
+            // Launches access every rank's Signal block with this backend's layout.
+            let signal_len = res.peers.region_len(res.base, r, SIGNAL)?;
+            if signal_len < self.backend.signal_bytes() {
+                return Err(AllReduceError::SignalTooSmall {
+                    rank: r,
+                    bytes: signal_len,
+                    needed: self.backend.signal_bytes(),
+                });
+            }
             let signal = res.peers.address(res.base, r, SIGNAL)?;
             let temp = res.peers.address(res.base, r, TEMP)?;
             let temp_len = res.peers.region_len(res.base, r, TEMP)?;

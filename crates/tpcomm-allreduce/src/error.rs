@@ -50,6 +50,17 @@ pub enum AllReduceError {
     /// A captured input was used before `register_graph_buffers`.
     #[error("captured inputs are not registered yet: call register_graph_buffers after capture")]
     UnregisteredGraphBuffers,
+    /// A rank shared a Signal block smaller than this backend's layout (a peer built with
+    /// another layout); nothing is launched over it.
+    #[error("rank {rank}'s Signal block has {bytes} bytes, this backend's layout needs {needed}")]
+    SignalTooSmall {
+        /// The rank.
+        rank: usize,
+        /// Its Signal block's length.
+        bytes: usize,
+        /// What this rank's backend needs.
+        needed: usize,
+    },
     /// A captured plan or device graph reads a registered buffer that was unregistered
     /// since; nothing ran.
     #[error("the launch reads RankData slot {slot}, whose registered buffer was unregistered after it was captured")]

@@ -112,11 +112,11 @@ impl<M> std::fmt::Debug for HostBackend<M> {
 /// A flag word of a Signal block at `base + offset`.
 ///
 /// # Safety
-/// `base` must be the address of a live, mapped Signal block of at least `SIGNAL_BYTES`
-/// bytes for as long as the reference is used.
+/// `base` must be the 8-byte aligned address of a live, mapped Signal block of at least
+/// `SIGNAL_BYTES` bytes for as long as the reference is used.
 unsafe fn flag<'a>(base: u64, offset: usize) -> &'a AtomicU32 {
-    // SAFETY: the caller guarantees a live mapping; offsets are 4-byte aligned inside
-    // SIGNAL_BYTES and the memory is only ever accessed atomically.
+    // SAFETY: the caller guarantees an aligned live mapping; offsets are 4-byte aligned
+    // inside SIGNAL_BYTES and the memory is only ever accessed atomically.
     unsafe { AtomicU32::from_ptr((base as usize + offset) as *mut u32) }
 }
 
@@ -151,9 +151,10 @@ impl<'a> SignalBlocks<'a> {
     /// and `writer < 8`.
     unsafe fn shape(base: u64, writer: usize) -> &'a AtomicU64 {
         debug_assert!(writer < 8);
-        // SAFETY: per the contract, a live block of SIGNAL_BYTES; SHAPES + 8 * writer is
-        // 8-byte aligned (blocks start a page) and inside it for `writer < 8`; the word is
-        // only ever accessed atomically.
+        // SAFETY: per the contract, a live block of SIGNAL_BYTES, 8-byte aligned (own block:
+        // an allocation's start; peers' blocks: checked in `launch`); SHAPES + 8 * writer
+        // keeps that alignment and stays inside the block for `writer < 8`; the word is only
+        // ever accessed atomically.
         unsafe { AtomicU64::from_ptr((base as usize + SHAPES + 8 * writer) as *mut u64) }
     }
 
@@ -357,12 +358,23 @@ impl<M: HostLike> Backend for HostBackend<M> {
         let temps = read_table(memory, l.rank_signals, 64)?;
         let inputs = read_table(memory, l.rank_data, l.slot * super::RANK_DATA_BYTES)?;
         let own = l.own_signal.addr();
-        // SAFETY: this rank's own Signal block, alive for the launch.
+        // Flag and shape words are accessed as atomics: every block must be 8-byte aligned
+        // (a block is the start of its own allocation, so a misaligned one is a forged or
+        // corrupted handle).
+        if let Some(r) = (0..l.world).find(|&r| signals[r] % 8 != 0) {
+            return Err(crate::AllReduceError::InvalidArgument(format!(
+                "rank {r}'s Signal block is mapped at the misaligned address {:#x}",
+                signals[r]
+            )));
+        }
+        // SAFETY: this rank's own Signal block (`signals[rank]`, aligned: checked above),
+        // alive for the launch.
         let counter = unsafe { flag(own, COUNTER) };
         let epoch = flags::next_epoch(counter);
         // SAFETY: the own block is alive for the launch, and the tables hold live Signal
         // mappings for every rank of the group (the driver rewrites them after every
-        // reopen before any launch).
+        // reopen before any launch, and checked that each holds SIGNAL_BYTES); every block
+        // is 8-byte aligned (checked above).
         let blocks = unsafe { SignalBlocks::new(own, &signals) };
         let barrier = Barrier {
             blocks: &blocks,

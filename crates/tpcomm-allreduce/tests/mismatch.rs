@@ -464,3 +464,72 @@ fn ranks_unregistering_or_reducing_different_registrations_are_refused() {
     });
     unwrap_all(results);
 }
+
+/// The host backend with a Signal layout `extra` bytes larger: a rank built with another
+/// layout.
+#[derive(Debug, Default)]
+struct LargerSignal {
+    inner: HostBackend,
+    extra: usize,
+}
+
+impl tpcomm_allreduce::Backend for LargerSignal {
+    type Memory = HostMemory;
+
+    fn name(&self) -> &'static str {
+        "host-larger-signal"
+    }
+    fn signal_bytes(&self) -> usize {
+        self.inner.signal_bytes() + self.extra
+    }
+    fn nonce_offset(&self) -> usize {
+        self.inner.nonce_offset()
+    }
+    fn reset_signal(&self, memory: &HostMemory, signal: &HostBuffer) -> R<()> {
+        self.inner.reset_signal(memory, signal)
+    }
+    fn launch(
+        &self,
+        _memory: &HostMemory,
+        _launch: &tpcomm_allreduce::backend::Launch<'_, Self>,
+    ) -> R<()> {
+        unreachable!("the communicator is never created")
+    }
+    fn stage(
+        &self,
+        memory: &HostMemory,
+        input: &HostBuffer,
+        staging: &HostBuffer,
+        bytes: usize,
+    ) -> R<()> {
+        self.inner.stage(memory, input, staging, bytes)
+    }
+}
+
+#[test]
+fn a_peer_with_a_smaller_signal_layout_is_refused_at_creation() {
+    let results = LocalGroup::new(2)
+        .timeout(Duration::from_secs(10))
+        .run(|comm| {
+            let backend = LargerSignal {
+                inner: HostBackend::new(),
+                extra: if comm.rank() == 1 { 4096 } else { 0 },
+            };
+            CustomAllReduce::new(backend, HostMemory::new(), &comm, Config::default()).map(drop)
+        });
+    let outcomes: Vec<R<()>> = results
+        .into_iter()
+        .map(|r| r.expect("rank thread"))
+        .collect();
+    match &outcomes[1] {
+        Err(AllReduceError::SignalTooSmall {
+            rank: 0,
+            bytes,
+            needed,
+        }) if bytes < needed => {}
+        other => panic!("rank 1: expected SignalTooSmall naming rank 0, got {other:?}"),
+    }
+    // Rank 0 (whose own layout fits every block) is left without its peer: an error, not a
+    // communicator that would launch into rank 1's larger layout.
+    assert!(outcomes[0].is_err(), "rank 0: {:?}", outcomes[0]);
+}

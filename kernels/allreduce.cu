@@ -73,4 +73,5 @@ extern "C" __device__ const unsigned long long tpcomm_ar_layout[tpcomm::kLayoutL
     sizeof(RankData),
     alignof(RankData),
     offsetof(RankData, ptrs),
+    offsetof(Signal, mismatch),
 };

@@ -41,21 +41,26 @@ constexpr int kPackBytes = 16;
 // - start[b][p] / end[b][p]: the flag that rank p stored for thread block b in the start
 //   barrier / in the second barrier of a launch (the end barrier of the one-stage kernel,
 //   the barrier between the two halves of the two-stage kernel). One slot per writer, so
-//   peers never write the same word.
+//   peers never write the same word. A start slot is 64 bits written in one access: the
+//   flag in the low half, the writer's launch shape (launch_shape()) in the high half.
 // - counter[b]: the value block b used in its last barrier; only the owner touches it.
-// - error: 0, or the first barrier timeout this rank saw (see error_word()).
+// - error: 0, or the first barrier timeout or shape mismatch this rank saw (see
+//   error_word()).
 // - nonce: never touched by kernels; the host lifecycle writes a fresh value here after a
 //   resume and reads it back through each peer's new mapping.
+// - mismatch: with a shape-mismatch error, this rank's launch shape and the peer's,
+//   written by the thread that recorded the error.
 //
 // Each group starts on its own 128-byte line so flag traffic from peers and the owner's
 // counter updates do not share lines.
 struct alignas(128) Signal {
-  alignas(128) uint32_t start[kMaxBlocks][kMaxRanks];
+  alignas(128) uint64_t start[kMaxBlocks][kMaxRanks];
   alignas(128) uint32_t end[kMaxBlocks][kMaxRanks];
   alignas(128) uint32_t counter[kMaxBlocks];
   alignas(128) uint32_t error;
   uint32_t reserved;
   uint64_t nonce;
+  uint32_t mismatch[2];
 };
 
 // Stable table, one per rank, in device memory at an address fixed for the
@@ -96,23 +101,26 @@ enum LayoutIndex : int {
   kLayoutRankDataSize,
   kLayoutRankDataAlign,
   kLayoutRankDataPtrs,
+  kLayoutSignalMismatch,
   kLayoutLen,
 };
-constexpr unsigned long long kLayoutVersionValue = 1;
+constexpr unsigned long long kLayoutVersionValue = 2;
 
 // ---------------------------------------------------------------------------------------
 // Error word
 // ---------------------------------------------------------------------------------------
 
-// Which barrier of a launch timed out (bits 16..23 of the error word).
+// Which barrier of a launch timed out (bits 16..23 of the error word), or kShape: the
+// start barrier saw a peer that launched another shape (element count or type).
 enum class BarrierKind : uint32_t {
   kStart = 1,  // entry barrier of both algorithms
   kEnd = 2,    // exit barrier of the one-stage kernel
   kMid = 3,    // barrier between reduce-scatter and all-gather of the two-stage kernel
+  kShape = 4,  // not a timeout: a peer's start flag carried another launch shape
 };
 
 // bit 31: set; bits 16..23: BarrierKind; bits 8..15: thread block; bits 0..7: the peer
-// rank whose flag never arrived.
+// rank whose flag never arrived (or whose shape differed).
 __host__ __device__ constexpr uint32_t error_word(BarrierKind kind, uint32_t block,
                                                   uint32_t peer) {
   return 0x80000000u | (static_cast<uint32_t>(kind) << 16) | ((block & 0xffu) << 8) |
@@ -175,13 +183,11 @@ __device__ __forceinline__ bool wait_flag(const uint32_t* slot, uint32_t value,
 
 template <BarrierKind kKind>
 __device__ __forceinline__ uint32_t* flag_row(Signal* signal) {
-  if constexpr (kKind == BarrierKind::kStart) {
-    return signal->start[blockIdx.x];
-  } else {
-    // The end barrier (one-stage) and the mid barrier (two-stage) are each the second
-    // and last barrier of their launch, so they share the `end` slots.
-    return signal->end[blockIdx.x];
-  }
+  // The start barrier has its own 64-bit slots (start_barrier()). The end barrier
+  // (one-stage) and the mid barrier (two-stage) are each the second and last barrier of
+  // their launch, so they share the `end` slots.
+  static_assert(kKind == BarrierKind::kEnd || kKind == BarrierKind::kMid, "second barrier");
+  return signal->end[blockIdx.x];
 }
 
 // Barrier of thread block b with block b of every peer, at flag `value`.
@@ -212,6 +218,65 @@ __device__ __forceinline__ bool block_barrier(const RankSignals* peers, Signal* 
     }
   }
   return __syncthreads_or(late) == 0;
+}
+
+// The start barrier of block b, which also compares launch shapes: thread p < N stores
+// (shape << 32 | value) into peer p's start slot for this rank in one 64-bit access, then
+// waits until this rank's start slot for peer p holds `value` in its low half, and
+// compares the high half, stored by the same access, with its own shape. Only arrival
+// matters otherwise (relaxed, as before: see docs/kernels.md).
+//
+// kLate on every thread when a peer did not arrive within timeout_ns (recorded in
+// self->error); kMismatch on every thread when a peer launched another shape (recorded in
+// self->error with both shapes in self->mismatch, unless an error was recorded before);
+// kAllSame otherwise. If any two ranks' shapes differ, every rank sees a peer differing
+// from itself, so every rank's block b gets kMismatch.
+enum class StartOutcome { kAllSame, kMismatch, kLate };
+
+__device__ __forceinline__ void store_start(uint64_t* slot, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(slot), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ uint64_t load_start(const uint64_t* slot) {
+  uint64_t value;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(slot) : "memory");
+  return value;
+}
+
+template <int N>
+__device__ __forceinline__ StartOutcome start_barrier(const RankSignals* peers, Signal* self,
+                                                      int rank, uint32_t value, uint32_t shape,
+                                                      uint64_t timeout_ns) {
+  int late = 0;
+  int differs = 0;
+  if (threadIdx.x < N) {
+    const int peer = threadIdx.x;
+    store_start(&peers->signals[peer]->start[blockIdx.x][rank],
+                (static_cast<uint64_t>(shape) << 32) | value);
+    const uint64_t* slot = &self->start[blockIdx.x][peer];
+    uint64_t seen = load_start(slot);
+    if (static_cast<uint32_t>(seen) != value) {
+      const uint64_t begin = global_timer_ns();
+      while (static_cast<uint32_t>(seen = load_start(slot)) != value) {
+        if (timeout_ns != 0 && global_timer_ns() - begin > timeout_ns) {
+          late = 1;
+          break;
+        }
+      }
+    }
+    if (late) {
+      atomicCAS(&self->error, 0u, error_word(BarrierKind::kStart, blockIdx.x, peer));
+    } else if (static_cast<uint32_t>(seen >> 32) != shape) {
+      differs = 1;
+      if (atomicCAS(&self->error, 0u, error_word(BarrierKind::kShape, blockIdx.x, peer)) ==
+          0u) {
+        self->mismatch[0] = shape;
+        self->mismatch[1] = static_cast<uint32_t>(seen >> 32);
+      }
+    }
+  }
+  if (__syncthreads_or(late)) return StartOutcome::kLate;
+  return __syncthreads_or(differs) ? StartOutcome::kMismatch : StartOutcome::kAllSame;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -300,6 +365,30 @@ template <>
 struct PackMath<__nv_bfloat16>
     : PairPackMath<__nv_bfloat162, bf162_to_float2, float2_to_bf162> {};
 
+// Element type codes of a launch shape.
+template <typename T>
+struct DtypeCode;
+template <>
+struct DtypeCode<float> {
+  static constexpr uint32_t kValue = 1;
+};
+template <>
+struct DtypeCode<__half> {
+  static constexpr uint32_t kValue = 2;
+};
+template <>
+struct DtypeCode<__nv_bfloat16> {
+  static constexpr uint32_t kValue = 3;
+};
+
+// What a launch reduces, as carried in the high half of its start flags: bits 0..27 the
+// pack count (16 bytes each) modulo 2^28, bits 28..31 the element type code (never 0).
+template <typename T>
+__device__ __forceinline__ uint32_t launch_shape(long long n_elems) {
+  return (static_cast<uint32_t>(n_elems / PackMath<T>::kElems) & 0x0fffffffu) |
+         (DtypeCode<T>::kValue << 28);
+}
+
 // Sum of pack i over the N inputs, in rank order 0, 1, ..., N-1 with fp32 accumulation:
 // the same operations in the same order on every rank, so every rank gets the same bits.
 // All N loads are issued before the first add.
@@ -349,13 +438,19 @@ __device__ __forceinline__ void one_stage(const RankData* data, const RankSignal
   const int packs = static_cast<int>(n_elems / PackMath<T>::kElems);
 
   // Inputs were written by earlier work on each peer's stream, complete when its kernel
-  // started: only the peers' arrival matters.
-  if (!block_barrier<N, BarrierKind::kStart, Order::kRelaxed, false>(peers, self, rank,
-                                                                      base + 1, timeout_ns))
-    return;
+  // started: only the peers' arrival (and their launch shapes) matters.
+  const StartOutcome start =
+      start_barrier<N>(peers, self, rank, base + 1, launch_shape<T>(n_elems), timeout_ns);
+  if (start == StartOutcome::kLate) return;
 
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < packs; i += gridDim.x * blockDim.x)
-    dst[i] = reduce_pack<T, N>(inputs, i);
+  // A peer that launched another shape: every rank's block skips the reduction (nothing
+  // of a peer is read) but still crosses the end barrier, so no peer waits out its
+  // timeout and the counters stay in step.
+  if (start == StartOutcome::kAllSame) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < packs;
+         i += gridDim.x * blockDim.x)
+      dst[i] = reduce_pack<T, N>(inputs, i);
+  }
 
   // Nobody leaves while a peer may still read its input (the caller may overwrite it
   // right after). Every load of a peer's input has returned, its value consumed by a
@@ -383,11 +478,14 @@ __device__ __forceinline__ void two_stage(const RankData* data, const RankSignal
   const int stride = gridDim.x * blockDim.x;
   const int first = blockIdx.x * blockDim.x + threadIdx.x;
 
-  if (!block_barrier<N, BarrierKind::kStart, Order::kRelaxed, false>(peers, self, rank,
-                                                                      base + 1, timeout_ns))
-    return;
+  const StartOutcome start =
+      start_barrier<N>(peers, self, rank, base + 1, launch_shape<T>(n_elems), timeout_ns);
+  if (start == StartOutcome::kLate) return;
+  // A peer that launched another shape: skip both halves (nothing of a peer is read) but
+  // still cross the mid barrier, as every rank's block does (see one_stage).
+  const bool same = start == StartOutcome::kAllSame;
 
-  {
+  if (same) {
     const Pack* inputs[N];
 #pragma unroll
     for (int r = 0; r < N; ++r) inputs[r] = static_cast<const Pack*>(data->ptrs[r]);
@@ -406,6 +504,10 @@ __device__ __forceinline__ void two_stage(const RankData* data, const RankSignal
   if (!block_barrier<N, BarrierKind::kMid, Order::kAcqRel, true>(peers, self, rank, base + 2,
                                                                   timeout_ns))
     return;
+  if (!same) {
+    if (threadIdx.x == 0) self->counter[blockIdx.x] = base + 2;
+    return;
+  }
 
   // Each rank starts gathering from its own part, then the next ranks in ring order, so
   // the ranks do not all read the same peer at once.

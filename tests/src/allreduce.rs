@@ -117,6 +117,53 @@ pub(crate) fn host_matches_reference_and_survives_suspend_resume<C: Communicator
     ar("close", x.close())
 }
 
+/// Rank 0 reduces 1024 f32 elements, every other rank 2048: every rank must fail with
+/// `LaunchMismatch` naming itself and a rank of the other size (before: Ok with stale peer
+/// data), and the communicator is Failed afterwards on every rank.
+pub(crate) fn host_launches_of_different_sizes_fail_on_every_rank<C: Communicator>(
+    comm: &C,
+) -> CaseResult {
+    if comm.size() == 1 {
+        return Ok(()); // one rank cannot disagree with itself
+    }
+    let me = comm.rank();
+    let mut x = ar(
+        "new",
+        CustomAllReduce::new(
+            HostBackend::new(),
+            HostMemory::new(),
+            comm,
+            Config::default(),
+        ),
+    )?;
+    let count = |rank: usize| if rank == 0 { 1024usize } else { 2048 };
+    let input = vec![1f32; count(me)];
+    let mut out = vec![0f32; count(me)];
+    let outcome = x.all_reduce(&input, &mut out);
+    let cause = match &outcome {
+        Err(AllReduceError::Failed { cause, .. }) => cause.as_ref(),
+        Err(e) => e,
+        Ok(_) => return Err("ranks of different sizes returned Ok".into()),
+    };
+    match cause {
+        AllReduceError::LaunchMismatch {
+            rank,
+            bytes,
+            peer,
+            peer_bytes,
+            ..
+        } if *rank == me
+            && *bytes == 4 * count(me) as u64
+            && *peer_bytes == 4 * count(*peer) as u64
+            && count(*peer) != count(me) => {}
+        other => return Err(format!("expected a LaunchMismatch, got {other}")),
+    }
+    if x.all_reduce(&[1f32; 16], &mut [0f32; 16]).is_ok() {
+        return Err("the communicator is usable after a launch mismatch".into());
+    }
+    ar("close", x.close())
+}
+
 /// The bytes of an f32 slice (little-endian hosts).
 fn bytemuck_f32(v: &[f32]) -> &[u8] {
     bytemuck::cast_slice(v)

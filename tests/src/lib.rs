@@ -221,6 +221,10 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
             "allreduce_host_matches_reference_and_survives_suspend_resume",
             allreduce::host_matches_reference_and_survives_suspend_resume,
         ),
+        (
+            "allreduce_host_launches_of_different_sizes_fail_on_every_rank",
+            allreduce::host_launches_of_different_sizes_fail_on_every_rank,
+        ),
     ];
     let mut reports = Vec::with_capacity(cases.len());
     for (name, case) in cases {

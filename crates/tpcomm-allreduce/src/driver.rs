@@ -1,6 +1,7 @@
 //! [`CustomAllReduce`]: allocations, stable tables, registration, capture, lifecycle.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tpcomm_ipc::{ExchangeId, MemoryRegion, PeerMappings, PeerMemory, Region};
@@ -67,6 +68,10 @@ enum SlotSource {
     Exchanged(ExchangeId, usize),
     /// A captured input waiting for `register_graph_buffers`.
     Pending,
+    /// A registered buffer's slot that a capture recorded, unregistered since: never
+    /// reused (a plan or graph that still names it must not read another buffer), zero in
+    /// the table, and launches of it are refused.
+    Retired,
 }
 
 /// Index of each base region in the base exchange.
@@ -86,12 +91,41 @@ struct Resources<B: Backend> {
     base: ExchangeId,
 }
 
-/// An input shared with every peer up front ([`CustomAllReduce::register_buffer`]):
-/// all-reduces of it are zero-copy. Borrows the buffer, so it cannot outlive it.
-#[derive(Debug, Clone, Copy)]
-pub struct RegisteredInput<'b, B: Backend> {
-    buffer: &'b Buffer<B>,
+/// A buffer shared with every peer up front ([`CustomAllReduce::register_buffer`]):
+/// all-reduces of it are zero-copy.
+///
+/// The communicator that registered the buffer keeps it alive for as long as it is
+/// registered, also when this token is dropped: a registered buffer is never freed under
+/// its peers' mappings, a resume re-exports live memory, and no other allocation can take
+/// its address meanwhile (so an address lookup never takes a new buffer for it).
+/// [`CustomAllReduce::unregister`] (collective) ends the registration and hands the buffer
+/// back; otherwise it lives until the communicator is closed.
+#[derive(Debug)]
+pub struct RegisteredInput<B: Backend> {
+    buffer: Arc<Buffer<B>>,
     slot: usize,
+    owner: u64,
+}
+
+impl<B: Backend> RegisteredInput<B> {
+    /// The registered buffer (write this rank's input into it before reducing).
+    pub fn buffer(&self) -> &Buffer<B> {
+        &self.buffer
+    }
+
+    /// Its RankData slot.
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+}
+
+/// A registration as the communicator keeps it.
+#[derive(Debug)]
+struct Registration<B: Backend> {
+    slot: usize,
+    exchange: ExchangeId,
+    /// Keeps the buffer alive while registered (see [`RegisteredInput`]).
+    buffer: Arc<Buffer<B>>,
 }
 
 /// One launch recorded by [`CustomAllReduce::capture`].
@@ -106,10 +140,12 @@ struct Recorded<'b, B: Backend> {
 
 /// The launches recorded during a capture: the host equivalent of a CUDA graph. Replaying
 /// reads the tables at run time, so a plan captured before a suspend replays correctly
-/// after the resume.
+/// after the resume. A plan replays only on the communicator that captured it.
 #[derive(Debug)]
 pub struct CapturedPlan<'b, B: Backend> {
     launches: Vec<Recorded<'b, B>>,
+    /// The `id` of the communicator that captured it.
+    owner: u64,
 }
 
 impl<B: Backend> CapturedPlan<'_, B> {
@@ -124,7 +160,11 @@ impl<B: Backend> CapturedPlan<'_, B> {
     }
 
     /// Runs every recorded launch in order (collective, like the launches themselves).
+    /// Refused with [`AllReduceError::ForeignToken`] on a communicator other than the one
+    /// that captured it (its slots mean nothing there), and with
+    /// [`AllReduceError::UnregisteredGraphBuffers`] before its inputs are registered.
     pub fn replay(&self, ar: &mut CustomAllReduce<B>) -> Result<()> {
+        ar.check_owner("a captured plan", self.owner)?;
         for l in &self.launches {
             ar.launch(
                 "replay",
@@ -148,7 +188,8 @@ pub struct Capture<'a, 'b, B: Backend> {
 
 impl<'b, B: Backend> Capture<'_, 'b, B> {
     /// Records an all-reduce of the first `count` elements of `input` into `output`. An
-    /// input not registered yet gets the next free RankData slot, filled by
+    /// input not registered ([`CustomAllReduce::register_buffer`]) gets the next free
+    /// RankData slot, one per call (an input captured twice takes two slots), filled by
     /// [`CustomAllReduce::register_graph_buffers`].
     pub fn all_reduce(
         &mut self,
@@ -225,14 +266,21 @@ pub struct CustomAllReduce<B: Backend> {
     res: Option<Resources<B>>,
     /// Source of each RankData slot (`None` = free).
     slots: Vec<Option<SlotSource>>,
-    /// (input address, bytes) -> slot, for registered and captured inputs.
-    registered: HashMap<(u64, usize), usize>,
-    /// Captured inputs awaiting `register_graph_buffers`, in capture order.
+    /// Per slot, the bytes every rank's region there holds, and the rank with the smallest
+    /// (0 for free and pending slots): a launch never reads more (rewritten with the tables).
+    slot_limits: Vec<(usize, usize)>,
+    /// The bytes every rank's temp buffer holds and the rank with the smallest (two-stage
+    /// reads peers' temp buffers).
+    temp_limit: (usize, usize),
+    /// Captured inputs awaiting `register_graph_buffers`, in capture order, one per call.
     pending: Vec<(usize, Region)>,
-    /// Registered buffers: address -> (slot, length).
-    buffers: HashMap<u64, (usize, usize)>,
-    /// Launches recorded into device graphs (while the backend was capturing) so far.
-    recorded: usize,
+    /// Registered buffers by address.
+    buffers: HashMap<u64, Registration<B>>,
+    /// Per slot, whether a capture (a plan or a device graph) recorded a launch of it.
+    captured: Vec<bool>,
+    /// The slot of every launch recorded into device graphs (while the backend was
+    /// capturing) so far, in order.
+    recorded: Vec<usize>,
     /// Unique in the process: ties device graphs to the communicator that captured them.
     id: u64,
 }
@@ -292,6 +340,8 @@ impl<B: Backend> CustomAllReduce<B> {
         let base = peers.exchange(comm, &regions)?;
         let mut slots = vec![None; config.slots];
         slots[0] = Some(SlotSource::Eager);
+        let slot_limits = vec![(0, comm.rank()); config.slots];
+        let captured = vec![false; config.slots];
         let mut ar = Self {
             backend,
             rank: comm.rank(),
@@ -308,10 +358,12 @@ impl<B: Backend> CustomAllReduce<B> {
                 base,
             }),
             slots,
-            registered: HashMap::new(),
+            slot_limits,
+            temp_limit: (0, comm.rank()),
             pending: Vec::new(),
             buffers: HashMap::new(),
-            recorded: 0,
+            captured,
+            recorded: Vec::new(),
             id: {
                 use std::sync::atomic::{AtomicU64, Ordering};
                 static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -333,7 +385,30 @@ impl<B: Backend> CustomAllReduce<B> {
     /// difference across its capture).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn recorded_launches(&self) -> usize {
-        self.recorded
+        self.recorded.len()
+    }
+
+    /// The distinct slots of the launches recorded into device graphs since `since`
+    /// launches (what a device graph captured across that span reads).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn recorded_slots(&self, since: usize) -> Vec<usize> {
+        let mut slots = self.recorded.get(since..).unwrap_or_default().to_vec();
+        slots.sort_unstable();
+        slots.dedup();
+        slots
+    }
+
+    /// Fails when one of `slots` held a registered buffer that was unregistered since a
+    /// capture recorded it ([`AllReduceError::UnregisteredInput`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn check_slots_live(&self, slots: &[usize]) -> Result<()> {
+        match slots
+            .iter()
+            .find(|&&s| self.slots.get(s) == Some(&Some(SlotSource::Retired)))
+        {
+            Some(&slot) => Err(AllReduceError::UnregisteredInput { slot }),
+            None => Ok(()),
+        }
     }
 
     /// This communicator's identity in the process.
@@ -415,9 +490,23 @@ impl<B: Backend> CustomAllReduce<B> {
         })?;
         let memory = res.peers.backend();
         let mut table = [0u8; RANK_SIGNALS_BYTES];
+        let mut temp_limit = (usize::MAX, self.rank);
         for r in 0..self.world {
+            // Launches access every rank's Signal block with this backend's layout.
+            let signal_len = res.peers.region_len(res.base, r, SIGNAL)?;
+            if signal_len < self.backend.signal_bytes() {
+                return Err(AllReduceError::SignalTooSmall {
+                    rank: r,
+                    bytes: signal_len,
+                    needed: self.backend.signal_bytes(),
+                });
+            }
             let signal = res.peers.address(res.base, r, SIGNAL)?;
             let temp = res.peers.address(res.base, r, TEMP)?;
+            let temp_len = res.peers.region_len(res.base, r, TEMP)?;
+            if temp_len < temp_limit.0 {
+                temp_limit = (temp_len, r);
+            }
             table[8 * r..8 * r + 8].copy_from_slice(&signal.to_le_bytes());
             table[64 + 8 * r..64 + 8 * r + 8].copy_from_slice(&temp.to_le_bytes());
         }
@@ -431,20 +520,42 @@ impl<B: Backend> CustomAllReduce<B> {
             .rposition(Option::is_some)
             .map_or(0, |s| s + 1);
         let mut pool = vec![0u8; used * RANK_DATA_BYTES];
+        let mut limits = vec![(0, self.rank); self.slots.len()];
         for (slot, source) in self.slots[..used].iter().enumerate() {
             let (id, index) = match source {
                 Some(SlotSource::Eager) => (res.base, STAGING),
                 Some(SlotSource::Exchanged(id, index)) => (*id, *index),
-                Some(SlotSource::Pending) | None => continue,
+                Some(SlotSource::Pending | SlotSource::Retired) | None => continue,
             };
             let entry = &mut pool[slot * RANK_DATA_BYTES..][..RANK_DATA_BYTES];
+            let mut limit = (usize::MAX, self.rank);
             for r in 0..self.world {
                 let addr = res.peers.address(id, r, index)?;
                 entry[8 * r..8 * r + 8].copy_from_slice(&addr.to_le_bytes());
+                let len = res.peers.region_len(id, r, index)?;
+                if len < limit.0 {
+                    limit = (len, r);
+                }
             }
+            limits[slot] = limit;
         }
         self.backend.write_table(memory, &res.rank_data, 0, &pool)?;
+        self.slot_limits = limits;
+        self.temp_limit = temp_limit;
         Ok(())
+    }
+
+    /// Fails unless a token made by communicator `owner` belongs to this one.
+    fn check_owner(&self, what: &'static str, owner: u64) -> Result<()> {
+        if owner == self.id {
+            Ok(())
+        } else {
+            Err(AllReduceError::ForeignToken {
+                what,
+                owner,
+                communicator: self.id,
+            })
+        }
     }
 
     fn free_slot(&self) -> Result<usize> {
@@ -500,8 +611,40 @@ impl<B: Backend> CustomAllReduce<B> {
         recording: bool,
     ) -> Result<()> {
         self.lifecycle.check_operation(call)?;
-        if !recording && self.slots.get(slot) == Some(&Some(SlotSource::Pending)) {
+        let source = self.slots.get(slot).copied().flatten();
+        let pending = source == Some(SlotSource::Pending);
+        if pending && !recording {
             return Err(AllReduceError::UnregisteredGraphBuffers);
+        }
+        if source == Some(SlotSource::Retired) {
+            return Err(AllReduceError::UnregisteredInput { slot });
+        }
+        // What every rank's region in the slot holds bounds what the launch reads (a
+        // pending slot, only while recording, is checked by register_graph_buffers: every
+        // rank's region there is exactly the captured size).
+        let bytes = count.saturating_mul(dtype.size());
+        let (limit, smallest) = self
+            .slot_limits
+            .get(slot)
+            .copied()
+            .unwrap_or((0, self.rank));
+        if !pending && bytes > limit {
+            return Err(AllReduceError::RegionTooSmall {
+                buffer: "input",
+                slot,
+                bytes,
+                rank: smallest,
+                region_bytes: limit,
+            });
+        }
+        if algorithm == Algorithm::TwoStage && bytes > self.temp_limit.0 {
+            return Err(AllReduceError::RegionTooSmall {
+                buffer: "temp",
+                slot,
+                bytes,
+                rank: self.temp_limit.1,
+                region_bytes: self.temp_limit.0,
+            });
         }
         let res = self.resources(call)?;
         let launch = Launch {
@@ -528,7 +671,10 @@ impl<B: Backend> CustomAllReduce<B> {
         .entered();
         match self.backend.launch(res.peers.backend(), &launch) {
             Ok(()) => {
-                self.recorded += usize::from(recording);
+                if recording {
+                    self.recorded.push(slot);
+                    self.captured[slot] = true;
+                }
                 Ok(())
             }
             Err(e) => Err(self.lifecycle.fail(call, e)),
@@ -560,12 +706,20 @@ impl<B: Backend> CustomAllReduce<B> {
     }
 
     /// Collective: shares `buffer` (backend memory, e.g. from [`memory`](Self::memory)) with
-    /// every peer so that all-reduces of it are zero-copy.
-    pub fn register_buffer<'b, C: Communicator + ?Sized>(
+    /// every peer so that all-reduces of it are zero-copy
+    /// ([`all_reduce_registered`](Self::all_reduce_registered), or
+    /// [`all_reduce_buffer`](Self::all_reduce_buffer) of [`RegisteredInput::buffer`]).
+    ///
+    /// Takes the buffer: the communicator keeps it alive until
+    /// [`unregister`](Self::unregister) hands it back (or until close), so a registration
+    /// never outlives its memory. Ranks may register buffers of different sizes; a launch
+    /// reads at most the smallest, and a larger one is refused with
+    /// [`AllReduceError::RegionTooSmall`].
+    pub fn register_buffer<C: Communicator + ?Sized>(
         &mut self,
         comm: &C,
-        buffer: &'b Buffer<B>,
-    ) -> Result<RegisteredInput<'b, B>> {
+        buffer: Buffer<B>,
+    ) -> Result<RegisteredInput<B>> {
         self.lifecycle.check_operation("register_buffer")?;
         self.refuse_while_capturing("register_buffer")?;
         let slot = self.free_slot()?;
@@ -581,19 +735,99 @@ impl<B: Backend> CustomAllReduce<B> {
             }],
         )?;
         self.slots[slot] = Some(SlotSource::Exchanged(id, 0));
-        self.buffers.insert(buffer.addr(), (slot, buffer.len()));
+        let buffer = Arc::new(buffer);
+        self.buffers.insert(
+            buffer.addr(),
+            Registration {
+                slot,
+                exchange: id,
+                buffer: buffer.clone(),
+            },
+        );
         self.write_tables()?;
-        Ok(RegisteredInput { buffer, slot })
+        Ok(RegisteredInput {
+            buffer,
+            slot,
+            owner: self.id,
+        })
+    }
+
+    /// Collective: ends the registration of `input` on every rank (every rank passes its
+    /// token of the same registration) and hands the buffer back. Every rank first drains
+    /// its launches; the ranks agree on the slot (a disagreement is
+    /// [`AllReduceError::Disagreement`] on every rank and changes nothing, but the token is
+    /// spent: the buffer then stays registered until close); every rank closes its
+    /// mappings of the peers' buffers and zeroes the slot; a final barrier keeps any rank
+    /// from freeing its buffer while a peer still maps it. A later resume no longer exports
+    /// the buffer, and a new buffer at its address is not taken for it.
+    pub fn unregister<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &C,
+        input: RegisteredInput<B>,
+    ) -> Result<Buffer<B>> {
+        self.lifecycle.check_operation("unregister")?;
+        self.refuse_while_capturing("unregister")?;
+        self.check_owner("a registered input", input.owner)?;
+        let drained = {
+            let res = self.resources("unregister")?;
+            self.backend.synchronize(res.peers.backend(), &res.signal)
+        };
+        if let Err(e) = drained {
+            return Err(self.lifecycle.fail("unregister", e));
+        }
+        let slots: Vec<u64> = tpcomm_objects::all_gather(comm, &(input.slot as u64))?;
+        if slots.iter().any(|&s| s != slots[0]) {
+            return Err(AllReduceError::Disagreement {
+                what: "the RankData slot to unregister",
+                values: slots,
+            });
+        }
+        let registration = self
+            .buffers
+            .remove(&input.buffer.addr())
+            .filter(|r| r.slot == input.slot)
+            .ok_or_else(|| {
+                AllReduceError::InvalidArgument("the input is not registered here".into())
+            })?;
+        // A slot a capture recorded is retired, never reused: a plan or graph naming it is
+        // refused instead of reading whichever buffer took the slot next.
+        self.slots[registration.slot] = if self.captured[registration.slot] {
+            Some(SlotSource::Retired)
+        } else {
+            None
+        };
+        self.slot_limits[registration.slot] = (0, self.rank);
+        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+            call: "unregister",
+            phase: Phase::Closed,
+        })?;
+        let released = res.peers.release(registration.exchange);
+        let zeroed = self.backend.write_table(
+            res.peers.backend(),
+            &res.rank_data,
+            registration.slot * RANK_DATA_BYTES,
+            &[0u8; RANK_DATA_BYTES],
+        );
+        // Every rank closed its mappings of this rank's buffer before it may be freed.
+        comm.barrier()?;
+        if let Err(e) = released.map_err(AllReduceError::from).and(zeroed) {
+            return Err(self.lifecycle.fail("unregister", e));
+        }
+        drop(registration);
+        Arc::try_unwrap(input.buffer).map_err(|_| {
+            AllReduceError::InvalidArgument("the registered buffer is still shared".into())
+        })
     }
 
     /// Zero-copy all-reduce of the first `output.len()` elements of a registered input.
     pub fn all_reduce_registered<T: Element>(
         &mut self,
-        input: &RegisteredInput<'_, B>,
+        input: &RegisteredInput<B>,
         output: &mut [T],
     ) -> Result<Algorithm> {
         self.lifecycle.check_operation("all_reduce_registered")?;
         self.check_host_addressable("all_reduce_registered")?;
+        self.check_owner("a registered input", input.owner)?;
         let bytes = self.checked_bytes(
             T::DTYPE,
             output.len(),
@@ -644,26 +878,31 @@ impl<B: Backend> CustomAllReduce<B> {
         self.config.choose(&self.backend, dtype, bytes, self.world)
     }
 
-    /// The slot of a registered or captured input of `bytes` at `addr`, if any.
+    /// The slot of a registered buffer at `addr` holding at least `bytes`, if any. Sound by
+    /// address because the communicator keeps every registered buffer alive: no other live
+    /// allocation can start there. Captured inputs are never looked up (their buffers may be
+    /// freed and their addresses reused; vLLM does not reuse their slots either).
     fn slot_of(&self, addr: u64, bytes: usize) -> Option<usize> {
-        self.registered.get(&(addr, bytes)).copied().or_else(|| {
-            self.buffers
-                .get(&addr)
-                .filter(|&&(_, len)| bytes <= len)
-                .map(|&(slot, _)| slot)
-        })
+        self.buffers
+            .get(&addr)
+            .filter(|r| bytes <= r.buffer.len())
+            .map(|r| r.slot)
     }
 
-    /// The slot of a captured input: its existing one, or the next free slot, pending until
-    /// [`register_graph_buffers`](Self::register_graph_buffers).
+    /// The slot of a captured input: a registered buffer's own slot, or else the next free
+    /// slot, pending until [`register_graph_buffers`](Self::register_graph_buffers). One
+    /// slot per captured call, in capture order, never shared with an earlier call of the
+    /// same input: ranks may capture different inputs in different orders, and slot `k` of
+    /// every rank must name every rank's input of its `k`-th call.
     fn graph_slot(&mut self, addr: u64, bytes: usize) -> Result<usize> {
         if let Some(slot) = self.slot_of(addr, bytes) {
+            self.captured[slot] = true;
             return Ok(slot);
         }
         let slot = self.free_slot()?;
+        self.captured[slot] = true;
         self.slots[slot] = Some(SlotSource::Pending);
         self.pending.push((slot, Region { addr, len: bytes }));
-        self.registered.insert((addr, bytes), slot);
         Ok(slot)
     }
 
@@ -671,13 +910,14 @@ impl<B: Backend> CustomAllReduce<B> {
     /// this backend's memory (device buffers for CUDA): the entry point of device backends,
     /// and of host programs that keep their tensors in shared memory.
     ///
-    /// - `input` registered ([`register_buffer`](Self::register_buffer)) or captured
-    ///   before: zero-copy through its RankData slot.
+    /// - `input` registered ([`register_buffer`](Self::register_buffer)): zero-copy through
+    ///   its RankData slot.
     /// - While the backend is capturing a device graph ([`Backend::capturing`]): the input
     ///   takes the next free RankData slot and the launch is recorded; call
     ///   [`register_graph_buffers`](Self::register_graph_buffers) (collective) after the
     ///   capture, before the first replay. Nothing is copied between host and device.
-    /// - Otherwise (eager): `input` is copied into the staging buffer first.
+    /// - Otherwise (eager, also for an input captured before): `input` is copied into the
+    ///   staging buffer first.
     ///
     /// Returns the algorithm, or [`AllReduceError::Fallback`] with the reason when the
     /// custom path cannot serve it (nothing ran; the communicator stays usable).
@@ -776,26 +1016,39 @@ impl<B: Backend> CustomAllReduce<B> {
         f(&mut cap)?;
         Ok(CapturedPlan {
             launches: cap.launches,
+            owner: self.id,
         })
     }
 
     /// Collective: exports every input captured since the last call, all-gathers the
     /// handles, opens them and fills their RankData slots. Every rank must have captured
-    /// the same number of new inputs.
+    /// the same number of calls, and the `k`-th call of every rank must reduce the same
+    /// number of bytes.
+    ///
+    /// A failed exchange (rolled back on every rank) leaves the captured inputs pending, so
+    /// replays stay refused and the call can be repeated. Calls captured with different
+    /// sizes ([`AllReduceError::CaptureMismatch`], seen by every rank) or a failure to
+    /// write the tables leave the communicator Failed: those plans can never replay.
     pub fn register_graph_buffers<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<usize> {
         self.lifecycle.check_operation("register_graph_buffers")?;
         self.refuse_while_capturing("register_graph_buffers")?;
-        let pending = std::mem::take(&mut self.pending);
-        let regions: Vec<Region> = pending.iter().map(|(_, r)| *r).collect();
+        let regions: Vec<Region> = self.pending.iter().map(|(_, r)| *r).collect();
         let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
             call: "register_graph_buffers",
             phase: Phase::Closed,
         })?;
         let id = res.peers.exchange(comm, &regions)?;
+        let agreed = agree_captured_sizes(&res.peers, id, self.rank, self.world, &regions);
+        if let Err(e) = agreed {
+            return Err(self.lifecycle.fail("register_graph_buffers", e));
+        }
+        let pending = std::mem::take(&mut self.pending);
         for (index, (slot, _)) in pending.iter().enumerate() {
             self.slots[*slot] = Some(SlotSource::Exchanged(id, index));
         }
-        self.write_tables()?;
+        if let Err(e) = self.write_tables() {
+            return Err(self.lifecycle.fail("register_graph_buffers", e));
+        }
         Ok(pending.len())
     }
 
@@ -914,6 +1167,33 @@ impl<B: Backend> Drop for CustomAllReduce<B> {
             tracing::warn!(error = %e, "closing the custom all-reduce on drop failed");
         }
     }
+}
+
+/// Checks that the `k`-th region of exchange `id` (the `k`-th captured call) has the same
+/// length on every rank; every rank sees every length, so every rank returns the same
+/// verdict.
+fn agree_captured_sizes<M: PeerMemory>(
+    peers: &PeerMappings<M>,
+    id: ExchangeId,
+    rank: usize,
+    world: usize,
+    regions: &[Region],
+) -> Result<()> {
+    for (call, region) in regions.iter().enumerate() {
+        for peer in 0..world {
+            let peer_bytes = peers.region_len(id, peer, call)?;
+            if peer_bytes != region.len {
+                return Err(AllReduceError::CaptureMismatch {
+                    call,
+                    rank,
+                    bytes: region.len,
+                    peer,
+                    peer_bytes,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A nonce unlikely to repeat: time, rank and a per-process counter mixed.

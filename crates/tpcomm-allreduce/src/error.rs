@@ -50,6 +50,24 @@ pub enum AllReduceError {
     /// A captured input was used before `register_graph_buffers`.
     #[error("captured inputs are not registered yet: call register_graph_buffers after capture")]
     UnregisteredGraphBuffers,
+    /// A rank shared a Signal block smaller than this backend's layout (a peer built with
+    /// another layout); nothing is launched over it.
+    #[error("rank {rank}'s Signal block has {bytes} bytes, this backend's layout needs {needed}")]
+    SignalTooSmall {
+        /// The rank.
+        rank: usize,
+        /// Its Signal block's length.
+        bytes: usize,
+        /// What this rank's backend needs.
+        needed: usize,
+    },
+    /// A captured plan or device graph reads a registered buffer that was unregistered
+    /// since; nothing ran.
+    #[error("the launch reads RankData slot {slot}, whose registered buffer was unregistered after it was captured")]
+    UnregisteredInput {
+        /// The slot.
+        slot: usize,
+    },
     /// The RankData slot pool is full.
     #[error("all {0} RankData slots are in use")]
     SlotsExhausted(usize),
@@ -62,6 +80,83 @@ pub enum AllReduceError {
         expected: u64,
         /// What this rank read.
         found: u64,
+    },
+    /// A launch would read more bytes of a buffer than some rank's region holds (registered
+    /// buffers of different sizes, temp buffers of different sizes); refused before
+    /// anything ran, on this rank (nothing changes: the communicator stays usable).
+    #[error("a launch of {bytes} bytes reads rank {rank}'s {buffer} buffer (RankData slot {slot}), which holds {region_bytes} bytes")]
+    RegionTooSmall {
+        /// `"input"` (the slot's regions) or `"temp"` (two-stage).
+        buffer: &'static str,
+        /// The slot.
+        slot: usize,
+        /// Bytes the launch reduces.
+        bytes: usize,
+        /// The rank whose region is the smallest.
+        rank: usize,
+        /// Its length.
+        region_bytes: usize,
+    },
+    /// The ranks launched different all-reduces (element counts, types, or RankData slots:
+    /// different inputs): detected at the start barrier, before any peer data was read.
+    /// Every rank of the launch reports it.
+    #[error(
+        "rank {rank} launched {bytes} bytes of {dtype}{}, but rank {peer} launched {peer_bytes} bytes of {peer_dtype}{}",
+        from_slot(*.slot),
+        from_slot(*.peer_slot)
+    )]
+    LaunchMismatch {
+        /// This rank.
+        rank: usize,
+        /// Bytes this rank reduces.
+        bytes: u64,
+        /// Element type this rank reduces.
+        dtype: &'static str,
+        /// The RankData slot this rank's launch reads (0: the staging buffers), where the
+        /// backend carries it (the host backend; not the CUDA kernels).
+        slot: Option<usize>,
+        /// A rank that launched something else.
+        peer: usize,
+        /// Bytes it reduces.
+        peer_bytes: u64,
+        /// Element type it reduces (`"unknown"` for a code this version does not know).
+        peer_dtype: &'static str,
+        /// The slot its launch reads, where carried.
+        peer_slot: Option<usize>,
+    },
+    /// Captured call `call` (in capture order) reduces different sizes on two ranks.
+    #[error("captured call #{call} reduces {bytes} bytes on rank {rank} but {peer_bytes} bytes on rank {peer}")]
+    CaptureMismatch {
+        /// Index of the captured call since the last registration.
+        call: usize,
+        /// This rank.
+        rank: usize,
+        /// Bytes this rank captured.
+        bytes: usize,
+        /// A rank that captured another size.
+        peer: usize,
+        /// Bytes it captured.
+        peer_bytes: usize,
+    },
+    /// A captured plan (or device graph) or registered input was used on a communicator
+    /// other than the one that made it.
+    #[error("{what} belongs to communicator #{owner}, not to this one (#{communicator})")]
+    ForeignToken {
+        /// What was passed: "a captured plan", "a device graph", "a registered input".
+        what: &'static str,
+        /// The communicator that made it.
+        owner: u64,
+        /// The communicator it was passed to.
+        communicator: u64,
+    },
+    /// Ranks disagreed on a collective call's arguments (e.g. unregistered different
+    /// buffers); nothing changed.
+    #[error("ranks disagree on {what}: {values:?}")]
+    Disagreement {
+        /// What was compared.
+        what: &'static str,
+        /// Every rank's value, in rank order.
+        values: Vec<u64>,
     },
     /// Another rank could not set up its part of a collective setup (this rank's own failure
     /// is returned as itself); every rank fails the setup together.
@@ -96,6 +191,11 @@ impl From<tpcomm_objects::ObjectError> for AllReduceError {
     fn from(e: tpcomm_objects::ObjectError) -> Self {
         AllReduceError::Ipc(Arc::new(IpcError::Exchange(e)))
     }
+}
+
+/// " from slot N", or nothing when the backend does not carry slots.
+fn from_slot(slot: Option<usize>) -> String {
+    slot.map(|s| format!(" from slot {s}")).unwrap_or_default()
 }
 
 /// Result of all-reduce operations.

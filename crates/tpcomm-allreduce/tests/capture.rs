@@ -130,12 +130,13 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
             ));
             ar.backend().capturing.store(false, Ordering::SeqCst);
 
-            // Slot 0 is the staging buffer's; captured inputs get 1, 2, and `a` again 1.
+            // Slot 0 is the staging buffer's; captured calls get 1, 2, 3: one slot per
+            // call, `a` captured twice takes two.
             assert_eq!(
                 *ar.backend().recorded.lock().unwrap(),
-                vec![(1, count), (2, 1024), (1, count)]
+                vec![(1, count), (2, 1024), (3, count)]
             );
-            assert_eq!(ar.pending_graph_buffers(), 2);
+            assert_eq!(ar.pending_graph_buffers(), 3);
             assert_eq!(
                 ar.rank_data_slot(1)?,
                 vec![0; 3],
@@ -145,15 +146,18 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
                 ar.check_replay(),
                 Err(AllReduceError::UnregisteredGraphBuffers)
             ));
-            // Outside the capture, an unregistered captured input is refused, not run, and
-            // the communicator stays usable.
-            assert!(matches!(
-                ar.all_reduce_buffer(&a, &out, DType::F32, count),
-                Err(AllReduceError::UnregisteredGraphBuffers)
-            ));
+            // Outside the capture, a captured input is an ordinary eager input: staged, never
+            // looked up by address (its slot is the captured call's, not the buffer's).
+            let data = inputs::<f32>(seed + 2, comm.rank(), count);
+            fill(&memory, &a, &data)?;
+            comm.barrier()?;
+            ar.all_reduce_buffer(&a, &out, DType::F32, count)?;
+            check(seed + 2, comm.size(), &read_f32(&memory, &out, count)?)
+                .map_err(AllReduceError::InvalidArgument)?;
+            comm.barrier()?;
             assert_eq!(ar.phase(), Phase::Active);
 
-            assert_eq!(ar.register_graph_buffers(&comm)?, 2);
+            assert_eq!(ar.register_graph_buffers(&comm)?, 3);
             ar.check_replay()?;
             let slot_a = ar.rank_data_slot(1)?;
             assert_eq!(
@@ -163,15 +167,7 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
             );
             assert!(slot_a.iter().all(|&p| p != 0));
             assert_eq!(ar.rank_data_slot(2)?[comm.rank()], b.addr());
-
-            // A registered launch reads every peer's `a` through slot 1: zero-copy.
-            let data = inputs::<f32>(seed, comm.rank(), count);
-            fill(&memory, &a, &data)?;
-            comm.barrier()?;
-            ar.all_reduce_buffer(&a, &out, DType::F32, count)?;
-            check(seed, comm.size(), &read_f32(&memory, &out, count)?)
-                .map_err(AllReduceError::InvalidArgument)?;
-            comm.barrier()?;
+            assert_eq!(ar.rank_data_slot(3)?, slot_a, "`a` again, in its own slot");
 
             // Suspend, hold every old peer address so the reopen must move, resume: the
             // slot's peer entries are rewritten in place, the own entry never moves.
@@ -199,6 +195,48 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
             check(seed + 1, comm.size(), &read_f32(&memory, &out, count)?)
                 .map_err(AllReduceError::InvalidArgument)?;
             comm.barrier()?;
+            Ok(())
+        });
+    for (rank, r) in results.into_iter().enumerate() {
+        r.expect("rank finished")
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}
+
+#[test]
+fn a_captured_registered_buffer_keeps_its_slot_retired_after_unregister() {
+    // A device graph does not borrow its inputs: after the registered buffer it captured is
+    // unregistered, the slot must never go to another registration (the graph would then
+    // silently reduce that buffer); replay_graph refuses it (tests/cuda.rs).
+    let results = LocalGroup::new(2)
+        .timeout(Duration::from_secs(60))
+        .run(|comm| -> R<()> {
+            let memory = HostMemory::new();
+            let mut ar = CustomAllReduce::new(
+                Recording::default(),
+                memory.clone(),
+                &comm,
+                Config::default(),
+            )?;
+            let out = memory.allocate(4096)?;
+            let captured = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+            let never_captured = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+            let (captured_slot, free_slot) = (captured.slot(), never_captured.slot());
+            ar.backend().capturing.store(true, Ordering::SeqCst);
+            ar.all_reduce_buffer(captured.buffer(), &out, DType::F32, 1024)?;
+            ar.backend().capturing.store(false, Ordering::SeqCst);
+            assert_eq!(
+                *ar.backend().recorded.lock().unwrap(),
+                vec![(captured_slot, 1024)],
+                "a registered input is recorded with its own slot"
+            );
+            drop(ar.unregister(&comm, captured)?);
+            drop(ar.unregister(&comm, never_captured)?);
+            let next = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+            assert_eq!(next.slot(), free_slot, "an uncaptured slot is reused");
+            let after = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+            assert_ne!(after.slot(), captured_slot, "a captured slot is retired");
+            assert_eq!(ar.rank_data_slot(captured_slot)?, vec![0; 2]);
             Ok(())
         });
     for (rank, r) in results.into_iter().enumerate() {

@@ -101,15 +101,16 @@ fn kernels_match_reference<T: Element>(world: usize) {
             let memory = ar.memory()?.clone();
             let input = memory.allocate(4 << 20)?;
             let output = memory.allocate(4 << 20)?;
-            let registered_input = memory.allocate(4 << 20)?;
-            // Registered once; all_reduce_buffer finds it by address (zero-copy).
-            ar.register_buffer(&comm, &registered_input)?;
+            // Registered once (the communicator keeps it); all_reduce_buffer finds it by
+            // address (zero-copy).
+            let registered = ar.register_buffer(&comm, memory.allocate(4 << 20)?)?;
+            let registered_input = registered.buffer();
             for (k, &bytes) in sizes.iter().enumerate() {
                 let count = bytes / T::DTYPE.size();
                 let case = seed + 1000 * k as u64 + algorithm as u64;
                 let data = inputs::<T>(case, comm.rank(), count);
                 for zero_copy in [false, true] {
-                    let src = if zero_copy { &registered_input } else { &input };
+                    let src = if zero_copy { registered_input } else { &input };
                     upload(&memory, src, &data)?;
                     poison(&memory, &output, bytes)?;
                     // Every rank's input is in place before any rank launches.
@@ -294,7 +295,7 @@ fn a_graph_captured_before_suspend_replays_correctly_after_resume() {
 }
 
 #[test]
-fn inputs_captured_twice_share_a_slot_and_registration_waits_for_the_capture_to_end() {
+fn inputs_captured_twice_take_a_slot_per_call_and_registration_waits_for_the_capture_to_end() {
     if !gpu() {
         return;
     }
@@ -321,8 +322,9 @@ fn inputs_captured_twice_share_a_slot_and_registration_waits_for_the_capture_to_
             2,
             "the refused registration recorded nothing"
         );
-        assert_eq!(ar.pending_graph_buffers(), 1);
-        assert_eq!(ar.register_graph_buffers(&comm)?, 1);
+        // One slot per captured call, as vLLM: never deduplicated by address.
+        assert_eq!(ar.pending_graph_buffers(), 2);
+        assert_eq!(ar.register_graph_buffers(&comm)?, 2);
         fill_rank::<bf16>(&memory, &input, comm.rank(), 0.0, 2048)?;
         comm.barrier()?;
         ar.replay_graph(&graph)?;
@@ -334,7 +336,10 @@ fn inputs_captured_twice_share_a_slot_and_registration_waits_for_the_capture_to_
         let mut other = new_ar(&comm, Config::default())?;
         assert!(matches!(
             other.replay_graph(&graph),
-            Err(AllReduceError::InvalidArgument(_))
+            Err(AllReduceError::ForeignToken {
+                what: "a device graph",
+                ..
+            })
         ));
         Ok(())
     });
@@ -739,4 +744,80 @@ fn two_processes_replay_a_graph_after_resume_with_moved_mappings() {
     }
     let moved = run_pair("cuda", two_process_rank);
     eprintln!("peer mappings moved on resume: {moved}");
+}
+
+#[test]
+fn ranks_launching_different_counts_fail_with_a_launch_mismatch_on_the_gpu() {
+    // The start flags carry each launch's shape: rank 0 reduces 1024 f32, rank 1 2048 (one
+    // block each), so both see the other's shape, skip the reduction, cross the end barrier
+    // and record the mismatch; synchronize reports it naming both sizes.
+    if !gpu() {
+        return;
+    }
+    let results = group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let input = memory.allocate(8192)?;
+        let out = memory.allocate(8192)?;
+        let count = if comm.rank() == 0 { 1024 } else { 2048 };
+        comm.barrier()?;
+        ar.all_reduce_buffer(&input, &out, DType::F32, count)?;
+        let (mine, theirs) = if comm.rank() == 0 {
+            (4096, 8192)
+        } else {
+            (8192, 4096)
+        };
+        match ar.synchronize() {
+            Err(AllReduceError::Failed { cause, .. }) => match cause.as_ref() {
+                AllReduceError::LaunchMismatch {
+                    rank,
+                    bytes,
+                    dtype: "f32",
+                    peer,
+                    peer_bytes,
+                    peer_dtype: "f32",
+                    ..
+                } if *rank == comm.rank()
+                    && *bytes == mine
+                    && *peer == 1 - comm.rank()
+                    && *peer_bytes == theirs => {}
+                other => panic!("expected a LaunchMismatch, got {other:?}"),
+            },
+            other => panic!("expected a failed synchronize, got {other:?}"),
+        }
+        assert_eq!(ar.phase(), Phase::Failed);
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
+}
+
+#[test]
+fn a_graph_reading_an_unregistered_buffer_is_refused() {
+    if !gpu() {
+        return;
+    }
+    let results = group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let out = memory.allocate(4096)?;
+        let input = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+        let slot = input.slot();
+        let graph = ar.capture_graph(|ar| {
+            ar.all_reduce_buffer(input.buffer(), &out, DType::F32, 1024)
+                .map(drop)
+        })?;
+        ar.check_replay()?;
+        drop(ar.unregister(&comm, input)?);
+        match ar.replay_graph(&graph) {
+            Err(AllReduceError::UnregisteredInput { slot: s }) if s == slot => {}
+            other => panic!("expected UnregisteredInput, got {other:?}"),
+        }
+        assert_eq!(ar.phase(), Phase::Active);
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
 }

@@ -176,7 +176,7 @@ fn registered_inputs_are_reduced_without_staging() {
             0,
             bytemuck::cast_slice(&[comm.rank() as f32 + 1.0; 1024]),
         )?;
-        let input = ar.register_buffer(&comm, &buf)?;
+        let input = ar.register_buffer(&comm, buf)?;
         let mut out = vec![0f32; 1024];
         ar.all_reduce_registered(&input, &mut out)?;
         Ok(out)

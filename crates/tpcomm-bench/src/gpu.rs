@@ -580,12 +580,14 @@ mod imp {
             };
             let backend = CudaBackend::new(comm, &memory, options)?;
             let blocks = backend.max_blocks();
-            let config = Config {
+            let mut config = Config {
                 max_bytes,
                 timeout: Duration::from_secs(args.kernel_timeout_s),
                 algorithm: Some(algorithm),
                 ..Config::default()
             };
+            // Every captured call takes its own RankData slot (K per case), plus slot 0.
+            config.slots = config.slots.max(1 + k * dtypes.len() * sizes.len());
             let ar = CustomAllReduce::new(backend, memory.clone(), comm, config)?;
             let input_buf = memory.allocate(max_bytes)?;
             let output_buf = memory.allocate(max_bytes)?;

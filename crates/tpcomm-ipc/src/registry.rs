@@ -407,6 +407,67 @@ impl<B: PeerMemory> PeerMappings<B> {
         }
         result
     }
+
+    /// The length in bytes of region `index` of `rank` in exchange `id`: the length this
+    /// rank shared for itself, the length of the peer's mapping (as its handle announced it
+    /// and the backend checked on open) for a peer.
+    pub fn region_len(&self, id: ExchangeId, rank: usize, index: usize) -> Result<usize> {
+        use crate::memory::MemoryRegion;
+        if rank == self.rank {
+            let x = self
+                .exchanges
+                .get(id.0)
+                .ok_or_else(|| IpcError::NoSuchMapping(format!("exchange {}", id.0)))?;
+            return x.local.get(index).map(|r| r.len).ok_or_else(|| {
+                IpcError::NoSuchMapping(format!("exchange {}, own region {index}", id.0))
+            });
+        }
+        self.peer(id, rank, index).map(MemoryRegion::len)
+    }
+
+    /// Forgets exchange `id` on this rank: closes the peer mappings only it uses and empties
+    /// it, so that [`reopen_all`](Self::reopen_all) exports nothing for it and
+    /// [`peer`](Self::peer) no longer finds its regions. Returns how many mappings were
+    /// closed. Not collective itself, but every rank must release the same exchanges (a
+    /// reopen exchanges every exchange's regions in order): callers agree on it first.
+    ///
+    /// The mappings are unreachable afterwards even when a close fails; the first failure
+    /// is then returned.
+    pub fn release(&mut self, id: ExchangeId) -> Result<usize> {
+        let Some(x) = self.exchanges.get_mut(id.0) else {
+            return Err(IpcError::NoSuchMapping(format!("exchange {}", id.0)));
+        };
+        x.local.clear();
+        let slots: Vec<usize> = std::mem::take(&mut x.slots)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .collect();
+        let mut closed = 0;
+        let mut first_error = None;
+        for slot in slots {
+            // The memo shares a mapping between exchanges of the same handle: keep it while
+            // another exchange still names it.
+            let shared = self
+                .exchanges
+                .iter()
+                .any(|other| other.slots.iter().flatten().any(|&s| s == Some(slot)));
+            if shared {
+                continue;
+            }
+            match self.close_slot(slot) {
+                Ok(was_open) => closed += usize::from(was_open),
+                Err(e) => {
+                    closed += 1;
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(closed),
+        }
+    }
 }
 
 impl<B: PeerMemory> Drop for PeerMappings<B> {

@@ -24,6 +24,12 @@ pub const PACK_BYTES: u64 = 16;
 #[repr(C, align(128))]
 pub struct FlagSlots(pub [[u32; MAX_RANKS]; MAX_BLOCKS]);
 
+/// Start-barrier slots: `[block][writer rank]`, 64 bits written in one access: the flag in
+/// the low half, the writer's launch shape ([`LaunchShape`]) in the high half.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C, align(128))]
+pub struct StartSlots(pub [[u64; MAX_RANKS]; MAX_BLOCKS]);
+
 /// Per-block barrier counters, on their own 128-byte lines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(C, align(128))]
@@ -36,31 +42,37 @@ pub struct BlockCounters(pub [u32; MAX_BLOCKS]);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(C, align(128))]
 pub struct Signal {
-    /// `start.0[b][p]`: the flag rank `p` stored for block `b` in the start barrier.
-    pub start: FlagSlots,
+    /// `start.0[b][p]`: the flag rank `p` stored for block `b` in the start barrier (low
+    /// half) and the shape of its launch (high half).
+    pub start: StartSlots,
     /// `end.0[b][p]`: the flag rank `p` stored for block `b` in the second barrier of a
     /// launch (one-stage end barrier, two-stage middle barrier).
     pub end: FlagSlots,
     /// The value block `b` used in its last barrier (owner only).
     pub counter: BlockCounters,
-    /// 0, or the first barrier timeout this rank saw: see [`ErrorWord::decode`].
+    /// 0, or the first barrier timeout or shape mismatch this rank saw: see
+    /// [`ErrorWord::decode`].
     pub error: u32,
     /// Unused, zero.
     pub reserved: u32,
     /// Never touched by kernels: the host lifecycle's proof-of-mapping word.
     pub nonce: u64,
+    /// With [`ErrorWord::ShapeMismatch`]: this rank's launch shape and the peer's
+    /// ([`LaunchShape::decode`]).
+    pub mismatch: [u32; 2],
 }
 
 impl Signal {
     /// A Signal block with every word zero (the state before the first launch).
     pub const fn zeroed() -> Signal {
         Signal {
-            start: FlagSlots([[0; MAX_RANKS]; MAX_BLOCKS]),
+            start: StartSlots([[0; MAX_RANKS]; MAX_BLOCKS]),
             end: FlagSlots([[0; MAX_RANKS]; MAX_BLOCKS]),
             counter: BlockCounters([0; MAX_BLOCKS]),
             error: 0,
             reserved: 0,
             nonce: 0,
+            mismatch: [0; 2],
         }
     }
 }
@@ -95,15 +107,17 @@ pub const SIGNAL_ALIGN: usize = align_of::<Signal>();
 // The layout the CUDA side has (see kernels/allreduce.cuh): flags, counters and the status
 // words each start a 128-byte line.
 const _: () = assert!(size_of::<FlagSlots>() == 2048);
+const _: () = assert!(size_of::<StartSlots>() == 4096);
 const _: () = assert!(size_of::<BlockCounters>() == 256);
-const _: () = assert!(SIGNAL_BYTES == 4480);
+const _: () = assert!(SIGNAL_BYTES == 6528);
 const _: () = assert!(SIGNAL_ALIGN == 128);
 const _: () = assert!(offset_of!(Signal, start) == 0);
-const _: () = assert!(offset_of!(Signal, end) == 2048);
-const _: () = assert!(offset_of!(Signal, counter) == 4096);
-const _: () = assert!(offset_of!(Signal, error) == 4352);
+const _: () = assert!(offset_of!(Signal, end) == 4096);
+const _: () = assert!(offset_of!(Signal, counter) == 6144);
+const _: () = assert!(offset_of!(Signal, error) == 6400);
 const _: () = assert!(offset_of!(Signal, error) % 128 == 0);
-const _: () = assert!(offset_of!(Signal, nonce) == 4360);
+const _: () = assert!(offset_of!(Signal, nonce) == 6408);
+const _: () = assert!(offset_of!(Signal, mismatch) == 6416);
 const _: () = assert!(size_of::<RankSignals>() == 128 && align_of::<RankSignals>() == 8);
 const _: () = assert!(offset_of!(RankSignals, temps) == 64);
 const _: () = assert!(size_of::<RankData>() == 64 && align_of::<RankData>() == 8);
@@ -113,12 +127,12 @@ const _: () = assert!(DEFAULT_BLOCKS as usize <= MAX_BLOCKS);
 /// Name of the device global holding the CUDA compiler's view of the layout.
 pub const LAYOUT_SYMBOL: &str = "tpcomm_ar_layout";
 /// Version of that table's format (`kLayoutVersionValue`).
-pub const LAYOUT_VERSION: u64 = 1;
+pub const LAYOUT_VERSION: u64 = 2;
 
 /// The `tpcomm_ar_layout` table this crate expects, in `tpcomm::LayoutIndex` order:
 /// version, max ranks, max blocks, default blocks, threads, pack bytes, then size, align
-/// and field offsets of Signal, RankSignals and RankData.
-pub const fn expected_layout() -> [u64; 20] {
+/// and field offsets of Signal, RankSignals and RankData, then entries appended later.
+pub const fn expected_layout() -> [u64; 21] {
     [
         LAYOUT_VERSION,
         MAX_RANKS as u64,
@@ -140,11 +154,12 @@ pub const fn expected_layout() -> [u64; 20] {
         size_of::<RankData>() as u64,
         align_of::<RankData>() as u64,
         offset_of!(RankData, ptrs) as u64,
+        offset_of!(Signal, mismatch) as u64,
     ]
 }
 
 /// Names of the [`expected_layout`] entries, for test messages.
-pub const LAYOUT_NAMES: [&str; 20] = [
+pub const LAYOUT_NAMES: [&str; 21] = [
     "version",
     "max ranks",
     "max blocks",
@@ -165,6 +180,7 @@ pub const LAYOUT_NAMES: [&str; 20] = [
     "sizeof(RankData)",
     "alignof(RankData)",
     "offsetof(RankData, ptrs)",
+    "offsetof(Signal, mismatch)",
 ];
 
 /// Which barrier of a launch a timeout happened in (`tpcomm::BarrierKind`).
@@ -189,6 +205,15 @@ pub struct BarrierTimeout {
     pub peer: usize,
 }
 
+/// A peer whose start flag carried another launch shape than this rank's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShapeMismatch {
+    /// The thread block that saw it first.
+    pub block: u32,
+    /// The peer.
+    pub peer: usize,
+}
+
 /// The decoded [`Signal::error`] word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorWord {
@@ -196,31 +221,62 @@ pub enum ErrorWord {
     Clear,
     /// A barrier timed out.
     Timeout(BarrierTimeout),
+    /// A peer launched another shape ([`Signal::mismatch`] holds both shapes).
+    ShapeMismatch(ShapeMismatch),
     /// A value this version does not know (kept raw).
     Unknown(u32),
 }
 
 impl ErrorWord {
-    /// Decodes the word: bit 31 set, bits 16..23 barrier (1 start, 2 end, 3 mid), bits
-    /// 8..15 block, bits 0..7 peer rank.
+    /// Decodes the word: bit 31 set, bits 16..23 kind (1 start, 2 end, 3 mid: timeouts;
+    /// 4: shape mismatch), bits 8..15 block, bits 0..7 peer rank.
     pub fn decode(word: u32) -> ErrorWord {
         if word == 0 {
             return ErrorWord::Clear;
         }
+        if word & 0x8000_0000 == 0 || word & 0x7f00_0000 != 0 {
+            return ErrorWord::Unknown(word);
+        }
+        let block = (word >> 8) & 0xff;
+        let peer = (word & 0xff) as usize;
         let barrier = match (word >> 16) & 0xff {
             1 => BarrierKind::Start,
             2 => BarrierKind::End,
             3 => BarrierKind::Mid,
+            4 => return ErrorWord::ShapeMismatch(ShapeMismatch { block, peer }),
             _ => return ErrorWord::Unknown(word),
         };
-        if word & 0x8000_0000 == 0 || word & 0x7f00_0000 != 0 {
-            return ErrorWord::Unknown(word);
-        }
         ErrorWord::Timeout(BarrierTimeout {
             barrier,
-            block: (word >> 8) & 0xff,
-            peer: (word & 0xff) as usize,
+            block,
+            peer,
         })
+    }
+}
+
+/// A launch's shape as the kernels carry it in the high half of their start flags
+/// (`launch_shape()` in allreduce.cuh): bits 0..27 the 16-byte pack count modulo 2^28,
+/// bits 28..31 the element type code (1 f32, 2 f16, 3 bf16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchShape {
+    /// Bytes (pack count times 16, modulo 2^32).
+    pub bytes: u64,
+    /// Element type name (`"unknown"` for a code this version does not know).
+    pub dtype: &'static str,
+}
+
+impl LaunchShape {
+    /// Decodes a shape word.
+    pub fn decode(word: u32) -> LaunchShape {
+        LaunchShape {
+            bytes: u64::from(word & 0x0fff_ffff) * PACK_BYTES,
+            dtype: match word >> 28 {
+                1 => "f32",
+                2 => "f16",
+                3 => "bf16",
+                _ => "unknown",
+            },
+        }
     }
 }
 
@@ -231,17 +287,34 @@ mod tests {
     #[test]
     fn zeroed_signal_has_every_field_zero() {
         let s = Signal::zeroed();
-        assert!(s
-            .start
-            .0
-            .iter()
-            .chain(s.end.0.iter())
-            .flatten()
-            .all(|&f| f == 0));
+        assert!(s.start.0.iter().flatten().all(|&f| f == 0));
+        assert!(s.end.0.iter().flatten().all(|&f| f == 0));
         assert!(s.counter.0.iter().all(|&c| c == 0));
         assert_eq!(s.start.0[MAX_BLOCKS - 1][MAX_RANKS - 1], 0);
         assert_eq!(s.counter.0[0], 0);
-        assert_eq!((s.error, s.reserved, s.nonce), (0, 0, 0));
+        assert_eq!(
+            (s.error, s.reserved, s.nonce, s.mismatch),
+            (0, 0, 0, [0, 0])
+        );
+    }
+
+    #[test]
+    fn shape_mismatch_words_and_shapes_decode() {
+        // error_word(kShape, block 3, peer 1)
+        assert_eq!(
+            ErrorWord::decode(0x8000_0000 | (4 << 16) | (3 << 8) | 1),
+            ErrorWord::ShapeMismatch(ShapeMismatch { block: 3, peer: 1 })
+        );
+        // launch_shape<float>(1024): 256 packs
+        assert_eq!(
+            LaunchShape::decode((1 << 28) | 256),
+            LaunchShape {
+                bytes: 4096,
+                dtype: "f32"
+            }
+        );
+        assert_eq!(LaunchShape::decode((3 << 28) | 1).dtype, "bf16");
+        assert_eq!(LaunchShape::decode(7 << 28).dtype, "unknown");
     }
 
     #[test]

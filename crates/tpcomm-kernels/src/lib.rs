@@ -34,8 +34,8 @@ pub use launch::{
     ALGORITHMS, DTYPES, KERNELS, MAX_BYTES, WORLD_SIZES,
 };
 pub use layout::{
-    BarrierKind, BarrierTimeout, ErrorWord, RankData, RankSignals, Signal, DEFAULT_BLOCKS,
-    MAX_BLOCKS, MAX_RANKS, PACK_BYTES, SIGNAL_BYTES, THREADS,
+    BarrierKind, BarrierTimeout, ErrorWord, LaunchShape, RankData, RankSignals, ShapeMismatch,
+    Signal, DEFAULT_BLOCKS, MAX_BLOCKS, MAX_RANKS, PACK_BYTES, SIGNAL_BYTES, THREADS,
 };
 
 /// Keeps the embedded fatbin 16-byte aligned (its headers hold 64-bit fields, and the

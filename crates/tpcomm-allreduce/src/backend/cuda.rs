@@ -79,6 +79,8 @@ const SYMBOLS: &[&str] = &[
 
 /// Byte offset of the error word in a Signal block.
 const ERROR_OFFSET: usize = offset_of!(kernels::Signal, error);
+/// Byte offset of the two shape words a shape mismatch records (own, peer's).
+const MISMATCH_OFFSET: usize = offset_of!(kernels::Signal, mismatch);
 /// Byte offset of the nonce in a Signal block (everything before it is launch state).
 const NONCE_OFFSET: usize = offset_of!(kernels::Signal, nonce);
 
@@ -462,10 +464,31 @@ fn timeout_ns(timeout: Duration) -> u64 {
     u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX).max(1)
 }
 
-/// The error a kernel recorded in an error word, as the driver reports it.
-fn timeout_error(word: u32, rank: usize, timeout: Duration) -> Option<AllReduceError> {
+/// The error a kernel recorded in an error word, as the driver reports it; `shapes` are the
+/// Signal block's mismatch words (this rank's launch shape, the peer's), read only for a
+/// shape mismatch.
+fn device_error(
+    word: u32,
+    shapes: [u32; 2],
+    rank: usize,
+    timeout: Duration,
+) -> Option<AllReduceError> {
     match kernels::ErrorWord::decode(word) {
         kernels::ErrorWord::Clear => None,
+        kernels::ErrorWord::ShapeMismatch(m) => {
+            let mine = kernels::LaunchShape::decode(shapes[0]);
+            let theirs = kernels::LaunchShape::decode(shapes[1]);
+            Some(AllReduceError::LaunchMismatch {
+                rank,
+                bytes: mine.bytes,
+                dtype: mine.dtype,
+                slot: None,
+                peer: m.peer,
+                peer_bytes: theirs.bytes,
+                peer_dtype: theirs.dtype,
+                peer_slot: None,
+            })
+        }
         kernels::ErrorWord::Timeout(t) => Some(AllReduceError::Timeout {
             rank,
             peer: t.peer,
@@ -666,8 +689,21 @@ impl Backend for CudaBackend {
         self.sync_stream()?;
         let mut word = [0u8; 4];
         memory.read(own_signal, ERROR_OFFSET, &mut word)?;
+        let word = u32::from_le_bytes(word);
+        let mut shapes = [0u32; 2];
+        if matches!(
+            kernels::ErrorWord::decode(word),
+            kernels::ErrorWord::ShapeMismatch(_)
+        ) {
+            let mut raw = [0u8; 8];
+            memory.read(own_signal, MISMATCH_OFFSET, &mut raw)?;
+            shapes = [
+                u32::from_le_bytes(raw[..4].try_into().expect("4 bytes")),
+                u32::from_le_bytes(raw[4..].try_into().expect("4 bytes")),
+            ];
+        }
         let waited = Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed));
-        match timeout_error(u32::from_le_bytes(word), self.rank, waited) {
+        match device_error(word, shapes, self.rank, waited) {
             None => Ok(()),
             Some(e) => Err(e),
         }
@@ -679,6 +715,8 @@ pub struct DeviceGraph {
     graph: CudaGraph,
     launches: usize,
     owner: u64,
+    /// The RankData slots its launches read.
+    slots: Vec<usize>,
 }
 
 impl std::fmt::Debug for DeviceGraph {
@@ -725,20 +763,26 @@ impl CustomAllReduce<CudaBackend> {
             graph,
             launches,
             owner: self.id(),
+            slots: self.recorded_slots(before),
         })
     }
 
     /// Launches a captured graph on the backend's stream (asynchronously; see
     /// [`synchronize`](Self::synchronize)). Refused while captured inputs are unregistered
     /// or the communicator is not Active, since the graph's launches would read unwritten
-    /// table slots or closed mappings, and for a graph another communicator captured.
+    /// table slots or closed mappings, for a graph another communicator captured
+    /// ([`AllReduceError::ForeignToken`]), and for a graph reading a registered buffer
+    /// unregistered since ([`AllReduceError::UnregisteredInput`]).
     pub fn replay_graph(&mut self, graph: &DeviceGraph) -> Result<()> {
         if graph.owner != self.id() {
-            return Err(AllReduceError::InvalidArgument(
-                "the graph was captured by another communicator".into(),
-            ));
+            return Err(AllReduceError::ForeignToken {
+                what: "a device graph",
+                owner: graph.owner,
+                communicator: self.id(),
+            });
         }
         self.check_replay()?;
+        self.check_slots_live(&graph.slots)?;
         graph
             .graph
             .launch()
@@ -788,10 +832,29 @@ mod tests {
     }
 
     #[test]
+    fn shape_mismatch_words_name_both_ranks_and_sizes() {
+        // error_word(kShape, block 0, peer 1); launch_shape<float>(1024) and <float>(2048).
+        let word = 0x8000_0000 | (4 << 16) | 1;
+        match device_error(word, [(1 << 28) | 256, (1 << 28) | 512], 0, Duration::ZERO) {
+            Some(AllReduceError::LaunchMismatch {
+                rank: 0,
+                bytes: 4096,
+                dtype: "f32",
+                slot: None,
+                peer: 1,
+                peer_bytes: 8192,
+                peer_dtype: "f32",
+                peer_slot: None,
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
     fn error_words_become_timeouts_naming_the_peer_and_barrier() {
-        assert!(timeout_error(0, 0, Duration::ZERO).is_none());
+        assert!(device_error(0, [0; 2], 0, Duration::ZERO).is_none());
         let word = 0x8000_0000 | (3 << 16) | (7 << 8) | 2;
-        match timeout_error(word, 5, Duration::from_millis(40)) {
+        match device_error(word, [0; 2], 5, Duration::from_millis(40)) {
             Some(AllReduceError::Timeout {
                 rank: 5,
                 peer: 2,
@@ -801,7 +864,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(
-            timeout_error(0x1234, 0, Duration::ZERO),
+            device_error(0x1234, [0; 2], 0, Duration::ZERO),
             Some(AllReduceError::InvalidArgument(_))
         ));
     }

@@ -4,6 +4,12 @@
 //! slot *when it runs* (so a launch recorded before a suspend uses the addresses written
 //! after the resume), then:
 //!
+//! - before the start barrier, this rank publishes the launch's *shape* (bytes, element
+//!   type, RankData slot) in every peer's Signal block, next to its start flag; after the
+//!   barrier it compares every peer's shape with its own. Different shapes (ranks reducing
+//!   different counts, types or inputs) skip the work, cross the end barrier and fail with
+//!   [`LaunchMismatch`](crate::AllReduceError::LaunchMismatch) on every rank, before any
+//!   peer data is read: no extra round trip, one store and one load per peer.
 //! - one-stage: start barrier; reduce every rank's input in rank order with f32
 //!   accumulation into the output; end barrier (peers may still read this rank's input
 //!   until then);
@@ -23,7 +29,7 @@ mod flags;
 
 use std::marker::PhantomData;
 use std::ops::Range;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use half::{bf16, f16};
 use tpcomm_ipc::{HostBuffer, HostMapping, HostMemory, MemoryRegion, PeerMemory};
@@ -34,13 +40,45 @@ use crate::dtype::{DType, Element};
 use crate::error::Result;
 
 /// Host Signal block: three flag arrays (one 64-byte line each), the epoch counter, the
-/// nonce. Offsets in bytes.
+/// nonce, the shapes (one 64-bit word per writer: what it launched). Offsets in bytes.
 const START: usize = 0;
 const MID: usize = 64;
 const END: usize = 128;
 const COUNTER: usize = 192;
 const NONCE: usize = 256;
-const SIGNAL_BYTES: usize = 320;
+const SHAPES: usize = 320;
+const SIGNAL_BYTES: usize = 384;
+
+/// A shape word: bits 0..40 the byte count, 40..44 the element type (code, never 0),
+/// 44..64 the RankData slot. Launches are at most `max_bytes` (far below 2^40 bytes); slots
+/// are compared modulo 2^20.
+const SHAPE_BYTES_BITS: u32 = 40;
+const SHAPE_DTYPE_BITS: u32 = 4;
+const SHAPE_SLOT_SHIFT: u32 = SHAPE_BYTES_BITS + SHAPE_DTYPE_BITS;
+
+/// The shape word of a launch of `bytes` bytes of `dtype` from `slot` (never 0).
+fn shape_word(dtype: DType, bytes: usize, slot: usize) -> u64 {
+    let code: u64 = match dtype {
+        DType::F32 => 1,
+        DType::F16 => 2,
+        DType::Bf16 => 3,
+    };
+    (bytes as u64 & ((1 << SHAPE_BYTES_BITS) - 1))
+        | (code << SHAPE_BYTES_BITS)
+        | ((slot as u64) << SHAPE_SLOT_SHIFT)
+}
+
+/// Bytes, element type name and slot of a shape word.
+fn decode_shape(word: u64) -> (u64, &'static str, usize) {
+    let bytes = word & ((1 << SHAPE_BYTES_BITS) - 1);
+    let dtype = match (word >> SHAPE_BYTES_BITS) & ((1 << SHAPE_DTYPE_BITS) - 1) {
+        1 => "f32",
+        2 => "f16",
+        3 => "bf16",
+        _ => "unknown",
+    };
+    (bytes, dtype, (word >> SHAPE_SLOT_SHIFT) as usize)
+}
 
 /// The CPU backend over [`HostMemory`] (or a wrapper of it with the same buffers, such as
 /// `tpcomm_ipc::FaultInjection<HostMemory>` in tests).
@@ -74,11 +112,11 @@ impl<M> std::fmt::Debug for HostBackend<M> {
 /// A flag word of a Signal block at `base + offset`.
 ///
 /// # Safety
-/// `base` must be the address of a live, mapped Signal block of at least `SIGNAL_BYTES`
-/// bytes for as long as the reference is used.
+/// `base` must be the 8-byte aligned address of a live, mapped Signal block of at least
+/// `SIGNAL_BYTES` bytes for as long as the reference is used.
 unsafe fn flag<'a>(base: u64, offset: usize) -> &'a AtomicU32 {
-    // SAFETY: the caller guarantees a live mapping; offsets are 4-byte aligned inside
-    // SIGNAL_BYTES and the memory is only ever accessed atomically.
+    // SAFETY: the caller guarantees an aligned live mapping; offsets are 4-byte aligned
+    // inside SIGNAL_BYTES and the memory is only ever accessed atomically.
     unsafe { AtomicU32::from_ptr((base as usize + offset) as *mut u32) }
 }
 
@@ -104,6 +142,54 @@ impl<'a> SignalBlocks<'a> {
     /// Signal blocks of at least `SIGNAL_BYTES` bytes for as long as the value is used.
     unsafe fn new(own: u64, signals: &'a [u64; 8]) -> Self {
         Self { own, signals }
+    }
+
+    /// The shape word `writer` publishes in the block at `base`.
+    ///
+    /// # Safety
+    /// `base` is this rank's own block or one of `signals[..world]` (per [`Self::new`]),
+    /// and `writer < 8`.
+    unsafe fn shape(base: u64, writer: usize) -> &'a AtomicU64 {
+        debug_assert!(writer < 8);
+        // SAFETY: per the contract, a live block of SIGNAL_BYTES, 8-byte aligned (own block:
+        // an allocation's start; peers' blocks: checked in `launch`); SHAPES + 8 * writer
+        // keeps that alignment and stays inside the block for `writer < 8`; the word is only
+        // ever accessed atomically.
+        unsafe { AtomicU64::from_ptr((base as usize + SHAPES + 8 * writer) as *mut u64) }
+    }
+
+    /// Stores this rank's shape into every block's word for `rank` (before the start
+    /// barrier, whose release stores publish it).
+    fn publish_shape(&self, rank: usize, world: usize, word: u64) {
+        for p in 0..world {
+            // SAFETY: `signals[p]` for `p < world` is live (`Self::new`); `rank < world <= 8`
+            // (the driver refuses larger groups).
+            unsafe { Self::shape(self.signals[p], rank) }.store(word, Ordering::Relaxed);
+        }
+    }
+
+    /// After the start barrier: the first peer whose published shape differs from `word`.
+    fn check_shapes(&self, rank: usize, world: usize, word: u64) -> Result<()> {
+        for peer in 0..world {
+            // SAFETY: this rank's own block is live (`Self::new`); `peer < world <= 8`. The
+            // start barrier's acquire loads ordered the peer's store before this load.
+            let theirs = unsafe { Self::shape(self.own, peer) }.load(Ordering::Relaxed);
+            if theirs != word {
+                let (bytes, dtype, slot) = decode_shape(word);
+                let (peer_bytes, peer_dtype, peer_slot) = decode_shape(theirs);
+                return Err(crate::AllReduceError::LaunchMismatch {
+                    rank,
+                    bytes,
+                    dtype,
+                    slot: Some(slot),
+                    peer,
+                    peer_bytes,
+                    peer_dtype,
+                    peer_slot: Some(peer_slot),
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -176,24 +262,29 @@ fn run<T: Element, M: HostLike>(
     temps: &[u64; 8],
     inputs: &[u64],
     barrier: &Barrier<'_>,
+    verify: impl FnOnce() -> Result<()>,
 ) -> Result<()> {
     match l.algorithm {
         Algorithm::OneStage => barrier.launch::<flags::Backoff>(
             false,
+            verify,
             || {
                 // SAFETY: the start barrier ordered every rank's input writes before these
-                // reads; inputs and output hold `count` elements (checked by the driver),
-                // and no rank writes an input before the end barrier.
+                // reads; the driver checked that every rank's region in the slot holds
+                // `count` elements and that the output does, `verify` that every rank
+                // launched `count` elements; no rank writes an input before the end
+                // barrier.
                 unsafe { reduce::<T>(inputs, l.out, 0..l.count) };
             },
             || {},
         ),
         Algorithm::TwoStage => barrier.launch::<flags::Backoff>(
             true,
+            verify,
             || {
                 let mine = part(l.count, T::DTYPE.size(), l.world, l.rank);
-                // SAFETY: as above; this rank's temp buffer holds `count` elements and only
-                // this rank writes it, before the mid barrier.
+                // SAFETY: as above; the driver checked that every rank's temp buffer holds
+                // `count` elements; only this rank writes its own, before the mid barrier.
                 unsafe { reduce::<T>(inputs, temps[l.rank], mine) };
             },
             || gather::<T, M>(l, temps),
@@ -208,7 +299,8 @@ fn gather<T: Element, M: HostLike>(l: &Launch<'_, HostBackend<M>>, temps: &[u64;
         let bytes = p.len() * T::DTYPE.size();
         let offset = p.start * T::DTYPE.size();
         // SAFETY: rank r finished writing its part of its temp buffer before the
-        // mid barrier (release/acquire); the output holds `count` elements.
+        // mid barrier (release/acquire); the driver checked that every rank's temp buffer
+        // and the output hold `count` elements.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 (temps[r] as *const u8).add(offset),
@@ -266,12 +358,23 @@ impl<M: HostLike> Backend for HostBackend<M> {
         let temps = read_table(memory, l.rank_signals, 64)?;
         let inputs = read_table(memory, l.rank_data, l.slot * super::RANK_DATA_BYTES)?;
         let own = l.own_signal.addr();
-        // SAFETY: this rank's own Signal block, alive for the launch.
+        // Flag and shape words are accessed as atomics: every block must be 8-byte aligned
+        // (a block is the start of its own allocation, so a misaligned one is a forged or
+        // corrupted handle).
+        if let Some(r) = (0..l.world).find(|&r| signals[r] % 8 != 0) {
+            return Err(crate::AllReduceError::InvalidArgument(format!(
+                "rank {r}'s Signal block is mapped at the misaligned address {:#x}",
+                signals[r]
+            )));
+        }
+        // SAFETY: this rank's own Signal block (`signals[rank]`, aligned: checked above),
+        // alive for the launch.
         let counter = unsafe { flag(own, COUNTER) };
         let epoch = flags::next_epoch(counter);
         // SAFETY: the own block is alive for the launch, and the tables hold live Signal
         // mappings for every rank of the group (the driver rewrites them after every
-        // reopen before any launch).
+        // reopen before any launch, and checked that each holds SIGNAL_BYTES); every block
+        // is 8-byte aligned (checked above).
         let blocks = unsafe { SignalBlocks::new(own, &signals) };
         let barrier = Barrier {
             blocks: &blocks,
@@ -281,17 +384,36 @@ impl<M: HostLike> Backend for HostBackend<M> {
             timeout: l.timeout,
         };
         let inputs = &inputs[..l.world];
+        let shape = shape_word(l.dtype, l.count * l.dtype.size(), l.slot);
+        blocks.publish_shape(l.rank, l.world, shape);
+        let verify = || blocks.check_shapes(l.rank, l.world, shape);
         match l.dtype {
-            DType::F32 => run::<f32, M>(l, &temps, inputs, &barrier),
-            DType::F16 => run::<f16, M>(l, &temps, inputs, &barrier),
-            DType::Bf16 => run::<bf16, M>(l, &temps, inputs, &barrier),
+            DType::F32 => run::<f32, M>(l, &temps, inputs, &barrier, verify),
+            DType::F16 => run::<f16, M>(l, &temps, inputs, &barrier, verify),
+            DType::Bf16 => run::<bf16, M>(l, &temps, inputs, &barrier, verify),
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::part;
+    use super::{decode_shape, part, shape_word};
+    use crate::dtype::DType;
+
+    #[test]
+    fn shape_words_round_trip_and_differ_in_every_field() {
+        let base = shape_word(DType::F32, 4096, 3);
+        assert_eq!(decode_shape(base), (4096, "f32", 3));
+        assert_eq!(
+            decode_shape(shape_word(DType::Bf16, 16, 0)),
+            (16, "bf16", 0)
+        );
+        assert_ne!(base, 0);
+        assert_ne!(base, shape_word(DType::F32, 4112, 3));
+        assert_ne!(base, shape_word(DType::F16, 4096, 3));
+        assert_ne!(base, shape_word(DType::F32, 4096, 4));
+        assert_eq!(decode_shape(base | (0xf << 40)).1, "unknown");
+    }
 
     #[test]
     fn parts_cover_every_element_once_in_whole_packs() {

@@ -44,7 +44,9 @@ pub struct Launch<'a, B: Backend + ?Sized> {
     pub rank_signals: &'a Buffer<B>,
     /// The RankData pool (stable address).
     pub rank_data: &'a Buffer<B>,
-    /// The slot of the pool holding the inputs' addresses.
+    /// The slot of the pool holding the inputs' addresses. The driver checked that every
+    /// rank's region there, and every rank's temp buffer for two-stage, holds
+    /// `count * dtype.size()` bytes.
     pub slot: usize,
     /// This rank's Signal block.
     pub own_signal: &'a Buffer<B>,

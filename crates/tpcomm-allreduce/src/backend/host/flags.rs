@@ -184,17 +184,30 @@ impl<B: Blocks> FlagBarrier<'_, B> {
         Ok(())
     }
 
-    /// A launch: start barrier; `reduce` (one-stage: the whole output; two-stage: this
-    /// rank's part into its temp buffer); two-stage only: mid barrier, then `gather`
-    /// (every rank's part from its owner's temp buffer); end barrier.
+    /// A launch: start barrier; `verify` (that every rank launched the same thing: what
+    /// the peers published before their start flags is visible now); `reduce` (one-stage:
+    /// the whole output; two-stage: this rank's part into its temp buffer); two-stage only:
+    /// mid barrier, then `gather` (every rank's part from its owner's temp buffer); end
+    /// barrier.
+    ///
+    /// When `verify` fails the work is skipped and only the end barrier is crossed before
+    /// the error is returned. `verify` must fail on every rank when it fails on one (it
+    /// does when each rank compares every peer's announcement with its own): then no rank
+    /// waits in a mid barrier that its peers skip, and no rank's next launch overwrites
+    /// what a peer is still verifying.
     #[inline]
     pub(crate) fn launch<W: Wait>(
         &self,
         two_stage: bool,
+        verify: impl FnOnce() -> Result<()>,
         reduce: impl FnOnce(),
         gather: impl FnOnce(),
     ) -> Result<()> {
         self.cross::<W>(Kind::Start)?;
+        if let Err(e) = verify() {
+            self.cross::<W>(Kind::End)?;
+            return Err(e);
+        }
         reduce();
         if two_stage {
             self.cross::<W>(Kind::Mid)?;
@@ -258,7 +271,7 @@ mod tests {
                             timeout: Duration::from_secs(30),
                         };
                         barrier
-                            .launch::<Backoff>(launch % 2 == 0, || {}, || {})
+                            .launch::<Backoff>(launch % 2 == 0, || Ok(()), || {}, || {})
                             .expect("barrier");
                     }
                     counter.load_relaxed()
@@ -439,6 +452,7 @@ mod loom_tests {
             barrier
                 .launch::<LoomYield>(
                     two,
+                    || Ok(()),
                     || {
                         let s = sum();
                         assert_eq!(s, want, "rank {rank} launch {n}: stale input");

@@ -1,0 +1,535 @@
+//! Ranks that disagree: registered buffers of different sizes, different element counts or
+//! types in one launch, plans and tokens passed to another communicator, captures in
+//! different orders, a registration that fails half-way, registrations outliving their
+//! buffers. Each case is played by rank threads of the local group behaving differently,
+//! and each must end in a typed error (or the right result), never in an out-of-bounds
+//! read or a silently wrong sum.
+
+use std::time::Duration;
+
+use tpcomm_allreduce::{AllReduceError, Config, CustomAllReduce, DType, HostBackend, Phase};
+use tpcomm_ipc::{FaultInjection, FaultPoint, HostBuffer, HostMemory, MemoryRegion, PeerMemory};
+use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
+
+type Ar = CustomAllReduce<HostBackend>;
+type R<T> = tpcomm_allreduce::Result<T>;
+
+fn group(n: usize) -> LocalGroup {
+    LocalGroup::new(n).timeout(Duration::from_secs(60))
+}
+
+fn new_ar(comm: &LocalCommunicator, config: Config) -> R<Ar> {
+    CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, config)
+}
+
+fn fill<M: PeerMemory>(memory: &M, buf: &impl MemoryRegion, value: f32, count: usize) -> R<()> {
+    Ok(memory.write(buf, 0, bytemuck::cast_slice(&vec![value; count]))?)
+}
+
+fn read<M: PeerMemory>(memory: &M, buf: &impl MemoryRegion, count: usize) -> R<Vec<f32>> {
+    let mut raw = vec![0u8; count * 4];
+    memory.read(buf, 0, &mut raw)?;
+    Ok(bytemuck::cast_slice(&raw).to_vec())
+}
+
+/// Unwraps the cause of a `Failed` error.
+fn cause(e: &AllReduceError) -> &AllReduceError {
+    match e {
+        AllReduceError::Failed { cause, .. } => cause,
+        other => other,
+    }
+}
+
+fn unwrap_all<T>(results: Vec<tpcomm_transport::Result<R<T>>>) -> Vec<T> {
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, r)| {
+            r.expect("rank thread")
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+        })
+        .collect()
+}
+
+#[test]
+fn a_launch_past_the_smallest_registered_region_is_refused_before_reading() {
+    // Rank 0 registers 4 KiB, rank 1 16 KiB; rank 1 reduces 16 KiB, which would read 12 KiB
+    // past rank 0's region. Rank 1 refuses before anything is read (and stays usable);
+    // rank 0, waiting for it at the start barrier, times out naming rank 1.
+    let results = group(2).run(|comm| -> R<()> {
+        let config = Config {
+            timeout: Duration::from_secs(2),
+            ..Config::default()
+        };
+        let mut ar = new_ar(&comm, config)?;
+        let memory = ar.memory()?.clone();
+        let len = if comm.rank() == 0 { 1024 } else { 4096 };
+        let input = ar.register_buffer(&comm, memory.allocate(len * 4)?)?;
+        fill(&memory, input.buffer(), 1.0, len)?;
+        comm.barrier()?;
+        let mut out = vec![0f32; len];
+        let outcome = ar.all_reduce_registered(&input, &mut out);
+        if comm.rank() == 1 {
+            match outcome {
+                Err(AllReduceError::RegionTooSmall {
+                    buffer: "input",
+                    slot,
+                    bytes: 16384,
+                    rank: 0,
+                    region_bytes: 4096,
+                }) if slot == input.slot() => {}
+                other => panic!("rank 1: expected RegionTooSmall naming rank 0, got {other:?}"),
+            }
+            assert_eq!(ar.phase(), Phase::Active);
+        } else {
+            match outcome.as_ref().map_err(cause) {
+                Err(AllReduceError::Timeout { peer: 1, .. }) => {}
+                other => panic!("rank 0: expected a timeout naming rank 1, got {other:?}"),
+            }
+        }
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
+fn registered_regions_of_different_sizes_reduce_up_to_the_smallest() {
+    let results = group(2).run(|comm| -> R<Vec<f32>> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let len = if comm.rank() == 0 { 1024 } else { 4096 };
+        let input = ar.register_buffer(&comm, memory.allocate(len * 4)?)?;
+        fill(&memory, input.buffer(), comm.rank() as f32 + 1.0, len)?;
+        comm.barrier()?;
+        let mut out = vec![0f32; 1024];
+        ar.all_reduce_registered(&input, &mut out)?;
+        Ok(out)
+    });
+    for out in unwrap_all(results) {
+        assert_eq!(out, vec![3.0f32; 1024]);
+    }
+}
+
+/// Each rank reduces `counts[rank]` f32 elements (eager); returns each rank's outcome and
+/// phase after it.
+fn eager_with_counts(counts: &[usize]) -> Vec<(R<()>, Phase)> {
+    let counts = counts.to_vec();
+    let results = group(counts.len()).run(move |comm| -> R<(R<()>, Phase)> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let count = counts[comm.rank()];
+        let input = vec![comm.rank() as f32 + 1.0; count];
+        let mut out = vec![0f32; count];
+        let outcome = ar.all_reduce(&input, &mut out).map(drop);
+        Ok((outcome, ar.phase()))
+    });
+    unwrap_all(results)
+}
+
+#[test]
+fn ranks_reducing_different_counts_fail_on_every_rank_naming_both_sizes() {
+    // Before: Ok on both ranks, rank 1's second half holding stale peer data.
+    let outcomes = eager_with_counts(&[1024, 2048]);
+    for (rank, (outcome, phase)) in outcomes.iter().enumerate() {
+        let (mine, theirs) = if rank == 0 {
+            (4096, 8192)
+        } else {
+            (8192, 4096)
+        };
+        match outcome.as_ref().map_err(cause) {
+            Err(AllReduceError::LaunchMismatch {
+                rank: r,
+                bytes,
+                dtype: "f32",
+                slot: Some(0),
+                peer,
+                peer_bytes,
+                peer_dtype: "f32",
+                peer_slot: Some(0),
+            }) if *r == rank && *bytes == mine && *peer == 1 - rank && *peer_bytes == theirs => {}
+            other => panic!("rank {rank}: expected a LaunchMismatch, got {other:?}"),
+        }
+        assert_eq!(*phase, Phase::Failed, "rank {rank}");
+    }
+}
+
+#[test]
+fn ranks_reducing_different_element_types_of_equal_bytes_fail_on_every_rank() {
+    let results = group(2).run(|comm| -> R<R<()>> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        Ok(if comm.rank() == 0 {
+            ar.all_reduce(&[1f32; 1024], &mut [0f32; 1024]).map(drop)
+        } else {
+            let one = half::f16::from_f32(1.0);
+            ar.all_reduce(&[one; 2048], &mut [one; 2048]).map(drop)
+        })
+    });
+    for (rank, outcome) in unwrap_all(results).into_iter().enumerate() {
+        let (dtype, peer_dtype) = if rank == 0 {
+            ("f32", "f16")
+        } else {
+            ("f16", "f32")
+        };
+        match outcome.as_ref().map_err(cause) {
+            Err(AllReduceError::LaunchMismatch {
+                bytes: 4096,
+                peer_bytes: 4096,
+                dtype: d,
+                peer_dtype: p,
+                ..
+            }) if **d == *dtype && **p == *peer_dtype => {}
+            other => panic!("rank {rank}: expected a LaunchMismatch, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn ranks_whose_sizes_choose_different_algorithms_all_fail_without_waiting_out_the_timeout() {
+    // Four ranks: 4 KiB is one-stage, 1 MiB two-stage. Without the shape check rank 0 would
+    // wait in the end barrier and the others in the mid barrier until the 30 s timeout.
+    let outcomes = eager_with_counts(&[1024, 256 << 10, 256 << 10, 256 << 10]);
+    for (rank, (outcome, _)) in outcomes.iter().enumerate() {
+        match outcome.as_ref().map_err(cause) {
+            Err(AllReduceError::LaunchMismatch { rank: r, peer, .. })
+                if *r == rank && (rank == 0) != (*peer == 0) => {}
+            other => panic!("rank {rank}: expected a LaunchMismatch, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_plan_or_registered_input_used_on_another_communicator_is_refused() {
+    // Before: the other communicator's slot is free (zero addresses): null dereference.
+    let results = group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let mut other = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let input = memory.allocate(4096)?;
+        let out = memory.allocate(4096)?;
+        fill(&memory, &input, comm.rank() as f32 + 1.0, 1024)?;
+        let plan = ar.capture(|cap| cap.all_reduce(&input, &out, DType::F32, 1024).map(drop))?;
+        ar.register_graph_buffers(&comm)?;
+        comm.barrier()?;
+        match plan.replay(&mut other) {
+            Err(AllReduceError::ForeignToken {
+                what: "a captured plan",
+                ..
+            }) => {}
+            got => panic!("expected a refusal, got {got:?}"),
+        }
+        let registered = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+        match other.all_reduce_registered(&registered, &mut [0f32; 1024]) {
+            Err(AllReduceError::ForeignToken {
+                what: "a registered input",
+                ..
+            }) => {}
+            got => panic!("expected a refusal, got {got:?}"),
+        }
+        assert_eq!(other.phase(), Phase::Active);
+        // On its own communicator the plan replays.
+        plan.replay(&mut ar)?;
+        assert_eq!(read(&memory, &out, 1024)?, vec![3.0f32; 1024]);
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
+fn inputs_captured_in_different_orders_reduce_call_by_call() {
+    // Rank 0 captures [a, b, a, d], rank 1 [a, b, c, b]. Deduplicating by address gave
+    // rank 0 three slots and rank 1 three others, paired wrongly: call #2 returned 3 on one
+    // rank and 30-odd on the other. One slot per call pairs call k with call k.
+    let values = [[1.0f32, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]];
+    let orders = [[0usize, 1, 0, 3], [0, 1, 2, 1]];
+    let results = group(2).run(|comm| -> R<Vec<Vec<f32>>> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let n = 256;
+        let inputs: Vec<HostBuffer> = (0..4)
+            .map(|_| memory.allocate(n * 4))
+            .collect::<Result<_, _>>()?;
+        let outs: Vec<HostBuffer> = (0..4)
+            .map(|_| memory.allocate(n * 4))
+            .collect::<Result<_, _>>()?;
+        for (buf, &v) in inputs.iter().zip(&values[comm.rank()]) {
+            fill(&memory, buf, v, n)?;
+        }
+        let order = orders[comm.rank()];
+        let plan = ar.capture(|cap| {
+            for (call, &input) in order.iter().enumerate() {
+                cap.all_reduce(&inputs[input], &outs[call], DType::F32, n)?;
+            }
+            Ok(())
+        })?;
+        assert_eq!(ar.pending_graph_buffers(), 4, "one slot per captured call");
+        assert_eq!(ar.register_graph_buffers(&comm)?, 4);
+        comm.barrier()?;
+        plan.replay(&mut ar)?;
+        outs.iter().map(|o| read(&memory, o, n)).collect()
+    });
+    for (rank, outs) in unwrap_all(results).into_iter().enumerate() {
+        for (call, out) in outs.iter().enumerate() {
+            let want = values[0][orders[0][call]] + values[1][orders[1][call]];
+            assert_eq!(out, &vec![want; 256], "rank {rank}, call #{call}");
+        }
+    }
+}
+
+#[test]
+fn calls_captured_with_different_sizes_fail_registration_on_every_rank() {
+    let results = group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let input = memory.allocate(8192)?;
+        let out = memory.allocate(8192)?;
+        let count = if comm.rank() == 0 { 1024 } else { 2048 };
+        let plan = ar.capture(|cap| cap.all_reduce(&input, &out, DType::F32, count).map(drop))?;
+        match ar.register_graph_buffers(&comm).as_ref().map_err(cause) {
+            Err(AllReduceError::CaptureMismatch {
+                call: 0,
+                rank,
+                bytes,
+                peer,
+                peer_bytes,
+            }) if *rank == comm.rank()
+                && *bytes == count * 4
+                && *peer == 1 - comm.rank()
+                && *peer_bytes == if comm.rank() == 0 { 8192 } else { 4096 } => {}
+            other => panic!("expected a CaptureMismatch, got {other:?}"),
+        }
+        assert_eq!(ar.phase(), Phase::Failed);
+        assert!(plan.replay(&mut ar).is_err());
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
+fn a_failed_graph_registration_keeps_replays_refused_and_can_be_repeated() {
+    // Before: the pending slots were emptied before the exchange failed, so check_replay
+    // passed and replays read address 0.
+    let results = group(2).run(|comm| -> R<()> {
+        let memory = FaultInjection::new(HostMemory::new());
+        let mut ar = CustomAllReduce::new(
+            HostBackend::<FaultInjection<HostMemory>>::new(),
+            memory.clone(),
+            &comm,
+            Config::default(),
+        )?;
+        let a = memory.allocate(4096)?;
+        let b = memory.allocate(4096)?;
+        let out_a = memory.allocate(4096)?;
+        let out_b = memory.allocate(4096)?;
+        fill(&memory, &a, comm.rank() as f32 + 1.0, 1024)?;
+        fill(&memory, &b, 10.0 * (comm.rank() as f32 + 1.0), 1024)?;
+        let plan = ar.capture(|cap| {
+            cap.all_reduce(&a, &out_a, DType::F32, 1024)?;
+            cap.all_reduce(&b, &out_b, DType::F32, 1024)?;
+            Ok(())
+        })?;
+        if comm.rank() == 1 {
+            memory.arm(FaultPoint::Open, 1);
+        }
+        match ar.register_graph_buffers(&comm) {
+            Err(AllReduceError::Ipc(_)) => {}
+            other => panic!("expected the injected open failure, got {other:?}"),
+        }
+        assert_eq!(ar.phase(), Phase::Active);
+        assert_eq!(ar.pending_graph_buffers(), 2);
+        assert!(matches!(
+            ar.check_replay(),
+            Err(AllReduceError::UnregisteredGraphBuffers)
+        ));
+        assert!(matches!(
+            plan.replay(&mut ar),
+            Err(AllReduceError::UnregisteredGraphBuffers)
+        ));
+        // Registration can be repeated; then the plan replays.
+        assert_eq!(ar.register_graph_buffers(&comm)?, 2);
+        ar.check_replay()?;
+        comm.barrier()?;
+        plan.replay(&mut ar)?;
+        assert_eq!(read(&memory, &out_a, 1024)?, vec![3.0f32; 1024]);
+        assert_eq!(read(&memory, &out_b, 1024)?, vec![30.0f32; 1024]);
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
+fn a_dropped_registration_keeps_its_buffer_alive_through_suspend_and_resume() {
+    // Before: the registered buffer could be freed (the token only borrowed it) and the
+    // resume re-exported freed memory: every rank Failed.
+    let results = group(2).run(|comm| -> R<Vec<f32>> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let input = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+        drop(input);
+        ar.prepare_for_suspend(&comm)?;
+        ar.reinit_after_resume(&comm)?;
+        assert_eq!(ar.phase(), Phase::Active);
+        let mut out = vec![0f32; 1024];
+        ar.all_reduce(&[comm.rank() as f32 + 1.0; 1024], &mut out)?;
+        Ok(out)
+    });
+    for out in unwrap_all(results) {
+        assert_eq!(out, vec![3.0f32; 1024]);
+    }
+}
+
+#[test]
+fn an_unregistered_buffer_is_not_exported_again_nor_taken_for_a_new_buffer() {
+    let results = group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let out = memory.allocate(64 << 10)?;
+        let open_before = ar.peer_mappings()?.counters().open;
+        let input = ar.register_buffer(&comm, memory.allocate(64 << 10)?)?;
+        let (slot, addr) = (input.slot(), input.buffer().addr());
+        assert_eq!(ar.peer_mappings()?.counters().open, open_before + 1);
+        fill(&memory, input.buffer(), comm.rank() as f32 + 1.0, 16 << 10)?;
+        comm.barrier()?;
+        ar.all_reduce_buffer(input.buffer(), &out, DType::F32, 16 << 10)?;
+        assert_eq!(read(&memory, &out, 16 << 10)?, vec![3.0f32; 16 << 10]);
+
+        let buffer = ar.unregister(&comm, input)?;
+        assert_eq!(buffer.addr(), addr, "the registered buffer comes back");
+        assert_eq!(ar.peer_mappings()?.counters().open, open_before);
+        assert_eq!(ar.rank_data_slot(slot)?, vec![0; 2], "the slot is cleared");
+        // Free it and allocate again, one rank at a time so that the allocator is likely to
+        // hand the same address back; whether it does or not, the new buffer is an
+        // ordinary (staged) input: the peers' old mappings are gone.
+        let mut buffer = Some(buffer);
+        let mut fresh = None;
+        for turn in 0..comm.size() {
+            if turn == comm.rank() {
+                buffer = None;
+                fresh = Some(memory.allocate(64 << 10)?);
+            }
+            comm.barrier()?;
+        }
+        assert!(buffer.is_none());
+        let fresh = fresh.expect("allocated in this rank's turn");
+        fill(&memory, &fresh, 10.0 * (comm.rank() as f32 + 1.0), 16 << 10)?;
+        comm.barrier()?;
+        ar.all_reduce_buffer(&fresh, &out, DType::F32, 16 << 10)?;
+        assert_eq!(
+            read(&memory, &out, 16 << 10)?,
+            vec![30.0f32; 16 << 10],
+            "new buffer at {:#x} (the unregistered one was at {addr:#x})",
+            fresh.addr()
+        );
+        comm.barrier()?;
+        // Nothing of the unregistered buffer is exported on resume.
+        ar.prepare_for_suspend(&comm)?;
+        ar.reinit_after_resume(&comm)?;
+        ar.all_reduce_buffer(&fresh, &out, DType::F32, 16 << 10)?;
+        assert_eq!(read(&memory, &out, 16 << 10)?, vec![30.0f32; 16 << 10]);
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
+fn ranks_unregistering_or_reducing_different_registrations_are_refused() {
+    let results = group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let x = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+        let y = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+        let (kept, spent) = if comm.rank() == 0 { (y, x) } else { (x, y) };
+        let spent_slot = spent.slot();
+        match ar.unregister(&comm, spent) {
+            Err(AllReduceError::Disagreement { values, .. }) => {
+                assert_eq!(values.len(), 2);
+                assert_ne!(values[0], values[1]);
+            }
+            other => panic!("expected a disagreement, got {other:?}"),
+        }
+        assert_eq!(ar.phase(), Phase::Active);
+        assert!(ar.rank_data_slot(spent_slot)?.iter().all(|&p| p != 0));
+        // Reducing different registrations (rank 0 `y`, rank 1 `x`: equal sizes, other
+        // slots) would sum other buffers than each rank passed: the slot travels with the
+        // launch's shape, so both ranks refuse.
+        match ar
+            .all_reduce_registered(&kept, &mut [0f32; 1024])
+            .as_ref()
+            .map_err(cause)
+        {
+            Err(AllReduceError::LaunchMismatch {
+                slot, peer_slot, ..
+            }) if *slot == Some(kept.slot()) && *peer_slot == Some(spent_slot) => {}
+            other => panic!("expected a LaunchMismatch naming both slots, got {other:?}"),
+        }
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+/// The host backend with a Signal layout `extra` bytes larger: a rank built with another
+/// layout.
+#[derive(Debug, Default)]
+struct LargerSignal {
+    inner: HostBackend,
+    extra: usize,
+}
+
+impl tpcomm_allreduce::Backend for LargerSignal {
+    type Memory = HostMemory;
+
+    fn name(&self) -> &'static str {
+        "host-larger-signal"
+    }
+    fn signal_bytes(&self) -> usize {
+        self.inner.signal_bytes() + self.extra
+    }
+    fn nonce_offset(&self) -> usize {
+        self.inner.nonce_offset()
+    }
+    fn reset_signal(&self, memory: &HostMemory, signal: &HostBuffer) -> R<()> {
+        self.inner.reset_signal(memory, signal)
+    }
+    fn launch(
+        &self,
+        _memory: &HostMemory,
+        _launch: &tpcomm_allreduce::backend::Launch<'_, Self>,
+    ) -> R<()> {
+        unreachable!("the communicator is never created")
+    }
+    fn stage(
+        &self,
+        memory: &HostMemory,
+        input: &HostBuffer,
+        staging: &HostBuffer,
+        bytes: usize,
+    ) -> R<()> {
+        self.inner.stage(memory, input, staging, bytes)
+    }
+}
+
+#[test]
+fn a_peer_with_a_smaller_signal_layout_is_refused_at_creation() {
+    let results = LocalGroup::new(2)
+        .timeout(Duration::from_secs(10))
+        .run(|comm| {
+            let backend = LargerSignal {
+                inner: HostBackend::new(),
+                extra: if comm.rank() == 1 { 4096 } else { 0 },
+            };
+            CustomAllReduce::new(backend, HostMemory::new(), &comm, Config::default()).map(drop)
+        });
+    let outcomes: Vec<R<()>> = results
+        .into_iter()
+        .map(|r| r.expect("rank thread"))
+        .collect();
+    match &outcomes[1] {
+        Err(AllReduceError::SignalTooSmall {
+            rank: 0,
+            bytes,
+            needed,
+        }) if bytes < needed => {}
+        other => panic!("rank 1: expected SignalTooSmall naming rank 0, got {other:?}"),
+    }
+    // Rank 0 (whose own layout fits every block) is left without its peer: an error, not a
+    // communicator that would launch into rank 1's larger layout.
+    assert!(outcomes[0].is_err(), "rank 0: {:?}", outcomes[0]);
+}

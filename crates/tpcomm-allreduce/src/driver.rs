@@ -958,9 +958,11 @@ impl<B: Backend> CustomAllReduce<B> {
         // anybody closes. A failed drain or close still joins both steps (peers are not left
         // waiting); only this rank fails.
         let drained = self.backend.synchronize(res.peers.backend(), &res.signal);
-        res.peers.agree(comm, tpcomm_ipc::Step::SuspendDrained, &())?;
+        res.peers
+            .agree(comm, tpcomm_ipc::Step::SuspendDrained, &())?;
         let closed = res.peers.close_all();
-        res.peers.agree(comm, tpcomm_ipc::Step::SuspendClosed, &())?;
+        res.peers
+            .agree(comm, tpcomm_ipc::Step::SuspendClosed, &())?;
         tracing::debug!(closed = ?closed.as_ref().ok(), "mappings closed for suspend");
         drained?;
         closed.map(drop).map_err(AllReduceError::from)
@@ -1025,8 +1027,7 @@ impl<B: Backend> CustomAllReduce<B> {
             phase: Phase::Closed,
         })?;
         // A failed proof still joins the last step: peers are not left waiting.
-        res.peers
-            .agree(comm, tpcomm_ipc::Step::ResumeProved, &())?;
+        res.peers.agree(comm, tpcomm_ipc::Step::ResumeProved, &())?;
         prepared?;
         proof
     }

@@ -105,22 +105,19 @@ impl DeviceAllReduce {
     /// Failed, so every later call returns it.
     pub fn prepare_for_suspend<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
         let (custom, nccl) = (&mut self.custom, &mut self.nccl);
-        let outcome = join_every_step(&mut [
-            &mut || custom.prepare_for_suspend(comm),
-            &mut || {
-                if nccl.is_suspended() {
-                    // Repeating a successful suspend is a no-op, as for the custom path.
-                } else if nccl.library().supports_suspend() {
-                    nccl.suspend()?;
-                } else {
-                    tracing::debug!(
-                        version = nccl.library().version(),
-                        "NCCL has no ncclCommSuspend: its memory stays allocated while suspended"
-                    );
-                }
-                Ok(())
-            },
-        ]);
+        let outcome = join_every_step(&mut [&mut || custom.prepare_for_suspend(comm), &mut || {
+            if nccl.is_suspended() {
+                // Repeating a successful suspend is a no-op, as for the custom path.
+            } else if nccl.library().supports_suspend() {
+                nccl.suspend()?;
+            } else {
+                tracing::debug!(
+                    version = nccl.library().version(),
+                    "NCCL has no ncclCommSuspend: its memory stays allocated while suspended"
+                );
+            }
+            Ok(())
+        }]);
         outcome.map_err(|e| self.custom.fail("prepare_for_suspend", e))
     }
 

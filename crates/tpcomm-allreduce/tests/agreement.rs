@@ -5,8 +5,7 @@ use std::time::Duration;
 
 use tpcomm_allreduce::backend::{Buffer, Launch};
 use tpcomm_allreduce::{
-    Algorithm, AllReduceError, Backend, Config, CustomAllReduce, DType, FallbackReason,
-    HostBackend,
+    Algorithm, AllReduceError, Backend, Config, CustomAllReduce, DType, FallbackReason, HostBackend,
 };
 use tpcomm_ipc::HostMemory;
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
@@ -37,7 +36,10 @@ fn new_with(config: impl Fn(usize) -> Config + Sync) -> Vec<R<()>> {
 fn assert_mismatch(outcomes: &[R<()>], field: &str, values: &[&str]) {
     for (rank, outcome) in outcomes.iter().enumerate() {
         match outcome {
-            Err(AllReduceError::ConfigMismatch { field: f, values: v }) => {
+            Err(AllReduceError::ConfigMismatch {
+                field: f,
+                values: v,
+            }) => {
                 assert_eq!(f, field, "rank {rank}");
                 let expected: Vec<(usize, String)> = values
                     .iter()
@@ -196,9 +198,8 @@ fn backends_of_another_name_or_shape_are_refused_on_every_rank() {
     let names: Vec<R<()>> = names.into_iter().map(Result::unwrap).collect();
     assert_mismatch(&names, "backend", &["host", "host-v2"]);
 
-    let shapes = group(2).run(|comm| {
-        new_renamed(&comm, "host", if comm.rank() == 0 { "a" } else { "b" })
-    });
+    let shapes =
+        group(2).run(|comm| new_renamed(&comm, "host", if comm.rank() == 0 { "a" } else { "b" }));
     let shapes: Vec<R<()>> = shapes.into_iter().map(Result::unwrap).collect();
     assert_mismatch(&shapes, "layout", &["a", "b"]);
 

@@ -79,7 +79,10 @@ fn a_hundred_creations_refused_for_mismatched_settings_leak_nothing() {
             };
             // A few first: lazily created process state (allocator arenas, ...) is not a leak.
             for _ in 0..WARM_UP {
-                assert!(matches!(attempt(), Err(AllReduceError::ConfigMismatch { .. })));
+                assert!(matches!(
+                    attempt(),
+                    Err(AllReduceError::ConfigMismatch { .. })
+                ));
             }
             comm.barrier()?;
             let before = (comm.rank() == 0).then(counts);

@@ -85,7 +85,10 @@ pub enum IpcError {
     /// something else on the communicator): every rank in a tagged step reads the same tags
     /// and returns this error, naming the first rank that is elsewhere. Nothing of the step
     /// was decoded or opened.
-    #[error("rank {rank} is in {}, while this rank is in {expected}", crate::step::describe(found))]
+    #[error(
+        "rank {rank} is in {}, while this rank is in {expected}",
+        crate::step::describe(found)
+    )]
     StepMismatch {
         /// The first rank whose tag differs.
         rank: usize,

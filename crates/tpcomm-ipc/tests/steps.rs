@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use tpcomm_ipc::{
-    tagged_all_gather, HostMemory, IpcError, MemoryRegion, PeerMappings, PeerMemory, Region,
-    Step, StepTag,
+    tagged_all_gather, HostMemory, IpcError, MemoryRegion, PeerMappings, PeerMemory, Region, Step,
+    StepTag,
 };
 use tpcomm_transport::{Communicator, LocalGroup};
 
@@ -49,9 +49,15 @@ fn a_peer_in_another_registry_step_is_named_and_nothing_is_opened() {
         let (rank, expected, found) = mismatch(outcome.unwrap_err());
         let found = found.expect("a tagged step");
         if comm.rank() == 1 {
-            assert_eq!((rank, expected.step, found.step), (0, Step::Reopen, Step::Exchange));
+            assert_eq!(
+                (rank, expected.step, found.step),
+                (0, Step::Reopen, Step::Exchange)
+            );
         } else {
-            assert_eq!((rank, expected.step, found.step), (1, Step::Exchange, Step::Reopen));
+            assert_eq!(
+                (rank, expected.step, found.step),
+                (1, Step::Exchange, Step::Reopen)
+            );
             assert_eq!(peers.counters().open, open_before, "nothing was opened");
         }
         assert_eq!(found.group, expected.group, "same registry, same group");

@@ -104,8 +104,9 @@ impl DeviceAllReduce {
     /// are in it), then reports the first failure; any failure leaves the custom all-reduce
     /// Failed, so every later call returns it.
     pub fn prepare_for_suspend<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
-        let (custom, nccl) = (&mut self.custom, &mut self.nccl);
-        let outcome = join_every_step(&mut [&mut || custom.prepare_for_suspend(comm), &mut || {
+        let (custom, nccl) = (&mut self.custom, &self.nccl);
+        let mut suspend_custom = || custom.prepare_for_suspend(comm);
+        let mut suspend_nccl = || {
             if nccl.is_suspended() {
                 // Repeating a successful suspend is a no-op, as for the custom path.
             } else if nccl.library().supports_suspend() {
@@ -117,7 +118,8 @@ impl DeviceAllReduce {
                 );
             }
             Ok(())
-        }]);
+        };
+        let outcome = join_every_step(&mut [&mut suspend_custom, &mut suspend_nccl]);
         outcome.map_err(|e| self.custom.fail("prepare_for_suspend", e))
     }
 
@@ -127,16 +129,15 @@ impl DeviceAllReduce {
     /// resume fails still joins the custom steps, then reports the first failure (the custom
     /// all-reduce is then Failed).
     pub fn reinit_after_resume<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
-        let (custom, nccl) = (&mut self.custom, &mut self.nccl);
-        let outcome = join_every_step(&mut [
-            &mut || {
-                if nccl.is_suspended() {
-                    nccl.resume()?;
-                }
-                Ok(())
-            },
-            &mut || custom.reinit_after_resume(comm),
-        ]);
+        let (custom, nccl) = (&mut self.custom, &self.nccl);
+        let mut resume_nccl = || {
+            if nccl.is_suspended() {
+                nccl.resume()?;
+            }
+            Ok(())
+        };
+        let mut resume_custom = || custom.reinit_after_resume(comm);
+        let outcome = join_every_step(&mut [&mut resume_nccl, &mut resume_custom]);
         outcome.map_err(|e| self.custom.fail("reinit_after_resume", e))
     }
 

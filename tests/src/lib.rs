@@ -9,6 +9,7 @@
 //! After each case the ranks all-gather a pass flag, so a case passes only if it passed on
 //! every rank, and every rank reports the same verdicts.
 
+pub mod agreement;
 pub mod allreduce;
 pub mod ipc;
 pub mod objects;
@@ -206,6 +207,14 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
         (
             "allreduce_host_matches_reference_and_survives_suspend_resume",
             allreduce::host_matches_reference_and_survives_suspend_resume,
+        ),
+        (
+            "allreduce_mismatched_config_is_refused_on_every_rank",
+            agreement::mismatched_config_is_refused_on_every_rank,
+        ),
+        (
+            "allreduce_resume_paired_with_another_step_names_the_rank",
+            agreement::resume_paired_with_another_step_names_the_rank,
         ),
     ];
     let mut reports = Vec::with_capacity(cases.len());

@@ -141,6 +141,14 @@ impl DeviceAllReduce {
         outcome.map_err(|e| self.custom.fail("reinit_after_resume", e))
     }
 
+    /// Collective close of the custom path ([`CustomAllReduce::close_with`]): no peer frees
+    /// its Signal, staging or temp buffers while this rank may still read them (on CUDA, a
+    /// peer's `cuMemFree` under this rank's open IPC mapping is undefined behaviour). The
+    /// NCCL communicator is released when `self` is dropped.
+    pub fn close_with<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        self.custom.close_with(comm)
+    }
+
     /// Waits for everything issued on the stream and reports a kernel timeout.
     pub fn synchronize(&mut self) -> Result<()> {
         self.custom.synchronize()?;

@@ -9,6 +9,7 @@
 //! After each case the ranks all-gather a pass flag, so a case passes only if it passed on
 //! every rank, and every rank reports the same verdicts.
 
+pub mod agreement;
 pub mod allreduce;
 pub mod ipc;
 #[cfg(feature = "mpi")]
@@ -224,6 +225,14 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
         (
             "allreduce_host_launches_of_different_sizes_fail_on_every_rank",
             allreduce::host_launches_of_different_sizes_fail_on_every_rank,
+        ),
+        (
+            "allreduce_mismatched_config_is_refused_on_every_rank",
+            agreement::mismatched_config_is_refused_on_every_rank,
+        ),
+        (
+            "allreduce_resume_paired_with_another_step_names_the_rank",
+            agreement::resume_paired_with_another_step_names_the_rank,
         ),
     ];
     let mut reports = Vec::with_capacity(cases.len());

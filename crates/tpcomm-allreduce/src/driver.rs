@@ -13,7 +13,15 @@ use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
 use crate::lifecycle::{Lifecycle, Phase, Step, Transition};
 
-/// Settings of a [`CustomAllReduce`]; every rank must pass equal settings.
+/// Settings of a [`CustomAllReduce`].
+///
+/// [`CustomAllReduce::new`] checks across ranks that `max_bytes`, `slots` and `algorithm`
+/// are equal (and the backend's shape, [`Backend::agreed_shape`]): a launch on one rank
+/// reads up to its own `max_bytes` from every peer's staging and temp buffers, every rank
+/// must take the same algorithm (the two-stage one has an extra barrier and reads temp
+/// buffers), and slots are handed out in lockstep, so a smaller pool would fail one rank
+/// alone. A mismatch is [`AllReduceError::ConfigMismatch`] on every rank. `timeout` may
+/// differ: it only bounds this rank's own waits.
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Largest all-reduce served, in bytes (sizes the staging and temp buffers; default
@@ -40,6 +48,18 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The settings every rank must share, as (field, value) pairs (see the type's doc).
+    fn agreed_fields(&self) -> Vec<(String, String)> {
+        vec![
+            ("max_bytes".into(), self.max_bytes.to_string()),
+            ("slots".into(), self.slots.to_string()),
+            (
+                "algorithm".into(),
+                self.algorithm.map_or("by size", Algorithm::name).into(),
+            ),
+        ]
+    }
+
     /// The algorithm for `bytes` of `dtype` on `world` ranks, if `backend` has a launch for
     /// it; the fallback reason otherwise.
     fn choose<B: Backend>(
@@ -89,6 +109,91 @@ struct Resources<B: Backend> {
     rank_signals: Buffer<B>,
     rank_data: Buffer<B>,
     base: ExchangeId,
+}
+
+/// This rank's own buffers, allocated before the agreement of [`CustomAllReduce::new`].
+struct Allocations<B: Backend> {
+    signal: Buffer<B>,
+    staging: Buffer<B>,
+    temp: Buffer<B>,
+    rank_signals: Buffer<B>,
+    rank_data: Buffer<B>,
+}
+
+impl<B: Backend> Allocations<B> {
+    fn new(backend: &B, memory: &B::Memory, config: &Config) -> Result<Self> {
+        if config.slots < 1 || config.max_bytes < 16 {
+            return Err(AllReduceError::InvalidArgument(
+                "need at least 1 slot and 16 bytes".into(),
+            ));
+        }
+        let pool_bytes = config
+            .slots
+            .checked_mul(RANK_DATA_BYTES)
+            .ok_or_else(|| AllReduceError::InvalidArgument("slot pool size overflows".into()))?;
+        let signal = memory.allocate(backend.signal_bytes())?;
+        let staging = memory.allocate(config.max_bytes)?;
+        let temp = memory.allocate(config.max_bytes)?;
+        let rank_signals = memory.allocate(RANK_SIGNALS_BYTES)?;
+        let rank_data = memory.allocate(pool_bytes)?;
+        backend.reset_signal(memory, &signal)?;
+        Ok(Self {
+            signal,
+            staging,
+            temp,
+            rank_signals,
+            rank_data,
+        })
+    }
+}
+
+/// Every rank's (setup error, agreed fields), as all-gathered by `new`.
+type Agreement = (Option<String>, Vec<(String, String)>);
+
+/// The first rank that reported a setup error, with it.
+fn first_setup_error(errors: &[Option<String>]) -> Option<(usize, String)> {
+    errors
+        .iter()
+        .enumerate()
+        .find_map(|(rank, e)| e.clone().map(|e| (rank, e)))
+}
+
+/// Fails (identically on every rank: they all read the same values) when a rank could not
+/// set up, or when ranks differ in a field that must be equal.
+fn check_agreement(all: &[Agreement]) -> Result<()> {
+    let errors: Vec<Option<String>> = all.iter().map(|(e, _)| e.clone()).collect();
+    if let Some((rank, reason)) = first_setup_error(&errors) {
+        return Err(AllReduceError::PeerSetup { rank, reason });
+    }
+    // Fields in the order rank 0 sent them, then any only some other rank sent.
+    let mut names: Vec<&str> = Vec::new();
+    for (_, fields) in all {
+        for (name, _) in fields {
+            if !names.contains(&name.as_str()) {
+                names.push(name);
+            }
+        }
+    }
+    for name in names {
+        let values: Vec<(usize, String)> = all
+            .iter()
+            .enumerate()
+            .map(|(rank, (_, fields))| {
+                let value = fields
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map_or_else(|| "nothing".to_string(), |(_, v)| v.clone());
+                (rank, value)
+            })
+            .collect();
+        if values.iter().any(|(_, v)| *v != values[0].1) {
+            return Err(AllReduceError::ConfigMismatch {
+                field: name.to_string(),
+                values,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A buffer shared with every peer up front ([`CustomAllReduce::register_buffer`]):
@@ -287,7 +392,14 @@ pub struct CustomAllReduce<B: Backend> {
 
 impl<B: Backend> CustomAllReduce<B> {
     /// Collective: allocates this rank's Signal, staging and temp buffers and the tables,
-    /// exchanges the buffers with every peer and fills the tables.
+    /// agrees the settings with every rank, exchanges the buffers with every peer and fills
+    /// the tables.
+    ///
+    /// Every rank returns the same error when ranks differ in `max_bytes`, `slots`,
+    /// `algorithm` or the backend's shape ([`AllReduceError::ConfigMismatch`] naming the
+    /// field and every rank's value), or when a rank could not set up (its own error there,
+    /// [`AllReduceError::PeerSetup`] naming it elsewhere): the agreement rides on the first
+    /// collective, and whatever was allocated is freed before returning.
     pub fn new<C: Communicator + ?Sized>(
         backend: B,
         memory: B::Memory,
@@ -296,13 +408,9 @@ impl<B: Backend> CustomAllReduce<B> {
     ) -> Result<Self> {
         let world = comm.size();
         if world > MAX_RANKS {
+            // Decided from the group size alone: every rank returns it, nobody is left waiting.
             return Err(AllReduceError::Fallback(
                 dispatch::FallbackReason::UnsupportedWorldSize { world },
-            ));
-        }
-        if config.slots < 1 || config.max_bytes < 16 {
-            return Err(AllReduceError::InvalidArgument(
-                "need at least 1 slot and 16 bytes".into(),
             ));
         }
         let _span = tracing::debug_span!(
@@ -312,17 +420,30 @@ impl<B: Backend> CustomAllReduce<B> {
             backend = backend.name()
         )
         .entered();
-        let signal = memory.allocate(backend.signal_bytes())?;
-        let staging = memory.allocate(config.max_bytes)?;
-        let temp = memory.allocate(config.max_bytes)?;
-        let rank_signals = memory.allocate(RANK_SIGNALS_BYTES)?;
-        let pool_bytes = config
-            .slots
-            .checked_mul(RANK_DATA_BYTES)
-            .ok_or_else(|| AllReduceError::InvalidArgument("slot pool size overflows".into()))?;
-        let rank_data = memory.allocate(pool_bytes)?;
-        backend.reset_signal(&memory, &signal)?;
-        let mut peers = PeerMappings::new(memory, comm)?;
+        // A local failure (invalid settings, allocation) still joins the agreement below, so
+        // that every rank fails together instead of waiting for this one.
+        let local = Allocations::new(&backend, &memory, &config);
+        let mut fields = config.agreed_fields();
+        fields.push(("backend".into(), backend.name().into()));
+        fields.push(("signal_bytes".into(), backend.signal_bytes().to_string()));
+        fields.push(("nonce_offset".into(), backend.nonce_offset().to_string()));
+        fields.extend(
+            backend
+                .agreed_shape()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v)),
+        );
+        let mine = (local.as_ref().err().map(ToString::to_string), fields);
+        let (mut peers, all) = PeerMappings::new_agreeing(memory, comm, &mine)?;
+        let allocations = local?;
+        check_agreement(&all)?;
+        let Allocations {
+            signal,
+            staging,
+            temp,
+            rank_signals,
+            rank_data,
+        } = allocations;
         let regions = [
             Region {
                 addr: signal.addr(),
@@ -370,8 +491,19 @@ impl<B: Backend> CustomAllReduce<B> {
                 NEXT.fetch_add(1, Ordering::Relaxed)
             },
         };
-        ar.write_tables()?;
-        comm.barrier()?;
+        // Nobody launches before every rank's tables are written; a rank that could not
+        // write them still joins, and every rank fails together.
+        let written = ar.write_tables();
+        let res = ar.res.as_mut().expect("just created");
+        let ready: Vec<Option<String>> = res.peers.agree(
+            comm,
+            tpcomm_ipc::Step::Ready,
+            &written.as_ref().err().map(ToString::to_string),
+        )?;
+        written?;
+        if let Some((rank, reason)) = first_setup_error(&ready) {
+            return Err(AllReduceError::PeerSetup { rank, reason });
+        }
         Ok(ar)
     }
 
@@ -1052,9 +1184,14 @@ impl<B: Backend> CustomAllReduce<B> {
         Ok(pending.len())
     }
 
-    /// Collective: barrier, close every imported mapping (Signal blocks, staging, temp,
-    /// registered and graph buffers), barrier. A no-op while Suspended; a failure leaves the
-    /// communicator Failed.
+    /// Collective: drain, tagged barrier, close every imported mapping (Signal blocks,
+    /// staging, temp, registered and graph buffers), tagged barrier. A no-op while
+    /// Suspended; a failure leaves the communicator Failed.
+    ///
+    /// The barriers are tagged steps of the registry ([`PeerMappings::agree`]): a peer that
+    /// is in another step (it failed an earlier one, or runs another collective) is reported
+    /// as [`IpcError::StepMismatch`](tpcomm_ipc::IpcError::StepMismatch) naming it, never
+    /// paired with this step silently.
     pub fn prepare_for_suspend<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
         self.refuse_while_capturing("prepare_for_suspend")?;
         if self.lifecycle.begin(Transition::Suspend)? == Step::NoOp {
@@ -1066,20 +1203,19 @@ impl<B: Backend> CustomAllReduce<B> {
     }
 
     fn suspend_steps<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
-        // Launches still running read peer mappings: every rank drains its own before
-        // anybody closes. A failed drain still joins both barriers (peers are not left
-        // waiting); only this rank fails.
-        let drained = {
-            let res = self.resources("prepare_for_suspend")?;
-            self.backend.synchronize(res.peers.backend(), &res.signal)
-        };
-        comm.barrier()?;
         let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
             call: "prepare_for_suspend",
             phase: Phase::Closed,
         })?;
+        // Launches still running read peer mappings: every rank drains its own before
+        // anybody closes. A failed drain or close still joins both steps (peers are not left
+        // waiting); only this rank fails.
+        let drained = self.backend.synchronize(res.peers.backend(), &res.signal);
+        res.peers
+            .agree(comm, tpcomm_ipc::Step::SuspendDrained, &())?;
         let closed = res.peers.close_all();
-        comm.barrier()?;
+        res.peers
+            .agree(comm, tpcomm_ipc::Step::SuspendClosed, &())?;
         tracing::debug!(closed = ?closed.as_ref().ok(), "mappings closed for suspend");
         drained?;
         closed.map(drop).map_err(AllReduceError::from)
@@ -1088,7 +1224,9 @@ impl<B: Backend> CustomAllReduce<B> {
     /// Collective: fresh handles, exchange, reopen; rewrite every RankSignals and RankData
     /// entry in place; reset and re-agree the flag counters; prove the new mappings (each
     /// rank writes a fresh nonce into its Signal block and reads every peer's through the new
-    /// mapping); barrier. A no-op while Active; a failure leaves the communicator Failed.
+    /// mapping); tagged barrier. A no-op while Active; a failure leaves the communicator
+    /// Failed. Every exchange is a tagged step, as in
+    /// [`prepare_for_suspend`](Self::prepare_for_suspend).
     pub fn reinit_after_resume<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
         self.refuse_while_capturing("reinit_after_resume")?;
         if self.lifecycle.begin(Transition::Resume)? == Step::NoOp {
@@ -1105,44 +1243,100 @@ impl<B: Backend> CustomAllReduce<B> {
                 call: "reinit_after_resume",
                 phase: Phase::Closed,
             })?;
+            // Failures of the reopen are agreed by the registry: every rank returns here.
             res.peers.reopen_all(comm)?;
         }
-        self.write_tables()?;
+        // A local failure from here on still joins both remaining steps, announcing no
+        // nonce, then reports itself; peers skip its proof (no voting: they stay Active).
+        let prepared = self.write_tables().and_then(|()| {
+            let res = self.resources("reinit_after_resume")?;
+            let memory = res.peers.backend();
+            self.backend.reset_signal(memory, &res.signal)?;
+            let nonce = fresh_nonce(self.rank);
+            self.backend.write_table(
+                memory,
+                &res.signal,
+                self.backend.nonce_offset(),
+                &nonce.to_le_bytes(),
+            )?;
+            Ok(nonce)
+        });
+        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+            call: "reinit_after_resume",
+            phase: Phase::Closed,
+        })?;
+        // Everybody reset its flags and wrote its nonce before anybody reads or launches.
+        let nonces: Vec<Option<u64>> = res.peers.agree(
+            comm,
+            tpcomm_ipc::Step::ResumeNonces,
+            &prepared.as_ref().ok().copied(),
+        )?;
+        let proof = match &prepared {
+            Ok(_) => self.prove(&nonces),
+            Err(_) => Ok(()),
+        };
+        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+            call: "reinit_after_resume",
+            phase: Phase::Closed,
+        })?;
+        // A failed proof still joins the last step: peers are not left waiting.
+        res.peers.agree(comm, tpcomm_ipc::Step::ResumeProved, &())?;
+        prepared?;
+        proof
+    }
+
+    /// Reads every peer's announced nonce through the new mapping of its Signal block.
+    fn prove(&self, nonces: &[Option<u64>]) -> Result<()> {
         let res = self.resources("reinit_after_resume")?;
         let memory = res.peers.backend();
-        self.backend.reset_signal(memory, &res.signal)?;
-        let nonce = fresh_nonce(self.rank);
-        self.backend.write_table(
-            memory,
-            &res.signal,
-            self.backend.nonce_offset(),
-            &nonce.to_le_bytes(),
-        )?;
-        // Everybody reset its flags and wrote its nonce before anybody reads or launches.
-        let nonces: Vec<u64> = tpcomm_objects::all_gather(comm, &nonce)?;
-        let mut proof = Ok(());
-        for (peer, &expected) in nonces.iter().enumerate().filter(|&(p, _)| p != self.rank) {
+        for (peer, expected) in nonces.iter().enumerate() {
+            let Some(expected) = *expected else { continue };
+            if peer == self.rank {
+                continue;
+            }
             let mapping = res.peers.peer(res.base, peer, SIGNAL)?;
             let mut raw = [0u8; 8];
             memory.read(mapping, self.backend.nonce_offset(), &mut raw)?;
             let found = u64::from_le_bytes(raw);
             if found != expected {
-                proof = Err(AllReduceError::NonceMismatch {
+                return Err(AllReduceError::NonceMismatch {
                     peer,
                     expected,
                     found,
                 });
-                break;
             }
         }
-        // A failed proof still joins the last barrier: peers are not left waiting.
-        comm.barrier()?;
-        proof
+        Ok(())
+    }
+
+    /// Records a failure from outside the driver (a wrapper's own collective step): the
+    /// communicator is Failed from now on. An error that already is this communicator's
+    /// failure is returned as it is.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn fail(&mut self, during: &'static str, cause: AllReduceError) -> AllReduceError {
+        if self.lifecycle.phase() == Phase::Failed && matches!(cause, AllReduceError::Failed { .. })
+        {
+            return cause;
+        }
+        self.lifecycle.fail(during, cause)
     }
 
     /// Releases everything (mappings and local buffers) from any phase; later calls fail
-    /// with a Closed error. Not collective. Returns the first error closing met, after
+    /// with a Closed error. **Not collective**: prefer [`close_with`](Self::close_with)
+    /// whenever the communicator is at hand. Returns the first error closing met, after
     /// releasing everything anyway.
+    ///
+    /// What a peer may see after a non-collective close (or a drop) of this rank: every
+    /// launch this rank issued has finished (it drains them first), and a launch ends with a
+    /// barrier that every peer passed, so no peer is still reading for a launch this rank
+    /// joined. A peer that starts a launch this rank never joins writes into this rank's
+    /// Signal block and reads its staging or temp buffer through its own mapping:
+    /// - host backend: the peer's mapping keeps the memfd pages alive until the peer unmaps
+    ///   them, so it reads stale but valid memory and its barrier times out naming this rank
+    ///   ([`AllReduceError::Timeout`]);
+    /// - CUDA: the memory is freed with `cuMemFree` while the peer still has it mapped,
+    ///   which CUDA documents as undefined behaviour: the peer may read garbage, fault, or
+    ///   time out. Close collectively.
     pub fn close(&mut self) -> Result<()> {
         self.lifecycle.close();
         match self.res.take() {
@@ -1158,6 +1352,27 @@ impl<B: Backend> CustomAllReduce<B> {
             }
             None => Ok(()),
         }
+    }
+
+    /// Collective close, from any phase: drains this rank's launches, then a tagged step
+    /// ([`Step::Close`](tpcomm_ipc::Step::Close)) that every rank joins after draining, and
+    /// only then closes the mappings and frees the Signal, staging, temp buffers and tables:
+    /// no peer can still be reading them. Every rank must call it (a peer that never does
+    /// makes this rank's step fail at the transport timeout; a peer in another step is named
+    /// in [`StepMismatch`](tpcomm_ipc::IpcError::StepMismatch)). Everything is released
+    /// whatever fails; the first error is returned. A no-op when already Closed.
+    pub fn close_with<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        let Some(res) = self.res.as_mut() else {
+            self.lifecycle.close();
+            return Ok(());
+        };
+        let _span = tracing::debug_span!("allreduce_close", rank = self.rank).entered();
+        let drained = self.backend.synchronize(res.peers.backend(), &res.signal);
+        let agreed = res.peers.agree(comm, tpcomm_ipc::Step::Close, &());
+        let closed = self.close();
+        drained?;
+        agreed?;
+        closed
     }
 }
 

@@ -167,6 +167,16 @@ pub enum AllReduceError {
         /// Its error, as text.
         reason: String,
     },
+    /// Ranks passed different settings to `CustomAllReduce::new` (a [`Config`](crate::Config)
+    /// field, or the backend's shape) where they must be equal. Every rank returns it, and
+    /// nothing was exchanged or kept.
+    #[error("ranks disagree on {field}: {}", values.iter().map(|(r, v)| format!("rank {r} has {v}")).collect::<Vec<_>>().join(", "))]
+    ConfigMismatch {
+        /// The field (`max_bytes`, `slots`, `algorithm`, `backend`, `signal_bytes`, ...).
+        field: String,
+        /// Every rank's value, in rank order.
+        values: Vec<(usize, String)>,
+    },
     /// Peer memory failed.
     #[error(transparent)]
     Ipc(Arc<IpcError>),

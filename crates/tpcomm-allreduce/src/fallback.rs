@@ -10,6 +10,7 @@ use crate::dispatch::{Algorithm, FallbackReason};
 use crate::driver::{Config, CustomAllReduce};
 use crate::dtype::DType;
 use crate::error::{AllReduceError, Result};
+use crate::lifecycle::join_every_step;
 
 /// Which path served an all-reduce.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,27 +99,54 @@ impl DeviceAllReduce {
     /// Collective: suspends both paths — the custom all-reduce closes every peer mapping
     /// ([`CustomAllReduce::prepare_for_suspend`]), then NCCL releases its memory where the
     /// loaded library has `ncclCommSuspend` (2.29+; older ones keep it, traced).
+    ///
+    /// A rank whose custom part fails still joins the collective `ncclCommSuspend` (its peers
+    /// are in it), then reports the first failure; any failure leaves the custom all-reduce
+    /// Failed, so every later call returns it.
     pub fn prepare_for_suspend<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
-        self.custom.prepare_for_suspend(comm)?;
-        if self.nccl.library().supports_suspend() {
-            self.nccl.suspend()?;
-        } else {
-            tracing::debug!(
-                version = self.nccl.library().version(),
-                "NCCL has no ncclCommSuspend: its memory stays allocated while suspended"
-            );
-        }
-        Ok(())
+        let (custom, nccl) = (&mut self.custom, &self.nccl);
+        let mut suspend_custom = || custom.prepare_for_suspend(comm);
+        let mut suspend_nccl = || {
+            if nccl.is_suspended() {
+                // Repeating a successful suspend is a no-op, as for the custom path.
+            } else if nccl.library().supports_suspend() {
+                nccl.suspend()?;
+            } else {
+                tracing::debug!(
+                    version = nccl.library().version(),
+                    "NCCL has no ncclCommSuspend: its memory stays allocated while suspended"
+                );
+            }
+            Ok(())
+        };
+        let outcome = join_every_step(&mut [&mut suspend_custom, &mut suspend_nccl]);
+        outcome.map_err(|e| self.custom.fail("prepare_for_suspend", e))
     }
 
     /// Collective: the reverse of [`prepare_for_suspend`](Self::prepare_for_suspend): NCCL
     /// resumes (where it was suspended), then the custom all-reduce reopens every mapping and
-    /// rewrites its tables ([`CustomAllReduce::reinit_after_resume`]).
+    /// rewrites its tables ([`CustomAllReduce::reinit_after_resume`]). A rank whose NCCL
+    /// resume fails still joins the custom steps, then reports the first failure (the custom
+    /// all-reduce is then Failed).
     pub fn reinit_after_resume<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
-        if self.nccl.is_suspended() {
-            self.nccl.resume()?;
-        }
-        self.custom.reinit_after_resume(comm)
+        let (custom, nccl) = (&mut self.custom, &self.nccl);
+        let mut resume_nccl = || {
+            if nccl.is_suspended() {
+                nccl.resume()?;
+            }
+            Ok(())
+        };
+        let mut resume_custom = || custom.reinit_after_resume(comm);
+        let outcome = join_every_step(&mut [&mut resume_nccl, &mut resume_custom]);
+        outcome.map_err(|e| self.custom.fail("reinit_after_resume", e))
+    }
+
+    /// Collective close of the custom path ([`CustomAllReduce::close_with`]): no peer frees
+    /// its Signal, staging or temp buffers while this rank may still read them (on CUDA, a
+    /// peer's `cuMemFree` under this rank's open IPC mapping is undefined behaviour). The
+    /// NCCL communicator is released when `self` is dropped.
+    pub fn close_with<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        self.custom.close_with(comm)
     }
 
     /// Waits for everything issued on the stream and reports a kernel timeout.

@@ -165,9 +165,51 @@ impl Lifecycle {
     }
 }
 
+/// Runs every collective step of a transition, in order, even after one failed, and
+/// returns the first failure: peers are in every step, so a rank that returned early would
+/// leave them blocked in the next one (NCCL's `ncclCommSuspend` has no timeout) or pair its
+/// next collective with theirs. A failing rank therefore still joins every step, then
+/// reports its failure.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) fn join_every_step(steps: &mut [&mut dyn FnMut() -> Result<()>]) -> Result<()> {
+    let mut first = None;
+    for step in steps.iter_mut() {
+        if let Err(e) = step() {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failing_step_does_not_skip_the_later_collective_steps() {
+        let mut ran = Vec::new();
+        let ran_cell = std::cell::RefCell::new(&mut ran);
+        let outcome = join_every_step(&mut [
+            &mut || {
+                ran_cell.borrow_mut().push("custom");
+                Err(boom())
+            },
+            &mut || {
+                ran_cell.borrow_mut().push("nccl");
+                Err(AllReduceError::UnregisteredGraphBuffers)
+            },
+            &mut || {
+                ran_cell.borrow_mut().push("last");
+                Ok(())
+            },
+        ]);
+        assert_eq!(ran, ["custom", "nccl", "last"], "every step ran, in order");
+        assert!(
+            matches!(outcome, Err(AllReduceError::InvalidArgument(_))),
+            "the first failure is the one reported: {outcome:?}"
+        );
+        assert!(join_every_step(&mut [&mut || Ok(()), &mut || Ok(())]).is_ok());
+    }
 
     fn boom() -> AllReduceError {
         AllReduceError::InvalidArgument("injected".into())

@@ -93,6 +93,23 @@ pub enum IpcError {
     /// Ranks disagree on an exchange (different numbers of regions).
     #[error("ranks disagree: {0}")]
     Mismatch(String),
+    /// A peer is in another collective step than this rank (it skipped a step, or runs
+    /// something else on the communicator): every rank in a tagged step reads the same tags
+    /// and returns this error, naming the first rank that is elsewhere. Nothing of the step
+    /// was decoded or opened.
+    #[error(
+        "rank {rank} is in {}, while this rank is in {expected}",
+        crate::step::describe(found)
+    )]
+    StepMismatch {
+        /// The first rank whose tag differs.
+        rank: usize,
+        /// The step this rank is in.
+        expected: crate::step::StepTag,
+        /// The step that rank is in; `None` when its bytes carry no tag (a collective that is
+        /// not a tagged tpcomm step).
+        found: Option<crate::step::StepTag>,
+    },
     /// Opening failed on some ranks; every rank returns this error and the exchange was
     /// rolled back everywhere.
     #[error("opening peer handles failed on ranks {ranks:?}{}", local.as_ref().map(|e| format!(" (here: {e})")).unwrap_or_default())]

@@ -24,6 +24,7 @@ mod error;
 mod fault;
 mod memory;
 mod registry;
+mod step;
 
 #[cfg(feature = "cuda")]
 pub use backend::cuda::{
@@ -34,3 +35,4 @@ pub use error::{IpcError, Result, SegmentProblem};
 pub use fault::{FaultInjection, FaultPoint};
 pub use memory::{MemoryRegion, PeerMemory};
 pub use registry::{Counters, Envelope, ExchangeId, PeerMappings, Region};
+pub use step::{tagged_all_gather, Step, StepTag, TAG_BYTES};

@@ -3,11 +3,13 @@
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tpcomm_transport::Communicator;
 
 use crate::error::{IpcError, Result};
 use crate::memory::PeerMemory;
+use crate::step::{tagged_all_gather, tagged_all_gather_as, Step, StepTag};
 
 /// A handle as it travels: tagged with the group that exchanged it and its exporter.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,6 +64,11 @@ struct Exchange {
 ///   alone; [`reopen_all`](Self::reopen_all) (collective) exports fresh handles of the same
 ///   regions, exchanges and reopens. Addresses may change: [`peer`](Self::peer) hands out
 ///   borrows tied to `&self`, so no mapping can be reached after it was closed.
+/// - Every collective step carries a [`StepTag`] (operation, group id, sequence number of
+///   the step in the group): a rank that is in another step (it skipped one, or runs another
+///   collective on the same communicator) is reported by every rank as
+///   [`IpcError::StepMismatch`] naming it and its step, before anything it sent is decoded.
+///   [`agree`](Self::agree) lets the layer above tag its own steps in the same sequence.
 ///
 /// ```
 /// use tpcomm_ipc::{HostMemory, MemoryRegion, PeerMappings, PeerMemory, Region};
@@ -95,6 +102,8 @@ pub struct PeerMappings<B: PeerMemory> {
     memo: HashMap<B::Handle, usize>,
     closed: bool,
     counters: Counters,
+    /// Tagged collective steps run so far (the next step's sequence number).
+    sequence: u64,
 }
 
 /// A per-process random-enough group id: time, pid and a stack address mixed.
@@ -110,12 +119,32 @@ fn fresh_group_id() -> u64 {
 }
 
 impl<B: PeerMemory> PeerMappings<B> {
-    /// Collective: creates the registry of this group; rank 0's fresh group id is broadcast
-    /// so that handles from any other group are recognised and refused.
+    /// Collective: creates the registry of this group; rank 0's fresh group id is agreed so
+    /// that handles from any other group are recognised and refused.
     pub fn new<C: Communicator + ?Sized>(backend: B, comm: &C) -> Result<Self> {
-        let proposal = (comm.rank() == 0).then(fresh_group_id);
-        let group: u64 = tpcomm_objects::broadcast(comm, 0, proposal.as_ref())?;
-        Ok(Self {
+        Ok(Self::new_agreeing(backend, comm, &())?.0)
+    }
+
+    /// [`new`](Self::new), all-gathering `value` in the same (tagged) collective: a layer
+    /// above checks its settings across ranks at no extra round trip. Returns every rank's
+    /// value, in rank order; comparing them is the caller's business.
+    pub fn new_agreeing<C, T>(backend: B, comm: &C, value: &T) -> Result<(Self, Vec<T>)>
+    where
+        C: Communicator + ?Sized,
+        T: Serialize + DeserializeOwned,
+    {
+        let tag = StepTag {
+            step: Step::Create,
+            group: 0,
+            sequence: 0,
+        };
+        let all: Vec<(u64, T)> = tagged_all_gather_as(comm, tag, &(fresh_group_id(), value))?;
+        let mut values = all.into_iter();
+        let (group, first) = values.next().expect("a communicator has at least one rank");
+        let values = std::iter::once(first)
+            .chain(values.map(|(_, v)| v))
+            .collect();
+        let registry = Self {
             backend,
             rank: comm.rank(),
             size: comm.size(),
@@ -125,7 +154,34 @@ impl<B: PeerMemory> PeerMappings<B> {
             memo: HashMap::new(),
             closed: false,
             counters: Counters::default(),
-        })
+            sequence: 1,
+        };
+        Ok((registry, values))
+    }
+
+    /// Collective: all-gathers `value` as the next tagged step `step` of this group (see
+    /// [`StepTag`]); every rank's value in rank order. A rank in another step fails it on
+    /// every rank in a tagged step with [`IpcError::StepMismatch`]. For the collective steps
+    /// of a layer built on the registry (a transition's barriers), so that they are
+    /// sequenced and checked with the registry's own.
+    pub fn agree<C, T>(&mut self, comm: &C, step: Step, value: &T) -> Result<Vec<T>>
+    where
+        C: Communicator + ?Sized,
+        T: Serialize + DeserializeOwned,
+    {
+        let tag = self.next_tag(step);
+        tagged_all_gather(comm, tag, value)
+    }
+
+    /// The tag of the next step; the sequence advances whatever the step's outcome.
+    fn next_tag(&mut self, step: Step) -> StepTag {
+        let tag = StepTag {
+            step,
+            group: self.group,
+            sequence: self.sequence,
+        };
+        self.sequence += 1;
+        tag
     }
 
     /// The backend (for allocations and copies).
@@ -162,7 +218,7 @@ impl<B: PeerMemory> PeerMappings<B> {
         let _span =
             tracing::debug_span!("peer_exchange", rank = self.rank, regions = regions.len())
                 .entered();
-        let slots = self.share_and_open(comm, regions)?;
+        let slots = self.share_and_open(comm, regions, [Step::Exchange, Step::ExchangeVerdict])?;
         self.exchanges.push(Exchange {
             local: regions.to_vec(),
             slots,
@@ -171,11 +227,12 @@ impl<B: PeerMemory> PeerMappings<B> {
     }
 
     /// Exports, all-gathers, validates and opens; rolls back and fails on every rank when
-    /// any rank fails.
+    /// any rank fails. `steps` tag the handle exchange and the verdict exchange.
     fn share_and_open<C: Communicator + ?Sized>(
         &mut self,
         comm: &C,
         regions: &[Region],
+        steps: [Step; 2],
     ) -> Result<Vec<Vec<Option<usize>>>> {
         // Export failures are agreed too: a rank that cannot export sends no handles, which
         // every rank sees as a count mismatch naming it.
@@ -194,7 +251,7 @@ impl<B: PeerMemory> PeerMappings<B> {
             Ok(v) => (Some(v), None),
             Err(e) => (None, Some(e)),
         };
-        let all: Vec<Option<Vec<Envelope<B::Handle>>>> = tpcomm_objects::all_gather(comm, &mine)?;
+        let all: Vec<Option<Vec<Envelope<B::Handle>>>> = self.agree(comm, steps[0], &mine)?;
         let failed_export: Vec<usize> = (0..self.size).filter(|&r| all[r].is_none()).collect();
         if !failed_export.is_empty() {
             return Err(IpcError::PeerOpenFailed {
@@ -232,7 +289,7 @@ impl<B: PeerMemory> PeerMappings<B> {
             }
         }
         let ok: bool = local_error.is_none();
-        let verdicts: Vec<bool> = tpcomm_objects::all_gather(comm, &ok)?;
+        let verdicts: Vec<bool> = self.agree(comm, steps[1], &ok)?;
         let failed: Vec<usize> = (0..self.size).filter(|&r| !verdicts[r]).collect();
         if failed.is_empty() {
             return Ok(slots);
@@ -390,7 +447,7 @@ impl<B: PeerMemory> PeerMappings<B> {
         self.closed = false;
         let mut result = Ok(());
         for x in &mut exchanges {
-            match self.share_and_open(comm, &x.local) {
+            match self.share_and_open(comm, &x.local, [Step::Reopen, Step::ReopenVerdict]) {
                 Ok(slots) => x.slots = slots,
                 Err(e) => {
                     result = Err(e);

@@ -13,7 +13,7 @@
 //!   slot, so there is one);
 //! - `allreduce-launch`: just before an all-reduce (the others wait in its start barrier);
 //! - `suspend`: at the second transport call of `prepare_for_suspend` (its closing
-//!   barrier, after the mappings are closed);
+//!   step, a tagged all-gather of one transport call, after the mappings are closed);
 //! - `resume`: at the first transport call of `reinit_after_resume` (the handle exchange).
 //!
 //! Each survivor prints `survivor R: PHASE failed after S s naming rank V: ERROR` when its

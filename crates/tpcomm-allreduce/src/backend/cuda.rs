@@ -520,6 +520,13 @@ impl Backend for CudaBackend {
         NONCE_OFFSET
     }
 
+    /// Block `b` of one rank's launch synchronizes with block `b` of every peer's: every
+    /// rank must launch with the same bound (it depends on `max_blocks`, the device's
+    /// multiprocessors and `ranks_per_device`).
+    fn agreed_shape(&self) -> Vec<(&'static str, String)> {
+        vec![("max_blocks", self.max_blocks().to_string())]
+    }
+
     fn reset_signal(&self, _memory: &CudaMemory, signal: &CudaBuffer) -> Result<()> {
         self.refuse_while_capturing("resetting the Signal block")?;
         self.bind()?;

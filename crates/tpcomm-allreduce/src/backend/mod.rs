@@ -68,6 +68,16 @@ pub trait Backend: Send + Sync + Debug + 'static {
     /// Bytes of a Signal block.
     fn signal_bytes(&self) -> usize;
 
+    /// Settings of this backend that every rank's must equal, as (name, value) pairs, on top
+    /// of [`name`](Self::name), [`signal_bytes`](Self::signal_bytes) and
+    /// [`nonce_offset`](Self::nonce_offset) (which the driver always compares): a launch
+    /// reads its peers' Signal blocks with this rank's layout and synchronizes with their
+    /// launches step for step. [`CustomAllReduce::new`](crate::CustomAllReduce::new) compares
+    /// them across ranks and refuses a mismatch on every rank.
+    fn agreed_shape(&self) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
+
     /// Offset of the 64-bit nonce word in a Signal block (written by the host after a resume,
     /// never by launches).
     fn nonce_offset(&self) -> usize;

@@ -704,8 +704,11 @@ impl CudaMapping {
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
         let freed = self.ctx.make_current().and_then(|()| {
-            // SAFETY: `ptr` came from `mem_alloc` in `allocate` and is freed once, here; peers'
-            // IPC mappings keep the memory alive in the driver until they close.
+            // SAFETY: `ptr` came from `mem_alloc` in `allocate` and is freed once, here. This
+            // process holds no other reference to it. A peer that still has it mapped must not
+            // use it any more (CUDA documents freeing before the importers' cuIpcCloseMemHandle
+            // as undefined behaviour): collective closes order the free after every peer's
+            // last use (see `CustomAllReduce::close_with`).
             unsafe { result::mem_free(self.ptr) }
         });
         if let Err(e) = freed {

@@ -19,9 +19,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::check::{AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs};
+use crate::check::{
+    AllGatherArgs, AllReduceArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
+};
 use crate::communicator::Communicator;
 use crate::error::{Op, Result, TransportError};
+use crate::reduce::{reduce_into, DataType, ReduceOp};
 
 /// Settings of a local group.
 #[derive(Debug, Clone)]
@@ -615,6 +618,68 @@ impl Communicator for LocalCommunicator {
         Ok(())
     }
 
+    /// Two rounds, reduce-scatter then all-gather. Round one: every rank posts its input
+    /// and its (count, type, op); every rank checks them against its own (a difference is
+    /// a `Mismatch` on every rank, since every rank differs from some peer), then reduces
+    /// its own slice of the elements ([`slice_of`]) over every post in rank order. Round
+    /// two: every rank posts its reduced slice and copies every slice into its output.
+    /// Each element is reduced once, by one rank, in rank order: bitwise the same result
+    /// everywhere.
+    fn raw_all_reduce(&self, mut args: AllReduceArgs<'_>) -> Result<()> {
+        let op = Op::AllReduce;
+        let (dtype, reduce, count) = (args.dtype(), args.op(), args.count());
+        let describe = |meta: &[usize]| match meta {
+            [count, dtype, reduce] => format!(
+                "{count} {} elements ({})",
+                DataType::ALL[*dtype].name(),
+                ReduceOp::ALL[*reduce].name()
+            ),
+            _ => format!("{meta:?}"),
+        };
+        let meta = vec![count, dtype_index(dtype), op_index(reduce)];
+        let post = Post {
+            bytes: args.input().to_vec(),
+            meta: meta.clone(),
+        };
+        let posts = self.exchange(op, None, post, Needs::Everybody)?;
+        for r in 0..self.size() {
+            let theirs = &posted(&posts, r).meta;
+            if *theirs != meta {
+                return Err(self.mismatch(
+                    op,
+                    format!(
+                        "rank {r} called all_reduce with {}, this rank with {}",
+                        describe(theirs),
+                        describe(&meta)
+                    ),
+                ));
+            }
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let elem = dtype.size();
+        let (lo, hi) = slice_of(count, self.size(), self.rank);
+        let inputs: Vec<&[u8]> = (0..self.size())
+            .map(|r| &posted(&posts, r).bytes[lo * elem..hi * elem])
+            .collect();
+        let mut mine = vec![0u8; (hi - lo) * elem];
+        reduce_into(dtype, reduce, &inputs, &mut mine);
+        drop(inputs);
+        drop(posts);
+        let post = Post {
+            bytes: mine,
+            meta: Vec::new(),
+        };
+        let slices = self.exchange(op, None, post, Needs::Everybody)?;
+        let (_, recv) = args.parts();
+        for r in 0..self.size() {
+            let (lo, hi) = slice_of(count, self.size(), r);
+            recv[lo * elem..hi * elem].copy_from_slice(&posted(&slices, r).bytes);
+        }
+        Ok(())
+    }
+
     fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<()> {
         let op = Op::AllToAllVarcount;
         let send = args.send();
@@ -647,5 +712,51 @@ impl Communicator for LocalCommunicator {
             recv.buf[d..d + count].copy_from_slice(&p.bytes[displ..displ + count]);
         }
         Ok(())
+    }
+}
+
+/// The elements `lo..hi` that `rank` reduces in an all-reduce of `count` elements over
+/// `size` ranks: `count / size` each, the first `count % size` ranks one more.
+fn slice_of(count: usize, size: usize, rank: usize) -> (usize, usize) {
+    let (base, extra) = (count / size, count % size);
+    let lo = rank * base + rank.min(extra);
+    let len = base + usize::from(rank < extra);
+    (lo, lo + len)
+}
+
+/// The position of `dtype` in [`DataType::ALL`] (how it travels in a post's `meta`).
+fn dtype_index(dtype: DataType) -> usize {
+    DataType::ALL
+        .iter()
+        .position(|&d| d == dtype)
+        .expect("ALL lists every data type")
+}
+
+/// The position of `op` in [`ReduceOp::ALL`].
+fn op_index(op: ReduceOp) -> usize {
+    ReduceOp::ALL
+        .iter()
+        .position(|&o| o == op)
+        .expect("ALL lists every reduction")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slice_of;
+
+    #[test]
+    fn slices_tile_the_elements_in_rank_order() {
+        for size in 1..9 {
+            for count in 0..40 {
+                let mut next = 0;
+                for rank in 0..size {
+                    let (lo, hi) = slice_of(count, size, rank);
+                    assert_eq!(lo, next);
+                    assert!(hi - lo <= count / size + 1);
+                    next = hi;
+                }
+                assert_eq!(next, count);
+            }
+        }
     }
 }

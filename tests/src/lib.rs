@@ -13,6 +13,7 @@ pub mod allreduce;
 pub mod ipc;
 #[cfg(feature = "mpi")]
 pub mod mpi_cases;
+pub mod numeric;
 pub mod objects;
 
 use tpcomm::transport::{
@@ -180,6 +181,14 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
         (
             "argument_errors_are_typed_and_lose_nothing",
             argument_errors_are_typed,
+        ),
+        (
+            "all_reduce_matches_the_reference_for_every_type_op_and_placement",
+            numeric::all_reduce_matches_reference,
+        ),
+        (
+            "typed_all_reduce_works_on_split_sub_groups",
+            numeric::typed_all_reduce_on_split_groups,
         ),
         (
             "objects_classic_values_through_every_collective_and_root",

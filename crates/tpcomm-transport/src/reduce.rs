@@ -9,7 +9,10 @@
 //! typed call cannot describe its bytes wrongly.
 //!
 //! Semantics shared by every backend:
-//! - integers wrap on overflow (two's complement), as MPI implementations do;
+//! - integers wrap on overflow (two's complement) on the local backend; under MPI an
+//!   overflowing integer reduction gives what the implementation gives (Open MPI 4.1's AVX
+//!   reductions *saturate* 8- and 16-bit sums, open-mpi/ompi#8045, closed as "won't
+//!   fix"), so keep integer reductions in range where the backend may be MPI;
 //! - `f16` and `bf16` are widened to `f32`, reduced in `f32` and rounded once at the end
 //!   (round to nearest even), as the custom all-reduce and NCCL's fp32-accumulating
 //!   kernels do;

@@ -578,9 +578,10 @@ where
         .collect();
     drop(header);
     let lens = agree(&announced, |_| root, opts.max_total_bytes, own_cause)?;
-    // Each rank allocates only its own value: the cap applies per destination.
-    for (d, &l) in lens.iter().enumerate() {
-        within_cap([l], |_| d, opts.max_total_bytes)?;
+    // Each rank allocates only its own value: the cap applies per destination, and the
+    // root announced every length.
+    for &l in &lens {
+        within_cap([l], |_| root, opts.max_total_bytes)?;
     }
     if me == root && root_bytes.len() != lens.iter().sum::<usize>() {
         return Err(ObjectError::Corrupt(format!(

@@ -5,7 +5,7 @@ use crate::check::{
     Shape, VarcountArgs,
 };
 use crate::error::{Op, Result};
-use crate::reduce::{DataType, Element, ReduceOp};
+use crate::reduce::{reduce_into, slice_of, DataType, Element, ReduceOp};
 
 /// A group of ranks that run collectives over host bytes.
 ///
@@ -224,7 +224,53 @@ pub trait Communicator: Send + Sync {
 
     /// Backend hook of [`all_reduce_bytes`](Self::all_reduce_bytes) (and the typed
     /// all-reduces); arguments already checked.
-    fn raw_all_reduce(&self, args: AllReduceArgs<'_>) -> Result<()>;
+    ///
+    /// The default composes the other hooks, for wrappers and backends without a native
+    /// reduction: a reduce-scatter through
+    /// [`all_to_all_varcount`](Self::all_to_all_varcount) (rank `j` receives every rank's
+    /// slice `j` and reduces it in rank order), then
+    /// [`all_gather_varcount`](Self::all_gather_varcount) of the reduced slices. Every rank
+    /// gets bitwise the same result. It cannot tell a different type or op on a peer from
+    /// its own (a different count fails in the all-to-all); the local and MPI backends
+    /// override it.
+    fn raw_all_reduce(&self, args: AllReduceArgs<'_>) -> Result<()> {
+        composed_all_reduce(self, args)
+    }
+}
+
+/// The default [`Communicator::raw_all_reduce`]: reduce-scatter by all-to-all, then
+/// all-gather of the reduced slices.
+fn composed_all_reduce<C: Communicator + ?Sized>(
+    comm: &C,
+    mut args: AllReduceArgs<'_>,
+) -> Result<()> {
+    let (me, size) = (comm.rank(), comm.size());
+    let (dtype, op, elem) = (args.dtype(), args.op(), args.dtype().size());
+    let slices: Vec<(usize, usize)> = (0..size).map(|r| slice_of(args.count(), size, r)).collect();
+    let counts: Vec<usize> = slices.iter().map(|&(lo, hi)| (hi - lo) * elem).collect();
+    let displs: Vec<usize> = slices.iter().map(|&(lo, _)| lo * elem).collect();
+    let mine = counts[me];
+    let piece_displs: Vec<usize> = (0..size).map(|r| r * mine).collect();
+    let mut pieces = vec![0u8; size * mine];
+    comm.all_to_all_varcount(
+        Layout {
+            buf: args.input(),
+            counts: &counts,
+            displs: &displs,
+        },
+        Layout {
+            buf: &mut pieces,
+            counts: &vec![mine; size],
+            displs: &piece_displs,
+        },
+    )?;
+    let inputs: Vec<&[u8]> = (0..size)
+        .map(|r| &pieces[r * mine..(r + 1) * mine])
+        .collect();
+    let mut reduced = vec![0u8; mine];
+    reduce_into(dtype, op, &inputs, &mut reduced);
+    let (_, recv) = args.parts();
+    comm.all_gather_varcount(&reduced, recv, &counts, &displs)
 }
 
 fn shape<C: Communicator + ?Sized>(comm: &C, op: Op) -> Shape {

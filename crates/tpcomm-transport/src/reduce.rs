@@ -262,7 +262,11 @@ const BATCH: usize = 512;
 fn reduce_typed<T: Reduce>(op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
     let size = std::mem::size_of::<T>();
     assert!(!inputs.is_empty(), "a reduction needs at least one input");
-    assert_eq!(out.len() % size, 0, "output is not a whole number of elements");
+    assert_eq!(
+        out.len() % size,
+        0,
+        "output is not a whole number of elements"
+    );
     for input in inputs {
         assert_eq!(input.len(), out.len(), "inputs and output differ in length");
     }
@@ -282,6 +286,15 @@ fn reduce_typed<T: Reduce>(op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
             o.copy_from_slice(bytemuck::bytes_of(&T::narrow(*a)));
         }
     }
+}
+
+/// The elements `lo..hi` that `rank` reduces when `count` elements are split over `size`
+/// ranks (reduce-scatter): `count / size` each, the first `count % size` ranks one more.
+pub(crate) fn slice_of(count: usize, size: usize, rank: usize) -> (usize, usize) {
+    let (base, extra) = (count / size, count % size);
+    let lo = rank * base + rank.min(extra);
+    let len = base + usize::from(rank < extra);
+    (lo, lo + len)
 }
 
 /// For `f16` and `bf16`, the elements of `bytes` widened to `f32` (how backends without a
@@ -314,9 +327,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn slices_tile_the_elements_in_rank_order() {
+        for size in 1..9 {
+            for count in 0..40 {
+                let mut next = 0;
+                for rank in 0..size {
+                    let (lo, hi) = slice_of(count, size, rank);
+                    assert_eq!(lo, next);
+                    assert!(hi - lo <= count / size + 1);
+                    next = hi;
+                }
+                assert_eq!(next, count);
+            }
+        }
+    }
+
+    #[test]
     fn element_sizes_match_their_data_types() {
         fn size<T: Element>() {
-            assert_eq!(std::mem::size_of::<T>(), T::DTYPE.size(), "{}", T::DTYPE.name());
+            assert_eq!(
+                std::mem::size_of::<T>(),
+                T::DTYPE.size(),
+                "{}",
+                T::DTYPE.name()
+            );
         }
         size::<i8>();
         size::<u8>();
@@ -362,7 +396,12 @@ mod tests {
         storage[1..].copy_from_slice(bytemuck::cast_slice(&values));
         let unaligned = &storage[1..];
         let mut out = vec![0u8; 24];
-        reduce_into(DataType::F64, ReduceOp::Sum, &[unaligned, unaligned], &mut out);
+        reduce_into(
+            DataType::F64,
+            ReduceOp::Sum,
+            &[unaligned, unaligned],
+            &mut out,
+        );
         let got: Vec<f64> = out
             .chunks_exact(8)
             .map(bytemuck::pod_read_unaligned)

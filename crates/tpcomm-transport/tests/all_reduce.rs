@@ -300,12 +300,15 @@ fn send_and_receive_of_different_lengths_are_rejected() {
 
 #[test]
 fn a_count_above_max_count_elements_is_rejected() {
-    let results = LocalGroup::new(1).max_count(3).run(|comm| {
-        comm.all_reduce_in_place(&mut [0u16; 4], ReduceOp::Sum)
-    });
+    let results = LocalGroup::new(1)
+        .max_count(3)
+        .run(|comm| comm.all_reduce_in_place(&mut [0u16; 4], ReduceOp::Sum));
     match results.into_iter().next().unwrap().unwrap() {
         Err(TransportError::InvalidArgument {
-            source: ArgumentError::CountTooLarge { value: 4, max: 3, .. },
+            source:
+                ArgumentError::CountTooLarge {
+                    value: 4, max: 3, ..
+                },
             ..
         }) => {}
         other => panic!("expected a count error, got {other:?}"),
@@ -327,5 +330,98 @@ fn unaligned_byte_buffers_reduce_like_typed_ones() {
     });
     for r in results {
         assert_eq!(r.unwrap().unwrap(), vec![4.5, -3.0]);
+    }
+}
+
+/// A backend without its own reduction: every hook forwarded to the local backend except
+/// `raw_all_reduce`, which keeps the trait's default (all-to-all, then all-gather).
+struct Composed(tpcomm_transport::LocalCommunicator);
+
+impl Communicator for Composed {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn max_count(&self) -> usize {
+        self.0.max_count()
+    }
+    fn backend_name(&self) -> &'static str {
+        "composed"
+    }
+    fn split(&self, color: Option<u32>, key: i32) -> tpcomm_transport::Result<Option<Self>> {
+        Ok(self.0.split(color, key)?.map(Composed))
+    }
+    fn raw_barrier(&self) -> tpcomm_transport::Result<()> {
+        self.0.raw_barrier()
+    }
+    fn raw_all_gather(
+        &self,
+        args: tpcomm_transport::check::AllGatherArgs<'_>,
+    ) -> tpcomm_transport::Result<()> {
+        self.0.raw_all_gather(args)
+    }
+    fn raw_all_gather_varcount(
+        &self,
+        args: tpcomm_transport::check::VarcountArgs<'_>,
+    ) -> tpcomm_transport::Result<()> {
+        self.0.raw_all_gather_varcount(args)
+    }
+    fn raw_gather_varcount(
+        &self,
+        args: tpcomm_transport::check::GatherArgs<'_>,
+    ) -> tpcomm_transport::Result<()> {
+        self.0.raw_gather_varcount(args)
+    }
+    fn raw_broadcast(
+        &self,
+        args: tpcomm_transport::check::BroadcastArgs<'_>,
+    ) -> tpcomm_transport::Result<()> {
+        self.0.raw_broadcast(args)
+    }
+    fn raw_all_to_all_varcount(
+        &self,
+        args: tpcomm_transport::check::AllToAllArgs<'_>,
+    ) -> tpcomm_transport::Result<()> {
+        self.0.raw_all_to_all_varcount(args)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+
+    #[test]
+    fn the_default_composed_reduction_matches_the_reference(
+        size in 1usize..6,
+        count in prop_oneof![Just(0usize), 0usize..70],
+        op_pick in 0usize..4,
+        in_place in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let op = ReduceOp::ALL[op_pick];
+        let results = LocalGroup::new(size).run(|comm| {
+            let comm = Composed(comm);
+            let send: Vec<f32> = (0..count).map(|i| f32::value(seed, comm.rank(), i)).collect();
+            let mut out = vec![0f32; count];
+            if in_place {
+                out.copy_from_slice(&send);
+                comm.all_reduce_in_place(&mut out, op)?;
+            } else {
+                comm.all_reduce(&send, &mut out, op)?;
+            }
+            let mut wide: Vec<i64> = (0..count).map(|i| i64::value(seed, comm.rank(), i)).collect();
+            comm.all_reduce_in_place(&mut wide, op)?;
+            Ok::<_, TransportError>((out, wide))
+        });
+        for result in results {
+            let (got, wide) = result.unwrap().unwrap();
+            for i in 0..count {
+                let column: Vec<f32> = (0..size).map(|r| f32::value(seed, r, i)).collect();
+                prop_assert_eq!(got[i].to_bits(), f32::fold(op, &column).to_bits());
+                let column: Vec<i64> = (0..size).map(|r| i64::value(seed, r, i)).collect();
+                prop_assert_eq!(wide[i], i64::fold(op, &column));
+            }
+        }
     }
 }

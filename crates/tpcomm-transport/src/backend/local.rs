@@ -24,7 +24,7 @@ use crate::check::{
 };
 use crate::communicator::Communicator;
 use crate::error::{Op, Result, TransportError};
-use crate::reduce::{reduce_into, DataType, ReduceOp};
+use crate::reduce::{reduce_into, slice_of, DataType, ReduceOp};
 
 /// Settings of a local group.
 #[derive(Debug, Clone)]
@@ -715,15 +715,6 @@ impl Communicator for LocalCommunicator {
     }
 }
 
-/// The elements `lo..hi` that `rank` reduces in an all-reduce of `count` elements over
-/// `size` ranks: `count / size` each, the first `count % size` ranks one more.
-fn slice_of(count: usize, size: usize, rank: usize) -> (usize, usize) {
-    let (base, extra) = (count / size, count % size);
-    let lo = rank * base + rank.min(extra);
-    let len = base + usize::from(rank < extra);
-    (lo, lo + len)
-}
-
 /// The position of `dtype` in [`DataType::ALL`] (how it travels in a post's `meta`).
 fn dtype_index(dtype: DataType) -> usize {
     DataType::ALL
@@ -738,25 +729,4 @@ fn op_index(op: ReduceOp) -> usize {
         .iter()
         .position(|&o| o == op)
         .expect("ALL lists every reduction")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::slice_of;
-
-    #[test]
-    fn slices_tile_the_elements_in_rank_order() {
-        for size in 1..9 {
-            for count in 0..40 {
-                let mut next = 0;
-                for rank in 0..size {
-                    let (lo, hi) = slice_of(count, size, rank);
-                    assert_eq!(lo, next);
-                    assert!(hi - lo <= count / size + 1);
-                    next = hi;
-                }
-                assert_eq!(next, count);
-            }
-        }
-    }
 }

@@ -716,8 +716,7 @@ impl Communicator for MpiCommunicator {
         // `send` and `recv` are distinct memory (the caller's two slices, a copy of the
         // input in place, or distinct scratch bytes when empty) alive for the blocking call.
         // `self.comm` is live.
-        let code =
-            unsafe { ffi::MPI_Allreduce(send, recv, count, datatype, mpi_op, self.comm) };
+        let code = unsafe { ffi::MPI_Allreduce(send, recv, count, datatype, mpi_op, self.comm) };
         check(op, "MPI_Allreduce", code)
     }
 

@@ -34,6 +34,16 @@ pub struct LocalGroupConfig {
     /// Largest count one call accepts (default `i32::MAX`, as MPI-3). Lower it to force the
     /// multi-round paths of upper layers in tests.
     pub max_count: usize,
+    /// Stack size of each rank's thread in [`LocalGroup::run`], in bytes (default
+    /// [`LocalGroupConfig::DEFAULT_STACK_SIZE`], 2 MiB: Rust's default for spawned threads,
+    /// smaller than a main thread's usual 8 MiB). Raise it for ranks that recurse deeply,
+    /// for example over recursive values.
+    pub stack_size: usize,
+}
+
+impl LocalGroupConfig {
+    /// The default stack size of a rank's thread: 2 MiB, as `std::thread::spawn` gives.
+    pub const DEFAULT_STACK_SIZE: usize = 2 << 20;
 }
 
 impl Default for LocalGroupConfig {
@@ -41,6 +51,7 @@ impl Default for LocalGroupConfig {
         Self {
             timeout: Duration::from_secs(60),
             max_count: i32::MAX as usize,
+            stack_size: Self::DEFAULT_STACK_SIZE,
         }
     }
 }
@@ -96,6 +107,28 @@ impl LocalGroup {
         self
     }
 
+    /// Sets the stack size of each rank's thread in [`run`](Self::run), in bytes (default
+    /// [`LocalGroupConfig::DEFAULT_STACK_SIZE`], 2 MiB). The OS may round it up to a whole
+    /// number of pages.
+    ///
+    /// ```
+    /// use tpcomm_transport::LocalGroup;
+    ///
+    /// fn depth(n: u32) -> u32 {
+    ///     let frame = std::hint::black_box([0u8; 1024]);
+    ///     if n == 0 { u32::from(frame[0]) } else { 1 + depth(n - 1) }
+    /// }
+    /// // About 4 MiB of frames: more than the default 2 MiB stack holds.
+    /// let results = LocalGroup::new(2)
+    ///     .stack_size(64 << 20)
+    ///     .run(|_comm| depth(4096));
+    /// assert!(results.into_iter().all(|r| r.unwrap() == 4096));
+    /// ```
+    pub fn stack_size(mut self, bytes: usize) -> Self {
+        self.config.stack_size = bytes;
+        self
+    }
+
     /// Creates the communicators, rank `i` at index `i`; hand each to its own thread.
     ///
     /// Fails with [`TransportError::Setup`] when the size or `max_count` is 0.
@@ -140,6 +173,7 @@ impl LocalGroup {
                     let rank = comm.rank();
                     std::thread::Builder::new()
                         .name(format!("tpcomm-rank-{rank}"))
+                        .stack_size(self.config.stack_size)
                         .spawn_scoped(scope, move || {
                             catch_unwind(AssertUnwindSafe(|| f(comm))).map_err(|payload| {
                                 TransportError::RankPanicked {

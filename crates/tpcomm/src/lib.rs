@@ -6,8 +6,8 @@
 //! | feature | what it adds |
 //! |---------|--------------|
 //! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator); [`ipc`] (peer memory, host shared-memory backend); [`allreduce`] (custom all-reduce, host backend) |
-//! | `mpi`   | `transport::MpiCommunicator` over MPI, and rsmpi itself as [`mpi`](crate::mpi) (a program calls `tpcomm::mpi::initialize()`) |
-//! | `cuda`  | `ipc::CudaMemory`: CUDA IPC peer memory and `allreduce::CudaBackend`, the custom all-reduce's kernels (driver loaded at run time unless the program links cudarc) |
+//! | `mpi`   | `transport::MpiCommunicator` over MPI, and rsmpi itself as [`mpi`] (a program calls `tpcomm::mpi::initialize()`) |
+//! | `cuda`  | `ipc::CudaMemory`: CUDA IPC peer memory and `allreduce::CudaBackend`, the custom all-reduce's kernels; building needs nvcc (`cargo xtask setup-cuda`), running a GPU (driver loaded at run time unless the program links cudarc) |
 //! | `nccl`  | `transport::NcclCommunicator` and `transport::DeviceCommunicator`: NCCL collectives on device buffers (libcuda and libnccl loaded at run time) |
 //! | `gpu`   | `cuda` and `nccl`, and `allreduce::DeviceAllReduce` (the custom kernels with NCCL as the fallback) |
 //! | `cuda-13000` (default) | cudarc's CUDA 13.0 bindings, when a GPU feature builds cudarc; turn the default features off when your program picks cudarc's CUDA version itself (see `docs/gpu.md`) |

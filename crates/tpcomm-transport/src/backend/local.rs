@@ -655,7 +655,7 @@ impl Communicator for LocalCommunicator {
     /// Two rounds, reduce-scatter then all-gather. Round one: every rank posts its input
     /// and its (count, type, op); every rank checks them against its own (a difference is
     /// a `Mismatch` on every rank, since every rank differs from some peer), then reduces
-    /// its own slice of the elements ([`slice_of`]) over every post in rank order. Round
+    /// its own slice of the elements (`reduce::slice_of`) over every post in rank order. Round
     /// two: every rank posts its reduced slice and copies every slice into its output.
     /// Each element is reduced once, by one rank, in rank order: bitwise the same result
     /// everywhere.

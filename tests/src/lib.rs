@@ -203,6 +203,10 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
             objects::serialization_failure_is_agreed,
         ),
         (
+            "objects_reduce_scan_exscan_fold_in_rank_order_with_agreed_failures",
+            objects::folds_in_rank_order_with_agreed_failures,
+        ),
+        (
             "objects_cap_violation_is_agreed_by_every_rank",
             objects::cap_violation_is_agreed,
         ),

@@ -88,12 +88,17 @@ pub fn all_reduce_matches_reference<C: Communicator>(comm: &C) -> CaseResult {
                     buf
                 } else {
                     let mut recv = vec![0xEEu8; mine.len()];
-                    ok(&what, comm.all_reduce_bytes(Some(mine), &mut recv, dtype, op))?;
+                    ok(
+                        &what,
+                        comm.all_reduce_bytes(Some(mine), &mut recv, dtype, op),
+                    )?;
                     recv
                 };
                 if got != want {
                     let at = got.iter().zip(&want).position(|(a, b)| a != b);
-                    let near = |v: &[u8]| at.map(|i| v[i.saturating_sub(2)..(i + 3).min(v.len())].to_vec());
+                    let near = |v: &[u8]| {
+                        at.map(|i| v[i.saturating_sub(2)..(i + 3).min(v.len())].to_vec())
+                    };
                     return Err(format!(
                         "{what}: result differs from the reference at byte {at:?}: got {:?}, \
                          expected {:?}, inputs {:?}",
@@ -114,8 +119,13 @@ pub fn typed_all_reduce_on_split_groups<C: Communicator>(comm: &C) -> CaseResult
     let sub = ok("split", comm.split(Some(color), 0))?
         .ok_or_else(|| "split with a color returned no group".to_string())?;
     let mut x = [comm.rank() as f32, 1.0];
-    ok("all_reduce_in_place", sub.all_reduce_in_place(&mut x, ReduceOp::Sum))?;
-    let members: Vec<usize> = (0..comm.size()).filter(|r| r % 2 == comm.rank() % 2).collect();
+    ok(
+        "all_reduce_in_place",
+        sub.all_reduce_in_place(&mut x, ReduceOp::Sum),
+    )?;
+    let members: Vec<usize> = (0..comm.size())
+        .filter(|r| r % 2 == comm.rank() % 2)
+        .collect();
     let want = [members.iter().sum::<usize>() as f32, members.len() as f32];
     if x != want {
         return Err(format!("split all_reduce gave {x:?}, expected {want:?}"));

@@ -507,9 +507,7 @@ where
 }
 
 /// Serializes `values` back to back into one buffer; returns it and each value's length.
-fn serialize_all<T: Serialize>(
-    values: &[T],
-) -> std::result::Result<(Vec<u8>, Vec<usize>), postcard::Error> {
+fn serialize_all<T: Serialize>(values: &[T]) -> Packed {
     let mut buf = Vec::new();
     let mut lens = Vec::with_capacity(values.len());
     for v in values {
@@ -698,6 +696,10 @@ where
         .collect()
 }
 
+/// This rank's serialized values packed in destination order, with the bytes for each
+/// destination, or the serialization error.
+type Packed = std::result::Result<(Vec<u8>, Vec<usize>), postcard::Error>;
+
 /// The all-to-all protocol on bytes, shared by [`all_to_all_with`] and the scans.
 /// `outgoing` is this rank's bytes, packed in destination order, with the length for each
 /// destination; `None` when it has no valid input (every rank then returns
@@ -707,7 +709,7 @@ where
 fn all_to_all_bytes<C: Communicator + ?Sized>(
     comm: &C,
     checked: Checked,
-    outgoing: Option<std::result::Result<(Vec<u8>, Vec<usize>), postcard::Error>>,
+    outgoing: Option<Packed>,
     opts: &Options,
     span: &tracing::Span,
 ) -> Result<(Vec<u8>, Vec<std::ops::Range<usize>>)> {

@@ -57,13 +57,14 @@ fn exscan_gives_rank_zero_none_and_the_others_the_fold_before_them() {
 
 #[test]
 fn zero_byte_values_are_scanned() {
+    // postcard encodes `()` in 0 bytes: a valid length, not "no value".
     let results = LocalGroup::new(3).run(|comm| {
-        let inclusive = scan_with(&comm, &(), |(), ()| ())?;
+        scan_with(&comm, &(), |(), ()| ())?;
         let exclusive = exscan_with(&comm, &(), |(), ()| ())?;
-        Ok::<_, ObjectError>((inclusive, exclusive.is_some()))
+        Ok::<_, ObjectError>(exclusive.is_some())
     });
     for (rank, r) in results.into_iter().enumerate() {
-        assert_eq!(r.unwrap().unwrap(), ((), rank > 0));
+        assert_eq!(r.unwrap().unwrap(), rank > 0);
     }
 }
 

@@ -505,7 +505,7 @@ impl<'a> AllReduceArgs<'a> {
         op: ReduceOp,
     ) -> Result<Self> {
         let elem = dtype.size();
-        if recv.len() % elem != 0 {
+        if !recv.len().is_multiple_of(elem) {
             return Err(shape.err(ArgumentError::PartialElement {
                 which: "receive",
                 len: recv.len(),

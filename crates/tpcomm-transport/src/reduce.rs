@@ -392,6 +392,8 @@ mod tests {
     #[test]
     fn unaligned_inputs_are_read_correctly() {
         let values = [1.5f64, -2.0, 3.25];
+        // On the heap (at least 8-aligned), so that `storage[1..]` is surely misaligned.
+        #[allow(clippy::useless_vec)]
         let mut storage = vec![0u8; 1 + 24];
         storage[1..].copy_from_slice(bytemuck::cast_slice(&values));
         let unaligned = &storage[1..];

@@ -319,6 +319,8 @@ fn a_count_above_max_count_elements_is_rejected() {
 fn unaligned_byte_buffers_reduce_like_typed_ones() {
     let results = LocalGroup::new(3).run(|comm| {
         let values = [comm.rank() as f64 + 0.5, -(comm.rank() as f64)];
+        // On the heap (at least 8-aligned), so that `storage[1..]` is surely misaligned.
+        #[allow(clippy::useless_vec)]
         let mut storage = vec![0u8; 17];
         storage[1..].copy_from_slice(bytemuck::cast_slice(&values));
         comm.all_reduce_bytes(None, &mut storage[1..], DataType::F64, ReduceOp::Sum)?;

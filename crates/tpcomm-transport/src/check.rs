@@ -552,8 +552,8 @@ impl<'a> AllReduceArgs<'a> {
         self.send.is_none()
     }
 
-    /// This rank's input (the send buffer, or the receive buffer in place) and the receive
-    /// buffer; in place, the input is `None` and the receive buffer holds it.
+    /// The send buffer (`None` in place, where the receive buffer holds the input) and the
+    /// receive buffer.
     pub fn parts(&mut self) -> (Option<&[u8]>, &mut [u8]) {
         (self.send, self.recv)
     }

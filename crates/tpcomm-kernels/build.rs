@@ -1,6 +1,10 @@
 //! Builds `kernels/allreduce.cu` into `$OUT_DIR/allreduce.fatbin` with the shared builder
 //! (the same code `cargo xtask kernels` runs), and writes the ptxas resource table next to
 //! it. Fails with the builder's message when nvcc is missing or a kernel spills.
+//!
+//! The sources are read from this crate's own `kernels/` (in the repository a symlink to the
+//! workspace's `kernels/`, the one copy of the sources; `cargo package` follows it and
+//! packs the files), so the crate also builds from its package.
 
 use std::path::{Path, PathBuf};
 
@@ -12,7 +16,7 @@ fn main() {
         .unwrap_or(&manifest)
         .to_path_buf();
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
-    let kernels = root.join("kernels");
+    let kernels = manifest.join("kernels");
     println!("cargo::rerun-if-changed={}", kernels.display());
     println!("cargo::rerun-if-env-changed=NVCC");
     println!("cargo::rerun-if-env-changed=CUDA_HOME");

@@ -14,6 +14,7 @@ pub mod allreduce;
 pub mod ipc;
 #[cfg(feature = "mpi")]
 pub mod mpi_cases;
+pub mod numeric;
 pub mod objects;
 
 use tpcomm::transport::{
@@ -183,6 +184,14 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
             argument_errors_are_typed,
         ),
         (
+            "all_reduce_matches_the_reference_for_every_type_op_and_placement",
+            numeric::all_reduce_matches_reference,
+        ),
+        (
+            "typed_all_reduce_works_on_split_sub_groups",
+            numeric::typed_all_reduce_on_split_groups,
+        ),
+        (
             "objects_classic_values_through_every_collective_and_root",
             objects::classic_values_everywhere,
         ),
@@ -193,6 +202,10 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
         (
             "objects_serialization_failure_is_agreed_by_every_rank",
             objects::serialization_failure_is_agreed,
+        ),
+        (
+            "objects_reduce_scan_exscan_fold_in_rank_order_with_agreed_failures",
+            objects::folds_in_rank_order_with_agreed_failures,
         ),
         (
             "objects_cap_violation_is_agreed_by_every_rank",

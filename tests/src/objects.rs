@@ -354,3 +354,64 @@ pub(crate) fn deep_nesting_from_a_peer_is_a_decode_error<C: Communicator>(comm: 
         }
     }
 }
+
+/// A `u32` whose serialization fails on one rank (decodes as a plain `u32`).
+#[derive(Debug, Deserialize)]
+struct Counted(u32);
+
+impl Serialize for Counted {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.0 == u32::MAX {
+            Err(serde::ser::Error::custom("refusing to serialize"))
+        } else {
+            s.serialize_u32(self.0)
+        }
+    }
+}
+
+/// `reduce_with`, `scan_with` and `exscan_with` fold in rank order (string concatenation
+/// shows the order), and a rank failing to serialize fails each of them on every rank.
+pub(crate) fn folds_in_rank_order_with_agreed_failures<C: Communicator>(comm: &C) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    let concat = |a: String, b: String| a + "," + &b;
+    let names = |upto: usize| {
+        (0..upto)
+            .map(|r| format!("r{r}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let mine = format!("r{me}");
+    let root = n / 2;
+    let reduced = obj(
+        "reduce_with",
+        objects::reduce_with(comm, root, &mine, concat),
+    )?;
+    same("reduce_with", reduced, (me == root).then(|| names(n)))?;
+    let scanned = obj("scan_with", objects::scan_with(comm, &mine, concat))?;
+    same("scan_with", scanned, names(me + 1))?;
+    let exscanned = obj("exscan_with", objects::exscan_with(comm, &mine, concat))?;
+    same("exscan_with", exscanned, (me > 0).then(|| names(me)))?;
+
+    let failing = n - 1;
+    let value = Counted(if me == failing { u32::MAX } else { 1 });
+    let add = |a: Counted, b: Counted| Counted(a.0 + b.0);
+    let results = [
+        objects::reduce_with(comm, 0, &value, add).map(drop),
+        objects::scan_with(comm, &value, add).map(drop),
+        objects::exscan_with(comm, &value, add).map(drop),
+    ];
+    for (what, r) in ["reduce_with", "scan_with", "exscan_with"]
+        .iter()
+        .zip(results)
+    {
+        match r {
+            Err(ObjectError::PeerSerialization { ranks, .. }) if ranks == vec![failing] => {}
+            other => {
+                return Err(format!(
+                    "{what}: expected PeerSerialization naming rank {failing}, got {other:?}"
+                ))
+            }
+        }
+    }
+    Ok(())
+}

@@ -32,7 +32,7 @@ pub(crate) const CUDA_WHEELS: [&str; 5] = [
 /// Where pip puts the wheels, relative to the workspace root.
 const WHEELS_DOWNLOAD_DIR: &str = "target/cuda-wheels";
 
-/// Unpacks every wheel of argv[1] into argv[2], restoring the Unix permission bits that
+/// Unpacks every wheel of `argv[1]` into `argv[2]`, restoring the Unix permission bits that
 /// zipfile drops (nvcc, ptxas, cicc must stay executable).
 const UNPACK_PY: &str = r#"
 import os, sys, zipfile

@@ -2,7 +2,7 @@
 //!
 //! Steps: set up MPI when missing, set up nvcc when missing and build the CUDA kernels
 //! (`cuda.rs`), `cargo fmt --check`, clippy with warnings denied (every
-//! feature), every unit/property/integration/doc test (every feature), then the MPI
+//! feature), `cargo doc` with rustdoc warnings denied (every feature), every unit/property/integration/doc test (every feature), then the MPI
 //! conformance programs under `mpirun -np 2` and `-np 4`, and once more with `-np 3` and a
 //! timeout on the communicator (the nonblocking, deadline-polled path), `mpi-single-copy-off`
 //! under `-np 2` and `-np 4` (Open MPI only), the fault suite
@@ -109,6 +109,13 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         "warnings",
     ]);
     util::run(clippy)?;
+
+    // The API docs of every crate with every feature, broken links and other rustdoc
+    // warnings denied.
+    let mut doc = util::cargo();
+    doc.args(["doc", "--workspace", "--all-features", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    util::run(doc)?;
 
     let mut tally = Tally::default();
     let mut tests = util::cargo();

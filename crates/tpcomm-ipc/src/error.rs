@@ -9,7 +9,7 @@ use tpcomm_transport::TransportError;
 #[non_exhaustive]
 pub enum IpcError {
     /// A system call failed.
-    #[error("{call} failed: {source} (errno {errno})", errno = source.raw_os_error())]
+    #[error("{call} failed with errno {errno}", errno = source.raw_os_error())]
     Os {
         /// The call and what it was for.
         call: &'static str,
@@ -112,11 +112,12 @@ pub enum IpcError {
     },
     /// Opening failed on some ranks; every rank returns this error and the exchange was
     /// rolled back everywhere.
-    #[error("opening peer handles failed on ranks {ranks:?}{}", local.as_ref().map(|e| format!(" (here: {e})")).unwrap_or_default())]
+    #[error("opening peer handles failed on ranks {ranks:?}")]
     PeerOpenFailed {
         /// The ranks where opening failed.
         ranks: Vec<usize>,
-        /// This rank's own error, when it is one of `ranks`.
+        /// This rank's own error, when it is one of `ranks` (also its `source()`).
+        #[source]
         local: Option<Box<IpcError>>,
     },
     /// There is no usable device or driver (CUDA backend).

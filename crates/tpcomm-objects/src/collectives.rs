@@ -507,9 +507,7 @@ where
 }
 
 /// Serializes `values` back to back into one buffer; returns it and each value's length.
-fn serialize_all<T: Serialize>(
-    values: &[T],
-) -> std::result::Result<(Vec<u8>, Vec<usize>), postcard::Error> {
+fn serialize_all<T: Serialize>(values: &[T]) -> Packed {
     let mut buf = Vec::new();
     let mut lens = Vec::with_capacity(values.len());
     for v in values {
@@ -578,9 +576,10 @@ where
         .collect();
     drop(header);
     let lens = agree(&announced, |_| root, opts.max_total_bytes, own_cause)?;
-    // Each rank allocates only its own value: the cap applies per destination.
-    for (d, &l) in lens.iter().enumerate() {
-        within_cap([l], |_| d, opts.max_total_bytes)?;
+    // Each rank allocates only its own value: the cap applies per destination, and the
+    // root announced every length.
+    for &l in &lens {
+        within_cap([l], |_| root, opts.max_total_bytes)?;
     }
     if me == root && root_bytes.len() != lens.iter().sum::<usize>() {
         return Err(ObjectError::Corrupt(format!(
@@ -685,12 +684,38 @@ where
 {
     let span = span(comm, "all_to_all");
     let _g = span.enter();
-    let (me, size) = (comm.rank(), comm.size());
+    let size = comm.size();
     let checked = Checked::new(opts);
-    let serialized =
+    let outgoing =
         (values.len() == size && checked.invalid.is_none()).then(|| serialize_all(values));
+    let (buf, ranges) = all_to_all_bytes(comm, checked, outgoing, opts, &span)?;
+    ranges
+        .into_iter()
+        .enumerate()
+        .map(|(s, range)| decode_exact(s, &buf[range], opts.max_depth))
+        .collect()
+}
+
+/// This rank's serialized values packed in destination order, with the bytes for each
+/// destination, or the serialization error.
+type Packed = std::result::Result<(Vec<u8>, Vec<usize>), postcard::Error>;
+
+/// The all-to-all protocol on bytes, shared by [`all_to_all_with`] and the scans.
+/// `outgoing` is this rank's bytes, packed in destination order, with the length for each
+/// destination; `None` when it has no valid input (every rank then returns
+/// [`ObjectError::MissingInput`] naming it), `Some(Err)` when it failed to serialize (every
+/// rank returns [`ObjectError::PeerSerialization`]). Returns the bytes this rank received
+/// and where each source's lie in them.
+fn all_to_all_bytes<C: Communicator + ?Sized>(
+    comm: &C,
+    checked: Checked,
+    outgoing: Option<Packed>,
+    opts: &Options,
+    span: &tracing::Span,
+) -> Result<(Vec<u8>, Vec<std::ops::Range<usize>>)> {
+    let (me, size) = (comm.rank(), comm.size());
     let (announce, own_cause, send, send_lens): (Vec<Announce>, _, Vec<u8>, Vec<usize>) =
-        match serialized {
+        match outgoing {
             None => (
                 vec![Announce::Missing; size],
                 None,
@@ -759,7 +784,7 @@ where
                 displs: &recv_offsets,
             },
         )?;
-        record(&span, "single", recv_total, 1);
+        record(span, "single", recv_total, 1);
     } else {
         // Over the limit: one windowed gather per destination, in rank order.
         let send_offsets = dense_offsets(&send_lens);
@@ -770,17 +795,12 @@ where
             let target = (d == me).then_some(&mut buf);
             rounds += payload_rounds(comm, Some(d), payload, &column, target, limit)?;
         }
-        record(&span, "rounds", recv_total, rounds);
+        record(span, "rounds", recv_total, rounds);
     }
-    (0..size)
-        .map(|s| {
-            decode_exact(
-                s,
-                &buf[recv_offsets[s]..recv_offsets[s] + recv_lens[s]],
-                opts.max_depth,
-            )
-        })
-        .collect()
+    let ranges = (0..size)
+        .map(|s| recv_offsets[s]..recv_offsets[s] + recv_lens[s])
+        .collect();
+    Ok((buf, ranges))
 }
 
 /// All-reduce with a closure: every rank gets `f(...f(f(v0, v1), v2)..., vN)`, folded in
@@ -821,6 +841,184 @@ where
         .into_iter()
         .reduce(f)
         .expect("a communicator has at least one rank"))
+}
+
+/// Reduce to `root` with a closure, mpi4py's `comm.reduce(value, op, root)`: the root gets
+/// `Some(f(...f(f(v0, v1), v2)..., vN))`, folded in rank order; the other ranks get `None`.
+///
+/// The values are gathered to the root only. Failures follow the gather's protocol: a rank
+/// that fails to serialize makes *every* rank return [`ObjectError::PeerSerialization`]
+/// naming it, an announced total over the cap makes every rank return
+/// [`ObjectError::TooLarge`]; bytes the root cannot decode are a
+/// [`Decode`](ObjectError::Decode) error on the root.
+///
+/// ```
+/// use tpcomm_objects::reduce_with;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(3).run(|comm| {
+///     reduce_with(&comm, 2, &format!("r{}", comm.rank()), |a, b| a + "," + &b)
+/// });
+/// assert_eq!(results[2].as_ref().unwrap().as_ref().unwrap().as_deref(), Some("r0,r1,r2"));
+/// assert_eq!(results[0].as_ref().unwrap().as_ref().unwrap(), &None);
+/// ```
+pub fn reduce_with<C, T, F>(comm: &C, root: usize, value: &T, f: F) -> Result<Option<T>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+    F: FnMut(T, T) -> T,
+{
+    reduce_with_options(comm, root, value, &Options::default(), f)
+}
+
+/// [`reduce_with`] with options.
+pub fn reduce_with_options<C, T, F>(
+    comm: &C,
+    root: usize,
+    value: &T,
+    opts: &Options,
+    f: F,
+) -> Result<Option<T>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+    F: FnMut(T, T) -> T,
+{
+    check_root(comm, root)?;
+    let span = span(comm, "reduce");
+    let _g = span.enter();
+    let serialized = serialize(value);
+    let Some(gathered) = gather_bytes(comm, Some(root), mine_of(&serialized), opts, &span)? else {
+        return Ok(None);
+    };
+    let values: Vec<T> = gathered.decode()?;
+    Ok(Some(
+        values
+            .into_iter()
+            .reduce(f)
+            .expect("a communicator has at least one rank"),
+    ))
+}
+
+/// Inclusive scan with a closure, mpi4py's `comm.scan(value, op)`: rank `i` gets
+/// `f(...f(f(v0, v1), v2)..., vi)`, folded in rank order (rank 0 gets its own value).
+///
+/// Rank `s` sends its value, serialized once, to ranks `s..size` only (one all-to-all), so
+/// a rank receives only the values it folds. Failures are agreed as for
+/// [`all_to_all`]: a rank that fails to serialize makes every rank return
+/// [`ObjectError::PeerSerialization`] naming it; an announced total over the cap makes every
+/// rank return [`ObjectError::TooLarge`].
+///
+/// ```
+/// use tpcomm_objects::scan_with;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(4).run(|comm| scan_with(&comm, &(comm.rank() as u64 + 1), |a, b| a * b));
+/// let prefixes: Vec<u64> = results.into_iter().map(|r| r.unwrap().unwrap()).collect();
+/// assert_eq!(prefixes, [1, 2, 6, 24]);
+/// ```
+pub fn scan_with<C, T, F>(comm: &C, value: &T, f: F) -> Result<T>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+    F: FnMut(T, T) -> T,
+{
+    scan_with_options(comm, value, &Options::default(), f)
+}
+
+/// [`scan_with`] with options.
+pub fn scan_with_options<C, T, F>(comm: &C, value: &T, opts: &Options, f: F) -> Result<T>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+    F: FnMut(T, T) -> T,
+{
+    let span = span(comm, "scan");
+    let _g = span.enter();
+    let folded = prefix_fold(comm, value, opts, &span, true, f)?;
+    Ok(folded.expect("an inclusive scan folds at least this rank's own value"))
+}
+
+/// Exclusive scan with a closure, mpi4py's `comm.exscan(value, op)`: rank `i > 0` gets
+/// `Some(f(...f(v0, v1)..., v(i-1)))`, folded in rank order; rank 0 gets `None`.
+///
+/// The protocol and its failures are those of [`scan_with`]; the last rank's value goes
+/// nowhere, but it still joins (and a failure to serialize it is still agreed).
+///
+/// ```
+/// use tpcomm_objects::exscan_with;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// // Offsets of each rank's shard from the shard lengths: an exclusive prefix sum.
+/// let results = LocalGroup::new(3).run(|comm| exscan_with(&comm, &[10u32, 20, 5][comm.rank()], |a, b| a + b));
+/// let offsets: Vec<Option<u32>> = results.into_iter().map(|r| r.unwrap().unwrap()).collect();
+/// assert_eq!(offsets, [None, Some(10), Some(30)]);
+/// ```
+pub fn exscan_with<C, T, F>(comm: &C, value: &T, f: F) -> Result<Option<T>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+    F: FnMut(T, T) -> T,
+{
+    exscan_with_options(comm, value, &Options::default(), f)
+}
+
+/// [`exscan_with`] with options.
+pub fn exscan_with_options<C, T, F>(comm: &C, value: &T, opts: &Options, f: F) -> Result<Option<T>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+    F: FnMut(T, T) -> T,
+{
+    let span = span(comm, "exscan");
+    let _g = span.enter();
+    prefix_fold(comm, value, opts, &span, false, f)
+}
+
+/// The scans: rank `s` sends its value to every rank `d >= s` (inclusive) or `d > s`
+/// (exclusive) through the all-to-all protocol, and rank `d` folds what it received in
+/// rank order. `None` when there is nothing to fold (rank 0 of an exclusive scan).
+fn prefix_fold<C, T, F>(
+    comm: &C,
+    value: &T,
+    opts: &Options,
+    span: &tracing::Span,
+    inclusive: bool,
+    f: F,
+) -> Result<Option<T>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+    F: FnMut(T, T) -> T,
+{
+    let (me, size) = (comm.rank(), comm.size());
+    let receives_from = |d: usize, s: usize| if inclusive { s <= d } else { s < d };
+    let checked = Checked::new(opts);
+    let outgoing = checked.invalid.is_none().then(|| {
+        serialize(value).map(|bytes| {
+            let lens: Vec<usize> = (0..size)
+                .map(|d| if receives_from(d, me) { bytes.len() } else { 0 })
+                .collect();
+            let mut packed = Vec::with_capacity(lens.iter().sum());
+            for _ in lens.iter().filter(|&&l| l > 0) {
+                packed.extend_from_slice(&bytes);
+            }
+            (packed, lens)
+        })
+    });
+    let (buf, ranges) = all_to_all_bytes(comm, checked, outgoing, opts, span)?;
+    let mut values = Vec::with_capacity(size);
+    for (s, range) in ranges.into_iter().enumerate() {
+        if receives_from(me, s) {
+            values.push(decode_exact::<T>(s, &buf[range], opts.max_depth)?);
+        } else if !range.is_empty() {
+            return Err(ObjectError::Corrupt(format!(
+                "rank {s} sent {} bytes to rank {me}, which takes nothing from it in a scan",
+                range.len()
+            )));
+        }
+    }
+    Ok(values.into_iter().reduce(f))
 }
 
 /// Decodes a borrowed value from `bytes` sent by `rank`: the building block for callers that

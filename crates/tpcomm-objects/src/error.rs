@@ -23,8 +23,8 @@ pub enum DecodeError {
 
 /// Every failure of an object collective.
 ///
-/// Errors decided from exchanged data (`PeerSerialization`, `MissingRootValue`,
-/// `TooLarge`) are returned by *every* rank, because every rank decides them from the same
+/// Errors decided from exchanged data (`PeerSerialization`, `MissingInput`, `TooLarge`,
+/// `PeerInvalidOptions`, `OptionsMismatch`) are returned by *every* rank, because every rank decides them from the same
 /// exchanged lengths. `Decode` is local to the rank that decoded the bytes.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -50,17 +50,22 @@ pub enum ObjectError {
         /// The rank (the root, for rooted collectives).
         rank: usize,
     },
-    /// The announced lengths exceed the `max_total_bytes` cap (or overflow): nothing was
-    /// allocated. Every rank returns this error.
+    /// The announced lengths exceed the `max_total_bytes` cap: nothing was allocated. Every
+    /// rank returns this error.
     #[error(
-        "announced bytes ({announced}) exceed the cap of {cap} bytes (first offending rank {rank})"
+        "rank {rank} announced lengths that bring the bytes to receive to {announced}, over \
+         the cap of {cap} bytes"
     )]
     TooLarge {
-        /// The total announced, or `"overflow"`.
-        announced: String,
+        /// The bytes announced up to and including `rank`'s length: the running total that
+        /// crossed the cap (a lower bound of the whole total, which is not summed further).
+        /// A `u128`, so that no sum of 64-bit lengths overflows it.
+        announced: u128,
         /// The cap in force.
         cap: usize,
-        /// The rank whose length pushed the total over the cap.
+        /// The rank whose announced length pushed the total over the cap: the sender in a
+        /// gather or all-gather, the root in a broadcast or scatter (which announces every
+        /// length).
         rank: usize,
     },
     /// The bytes from `rank` are not a valid value of the requested type.

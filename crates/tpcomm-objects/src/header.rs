@@ -128,7 +128,7 @@ pub(crate) fn agree(
                 unreachable!("sentinels handled above")
             };
             usize::try_from(n).map_err(|_| ObjectError::TooLarge {
-                announced: n.to_string(),
+                announced: u128::from(n),
                 cap,
                 rank: owners(i),
             })
@@ -143,21 +143,19 @@ pub(crate) fn within_cap(
     owners: impl Fn(usize) -> usize,
     cap: usize,
 ) -> Result<usize> {
-    let mut total = 0usize;
+    let mut total: u128 = 0;
     for (i, n) in lens.into_iter().enumerate() {
-        let too_large = |announced: String| ObjectError::TooLarge {
-            announced,
-            cap,
-            rank: owners(i),
-        };
-        total = total
-            .checked_add(n)
-            .ok_or_else(|| too_large("more than usize::MAX".into()))?;
-        if total > cap {
-            return Err(too_large(format!("at least {total}")));
+        // A usize always fits u128, and fewer than 2^64 lengths cannot overflow it.
+        total += n as u128;
+        if total > cap as u128 {
+            return Err(ObjectError::TooLarge {
+                announced: total,
+                cap,
+                rank: owners(i),
+            });
         }
     }
-    Ok(total)
+    Ok(usize::try_from(total).expect("at most cap, a usize"))
 }
 
 /// Allocates a zeroed buffer of `bytes` without aborting on failure.
@@ -232,5 +230,22 @@ mod tests {
     fn an_overflowing_sum_is_rejected() {
         let e = within_cap([usize::MAX - 2, usize::MAX - 2], |i| i, usize::MAX).unwrap_err();
         assert!(matches!(e, ObjectError::TooLarge { rank: 1, .. }), "{e}");
+    }
+
+    #[test]
+    fn the_announced_total_is_the_running_sum_that_crossed_the_cap() {
+        let e = within_cap([usize::MAX, usize::MAX, 3], |i| i + 10, usize::MAX).unwrap_err();
+        match e {
+            ObjectError::TooLarge {
+                announced,
+                cap,
+                rank,
+            } => {
+                assert_eq!(announced, 2 * u128::from(u64::MAX));
+                assert_eq!(cap, usize::MAX);
+                assert_eq!(rank, 11);
+            }
+            other => panic!("expected TooLarge, got {other:?}"),
+        }
     }
 }

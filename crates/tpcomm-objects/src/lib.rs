@@ -1,6 +1,7 @@
 //! # tpcomm-objects
 //!
-//! Gather / all-gather / broadcast / scatter / all-to-all / all-reduce of any `serde` value
+//! Gather / all-gather / broadcast / scatter / all-to-all / all-reduce / reduce / scan /
+//! exscan of any `serde` value
 //! over any [`Communicator`](tpcomm_transport::Communicator), serialized with postcard: the
 //! Rust answer to `torch.distributed.all_gather_object`, mpi4py's pickle collectives and
 //! TensorRT-LLM's `safe_allgather`, without executing peer data.
@@ -38,8 +39,9 @@ mod rounds;
 pub use collectives::{
     all_gather, all_gather_borrowed, all_gather_borrowed_with, all_gather_bytes,
     all_gather_bytes_with, all_gather_with, all_reduce_with, all_reduce_with_options, all_to_all,
-    all_to_all_with, broadcast, broadcast_with, decode_from, decode_from_with, gather, gather_with,
-    scatter, scatter_with,
+    all_to_all_with, broadcast, broadcast_with, decode_from, decode_from_with, exscan_with,
+    exscan_with_options, gather, gather_with, reduce_with, reduce_with_options, scan_with,
+    scan_with_options, scatter, scatter_with,
 };
 pub use error::{DecodeError, ObjectError, Result};
 pub use gathered::Gathered;

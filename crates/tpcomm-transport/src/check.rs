@@ -14,6 +14,7 @@
 //! full check, which names the first problem, runs when that loop is not sure.
 
 use crate::error::{ArgumentError, Op, Result, TransportError};
+use crate::reduce::{DataType, ReduceOp};
 
 /// The facts about a communicator that the checks need.
 #[derive(Debug, Clone, Copy)]
@@ -476,6 +477,90 @@ impl<'a> AllToAllArgs<'a> {
                 displs: self.recv_displs,
             },
         )
+    }
+}
+
+/// Checked arguments of a numeric all-reduce
+/// ([`Communicator::all_reduce`](crate::Communicator::all_reduce)).
+///
+/// Guarantees: the receive buffer holds a whole number of `dtype` elements, `count()` of
+/// them, at most `max_count`; the send buffer, when there is one (out of place), has the
+/// same length. `None` as send buffer means in place: the receive buffer is also the input.
+#[derive(Debug)]
+pub struct AllReduceArgs<'a> {
+    send: Option<&'a [u8]>,
+    recv: &'a mut [u8],
+    dtype: DataType,
+    op: ReduceOp,
+    count: usize,
+}
+
+impl<'a> AllReduceArgs<'a> {
+    #[inline(always)]
+    pub(crate) fn check(
+        shape: Shape,
+        send: Option<&'a [u8]>,
+        recv: &'a mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<Self> {
+        let elem = dtype.size();
+        if !recv.len().is_multiple_of(elem) {
+            return Err(shape.err(ArgumentError::PartialElement {
+                which: "receive",
+                len: recv.len(),
+                dtype: dtype.name(),
+                elem,
+            }));
+        }
+        if let Some(send) = send {
+            if send.len() != recv.len() {
+                return Err(shape.err(ArgumentError::SendLength {
+                    expected: recv.len(),
+                    actual: send.len(),
+                }));
+            }
+        }
+        let count = recv.len() / elem;
+        shape.count("element count", shape.rank, count)?;
+        Ok(Self {
+            send,
+            recv,
+            dtype,
+            op,
+            count,
+        })
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DataType {
+        self.dtype
+    }
+
+    /// The reduction.
+    pub fn op(&self) -> ReduceOp {
+        self.op
+    }
+
+    /// Elements per rank (the same on every rank, which the local backend checks).
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Whether the receive buffer is also the input.
+    pub fn in_place(&self) -> bool {
+        self.send.is_none()
+    }
+
+    /// The send buffer (`None` in place, where the receive buffer holds the input) and the
+    /// receive buffer.
+    pub fn parts(&mut self) -> (Option<&[u8]>, &mut [u8]) {
+        (self.send, self.recv)
+    }
+
+    /// This rank's input: the send buffer, or the receive buffer's current bytes in place.
+    pub fn input(&self) -> &[u8] {
+        self.send.unwrap_or(self.recv)
     }
 }
 

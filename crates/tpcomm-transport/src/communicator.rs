@@ -1,9 +1,11 @@
 //! The [`Communicator`] trait: collectives over host bytes.
 
 use crate::check::{
-    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, GatherRecv, Layout, Shape, VarcountArgs,
+    AllGatherArgs, AllReduceArgs, AllToAllArgs, BroadcastArgs, GatherArgs, GatherRecv, Layout,
+    Shape, VarcountArgs,
 };
 use crate::error::{Op, Result};
+use crate::reduce::{reduce_into, slice_of, DataType, Element, ReduceOp};
 
 /// A group of ranks that run collectives over host bytes.
 ///
@@ -114,6 +116,84 @@ pub trait Communicator: Send + Sync {
         self.raw_all_to_all_varcount(args)
     }
 
+    /// Numeric all-reduce: element-wise `op` of every rank's `send` into every rank's
+    /// `recv` (the same length as `send`, the same on every rank).
+    ///
+    /// Element types are the [`Element`]s: the integer types (wrapping), `f32`, `f64`,
+    /// `half::f16` and `half::bf16` (reduced in `f32`, rounded once); see
+    /// [`reduce`](crate::reduce) for the exact semantics. Under MPI this is
+    /// `MPI_Allreduce` (`MPI_Iallreduce` on the timed path); the local backend reduces in
+    /// rank order, each rank one slice (reduce-scatter, then all-gather), so every rank gets
+    /// bitwise the same result, and a rank whose count, type or op differs from a peer's
+    /// gets [`Mismatch`](crate::TransportError::Mismatch) on every rank. A count above
+    /// [`max_count`](Self::max_count) elements is an
+    /// [`InvalidArgument`](crate::TransportError::InvalidArgument).
+    ///
+    /// ```
+    /// use tpcomm_transport::{Communicator, LocalGroup, ReduceOp};
+    ///
+    /// let results = LocalGroup::new(3).run(|comm| {
+    ///     let send = [comm.rank() as f32, 1.0];
+    ///     let mut sum = [0f32; 2];
+    ///     comm.all_reduce(&send, &mut sum, ReduceOp::Sum)?;
+    ///     Ok::<_, tpcomm_transport::TransportError>(sum)
+    /// });
+    /// for r in results {
+    ///     assert_eq!(r.unwrap().unwrap(), [3.0, 3.0]);
+    /// }
+    /// ```
+    fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()>
+    where
+        Self: Sized,
+    {
+        self.all_reduce_bytes(
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+            op,
+        )
+    }
+
+    /// [`all_reduce`](Self::all_reduce) with `buf` as both input and output.
+    ///
+    /// ```
+    /// use half::bf16;
+    /// use tpcomm_transport::{Communicator, LocalGroup, ReduceOp};
+    ///
+    /// let results = LocalGroup::new(2).run(|comm| {
+    ///     let mut x = [bf16::from_f32(comm.rank() as f32 + 1.0); 4];
+    ///     comm.all_reduce_in_place(&mut x, ReduceOp::Max)?;
+    ///     Ok::<_, tpcomm_transport::TransportError>(x)
+    /// });
+    /// for r in results {
+    ///     assert_eq!(r.unwrap().unwrap(), [bf16::from_f32(2.0); 4]);
+    /// }
+    /// ```
+    fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()>
+    where
+        Self: Sized,
+    {
+        self.all_reduce_bytes(None, bytemuck::cast_slice_mut(buf), T::DTYPE, op)
+    }
+
+    /// The untyped form of [`all_reduce`](Self::all_reduce): `send` (`None`: in place, `recv`
+    /// is the input) and `recv` hold elements of `dtype` in native byte order, at any
+    /// alignment. Both must hold the same whole number of elements; anything else is an
+    /// [`InvalidArgument`](crate::TransportError::InvalidArgument)
+    /// ([`PartialElement`](crate::ArgumentError::PartialElement),
+    /// [`SendLength`](crate::ArgumentError::SendLength)) raised before anything is sent.
+    fn all_reduce_bytes(
+        &self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let _span = enter_span(self, Op::AllReduce, || recv.len());
+        let args = AllReduceArgs::check(shape(self, Op::AllReduce), send, recv, dtype, op)?;
+        self.raw_all_reduce(args)
+    }
+
     /// Collective: splits the group into sub-groups, one per `color`; ranks of a sub-group
     /// are ordered by `(key, rank in this group)`. A rank passing `None` as color joins no
     /// sub-group and gets `Ok(None)`. Collectives in sibling sub-groups run concurrently
@@ -141,6 +221,56 @@ pub trait Communicator: Send + Sync {
     /// Backend hook of [`all_to_all_varcount`](Self::all_to_all_varcount); arguments
     /// already checked.
     fn raw_all_to_all_varcount(&self, args: AllToAllArgs<'_>) -> Result<()>;
+
+    /// Backend hook of [`all_reduce_bytes`](Self::all_reduce_bytes) (and the typed
+    /// all-reduces); arguments already checked.
+    ///
+    /// The default composes the other hooks, for wrappers and backends without a native
+    /// reduction: a reduce-scatter through
+    /// [`all_to_all_varcount`](Self::all_to_all_varcount) (rank `j` receives every rank's
+    /// slice `j` and reduces it in rank order), then
+    /// [`all_gather_varcount`](Self::all_gather_varcount) of the reduced slices. Every rank
+    /// gets bitwise the same result. It cannot tell a different type or op on a peer from
+    /// its own (a different count fails in the all-to-all); the local and MPI backends
+    /// override it.
+    fn raw_all_reduce(&self, args: AllReduceArgs<'_>) -> Result<()> {
+        composed_all_reduce(self, args)
+    }
+}
+
+/// The default [`Communicator::raw_all_reduce`]: reduce-scatter by all-to-all, then
+/// all-gather of the reduced slices.
+fn composed_all_reduce<C: Communicator + ?Sized>(
+    comm: &C,
+    mut args: AllReduceArgs<'_>,
+) -> Result<()> {
+    let (me, size) = (comm.rank(), comm.size());
+    let (dtype, op, elem) = (args.dtype(), args.op(), args.dtype().size());
+    let slices: Vec<(usize, usize)> = (0..size).map(|r| slice_of(args.count(), size, r)).collect();
+    let counts: Vec<usize> = slices.iter().map(|&(lo, hi)| (hi - lo) * elem).collect();
+    let displs: Vec<usize> = slices.iter().map(|&(lo, _)| lo * elem).collect();
+    let mine = counts[me];
+    let piece_displs: Vec<usize> = (0..size).map(|r| r * mine).collect();
+    let mut pieces = vec![0u8; size * mine];
+    comm.all_to_all_varcount(
+        Layout {
+            buf: args.input(),
+            counts: &counts,
+            displs: &displs,
+        },
+        Layout {
+            buf: &mut pieces,
+            counts: &vec![mine; size],
+            displs: &piece_displs,
+        },
+    )?;
+    let inputs: Vec<&[u8]> = (0..size)
+        .map(|r| &pieces[r * mine..(r + 1) * mine])
+        .collect();
+    let mut reduced = vec![0u8; mine];
+    reduce_into(dtype, op, &inputs, &mut reduced);
+    let (_, recv) = args.parts();
+    comm.all_gather_varcount(&reduced, recv, &counts, &displs)
 }
 
 fn shape<C: Communicator + ?Sized>(comm: &C, op: Op) -> Shape {

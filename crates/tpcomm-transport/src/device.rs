@@ -23,18 +23,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use crate::check::{device_count, DeviceCollective};
 use crate::error::{ArgumentError, Op, Result, TransportError};
 
-/// The reduction of an all-reduce or reduce-scatter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
-    /// Element-wise sum.
-    Sum,
-    /// Element-wise product.
-    Prod,
-    /// Element-wise maximum.
-    Max,
-    /// Element-wise minimum.
-    Min,
-}
+pub use crate::reduce::ReduceOp;
 
 impl ReduceOp {
     /// NCCL's code for the reduction.

@@ -22,6 +22,7 @@ pub enum Op {
     Split,
     /// Creating or tearing down a communicator.
     Setup,
+    /// [`Communicator::all_reduce`](crate::Communicator::all_reduce) and
     /// `DeviceCommunicator::all_reduce` (feature `nccl`).
     AllReduce,
     /// `DeviceCommunicator::reduce_scatter` (feature `nccl`).
@@ -147,6 +148,18 @@ pub enum ArgumentError {
     /// The root of a gather passed no receive layout.
     #[error("the root of a gather must pass a receive buffer with counts and displacements")]
     MissingRootReceive,
+    /// A buffer of a numeric all-reduce does not hold a whole number of elements.
+    #[error("{which} buffer holds {len} bytes, not a whole number of {dtype} elements ({elem} bytes each)")]
+    PartialElement {
+        /// `"send"` or `"receive"`.
+        which: &'static str,
+        /// The buffer's length in bytes.
+        len: usize,
+        /// The element type's name.
+        dtype: &'static str,
+        /// Bytes per element.
+        elem: usize,
+    },
     /// A device buffer lives on another device than the communicator's.
     #[error("{which} buffer is on device {actual}, the communicator on device {expected}")]
     WrongDevice {
@@ -166,7 +179,7 @@ pub enum ArgumentError {
 #[non_exhaustive]
 pub enum TransportError {
     /// An argument was invalid on this rank; nothing was sent.
-    #[error("{op} on rank {rank}: invalid argument: {source}")]
+    #[error("{op} on rank {rank}: invalid argument")]
     InvalidArgument {
         /// The operation.
         op: Op,

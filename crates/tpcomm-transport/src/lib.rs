@@ -15,6 +15,9 @@
 //! sent. Each collective opens a `tracing` span (`collective`) with the operation, rank,
 //! size and byte count.
 //!
+//! Numbers: [`Communicator::all_reduce`] (sum, product, min, max of integers, `f32`,
+//! `f64`, `f16` and `bf16`, in place or not) on every backend; see [`reduce`].
+//!
 //! Groups: [`Communicator::split`] gives sub-communicators (tensor-, pipeline-,
 //! data-parallel groups); collectives in sibling groups run concurrently.
 
@@ -24,6 +27,7 @@ mod communicator;
 #[cfg(feature = "nccl")]
 pub mod device;
 mod error;
+pub mod reduce;
 #[doc(hidden)]
 pub mod testing;
 
@@ -32,10 +36,9 @@ pub use backend::local::{LocalCommunicator, LocalGroup, LocalGroupConfig};
 pub use backend::mpi::MpiCommunicator;
 #[cfg(feature = "nccl")]
 pub use backend::nccl::{NcclCommunicator, NcclLibrary};
-pub use check::{DeviceCollective, GatherRecv, Layout};
+pub use check::{AllReduceArgs, DeviceCollective, GatherRecv, Layout};
 pub use communicator::{dense_displacements, Communicator};
 #[cfg(feature = "nccl")]
-pub use device::{
-    DeviceArgs, DeviceCommunicator, DeviceElement, NcclDataType, NcclRedOp, ReduceOp,
-};
+pub use device::{DeviceArgs, DeviceCommunicator, DeviceElement, NcclDataType, NcclRedOp};
 pub use error::{ArgumentError, Op, Result, TransportError};
+pub use reduce::{DataType, Element, ReduceOp};

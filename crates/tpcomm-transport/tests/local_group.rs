@@ -310,3 +310,34 @@ proptest! {
         }
     }
 }
+
+/// Recurses `n` levels with a 1 KiB frame each (kept by `black_box`).
+fn deep(n: u32) -> u32 {
+    let frame = std::hint::black_box([1u8; 1024]);
+    if n == 0 {
+        u32::from(frame[0])
+    } else {
+        deep(n - 1) + u32::from(frame[1023])
+    }
+}
+
+#[test]
+fn a_larger_stack_runs_recursion_deeper_than_two_mebibytes() {
+    // 8192 levels of at least 1 KiB: over 8 MiB of stack, four times the 2 MiB default.
+    let results = LocalGroup::new(2).stack_size(64 << 20).run(|comm| {
+        let d = deep(8192);
+        comm.barrier()?;
+        Ok::<_, TransportError>(d)
+    });
+    for r in results {
+        assert_eq!(r.unwrap().unwrap(), 8193);
+    }
+}
+
+#[test]
+fn the_default_stack_size_is_two_mebibytes() {
+    assert_eq!(
+        tpcomm_transport::LocalGroupConfig::default().stack_size,
+        2 << 20
+    );
+}

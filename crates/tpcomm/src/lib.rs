@@ -6,8 +6,8 @@
 //! | feature | what it adds |
 //! |---------|--------------|
 //! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator); [`ipc`] (peer memory, host shared-memory backend); [`allreduce`] (custom all-reduce, host backend) |
-//! | `mpi`   | `transport::MpiCommunicator` over MPI (rsmpi) |
-//! | `cuda`  | `ipc::CudaMemory`: CUDA IPC peer memory and `allreduce::CudaBackend`, the custom all-reduce's kernels (driver loaded at run time unless the program links cudarc) |
+//! | `mpi`   | `transport::MpiCommunicator` over MPI, and rsmpi itself as [`mpi`] (a program calls `tpcomm::mpi::initialize()`) |
+//! | `cuda`  | `ipc::CudaMemory`: CUDA IPC peer memory and `allreduce::CudaBackend`, the custom all-reduce's kernels; building needs nvcc (`cargo xtask setup-cuda`), running a GPU (driver loaded at run time unless the program links cudarc) |
 //! | `nccl`  | `transport::NcclCommunicator` and `transport::DeviceCommunicator`: NCCL collectives on device buffers (libcuda and libnccl loaded at run time) |
 //! | `gpu`   | `cuda` and `nccl`, and `allreduce::DeviceAllReduce` (the custom kernels with NCCL as the fallback) |
 //! | `cuda-13000` (default) | cudarc's CUDA 13.0 bindings, when a GPU feature builds cudarc; turn the default features off when your program picks cudarc's CUDA version itself (see `docs/gpu.md`) |
@@ -26,6 +26,25 @@
 pub use tpcomm_allreduce as allreduce;
 pub use tpcomm_ipc as ipc;
 pub use tpcomm_objects as objects;
-pub use tpcomm_objects::ObjectError;
 pub use tpcomm_transport as transport;
-pub use tpcomm_transport::{Communicator, TransportError};
+
+// The error types of every layer, so that a program names them without knowing the crates.
+pub use tpcomm_allreduce::AllReduceError;
+pub use tpcomm_ipc::IpcError;
+pub use tpcomm_objects::ObjectError;
+pub use tpcomm_transport::{Communicator, ReduceOp, TransportError};
+
+/// The `half` crate (`f16`, `bf16`): the element types of the all-reduces, in the version
+/// tpcomm's traits are implemented for.
+pub use half;
+
+/// rsmpi (the `mpi` crate, feature `mpi`), in the version tpcomm's MPI backend is built
+/// against: initialize MPI with `tpcomm::mpi::initialize()` and pass the universe to
+/// `transport::MpiCommunicator::world`.
+#[cfg(feature = "mpi")]
+pub use mpi;
+
+/// The repository's README, whose examples run as doctests of this crate (so they cannot
+/// drift from the API).
+#[doc = include_str!("../../../README.md")]
+pub mod readme {}

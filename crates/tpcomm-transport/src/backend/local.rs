@@ -19,9 +19,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::check::{AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs};
+use crate::check::{
+    AllGatherArgs, AllReduceArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
+};
 use crate::communicator::Communicator;
 use crate::error::{Op, Result, TransportError};
+use crate::reduce::{reduce_into, slice_of, DataType, ReduceOp};
 
 /// Settings of a local group.
 #[derive(Debug, Clone)]
@@ -31,6 +34,16 @@ pub struct LocalGroupConfig {
     /// Largest count one call accepts (default `i32::MAX`, as MPI-3). Lower it to force the
     /// multi-round paths of upper layers in tests.
     pub max_count: usize,
+    /// Stack size of each rank's thread in [`LocalGroup::run`], in bytes (default
+    /// [`LocalGroupConfig::DEFAULT_STACK_SIZE`], 2 MiB: Rust's default for spawned threads,
+    /// smaller than a main thread's usual 8 MiB). Raise it for ranks that recurse deeply,
+    /// for example over recursive values.
+    pub stack_size: usize,
+}
+
+impl LocalGroupConfig {
+    /// The default stack size of a rank's thread: 2 MiB, as `std::thread::spawn` gives.
+    pub const DEFAULT_STACK_SIZE: usize = 2 << 20;
 }
 
 impl Default for LocalGroupConfig {
@@ -38,6 +51,7 @@ impl Default for LocalGroupConfig {
         Self {
             timeout: Duration::from_secs(60),
             max_count: i32::MAX as usize,
+            stack_size: Self::DEFAULT_STACK_SIZE,
         }
     }
 }
@@ -93,6 +107,28 @@ impl LocalGroup {
         self
     }
 
+    /// Sets the stack size of each rank's thread in [`run`](Self::run), in bytes (default
+    /// [`LocalGroupConfig::DEFAULT_STACK_SIZE`], 2 MiB). The OS may round it up to a whole
+    /// number of pages.
+    ///
+    /// ```
+    /// use tpcomm_transport::LocalGroup;
+    ///
+    /// fn depth(n: u32) -> u32 {
+    ///     let frame = std::hint::black_box([0u8; 1024]);
+    ///     if n == 0 { u32::from(frame[0]) } else { 1 + depth(n - 1) }
+    /// }
+    /// // About 4 MiB of frames: more than the default 2 MiB stack holds.
+    /// let results = LocalGroup::new(2)
+    ///     .stack_size(64 << 20)
+    ///     .run(|_comm| depth(4096));
+    /// assert!(results.into_iter().all(|r| r.unwrap() == 4096));
+    /// ```
+    pub fn stack_size(mut self, bytes: usize) -> Self {
+        self.config.stack_size = bytes;
+        self
+    }
+
     /// Creates the communicators, rank `i` at index `i`; hand each to its own thread.
     ///
     /// Fails with [`TransportError::Setup`] when the size or `max_count` is 0.
@@ -137,6 +173,7 @@ impl LocalGroup {
                     let rank = comm.rank();
                     std::thread::Builder::new()
                         .name(format!("tpcomm-rank-{rank}"))
+                        .stack_size(self.config.stack_size)
                         .spawn_scoped(scope, move || {
                             catch_unwind(AssertUnwindSafe(|| f(comm))).map_err(|payload| {
                                 TransportError::RankPanicked {
@@ -615,6 +652,68 @@ impl Communicator for LocalCommunicator {
         Ok(())
     }
 
+    /// Two rounds, reduce-scatter then all-gather. Round one: every rank posts its input
+    /// and its (count, type, op); every rank checks them against its own (a difference is
+    /// a `Mismatch` on every rank, since every rank differs from some peer), then reduces
+    /// its own slice of the elements (`reduce::slice_of`) over every post in rank order. Round
+    /// two: every rank posts its reduced slice and copies every slice into its output.
+    /// Each element is reduced once, by one rank, in rank order: bitwise the same result
+    /// everywhere.
+    fn raw_all_reduce(&self, mut args: AllReduceArgs<'_>) -> Result<()> {
+        let op = Op::AllReduce;
+        let (dtype, reduce, count) = (args.dtype(), args.op(), args.count());
+        let describe = |meta: &[usize]| match meta {
+            [count, dtype, reduce] => format!(
+                "{count} {} elements ({})",
+                DataType::ALL[*dtype].name(),
+                ReduceOp::ALL[*reduce].name()
+            ),
+            _ => format!("{meta:?}"),
+        };
+        let meta = vec![count, dtype_index(dtype), op_index(reduce)];
+        let post = Post {
+            bytes: args.input().to_vec(),
+            meta: meta.clone(),
+        };
+        let posts = self.exchange(op, None, post, Needs::Everybody)?;
+        for r in 0..self.size() {
+            let theirs = &posted(&posts, r).meta;
+            if *theirs != meta {
+                return Err(self.mismatch(
+                    op,
+                    format!(
+                        "rank {r} called all_reduce with {}, this rank with {}",
+                        describe(theirs),
+                        describe(&meta)
+                    ),
+                ));
+            }
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let elem = dtype.size();
+        let (lo, hi) = slice_of(count, self.size(), self.rank);
+        let inputs: Vec<&[u8]> = (0..self.size())
+            .map(|r| &posted(&posts, r).bytes[lo * elem..hi * elem])
+            .collect();
+        let mut mine = vec![0u8; (hi - lo) * elem];
+        reduce_into(dtype, reduce, &inputs, &mut mine);
+        drop(inputs);
+        drop(posts);
+        let post = Post {
+            bytes: mine,
+            meta: Vec::new(),
+        };
+        let slices = self.exchange(op, None, post, Needs::Everybody)?;
+        let (_, recv) = args.parts();
+        for r in 0..self.size() {
+            let (lo, hi) = slice_of(count, self.size(), r);
+            recv[lo * elem..hi * elem].copy_from_slice(&posted(&slices, r).bytes);
+        }
+        Ok(())
+    }
+
     fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<()> {
         let op = Op::AllToAllVarcount;
         let send = args.send();
@@ -648,4 +747,20 @@ impl Communicator for LocalCommunicator {
         }
         Ok(())
     }
+}
+
+/// The position of `dtype` in [`DataType::ALL`] (how it travels in a post's `meta`).
+fn dtype_index(dtype: DataType) -> usize {
+    DataType::ALL
+        .iter()
+        .position(|&d| d == dtype)
+        .expect("ALL lists every data type")
+}
+
+/// The position of `op` in [`ReduceOp::ALL`].
+fn op_index(op: ReduceOp) -> usize {
+    ReduceOp::ALL
+        .iter()
+        .position(|&o| o == op)
+        .expect("ALL lists every reduction")
 }

@@ -102,9 +102,12 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
-use crate::check::{AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs};
+use crate::check::{
+    AllGatherArgs, AllReduceArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
+};
 use crate::communicator::Communicator;
 use crate::error::{ArgumentError, Op, Result, TransportError};
+use crate::reduce::{narrow_half, widen_half, DataType, ReduceOp};
 
 /// The MPI standard fixes `MPI_SUCCESS` to 0; its binding's integer type differs between
 /// implementations, so compare against a `c_int` constant checked here at compile time.
@@ -665,6 +668,58 @@ impl Communicator for MpiCommunicator {
         check(op, "MPI_Bcast", code)
     }
 
+    /// `MPI_Allreduce`. `f16` and `bf16` (which MPI has no type for) are widened to
+    /// `MPI_FLOAT`, reduced, and rounded back. In place, the input is copied first: rsmpi
+    /// exports no `MPI_IN_PLACE` handle, and this module never passes an implementation's
+    /// private constant.
+    fn raw_all_reduce(&self, mut args: AllReduceArgs<'_>) -> Result<()> {
+        if let Some(timeout) = self.timed(Op::AllReduce)? {
+            return self.timed_all_reduce(timeout, args);
+        }
+        let op = Op::AllReduce;
+        let count = self.int(op, "element count", self.rank, args.count())?;
+        let (dtype, reduce) = (args.dtype(), args.op());
+        let mpi_op = reduce_op(reduce);
+        if let Some(wide) = widen_half(dtype, args.input()) {
+            let mut out = vec![0f32; wide.len()];
+            let mut scratch = Scratch::default();
+            let send = send_ptr(bytemuck::cast_slice(&wide), &scratch.send);
+            let recv = recv_ptr(bytemuck::cast_slice_mut(&mut out), &mut scratch.recv);
+            let float = float_type();
+            let guard = self.lock();
+            // SAFETY: `send` and `recv` point to `count` f32 each (two distinct vectors, or
+            // distinct scratch bytes when `count == 0`), properly aligned, alive for the
+            // blocking call; `float` is the predefined `MPI_FLOAT`; `self.comm` is live.
+            let code = unsafe { ffi::MPI_Allreduce(send, recv, count, float, mpi_op, self.comm) };
+            drop(guard);
+            check(op, "MPI_Allreduce", code)?;
+            let (_, recv) = args.parts();
+            narrow_half(dtype, bytemuck::cast_slice(&out), recv);
+            return Ok(());
+        }
+        let datatype = mpi_type(dtype);
+        let (send, recv) = args.parts();
+        let copied;
+        let send = match send {
+            Some(send) => send,
+            None => {
+                copied = recv.to_vec();
+                &copied
+            }
+        };
+        let mut scratch = Scratch::default();
+        let send = send_ptr(send, &scratch.send);
+        let recv = recv_ptr(recv, &mut scratch.recv);
+        let _guard = self.lock();
+        // SAFETY: `AllReduceArgs` checked that send and receive hold the same `count`
+        // elements of `dtype`, whose predefined MPI type `datatype` has the same size;
+        // `send` and `recv` are distinct memory (the caller's two slices, a copy of the
+        // input in place, or distinct scratch bytes when empty) alive for the blocking call.
+        // `self.comm` is live.
+        let code = unsafe { ffi::MPI_Allreduce(send, recv, count, datatype, mpi_op, self.comm) };
+        check(op, "MPI_Allreduce", code)
+    }
+
     fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<()> {
         if let Some(timeout) = self.timed(Op::AllToAllVarcount)? {
             return self.timed_all_to_all_varcount(timeout, args);
@@ -1070,6 +1125,43 @@ impl MpiCommunicator {
         Ok(())
     }
 
+    fn timed_all_reduce(&self, timeout: Duration, mut args: AllReduceArgs<'_>) -> Result<()> {
+        let op = Op::AllReduce;
+        let count = self.int(op, "element count", self.rank, args.count())?;
+        let (dtype, mpi_op) = (args.dtype(), reduce_op(args.op()));
+        let wide = widen_half(dtype, args.input());
+        let (send, datatype) = match &wide {
+            Some(wide) => (bytemuck::cast_slice::<f32, u8>(wide).to_vec(), float_type()),
+            None => (args.input().to_vec(), mpi_type(dtype)),
+        };
+        let recv_init = send.clone();
+        let job = InFlight::new(op, send, &recv_init, Vec::new())?;
+        let job = self.run_timed(op, "MPI_Iallreduce", timeout, job, |job, comm| {
+            // SAFETY: `job.send` and `job.recv` each hold `count` elements of `datatype`
+            // (the input's bytes, widened to f32 for the half types; at least one byte, so
+            // never MPI_IN_PLACE's address), distinct allocations owned by `job` until the
+            // request completes or forever (leaked at the deadline). `comm` is live.
+            unsafe {
+                ffi::MPI_Iallreduce(
+                    job.send.as_ptr().cast(),
+                    job.recv.as_mut_ptr().cast(),
+                    count,
+                    datatype,
+                    mpi_op,
+                    comm,
+                    &mut job.request,
+                )
+            }
+        })?;
+        let (_, recv) = args.parts();
+        if wide.is_some() {
+            narrow_half(dtype, &job.recv.as_slice()[..recv_init.len()], recv);
+        } else {
+            job.copy_out(recv);
+        }
+        Ok(())
+    }
+
     fn timed_all_to_all_varcount(
         &self,
         timeout: Duration,
@@ -1452,6 +1544,45 @@ fn copy_own_region(op: Op, rank: usize, send: &[u8], recv: &mut [u8], displ: usi
 fn comm_null() -> ffi::MPI_Comm {
     // SAFETY: reading an immutable handle constant exported by rsmpi's C shim.
     unsafe { ffi::RSMPI_COMM_NULL }
+}
+
+/// The predefined MPI type of an element type (`f16` and `bf16`, which MPI lacks, travel
+/// widened as [`float_type`]; they map to it here too).
+fn mpi_type(dtype: DataType) -> ffi::MPI_Datatype {
+    // SAFETY: reading immutable handle constants exported by rsmpi's C shim.
+    unsafe {
+        match dtype {
+            DataType::I8 => ffi::RSMPI_INT8_T,
+            DataType::U8 => ffi::RSMPI_UINT8_T,
+            DataType::I16 => ffi::RSMPI_INT16_T,
+            DataType::U16 => ffi::RSMPI_UINT16_T,
+            DataType::I32 => ffi::RSMPI_INT32_T,
+            DataType::U32 => ffi::RSMPI_UINT32_T,
+            DataType::I64 => ffi::RSMPI_INT64_T,
+            DataType::U64 => ffi::RSMPI_UINT64_T,
+            DataType::F16 | DataType::Bf16 | DataType::F32 => ffi::RSMPI_FLOAT,
+            DataType::F64 => ffi::RSMPI_DOUBLE,
+        }
+    }
+}
+
+/// `MPI_FLOAT`.
+fn float_type() -> ffi::MPI_Datatype {
+    // SAFETY: reading an immutable handle constant exported by rsmpi's C shim.
+    unsafe { ffi::RSMPI_FLOAT }
+}
+
+/// The predefined MPI reduction of a [`ReduceOp`].
+fn reduce_op(op: ReduceOp) -> ffi::MPI_Op {
+    // SAFETY: reading immutable handle constants exported by rsmpi's C shim.
+    unsafe {
+        match op {
+            ReduceOp::Sum => ffi::RSMPI_SUM,
+            ReduceOp::Prod => ffi::RSMPI_PROD,
+            ReduceOp::Max => ffi::RSMPI_MAX,
+            ReduceOp::Min => ffi::RSMPI_MIN,
+        }
+    }
 }
 
 /// The one-byte datatype bytes travel as (`MPI_UINT8_T`).

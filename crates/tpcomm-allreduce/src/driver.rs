@@ -8,7 +8,7 @@ use tpcomm_ipc::{ExchangeId, MemoryRegion, PeerMappings, PeerMemory, Region};
 use tpcomm_transport::Communicator;
 
 use crate::backend::{Backend, Buffer, Launch, RANK_DATA_BYTES, RANK_SIGNALS_BYTES};
-use crate::dispatch::{self, Algorithm, MAX_RANKS};
+use crate::dispatch::{self, Algorithm, FallbackReason, MAX_RANKS};
 use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
 use crate::lifecycle::{Lifecycle, Phase, Step, Transition};
@@ -194,6 +194,16 @@ fn check_agreement(all: &[Agreement]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Which path served [`CustomAllReduce::all_reduce_or_transport`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostRoute {
+    /// The custom peer-memory all-reduce, with this algorithm.
+    Custom(Algorithm),
+    /// The transport's numeric all-reduce ([`Communicator::all_reduce`]), because the custom
+    /// kernels cannot serve the input, for this reason.
+    Transport(FallbackReason),
 }
 
 /// A buffer shared with every peer up front ([`CustomAllReduce::register_buffer`]):
@@ -835,6 +845,72 @@ impl<B: Backend> CustomAllReduce<B> {
         let out = output.as_mut_ptr() as u64;
         self.launch("all_reduce", 0, T::DTYPE, input.len(), algorithm, out)?;
         Ok(algorithm)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) that never leaves an input unserved: when the custom
+    /// kernels cannot take it ([`AllReduceError::Fallback`]: a size that is not a multiple of
+    /// 16 bytes, above `max_bytes`, empty, ...), the sum runs through the transport's numeric
+    /// all-reduce ([`Communicator::all_reduce`]: `MPI_Allreduce` under MPI, a real reduction
+    /// on the threads backend) on `comm` instead. Returns which path ran.
+    ///
+    /// Collective like both paths: every rank must pass the same element type and count, so
+    /// that every rank takes the same path (the choice depends only on the size and on the
+    /// settings every rank agreed on in [`new`](Self::new)). A rank that passes another size
+    /// anyway is reported, not summed: by the transport's agreement check where it has one
+    /// (threads), or by the custom launch's timeout naming the rank that did not join.
+    ///
+    /// ```
+    /// use tpcomm_allreduce::{Config, CustomAllReduce, HostBackend, HostRoute};
+    /// use tpcomm_ipc::HostMemory;
+    /// use tpcomm_transport::{Communicator, LocalGroup};
+    ///
+    /// let results = LocalGroup::new(2).run(|comm| -> tpcomm_allreduce::Result<Vec<HostRoute>> {
+    ///     let mut ar = CustomAllReduce::new(HostBackend::new(), HostMemory::new(), &comm, Config::default())?;
+    ///     let mut routes = Vec::new();
+    ///     for len in [64, 3] {
+    ///         // 64 f32 = 256 bytes: the custom kernels; 3 f32 = 12 bytes: not a multiple of 16.
+    ///         let input = vec![comm.rank() as f32 + 1.0; len];
+    ///         let mut out = vec![0f32; len];
+    ///         routes.push(ar.all_reduce_or_transport(&comm, &input, &mut out)?);
+    ///         assert_eq!(out, vec![3.0f32; len]);
+    ///     }
+    ///     Ok(routes)
+    /// });
+    /// for r in results {
+    ///     let routes = r.unwrap().unwrap();
+    ///     assert!(matches!(routes[0], HostRoute::Custom(_)));
+    ///     assert!(matches!(routes[1], HostRoute::Transport(_)));
+    /// }
+    /// ```
+    pub fn all_reduce_or_transport<T, C>(
+        &mut self,
+        comm: &C,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<HostRoute>
+    where
+        T: Element + tpcomm_transport::reduce::Element,
+        C: Communicator + ?Sized,
+    {
+        match self.all_reduce(input, output) {
+            Ok(algorithm) => Ok(HostRoute::Custom(algorithm)),
+            Err(AllReduceError::Fallback(reason)) => {
+                let _span = tracing::debug_span!(
+                    "allreduce_transport_fallback",
+                    rank = self.rank,
+                    reason = %reason
+                )
+                .entered();
+                comm.all_reduce_bytes(
+                    Some(bytemuck::cast_slice(input)),
+                    bytemuck::cast_slice_mut(output),
+                    <T as tpcomm_transport::reduce::Element>::DTYPE,
+                    tpcomm_transport::ReduceOp::Sum,
+                )?;
+                Ok(HostRoute::Transport(reason))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Collective: shares `buffer` (backend memory, e.g. from [`memory`](Self::memory)) with

@@ -13,8 +13,12 @@ use crate::lifecycle::Phase;
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum AllReduceError {
-    /// The input cannot use the custom kernels; the caller should use MPI or NCCL.
-    #[error("use the fallback all-reduce: {0}")]
+    /// The input cannot use the custom kernels; nothing ran. Host inputs: reduce them with
+    /// the transport's [`Communicator::all_reduce`](tpcomm_transport::Communicator::all_reduce)
+    /// (or call [`CustomAllReduce::all_reduce_or_transport`](crate::CustomAllReduce::all_reduce_or_transport),
+    /// which does); device buffers: NCCL (`DeviceAllReduce`, feature `nccl`, routes them
+    /// itself).
+    #[error("the custom all-reduce cannot serve this input ({0}): reduce it with the transport's Communicator::all_reduce (host) or NCCL (device buffers)")]
     Fallback(FallbackReason),
     /// Called in a lifecycle state that does not allow it.
     #[error("{call} is not allowed while {phase}")]
@@ -25,11 +29,12 @@ pub enum AllReduceError {
         phase: Phase,
     },
     /// The communicator failed earlier; this is the original cause, returned by every call.
-    #[error("the communicator failed during {during}: {cause}")]
+    #[error("the communicator failed during {during}")]
     Failed {
         /// The transition or operation that failed.
         during: &'static str,
-        /// The original error.
+        /// The original error (also the [`source`](std::error::Error::source) of this one).
+        #[source]
         cause: Arc<AllReduceError>,
     },
     /// A peer did not reach a barrier in time.

@@ -28,7 +28,7 @@ pub use backend::cuda::{CudaBackend, CudaOptions, DeviceGraph};
 pub use backend::host::HostBackend;
 pub use backend::Backend;
 pub use dispatch::{Algorithm, FallbackReason};
-pub use driver::{Capture, CapturedPlan, Config, CustomAllReduce, RegisteredInput};
+pub use driver::{Capture, CapturedPlan, Config, CustomAllReduce, HostRoute, RegisteredInput};
 pub use dtype::{DType, Element};
 pub use error::{AllReduceError, Result};
 #[cfg(feature = "nccl")]

@@ -12,7 +12,7 @@
 //!   CUDA graph keeps working after a resume rewrites the tables in place.
 //! - **Stream.** One non-blocking stream per backend ([`CudaBackend::stream`]); eager inputs
 //!   are copied into the staging buffer on it (`cuMemcpyDtoDAsync`), and NCCL can share it
-//!   ([`DeviceAllReduce`] does).
+//!   (`DeviceAllReduce` does, feature `nccl`).
 //! - **Capture.** While the stream is being captured (`cuStreamIsCapturing`), the driver gives
 //!   each new input the next RankData slot and records the launch; nothing is copied between
 //!   host and device and no table is written until

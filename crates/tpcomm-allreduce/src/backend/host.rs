@@ -21,7 +21,7 @@
 //! peer's slot for this rank, then this rank waits with *acquire* loads until every peer's
 //! slot in its own block shows the epoch. Waits spin briefly, then yield, then sleep in
 //! short steps (ranks may outnumber cores), and give up at the timeout naming the peer.
-//! The barrier, the epoch and the order of a launch's phases live in [`flags`], generic
+//! The barrier, the epoch and the order of a launch's phases live in `flags`, generic
 //! over the flag words, so that the same code is model-checked with loom
 //! (`cargo xtask loom`); this module supplies the shared-memory slots.
 

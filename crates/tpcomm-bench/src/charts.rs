@@ -63,6 +63,20 @@ fn x_of(r: &Row) -> Option<f64> {
     r.case.parse::<f64>().ok().filter(|&x| x > 0.0)
 }
 
+/// `x` in the largest unit of `base` it reaches, without needless decimals: `64K`, `1.5M`,
+/// `0.25`.
+fn short(x: f64, base: f64, units: &[&str]) -> String {
+    let mut v = x;
+    let mut unit = 0;
+    while v >= base && unit + 1 < units.len() {
+        v /= base;
+        unit += 1;
+    }
+    let text = format!("{v:.2}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    format!("{text}{}", units[unit])
+}
+
 /// `peer mappings` -> `peer-mappings`: a file-name-safe form.
 fn slug(text: &str) -> String {
     let s: String = text
@@ -173,6 +187,8 @@ fn chart(
         .configure_mesh()
         .x_desc(x_desc)
         .y_desc(y_desc)
+        .x_label_formatter(&|x| short(*x, 1000.0, &["", "k", "M", "G"]))
+        .y_label_formatter(&|y| short(*y, 1000.0, &["", "k", "M", "G"]))
         .draw()
         .map_err(|e| err(&e))?;
     for (i, (variant, points)) in series.iter().enumerate() {

@@ -16,6 +16,7 @@
 //! tpcomm-bench gpu                            # CUDA backend on one GPU (features cuda, nccl)
 //! tpcomm-bench compare old.json new.json      # ratio per row, regressions flagged
 //! tpcomm-bench plot t.json ar.json -o charts  # SVG charts of time and bandwidth
+//! tpcomm-bench peer-check --launcher "mpirun -np 2"   # the MPI peer against a C loop
 //! ```
 //!
 //! Every subcommand runs through one harness ([`harness`], [`launch::Session`]): cases
@@ -36,6 +37,7 @@ mod launch;
 mod lifecycle;
 mod mpi_peer;
 mod objects;
+mod peer_check;
 mod report;
 mod sweep;
 mod table;
@@ -95,6 +97,12 @@ enum Command {
     ///
     /// Exits with status 1 when a row is slower than the threshold allows.
     Compare(compare::CompareArgs),
+    /// Checks the MPI peer of `transport` and `allreduce` (rsmpi in the run) against a
+    /// standalone C loop of the same MPI calls, built with `mpicc`.
+    ///
+    /// Run it outside mpirun: it starts the MPI jobs itself with `--launcher`. Needs the
+    /// `mpi` feature.
+    PeerCheck(peer_check::PeerCheckArgs),
     /// Draws SVG charts of JSON reports: time and bus bandwidth against size, log axes, one
     /// line per variant and per peer.
     Plot(charts::PlotArgs),
@@ -111,6 +119,7 @@ fn main() -> ExitCode {
         Command::Lifecycle(args) => lifecycle::run(&args),
         Command::Gpu(args) => gpu::run(&args),
         Command::Compare(args) => compare::run(&args),
+        Command::PeerCheck(args) => peer_check::run(&args),
         Command::Plot(args) => charts::run(&args),
     };
     match result {

@@ -39,7 +39,7 @@ use tpcomm::Communicator;
 
 use crate::error::BenchError;
 use crate::harness::{
-    agree, elapsed_ns, geomean, link_peers, time_once, time_variants, Bus, Order, Row, Target,
+    agree, elapsed_ns, geomean, link_peers, time_once, time_variants, Bus, Order, Plan, Row, Target,
 };
 use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
 use crate::mpi_peer::{MpiCall, MpiWorld};
@@ -610,10 +610,12 @@ fn bench_dtype<T: Element, C: Communicator>(
         }
         let timed = time_variants(
             comm,
-            &args.iter,
-            bytes,
-            paths.len(),
-            Order::Rotate,
+            Plan {
+                iter: &args.iter,
+                bytes,
+                variants: paths.len(),
+                order: Order::Rotate,
+            },
             &s.progress,
             &mut (&mut *runner, &mut *sync, &mut case),
             |(runner, sync, case), k| {

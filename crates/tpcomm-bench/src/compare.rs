@@ -69,7 +69,7 @@ fn flag(ratio: f64, threshold: f64) -> &'static str {
 
 /// Runs the subcommand.
 pub(crate) fn run(args: &CompareArgs) -> Result<(), BenchError> {
-    if !(args.threshold >= 0.0) {
+    if args.threshold.is_nan() || args.threshold < 0.0 {
         return Err(BenchError::Usage("--threshold must be 0 or more".into()));
     }
     let (old, new) = (report::read(&args.old)?, report::read(&args.new)?);

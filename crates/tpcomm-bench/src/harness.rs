@@ -267,20 +267,35 @@ pub(crate) struct Timed {
     pub(crate) samples: Vec<Vec<u64>>,
 }
 
-/// Times `n` variants of one case, interleaved (collective): `warmup_for(bytes)` warm-up
+/// How one case is timed.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Plan<'a> {
+    /// The iteration policy.
+    pub(crate) iter: &'a IterArgs,
+    /// Bytes the case moves (the warm-up count depends on it).
+    pub(crate) bytes: usize,
+    /// How many variants run per iteration.
+    pub(crate) variants: usize,
+    pub(crate) order: Order,
+}
+
+/// Times the variants of one case, interleaved (collective): `warmup_for(bytes)` warm-up
 /// rounds, an iteration count chosen from them (the same on every rank, from gathered
 /// figures), then the timed rounds. `once(state, v)` runs variant `v` once, as one timed
 /// iteration ([`time_once`]), and returns its time on this rank.
 pub(crate) fn time_variants<C: Communicator, S>(
     comm: &C,
-    iter: &IterArgs,
-    bytes: usize,
-    n: usize,
-    order: Order,
+    plan: Plan<'_>,
     progress: &Progress,
     state: &mut S,
     mut once: impl FnMut(&mut S, usize) -> Result<u64, BenchError>,
 ) -> Result<Timed, BenchError> {
+    let Plan {
+        iter,
+        bytes,
+        variants: n,
+        order,
+    } = plan;
     let warmup = iter.warmup_for(bytes);
     let mut round = |i: usize, out: &mut Vec<Vec<u64>>| -> Result<(), BenchError> {
         for v in order.of(n, i) {
@@ -335,6 +350,10 @@ pub(crate) fn agree<C: Communicator>(
     })
 }
 
+/// How a [`Target`] judges the rows: met, and the figures it was decided from; `None` when
+/// the rows hold nothing to judge.
+pub(crate) type Judge = Box<dyn Fn(&[Row]) -> Option<(bool, String)>>;
+
 /// A performance target a subcommand checks its rows against, with the reason it exists.
 pub(crate) struct Target {
     /// What is aimed at, for a user ("tpcomm within 1.1x of rsmpi at every size").
@@ -343,7 +362,7 @@ pub(crate) struct Target {
     pub(crate) why: &'static str,
     /// The verdict from the rows: met, and the figures it was decided from; `None` when the
     /// rows hold nothing to judge.
-    pub(crate) judge: Box<dyn Fn(&[Row]) -> Option<(bool, String)>>,
+    pub(crate) judge: Judge,
 }
 
 impl std::fmt::Debug for Target {
@@ -450,10 +469,12 @@ mod tests {
             let mut log = Vec::new();
             let timed = time_variants(
                 &comm,
-                &iter,
-                8,
-                2,
-                Order::Rotate,
+                Plan {
+                    iter: &iter,
+                    bytes: 8,
+                    variants: 2,
+                    order: Order::Rotate,
+                },
                 &Progress::off(),
                 &mut log,
                 |log, v| {

@@ -24,7 +24,7 @@ use tpcomm_ipc::{
 };
 
 use crate::error::BenchError;
-use crate::harness::{agree, elapsed_ns, time_once, time_variants, Order, Row, Target};
+use crate::harness::{agree, elapsed_ns, time_once, time_variants, Order, Plan, Row, Target};
 use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
 use crate::sweep::{parse_bytes, IterArgs};
 use crate::table::{col, Column};
@@ -199,10 +199,12 @@ fn bench_regions<C: Communicator>(
 
     let timed = time_variants(
         comm,
-        iter,
-        0,
-        OPS.len(),
-        Order::Fixed,
+        Plan {
+            iter,
+            bytes: 0,
+            variants: OPS.len(),
+            order: Order::Fixed,
+        },
         &s.progress,
         &mut peers,
         |peers, v| match v {

@@ -33,7 +33,8 @@ use crate::allreduce::{
 };
 use crate::error::BenchError;
 use crate::harness::{
-    agree, elapsed_ns, link_peers, median, slowest, time_once, time_variants, Order, Row, Target,
+    agree, elapsed_ns, link_peers, median, slowest, time_once, time_variants, Order, Plan, Row,
+    Target,
 };
 use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
 use crate::sweep::{format_bytes, parse_bytes, IterArgs};
@@ -342,10 +343,12 @@ fn bench_buffers<C: Communicator>(
     let latency_rows = latency(comm, &mut sync, &mut ar, n, args.latency_bytes, &args.iter)?;
     let timed = time_variants(
         comm,
-        &args.iter,
-        0,
-        TRANSITIONS.len(),
-        Order::Fixed,
+        Plan {
+            iter: &args.iter,
+            bytes: 0,
+            variants: TRANSITIONS.len(),
+            order: Order::Fixed,
+        },
         &s.progress,
         &mut ar,
         |ar, v| {

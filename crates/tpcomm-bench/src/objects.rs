@@ -29,7 +29,7 @@ use tpcomm::Communicator;
 
 use crate::error::BenchError;
 use crate::harness::{
-    agree, elapsed_ns, link_peers, slowest, time_once, time_variants, Order, Row, Target,
+    agree, elapsed_ns, link_peers, slowest, time_once, time_variants, Order, Plan, Row, Target,
 };
 use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
 use crate::sweep::{format_bytes, parse_bytes, IterArgs};
@@ -408,10 +408,12 @@ fn bench_payload<C: Communicator, S: Shape>(
     drop(expected);
     let timed = time_variants(
         comm,
-        iter,
-        bytes_per_rank.saturating_mul(comm.size()),
-        VARIANTS.len(),
-        Order::Rotate,
+        Plan {
+            iter,
+            bytes: bytes_per_rank.saturating_mul(comm.size()),
+            variants: VARIANTS.len(),
+            order: Order::Rotate,
+        },
         &s.progress,
         &mut (),
         |_, v| time_variant::<C, S>(comm, v, &value),

@@ -18,7 +18,7 @@ use tpcomm::Communicator;
 
 use crate::error::BenchError;
 use crate::harness::{
-    agree, elapsed_ns, link_peers, time_once, time_variants, Bus, Order, Row, Target,
+    agree, elapsed_ns, link_peers, time_once, time_variants, Bus, Order, Plan, Row, Target,
 };
 use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
 use crate::mpi_peer::{MpiCall, MpiWorld};
@@ -234,10 +234,12 @@ impl PerRank for TransportJob<'_> {
                 }
                 let timed = time_variants(
                     comm,
-                    &args.sweep.iter,
-                    case.bytes,
-                    paths,
-                    Order::Rotate,
+                    Plan {
+                        iter: &args.sweep.iter,
+                        bytes: case.bytes,
+                        variants: paths,
+                        order: Order::Rotate,
+                    },
                     &s.progress,
                     &mut case,
                     |case, path| {

@@ -67,6 +67,8 @@ const AUTO_MARGIN: f64 = 1.05;
 
 /// Options of `tpcomm-bench allreduce`.
 #[derive(Debug, Clone, Args, Serialize)]
+#[command(mut_arg("min_bytes", |a| a.default_value("1KiB")))]
+#[command(mut_arg("max_bytes", |a| a.default_value("8MiB")))]
 pub(crate) struct AllReduceArgs {
     /// Ranks at most 8; with `--transport mpi`, `MPI_Allreduce` of the same f32 data is
     /// timed too.
@@ -95,42 +97,22 @@ pub(crate) struct AllReduceArgs {
     )]
     pub(crate) paths: Vec<PathArg>,
 
-    /// Smallest size in bytes (a multiple of 16); suffixes K/KiB, M/MiB, G/GiB.
-    #[arg(long, default_value = "1KiB", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) min_bytes: usize,
-
-    /// Largest size in bytes (sizes the staging and temp buffers).
-    #[arg(long, default_value = "8MiB", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) max_bytes: usize,
-
-    /// Each size is the previous one times this factor.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(2..))]
-    pub(crate) factor: u32,
-
+    /// Sizes (here 1 KiB to 8 MiB by default, multiples of 16: the custom all-reduce moves
+    /// 16-byte packs; the largest sizes the staging buffers).
     #[command(flatten)]
     #[serde(flatten)]
-    pub(crate) iter: IterArgs,
+    pub(crate) sweep: SweepArgs,
 }
 
 impl AllReduceArgs {
-    /// The size sweep, in the shared sweep's terms.
-    fn sweep(&self) -> SweepArgs {
-        SweepArgs {
-            min_bytes: self.min_bytes,
-            max_bytes: self.max_bytes,
-            factor: self.factor,
-            iter: self.iter.clone(),
-        }
-    }
-
     fn validate(&self) -> Result<(), BenchError> {
-        self.sweep().validate()?;
+        self.sweep.validate()?;
         self.run.at_most(8)?;
-        if !self.min_bytes.is_multiple_of(16) {
+        if !self.sweep.min_bytes.is_multiple_of(16) {
             return Err(BenchError::Usage(format!(
                 "--min-bytes ({}) must be a multiple of 16 bytes: the custom all-reduce moves \
                  16-byte packs",
-                self.min_bytes
+                self.sweep.min_bytes
             )));
         }
         if self.dtypes.is_empty() || self.paths.is_empty() {
@@ -443,8 +425,8 @@ impl PerRank for AllReduceJob<'_> {
             json,
             &preamble(args, mpi.is_some()),
         )?;
-        let sizes = args.sweep().sizes();
-        let max_bytes = sizes.last().copied().unwrap_or(args.max_bytes);
+        let sizes = args.sweep.sizes();
+        let max_bytes = sizes.last().copied().unwrap_or(args.sweep.max_bytes);
         let config = |algorithm| Config {
             max_bytes,
             algorithm,
@@ -542,7 +524,7 @@ fn preamble(args: &AllReduceArgs, mpi: bool) -> Vec<String> {
     let mut lines = vec![
         format!(
             "tpcomm-allreduce host backend (shared memory); {}",
-            args.sweep().describe()
+            args.sweep.describe()
         ),
         "time: median over iterations of the slowest rank; before each iteration a barrier, \
          then an untimed 16-byte custom all-reduce (spinning flags) to line the ranks up"
@@ -590,7 +572,7 @@ fn bench_dtype<T: Element, C: Communicator>(
     if with_mpi {
         paths.push(None);
     }
-    for (size_index, &bytes) in args.sweep().sizes().iter().enumerate() {
+    for (size_index, &bytes) in args.sweep.sizes().iter().enumerate() {
         s.progress.case(format!("{name} {}", format_bytes(bytes)));
         let count = bytes / T::DTYPE.size();
         let mpi_len = if with_mpi { count } else { 0 };
@@ -611,7 +593,7 @@ fn bench_dtype<T: Element, C: Communicator>(
         let timed = time_variants(
             comm,
             Plan {
-                iter: &args.iter,
+                iter: &args.sweep.iter,
                 bytes,
                 variants: paths.len(),
                 order: Order::Rotate,
@@ -847,7 +829,7 @@ mod tests {
         };
         assert_eq!(args.dtypes, vec![DTypeArg::F32]);
         assert_eq!(args.paths.len(), 4);
-        assert_eq!(args.sweep().sizes().len(), 14);
+        assert_eq!(args.sweep.sizes().len(), 14);
         assert!(args.validate().is_ok());
         let nine = Cli::try_parse_from(["tpcomm-bench", "allreduce", "--ranks", "9"]).unwrap();
         let Command::AllReduce(nine) = nine.command else {

@@ -43,7 +43,7 @@ use crate::harness::{
 };
 use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
 use crate::mpi_peer::{MpiCall, MpiWorld};
-use crate::sweep::{format_bytes, parse_bytes, IterArgs, SweepArgs};
+use crate::sweep::{format_bytes, SweepArgs};
 use crate::table::{col, Column};
 use crate::transport::splitmix64;
 

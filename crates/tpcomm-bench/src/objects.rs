@@ -18,6 +18,7 @@
 
 use std::fmt;
 use std::hint::black_box;
+use std::process::Command;
 
 use clap::Args;
 use serde::de::DeserializeOwned;
@@ -31,7 +32,7 @@ use crate::error::BenchError;
 use crate::harness::{
     agree, elapsed_ns, link_peers, slowest, time_once, time_variants, Order, Plan, Row, Target,
 };
-use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
+use crate::launch::{self, PerRank, RunArgs, RunInfo, Session, Transport};
 use crate::sweep::{format_bytes, parse_bytes, IterArgs};
 use crate::table::{col, Column};
 use crate::transport::{pattern, splitmix64};
@@ -42,6 +43,8 @@ const DEFAULT_PAYLOADS: &str = "blob:64,blob:65536,blob:16MiB,records:1000,recor
 /// The variants, in table order; the last is the peer.
 const VARIANTS: [&str; 3] = ["tpcomm owned", "tpcomm borrowed", "floor"];
 const TABLE: &str = "object all_gather";
+/// The Python peer's variant.
+const MPI4PY: &str = "mpi4py";
 
 /// Options of `tpcomm-bench objects`.
 #[derive(Debug, Clone, Args, Serialize)]
@@ -65,6 +68,11 @@ pub(crate) struct ObjectsArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub(crate) iter: IterArgs,
+
+    /// Skip the mpi4py peer (otherwise run, with the local transport, when
+    /// `python3 -c "import mpi4py"` works and `mpirun` exists).
+    #[arg(long)]
+    pub(crate) no_mpi4py: bool,
 }
 
 /// Runs the subcommand.
@@ -83,7 +91,101 @@ pub(crate) fn run(args: &ObjectsArgs) -> Result<(), BenchError> {
             format_bytes(1 << 30)
         )));
     }
-    launch::launch(&args.run, &ObjectsJob { args }).map(drop)
+    let mpi4py = match args.run.transport {
+        _ if args.no_mpi4py => Err("skipped (--no-mpi4py)".to_string()),
+        Transport::Local => run_mpi4py(args),
+        Transport::Mpi => Err(
+            "not run under --transport mpi (it needs an mpirun job of its \
+                               own): run without it to measure mpi4py next to local ranks"
+                .into(),
+        ),
+    };
+    launch::launch(&args.run, &ObjectsJob { args, mpi4py }).map(drop)
+}
+
+/// The mpi4py peer's script, written to a temporary file and run under `mpirun`.
+const MPI4PY_SCRIPT: &str = include_str!("objects_peer.py");
+
+/// What the mpi4py peer measured on one payload (a JSON line of rank 0).
+#[derive(Debug, Clone, Deserialize)]
+struct Mpi4pyRun {
+    payload: String,
+    fingerprint: String,
+    warmup: usize,
+    samples_ns: Vec<u64>,
+}
+
+/// Runs the mpi4py peer on every payload as its own MPI job (`mpirun -np RANKS python3`),
+/// before the bench's ranks start; the reason when it cannot run.
+fn run_mpi4py(args: &ObjectsArgs) -> Result<Vec<Mpi4pyRun>, String> {
+    let probe = Command::new("python3")
+        .args(["-c", "import mpi4py"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        return Err(
+            "mpi4py absent (python3 -c \"import mpi4py\" fails; `cargo xtask setup` \
+                    installs it)"
+                .into(),
+        );
+    }
+    let script = std::env::temp_dir().join(format!(
+        "tpcomm-bench-{}-objects_peer.py",
+        std::process::id()
+    ));
+    std::fs::write(&script, MPI4PY_SCRIPT)
+        .map_err(|e| format!("cannot write {}: {e}", script.display()))?;
+    let root = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .any(|l| l.split_whitespace().take(2).eq(["Uid:", "0"]))
+    });
+    let mut cmd = Command::new("mpirun");
+    if root {
+        cmd.arg("--allow-run-as-root");
+    }
+    let ranks = args
+        .run
+        .ranks
+        .unwrap_or(launch::DEFAULT_LOCAL_RANKS)
+        .to_string();
+    cmd.args([
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        &ranks,
+        "python3",
+    ])
+    .arg(&script)
+    .arg(args.iter.iters.unwrap_or(0).to_string())
+    .arg(args.iter.warmup.unwrap_or(5).to_string())
+    .args(args.payloads.iter().map(Payload::to_string));
+    eprintln!("tpcomm-bench objects: timing the mpi4py peer first ({ranks} MPI ranks)");
+    let out = cmd.output();
+    let _ = std::fs::remove_file(&script);
+    let out = out.map_err(|e| format!("cannot start mpirun: {e}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!(
+            "the mpi4py job failed ({}): {}",
+            out.status,
+            err.trim()
+        ));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).map_err(|e| format!("unreadable mpi4py line `{l}`: {e}")))
+        .collect()
+}
+
+/// FNV-1a 64 of every rank's canonical value, in rank order (as `objects_peer.py`).
+fn fingerprint<S: Shape>(values: &[S::Owned]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in values {
+        for b in S::canonical(v) {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    format!("{h:016x}")
 }
 
 const COLUMNS: [Column; 7] = [
@@ -95,6 +197,31 @@ const COLUMNS: [Column; 7] = [
     col::min(12),
     col::vs_peer("ratio", "to floor", 9),
 ];
+
+/// Per payload with an mpi4py row: how many times slower mpi4py is than each tpcomm variant.
+fn mpi4py_lines(rows: &[Row]) -> Vec<String> {
+    rows.iter()
+        .filter(|r| r.is(MPI4PY))
+        .map(|py| {
+            let ratios: Vec<String> = rows
+                .iter()
+                .filter(|r| r.case == py.case && r.variant.starts_with("tpcomm"))
+                .map(|r| {
+                    format!(
+                        "{:.2}x {}",
+                        py.stats.median_us / r.stats.median_us,
+                        r.variant
+                    )
+                })
+                .collect();
+            format!(
+                "{}: mpi4py time / tpcomm time: {}",
+                py.case,
+                ratios.join(", ")
+            )
+        })
+        .collect()
+}
 
 /// The targets, judged on the tpcomm rows.
 fn targets() -> Vec<Target> {
@@ -147,6 +274,26 @@ fn targets() -> Vec<Target> {
                     let met = small.iter().all(|r| r.vs_peer.unwrap_or(f64::MAX) <= 0.8);
                     (met, list(&small))
                 })
+            }),
+        },
+        Target {
+            what: "tpcomm at least 25x faster than mpi4py on records:100000".into(),
+            why: "Python engines gather control-plane state with mpi4py (pickle); typed values \
+                  in postcard must leave that cost far behind to be worth a Rust engine's while",
+            judge: Box::new(move |rows: &[Row]| {
+                let big: Vec<&Row> = rows.iter().filter(|r| r.case == "records:100000").collect();
+                let py = big.iter().find(|r| r.is(MPI4PY))?;
+                let speedups: Vec<(f64, &str)> = big
+                    .iter()
+                    .filter(|r| r.variant.starts_with("tpcomm"))
+                    .map(|r| (py.stats.median_us / r.stats.median_us, r.variant.as_str()))
+                    .collect();
+                let detail: Vec<String> = speedups
+                    .iter()
+                    .map(|(x, v)| format!("{v} {x:.1}x"))
+                    .collect();
+                let met = !speedups.is_empty() && speedups.iter().all(|s| s.0 >= 25.0);
+                Some((met, detail.join(", ")))
             }),
         },
     ]
@@ -253,6 +400,9 @@ trait Shape: Sync {
 
     /// Whether a borrowed value equals the owned one.
     fn borrowed_eq(got: &Self::Borrowed<'_>, want: &Self::Owned) -> bool;
+
+    /// The bytes the mpi4py peer's fingerprint is taken of (see `objects_peer.py`).
+    fn canonical(value: &Self::Owned) -> Vec<u8>;
 }
 
 struct BlobShape(usize);
@@ -267,6 +417,10 @@ impl Shape for BlobShape {
 
     fn borrowed_eq(got: &&Bytes, want: &ByteBuf) -> bool {
         got[..] == want[..]
+    }
+
+    fn canonical(value: &ByteBuf) -> Vec<u8> {
+        value.to_vec()
     }
 }
 
@@ -285,6 +439,18 @@ impl Shape for RecordsShape {
             && got.iter().zip(want).all(|(g, w)| {
                 g.id == w.id && g.name == w.name && g.tokens == w.tokens && g.score == w.score
             })
+    }
+
+    fn canonical(value: &Vec<Record>) -> Vec<u8> {
+        let mut out = Vec::new();
+        for r in value {
+            out.extend(r.id.to_le_bytes());
+            out.extend(r.name.as_bytes());
+            out.push(0);
+            r.tokens.iter().for_each(|t| out.extend(t.to_le_bytes()));
+            out.extend(r.score.to_bits().to_le_bytes());
+        }
+        out
     }
 }
 
@@ -397,6 +563,7 @@ fn bench_payload<C: Communicator, S: Shape>(
     payload: Payload,
     values_per_rank: usize,
     iter: &IterArgs,
+    mpi4py: Option<&Mpi4pyRun>,
 ) -> Result<Vec<Row>, BenchError> {
     let value = shape.value(comm.rank());
     let expected: Vec<S::Owned> = (0..comm.size()).map(|r| shape.value(r)).collect();
@@ -404,6 +571,16 @@ fn bench_payload<C: Communicator, S: Shape>(
     let bytes_per_rank = slowest(comm, &[own_bytes])?[0] as usize;
     for v in 0..VARIANTS.len() {
         verify::<C, S>(comm, payload, v, &value, &expected)?;
+    }
+    if let Some(py) = mpi4py {
+        let ours = fingerprint::<S>(&expected);
+        if py.fingerprint != ours {
+            return Err(BenchError::Usage(format!(
+                "the mpi4py peer's {payload} values differ from the bench's (fingerprint {} vs \
+                 {ours})",
+                py.fingerprint
+            )));
+        }
     }
     drop(expected);
     let timed = time_variants(
@@ -428,6 +605,17 @@ fn bench_payload<C: Communicator, S: Shape>(
             Some(row.with("values_per_rank", values_per_rank))
         })
         .collect();
+    if let Some(py) = mpi4py {
+        let row = Row::new(
+            TABLE,
+            &case,
+            MPI4PY,
+            bytes_per_rank,
+            py.warmup,
+            py.samples_ns.clone(),
+        );
+        rows.extend(row.map(|r| r.with("values_per_rank", values_per_rank)));
+    }
     link_peers(&mut rows, |_| Some(VARIANTS[2].into()));
     Ok(rows)
 }
@@ -435,6 +623,8 @@ fn bench_payload<C: Communicator, S: Shape>(
 /// The per-rank job of the subcommand.
 struct ObjectsJob<'a> {
     args: &'a ObjectsArgs,
+    /// The mpi4py peer's runs, or why there are none.
+    mpi4py: Result<Vec<Mpi4pyRun>, String>,
 }
 
 impl PerRank for ObjectsJob<'_> {
@@ -456,6 +646,13 @@ impl PerRank for ObjectsJob<'_> {
              postcard decode (owned), same communicator"
                 .into(),
             "bytes/rank: postcard bytes of one rank's value (largest over ranks)".into(),
+            match &self.mpi4py {
+                Ok(_) => "mpi4py: comm.allgather of the same values as Python objects (bytes; \
+                          dicts), pickled, in its own mpirun job before this one, same \
+                          timing; data checked identical (fingerprint) and gathered correctly"
+                    .into(),
+                Err(why) => format!("mpi4py: {why}"),
+            },
         ];
         let json = args.run.json.as_deref();
         let mut s = Session::start(info, "objects", comm.rank(), comm.size(), json, &lines)?;
@@ -466,15 +663,27 @@ impl PerRank for ObjectsJob<'_> {
         s.progress.plan(args.payloads.len());
         for &payload in &args.payloads {
             s.progress.case(payload.to_string());
+            let py = self
+                .mpi4py
+                .as_ref()
+                .ok()
+                .and_then(|runs| runs.iter().find(|r| r.payload == payload.to_string()));
             let rows = match payload {
-                Payload::Blob(n) => bench_payload(&s, comm, &BlobShape(n), payload, 1, &args.iter)?,
+                Payload::Blob(n) => {
+                    bench_payload(&s, comm, &BlobShape(n), payload, 1, &args.iter, py)?
+                }
                 Payload::Records(n) => {
-                    bench_payload(&s, comm, &RecordsShape(n), payload, n, &args.iter)?
+                    bench_payload(&s, comm, &RecordsShape(n), payload, n, &args.iter, py)?
                 }
             };
             s.rows(&COLUMNS, rows, |_| true);
         }
         s.note("");
+        let lines = mpi4py_lines(s.kept());
+        if !lines.is_empty() {
+            lines.into_iter().for_each(|l| s.summary(l));
+            s.note("");
+        }
         s.note(
             "targets are stated for 2 MPI ranks (mpirun -np 2 ... --transport mpi); on another \
              configuration they are indicative only",
@@ -524,7 +733,15 @@ mod tests {
         let info = RunInfo::local("test");
         let results = LocalGroup::new(3).run(|comm| {
             let s = Session::start(&info, "objects", 1, 3, None, &[])?;
-            let mut rows = bench_payload(&s, &comm, &BlobShape(300), Payload::Blob(300), 1, &iter)?;
+            let mut rows = bench_payload(
+                &s,
+                &comm,
+                &BlobShape(300),
+                Payload::Blob(300),
+                1,
+                &iter,
+                None,
+            )?;
             rows.extend(bench_payload(
                 &s,
                 &comm,
@@ -532,6 +749,7 @@ mod tests {
                 Payload::Records(10),
                 10,
                 &iter,
+                None,
             )?);
             Ok::<_, BenchError>(rows)
         });
@@ -564,5 +782,36 @@ mod tests {
             v[0].detail
         );
         assert!(!v[1].met, "borrowed is over 0.8x: {:?}", v[1]);
+    }
+
+    #[test]
+    fn the_mpi4py_target_needs_a_measured_mpi4py_row() {
+        let row = |variant: &str, us: u64| {
+            Row::new(TABLE, "records:100000", variant, 1, 0, vec![us * 1000]).unwrap()
+        };
+        let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets()[2..], rows, true);
+        assert!(judge(&[row("tpcomm owned", 10)]).is_empty());
+        let v = judge(&[
+            row("tpcomm owned", 10),
+            row("tpcomm borrowed", 30),
+            row(MPI4PY, 500),
+        ]);
+        assert!(!v[0].met, "{v:?}");
+        assert_eq!(v[0].detail, "tpcomm owned 50.0x, tpcomm borrowed 16.7x");
+        let lines = mpi4py_lines(&[row("tpcomm owned", 10), row(MPI4PY, 500)]);
+        assert_eq!(
+            lines,
+            ["records:100000: mpi4py time / tpcomm time: 50.00x tpcomm owned"]
+        );
+    }
+
+    #[test]
+    fn fingerprints_cover_every_rank_value() {
+        let shape = RecordsShape(3);
+        let values: Vec<Vec<Record>> = (0..2).map(|r| shape.value(r)).collect();
+        let one = fingerprint::<RecordsShape>(&values);
+        assert_eq!(one.len(), 16);
+        assert_ne!(one, fingerprint::<RecordsShape>(&values[..1]));
+        assert_eq!(BlobShape::canonical(&blob(0, 5)).len(), 5);
     }
 }

@@ -26,7 +26,10 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         build.args(["--features", "mpi"]);
     }
     util::run(build)?;
-    let exe = util::root().join("target/release/tpcomm-bench");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| util::root().join("target"));
+    let exe = target.join("release/tpcomm-bench");
 
     for ranks in ["2", "4"] {
         let mut local = Command::new(&exe);

@@ -137,6 +137,8 @@ pub(crate) struct Progress {
     done: StdCell<usize>,
     case: RefCell<String>,
     last: StdCell<Option<Instant>>,
+    /// Whether a progress line is on the terminal now.
+    shown: StdCell<bool>,
 }
 
 impl Progress {
@@ -157,6 +159,7 @@ impl Progress {
             done: StdCell::new(0),
             case: RefCell::new(String::new()),
             last: StdCell::new(None),
+            shown: StdCell::new(false),
         }
     }
 
@@ -200,11 +203,12 @@ impl Progress {
             "\r\x1b[K[{done}/{total}] {}{iters}, {elapsed:.1} s{left}",
             self.case.borrow()
         );
+        self.shown.set(true);
     }
 
     /// Clears the progress line.
     pub(crate) fn finish(&self) {
-        if self.on {
+        if self.shown.replace(false) {
             eprint!("\r\x1b[K");
         }
     }

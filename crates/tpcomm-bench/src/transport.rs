@@ -584,4 +584,29 @@ mod tests {
         case.recv[7] ^= 1;
         assert!(case.check(5).unwrap().starts_with("byte 7"));
     }
+
+    #[test]
+    fn the_summary_line_averages_busbw_and_counts_ratios_above_the_target() {
+        let row = |bytes: usize, ns: u64, vs: f64| {
+            let mut r = Row::new(
+                "all_gather",
+                &bytes.to_string(),
+                "tpcomm",
+                bytes,
+                0,
+                vec![ns],
+            )
+            .unwrap()
+            .bus(Bus::Same, 2);
+            r.vs_peer = Some(vs);
+            r
+        };
+        // 1000 B in 1 us and 2000 B in 1 us: 1 and 2 GB/s.
+        let rows = [row(1000, 1000, 1.0), row(2000, 1000, 1.2)];
+        assert_eq!(
+            summary("all_gather", &rows).unwrap(),
+            "all_gather: avg busbw 1.500 GB/s; ratio max 1.20x, 1 sizes above 1.10x"
+        );
+        assert_eq!(summary("broadcast", &rows), None);
+    }
 }

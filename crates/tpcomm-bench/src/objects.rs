@@ -684,11 +684,13 @@ impl PerRank for ObjectsJob<'_> {
             lines.into_iter().for_each(|l| s.summary(l));
             s.note("");
         }
-        s.note(
-            "targets are stated for 2 MPI ranks (mpirun -np 2 ... --transport mpi); on another \
-             configuration they are indicative only",
-        );
         let binding = info.transport == "mpi" && comm.size() == 2;
+        if !binding {
+            s.note(
+                "targets are stated for 2 MPI ranks (mpirun -np 2 ... --transport mpi); on \
+                 another configuration they are indicative only",
+            );
+        }
         s.finish("objects", json, args, &targets(), binding)?;
         Ok(Some(()))
     }

@@ -1,4 +1,7 @@
-//! `cargo xtask bench`: runs the benchmark CLI the way `docs/benchmarks.md` records it.
+//! `cargo xtask bench`: runs the benchmark CLI the way `docs/benchmarks.md` records it: the
+//! transport tables (local 2 and 4 ranks; MPI 2 ranks with the MPI peer, and `peer-check`
+//! of that peer against a C loop), their JSON under `target/bench`, and SVG charts of them
+//! under `target/bench/charts`.
 
 use std::process::Command;
 
@@ -23,7 +26,10 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         build.args(["--features", "mpi"]);
     }
     util::run(build)?;
-    let exe = util::root().join("target/release/tpcomm-bench");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| util::root().join("target"));
+    let exe = target.join("release/tpcomm-bench");
 
     for ranks in ["2", "4"] {
         let mut local = Command::new(&exe);
@@ -39,7 +45,25 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             .args(["transport", "--transport", "mpi", "--json"]);
         cmd.arg(out.join("transport-mpi-2.json"));
         util::run(cmd)?;
+        let mpirun = util::mpirun(2);
+        let launcher: Vec<String> = std::iter::once(mpirun.get_program())
+            .chain(mpirun.get_args())
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let mut check = Command::new(&exe);
+        check.args(["peer-check", "--launcher", &launcher.join(" ")]);
+        util::run(check)?;
     }
+    let mut plot = Command::new(&exe);
+    plot.arg("plot");
+    for entry in std::fs::read_dir(&out).map_err(|e| format!("reading {}: {e}", out.display()))? {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        if path.extension().is_some_and(|e| e == "json") {
+            plot.arg(path);
+        }
+    }
+    plot.arg("-o").arg(out.join("charts"));
+    util::run(plot)?;
     eprintln!("xtask bench: JSON written under {}", out.display());
     Ok(())
 }

@@ -15,7 +15,31 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     if let Some(a) = args.first() {
         return Err(format!("setup takes no arguments (got `{a}`)"));
     }
-    ensure_mpi_toolchain()
+    ensure_mpi_toolchain()?;
+    ensure_mpi4py();
+    Ok(())
+}
+
+/// Best effort: installs mpi4py from PyPI (built against the MPI just ensured) for the
+/// Python peer of `tpcomm-bench objects`; without it the bench says mpi4py is absent.
+fn ensure_mpi4py() {
+    let have = |args: &[&str]| {
+        Command::new("python3")
+            .args(args)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if have(&["-c", "import mpi4py"]) || !have(&["-m", "pip", "--version"]) {
+        return;
+    }
+    eprintln!(
+        "xtask: installing mpi4py (python3 -m pip install mpi4py) for the bench's Python peer"
+    );
+    if !have(&["-m", "pip", "install", "--quiet", "mpi4py"]) {
+        eprintln!(
+            "xtask: warning: mpi4py did not install; `tpcomm-bench objects` will run without it"
+        );
+    }
 }
 
 fn libclang_present() -> bool {

@@ -11,24 +11,21 @@
 //! - `replay`: a plan captured on the `auto` instance (inputs and outputs in peer memory,
 //!   registered with `register_graph_buffers`) replayed: zero-copy, the host equivalent of
 //!   a CUDA graph launch;
-//! - `MPI_Allreduce` (`--transport mpi`, f32 only): rsmpi's `all_reduce_into` with
-//!   `SystemOperation::sum()` on `MPI_COMM_WORLD`, the same input.
+//! - `MPI_Allreduce` (the peer; `--transport mpi`, f32 only): the plain MPI call
+//!   ([`MpiWorld`]) on the same input.
 //!
 //! Per size: every path is verified once on fresh data (exact small integers, so every
-//! algorithm and element type must match the reference bit for bit), then warm-up and
-//! timed iterations, the paths interleaved and their order rotated each iteration. Each
-//! iteration is a barrier, an untimed 16-byte custom all-reduce that lines the ranks up
-//! (its flag barrier spins; the local group's barrier wakes sleeping threads, tens of
-//! microseconds apart on a busy machine), then one timed all-reduce; the iteration's time
-//! is the slowest rank's, and a row's time is the median over iterations. `busbw = algbw * 2(n-1)/n`
-//! (nccl-tests' all-reduce factor).
+//! algorithm and element type must match the reference bit for bit), then the harness times
+//! them interleaved. Each iteration is a barrier, an untimed 16-byte custom all-reduce that
+//! lines the ranks up (its flag barrier spins; the local group's barrier wakes sleeping
+//! threads, tens of microseconds apart on a busy machine), then one timed all-reduce.
+//! `busbw = algbw * 2(n-1)/n` (nccl-tests' all-reduce factor).
 //!
 //! After each table: where two-stage becomes faster than one-stage (next to the
-//! dispatcher's threshold, `dispatch::ONE_STAGE_MAX_BYTES`); under `mpirun`, issue 5's
-//! targets against `MPI_Allreduce` (2 ranks, f32).
+//! dispatcher's threshold, `dispatch::ONE_STAGE_MAX_BYTES`); under `mpirun`, the targets
+//! against `MPI_Allreduce` (2 ranks, f32).
 
-use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use half::{bf16, f16};
@@ -41,17 +38,22 @@ use tpcomm::ipc::{HostBuffer, HostMemory, PeerMemory};
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::launch::{self, PerRank, RunInfo};
-use crate::report::{self, Column, Stats, Table, Verdict};
-use crate::sweep::{format_bytes, parse_bytes, IterArgs, SweepArgs};
-use crate::timing::{elapsed_ns, median, ranks_flagging, slowest, time_once};
-use crate::transport::{splitmix64, Transport};
+use crate::harness::{
+    agree, elapsed_ns, geomean, link_peers, time_once, time_variants, Bus, Order, Plan, Row, Target,
+};
+use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
+use crate::mpi_peer::{MpiCall, MpiWorld};
+use crate::sweep::{format_bytes, SweepArgs};
+use crate::table::{col, Column};
+use crate::transport::splitmix64;
 
 /// The custom all-reduce on the host backend.
 pub(crate) type HostAllReduce = CustomAllReduce<HostBackend>;
 
-/// Issue 5's targets (2 MPI ranks, f32): at least this much faster than `MPI_Allreduce`
-/// as a geometric mean...
+/// The peer's variant name.
+const MPI: &str = "MPI_Allreduce";
+/// The targets (2 MPI ranks, f32): at least this much faster than `MPI_Allreduce` as a
+/// geometric mean...
 const SPEEDUP_TARGET: f64 = 1.5;
 /// ...over these sizes...
 const GEOMEAN_SIZES: (usize, usize) = (8 << 10, 8 << 20);
@@ -65,16 +67,14 @@ const AUTO_MARGIN: f64 = 1.05;
 
 /// Options of `tpcomm-bench allreduce`.
 #[derive(Debug, Clone, Args, Serialize)]
+#[command(mut_arg("min_bytes", |a| a.default_value("1KiB")))]
+#[command(mut_arg("max_bytes", |a| a.default_value("8MiB")))]
 pub(crate) struct AllReduceArgs {
-    /// Ranks (threads) of the local group, 1 to 8 [default: 2]. Not with `--transport mpi`,
-    /// where `mpirun -np` decides.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=8), value_name = "N")]
-    pub(crate) ranks: Option<u32>,
-
-    /// Transport under the all-reduce (handle exchanges, barriers between iterations).
-    /// With `mpi`, `MPI_Allreduce` of the same f32 data is timed too.
-    #[arg(long, value_enum, default_value_t = Transport::Local)]
-    pub(crate) transport: Transport,
+    /// Ranks at most 8; with `--transport mpi`, `MPI_Allreduce` of the same f32 data is
+    /// timed too.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) run: RunArgs,
 
     /// Element types, comma-separated; one table each.
     #[arg(
@@ -97,45 +97,22 @@ pub(crate) struct AllReduceArgs {
     )]
     pub(crate) paths: Vec<PathArg>,
 
-    /// Smallest size in bytes (a multiple of 16); suffixes K/KiB, M/MiB, G/GiB.
-    #[arg(long, default_value = "1KiB", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) min_bytes: usize,
-
-    /// Largest size in bytes (sizes the staging and temp buffers).
-    #[arg(long, default_value = "8MiB", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) max_bytes: usize,
-
-    /// Each size is the previous one times this factor.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(2..))]
-    pub(crate) factor: u32,
-
+    /// Sizes (here 1 KiB to 8 MiB by default, multiples of 16: the custom all-reduce moves
+    /// 16-byte packs; the largest sizes the staging buffers).
     #[command(flatten)]
     #[serde(flatten)]
-    pub(crate) iter: IterArgs,
-
-    /// Also write every figure (and every iteration's time) to this JSON file.
-    #[arg(long, value_name = "FILE")]
-    pub(crate) json: Option<PathBuf>,
+    pub(crate) sweep: SweepArgs,
 }
 
 impl AllReduceArgs {
-    /// The size sweep, in the shared sweep's terms.
-    fn sweep(&self) -> SweepArgs {
-        SweepArgs {
-            min_bytes: self.min_bytes,
-            max_bytes: self.max_bytes,
-            factor: self.factor,
-            iter: self.iter.clone(),
-        }
-    }
-
     fn validate(&self) -> Result<(), BenchError> {
-        self.sweep().validate()?;
-        if !self.min_bytes.is_multiple_of(16) {
+        self.sweep.validate()?;
+        self.run.at_most(8)?;
+        if !self.sweep.min_bytes.is_multiple_of(16) {
             return Err(BenchError::Usage(format!(
                 "--min-bytes ({}) must be a multiple of 16 bytes: the custom all-reduce moves \
                  16-byte packs",
-                self.min_bytes
+                self.sweep.min_bytes
             )));
         }
         if self.dtypes.is_empty() || self.paths.is_empty() {
@@ -145,6 +122,12 @@ impl AllReduceArgs {
         }
         Ok(())
     }
+}
+
+/// Runs the subcommand.
+pub(crate) fn run(args: &AllReduceArgs) -> Result<(), BenchError> {
+    args.validate()?;
+    launch::launch(&args.run, &AllReduceJob { args }).map(drop)
 }
 
 /// An element type on the command line.
@@ -187,115 +170,38 @@ pub(crate) enum PathArg {
     Replay,
 }
 
-/// One row kind of the table: a custom path, or `MPI_Allreduce`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PathKind {
-    Custom(PathArg),
-    Mpi,
-}
-
-impl PathKind {
+impl PathArg {
     fn name(self) -> &'static str {
         match self {
-            PathKind::Custom(PathArg::OneStage) => "1stage",
-            PathKind::Custom(PathArg::TwoStage) => "2stage",
-            PathKind::Custom(PathArg::Auto) => "auto",
-            PathKind::Custom(PathArg::Replay) => "replay",
-            PathKind::Mpi => "MPI_Allreduce",
+            PathArg::OneStage => "1stage",
+            PathArg::TwoStage => "2stage",
+            PathArg::Auto => "auto",
+            PathArg::Replay => "replay",
         }
     }
 }
-
-/// One line of an allreduce table (and of the JSON report).
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct AllReduceRow {
-    /// Bytes per rank (input size).
-    pub(crate) bytes: usize,
-    /// Elements.
-    pub(crate) count: usize,
-    #[serde(rename = "type")]
-    pub(crate) dtype: &'static str,
-    /// `1stage`, `2stage`, `auto`, `replay` or `MPI_Allreduce`.
-    pub(crate) path: &'static str,
-    /// The algorithm the custom all-reduce ran (`None` for MPI).
-    pub(crate) algorithm: Option<&'static str>,
-    /// Timed iterations.
-    pub(crate) iters: usize,
-    /// Untimed iterations before them.
-    pub(crate) warmup: usize,
-    /// Median, minimum and maximum over iterations of the slowest rank's time.
-    #[serde(flatten)]
-    pub(crate) stats: Stats,
-    /// `bytes / median`, GB/s.
-    pub(crate) algbw_gbps: f64,
-    /// `algbw * 2(n-1)/n`, GB/s.
-    pub(crate) busbw_gbps: f64,
-    /// `median / MPI_Allreduce's median` at the same size (custom rows, f32, MPI mode).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub(crate) vs_mpi: Option<f64>,
-    /// Every iteration's time (slowest rank), nanoseconds, in the order they ran.
-    pub(crate) samples_ns: Vec<u64>,
-}
-
-impl AllReduceRow {
-    /// `1stage`, `auto (1stage)`, `MPI_Allreduce`: the printed algorithm cell.
-    fn label(&self) -> String {
-        match self.algorithm {
-            Some(a) if a != self.path => format!("{} ({a})", self.path),
-            _ => self.path.to_string(),
-        }
-    }
-}
-
-const COLUMNS: [Column; 9] = [
-    Column::new("size", "(B)", 10),
-    Column::new("count", "(elements)", 10),
-    Column::new("type", "", 5),
-    Column::new("algorithm", "", 15),
-    Column::new("iters", "", 6),
-    Column::new("time", "(us)", 10),
-    Column::new("min", "(us)", 10),
-    Column::new("algbw", "(GB/s)", 7),
-    Column::new("busbw", "(GB/s)", 7),
-];
-const MPI_COLUMN: Column = Column::new("vs MPI", "cust/MPI", 8);
 
 fn columns(with_mpi: bool) -> Vec<Column> {
-    let mut c = COLUMNS.to_vec();
-    if with_mpi {
-        c.push(MPI_COLUMN);
-    }
-    c
-}
-
-fn print_row(table: &Table, row: &AllReduceRow, with_mpi: bool) {
-    let mut cells = vec![
-        row.bytes.to_string(),
-        row.count.to_string(),
-        row.dtype.to_string(),
-        row.label(),
-        row.iters.to_string(),
-        format!("{:.2}", row.stats.median_us),
-        format!("{:.2}", row.stats.min_us),
-        format!("{:.3}", row.algbw_gbps),
-        format!("{:.3}", row.busbw_gbps),
+    let mut c = vec![
+        col::size(10),
+        Column::new("count", "(elements)", 10, |r, _| r.text("count")),
+        Column::new("type", "", 5, |r, _| r.text("type")),
+        Column::new("algorithm", "", 15, |r, _| match r.text("algorithm") {
+            a if a != r.variant && a != "-" => format!("{} ({a})", r.variant),
+            _ => r.variant.clone(),
+        }),
+        col::iters(),
+        Column::new("time", "(us)", 10, |r, _| {
+            format!("{:.2}", r.stats.median_us)
+        }),
+        Column::new("min", "(us)", 10, |r, _| format!("{:.2}", r.stats.min_us)),
+        col::algbw(7),
+        col::busbw(7),
     ];
     if with_mpi {
-        cells.push(
-            row.vs_mpi
-                .map_or_else(|| "-".into(), |r| format!("{r:.2}x")),
-        );
+        c.push(col::vs_peer("vs MPI", "cust/MPI", 8));
     }
-    table.cells(&columns(with_mpi), &cells);
-}
-
-/// nccl-tests' bus factor of all-reduce, `2(n-1)/n`.
-fn bus_factor(ranks: usize) -> f64 {
-    if ranks == 0 {
-        0.0
-    } else {
-        2.0 * (ranks - 1) as f64 / ranks as f64
-    }
+    c
 }
 
 /// Element `i` of rank `rank`'s input for verification `salt`: an integer in -8..=7, so
@@ -334,32 +240,6 @@ pub(crate) fn check<T: Element>(got: &[T], want: &[f32]) -> Option<String> {
     ))
 }
 
-/// Collective: fails on every rank when any rank's `problem` is set, naming the ranks.
-pub(crate) fn agree<C: Communicator>(
-    comm: &C,
-    problem: Option<String>,
-    path: &'static str,
-    op: &'static str,
-    bytes: usize,
-) -> Result<(), BenchError> {
-    let bad_ranks = ranks_flagging(comm, problem.is_some())?;
-    let Some(&first) = bad_ranks.first() else {
-        return Ok(());
-    };
-    Err(BenchError::WrongData {
-        path,
-        op,
-        bytes,
-        rank: if problem.is_some() {
-            comm.rank()
-        } else {
-            first
-        },
-        detail: problem.unwrap_or_else(|| format!("see rank {first}")),
-        bad_ranks,
-    })
-}
-
 /// A new host all-reduce (collective).
 pub(crate) fn new_all_reduce<C: Communicator>(
     comm: &C,
@@ -371,132 +251,6 @@ pub(crate) fn new_all_reduce<C: Communicator>(
         comm,
         config,
     )?)
-}
-
-/// `MPI_Allreduce` through rsmpi on `MPI_COMM_WORLD`.
-#[cfg(feature = "mpi")]
-struct MpiDirect(mpi::topology::SimpleCommunicator);
-
-#[cfg(feature = "mpi")]
-impl MpiDirect {
-    /// In MPI mode, the world communicator.
-    fn for_run(info: &RunInfo) -> Option<Self> {
-        (info.transport == "mpi").then(|| Self(mpi::topology::SimpleCommunicator::world()))
-    }
-
-    fn all_reduce(&self, input: &[f32], output: &mut [f32]) {
-        use mpi::collective::{CommunicatorCollectives as _, SystemOperation};
-        self.0
-            .all_reduce_into(input, output, SystemOperation::sum());
-    }
-}
-
-/// Without the `mpi` feature there is no direct path.
-#[cfg(not(feature = "mpi"))]
-enum MpiDirect {}
-
-#[cfg(not(feature = "mpi"))]
-impl MpiDirect {
-    fn for_run(_: &RunInfo) -> Option<Self> {
-        None
-    }
-
-    fn all_reduce(&self, _: &[f32], _: &mut [f32]) {
-        match *self {}
-    }
-}
-
-/// This rank's all-reduce instances, one per kind of row.
-struct Instances {
-    one: Option<HostAllReduce>,
-    two: Option<HostAllReduce>,
-    /// The dispatcher's choice; also runs the replayed plans.
-    auto: Option<HostAllReduce>,
-}
-
-impl Instances {
-    /// Builds the instances `paths` need (collective: every rank passes the same paths).
-    fn new<C: Communicator>(
-        comm: &C,
-        paths: &[PathArg],
-        max_bytes: usize,
-    ) -> Result<Self, BenchError> {
-        let config = |algorithm| Config {
-            max_bytes,
-            algorithm,
-            ..Config::default()
-        };
-        let wants = |p: &[PathArg]| p.iter().any(|x| paths.contains(x));
-        let build = |wanted: bool, algorithm| -> Result<Option<HostAllReduce>, BenchError> {
-            wanted
-                .then(|| new_all_reduce(comm, config(algorithm)))
-                .transpose()
-        };
-        Ok(Self {
-            one: build(wants(&[PathArg::OneStage]), Some(Algorithm::OneStage))?,
-            two: build(wants(&[PathArg::TwoStage]), Some(Algorithm::TwoStage))?,
-            auto: build(wants(&[PathArg::Auto, PathArg::Replay]), None)?,
-        })
-    }
-
-    fn get(&mut self, path: PathArg) -> Result<&mut HostAllReduce, BenchError> {
-        let ar = match path {
-            PathArg::OneStage => self.one.as_mut(),
-            PathArg::TwoStage => self.two.as_mut(),
-            PathArg::Auto | PathArg::Replay => self.auto.as_mut(),
-        };
-        ar.ok_or_else(|| BenchError::Usage(format!("no instance for {path:?}")))
-    }
-}
-
-/// The peer-memory buffers the replayed plans read and write, and the plans.
-struct Replay<'b> {
-    memory: HostMemory,
-    input: &'b HostBuffer,
-    output: &'b HostBuffer,
-    /// `plans[dtype index][size index]`: the plan and the algorithm it recorded.
-    plans: Vec<Vec<(CapturedPlan<'b, HostBackend>, Algorithm)>>,
-}
-
-/// The buffers of one size and element type on one rank.
-struct Case<T> {
-    bytes: usize,
-    count: usize,
-    input: Vec<T>,
-    output: Vec<T>,
-    /// The same input as f32 for `MPI_Allreduce` (empty unless f32 in MPI mode).
-    mpi_input: Vec<f32>,
-    mpi_output: Vec<f32>,
-    /// Indices of the replayed plan in [`Replay::plans`].
-    plan: (usize, usize),
-}
-
-/// Runs `path` once on `case`; returns the algorithm the custom all-reduce used.
-fn run_path<T: Element>(
-    instances: &mut Instances,
-    replay: Option<&Replay<'_>>,
-    mpi: Option<&MpiDirect>,
-    path: PathKind,
-    case: &mut Case<T>,
-) -> Result<Option<Algorithm>, BenchError> {
-    match path {
-        PathKind::Custom(PathArg::Replay) => {
-            let replay = replay
-                .ok_or_else(|| BenchError::Usage("replay path without captured plans".into()))?;
-            let (plan, algorithm) = &replay.plans[case.plan.0][case.plan.1];
-            plan.replay(instances.get(PathArg::Replay)?)?;
-            Ok(Some(*algorithm))
-        }
-        PathKind::Custom(p) => {
-            let ar = instances.get(p)?;
-            Ok(Some(ar.all_reduce(&case.input, &mut case.output)?))
-        }
-        PathKind::Mpi => {
-            let mpi = mpi.ok_or_else(|| BenchError::Usage("MPI path outside MPI mode".into()))?;
-            mpi.all_reduce(&case.mpi_input, &mut case.mpi_output);
-            Ok(None)
-        }
-    }
 }
 
 /// A small all-reduce used only to line the ranks up before each timed iteration.
@@ -513,8 +267,7 @@ pub(crate) fn new_sync<C: Communicator>(comm: &C) -> Result<HostAllReduce, Bench
 
 /// One timed iteration, its ranks lined up more tightly than by [`time_once`]'s barrier
 /// alone: the transport's barrier, then an untimed 16-byte all-reduce on `sync` (whose
-/// flag barrier spins, so the ranks leave it within about a microsecond even where the
-/// transport's barrier wakes sleeping threads, as the local group's does), then `work`,
+/// flag barrier spins, so the ranks leave it within about a microsecond), then `work`,
 /// timed. Nanoseconds on this rank.
 pub(crate) fn time_synced<C: Communicator>(
     comm: &C,
@@ -530,75 +283,124 @@ pub(crate) fn time_synced<C: Communicator>(
     })
 }
 
-/// Everything a rank runs the paths with.
-struct Runner<'r, 'b, C> {
-    comm: &'r C,
-    sync: HostAllReduce,
-    instances: &'r mut Instances,
-    replay: Option<&'r Replay<'b>>,
-    mpi: Option<&'r MpiDirect>,
+/// One captured plan per (element type, size), replayed by the `replay` rows, and the
+/// peer-memory buffers they read and write.
+struct Replay<'b> {
+    memory: HostMemory,
+    input: &'b HostBuffer,
+    output: &'b HostBuffer,
+    /// `plans[dtype index][size index]`: the plan and the algorithm it recorded.
+    plans: Vec<Vec<(CapturedPlan<'b, HostBackend>, Algorithm)>>,
 }
 
-impl<C: Communicator> Runner<'_, '_, C> {
-    /// Runs `path` once on `case`; returns the algorithm the custom all-reduce used.
-    fn run_once<T: Element>(
-        &mut self,
-        path: PathKind,
-        case: &mut Case<T>,
-    ) -> Result<Option<Algorithm>, BenchError> {
-        run_path(self.instances, self.replay, self.mpi, path, case)
+/// What a rank runs the paths with.
+struct Runner<'r, 'b> {
+    /// `paths[i]`: the instance of path `i`, `None` for `MPI_Allreduce`.
+    instances: [Option<HostAllReduce>; 3],
+    replay: Option<Replay<'b>>,
+    mpi: Option<&'r MpiWorld>,
+}
+
+/// The buffers of one size and element type on one rank.
+struct Case<T> {
+    bytes: usize,
+    count: usize,
+    input: Vec<T>,
+    output: Vec<T>,
+    /// The same input as f32 for `MPI_Allreduce` (empty unless f32 in MPI mode).
+    mpi_input: Vec<f32>,
+    mpi_output: Vec<f32>,
+    /// Indices of the replayed plan in [`Replay::plans`].
+    plan: (usize, usize),
+}
+
+impl Runner<'_, '_> {
+    fn instance(&mut self, path: PathArg) -> Result<&mut HostAllReduce, BenchError> {
+        let i = match path {
+            PathArg::OneStage => 0,
+            PathArg::TwoStage => 1,
+            PathArg::Auto | PathArg::Replay => 2,
+        };
+        self.instances[i]
+            .as_mut()
+            .ok_or_else(|| BenchError::Usage(format!("no instance for {}", path.name())))
     }
 
-    /// One timed iteration of `path` ([`time_synced`]); nanoseconds on this rank.
-    fn time<T: Element>(&mut self, path: PathKind, case: &mut Case<T>) -> Result<u64, BenchError> {
-        let (instances, replay, mpi) = (&mut *self.instances, self.replay, self.mpi);
-        time_synced(self.comm, &mut self.sync, || {
-            run_path(instances, replay, mpi, path, case).map(drop)
-        })
+    /// Runs `path` (`None`: `MPI_Allreduce`) once; returns the algorithm it used.
+    fn run<T: Element>(
+        &mut self,
+        path: Option<PathArg>,
+        case: &mut Case<T>,
+    ) -> Result<Option<Algorithm>, BenchError> {
+        match path {
+            Some(PathArg::Replay) => {
+                let replay = self.replay.as_ref().ok_or_else(|| {
+                    BenchError::Usage("replay path without captured plans".into())
+                })?;
+                let (plan, algorithm) = &replay.plans[case.plan.0][case.plan.1];
+                let ar = self.instances[2]
+                    .as_mut()
+                    .ok_or_else(|| BenchError::Usage("no auto instance".into()))?;
+                plan.replay(ar)?;
+                Ok(Some(*algorithm))
+            }
+            Some(p) => Ok(Some(
+                self.instance(p)?
+                    .all_reduce(&case.input, &mut case.output)?,
+            )),
+            None => {
+                let mpi = self
+                    .mpi
+                    .ok_or_else(|| BenchError::Usage("MPI path outside MPI mode".into()))?;
+                mpi.run(MpiCall::AllReduceSum {
+                    input: &case.mpi_input,
+                    output: &mut case.mpi_output,
+                });
+                Ok(None)
+            }
+        }
     }
 
     /// Runs `path` on fresh data and checks the result on every rank (collective).
-    fn verify<T: Element>(
+    fn verify<T: Element, C: Communicator>(
         &mut self,
-        path: PathKind,
+        comm: &C,
+        path: Option<PathArg>,
         case: &mut Case<T>,
         salt: u64,
     ) -> Result<Option<Algorithm>, BenchError> {
-        let (rank, size) = (self.comm.rank(), self.comm.size());
-        let want = expected(size, case.count, salt);
+        let want = expected(comm.size(), case.count, salt);
         let garbage = T::from_f32(f32::NAN);
-        case.input = input(rank, case.count, salt);
+        case.input = input(comm.rank(), case.count, salt);
         case.output.fill(garbage);
         if !case.mpi_input.is_empty() {
-            case.mpi_input = input(rank, case.count, salt);
+            case.mpi_input = input(comm.rank(), case.count, salt);
             case.mpi_output.fill(f32::NAN);
         }
-        if let (PathKind::Custom(PathArg::Replay), Some(r)) = (path, self.replay) {
+        if let (Some(PathArg::Replay), Some(r)) = (path, &self.replay) {
             r.memory
                 .write(r.input, 0, bytemuck::cast_slice(&case.input))?;
             let nan = vec![garbage; case.count];
             r.memory.write(r.output, 0, bytemuck::cast_slice(&nan))?;
         }
-        let algorithm = self.run_once(path, case)?;
-        let problem = match path {
-            PathKind::Mpi => check(&case.mpi_output, &want),
-            PathKind::Custom(PathArg::Replay) => {
-                let r = self
-                    .replay
-                    .ok_or_else(|| BenchError::Usage("replay without plans".into()))?;
+        let algorithm = self.run(path, case)?;
+        let problem = match (path, &self.replay) {
+            (None, _) => check(&case.mpi_output, &want),
+            (Some(PathArg::Replay), Some(r)) => {
                 let mut got = vec![garbage; case.count];
                 r.memory
                     .read(r.output, 0, bytemuck::cast_slice_mut(&mut got))?;
                 check(&got, &want)
             }
-            PathKind::Custom(_) => check(&case.output, &want),
+            (Some(_), _) => check(&case.output, &want),
         };
-        let who = if path == PathKind::Mpi {
-            "rsmpi"
-        } else {
-            "tpcomm-allreduce"
-        };
-        agree(self.comm, problem, who, path.name(), case.bytes)?;
+        agree(comm, problem, || {
+            format!(
+                "{} all_reduce of {} B",
+                path.map_or(MPI, PathArg::name),
+                case.bytes
+            )
+        })?;
         Ok(algorithm)
     }
 }
@@ -613,29 +415,46 @@ impl PerRank for AllReduceJob<'_> {
 
     fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
         let args = self.args;
-        let mpi = MpiDirect::for_run(info);
-        let table = report::rank0_table(comm.rank(), args.json.as_deref(), |t| {
-            preamble(t, args, info, comm.size());
-        })?;
-        let printer = table.as_ref();
-        let sizes = args.sweep().sizes();
-        let max_bytes = sizes.last().copied().unwrap_or(args.max_bytes);
-        let sync = new_sync(comm)?;
-        let mut instances = Instances::new(comm, &args.paths, max_bytes)?;
-
+        let mpi = MpiWorld::for_run(info);
+        let json = args.run.json.as_deref();
+        let mut s = Session::start(
+            info,
+            "allreduce",
+            comm.rank(),
+            comm.size(),
+            json,
+            &preamble(args, mpi.is_some()),
+        )?;
+        let sizes = args.sweep.sizes();
+        let max_bytes = sizes.last().copied().unwrap_or(args.sweep.max_bytes);
+        let config = |algorithm| Config {
+            max_bytes,
+            algorithm,
+            ..Config::default()
+        };
+        let wants = |p: &[PathArg]| p.iter().any(|x| args.paths.contains(x));
+        let build = |wanted: bool, algorithm| -> Result<Option<HostAllReduce>, BenchError> {
+            wanted
+                .then(|| new_all_reduce(comm, config(algorithm)))
+                .transpose()
+        };
+        let mut instances = [
+            build(wants(&[PathArg::OneStage]), Some(Algorithm::OneStage))?,
+            build(wants(&[PathArg::TwoStage]), Some(Algorithm::TwoStage))?,
+            build(wants(&[PathArg::Auto, PathArg::Replay]), None)?,
+        ];
         // Replay: one plan per (element type, size), captured up front on the auto
         // instance, registered in one collective call.
-        let memory = match &instances.auto {
-            Some(ar) => Some(ar.memory()?.clone()),
-            None => None,
-        };
-        let replay_buffers = match (&memory, args.paths.contains(&PathArg::Replay)) {
-            (Some(m), true) => Some((m.allocate(max_bytes)?, m.allocate(max_bytes)?)),
+        let memory = match (&instances[2], args.paths.contains(&PathArg::Replay)) {
+            (Some(ar), true) => Some(ar.memory()?.clone()),
             _ => None,
         };
-        let replay = match (&memory, &replay_buffers) {
-            (Some(memory), Some((rin, rout))) => {
-                let ar = instances.get(PathArg::Replay)?;
+        let buffers = match &memory {
+            Some(m) => Some((m.allocate(max_bytes)?, m.allocate(max_bytes)?)),
+            None => None,
+        };
+        let replay = match (&memory, &buffers, &mut instances[2]) {
+            (Some(memory), Some((rin, rout)), Some(ar)) => {
                 let mut plans = Vec::with_capacity(args.dtypes.len());
                 for d in &args.dtypes {
                     let dtype = d.dtype();
@@ -664,206 +483,162 @@ impl PerRank for AllReduceJob<'_> {
             }
             _ => None,
         };
+        let mut sync = new_sync(comm)?;
         let mut runner = Runner {
-            comm,
-            sync,
-            instances: &mut instances,
-            replay: replay.as_ref(),
+            instances,
+            replay,
             mpi: mpi.as_ref(),
         };
-
-        let mut rows = Vec::new();
-        let mut summaries = Vec::new();
+        s.progress.plan(args.dtypes.len() * sizes.len());
         for (di, &d) in args.dtypes.iter().enumerate() {
             let with_mpi = mpi.is_some() && d == DTypeArg::F32;
-            let dtype_rows = match d {
-                DTypeArg::F32 => bench_dtype::<f32, C>(&mut runner, args, di, with_mpi, printer),
-                DTypeArg::F16 => bench_dtype::<f16, C>(&mut runner, args, di, with_mpi, printer),
-                DTypeArg::Bf16 => bench_dtype::<bf16, C>(&mut runner, args, di, with_mpi, printer),
+            match d {
+                DTypeArg::F32 => {
+                    bench_dtype::<f32, C>(&mut s, comm, &mut runner, &mut sync, args, di, with_mpi)
+                }
+                DTypeArg::F16 => {
+                    bench_dtype::<f16, C>(&mut s, comm, &mut runner, &mut sync, args, di, with_mpi)
+                }
+                DTypeArg::Bf16 => {
+                    bench_dtype::<bf16, C>(&mut s, comm, &mut runner, &mut sync, args, di, with_mpi)
+                }
             }?;
-            if let Some(t) = printer {
-                summaries.push(summarize(t, &dtype_rows, comm.size()));
-            }
-            rows.extend(dtype_rows);
+            summarize(&mut s, d.dtype().name(), comm.size());
         }
-        let Some(t) = printer else {
-            return Ok(None);
-        };
-        let verdicts = targets(&rows, comm.size() == 2);
-        t.note("");
         if mpi.is_none() {
-            t.note(
-                "issue 5's targets compare with MPI_Allreduce: run under mpirun with \
-                 --transport mpi (2 ranks) to check them",
+            s.note("");
+            s.note(
+                "the targets compare with MPI_Allreduce: run under mpirun with --transport mpi \
+                 (2 ranks) to check them",
             );
         } else if comm.size() != 2 {
-            t.note(
-                "issue 5 states its targets for 2 ranks: the verdicts below are indicative only",
-            );
+            s.note("");
+            s.note("the targets are stated for 2 ranks: the verdicts below are indicative only");
         }
-        for v in &verdicts {
-            v.print(t);
-        }
-        if let Some(path) = &args.json {
-            let settings = &Settings {
-                args,
-                crossovers: &summaries,
-            };
-            info.write_report(
-                t,
-                path,
-                "allreduce",
-                comm.size(),
-                &settings,
-                &rows,
-                &verdicts,
-            )?;
-        }
+        s.finish("allreduce", json, args, &targets(), comm.size() == 2)?;
         Ok(Some(()))
     }
 }
 
-/// The `settings` of the JSON report: the options, and the crossovers measured.
-#[derive(Debug, Serialize)]
-struct Settings<'a> {
-    #[serde(flatten)]
-    args: &'a AllReduceArgs,
-    crossovers: &'a [Crossover],
+fn preamble(args: &AllReduceArgs, mpi: bool) -> Vec<String> {
+    let mut lines = vec![
+        format!(
+            "tpcomm-allreduce host backend (shared memory); {}",
+            args.sweep.describe()
+        ),
+        "time: median over iterations of the slowest rank; before each iteration a barrier, \
+         then an untimed 16-byte custom all-reduce (spinning flags) to line the ranks up"
+            .into(),
+        "1stage / 2stage: eager all_reduce (slice in, slice out), algorithm forced by \
+         Config.algorithm; auto: the dispatcher's choice (in parentheses)"
+            .into(),
+    ];
+    if args.paths.contains(&PathArg::Replay) {
+        lines.push(
+            "replay: a captured plan replayed (input and output in registered peer memory, \
+             no staging copy), the dispatcher's choice"
+                .into(),
+        );
+    }
+    if mpi {
+        lines.push(
+            "MPI_Allreduce: the plain MPI call (rsmpi all_reduce_into, sum, on MPI_COMM_WORLD), \
+             the same f32 data; vs MPI = custom median / MPI median (below 1 = faster)"
+                .into(),
+        );
+    }
+    lines.push("every path verified once per size (exact integer data) before timing".into());
+    lines
 }
 
 /// Verifies and times every path at every size for one element type; rank 0 prints.
 fn bench_dtype<T: Element, C: Communicator>(
-    runner: &mut Runner<'_, '_, C>,
+    s: &mut Session<'_>,
+    comm: &C,
+    runner: &mut Runner<'_, '_>,
+    sync: &mut HostAllReduce,
     args: &AllReduceArgs,
     dtype_index: usize,
     with_mpi: bool,
-    printer: Option<&Table>,
-) -> Result<Vec<AllReduceRow>, BenchError> {
-    let comm = runner.comm;
+) -> Result<(), BenchError> {
     let ranks = comm.size();
     let name = T::DTYPE.name();
-    if let Some(t) = printer {
-        t.header_with(
-            &format!(
-                "all_reduce sum, {name}, {ranks} ranks: size = bytes per rank; \
-                 busbw = algbw * 2(n-1)/n"
-            ),
-            &columns(with_mpi),
-        );
-    }
-    let mut paths: Vec<PathKind> = args.paths.iter().map(|&p| PathKind::Custom(p)).collect();
+    let columns = columns(with_mpi);
+    s.header(
+        &format!("all_reduce sum, {name}, {ranks} ranks: size = bytes per rank; busbw = algbw * 2(n-1)/n"),
+        &columns,
+    );
+    let mut paths: Vec<Option<PathArg>> = args.paths.iter().map(|&p| Some(p)).collect();
     if with_mpi {
-        paths.push(PathKind::Mpi);
+        paths.push(None);
     }
-    let mut rows = Vec::new();
-    for (size_index, &bytes) in args.sweep().sizes().iter().enumerate() {
+    for (size_index, &bytes) in args.sweep.sizes().iter().enumerate() {
+        s.progress.case(format!("{name} {}", format_bytes(bytes)));
         let count = bytes / T::DTYPE.size();
+        let mpi_len = if with_mpi { count } else { 0 };
         let mut case = Case {
             bytes,
             count,
             input: vec![T::from_f32(0.0); count],
             output: vec![T::from_f32(0.0); count],
-            mpi_input: if with_mpi {
-                vec![0.0; count]
-            } else {
-                Vec::new()
-            },
-            mpi_output: if with_mpi {
-                vec![0.0; count]
-            } else {
-                Vec::new()
-            },
+            mpi_input: vec![0.0; mpi_len],
+            mpi_output: vec![0.0; mpi_len],
             plan: (dtype_index, size_index),
         };
         let salt = ((dtype_index as u64) << 40) ^ ((size_index as u64) << 20) ^ 0x5eed;
         let mut algorithms = Vec::with_capacity(paths.len());
         for (k, &p) in paths.iter().enumerate() {
-            algorithms.push(runner.verify(p, &mut case, salt ^ ((k as u64) << 56))?);
+            algorithms.push(runner.verify(comm, p, &mut case, salt ^ ((k as u64) << 56))?);
         }
-
-        let warmup = args.iter.warmup_for(bytes);
-        let mut warm = vec![Vec::with_capacity(warmup); paths.len()];
-        for i in 0..warmup {
-            for k in rotation(paths.len(), i) {
-                warm[k].push(runner.time(paths[k], &mut case)?);
-            }
-        }
-        let mut estimate = 0;
-        for w in &warm {
-            estimate = estimate.max(median(&slowest(comm, w)?));
-        }
-        let iters = args.iter.iters_for(Duration::from_nanos(estimate));
-        let mut times = vec![Vec::with_capacity(iters); paths.len()];
-        for i in 0..iters {
-            for k in rotation(paths.len(), i) {
-                times[k].push(runner.time(paths[k], &mut case)?);
-            }
-        }
-
-        let mut size_rows = Vec::with_capacity(paths.len());
-        for (k, &p) in paths.iter().enumerate() {
-            let samples_ns = slowest(comm, &times[k])?;
-            let stats = Stats::of(&samples_ns)
-                .ok_or_else(|| BenchError::Usage("no timed iterations".into()))?;
-            let algbw = if stats.median_us > 0.0 {
-                bytes as f64 / stats.median_us / 1e3
-            } else {
-                0.0
-            };
-            size_rows.push(AllReduceRow {
+        let timed = time_variants(
+            comm,
+            Plan {
+                iter: &args.sweep.iter,
                 bytes,
-                count,
-                dtype: name,
-                path: p.name(),
-                algorithm: algorithms[k].map(Algorithm::name),
-                iters,
-                warmup,
-                stats,
-                algbw_gbps: algbw,
-                busbw_gbps: algbw * bus_factor(ranks),
-                vs_mpi: None,
-                samples_ns,
-            });
-        }
-        let mpi_median = size_rows
-            .iter()
-            .find(|r| r.path == PathKind::Mpi.name())
-            .map(|r| r.stats.median_us)
-            .filter(|&m| m > 0.0);
-        if let Some(m) = mpi_median {
-            for r in size_rows.iter_mut().filter(|r| r.algorithm.is_some()) {
-                r.vs_mpi = Some(r.stats.median_us / m);
-            }
-        }
-        if let Some(t) = printer {
-            size_rows.iter().for_each(|r| print_row(t, r, with_mpi));
-        }
-        rows.extend(size_rows);
+                variants: paths.len(),
+                order: Order::Rotate,
+            },
+            &s.progress,
+            &mut (&mut *runner, &mut *sync, &mut case),
+            |(runner, sync, case), k| {
+                time_synced(comm, sync, || runner.run(paths[k], case).map(drop))
+            },
+        )?;
+        let mut rows: Vec<Row> = timed
+            .samples
+            .into_iter()
+            .enumerate()
+            .filter_map(|(k, samples)| {
+                let variant = paths[k].map_or(MPI, PathArg::name);
+                let row = Row::new(
+                    name,
+                    &bytes.to_string(),
+                    variant,
+                    bytes,
+                    timed.warmup,
+                    samples,
+                )?;
+                Some(
+                    row.bus(Bus::AllReduce, ranks)
+                        .with("count", count)
+                        .with("type", name)
+                        .with("algorithm", algorithms[k].map(Algorithm::name)),
+                )
+            })
+            .collect();
+        link_peers(&mut rows, |r| (with_mpi && !r.is(MPI)).then(|| MPI.into()));
+        s.rows(&columns, rows, |_| true);
     }
-    Ok(rows)
+    Ok(())
 }
 
-/// The order of the `n` paths in iteration `i`: rotated by one each iteration, so that
-/// no path always follows the same one.
-fn rotation(n: usize, i: usize) -> impl Iterator<Item = usize> {
-    (0..n).map(move |k| (k + i) % n.max(1))
-}
-
-/// Where two-stage overtakes one-stage for one element type, as measured.
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct Crossover {
-    #[serde(rename = "type")]
-    dtype: &'static str,
-    ranks: usize,
-    /// The smallest size from which two-stage is faster at every larger size measured
-    /// (`None`: one-stage is faster at the largest size).
-    two_stage_faster_from: Option<usize>,
-    /// The first size at which two-stage is faster (may be below a later reversal).
-    first_two_stage_faster: Option<usize>,
-    /// The dispatcher's last one-stage size for this world size.
-    dispatcher_one_stage_max: Option<usize>,
-    /// `(size, 2stage median / 1stage median)` per size.
-    ratios: Vec<(usize, f64)>,
+/// `1024` -> `1K`, `8 << 20` -> `8M`: compact sizes for summary lines.
+fn short_bytes(b: usize) -> String {
+    match b {
+        b if b >= 1 << 20 && b.is_multiple_of(1 << 20) => format!("{}M", b >> 20),
+        b if b >= 1 << 10 && b.is_multiple_of(1 << 10) => format!("{}K", b >> 10),
+        b => b.to_string(),
+    }
 }
 
 /// `(size, one-stage median, two-stage median)` -> the crossover sizes: from which size on
@@ -881,12 +656,18 @@ fn crossover(points: &[(usize, f64, f64)]) -> (Option<usize>, Option<usize>) {
     (from, first)
 }
 
-/// Prints the closing lines of one element type's table; returns its crossover.
-fn summarize(table: &Table, rows: &[AllReduceRow], ranks: usize) -> Crossover {
-    let dtype = rows.first().map_or("", |r| r.dtype);
+/// The closing lines of one element type's table: the crossover of the two algorithms
+/// against the dispatcher's threshold, and whether `auto` ran the faster one.
+fn summarize(s: &mut Session<'_>, dtype: &str, ranks: usize) {
+    let rows: Vec<Row> = s
+        .kept()
+        .iter()
+        .filter(|r| r.table == dtype)
+        .cloned()
+        .collect();
     let median_of = |path: &str, bytes: usize| {
         rows.iter()
-            .find(|r| r.path == path && r.bytes == bytes)
+            .find(|r| r.is(path) && r.bytes == bytes)
             .map(|r| r.stats.median_us)
     };
     let mut sizes: Vec<usize> = rows.iter().map(|r| r.bytes).collect();
@@ -895,30 +676,19 @@ fn summarize(table: &Table, rows: &[AllReduceRow], ranks: usize) -> Crossover {
         .iter()
         .filter_map(|&b| Some((b, median_of("1stage", b)?, median_of("2stage", b)?)))
         .collect();
-    let (from, first) = crossover(&points);
-    let dispatcher = ONE_STAGE_MAX_BYTES.get(ranks).copied();
-    let out = Crossover {
-        dtype,
-        ranks,
-        two_stage_faster_from: from,
-        first_two_stage_faster: first,
-        dispatcher_one_stage_max: dispatcher,
-        ratios: points.iter().map(|&(b, one, two)| (b, two / one)).collect(),
-    };
-    table.note("");
+    s.note("");
     if points.is_empty() {
-        return out;
+        return;
     }
-    let ratios: Vec<String> = out
-        .ratios
+    let ratios: Vec<String> = points
         .iter()
-        .map(|&(b, r)| format!("{} {r:.2}", short_bytes(b)))
+        .map(|&(b, one, two)| format!("{} {:.2}", short_bytes(b), two / one))
         .collect();
-    table.note(&format!(
+    s.summary(format!(
         "{dtype}: 2stage/1stage time per size: {}",
         ratios.join(", ")
     ));
-    let measured = match (from, first) {
+    let measured = match crossover(&points) {
         (Some(f), Some(g)) if f == g => format!("two-stage faster from {} up", format_bytes(f)),
         (Some(f), Some(g)) => format!(
             "two-stage faster from {} up (first faster at {}, not at every size after)",
@@ -931,23 +701,24 @@ fn summarize(table: &Table, rows: &[AllReduceRow], ranks: usize) -> Crossover {
         ),
         _ => "one-stage faster at every size".to_string(),
     };
-    let threshold = match dispatcher {
+    let threshold = match ONE_STAGE_MAX_BYTES.get(ranks).copied() {
         Some(usize::MAX) => "one-stage at every size".to_string(),
         Some(t) => format!("one-stage up to {}, two-stage above", format_bytes(t)),
         None => "no threshold for this world size".to_string(),
     };
-    table.note(&format!(
+    s.summary(format!(
         "{dtype} crossover, {ranks} ranks: measured {measured}; dispatcher \
          (ONE_STAGE_MAX_BYTES[{ranks}]): {threshold}"
     ));
     let auto_wrong: Vec<String> = points
         .iter()
         .filter(|&&(b, one, two)| {
-            let auto = rows
+            match rows
                 .iter()
-                .find(|r| r.path == "auto" && r.bytes == b)
-                .and_then(|r| r.algorithm);
-            match auto {
+                .find(|r| r.is("auto") && r.bytes == b)
+                .map(|r| r.text("algorithm"))
+                .as_deref()
+            {
                 Some("1stage") => two * AUTO_MARGIN < one,
                 Some("2stage") => one * AUTO_MARGIN < two,
                 _ => false,
@@ -955,173 +726,98 @@ fn summarize(table: &Table, rows: &[AllReduceRow], ranks: usize) -> Crossover {
         })
         .map(|&(b, _, _)| short_bytes(b))
         .collect();
-    if rows.iter().any(|r| r.path == "auto") {
-        if auto_wrong.is_empty() {
-            table.note(&format!(
-                "{dtype}: auto ran the faster algorithm (or one within {:.0}%) at every size",
-                (AUTO_MARGIN - 1.0) * 100.0
-            ));
+    if rows.iter().any(|r| r.is("auto")) {
+        let margin = (AUTO_MARGIN - 1.0) * 100.0;
+        s.summary(if auto_wrong.is_empty() {
+            format!(
+                "{dtype}: auto ran the faster algorithm (or one within {margin:.0}%) at every size"
+            )
         } else {
-            table.note(&format!(
-                "{dtype}: auto ran an algorithm more than {:.0}% slower than the other at {}",
-                (AUTO_MARGIN - 1.0) * 100.0,
+            format!(
+                "{dtype}: auto ran an algorithm more than {margin:.0}% slower than the other at {}",
                 auto_wrong.join(", ")
-            ));
-        }
-    }
-    out
-}
-
-/// `1024` -> `1K`, `8 << 20` -> `8M`: compact sizes for summary lines.
-fn short_bytes(b: usize) -> String {
-    match b {
-        b if b >= 1 << 20 && b.is_multiple_of(1 << 20) => format!("{}M", b >> 20),
-        b if b >= 1 << 10 && b.is_multiple_of(1 << 10) => format!("{}K", b >> 10),
-        b => b.to_string(),
+            )
+        });
     }
 }
 
-/// Geometric mean of `MPI median / path median` over the f32 sizes in `range`.
-fn geomean_speedup(rows: &[AllReduceRow], path: &str, range: (usize, usize)) -> Option<f64> {
-    let speedups: Vec<f64> = rows
-        .iter()
-        .filter(|r| r.dtype == "f32" && r.path == path)
-        .filter(|r| r.bytes >= range.0 && r.bytes <= range.1)
-        .filter_map(|r| r.vs_mpi.filter(|&x| x > 0.0).map(|x| 1.0 / x))
-        .collect();
-    if speedups.is_empty() {
-        return None;
-    }
-    let log_mean = speedups.iter().map(|s| s.ln()).sum::<f64>() / speedups.len() as f64;
-    Some(log_mean.exp())
-}
-
-/// Issue 5's targets, judged on the `auto` rows (the eager all-reduce as callers run it,
-/// the dispatcher choosing) and, separately, on the `replay` rows (a captured plan).
-fn targets(rows: &[AllReduceRow], binding: bool) -> Vec<Verdict> {
-    let mut out = Vec::new();
+/// The targets against `MPI_Allreduce`, judged on the `auto` rows (the eager all-reduce as
+/// callers run it) and, separately, on the `replay` rows (a captured plan).
+fn targets() -> Vec<Target> {
     let span = format!(
         "{}..{}",
         format_bytes(GEOMEAN_SIZES.0),
         format_bytes(GEOMEAN_SIZES.1)
     );
-    let find = |path: &str, bytes: usize| {
-        rows.iter()
-            .find(|r| r.dtype == "f32" && r.path == path && r.bytes == bytes)
+    let speedup = |rows: &[Row], path: &str| {
+        let s: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.table == "f32" && r.is(path))
+            .filter(|r| (GEOMEAN_SIZES.0..=GEOMEAN_SIZES.1).contains(&r.bytes))
+            .filter_map(|r| r.vs_peer.filter(|&x| x > 0.0).map(|x| 1.0 / x))
+            .collect();
+        geomean(&s)
     };
+    let mut out = Vec::new();
     for (path, what) in [
         ("auto", "eager all_reduce"),
         ("replay", "captured plan replay"),
     ] {
-        if let Some(g) = geomean_speedup(rows, path, GEOMEAN_SIZES) {
-            let others: Vec<String> = ["1stage", "2stage"]
-                .iter()
-                .filter(|_| path == "auto")
-                .filter_map(|p| {
-                    geomean_speedup(rows, p, GEOMEAN_SIZES).map(|g| format!("{p} {g:.3}x"))
-                })
-                .collect();
-            let mut detail = format!("geomean speedup over MPI_Allreduce {g:.3}x");
-            if !others.is_empty() {
-                detail.push_str(&format!(" (forced: {})", others.join(", ")));
-            }
-            out.push(Verdict {
-                target: format!(
-                    "{path} ({what}), f32: at least {SPEEDUP_TARGET}x faster than MPI_Allreduce, \
-                     geometric mean over {span} (2 ranks)"
-                ),
-                met: g >= SPEEDUP_TARGET,
-                detail,
-                binding,
-            });
-        }
-        let small = (
-            find(path, SMALL_SIZE),
-            find(PathKind::Mpi.name(), SMALL_SIZE),
-        );
-        if let (Some(custom), Some(mpi)) = small {
-            if let Some(ratio) = custom.vs_mpi {
-                out.push(Verdict {
-                    target: format!(
-                        "{path} ({what}), f32: within {SMALL_RATIO_TARGET}x of MPI_Allreduce \
-                         at {} (2 ranks)",
-                        format_bytes(SMALL_SIZE)
-                    ),
-                    met: ratio <= SMALL_RATIO_TARGET,
-                    detail: format!(
+        out.push(Target {
+            what: format!(
+                "{path} ({what}), f32: at least {SPEEDUP_TARGET}x faster than MPI_Allreduce, \
+                 geometric mean over {span} (2 ranks)"
+            ),
+            why: "a custom all-reduce inside a node is only worth its peer memory and its \
+                  lifecycle if it clearly beats the MPI library on the sizes of inference",
+            judge: Box::new(move |rows: &[Row]| {
+                let g = speedup(rows, path)?;
+                let mut detail = format!("geomean speedup over MPI_Allreduce {g:.3}x");
+                let forced: Vec<String> = ["1stage", "2stage"]
+                    .iter()
+                    .filter(|_| path == "auto")
+                    .filter_map(|p| speedup(rows, p).map(|g| format!("{p} {g:.3}x")))
+                    .collect();
+                if !forced.is_empty() {
+                    detail.push_str(&format!(" (forced: {})", forced.join(", ")));
+                }
+                Some((g >= SPEEDUP_TARGET, detail))
+            }),
+        });
+        out.push(Target {
+            what: format!(
+                "{path} ({what}), f32: within {SMALL_RATIO_TARGET}x of MPI_Allreduce at {} \
+                 (2 ranks)",
+                format_bytes(SMALL_SIZE)
+            ),
+            why: "small all-reduces are latency-bound; the custom path must not lose there what \
+                  it gains on larger sizes",
+            judge: Box::new(move |rows: &[Row]| {
+                let find = |p: &str| {
+                    rows.iter()
+                        .find(|r| r.table == "f32" && r.is(p) && r.bytes == SMALL_SIZE)
+                };
+                let (custom, mpi) = (find(path)?, find(MPI)?);
+                let ratio = custom.vs_peer?;
+                Some((
+                    ratio <= SMALL_RATIO_TARGET,
+                    format!(
                         "{:.2} us vs MPI_Allreduce {:.2} us: {ratio:.2}x",
                         custom.stats.median_us, mpi.stats.median_us
                     ),
-                    binding,
-                });
-            }
-        }
+                ))
+            }),
+        });
     }
     out
-}
-
-fn preamble(t: &Table, args: &AllReduceArgs, info: &RunInfo, ranks: usize) {
-    info.preamble_header(t, "allreduce", ranks);
-    t.note(&format!(
-        "tpcomm-allreduce host backend (shared memory); {}",
-        args.sweep().describe()
-    ));
-    t.note(
-        "time: median over iterations of the slowest rank; before each iteration a barrier, \
-         then an untimed 16-byte custom all-reduce (spinning flags) to line the ranks up",
-    );
-    t.note(
-        "1stage / 2stage: eager all_reduce (slice in, slice out), algorithm forced by \
-         Config.algorithm; auto: the dispatcher's choice (in parentheses)",
-    );
-    if args.paths.contains(&PathArg::Replay) {
-        t.note(
-            "replay: a captured plan replayed (input and output in registered peer memory, \
-             no staging copy), the dispatcher's choice",
-        );
-    }
-    if info.transport == "mpi" {
-        t.note(
-            "MPI_Allreduce: rsmpi all_reduce_into(SystemOperation::sum) on MPI_COMM_WORLD, the \
-             same f32 data; vs MPI = custom median / MPI median (below 1 = faster)",
-        );
-    }
-    t.note("every path verified once per size (exact integer data) before timing");
-    if std::env::var_os("RUST_LOG").is_some() {
-        t.note("RUST_LOG is set: tracing spans enabled by it add to tpcomm's times");
-    }
-}
-
-/// Runs the subcommand.
-pub(crate) fn run(args: &AllReduceArgs) -> Result<(), BenchError> {
-    args.validate()?;
-    launch::launch(args.transport, args.ranks, &AllReduceJob { args }).map(drop)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
-    use tpcomm::transport::LocalGroup;
 
     use crate::{Cli, Command};
-
-    fn quick(paths: Vec<PathArg>, dtypes: Vec<DTypeArg>) -> AllReduceArgs {
-        AllReduceArgs {
-            ranks: None,
-            transport: Transport::Local,
-            dtypes,
-            paths,
-            min_bytes: 1 << 10,
-            max_bytes: 256 << 10,
-            factor: 4,
-            iter: IterArgs {
-                iters: Some(2),
-                warmup: Some(1),
-            },
-            json: None,
-        }
-    }
 
     #[test]
     fn defaults_are_f32_every_path_1_kib_to_8_mib_locally() {
@@ -1132,71 +828,40 @@ mod tests {
             panic!("not the allreduce subcommand")
         };
         assert_eq!(args.dtypes, vec![DTypeArg::F32]);
-        assert_eq!(
-            args.paths,
-            vec![
-                PathArg::OneStage,
-                PathArg::TwoStage,
-                PathArg::Auto,
-                PathArg::Replay
-            ]
-        );
-        assert_eq!((args.min_bytes, args.max_bytes), (1 << 10, 8 << 20));
-        assert_eq!(args.sweep().sizes().len(), 14);
-        assert_eq!(args.transport, Transport::Local);
+        assert_eq!(args.paths.len(), 4);
+        assert_eq!(args.sweep.sizes().len(), 14);
         assert!(args.validate().is_ok());
+        let nine = Cli::try_parse_from(["tpcomm-bench", "allreduce", "--ranks", "9"]).unwrap();
+        let Command::AllReduce(nine) = nine.command else {
+            panic!("not the allreduce subcommand")
+        };
+        assert!(nine.validate().is_err());
+        assert!(Cli::try_parse_from(["tpcomm-bench", "allreduce", "--dtypes", "f64"]).is_err());
     }
 
     #[test]
-    fn options_parse_and_bad_ones_are_refused() {
-        let Command::AllReduce(args) = Cli::try_parse_from([
+    fn every_path_and_dtype_verifies_and_times_on_three_local_ranks() {
+        let Command::AllReduce(mut args) = Cli::try_parse_from([
             "tpcomm-bench",
             "allreduce",
             "--dtypes",
-            "f32,f16,bf16",
-            "--paths",
-            "auto",
-            "--ranks",
+            "f32,bf16",
+            "--max-bytes",
+            "256KiB",
+            "--factor",
             "4",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
         ])
         .unwrap()
         .command
         else {
             panic!("not the allreduce subcommand")
         };
-        assert_eq!(args.dtypes.len(), 3);
-        assert_eq!(args.ranks, Some(4));
-        assert!(Cli::try_parse_from(["tpcomm-bench", "allreduce", "--ranks", "9"]).is_err());
-        assert!(Cli::try_parse_from(["tpcomm-bench", "allreduce", "--dtypes", "f64"]).is_err());
-        let odd = AllReduceArgs {
-            min_bytes: 1000,
-            ..quick(vec![PathArg::Auto], vec![DTypeArg::F32])
-        };
-        assert!(odd.validate().is_err());
-    }
-
-    #[test]
-    fn every_path_and_dtype_verifies_and_times_on_three_local_ranks() {
-        let args = quick(
-            vec![
-                PathArg::OneStage,
-                PathArg::TwoStage,
-                PathArg::Auto,
-                PathArg::Replay,
-            ],
-            vec![DTypeArg::F32, DTypeArg::Bf16],
-        );
-        let job = AllReduceJob { args: &args };
-        let results = LocalGroup::new(3).run(|comm| {
-            let info = RunInfo {
-                transport: "local",
-                description: "local",
-                mpi_library: None,
-                machine: crate::report::Machine::current(),
-            };
-            job.run(&comm, &info)
-        });
-        launch::first_rank_output(results).unwrap();
+        args.run.ranks = Some(3);
+        run(&args).unwrap();
     }
 
     #[test]
@@ -1210,10 +875,6 @@ mod tests {
                 p(8, 3.0, 2.0)
             ]),
             (Some(8), Some(2))
-        );
-        assert_eq!(
-            crossover(&[p(1, 1.0, 2.0), p(2, 2.0, 1.0), p(4, 3.0, 2.0)]),
-            (Some(2), Some(2))
         );
         assert_eq!(crossover(&[p(1, 1.0, 2.0)]), (None, None));
     }
@@ -1236,36 +897,22 @@ mod tests {
 
     #[test]
     fn targets_use_auto_against_mpi() {
-        let row = |path: &'static str, bytes, median_us, vs_mpi| AllReduceRow {
-            bytes,
-            count: bytes / 4,
-            dtype: "f32",
-            path,
-            algorithm: (path != "MPI_Allreduce").then_some("1stage"),
-            iters: 1,
-            warmup: 0,
-            stats: Stats {
-                median_us,
-                min_us: median_us,
-                max_us: median_us,
-            },
-            algbw_gbps: 0.0,
-            busbw_gbps: 0.0,
-            vs_mpi,
-            samples_ns: Vec::new(),
+        let row = |path: &str, bytes: usize, us: u64, vs| {
+            let mut r = Row::new("f32", &bytes.to_string(), path, bytes, 0, vec![us]).unwrap();
+            r.vs_peer = vs;
+            r
         };
         let rows = [
-            row("auto", 1 << 10, 1.1, Some(1.1)),
-            row("MPI_Allreduce", 1 << 10, 1.0, None),
-            row("auto", 8 << 10, 1.0, Some(0.5)),
-            row("auto", 16 << 10, 1.0, Some(0.8)),
+            row("auto", 1 << 10, 1100, Some(1.1)),
+            row(MPI, 1 << 10, 1000, None),
+            row("auto", 8 << 10, 1000, Some(0.5)),
+            row("auto", 16 << 10, 1000, Some(0.8)),
         ];
-        let v = targets(&rows, true);
+        let v = crate::harness::Verdict::judge_all(&targets(), &rows, true);
         assert_eq!(v.len(), 2);
         // sqrt(2 * 1.25) = 1.58
-        assert!(v[0].met, "{:?}", v[0]);
-        assert!(v[1].met);
-        let rows = [row("auto", 8 << 10, 1.0, Some(0.8))];
-        assert!(!targets(&rows, true)[0].met);
+        assert!(v[0].met && v[1].met, "{v:?}");
+        let v = crate::harness::Verdict::judge_all(&targets(), &rows[3..], true);
+        assert!(!v[0].met);
     }
 }

@@ -21,23 +21,19 @@ pub(crate) enum BenchError {
     #[error(transparent)]
     AllReduce(#[from] tpcomm::allreduce::AllReduceError),
     /// The hand-written floor of `objects` failed to encode or decode.
-    #[error("floor: postcard: {0}")]
+    #[error("floor: postcard")]
     Postcard(#[from] postcard::Error),
     /// The options make no sense together (clap checks each option alone).
     #[error("{0}")]
     Usage(String),
     /// A collective returned without error but moved the wrong bytes.
     #[error(
-        "{path} {op} of {bytes} B delivered wrong data on rank {rank}: {detail} \
-         (ranks that saw wrong data: {bad_ranks:?})"
+        "{what} delivered wrong data on rank {rank}: {detail} (ranks that saw wrong data: \
+         {bad_ranks:?})"
     )]
     WrongData {
-        /// `"tpcomm"` or `"rsmpi"`.
-        path: &'static str,
-        /// The operation.
-        op: &'static str,
-        /// The size in the table's convention.
-        bytes: usize,
+        /// The variant and case (`"rsmpi all_gather of 1024 B"`).
+        what: String,
         /// The first rank that saw wrong data.
         rank: usize,
         /// What was wrong, as seen on this rank (or "see rank N").
@@ -45,8 +41,28 @@ pub(crate) enum BenchError {
         /// Every rank that saw wrong data.
         bad_ranks: Vec<usize>,
     },
+    /// Reading a JSON report failed.
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A JSON report does not parse.
+    #[error("{path} is not a tpcomm-bench JSON report")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Drawing a chart failed.
+    #[error("cannot draw {path}: {detail}")]
+    Plot { path: PathBuf, detail: String },
+    /// `compare` found rows slower than the threshold allows.
+    #[error("{0} rows regressed beyond the threshold")]
+    Regressions(usize),
     /// Writing the JSON report failed.
-    #[error("cannot write {path}: {source}")]
+    #[error("cannot write {path}")]
     Write {
         /// The file.
         path: PathBuf,
@@ -64,7 +80,7 @@ pub(crate) enum BenchError {
         detail: String,
     },
     /// Serializing the JSON report failed.
-    #[error("cannot serialize the JSON report: {0}")]
+    #[error("cannot serialize the JSON report")]
     Json(#[from] serde_json::Error),
 }
 

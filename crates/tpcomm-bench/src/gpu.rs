@@ -252,12 +252,12 @@ mod imp {
     use tpcomm::Communicator;
 
     use super::{AlgorithmArg, GpuArgs};
-    use crate::allreduce::{agree, check, expected, input, DTypeArg};
+    use crate::allreduce::{check, expected, input, DTypeArg};
     use crate::error::BenchError;
-    use crate::launch::{self, RunInfo};
-    use crate::report::{self, Column, Machine, Stats, Table};
+    use crate::harness::{agree, elapsed_ns, geomean, slowest, Bus, Row};
+    use crate::launch::{self, RunInfo, Session};
     use crate::sweep::format_bytes;
-    use crate::timing::{elapsed_ns, slowest};
+    use crate::table::{self, col, Column};
 
     type CudaAllReduce = CustomAllReduce<CudaBackend>;
 
@@ -280,84 +280,6 @@ mod imp {
         }
     }
 
-    /// nccl-tests' bus factor of all-reduce, `2(n-1)/n`.
-    fn bus_factor(ranks: usize) -> f64 {
-        2.0 * (ranks.max(1) - 1) as f64 / ranks.max(1) as f64
-    }
-
-    fn gbps(bytes: usize, us: f64) -> f64 {
-        if us > 0.0 {
-            bytes as f64 / us / 1e3
-        } else {
-            0.0
-        }
-    }
-
-    /// One custom all-reduce row: a graph of `K` all-reduces, before and after a resume.
-    #[derive(Debug, Clone, Serialize)]
-    pub(crate) struct GpuRow {
-        pub(crate) ranks: usize,
-        #[serde(rename = "type")]
-        pub(crate) dtype: &'static str,
-        /// Bytes per rank.
-        pub(crate) bytes: usize,
-        pub(crate) count: usize,
-        /// `1stage` or `2stage` (forced).
-        pub(crate) algorithm: &'static str,
-        /// Blocks per launch (each rank's share of the multiprocessors, bounded).
-        pub(crate) blocks: u32,
-        /// All-reduces per graph (K).
-        pub(crate) graph_launches: usize,
-        /// Timed replays per phase.
-        pub(crate) iters: usize,
-        pub(crate) warmup: usize,
-        /// Per all-reduce: median, min, max over replays of the slowest rank's replay / K.
-        #[serde(flatten)]
-        pub(crate) stats: Stats,
-        pub(crate) algbw_gbps: f64,
-        pub(crate) busbw_gbps: f64,
-        /// The same graph after prepare_for_suspend + reinit_after_resume.
-        pub(crate) after_resume: Stats,
-        /// `after_resume.median / median`.
-        pub(crate) after_over_before: f64,
-        /// prepare_for_suspend + reinit_after_resume of this communicator (every graph of
-        /// the row's world, algorithm registered), slowest rank, microseconds.
-        pub(crate) suspend_resume_us: f64,
-        /// NCCL (one rank) median per all-reduce at the same type and size.
-        #[serde(skip_serializing_if = "Option::is_none")]
-        pub(crate) nccl_median_us: Option<f64>,
-        /// `median / nccl_median_us`.
-        #[serde(skip_serializing_if = "Option::is_none")]
-        pub(crate) vs_nccl: Option<f64>,
-        /// Per replay, slowest rank, nanoseconds per all-reduce.
-        pub(crate) samples_ns: Vec<u64>,
-        pub(crate) after_samples_ns: Vec<u64>,
-    }
-
-    /// One NCCL reference row.
-    #[derive(Debug, Clone, Serialize)]
-    pub(crate) struct NcclRow {
-        #[serde(rename = "type")]
-        pub(crate) dtype: &'static str,
-        pub(crate) bytes: usize,
-        pub(crate) count: usize,
-        /// `"graph"` (K all-reduces captured and replayed) or `"eager"` (capture failed).
-        pub(crate) mode: &'static str,
-        pub(crate) graph_launches: usize,
-        pub(crate) iters: usize,
-        #[serde(flatten)]
-        pub(crate) stats: Stats,
-        pub(crate) samples_ns: Vec<u64>,
-    }
-
-    /// A row of the JSON report.
-    #[derive(Debug, Clone, Serialize)]
-    #[serde(tag = "kind", rename_all = "snake_case")]
-    pub(crate) enum ReportRow {
-        Custom(GpuRow),
-        Nccl(NcclRow),
-    }
-
     /// What the JSON report records besides the options.
     #[derive(Debug, Serialize)]
     struct Settings<'a> {
@@ -374,40 +296,30 @@ mod imp {
         elapsed_s: f64,
     }
 
-    const COLUMNS: [Column; 12] = [
-        Column::new("ranks", "", 5),
-        Column::new("type", "", 5),
-        Column::new("size", "(B)", 9),
-        Column::new("alg", "", 6),
-        Column::new("blk", "", 4),
-        Column::new("iters", "", 5),
-        Column::new("time", "(us)", 9),
-        Column::new("min", "(us)", 9),
-        Column::new("busbw", "(GB/s)", 8),
-        Column::new("after", "(us)", 9),
-        Column::new("aft/bef", "", 7),
-        Column::new("s+r", "(us)", 9),
-    ];
-
-    fn print_row(t: &Table, r: &GpuRow) {
-        t.cells(
-            &COLUMNS,
-            &[
-                r.ranks.to_string(),
-                r.dtype.to_string(),
-                r.bytes.to_string(),
-                r.algorithm.to_string(),
-                r.blocks.to_string(),
-                r.iters.to_string(),
-                format!("{:.2}", r.stats.median_us),
-                format!("{:.2}", r.stats.min_us),
-                format!("{:.2}", r.busbw_gbps),
-                format!("{:.2}", r.after_resume.median_us),
-                format!("{:.3}", r.after_over_before),
-                format!("{:.0}", r.suspend_resume_us),
-            ],
-        );
+    /// Two decimals of a number fact.
+    fn f2(x: Option<f64>) -> String {
+        x.map_or_else(|| "-".into(), |x| format!("{x:.2}"))
     }
+
+    const COLUMNS: [Column; 12] = [
+        Column::new("ranks", "", 5, |r, _| r.text("ranks")),
+        Column::new("type", "", 5, |r, _| r.text("type")),
+        col::size(9),
+        col::variant("alg", 6),
+        Column::new("blk", "", 4, |r, _| r.text("blocks")),
+        Column::new("iters", "", 5, |r, _| r.iters.to_string()),
+        Column::new("time", "(us)", 9, |r, _| f2(Some(r.stats.median_us))),
+        Column::new("min", "(us)", 9, |r, _| f2(Some(r.stats.min_us))),
+        Column::new("busbw", "(GB/s)", 8, |r, _| f2(r.busbw_gbps)),
+        Column::new("after", "(us)", 9, |r, _| f2(r.number("after_median_us"))),
+        Column::new("aft/bef", "", 7, |r, _| {
+            col::f3(r.number("after_over_before"))
+        }),
+        Column::new("s+r", "(us)", 9, |r, _| {
+            r.number("suspend_resume_us")
+                .map_or_else(|| "-".into(), |x| format!("{x:.0}"))
+        }),
+    ];
 
     /// Timing events around each of `n` launches on one stream.
     struct Timer {
@@ -523,13 +435,9 @@ mod imp {
             let mut raw = vec![0u8; case.bytes];
             self.memory.read(&self.output, 0, &mut raw)?;
             let problem = check_bytes(case.dtype, &raw, &expected(world, case.count, salt));
-            agree(
-                self.comm,
-                problem,
-                "tpcomm-allreduce cuda",
-                phase,
-                case.bytes,
-            )
+            agree(self.comm, problem, || {
+                format!("cuda {phase} of {} B", case.bytes)
+            })
         }
 
         /// Collective: warm-up replays, then `iters` timed replays of `case` on every rank
@@ -555,7 +463,7 @@ mod imp {
 
     /// What one world size's run found (rank 0's rows; empty on other ranks).
     struct WorldOutcome {
-        rows: Vec<GpuRow>,
+        rows: Vec<Row>,
     }
 
     /// Every algorithm at one world size, on this rank.
@@ -666,43 +574,38 @@ mod imp {
             if comm.rank() == 0 {
                 let first = rows.len();
                 for ((case, before), after) in cases.iter().zip(&before).zip(&after) {
-                    let stats = Stats::of(before).unwrap_or(Stats {
-                        median_us: 0.0,
-                        min_us: 0.0,
-                        max_us: 0.0,
-                    });
-                    let after_stats = Stats::of(after).unwrap_or(stats);
-                    let algbw = gbps(case.bytes, stats.median_us);
-                    rows.push(GpuRow {
-                        ranks: world,
-                        dtype: case.dtype.name(),
-                        bytes: case.bytes,
-                        count: case.count,
-                        algorithm: algorithm.name(),
-                        blocks,
-                        graph_launches: k,
-                        iters: before.len(),
-                        warmup: args.warmup as usize,
-                        stats,
-                        algbw_gbps: algbw,
-                        busbw_gbps: algbw * bus_factor(world),
-                        after_resume: after_stats,
-                        after_over_before: if stats.median_us > 0.0 {
-                            after_stats.median_us / stats.median_us
-                        } else {
-                            0.0
-                        },
-                        suspend_resume_us: suspend_resume_ns as f64 / 1e3,
-                        nccl_median_us: None,
-                        vs_nccl: None,
-                        samples_ns: before.clone(),
-                        after_samples_ns: after.clone(),
-                    });
+                    let Some(row) = Row::new(
+                        &format!("{world} ranks {}", case.dtype.name()),
+                        &case.bytes.to_string(),
+                        algorithm.name(),
+                        case.bytes,
+                        args.warmup as usize,
+                        before.clone(),
+                    ) else {
+                        continue;
+                    };
+                    let after_median = crate::harness::Stats::of(after).map(|s| s.median_us);
+                    let ratio =
+                        after_median.map(|a| a / row.stats.median_us.max(f64::MIN_POSITIVE));
+                    rows.push(
+                        row.bus(Bus::AllReduce, world)
+                            .with("ranks", world)
+                            .with("type", case.dtype.name())
+                            .with("count", case.count)
+                            .with("blocks", blocks)
+                            .with("graph_launches", k)
+                            .with("after_median_us", after_median)
+                            .with("after_over_before", ratio)
+                            .with("suspend_resume_us", suspend_resume_ns as f64 / 1e3)
+                            .with("after_samples_ns", after.clone()),
+                    );
                 }
                 // Printed as soon as measured: a run cut short keeps what it measured.
-                for row in &rows[first..] {
-                    print_row(&Table { direct: false }, row);
-                }
+                let lines: Vec<String> = rows[first..]
+                    .iter()
+                    .map(|r| table::row_line(&COLUMNS, r, None))
+                    .collect();
+                table::print(&lines);
             }
             drop(cases);
             let Rank {
@@ -761,220 +664,156 @@ mod imp {
             // Before the driver is initialised and while this process has one thread.
             std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", DEVICE_MAX_CONNECTIONS);
         }
-        if let Some(path) = &args.json {
-            report::check_writable(path)?;
-        }
         launch::warn_if_under_mpirun();
-        let t = Table { direct: false };
-        let info = RunInfo {
-            transport: "local",
-            description: "local (ranks as threads of this process, all on one GPU)",
-            mpi_library: None,
-            machine: Machine::current(),
-        };
+        let info = RunInfo::local("local (ranks as threads of this process, all on one GPU)");
         // Probe the device first: a machine without one fails here with a typed error.
         drop(CudaMemory::new(args.device)?);
         let (device, driver) = describe_device(args.device);
         let sizes = args.sizes();
         let k = args.graph_launches;
         let worlds: Vec<String> = args.worlds.iter().map(u32::to_string).collect();
-        t.note(&format!(
-            "tpcomm-bench gpu: {}",
-            std::env::args().collect::<Vec<_>>().join(" ")
-        ));
-        t.note(&format!(
-            "transport {}; world sizes {}",
-            info.description,
-            worlds.join(", ")
-        ));
-        t.note(&format!("machine: {}", info.machine.describe()));
-        t.note(&format!("GPU: {device}; {driver}"));
-        t.note(&format!(
-            "env: CUDA_DEVICE_MAX_CONNECTIONS={}, CUDA_MODULE_LOADING={}",
-            std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").unwrap_or_default(),
-            std::env::var("CUDA_MODULE_LOADING").unwrap_or_else(|_| "(unset)".into())
-        ));
-        t.note(&format!(
-            "sizes {}; K = {k} all-reduces per graph; {} timed replays after {} warm-up, \
-             before and after the resume",
-            sizes
-                .iter()
-                .map(|&b| format_bytes(b))
-                .collect::<Vec<_>>()
-                .join(", "),
-            args.iters,
-            args.warmup
-        ));
-        t.note(
+        let lines = [
+            format!("world sizes {}", worlds.join(", ")),
+            format!("GPU: {device}; {driver}"),
+            format!(
+                "env: CUDA_DEVICE_MAX_CONNECTIONS={}, CUDA_MODULE_LOADING={}",
+                std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").unwrap_or_default(),
+                std::env::var("CUDA_MODULE_LOADING").unwrap_or_else(|_| "(unset)".into())
+            ),
+            format!(
+                "sizes {}; K = {k} all-reduces per graph; {} timed replays after {} warm-up, \
+                 before and after the resume",
+                sizes
+                    .iter()
+                    .map(|&b| format_bytes(b))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                args.iters,
+                args.warmup
+            ),
             "each row: CustomAllReduce<CudaBackend> forced to one algorithm; every rank captures \
              a CUDA graph of K all-reduces (one input buffer -> one output buffer, \
              capture_graph), registers it (register_graph_buffers) and replays it concurrently \
-             with its peers",
-        );
-        t.note(
+             with its peers"
+                .into(),
             "time: per all-reduce, median over replays of the slowest rank's replay time (CUDA \
-             events on its backend stream) / K; blk: blocks per launch (SMs / ranks, bounded)",
-        );
-        t.note(
+             events on its backend stream) / K; blk: blocks per launch (SMs / ranks, bounded)"
+                .into(),
             "after: the same graphs after prepare_for_suspend + reinit_after_resume (s+r: its \
              time, slowest rank); same-process aliases do not move, so this proves the tables \
-             and flags survive, not that a remap works",
-        );
-        t.note(
+             and flags survive, not that a remap works"
+                .into(),
             "busbw = algbw * 2(n-1)/n as in nccl-tests, but every rank shares one GPU's memory: \
-             not a link bandwidth",
-        );
-        t.note(
+             not a link bandwidth"
+                .into(),
             "every graph verified before timing, before and after the resume (small-integer \
-             inputs, output poisoned, compared bit for bit on every rank)",
-        );
-
-        t.note("");
-        t.header_with(
+             inputs, output poisoned, compared bit for bit on every rank)"
+                .into(),
+        ];
+        let json = args.json.as_deref();
+        let ranks = args.worlds.iter().copied().max().unwrap_or(0) as usize;
+        let mut s = Session::start(&info, "gpu", 0, ranks, json, &lines)?;
+        s.note("");
+        s.header(
             "custom all-reduce (CUDA graphs, ranks as threads on one GPU)",
             &COLUMNS,
         );
-        let mut rows: Vec<GpuRow> = Vec::new();
+        let mut rows: Vec<Row> = Vec::new();
         for &world in &args.worlds {
             let results = LocalGroup::new(world as usize).run(|comm| run_world(&comm, args));
             rows.extend(launch::first_rank_output(results)?.rows);
         }
-        let report = Report {
-            info: &info,
+        let settings = |nccl_library: Option<String>, complete: bool| Settings {
             args,
             sizes: sizes.clone(),
-            device,
-            driver,
-            started,
+            device: device.clone(),
+            driver: driver.clone(),
+            nccl_library,
+            complete,
+            cuda_device_max_connections: std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok(),
+            cuda_module_loading: std::env::var("CUDA_MODULE_LOADING").ok(),
+            elapsed_s: started.elapsed().as_secs_f64(),
         };
         // Written now and again after NCCL: an NCCL failure or hang cannot cost these rows.
-        report.write(&t, &rows, &[], None, false)?;
+        s.keep(rows.clone());
+        s.write_json("gpu", json, &settings(None, false), &[])?;
 
-        let dtypes: Vec<DType> = {
-            let mut v = Vec::new();
-            for r in &rows {
-                if let Some(d) = [DType::F32, DType::F16, DType::Bf16]
-                    .into_iter()
-                    .find(|d| d.name() == r.dtype)
-                {
-                    if !v.contains(&d) {
-                        v.push(d);
-                    }
-                }
+        let mut dtypes: Vec<DType> = Vec::new();
+        for r in &rows {
+            let d = [DType::F32, DType::F16, DType::Bf16]
+                .into_iter()
+                .find(|d| d.name() == r.text("type"));
+            if let Some(d) = d.filter(|d| !dtypes.contains(d)) {
+                dtypes.push(d);
             }
-            v
-        };
-        t.note("");
+        }
+        s.note("");
         let (nccl_rows, nccl_library) = if args.no_nccl {
-            t.note("nccl: skipped (--no-nccl)");
+            s.note("nccl: skipped (--no-nccl)");
             (Vec::new(), None)
         } else {
-            match nccl::reference(&t, args, &dtypes, &sizes) {
+            match nccl::reference(&s, args, &dtypes, &sizes) {
                 Ok(found) => found,
                 Err(e) => {
                     let e = crate::error::chain(&e);
-                    t.note(&format!("nccl: reference FAILED: {e}"));
+                    s.note(&format!("nccl: reference FAILED: {e}"));
                     eprintln!("tpcomm-bench gpu: nccl reference failed: {e}");
                     (Vec::new(), None)
                 }
             }
         };
         for r in &mut rows {
-            r.nccl_median_us = nccl_rows
+            let nccl = nccl_rows
                 .iter()
-                .find(|n| n.dtype == r.dtype && n.bytes == r.bytes)
-                .map(|n| n.stats.median_us);
-            r.vs_nccl = r
-                .nccl_median_us
-                .filter(|&n| n > 0.0)
-                .map(|n| r.stats.median_us / n);
+                .find(|n| n.text("type") == r.text("type") && n.bytes == r.bytes);
+            if let Some(n) = nccl.filter(|n| n.stats.median_us > 0.0) {
+                r.peer = Some(n.variant.clone());
+                r.vs_peer = Some(r.stats.median_us / n.stats.median_us);
+            }
         }
-        summarize(&t, &rows);
-        t.note(&format!("total {:.1} s", started.elapsed().as_secs_f64()));
-        report.write(&t, &rows, &nccl_rows, nccl_library, true)
-    }
-
-    /// The JSON report (written when `--json` is given).
-    struct Report<'a> {
-        info: &'a RunInfo,
-        args: &'a GpuArgs,
-        sizes: Vec<usize>,
-        device: String,
-        driver: String,
-        started: Instant,
-    }
-
-    impl Report<'_> {
-        fn write(
-            &self,
-            t: &Table,
-            rows: &[GpuRow],
-            nccl_rows: &[NcclRow],
-            nccl_library: Option<String>,
-            complete: bool,
-        ) -> Result<(), BenchError> {
-            let Some(path) = &self.args.json else {
-                return Ok(());
-            };
-            let settings = Settings {
-                args: self.args,
-                sizes: self.sizes.clone(),
-                device: self.device.clone(),
-                driver: self.driver.clone(),
-                nccl_library,
-                complete,
-                cuda_device_max_connections: std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok(),
-                cuda_module_loading: std::env::var("CUDA_MODULE_LOADING").ok(),
-                elapsed_s: self.started.elapsed().as_secs_f64(),
-            };
-            let all: Vec<ReportRow> = nccl_rows
-                .iter()
-                .cloned()
-                .map(ReportRow::Nccl)
-                .chain(rows.iter().cloned().map(ReportRow::Custom))
-                .collect();
-            let ranks = self.args.worlds.iter().copied().max().unwrap_or(0) as usize;
-            self.info
-                .write_report(t, path, "gpu", ranks, &settings, &all, &[])
-        }
+        summarize(&mut s, &rows);
+        s.note(&format!("total {:.1} s", started.elapsed().as_secs_f64()));
+        s.keep_only(nccl_rows.into_iter().chain(rows).collect());
+        s.write_json("gpu", json, &settings(nccl_library, true), &[])
     }
 
     /// Closing lines: per world, type and algorithm, the after/before spread and the
     /// custom / NCCL ratio per size with its geometric mean.
-    fn summarize(t: &Table, rows: &[GpuRow]) {
-        t.note("");
-        let mut keys: Vec<(usize, &str, &str)> = Vec::new();
+    fn summarize(s: &mut Session<'_>, rows: &[Row]) {
+        s.note("");
+        let mut groups: Vec<(String, String)> = Vec::new();
         for r in rows {
-            let key = (r.ranks, r.dtype, r.algorithm);
-            if !keys.contains(&key) {
-                keys.push(key);
+            let key = (r.table.clone(), r.variant.clone());
+            if !groups.contains(&key) {
+                groups.push(key);
             }
         }
-        for (ranks, dtype, algorithm) in keys {
-            let group: Vec<&GpuRow> = rows
+        for (table, algorithm) in groups {
+            let group: Vec<&Row> = rows
                 .iter()
-                .filter(|r| (r.ranks, r.dtype, r.algorithm) == (ranks, dtype, algorithm))
+                .filter(|r| r.table == table && r.variant == algorithm)
                 .collect();
-            let spread = group.iter().map(|r| r.after_over_before);
-            let worst = spread.clone().fold(0.0f64, f64::max);
-            let best = spread.fold(f64::INFINITY, f64::min);
-            t.note(&format!(
-                "{ranks} ranks {dtype} {algorithm}: after/before resume {best:.3}..{worst:.3}"
+            let spread: Vec<f64> = group
+                .iter()
+                .filter_map(|r| r.number("after_over_before"))
+                .collect();
+            let worst = spread.iter().copied().fold(0.0f64, f64::max);
+            let best = spread.iter().copied().fold(f64::INFINITY, f64::min);
+            s.summary(format!(
+                "{table} {algorithm}: after/before resume {best:.3}..{worst:.3}"
             ));
             let ratios: Vec<(usize, f64)> = group
                 .iter()
-                .filter_map(|r| r.vs_nccl.map(|v| (r.bytes, v)))
+                .filter_map(|r| r.vs_peer.map(|v| (r.bytes, v)))
                 .collect();
-            if !ratios.is_empty() {
-                let g =
-                    (ratios.iter().map(|(_, x)| x.ln()).sum::<f64>() / ratios.len() as f64).exp();
+            let values: Vec<f64> = ratios.iter().map(|r| r.1).collect();
+            if let Some(g) = geomean(&values) {
                 let per: Vec<String> = ratios
                     .iter()
                     .map(|&(b, v)| format!("{} {v:.2}", format_bytes(b)))
                     .collect();
-                t.note(&format!(
-                    "{ranks} ranks {dtype} {algorithm}: time / nccl(1 rank) per size: {}; \
-                     geomean {g:.2}x",
+                s.summary(format!(
+                    "{table} {algorithm}: time / nccl(1 rank) per size: {}; geomean {g:.2}x",
                     per.join(", ")
                 ));
             }
@@ -991,11 +830,12 @@ mod imp {
         };
         use tpcomm::TransportError;
 
-        use super::{check_bytes, cuda_error, input_bytes, poison_bytes, NcclRow, Timer};
+        use super::{check_bytes, cuda_error, input_bytes, poison_bytes, Timer};
         use crate::allreduce::expected;
         use crate::error::BenchError;
         use crate::gpu::GpuArgs;
-        use crate::report::{Stats, Table};
+        use crate::harness::Row;
+        use crate::launch::Session;
         use crate::sweep::format_bytes;
 
         struct Buffers {
@@ -1069,11 +909,11 @@ mod imp {
         /// The NCCL rows, one per type and size, and the library's description; no rows (and
         /// a note) when libnccl or the device is missing.
         pub(super) fn reference(
-            t: &Table,
+            t: &Session<'_>,
             args: &GpuArgs,
             dtypes: &[DType],
             sizes: &[usize],
-        ) -> Result<(Vec<NcclRow>, Option<String>), BenchError> {
+        ) -> Result<(Vec<Row>, Option<String>), BenchError> {
             let host = LocalGroup::new(1).communicators()?.remove(0);
             let comm = match NcclCommunicator::new(&host, args.device as usize) {
                 Ok(c) => c,
@@ -1124,9 +964,7 @@ mod imp {
                     b.memory.read(&b.recv, 0, &mut raw)?;
                     if let Some(problem) = check_bytes(dtype, &raw, &expected(1, count, salt)) {
                         return Err(BenchError::WrongData {
-                            path: "nccl",
-                            op: "all_reduce",
-                            bytes,
+                            what: format!("nccl all_reduce of {bytes} B"),
                             rank: 0,
                             detail: problem,
                             bad_ranks: vec![0],
@@ -1144,20 +982,29 @@ mod imp {
                     }
                     comm.synchronize()?;
                     let samples = timer.per_launch_ns(k)?;
-                    let Some(stats) = Stats::of(&samples) else {
+                    let mode = if graph.is_some() { "graph" } else { "eager" };
+                    let table = format!("nccl {} (1 rank)", dtype.name());
+                    let Some(row) = Row::new(
+                        &table,
+                        &bytes.to_string(),
+                        "nccl",
+                        bytes,
+                        args.warmup as usize,
+                        samples,
+                    ) else {
                         continue;
                     };
-                    line.push(format!("{} {:.2}", format_bytes(bytes), stats.median_us));
-                    rows.push(NcclRow {
-                        dtype: dtype.name(),
-                        bytes,
-                        count,
-                        mode: if graph.is_some() { "graph" } else { "eager" },
-                        graph_launches: k,
-                        iters,
-                        stats,
-                        samples_ns: samples,
-                    });
+                    line.push(format!(
+                        "{} {:.2}",
+                        format_bytes(bytes),
+                        row.stats.median_us
+                    ));
+                    rows.push(
+                        row.with("type", dtype.name())
+                            .with("count", count)
+                            .with("mode", mode)
+                            .with("graph_launches", k),
+                    );
                 }
                 t.note(&format!(
                     "nccl {} us per all-reduce: {}",
@@ -1173,17 +1020,17 @@ mod imp {
     mod nccl {
         use tpcomm::allreduce::DType;
 
-        use super::NcclRow;
         use crate::error::BenchError;
         use crate::gpu::GpuArgs;
-        use crate::report::Table;
+        use crate::harness::Row;
+        use crate::launch::Session;
 
         pub(super) fn reference(
-            t: &Table,
+            t: &Session<'_>,
             _: &GpuArgs,
             _: &[DType],
             _: &[usize],
-        ) -> Result<(Vec<NcclRow>, Option<String>), BenchError> {
+        ) -> Result<(Vec<Row>, Option<String>), BenchError> {
             t.note("nccl: reference skipped (built without the `nccl` feature)");
             Ok((Vec::new(), None))
         }

@@ -2,19 +2,18 @@
 //!
 //! For each N, every rank allocates N buffers (`HostMemory::allocate`, one memfd segment
 //! each, `--buffer-bytes`) and shares them all in one [`PeerMappings::exchange`]; each rank
-//! then holds `N * (ranks - 1)` peer mappings. Timed, each iteration behind a barrier:
+//! then holds `N * (ranks - 1)` peer mappings. Timed, each behind a barrier, in this order
+//! every iteration:
 //!
 //! - `exchange`: export N handles, all-gather them, open every peer's (a fresh registry
 //!   each iteration: `PeerMappings::new` and dropping it are not timed);
 //! - `close_all`: close every peer mapping of one registry;
-//! - `reopen_all`: export, exchange and reopen them all again (after a barrier that
-//!   follows `close_all`);
-//! - `close_all + reopen_all`: the sum of the two, per rank and iteration.
+//! - `reopen_all`: export, exchange and reopen them all again;
+//! - `close_all+reopen_all`: the sum of the two per iteration.
 //!
 //! Before timing, one exchange and one close/reopen cycle are verified: every rank writes a
 //! tag into each of its buffers and reads every peer's tags through its mappings.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
@@ -25,30 +24,27 @@ use tpcomm_ipc::{
 };
 
 use crate::error::BenchError;
-use crate::launch::{self, PerRank, RunInfo};
-use crate::report::{self, Column, Stats, Table, Verdict};
+use crate::harness::{agree, elapsed_ns, time_once, time_variants, Order, Plan, Row, Target};
+use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
 use crate::sweep::{parse_bytes, IterArgs};
-use crate::timing::{elapsed_ns, median, ranks_flagging, slowest, time_once};
-use crate::transport::Transport;
+use crate::table::{col, Column};
 
-/// Issue 4's target (host backend, 2 ranks): `reopen_all` of this many mappings...
+/// The target: `reopen_all` of this many mappings...
 const REOPEN_TARGET_MAPPINGS: usize = 1000;
 /// ...in less than this.
 const REOPEN_TARGET: Duration = Duration::from_millis(5);
+/// The timed operations, in running order; the sum of the last two is a row too.
+const OPS: [&str; 3] = ["exchange", "close_all", "reopen_all"];
+const TABLE: &str = "peer mappings";
 
 /// Options of `tpcomm-bench ipc`.
 #[derive(Debug, Clone, Args, Serialize)]
 pub(crate) struct IpcArgs {
-    /// Ranks (threads) of the local group [default: 2]. Not with `--transport mpi`, where
-    /// `mpirun -np` decides.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
-    pub(crate) ranks: Option<u32>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) run: RunArgs,
 
-    /// Transport carrying the handle exchanges.
-    #[arg(long, value_enum, default_value_t = Transport::Local)]
-    pub(crate) transport: Transport,
-
-    /// Buffers (regions) each rank shares, comma-separated; one table row group per value.
+    /// Buffers (regions) each rank shares, comma-separated; one row group per value.
     #[arg(
         long,
         value_delimiter = ',',
@@ -65,78 +61,60 @@ pub(crate) struct IpcArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub(crate) iter: IterArgs,
-
-    /// Also write every figure (and every iteration's time) to this JSON file.
-    #[arg(long, value_name = "FILE")]
-    pub(crate) json: Option<PathBuf>,
 }
 
-/// What a row times.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub(crate) enum IpcOp {
-    Exchange,
-    CloseAll,
-    ReopenAll,
-    #[serde(rename = "close_all+reopen_all")]
-    CloseAndReopen,
-}
-
-impl IpcOp {
-    fn name(self) -> &'static str {
-        match self {
-            IpcOp::Exchange => "exchange",
-            IpcOp::CloseAll => "close_all",
-            IpcOp::ReopenAll => "reopen_all",
-            IpcOp::CloseAndReopen => "close_all+reopen_all",
-        }
+/// Runs the subcommand.
+pub(crate) fn run(args: &IpcArgs) -> Result<(), BenchError> {
+    args.iter.validate()?;
+    if args.buffer_bytes == 0 {
+        return Err(BenchError::Usage(
+            "--buffer-bytes must be at least 1".into(),
+        ));
     }
-}
-
-/// One line of the ipc table (and of the JSON report).
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct IpcRow {
-    /// Buffers each rank shares.
-    pub(crate) regions: usize,
-    /// Peer mappings each rank opens (`regions * (ranks - 1)`).
-    pub(crate) mappings: usize,
-    pub(crate) op: IpcOp,
-    /// Timed iterations.
-    pub(crate) iters: usize,
-    /// Untimed iterations before them.
-    pub(crate) warmup: usize,
-    /// Median, minimum and maximum over iterations of the slowest rank's time.
-    #[serde(flatten)]
-    pub(crate) stats: Stats,
-    /// `median_us / mappings` (per region on one rank).
-    pub(crate) per_mapping_us: f64,
-    /// Every iteration's time (slowest rank), nanoseconds, in the order they ran.
-    pub(crate) samples_ns: Vec<u64>,
+    launch::launch(&args.run, &IpcJob { args }).map(drop)
 }
 
 const COLUMNS: [Column; 7] = [
-    Column::new("regions", "(per rank)", 12),
-    Column::new("mappings", "(per rank)", 11),
-    Column::new("op", "", 21),
-    Column::new("iters", "", 6),
-    Column::new("median", "(us)", 12),
-    Column::new("min", "(us)", 12),
-    Column::new("per map", "(us)", 9),
+    Column::new("regions", "(per rank)", 12, |r, _| r.case.clone()),
+    Column::new("mappings", "(per rank)", 11, |r, _| r.text("mappings")),
+    col::variant("op", 21),
+    col::iters(),
+    col::time("median", 12),
+    col::min(12),
+    Column::new("per map", "(us)", 9, |r, _| {
+        col::f3(r.number("mappings").map(|m| r.stats.median_us / m.max(1.0)))
+    }),
 ];
 
-fn print_row(table: &Table, row: &IpcRow) {
-    table.cells(
-        &COLUMNS,
-        &[
-            row.regions.to_string(),
-            row.mappings.to_string(),
-            row.op.name().to_string(),
-            row.iters.to_string(),
-            format!("{:.3}", row.stats.median_us),
-            format!("{:.3}", row.stats.min_us),
-            format!("{:.3}", row.per_mapping_us),
-        ],
-    );
+fn targets() -> Vec<Target> {
+    vec![Target {
+        what: format!(
+            "host backend: reopen of {REOPEN_TARGET_MAPPINGS} mappings under {} ms (2 ranks)",
+            REOPEN_TARGET.as_millis()
+        ),
+        why: "an engine resuming after a suspend reopens every peer mapping before it serves \
+              again; a few milliseconds keep that invisible next to the resume itself",
+        judge: Box::new(|rows: &[Row]| {
+            let find = |op: &str| {
+                rows.iter()
+                    .find(|r| r.case == REOPEN_TARGET_MAPPINGS.to_string() && r.is(op))
+            };
+            let reopen = find("reopen_all")?;
+            let mut detail = format!(
+                "reopen_all of {} mappings: median {:.3} ms",
+                reopen.text("mappings"),
+                reopen.stats.median_us / 1e3
+            );
+            if let Some(both) = find("close_all+reopen_all") {
+                detail.push_str(&format!(
+                    "; close_all + reopen_all {:.3} ms",
+                    both.stats.median_us / 1e3
+                ));
+            }
+            let met = reopen.stats.median_us < REOPEN_TARGET.as_secs_f64() * 1e6;
+            Some((met, detail))
+        }),
+    }]
 }
 
 /// The tag rank `rank` writes at the start of its buffer `index`.
@@ -170,8 +148,7 @@ fn allocate(
     Ok((buffers, regions))
 }
 
-/// Reads every peer's tags through the mappings of exchange `id`; collective: every rank
-/// fails together, naming the ranks that read wrong tags.
+/// Reads every peer's tags through the mappings of exchange `id` (collective).
 fn verify<C: Communicator>(
     comm: &C,
     peers: &PeerMappings<HostMemory>,
@@ -193,32 +170,21 @@ fn verify<C: Communicator>(
             }
         }
     }
-    let bad_ranks = ranks_flagging(comm, problem.is_some())?;
-    let Some(&first) = bad_ranks.first() else {
-        return Ok(());
-    };
-    Err(BenchError::WrongData {
-        path: "tpcomm-ipc",
-        op: when,
-        bytes: 16,
-        rank: if problem.is_some() { me } else { first },
-        detail: problem.unwrap_or_else(|| format!("see rank {first}")),
-        bad_ranks,
-    })
+    agree(comm, problem, || format!("tpcomm-ipc {when}"))
 }
 
 /// Verifies, warms up and times the life cycle with `n` regions per rank.
 fn bench_regions<C: Communicator>(
+    s: &Session<'_>,
     comm: &C,
     n: usize,
     buffer_bytes: usize,
     iter: &IterArgs,
-) -> Result<Vec<IpcRow>, BenchError> {
+) -> Result<Vec<Row>, BenchError> {
     let mem = HostMemory::new();
     let (buffers, regions) = allocate(&mem, comm.rank(), n, buffer_bytes)?;
     let mappings = n * (comm.size() - 1);
 
-    // Verification: one exchange, one close/reopen cycle.
     let mut peers = PeerMappings::new(mem.clone(), comm)?;
     let id = peers.exchange(comm, &regions)?;
     verify(comm, &peers, id, n, "exchange")?;
@@ -231,106 +197,51 @@ fn bench_regions<C: Communicator>(
     peers.reopen_all(comm)?;
     verify(comm, &peers, id, n, "reopen_all")?;
 
-    let exchange_once = || -> Result<u64, BenchError> {
-        let mut fresh = PeerMappings::new(mem.clone(), comm)?;
-        let ns = time_once(comm, |start| {
-            fresh.exchange(comm, &regions)?;
-            Ok(elapsed_ns(start))
-        })?;
-        drop(fresh);
-        Ok(ns)
-    };
-    let mut cycle_once = || -> Result<(u64, u64), BenchError> {
-        let close = time_once(comm, |start| {
-            peers.close_all()?;
-            Ok(elapsed_ns(start))
-        })?;
-        let reopen = time_once(comm, |start| {
-            peers.reopen_all(comm)?;
-            Ok(elapsed_ns(start))
-        })?;
-        Ok((close, reopen))
-    };
-
-    let warmup = iter.warmup_for(0);
-    let (mut warm_exchange, mut warm_cycle) = (Vec::new(), Vec::new());
-    for _ in 0..warmup {
-        warm_exchange.push(exchange_once()?);
-        let (c, r) = cycle_once()?;
-        warm_cycle.push(c + r);
-    }
-    let estimate =
-        median(&slowest(comm, &warm_exchange)?).max(median(&slowest(comm, &warm_cycle)?));
-    let iters = iter.iters_for(Duration::from_nanos(estimate));
-
-    let (mut exchange, mut close, mut reopen, mut both) = (
-        Vec::with_capacity(iters),
-        Vec::with_capacity(iters),
-        Vec::with_capacity(iters),
-        Vec::with_capacity(iters),
-    );
-    for _ in 0..iters {
-        exchange.push(exchange_once()?);
-        let (c, r) = cycle_once()?;
-        close.push(c);
-        reopen.push(r);
-        both.push(c + r);
-    }
+    let timed = time_variants(
+        comm,
+        Plan {
+            iter,
+            bytes: 0,
+            variants: OPS.len(),
+            order: Order::Fixed,
+        },
+        &s.progress,
+        &mut peers,
+        |peers, v| match v {
+            0 => {
+                let mut fresh = PeerMappings::new(mem.clone(), comm)?;
+                time_once(comm, |start| {
+                    fresh.exchange(comm, &regions)?;
+                    Ok(elapsed_ns(start))
+                })
+            }
+            1 => time_once(comm, |start| {
+                peers.close_all()?;
+                Ok(elapsed_ns(start))
+            }),
+            _ => time_once(comm, |start| {
+                peers.reopen_all(comm)?;
+                Ok(elapsed_ns(start))
+            }),
+        },
+    )?;
     drop(peers);
     drop(buffers);
 
-    let mut rows = Vec::with_capacity(4);
-    for (op, local) in [
-        (IpcOp::Exchange, exchange),
-        (IpcOp::CloseAll, close),
-        (IpcOp::ReopenAll, reopen),
-        (IpcOp::CloseAndReopen, both),
-    ] {
-        let samples_ns = slowest(comm, &local)?;
-        let stats = Stats::of(&samples_ns)
-            .ok_or_else(|| BenchError::Usage("no timed iterations".into()))?;
-        rows.push(IpcRow {
-            regions: n,
-            mappings,
-            op,
-            iters,
-            warmup,
-            stats,
-            per_mapping_us: stats.median_us / mappings.max(1) as f64,
-            samples_ns,
-        });
-    }
-    Ok(rows)
-}
-
-/// Issue 4's target, checked on `rows` when they include N = 1000.
-fn verdict(rows: &[IpcRow], binding: bool) -> Option<Verdict> {
-    let find = |op| {
-        rows.iter()
-            .find(|r| r.regions == REOPEN_TARGET_MAPPINGS && r.op == op)
-    };
-    let reopen = find(IpcOp::ReopenAll)?;
-    let limit_us = REOPEN_TARGET.as_secs_f64() * 1e6;
-    let mut detail = format!(
-        "reopen_all of {} mappings: median {:.3} ms",
-        reopen.mappings,
-        reopen.stats.median_us / 1e3
-    );
-    if let Some(both) = find(IpcOp::CloseAndReopen) {
-        detail.push_str(&format!(
-            "; close_all + reopen_all {:.3} ms",
-            both.stats.median_us / 1e3
-        ));
-    }
-    Some(Verdict {
-        target: format!(
-            "host backend: reopen of {REOPEN_TARGET_MAPPINGS} mappings under {} ms (2 ranks)",
-            REOPEN_TARGET.as_millis()
-        ),
-        met: reopen.stats.median_us < limit_us,
-        detail,
-        binding,
-    })
+    let both: Vec<u64> = timed.samples[1]
+        .iter()
+        .zip(&timed.samples[2])
+        .map(|(c, r)| c + r)
+        .collect();
+    let samples = timed.samples.into_iter().chain([both]);
+    let names = OPS.into_iter().chain(["close_all+reopen_all"]);
+    Ok(samples
+        .zip(names)
+        .filter_map(|(samples, op)| {
+            let row = Row::new(TABLE, &n.to_string(), op, 0, timed.warmup, samples)?;
+            Some(row.with("mappings", mappings))
+        })
+        .collect())
 }
 
 /// The per-rank job of the subcommand.
@@ -343,67 +254,39 @@ impl PerRank for IpcJob<'_> {
 
     fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
         let args = self.args;
-        let table = report::rank0_table(comm.rank(), args.json.as_deref(), |t| {
-            preamble(t, args, info, comm.size());
-            t.header_with(
-                "peer mappings: exchange N regions per rank, close_all, reopen_all",
-                &COLUMNS,
-            );
-        })?;
-        let printer = table.as_ref();
-        let mut rows = Vec::new();
+        let lines = [
+            format!(
+                "backend host (memfd); each region its own HostMemory::allocate({}) buffer",
+                args.buffer_bytes
+            ),
+            args.iter.describe(),
+            "time: median over iterations of the slowest rank (a barrier before each timed op)"
+                .into(),
+            "exchange: PeerMappings::exchange on a fresh registry (new + drop untimed); \
+             close_all then reopen_all on one registry, a barrier between them"
+                .into(),
+            "close_all+reopen_all: the sum of the two (slowest rank of each) per iteration".into(),
+            "mappings verified (tags read through every peer mapping) before timing".into(),
+        ];
+        let json = args.run.json.as_deref();
+        let mut s = Session::start(info, "ipc", comm.rank(), comm.size(), json, &lines)?;
+        s.header(
+            "peer mappings: exchange N regions per rank, close_all, reopen_all",
+            &COLUMNS,
+        );
+        s.progress.plan(args.regions.len());
         for &n in &args.regions {
-            let n_rows = bench_regions(comm, n as usize, args.buffer_bytes, &args.iter)?;
-            if let Some(t) = printer {
-                n_rows.iter().for_each(|r| print_row(t, r));
-            }
-            rows.extend(n_rows);
+            s.progress.case(format!("{n} regions"));
+            let rows = bench_regions(&s, comm, n as usize, args.buffer_bytes, &args.iter)?;
+            s.rows(&COLUMNS, rows, |_| true);
         }
-        let Some(t) = printer else {
-            return Ok(None);
-        };
-        let verdicts: Vec<Verdict> = verdict(&rows, comm.size() == 2).into_iter().collect();
-        t.note("");
         if comm.size() != 2 {
-            t.note("issue 4 states its target for 2 ranks: the verdict below is indicative only");
+            s.note("");
+            s.note("the target is stated for 2 ranks: the verdict below is indicative only");
         }
-        for v in &verdicts {
-            v.print(t);
-        }
-        if let Some(path) = &args.json {
-            info.write_report(t, path, "ipc", comm.size(), args, &rows, &verdicts)?;
-        }
+        s.finish("ipc", json, args, &targets(), comm.size() == 2)?;
         Ok(Some(()))
     }
-}
-
-fn preamble(t: &Table, args: &IpcArgs, info: &RunInfo, ranks: usize) {
-    info.preamble_header(t, "ipc", ranks);
-    t.note(&format!(
-        "backend host (memfd); each region its own HostMemory::allocate({}) buffer",
-        args.buffer_bytes
-    ));
-    t.note(&args.iter.describe());
-    t.note("time: median over iterations of the slowest rank (a barrier before each timed op)");
-    t.note(
-        "exchange: PeerMappings::exchange on a fresh registry (new + drop untimed); \
-         close_all then reopen_all on one registry, a barrier between them",
-    );
-    t.note("mappings verified (tags read through every peer mapping) before timing");
-    if std::env::var_os("RUST_LOG").is_some() {
-        t.note("RUST_LOG is set: tracing spans enabled by it add to tpcomm's times");
-    }
-}
-
-/// Runs the subcommand.
-pub(crate) fn run(args: &IpcArgs) -> Result<(), BenchError> {
-    args.iter.validate()?;
-    if args.buffer_bytes == 0 {
-        return Err(BenchError::Usage(
-            "--buffer-bytes must be at least 1".into(),
-        ));
-    }
-    launch::launch(args.transport, args.ranks, &IpcJob { args }).map(drop)
 }
 
 #[cfg(test)]
@@ -417,41 +300,37 @@ mod tests {
             iters: Some(2),
             warmup: Some(1),
         };
-        let results = LocalGroup::new(3).run(|comm| bench_regions(&comm, 4, 100, &iter));
+        let info = RunInfo::local("test");
+        let results = LocalGroup::new(3).run(|comm| {
+            let s = Session::start(&info, "ipc", 1, 3, None, &[])?;
+            bench_regions(&s, &comm, 4, 100, &iter)
+        });
         let rows = launch::first_rank_output(results).unwrap();
-        let ops: Vec<IpcOp> = rows.iter().map(|r| r.op).collect();
+        let ops: Vec<&str> = rows.iter().map(|r| r.variant.as_str()).collect();
         assert_eq!(
             ops,
             [
-                IpcOp::Exchange,
-                IpcOp::CloseAll,
-                IpcOp::ReopenAll,
-                IpcOp::CloseAndReopen
+                "exchange",
+                "close_all",
+                "reopen_all",
+                "close_all+reopen_all"
             ]
         );
-        assert!(rows.iter().all(|r| r.mappings == 8 && r.iters == 2));
+        assert!(rows
+            .iter()
+            .all(|r| r.text("mappings") == "8" && r.iters == 2));
     }
 
     #[test]
     fn the_target_is_judged_on_reopen_all_of_1000() {
-        let row = |op, median_us| IpcRow {
-            regions: 1000,
-            mappings: 1000,
-            op,
-            iters: 1,
-            warmup: 0,
-            stats: Stats {
-                median_us,
-                min_us: median_us,
-                max_us: median_us,
-            },
-            per_mapping_us: 0.0,
-            samples_ns: Vec::new(),
+        let row = |op: &str, us: u64| {
+            Row::new(TABLE, "1000", op, 0, 0, vec![us * 1000])
+                .unwrap()
+                .with("mappings", 1000)
         };
-        let v = verdict(&[row(IpcOp::ReopenAll, 4_999.0)], true).unwrap();
-        assert!(v.met);
-        let v = verdict(&[row(IpcOp::ReopenAll, 5_000.0)], true).unwrap();
-        assert!(!v.met);
-        assert!(verdict(&[row(IpcOp::Exchange, 1.0)], true).is_none());
+        let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(), rows, true);
+        assert!(judge(&[row("reopen_all", 4_999)])[0].met);
+        assert!(!judge(&[row("reopen_all", 5_000)])[0].met);
+        assert!(judge(&[row("exchange", 1)]).is_empty());
     }
 }

@@ -1,23 +1,65 @@
-//! Starting the ranks of a subcommand: threads of a local group, or this process as one
-//! MPI rank under `mpirun`.
+//! Starting the ranks of a subcommand (threads of a local group, or this process as one MPI
+//! rank under `mpirun`) and the [`Session`] each rank runs in: rank 0's printer, the rows,
+//! the summary lines, progress, and the JSON report at the end.
 //!
 //! A subcommand's per-rank work is a [`PerRank`] job, generic over the communicator so
-//! that each backend is called directly (no dynamic dispatch in timed code). Rank 0
-//! prints and returns its output; the other ranks return nothing.
+//! that each backend is called directly (no dynamic dispatch in timed code).
 
+use std::path::{Path, PathBuf};
+
+use clap::{Args, ValueEnum};
+use serde::Serialize;
 use tpcomm::transport::LocalGroup;
 use tpcomm::{Communicator, TransportError};
 
 use crate::error::BenchError;
-use std::path::Path;
-
-use serde::Serialize;
-
-use crate::report::{self, Machine, Report, Table, Verdict};
-use crate::transport::Transport;
+use crate::harness::{Row, Target, Verdict};
+use crate::report::{self, Machine, Report};
+use crate::table::{self, Column, Progress};
 
 /// Ranks of the local group when `--ranks` is not given.
 pub(crate) const DEFAULT_LOCAL_RANKS: u32 = 2;
+
+/// Which transport carries the collectives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Transport {
+    /// Threads of this process (`LocalGroup`).
+    Local,
+    /// MPI ranks (run under `mpirun`; needs the `mpi` feature).
+    Mpi,
+}
+
+/// The options every subcommand that starts ranks takes.
+#[derive(Debug, Clone, Args, Serialize)]
+pub(crate) struct RunArgs {
+    /// Ranks (threads) of the local group [default: 2]. Not with `--transport mpi`, where
+    /// `mpirun -np` decides.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
+    pub(crate) ranks: Option<u32>,
+
+    /// Transport carrying the collectives (and the handle exchanges and barriers of the
+    /// peer-memory subcommands).
+    #[arg(long, value_enum, default_value_t = Transport::Local)]
+    pub(crate) transport: Transport,
+
+    /// Also write every figure (and every iteration's time) to this JSON file (schema in
+    /// docs/benchmarks.md).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) json: Option<PathBuf>,
+}
+
+impl RunArgs {
+    /// Refuses more local ranks than `max` (the custom all-reduce serves up to 8).
+    pub(crate) fn at_most(&self, max: u32) -> Result<(), BenchError> {
+        match self.ranks {
+            Some(n) if n > max => Err(BenchError::Usage(format!(
+                "--ranks {n}: this subcommand runs at most {max} ranks"
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
 
 /// Where the ranks of this run live, for the preamble and the JSON report.
 #[derive(Debug, Clone)]
@@ -32,52 +74,205 @@ pub(crate) struct RunInfo {
 }
 
 impl RunInfo {
-    /// The preamble lines every subcommand starts with: the command line, the transport and
-    /// rank count, the MPI library (MPI mode) and the machine.
-    pub(crate) fn preamble_header(&self, t: &Table, subcommand: &str, ranks: usize) {
-        t.note(&format!(
-            "tpcomm-bench {subcommand}: {}",
-            std::env::args().collect::<Vec<_>>().join(" ")
-        ));
-        let plural = if ranks == 1 { "" } else { "s" };
-        t.note(&format!(
-            "transport {}, {ranks} rank{plural}",
-            self.description
-        ));
-        if let Some(lib) = &self.mpi_library {
-            t.note(&format!("MPI library: {lib}"));
+    /// Ranks as threads of this process.
+    pub(crate) fn local(description: &'static str) -> Self {
+        Self {
+            transport: "local",
+            description,
+            mpi_library: None,
+            machine: Machine::current(),
         }
-        t.note(&format!("machine: {}", self.machine.describe()));
+    }
+}
+
+/// One rank's view of a run: rank 0 prints and keeps the rows; every rank has the
+/// communicator's rank and size at hand.
+#[derive(Debug)]
+pub(crate) struct Session<'a> {
+    pub(crate) info: &'a RunInfo,
+    pub(crate) rank: usize,
+    pub(crate) ranks: usize,
+    pub(crate) progress: Progress,
+    rows: Vec<Row>,
+    summary: Vec<String>,
+}
+
+impl<'a> Session<'a> {
+    /// Starts the session of `subcommand` on this rank; rank 0 checks that `json` can be
+    /// written (failing now, not after the run) and prints the preamble: the command line,
+    /// transport, ranks, MPI library, machine, then `lines`.
+    pub(crate) fn start(
+        info: &'a RunInfo,
+        subcommand: &str,
+        rank: usize,
+        ranks: usize,
+        json: Option<&Path>,
+        lines: &[String],
+    ) -> Result<Self, BenchError> {
+        let s = Self {
+            info,
+            rank,
+            ranks,
+            progress: Progress::new(rank),
+            rows: Vec::new(),
+            summary: Vec::new(),
+        };
+        if rank == 0 {
+            if let Some(path) = json {
+                report::check_writable(path)?;
+            }
+            let plural = if ranks == 1 { "" } else { "s" };
+            let argv = std::env::args().collect::<Vec<_>>().join(" ");
+            s.note(&format!("tpcomm-bench {subcommand}: {argv}"));
+            s.note(&format!(
+                "transport {}, {ranks} rank{plural}",
+                info.description
+            ));
+            if let Some(lib) = &info.mpi_library {
+                s.note(&format!("MPI library: {lib}"));
+            }
+            s.note(&format!("machine: {}", info.machine.describe()));
+            lines.iter().for_each(|l| s.note(l));
+            if std::env::var_os("RUST_LOG").is_some() {
+                s.note("RUST_LOG is set: tracing spans enabled by it add to tpcomm's times");
+            }
+        }
+        Ok(s)
     }
 
-    /// Writes the JSON report of `subcommand` to `path` and notes where it went.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn write_report<S: Serialize, R: Serialize>(
-        &self,
-        t: &Table,
-        path: &Path,
-        subcommand: &'static str,
-        ranks: usize,
+    /// Whether this rank prints (rank 0).
+    pub(crate) fn prints(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// Prints a comment line (rank 0).
+    pub(crate) fn note(&self, text: &str) {
+        if self.prints() {
+            let line = if text.is_empty() {
+                "#".into()
+            } else {
+                format!("# {text}")
+            };
+            self.progress.finish();
+            table::print(&[line]);
+        }
+    }
+
+    /// Prints a table's header (rank 0).
+    pub(crate) fn header(&self, title: &str, columns: &[Column]) {
+        if self.prints() {
+            self.progress.finish();
+            table::print(&table::header(title, columns));
+        }
+    }
+
+    /// Prints `rows` of a table whose peers are among `all` (rank 0), and keeps every row of
+    /// `all` for the report.
+    pub(crate) fn rows(
+        &mut self,
+        columns: &[Column],
+        all: Vec<Row>,
+        printed: impl Fn(&Row) -> bool,
+    ) {
+        if !self.prints() {
+            return;
+        }
+        let peer = |r: &Row| {
+            let p = r.peer.as_deref()?;
+            all.iter()
+                .find(|x| x.table == r.table && x.case == r.case && x.variant == p)
+        };
+        let lines: Vec<String> = all
+            .iter()
+            .filter(|r| printed(r))
+            .map(|r| table::row_line(columns, r, peer(r)))
+            .collect();
+        self.progress.finish();
+        table::print(&lines);
+        self.rows.extend(all);
+    }
+
+    /// Every row kept so far (rank 0; empty elsewhere).
+    pub(crate) fn kept(&self) -> &[Row] {
+        &self.rows
+    }
+
+    /// Prints a summary line and keeps it for the report (rank 0).
+    pub(crate) fn summary(&mut self, text: String) {
+        self.note(&text);
+        if self.prints() {
+            self.summary.push(text);
+        }
+    }
+
+    /// Keeps rows for the report without printing them (rank 0).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn keep(&mut self, rows: Vec<Row>) {
+        if self.prints() {
+            self.rows.extend(rows);
+        }
+    }
+
+    /// Replaces the rows kept for the report (rank 0).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn keep_only(&mut self, rows: Vec<Row>) {
+        self.rows.clear();
+        self.keep(rows);
+    }
+
+    /// Ends the run on rank 0: judges `targets` on the rows (binding when this run is the
+    /// configuration they are stated for), prints the verdicts and writes the JSON report.
+    pub(crate) fn finish<S: Serialize>(
+        self,
+        subcommand: &str,
+        json: Option<&Path>,
         settings: &S,
-        rows: &[R],
-        targets: &[Verdict],
+        targets: &[Target],
+        binding: bool,
     ) -> Result<(), BenchError> {
+        if !self.prints() {
+            return Ok(());
+        }
+        self.progress.finish();
+        let verdicts = Verdict::judge_all(targets, &self.rows, binding);
+        if !verdicts.is_empty() {
+            self.note("");
+        }
+        for v in &verdicts {
+            v.lines().iter().for_each(|l| self.note(l));
+        }
+        self.write_json(subcommand, json, settings, &verdicts)
+    }
+
+    /// Writes the JSON report of the rows kept so far to `json`, if given (rank 0).
+    pub(crate) fn write_json<S: Serialize>(
+        &self,
+        subcommand: &str,
+        json: Option<&Path>,
+        settings: &S,
+        verdicts: &[Verdict],
+    ) -> Result<(), BenchError> {
+        let (Some(path), true) = (json, self.prints()) else {
+            return Ok(());
+        };
         let report = Report {
-            tool: "tpcomm-bench",
-            version: env!("CARGO_PKG_VERSION"),
-            subcommand,
+            schema_version: report::SCHEMA_VERSION,
+            tool: "tpcomm-bench".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            subcommand: subcommand.into(),
             command_line: std::env::args().collect(),
             unix_time: report::unix_time(),
-            machine: self.machine.clone(),
-            transport: self.transport,
-            ranks,
-            mpi_library: self.mpi_library.clone(),
-            settings,
-            rows,
-            targets,
+            machine: self.info.machine.clone(),
+            transport: self.info.transport.into(),
+            ranks: self.ranks,
+            mpi_library: self.info.mpi_library.clone(),
+            settings: serde_json::to_value(settings)?,
+            rows: self.rows.clone(),
+            summary: self.summary.clone(),
+            targets: verdicts.to_vec(),
         };
-        report::write_json(path, &report)?;
-        t.note(&format!("JSON written to {}", path.display()));
+        report::write(path, &report)?;
+        self.note(&format!("JSON written to {}", path.display()));
         Ok(())
     }
 }
@@ -100,20 +295,12 @@ pub(crate) trait PerRank: Sync {
 /// [`Transport::Mpi`], as this MPI rank. Returns rank 0's output (`None` on other MPI
 /// ranks). In MPI mode a failing rank prints its error and aborts the job, so that no rank
 /// stays blocked in a collective its peers left.
-pub(crate) fn launch<J: PerRank>(
-    transport: Transport,
-    ranks: Option<u32>,
-    job: &J,
-) -> Result<Option<J::Output>, BenchError> {
-    match transport {
+pub(crate) fn launch<J: PerRank>(args: &RunArgs, job: &J) -> Result<Option<J::Output>, BenchError> {
+    let ranks = args.ranks;
+    match args.transport {
         Transport::Local => {
             warn_if_under_mpirun();
-            let info = RunInfo {
-                transport: "local",
-                description: "local (threads of this process)",
-                mpi_library: None,
-                machine: Machine::current(),
-            };
+            let info = RunInfo::local("local (threads of this process)");
             let ranks = ranks.unwrap_or(DEFAULT_LOCAL_RANKS) as usize;
             let results = LocalGroup::new(ranks).run(|comm| job.run(&comm, &info));
             first_rank_output(results)

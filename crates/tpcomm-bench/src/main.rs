@@ -1,39 +1,46 @@
 //! `tpcomm-bench`: nccl-tests-style tables for tpcomm's collectives.
 //!
 //! One subcommand per layer of tpcomm; each prints one table per operation (size, count,
-//! time, algorithm bandwidth, bus bandwidth) and can write every figure as JSON.
+//! time, algorithm bandwidth, bus bandwidth), compares each tpcomm path with a peer measured
+//! in the same run, and can write every figure as JSON (`--json`); `compare` diffs two
+//! reports and `plot` draws them.
 //!
 //! ```text
 //! tpcomm-bench transport                      # 2 ranks as threads of this process
 //! tpcomm-bench transport --ranks 4 --json t.json
-//! mpirun -np 2 tpcomm-bench transport --transport mpi   # MPI ranks, plus direct rsmpi
+//! mpirun -np 2 tpcomm-bench transport --transport mpi   # MPI ranks, plus the plain MPI call
 //! tpcomm-bench objects                        # object all-gather vs the hand-written floor
-//! mpirun -np 2 tpcomm-bench objects --transport mpi --json objects.json
 //! tpcomm-bench ipc                            # exchange / close_all / reopen_all of N mappings
-//! mpirun -np 2 tpcomm-bench ipc --transport mpi --regions 1,100,1000
-//! tpcomm-bench allreduce                      # custom all-reduce, 1 KiB .. 8 MiB, f32
 //! mpirun -np 2 tpcomm-bench allreduce --transport mpi --json ar.json   # plus MPI_Allreduce
 //! tpcomm-bench lifecycle                      # suspend + resume with 1, 100, 1000 graph buffers
 //! tpcomm-bench gpu                            # CUDA backend on one GPU (features cuda, nccl)
+//! tpcomm-bench compare old.json new.json      # ratio per row, regressions flagged
+//! tpcomm-bench plot t.json ar.json -o charts  # SVG charts of time and bandwidth
+//! tpcomm-bench peer-check --launcher "mpirun -np 2"   # the MPI peer against a C loop
 //! ```
 //!
-//! Benchmarks are programs that print tables, never timed assertions inside tests: the
-//! figures depend on the machine. Each subcommand verifies the data its collectives moved
-//! (once per size, outside the timed part) so that a broken transport cannot print a nice
-//! table.
+//! Every subcommand runs through one harness ([`harness`], [`launch::Session`]): cases
+//! declared as data, one interleaved timing loop, verification agreed across ranks, one
+//! table printer, one JSON writer ([`report`]). Benchmarks are programs that print tables,
+//! never timed assertions inside tests: the figures depend on the machine.
 //!
 //! Logging goes to stderr through `tracing`, off unless `RUST_LOG` asks for it.
 
 mod allreduce;
+mod charts;
+mod compare;
 mod error;
 mod gpu;
+mod harness;
 mod ipc;
 mod launch;
 mod lifecycle;
+mod mpi_peer;
 mod objects;
+mod peer_check;
 mod report;
 mod sweep;
-mod timing;
+mod table;
 mod transport;
 
 use std::process::ExitCode;
@@ -50,15 +57,15 @@ struct Cli {
     command: Command,
 }
 
-/// One subcommand per tpcomm layer.
+/// One subcommand per tpcomm layer, and two that read reports.
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Transport collectives (all-gather, gathers, broadcast, all-to-all) over host bytes.
     ///
     /// Ranks are threads of one process by default; under `mpirun` with `--transport mpi`
-    /// they are MPI ranks, and every operation is also timed through rsmpi directly.
+    /// they are MPI ranks, and every operation is also timed as the plain MPI call.
     Transport(transport::TransportArgs),
-    /// Object all-gather (tpcomm-objects) of issue 3's payloads: tpcomm owned, tpcomm
+    /// Object all-gather (tpcomm-objects) of blobs and records: tpcomm owned, tpcomm
     /// borrowed, and the hand-written floor (postcard + lengths + one varcount).
     ///
     /// Local threads by default; `--transport mpi` under `mpirun`.
@@ -71,14 +78,14 @@ enum Command {
     /// Custom all-reduce (tpcomm-allreduce, host backend): one-stage, two-stage, the
     /// dispatcher's choice and a replayed captured plan, 1 KiB to 8 MiB.
     ///
-    /// Local threads by default; `--transport mpi` under `mpirun`, where MPI_Allreduce of
-    /// the same data is timed too.
+    /// Local threads by default (at most 8); `--transport mpi` under `mpirun`, where
+    /// MPI_Allreduce of the same data is timed too.
     #[command(name = "allreduce")]
     AllReduce(allreduce::AllReduceArgs),
     /// Custom all-reduce lifecycle: prepare_for_suspend + reinit_after_resume with 1, 100,
     /// 1000 graph buffers registered, and all-reduce latency before vs after a resume.
     ///
-    /// Local threads by default; `--transport mpi` under `mpirun`.
+    /// Local threads by default (at most 8); `--transport mpi` under `mpirun`.
     Lifecycle(lifecycle::LifecycleArgs),
     /// Custom all-reduce, CUDA backend, on one GPU (ranks as threads): CUDA graphs of K
     /// all-reduces replayed per world size (2, 4, 8), algorithm, type and size, before and
@@ -86,6 +93,19 @@ enum Command {
     ///
     /// Needs the `cuda` feature (and `nccl` for the reference row) and a GPU.
     Gpu(gpu::GpuArgs),
+    /// Compares two JSON reports row by row: new median / old median, regressions flagged.
+    ///
+    /// Exits with status 1 when a row is slower than the threshold allows.
+    Compare(compare::CompareArgs),
+    /// Checks the MPI peer of `transport` and `allreduce` (rsmpi in the run) against a
+    /// standalone C loop of the same MPI calls, built with `mpicc`.
+    ///
+    /// Run it outside mpirun: it starts the MPI jobs itself with `--launcher`. Needs the
+    /// `mpi` feature.
+    PeerCheck(peer_check::PeerCheckArgs),
+    /// Draws SVG charts of JSON reports: time and bus bandwidth against size, log axes, one
+    /// line per variant and per peer.
+    Plot(charts::PlotArgs),
 }
 
 fn main() -> ExitCode {
@@ -98,6 +118,9 @@ fn main() -> ExitCode {
         Command::AllReduce(args) => allreduce::run(&args),
         Command::Lifecycle(args) => lifecycle::run(&args),
         Command::Gpu(args) => gpu::run(&args),
+        Command::Compare(args) => compare::run(&args),
+        Command::PeerCheck(args) => peer_check::run(&args),
+        Command::Plot(args) => charts::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -123,11 +146,24 @@ mod tests {
     use clap::{CommandFactory, Parser};
 
     use super::{Cli, Command};
-    use crate::transport::{Transport, TransportOp};
+    use crate::launch::Transport;
+    use crate::transport::TransportOp;
 
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn help_texts_name_no_internal_issue() {
+        let mut cli = Cli::command();
+        let mut texts = vec![cli.render_long_help().to_string()];
+        for sub in cli.get_subcommands_mut() {
+            texts.push(sub.render_long_help().to_string());
+        }
+        for text in texts {
+            assert!(!text.to_lowercase().contains("issue"), "{text}");
+        }
     }
 
     #[test]
@@ -139,20 +175,16 @@ mod tests {
             panic!("not the transport subcommand")
         };
         assert_eq!(args.ops, TransportOp::ALL.to_vec());
-        assert_eq!(args.transport, Transport::Local);
-        assert_eq!(args.ranks, None);
         assert_eq!(
-            (
-                args.sweep.min_bytes,
-                args.sweep.max_bytes,
-                args.sweep.factor
-            ),
+            (args.run.transport, args.run.ranks),
+            (Transport::Local, None)
+        );
+        let sweep = &args.sweep;
+        assert_eq!(
+            (sweep.min_bytes, sweep.max_bytes, sweep.factor),
             (8, 64 << 20, 2)
         );
-        assert_eq!(
-            (args.sweep.iter.iters, args.sweep.iter.warmup),
-            (None, None)
-        );
+        assert_eq!((sweep.iter.iters, sweep.iter.warmup), (None, None));
     }
 
     #[test]
@@ -173,7 +205,7 @@ mod tests {
         let Command::Transport(args) = cli.command else {
             panic!("not the transport subcommand")
         };
-        assert_eq!(args.ranks, Some(4));
+        assert_eq!(args.run.ranks, Some(4));
         assert_eq!(
             args.ops,
             vec![TransportOp::Broadcast, TransportOp::AllGather]

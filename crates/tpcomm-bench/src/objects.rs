@@ -7,23 +7,18 @@
 //! - `tpcomm borrowed`: [`tpcomm::objects::all_gather_borrowed`] then
 //!   [`Gathered::decode`] into values that borrow from the receive buffer (`&Bytes` for a
 //!   blob, records whose `name` is a `&str`);
-//! - `floor`: what a careful program would write by hand over the same
+//! - `floor` (the peer): what a careful program would write by hand over the same
 //!   [`Communicator`]: postcard encode, a fixed all-gather of the 64-bit lengths, one
-//!   `all_gather_varcount` of the bytes into a buffer allocated once, postcard decode into
-//!   owned values. No failure agreement, no cap, no round path: the least work there is.
+//!   `all_gather_varcount` of the bytes, postcard decode into owned values. No failure
+//!   agreement, no cap, no round path: the least work there is.
 //!
-//! Each iteration is a barrier followed by the variant, timed on every rank until its
-//! result is in hand (dropping the result is not timed, for any variant); the iteration
-//! counts as its slowest rank's time, and the table shows the median. Every variant is
-//! checked once per payload, before timing, against the values every rank sent.
-//!
-//! The issue's mpi4py figures are *quoted*, never measured here: this program runs no
-//! Python.
+//! Each iteration is timed on every rank until its result is in hand (dropping the result
+//! is not timed, for any variant). Every variant is checked once per payload, before timing,
+//! against the values every rank sent.
 
 use std::fmt;
 use std::hint::black_box;
-use std::path::PathBuf;
-use std::time::Duration;
+use std::process::Command;
 
 use clap::Args;
 use serde::de::DeserializeOwned;
@@ -34,45 +29,29 @@ use tpcomm::transport::dense_displacements;
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::launch::{self, PerRank, RunInfo};
-use crate::report::{self, Column, Stats, Table, Verdict};
+use crate::harness::{
+    agree, elapsed_ns, link_peers, slowest, time_once, time_variants, Order, Plan, Row, Target,
+};
+use crate::launch::{self, PerRank, RunArgs, RunInfo, Session, Transport};
 use crate::sweep::{format_bytes, parse_bytes, IterArgs};
-use crate::timing::{elapsed_ns, median, ranks_flagging, slowest, time_once};
-use crate::transport::{pattern, splitmix64, Transport};
+use crate::table::{col, Column};
+use crate::transport::{pattern, splitmix64};
 
-/// The payloads of issue 3, in the default order of `--payloads`.
+/// The default payloads: a small and a large blob, few and many records.
 const DEFAULT_PAYLOADS: &str = "blob:64,blob:65536,blob:16MiB,records:1000,records:100000";
 
-/// Issue 3's targets, stated for 2 MPI ranks: every tpcomm row within this factor of the
-/// floor...
-const FLOOR_RATIO_TARGET: f64 = 1.3;
-/// ...at most this factor of the floor on `blob:64` (the one-collective small path)...
-const SMALL_PATH_RATIO_TARGET: f64 = 0.8;
-const SMALL_PATH_PAYLOAD: Payload = Payload::Blob(64);
-/// ...and at least this many times faster than mpi4py on `records:100000`.
-const MPI4PY_SPEEDUP_TARGET: f64 = 25.0;
-const MPI4PY_TARGET_PAYLOAD: Payload = Payload::Records(100_000);
-
-/// mpi4py's `comm.allgather` of the same Python data under `mpirun -np 2`, in
-/// microseconds, as quoted in issue 3. Not measured by this program.
-const MPI4PY_QUOTED_US: [(Payload, f64); 4] = [
-    (Payload::Records(100_000), 476_000.0),
-    (Payload::Records(1000), 1_200.0),
-    (Payload::Blob(16 << 20), 55_000.0),
-    (Payload::Blob(64), 2.3),
-];
+/// The variants, in table order; the last is the peer.
+const VARIANTS: [&str; 3] = ["tpcomm owned", "tpcomm borrowed", "floor"];
+const TABLE: &str = "object all_gather";
+/// The Python peer's variant.
+const MPI4PY: &str = "mpi4py";
 
 /// Options of `tpcomm-bench objects`.
 #[derive(Debug, Clone, Args, Serialize)]
 pub(crate) struct ObjectsArgs {
-    /// Ranks (threads) of the local group [default: 2]. Not with `--transport mpi`, where
-    /// `mpirun -np` decides.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
-    pub(crate) ranks: Option<u32>,
-
-    /// Transport carrying the collectives.
-    #[arg(long, value_enum, default_value_t = Transport::Local)]
-    pub(crate) transport: Transport,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) run: RunArgs,
 
     /// Payloads, comma-separated: `blob:BYTES` (one byte string per rank, `serde_bytes`;
     /// BYTES takes K/KiB, M/MiB, G/GiB) or `records:N` (N records of
@@ -90,9 +69,234 @@ pub(crate) struct ObjectsArgs {
     #[serde(flatten)]
     pub(crate) iter: IterArgs,
 
-    /// Also write every figure (and every iteration's time) to this JSON file.
-    #[arg(long, value_name = "FILE")]
-    pub(crate) json: Option<PathBuf>,
+    /// Skip the mpi4py peer (otherwise run, with the local transport, when
+    /// `python3 -c "import mpi4py"` works and `mpirun` exists).
+    #[arg(long)]
+    pub(crate) no_mpi4py: bool,
+}
+
+/// Runs the subcommand.
+pub(crate) fn run(args: &ObjectsArgs) -> Result<(), BenchError> {
+    args.iter.validate()?;
+    if args.payloads.is_empty() {
+        return Err(BenchError::Usage("--payloads is empty".into()));
+    }
+    if let Some(p) = args
+        .payloads
+        .iter()
+        .find(|p| matches!(p, Payload::Blob(n) if *n > i32::MAX as usize / 2))
+    {
+        return Err(BenchError::Usage(format!(
+            "{p}: blobs are limited to {} here (the floor is one varcount call)",
+            format_bytes(1 << 30)
+        )));
+    }
+    let mpi4py = match args.run.transport {
+        _ if args.no_mpi4py => Err("skipped (--no-mpi4py)".to_string()),
+        Transport::Local => run_mpi4py(args),
+        Transport::Mpi => Err(
+            "not run under --transport mpi (it needs an mpirun job of its \
+                               own): run without it to measure mpi4py next to local ranks"
+                .into(),
+        ),
+    };
+    launch::launch(&args.run, &ObjectsJob { args, mpi4py }).map(drop)
+}
+
+/// The mpi4py peer's script, written to a temporary file and run under `mpirun`.
+const MPI4PY_SCRIPT: &str = include_str!("objects_peer.py");
+
+/// What the mpi4py peer measured on one payload (a JSON line of rank 0).
+#[derive(Debug, Clone, Deserialize)]
+struct Mpi4pyRun {
+    payload: String,
+    fingerprint: String,
+    warmup: usize,
+    samples_ns: Vec<u64>,
+}
+
+/// Runs the mpi4py peer on every payload as its own MPI job (`mpirun -np RANKS python3`),
+/// before the bench's ranks start; the reason when it cannot run.
+fn run_mpi4py(args: &ObjectsArgs) -> Result<Vec<Mpi4pyRun>, String> {
+    let probe = Command::new("python3")
+        .args(["-c", "import mpi4py"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        return Err(
+            "mpi4py absent (python3 -c \"import mpi4py\" fails; `cargo xtask setup` \
+                    installs it)"
+                .into(),
+        );
+    }
+    let script = std::env::temp_dir().join(format!(
+        "tpcomm-bench-{}-objects_peer.py",
+        std::process::id()
+    ));
+    std::fs::write(&script, MPI4PY_SCRIPT)
+        .map_err(|e| format!("cannot write {}: {e}", script.display()))?;
+    let root = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .any(|l| l.split_whitespace().take(2).eq(["Uid:", "0"]))
+    });
+    let mut cmd = Command::new("mpirun");
+    if root {
+        cmd.arg("--allow-run-as-root");
+    }
+    let ranks = args
+        .run
+        .ranks
+        .unwrap_or(launch::DEFAULT_LOCAL_RANKS)
+        .to_string();
+    cmd.args([
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        &ranks,
+        "python3",
+    ])
+    .arg(&script)
+    .arg(args.iter.iters.unwrap_or(0).to_string())
+    .arg(args.iter.warmup.unwrap_or(5).to_string())
+    .args(args.payloads.iter().map(Payload::to_string));
+    eprintln!("tpcomm-bench objects: timing the mpi4py peer first ({ranks} MPI ranks)");
+    let out = cmd.output();
+    let _ = std::fs::remove_file(&script);
+    let out = out.map_err(|e| format!("cannot start mpirun: {e}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!(
+            "the mpi4py job failed ({}): {}",
+            out.status,
+            err.trim()
+        ));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).map_err(|e| format!("unreadable mpi4py line `{l}`: {e}")))
+        .collect()
+}
+
+/// FNV-1a 64 of every rank's canonical value, in rank order (as `objects_peer.py`).
+fn fingerprint<S: Shape>(values: &[S::Owned]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in values {
+        for b in S::canonical(v) {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    format!("{h:016x}")
+}
+
+const COLUMNS: [Column; 7] = [
+    Column::new("payload", "", 15, |r, _| r.case.clone()),
+    Column::new("bytes/rank", "(B)", 11, |r, _| r.bytes.to_string()),
+    col::variant("variant", 16),
+    col::iters(),
+    col::time("median", 12),
+    col::min(12),
+    col::vs_peer("ratio", "to floor", 9),
+];
+
+/// Per payload with an mpi4py row: how many times slower mpi4py is than each tpcomm variant.
+fn mpi4py_lines(rows: &[Row]) -> Vec<String> {
+    rows.iter()
+        .filter(|r| r.is(MPI4PY))
+        .map(|py| {
+            let ratios: Vec<String> = rows
+                .iter()
+                .filter(|r| r.case == py.case && r.variant.starts_with("tpcomm"))
+                .map(|r| {
+                    format!(
+                        "{:.2}x {}",
+                        py.stats.median_us / r.stats.median_us,
+                        r.variant
+                    )
+                })
+                .collect();
+            format!(
+                "{}: mpi4py time / tpcomm time: {}",
+                py.case,
+                ratios.join(", ")
+            )
+        })
+        .collect()
+}
+
+/// The targets, judged on the tpcomm rows.
+fn targets() -> Vec<Target> {
+    let tpcomm = |rows: &[Row]| -> Vec<Row> {
+        rows.iter()
+            .filter(|r| r.variant.starts_with("tpcomm") && r.vs_peer.is_some())
+            .cloned()
+            .collect()
+    };
+    let list = |rows: &[Row]| {
+        rows.iter()
+            .map(|r| format!("{} {} {:.2}x", r.case, r.variant, r.vs_peer.unwrap_or(0.0)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    vec![
+        Target {
+            what: "tpcomm within 1.3x of the floor on every payload".into(),
+            why: "the failure agreement, the length cap and the round path must not cost more \
+                  than a third of the least work an all-gather of objects takes",
+            judge: Box::new(move |rows: &[Row]| {
+                let rows = tpcomm(rows);
+                let worst = rows.iter().max_by(|a, b| {
+                    a.vs_peer
+                        .unwrap_or(0.0)
+                        .total_cmp(&b.vs_peer.unwrap_or(0.0))
+                })?;
+                let over: Vec<Row> = rows
+                    .iter()
+                    .filter(|r| r.vs_peer.unwrap_or(0.0) > 1.3)
+                    .cloned()
+                    .collect();
+                Some(if over.is_empty() {
+                    (true, format!("worst {}", list(std::slice::from_ref(worst))))
+                } else {
+                    (false, format!("over: {}", list(&over)))
+                })
+            }),
+        },
+        Target {
+            what: "tpcomm at most 0.8x the floor on blob:64".into(),
+            why: "small values take one collective (lengths and bytes together) where the \
+                  floor takes two, which should show as at least a 20% gain",
+            judge: Box::new(move |rows: &[Row]| {
+                let small: Vec<Row> = tpcomm(rows)
+                    .into_iter()
+                    .filter(|r| r.case == "blob:64")
+                    .collect();
+                (!small.is_empty()).then(|| {
+                    let met = small.iter().all(|r| r.vs_peer.unwrap_or(f64::MAX) <= 0.8);
+                    (met, list(&small))
+                })
+            }),
+        },
+        Target {
+            what: "tpcomm at least 25x faster than mpi4py on records:100000".into(),
+            why: "Python engines gather control-plane state with mpi4py (pickle); typed values \
+                  in postcard must leave that cost far behind to be worth a Rust engine's while",
+            judge: Box::new(move |rows: &[Row]| {
+                let big: Vec<&Row> = rows.iter().filter(|r| r.case == "records:100000").collect();
+                let py = big.iter().find(|r| r.is(MPI4PY))?;
+                let speedups: Vec<(f64, &str)> = big
+                    .iter()
+                    .filter(|r| r.variant.starts_with("tpcomm"))
+                    .map(|r| (py.stats.median_us / r.stats.median_us, r.variant.as_str()))
+                    .collect();
+                let detail: Vec<String> = speedups
+                    .iter()
+                    .map(|(x, v)| format!("{v} {x:.1}x"))
+                    .collect();
+                let met = !speedups.is_empty() && speedups.iter().all(|s| s.0 >= 25.0);
+                Some((met, detail.join(", ")))
+            }),
+        },
+    ]
 }
 
 /// One value per rank, of one of two shapes.
@@ -105,7 +309,7 @@ pub(crate) enum Payload {
 }
 
 impl fmt::Display for Payload {
-    /// The name as issue 3 writes it: `blob:64`, `blob:65536`, `blob:16MiB`, `records:1000`.
+    /// The name as `--payloads` takes it: `blob:64`, `blob:65536`, `blob:16MiB`, `records:1000`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
             Payload::Blob(n) if n >= 1 << 20 && n % (1 << 20) == 0 => {
@@ -196,6 +400,9 @@ trait Shape: Sync {
 
     /// Whether a borrowed value equals the owned one.
     fn borrowed_eq(got: &Self::Borrowed<'_>, want: &Self::Owned) -> bool;
+
+    /// The bytes the mpi4py peer's fingerprint is taken of (see `objects_peer.py`).
+    fn canonical(value: &Self::Owned) -> Vec<u8>;
 }
 
 struct BlobShape(usize);
@@ -210,6 +417,10 @@ impl Shape for BlobShape {
 
     fn borrowed_eq(got: &&Bytes, want: &ByteBuf) -> bool {
         got[..] == want[..]
+    }
+
+    fn canonical(value: &ByteBuf) -> Vec<u8> {
+        value.to_vec()
     }
 }
 
@@ -229,39 +440,17 @@ impl Shape for RecordsShape {
                 g.id == w.id && g.name == w.name && g.tokens == w.tokens && g.score == w.score
             })
     }
-}
 
-/// The variants timed for every payload, in table order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Variant {
-    TpcommOwned,
-    TpcommBorrowed,
-    Floor,
-}
-
-impl Variant {
-    const ALL: [Variant; 3] = [
-        Variant::TpcommOwned,
-        Variant::TpcommBorrowed,
-        Variant::Floor,
-    ];
-
-    fn name(self) -> &'static str {
-        match self {
-            Variant::TpcommOwned => "tpcomm owned",
-            Variant::TpcommBorrowed => "tpcomm borrowed",
-            Variant::Floor => "floor",
+    fn canonical(value: &Vec<Record>) -> Vec<u8> {
+        let mut out = Vec::new();
+        for r in value {
+            out.extend(r.id.to_le_bytes());
+            out.extend(r.name.as_bytes());
+            out.push(0);
+            r.tokens.iter().for_each(|t| out.extend(t.to_le_bytes()));
+            out.extend(r.score.to_bits().to_le_bytes());
         }
-    }
-
-    fn is_tpcomm(self) -> bool {
-        self != Variant::Floor
-    }
-}
-
-impl Serialize for Variant {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(self.name())
+        out
     }
 }
 
@@ -299,20 +488,20 @@ fn floor_all_gather<C: Communicator, T: Serialize + DeserializeOwned>(
         .collect()
 }
 
-/// Runs `variant` once on this rank's `value` and times it, as one timed iteration.
+/// Runs variant `v` once on this rank's `value`, as one timed iteration.
 fn time_variant<C: Communicator, S: Shape>(
     comm: &C,
-    variant: Variant,
+    v: usize,
     value: &S::Owned,
 ) -> Result<u64, BenchError> {
-    time_once(comm, |start| match variant {
-        Variant::TpcommOwned => {
+    time_once(comm, |start| match v {
+        0 => {
             let all: Vec<S::Owned> = tpcomm::objects::all_gather(comm, value)?;
             let ns = elapsed_ns(start);
             drop(black_box(all));
             Ok(ns)
         }
-        Variant::TpcommBorrowed => {
+        1 => {
             let gathered = tpcomm::objects::all_gather_borrowed(comm, value)?;
             let all: Vec<S::Borrowed<'_>> = gathered.decode()?;
             let ns = elapsed_ns(start);
@@ -320,7 +509,7 @@ fn time_variant<C: Communicator, S: Shape>(
             drop(gathered);
             Ok(ns)
         }
-        Variant::Floor => {
+        _ => {
             let all: Vec<S::Owned> = floor_all_gather(comm, value)?;
             let ns = elapsed_ns(start);
             drop(black_box(all));
@@ -329,12 +518,11 @@ fn time_variant<C: Communicator, S: Shape>(
     })
 }
 
-/// Runs `variant` once and checks that every rank's value arrived. Collective: every rank
-/// fails together, naming the ranks that saw wrong values.
+/// Runs variant `v` once and checks that every rank's value arrived (collective).
 fn verify<C: Communicator, S: Shape>(
     comm: &C,
     payload: Payload,
-    variant: Variant,
+    v: usize,
     value: &S::Owned,
     expected: &[S::Owned],
 ) -> Result<(), BenchError> {
@@ -346,178 +534,97 @@ fn verify<C: Communicator, S: Shape>(
             .find(|&r| !equal(r))
             .map(|r| format!("the value of rank {r} differs from what it sent"))
     };
-    let problem = match variant {
-        Variant::TpcommOwned => {
+    let problem = match v {
+        0 => {
             let all: Vec<S::Owned> = tpcomm::objects::all_gather(comm, value)?;
             first_wrong(&|r| all[r] == expected[r], all.len())
         }
-        Variant::TpcommBorrowed => {
+        1 => {
             let gathered: Gathered = tpcomm::objects::all_gather_borrowed(comm, value)?;
             let all: Vec<S::Borrowed<'_>> = gathered.decode()?;
             first_wrong(&|r| S::borrowed_eq(&all[r], &expected[r]), all.len())
         }
-        Variant::Floor => {
+        _ => {
             let all: Vec<S::Owned> = floor_all_gather(comm, value)?;
             first_wrong(&|r| all[r] == expected[r], all.len())
         }
     };
-    let bad_ranks = ranks_flagging(comm, problem.is_some())?;
-    let Some(&first) = bad_ranks.first() else {
-        return Ok(());
-    };
-    Err(BenchError::WrongData {
-        path: variant.name(),
-        op: if matches!(payload, Payload::Blob(_)) {
-            "blob all_gather"
-        } else {
-            "records all_gather"
-        },
-        bytes: postcard::to_allocvec(value).map_or(0, |b| b.len()),
-        rank: if problem.is_some() {
-            comm.rank()
-        } else {
-            first
-        },
-        detail: problem.unwrap_or_else(|| format!("see rank {first}")),
-        bad_ranks,
+    agree(comm, problem, || {
+        format!("{} all_gather of {payload}", VARIANTS[v])
     })
 }
 
-/// One line of the objects table (and of the JSON report).
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct ObjectsRow {
-    /// The payload, as named in issue 3.
-    pub(crate) payload: Payload,
-    /// `"tpcomm owned"`, `"tpcomm borrowed"` or `"floor"`.
-    pub(crate) variant: Variant,
-    /// Serialized (postcard) bytes of one rank's value, the largest over ranks.
-    pub(crate) bytes_per_rank: usize,
-    /// Records per rank (1 for a blob).
-    pub(crate) values_per_rank: usize,
-    /// Timed iterations.
-    pub(crate) iters: usize,
-    /// Untimed iterations before them.
-    pub(crate) warmup: usize,
-    /// Median, minimum and maximum over iterations of the slowest rank's time.
-    #[serde(flatten)]
-    pub(crate) stats: Stats,
-    /// `median_us / floor median_us` (1.0 on the floor's row).
-    pub(crate) ratio_to_floor: f64,
-    /// mpi4py's figure for this payload as quoted in issue 3 (2 MPI ranks), microseconds;
-    /// NOT measured by this run.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub(crate) mpi4py_quoted_us: Option<f64>,
-    /// Every iteration's time (slowest rank), nanoseconds, in the order they ran.
-    pub(crate) samples_ns: Vec<u64>,
-}
-
-const COLUMNS: [Column; 7] = [
-    Column::new("payload", "", 15),
-    Column::new("bytes/rank", "(B)", 11),
-    Column::new("variant", "", 16),
-    Column::new("iters", "", 6),
-    Column::new("median", "(us)", 12),
-    Column::new("min", "(us)", 12),
-    Column::new("ratio", "to floor", 9),
-];
-
-fn print_row(table: &Table, row: &ObjectsRow) {
-    table.cells(
-        &COLUMNS,
-        &[
-            row.payload.to_string(),
-            row.bytes_per_rank.to_string(),
-            row.variant.name().to_string(),
-            row.iters.to_string(),
-            format!("{:.3}", row.stats.median_us),
-            format!("{:.3}", row.stats.min_us),
-            format!("{:.2}x", row.ratio_to_floor),
-        ],
-    );
-}
-
-/// Verifies, warms up and times the three variants on one payload; the rows are the same
-/// on every rank.
+/// Verifies, warms up and times the variants on one payload; the rows are the same on
+/// every rank.
 fn bench_payload<C: Communicator, S: Shape>(
+    s: &Session<'_>,
     comm: &C,
     shape: &S,
     payload: Payload,
     values_per_rank: usize,
     iter: &IterArgs,
-) -> Result<Vec<ObjectsRow>, BenchError> {
+    mpi4py: Option<&Mpi4pyRun>,
+) -> Result<Vec<Row>, BenchError> {
     let value = shape.value(comm.rank());
     let expected: Vec<S::Owned> = (0..comm.size()).map(|r| shape.value(r)).collect();
     let own_bytes = postcard::to_allocvec(&value)?.len() as u64;
     let bytes_per_rank = slowest(comm, &[own_bytes])?[0] as usize;
-    for variant in Variant::ALL {
-        verify::<C, S>(comm, payload, variant, &value, &expected)?;
+    for v in 0..VARIANTS.len() {
+        verify::<C, S>(comm, payload, v, &value, &expected)?;
+    }
+    if let Some(py) = mpi4py {
+        let ours = fingerprint::<S>(&expected);
+        if py.fingerprint != ours {
+            return Err(BenchError::Usage(format!(
+                "the mpi4py peer's {payload} values differ from the bench's (fingerprint {} vs \
+                 {ours})",
+                py.fingerprint
+            )));
+        }
     }
     drop(expected);
-
-    let warmup = iter.warmup_for(bytes_per_rank.saturating_mul(comm.size()));
-    let mut warm: Vec<Vec<u64>> = vec![Vec::with_capacity(warmup); Variant::ALL.len()];
-    for _ in 0..warmup {
-        for (v, &variant) in Variant::ALL.iter().enumerate() {
-            warm[v].push(time_variant::<C, S>(comm, variant, &value)?);
-        }
-    }
-    // Every rank derives the count from the same gathered figures: all run as many.
-    let mut estimate = 0;
-    for w in &warm {
-        estimate = estimate.max(median(&slowest(comm, w)?));
-    }
-    let iters = iter.iters_for(Duration::from_nanos(estimate));
-
-    let mut times: Vec<Vec<u64>> = vec![Vec::with_capacity(iters); Variant::ALL.len()];
-    for i in 0..iters {
-        // Rotate the order so that no variant always runs first or last.
-        for k in 0..Variant::ALL.len() {
-            let v = (i + k) % Variant::ALL.len();
-            times[v].push(time_variant::<C, S>(comm, Variant::ALL[v], &value)?);
-        }
-    }
-    let mut samples = Vec::with_capacity(times.len());
-    for t in &times {
-        samples.push(slowest(comm, t)?);
-    }
-    let no_samples = || BenchError::Usage("no timed iterations".into());
-    let floor = Variant::ALL
-        .iter()
-        .position(|&v| v == Variant::Floor)
-        .and_then(|i| Stats::of(&samples[i]))
-        .ok_or_else(no_samples)?;
-    let quoted = MPI4PY_QUOTED_US
-        .iter()
-        .find(|(p, _)| *p == payload)
-        .map(|&(_, us)| us);
-    Variant::ALL
-        .iter()
-        .zip(samples)
-        .map(|(&variant, samples_ns)| {
-            let stats = Stats::of(&samples_ns).ok_or_else(no_samples)?;
-            Ok(ObjectsRow {
-                payload,
-                variant,
-                bytes_per_rank,
-                values_per_rank,
-                iters,
-                warmup,
-                stats,
-                ratio_to_floor: if floor.median_us > 0.0 {
-                    stats.median_us / floor.median_us
-                } else {
-                    f64::NAN
-                },
-                mpi4py_quoted_us: quoted,
-                samples_ns,
-            })
+    let timed = time_variants(
+        comm,
+        Plan {
+            iter,
+            bytes: bytes_per_rank.saturating_mul(comm.size()),
+            variants: VARIANTS.len(),
+            order: Order::Rotate,
+        },
+        &s.progress,
+        &mut (),
+        |_, v| time_variant::<C, S>(comm, v, &value),
+    )?;
+    let case = payload.to_string();
+    let mut rows: Vec<Row> = timed
+        .samples
+        .into_iter()
+        .zip(VARIANTS)
+        .filter_map(|(samples, variant)| {
+            let row = Row::new(TABLE, &case, variant, bytes_per_rank, timed.warmup, samples)?;
+            Some(row.with("values_per_rank", values_per_rank))
         })
-        .collect()
+        .collect();
+    if let Some(py) = mpi4py {
+        let row = Row::new(
+            TABLE,
+            &case,
+            MPI4PY,
+            bytes_per_rank,
+            py.warmup,
+            py.samples_ns.clone(),
+        );
+        rows.extend(row.map(|r| r.with("values_per_rank", values_per_rank)));
+    }
+    link_peers(&mut rows, |_| Some(VARIANTS[2].into()));
+    Ok(rows)
 }
 
 /// The per-rank job of the subcommand.
 struct ObjectsJob<'a> {
     args: &'a ObjectsArgs,
+    /// The mpi4py peer's runs, or why there are none.
+    mpi4py: Result<Vec<Mpi4pyRun>, String>,
 }
 
 impl PerRank for ObjectsJob<'_> {
@@ -525,216 +632,68 @@ impl PerRank for ObjectsJob<'_> {
 
     fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
         let args = self.args;
-        let table = report::rank0_table(comm.rank(), args.json.as_deref(), |t| {
-            preamble(t, args, info, comm.size());
-            t.header_with(
-                "object all-gather: one value per rank, every rank gets all of them",
-                &COLUMNS,
-            );
-        })?;
-        let printer = table.as_ref();
-        let mut rows = Vec::new();
+        let lines = [
+            args.iter.describe(),
+            "time: median over iterations of the slowest rank (a barrier before each iteration);"
+                .into(),
+            "  timed until the gathered values are in hand (dropping them is not timed)".into(),
+            "min: fastest iteration; every variant verified once per payload before timing".into(),
+            "tpcomm owned: tpcomm::objects::all_gather::<T> -> Vec<T>".into(),
+            "tpcomm borrowed: all_gather_borrowed + Gathered::decode into &Bytes / records with \
+             name: &str"
+                .into(),
+            "floor: postcard encode + all_gather of u64 lengths + one all_gather_varcount + \
+             postcard decode (owned), same communicator"
+                .into(),
+            "bytes/rank: postcard bytes of one rank's value (largest over ranks)".into(),
+            match &self.mpi4py {
+                Ok(_) => "mpi4py: comm.allgather of the same values as Python objects (bytes; \
+                          dicts), pickled, in its own mpirun job before this one, same \
+                          timing; data checked identical (fingerprint) and gathered correctly"
+                    .into(),
+                Err(why) => format!("mpi4py: {why}"),
+            },
+        ];
+        let json = args.run.json.as_deref();
+        let mut s = Session::start(info, "objects", comm.rank(), comm.size(), json, &lines)?;
+        s.header(
+            "object all-gather: one value per rank, every rank gets all of them",
+            &COLUMNS,
+        );
+        s.progress.plan(args.payloads.len());
         for &payload in &args.payloads {
-            let payload_rows = match payload {
-                Payload::Blob(n) => bench_payload(comm, &BlobShape(n), payload, 1, &args.iter)?,
+            s.progress.case(payload.to_string());
+            let py = self
+                .mpi4py
+                .as_ref()
+                .ok()
+                .and_then(|runs| runs.iter().find(|r| r.payload == payload.to_string()));
+            let rows = match payload {
+                Payload::Blob(n) => {
+                    bench_payload(&s, comm, &BlobShape(n), payload, 1, &args.iter, py)?
+                }
                 Payload::Records(n) => {
-                    bench_payload(comm, &RecordsShape(n), payload, n, &args.iter)?
+                    bench_payload(&s, comm, &RecordsShape(n), payload, n, &args.iter, py)?
                 }
             };
-            if let Some(t) = printer {
-                payload_rows.iter().for_each(|r| print_row(t, r));
-            }
-            rows.extend(payload_rows);
+            s.rows(&COLUMNS, rows, |_| true);
         }
-        let Some(t) = printer else {
-            return Ok(None);
-        };
+        s.note("");
+        let lines = mpi4py_lines(s.kept());
+        if !lines.is_empty() {
+            lines.into_iter().for_each(|l| s.summary(l));
+            s.note("");
+        }
         let binding = info.transport == "mpi" && comm.size() == 2;
-        let verdicts = verdicts(&rows, binding);
-        summary(t, &rows, &verdicts, binding);
-        if let Some(path) = &args.json {
-            info.write_report(t, path, "objects", comm.size(), args, &rows, &verdicts)?;
+        if !binding {
+            s.note(
+                "targets are stated for 2 MPI ranks (mpirun -np 2 ... --transport mpi); on \
+                 another configuration they are indicative only",
+            );
         }
+        s.finish("objects", json, args, &targets(), binding)?;
         Ok(Some(()))
     }
-}
-
-fn preamble(t: &Table, args: &ObjectsArgs, info: &RunInfo, ranks: usize) {
-    info.preamble_header(t, "objects", ranks);
-    t.note(&args.iter.describe());
-    t.note("time: median over iterations of the slowest rank (a barrier before each iteration);");
-    t.note("  timed until the gathered values are in hand (dropping them is not timed)");
-    t.note("min: fastest iteration; every variant verified once per payload before timing");
-    t.note("tpcomm owned: tpcomm::objects::all_gather::<T> -> Vec<T>");
-    t.note(
-        "tpcomm borrowed: all_gather_borrowed + Gathered::decode into &Bytes / records with \
-         name: &str",
-    );
-    t.note(
-        "floor: postcard encode + all_gather of u64 lengths + one all_gather_varcount + \
-         postcard decode (owned), same communicator",
-    );
-    t.note("bytes/rank: postcard bytes of one rank's value (largest over ranks)");
-    if std::env::var_os("RUST_LOG").is_some() {
-        t.note("RUST_LOG is set: tracing spans enabled by it add to tpcomm's times");
-    }
-}
-
-/// The issue's targets, checked on `rows`.
-fn verdicts(rows: &[ObjectsRow], binding: bool) -> Vec<Verdict> {
-    let tpcomm_rows = || rows.iter().filter(|r| r.variant.is_tpcomm());
-    let mut out = Vec::new();
-    if let Some(worst) = tpcomm_rows().max_by(|a, b| a.ratio_to_floor.total_cmp(&b.ratio_to_floor))
-    {
-        let over: Vec<String> = tpcomm_rows()
-            .filter(|r| r.ratio_to_floor > FLOOR_RATIO_TARGET)
-            .map(|r| {
-                format!(
-                    "{} {} {:.2}x",
-                    r.payload,
-                    r.variant.name(),
-                    r.ratio_to_floor
-                )
-            })
-            .collect();
-        out.push(Verdict {
-            target: format!("tpcomm within {FLOOR_RATIO_TARGET}x of the floor on every payload"),
-            met: over.is_empty(),
-            detail: if over.is_empty() {
-                format!(
-                    "worst {} {} {:.2}x",
-                    worst.payload,
-                    worst.variant.name(),
-                    worst.ratio_to_floor
-                )
-            } else {
-                format!("over: {}", over.join(", "))
-            },
-            binding,
-        });
-    }
-    let small: Vec<&ObjectsRow> = tpcomm_rows()
-        .filter(|r| r.payload == SMALL_PATH_PAYLOAD)
-        .collect();
-    if !small.is_empty() {
-        out.push(Verdict {
-            target: format!(
-                "tpcomm at most {SMALL_PATH_RATIO_TARGET}x the floor on {SMALL_PATH_PAYLOAD}"
-            ),
-            met: small
-                .iter()
-                .all(|r| r.ratio_to_floor <= SMALL_PATH_RATIO_TARGET),
-            detail: small
-                .iter()
-                .map(|r| format!("{} {:.2}x", r.variant.name(), r.ratio_to_floor))
-                .collect::<Vec<_>>()
-                .join(", "),
-            binding,
-        });
-    }
-    let big: Vec<&ObjectsRow> = tpcomm_rows()
-        .filter(|r| r.payload == MPI4PY_TARGET_PAYLOAD)
-        .collect();
-    if let Some(&(_, mpi4py_us)) = MPI4PY_QUOTED_US
-        .iter()
-        .find(|(p, _)| *p == MPI4PY_TARGET_PAYLOAD)
-    {
-        if !big.is_empty() {
-            out.push(Verdict {
-                target: format!(
-                    "tpcomm at least {MPI4PY_SPEEDUP_TARGET}x faster than mpi4py's {:.0} ms on \
-                     {MPI4PY_TARGET_PAYLOAD} (mpi4py figure quoted from issue 3, not measured \
-                     here)",
-                    mpi4py_us / 1e3
-                ),
-                met: big
-                    .iter()
-                    .all(|r| mpi4py_us / r.stats.median_us >= MPI4PY_SPEEDUP_TARGET),
-                detail: big
-                    .iter()
-                    .map(|r| {
-                        format!(
-                            "{} {:.3} ms = {:.1}x faster",
-                            r.variant.name(),
-                            r.stats.median_us / 1e3,
-                            mpi4py_us / r.stats.median_us
-                        )
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                binding,
-            });
-        }
-    }
-    out
-}
-
-/// Prints the mpi4py comparison and the targets below the table.
-fn summary(t: &Table, rows: &[ObjectsRow], verdicts: &[Verdict], binding: bool) {
-    t.note("");
-    t.note(
-        "mpi4py comm.allgather of the same Python data, 2 MPI ranks: FIGURES QUOTED FROM \
-         ISSUE 3, NOT MEASURED HERE",
-    );
-    for (payload, mpi4py_us) in MPI4PY_QUOTED_US {
-        let owned = rows
-            .iter()
-            .find(|r| r.payload == payload && r.variant == Variant::TpcommOwned);
-        let Some(owned) = owned else { continue };
-        t.note(&format!(
-            "  {payload}: mpi4py (quoted) {} vs tpcomm owned {} (this run): mpi4py / tpcomm = {}",
-            format_us(mpi4py_us),
-            format_us(owned.stats.median_us),
-            format_ratio(mpi4py_us / owned.stats.median_us)
-        ));
-    }
-    t.note("");
-    if !binding {
-        t.note(
-            "issue 3 states its targets for 2 MPI ranks (mpirun -np 2 ... --transport mpi); \
-             this run is another configuration, so the verdicts below are indicative only",
-        );
-    }
-    for v in verdicts {
-        v.print(t);
-    }
-}
-
-/// `0.05x`, `3.10x`, `18.4x`.
-fn format_ratio(x: f64) -> String {
-    if x < 10.0 {
-        format!("{x:.2}x")
-    } else {
-        format!("{x:.1}x")
-    }
-}
-
-/// `2.3 us`, `1.200 ms`, `476.0 ms`.
-fn format_us(us: f64) -> String {
-    if us >= 1e3 {
-        format!("{:.3} ms", us / 1e3)
-    } else {
-        format!("{us:.1} us")
-    }
-}
-
-/// Runs the subcommand.
-pub(crate) fn run(args: &ObjectsArgs) -> Result<(), BenchError> {
-    args.iter.validate()?;
-    if args.payloads.is_empty() {
-        return Err(BenchError::Usage("--payloads is empty".into()));
-    }
-    if let Some(p) = args
-        .payloads
-        .iter()
-        .find(|p| matches!(p, Payload::Blob(n) if *n > i32::MAX as usize / 2))
-    {
-        return Err(BenchError::Usage(format!(
-            "{p}: blobs are limited to {} here (the floor is one varcount call)",
-            format_bytes(1 << 30)
-        )));
-    }
-    launch::launch(args.transport, args.ranks, &ObjectsJob { args }).map(drop)
 }
 
 #[cfg(test)]
@@ -743,7 +702,7 @@ mod tests {
     use tpcomm::transport::LocalGroup;
 
     #[test]
-    fn payload_names_round_trip_as_the_issue_writes_them() {
+    fn payload_names_round_trip() {
         for name in DEFAULT_PAYLOADS.split(',') {
             assert_eq!(parse_payload(name).unwrap().to_string(), name);
         }
@@ -765,23 +724,6 @@ mod tests {
         assert!(r.tokens.iter().all(|&t| u64::from(t) < VOCABULARY));
         assert!((0.0..1.0).contains(&r.score));
         assert_ne!(record(0, 5), record(1, 5));
-        let bytes = postcard::to_allocvec(&RecordsShape(1000).value(0)).unwrap();
-        assert!((40_000..70_000).contains(&bytes.len()), "{}", bytes.len());
-    }
-
-    #[test]
-    fn floor_gathers_every_rank_value_in_order() {
-        let results = LocalGroup::new(3).run(|comm| {
-            let shape = RecordsShape(comm.rank() * 2);
-            floor_all_gather(&comm, &shape.value(comm.rank()))
-        });
-        for r in results {
-            let all = r.unwrap().unwrap();
-            assert_eq!(all.len(), 3);
-            for (rank, v) in all.iter().enumerate() {
-                assert_eq!(v, &RecordsShape(rank * 2).value(rank));
-            }
-        }
     }
 
     #[test]
@@ -790,63 +732,88 @@ mod tests {
             iters: Some(3),
             warmup: Some(1),
         };
+        let info = RunInfo::local("test");
         let results = LocalGroup::new(3).run(|comm| {
-            let mut rows = bench_payload(&comm, &BlobShape(300), Payload::Blob(300), 1, &iter)?;
+            let s = Session::start(&info, "objects", 1, 3, None, &[])?;
+            let mut rows = bench_payload(
+                &s,
+                &comm,
+                &BlobShape(300),
+                Payload::Blob(300),
+                1,
+                &iter,
+                None,
+            )?;
             rows.extend(bench_payload(
+                &s,
                 &comm,
                 &RecordsShape(10),
                 Payload::Records(10),
                 10,
                 &iter,
+                None,
             )?);
             Ok::<_, BenchError>(rows)
         });
         let rows = launch::first_rank_output(results).unwrap();
         assert_eq!(rows.len(), 6);
         assert!(rows.iter().all(|r| r.iters == 3 && r.stats.median_us > 0.0));
-        let floor = rows.iter().find(|r| r.variant == Variant::Floor).unwrap();
-        assert_eq!(floor.ratio_to_floor, 1.0);
-        assert_eq!(floor.bytes_per_rank, 302);
-    }
-
-    fn row(payload: Payload, variant: Variant, median_us: f64, ratio: f64) -> ObjectsRow {
-        ObjectsRow {
-            payload,
-            variant,
-            bytes_per_rank: 1,
-            values_per_rank: 1,
-            iters: 1,
-            warmup: 0,
-            stats: Stats {
-                median_us,
-                min_us: median_us,
-                max_us: median_us,
-            },
-            ratio_to_floor: ratio,
-            mpi4py_quoted_us: None,
-            samples_ns: Vec::new(),
-        }
+        let floor = rows.iter().find(|r| r.is("floor")).unwrap();
+        assert_eq!((floor.vs_peer, floor.bytes), (Some(1.0), 302));
     }
 
     #[test]
     fn targets_are_checked_on_every_tpcomm_row() {
+        let row = |case: &str, variant: &str, ratio| {
+            let mut r = Row::new(TABLE, case, variant, 1, 0, vec![1000]).unwrap();
+            r.vs_peer = Some(ratio);
+            r
+        };
         let rows = [
-            row(Payload::Blob(64), Variant::TpcommOwned, 2.0, 0.7),
-            row(Payload::Blob(64), Variant::TpcommBorrowed, 2.0, 0.9),
-            row(Payload::Blob(64), Variant::Floor, 3.0, 1.0),
-            row(
-                Payload::Records(100_000),
-                Variant::TpcommOwned,
-                10_000.0,
-                1.31,
-            ),
-            row(Payload::Records(100_000), Variant::Floor, 10_000.0, 1.0),
+            row("blob:64", "tpcomm owned", 0.7),
+            row("blob:64", "tpcomm borrowed", 0.9),
+            row("blob:64", "floor", 1.0),
+            row("records:100000", "tpcomm owned", 1.31),
         ];
-        let v = verdicts(&rows, true);
-        assert_eq!(v.len(), 3);
-        assert!(!v[0].met, "{:?}", v[0]);
-        assert!(v[0].detail.contains("records:100000 tpcomm owned 1.31x"));
+        let v = crate::harness::Verdict::judge_all(&targets(), &rows, true);
+        assert_eq!(v.len(), 2);
+        assert!(!v[0].met);
+        assert!(
+            v[0].detail.contains("records:100000 tpcomm owned 1.31x"),
+            "{}",
+            v[0].detail
+        );
         assert!(!v[1].met, "borrowed is over 0.8x: {:?}", v[1]);
-        assert!(v[2].met, "476 ms / 10 ms = 47.6x: {:?}", v[2]);
+    }
+
+    #[test]
+    fn the_mpi4py_target_needs_a_measured_mpi4py_row() {
+        let row = |variant: &str, us: u64| {
+            Row::new(TABLE, "records:100000", variant, 1, 0, vec![us * 1000]).unwrap()
+        };
+        let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets()[2..], rows, true);
+        assert!(judge(&[row("tpcomm owned", 10)]).is_empty());
+        let v = judge(&[
+            row("tpcomm owned", 10),
+            row("tpcomm borrowed", 30),
+            row(MPI4PY, 500),
+        ]);
+        assert!(!v[0].met, "{v:?}");
+        assert_eq!(v[0].detail, "tpcomm owned 50.0x, tpcomm borrowed 16.7x");
+        let lines = mpi4py_lines(&[row("tpcomm owned", 10), row(MPI4PY, 500)]);
+        assert_eq!(
+            lines,
+            ["records:100000: mpi4py time / tpcomm time: 50.00x tpcomm owned"]
+        );
+    }
+
+    #[test]
+    fn fingerprints_cover_every_rank_value() {
+        let shape = RecordsShape(3);
+        let values: Vec<Vec<Record>> = (0..2).map(|r| shape.value(r)).collect();
+        let one = fingerprint::<RecordsShape>(&values);
+        assert_eq!(one.len(), 16);
+        assert_ne!(one, fingerprint::<RecordsShape>(&values[..1]));
+        assert_eq!(BlobShape::canonical(&blob(0, 5)).len(), 5);
     }
 }

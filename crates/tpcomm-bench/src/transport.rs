@@ -1,48 +1,36 @@
 //! `tpcomm-bench transport`: the collectives of `tpcomm-transport` over host bytes.
 //!
 //! Ranks are threads of one process (the local backend) by default; under `mpirun` with
-//! `--transport mpi` they are MPI ranks, and every operation is also timed through rsmpi
-//! called directly on `MPI_COMM_WORLD`, in the same run, iterations interleaved with
-//! tpcomm's, so that the table shows what the wrapper costs (`ratio` = tpcomm / direct).
+//! `--transport mpi` they are MPI ranks, and every operation is also timed as the plain MPI
+//! call on `MPI_COMM_WORLD` (the peer, [`MpiWorld`]), in the same run, iterations
+//! interleaved with tpcomm's, so that the table shows what the wrapper costs
+//! (`ratio` = tpcomm / direct).
 //!
-//! Per size: the data is verified once (outside timing; every rank learns whether any rank
-//! saw wrong bytes, so nobody is left waiting), then warm-up iterations, then timed ones.
-//! Each iteration is a barrier followed by the operation, timed on every rank; the
-//! per-rank times are all-gathered after the loop and the iteration's time is the slowest
-//! rank's. Sizes follow nccl-tests: all-gather and gather count the bytes gathered in
-//! total, all-to-all the bytes each rank sends, broadcast the buffer.
-
-#[cfg(feature = "mpi")]
-mod direct;
-
-use std::path::PathBuf;
-use std::time::Instant;
+//! Per size: the data is verified once per path (outside timing; every rank learns whether
+//! any rank saw wrong bytes), then the harness warms up and times. Sizes follow nccl-tests:
+//! all-gather and gather count the bytes gathered in total, all-to-all the bytes each rank
+//! sends, broadcast the buffer.
 
 use clap::{Args, ValueEnum};
 use serde::Serialize;
-use tpcomm::transport::{dense_displacements, GatherRecv, Layout, LocalGroup};
+use tpcomm::transport::{dense_displacements, GatherRecv, Layout};
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::launch::{first_rank_output, warn_if_under_mpirun, DEFAULT_LOCAL_RANKS};
-use crate::report::{self, BusModel, Machine, Measurement, Report, Row, Table};
-use crate::sweep::SweepArgs;
-use crate::timing::{elapsed_ns, median, ranks_flagging, slowest};
+use crate::harness::{
+    agree, elapsed_ns, link_peers, time_once, time_variants, Bus, Order, Plan, Row, Target,
+};
+use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
+use crate::mpi_peer::{MpiCall, MpiWorld};
+use crate::sweep::{format_bytes, SweepArgs};
+use crate::table::{col, Column};
 
 /// Root of broadcast and gather.
 const ROOT: usize = 0;
-/// The wrapper's target: median within this factor of direct rsmpi at every size.
+/// The wrapper's target: median within this factor of the direct MPI call at every size.
 const RATIO_TARGET: f64 = 1.1;
-
-/// Which transport carries the collectives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub(crate) enum Transport {
-    /// Threads of this process (`LocalGroup`).
-    Local,
-    /// MPI ranks (run under `mpirun`; needs the `mpi` feature).
-    Mpi,
-}
+/// The variants: tpcomm, and the MPI peer in MPI mode.
+const VARIANTS: [&str; 2] = ["tpcomm", "rsmpi"];
 
 /// The collectives this subcommand measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
@@ -93,10 +81,10 @@ impl TransportOp {
         }
     }
 
-    fn bus(self) -> BusModel {
+    fn bus(self) -> Bus {
         match self {
-            TransportOp::Broadcast => BusModel::Same,
-            _ => BusModel::AllButOwnShare,
+            TransportOp::Broadcast => Bus::Same,
+            _ => Bus::AllButOwnShare,
         }
     }
 
@@ -120,14 +108,9 @@ impl TransportOp {
 /// Options of `tpcomm-bench transport`.
 #[derive(Debug, Clone, Args, Serialize)]
 pub(crate) struct TransportArgs {
-    /// Ranks (threads) of the local group [default: 2]. Not with `--transport mpi`, where
-    /// `mpirun -np` decides.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
-    pub(crate) ranks: Option<u32>,
-
-    /// Transport carrying the collectives.
-    #[arg(long, value_enum, default_value_t = Transport::Local)]
-    pub(crate) transport: Transport,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) run: RunArgs,
 
     /// Operations to measure, comma-separated.
     #[arg(
@@ -142,211 +125,191 @@ pub(crate) struct TransportArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub(crate) sweep: SweepArgs,
-
-    /// Also write every figure (and every iteration's time) to this JSON file.
-    #[arg(long, value_name = "FILE")]
-    pub(crate) json: Option<PathBuf>,
 }
 
 /// Runs the subcommand.
 pub(crate) fn run(args: &TransportArgs) -> Result<(), BenchError> {
     args.sweep.validate()?;
-    match args.transport {
-        Transport::Local => run_local(args),
-        #[cfg(feature = "mpi")]
-        Transport::Mpi => direct::run_mpi(args),
-        #[cfg(not(feature = "mpi"))]
-        Transport::Mpi => Err(BenchError::Usage(
-            "this tpcomm-bench was built without MPI: rebuild with \
-             `cargo build --release -p tpcomm-bench --features mpi`"
+    launch::launch(&args.run, &TransportJob { args }).map(drop)
+}
+
+/// The nccl-tests columns; with the MPI peer, its time and the ratio.
+fn columns(with_peer: bool) -> Vec<Column> {
+    let mut c = vec![
+        col::size(12),
+        Column::new("count", "(elements)", 12, |r, _| r.text("count")),
+        Column::new("type", "", 6, |r, _| r.text("type")),
+        Column::new("root", "", 5, |r, _| r.text("root")),
+        col::iters(),
+        col::time("time", 10),
+        col::min(10),
+        col::algbw(8),
+        col::busbw(8),
+    ];
+    if with_peer {
+        c.extend([
+            Column::new("direct", "(us)", 10, |_, p| {
+                col::f3(p.map(|p| p.stats.median_us))
+            }),
+            Column::new("dir min", "(us)", 10, |_, p| {
+                col::f3(p.map(|p| p.stats.min_us))
+            }),
+            col::vs_peer("ratio", "tp/dir", 7),
+        ]);
+    }
+    c
+}
+
+/// The wrapper's target, judged on every tpcomm row with a peer.
+fn targets() -> Vec<Target> {
+    vec![Target {
+        what: format!("tpcomm within {RATIO_TARGET:.2}x of the direct MPI call at every size"),
+        why: "a safe wrapper is worth its checks only if it costs next to nothing over calling \
+              MPI directly; 10% is about the run-to-run noise of these figures",
+        judge: Box::new(|rows: &[Row]| {
+            let ratios: Vec<(f64, &Row)> =
+                rows.iter().filter_map(|r| Some((r.vs_peer?, r))).collect();
+            let &(worst, row) = ratios.iter().max_by(|a, b| a.0.total_cmp(&b.0))?;
+            let over = ratios.iter().filter(|r| r.0 > RATIO_TARGET).count();
+            Some((
+                over == 0,
+                format!(
+                    "max {worst:.2}x ({} {} B); {over} of {} rows above",
+                    row.table,
+                    row.bytes,
+                    ratios.len()
+                ),
+            ))
+        }),
+    }]
+}
+
+/// The per-rank job.
+struct TransportJob<'a> {
+    args: &'a TransportArgs,
+}
+
+impl PerRank for TransportJob<'_> {
+    type Output = ();
+
+    fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
+        let args = self.args;
+        let mpi = MpiWorld::for_run(info);
+        let mut lines = vec![
+            args.sweep.describe(),
+            "time: median over iterations of the slowest rank (a barrier before each iteration)"
                 .into(),
-        )),
-    }
-}
-
-fn run_local(args: &TransportArgs) -> Result<(), BenchError> {
-    warn_if_under_mpirun();
-    if let Some(path) = &args.json {
-        report::check_writable(path)?;
-    }
-    let ranks = args.ranks.unwrap_or(DEFAULT_LOCAL_RANKS) as usize;
-    let machine = Machine::current();
-    let table = Table { direct: false };
-    print_preamble(
-        args,
-        &table,
-        &machine,
-        "local (threads of this process)",
-        ranks,
-        None,
-    );
-    let results =
-        LocalGroup::new(ranks).run(|comm| bench_rank(&comm, None::<&NoDirect>, args, &table));
-    let rows = first_rank_output(results)?;
-    finish(args, &table, machine, "local", ranks, None, &rows)
-}
-
-/// Prints the lines above the first table (rank 0 only).
-fn print_preamble(
-    args: &TransportArgs,
-    table: &Table,
-    machine: &Machine,
-    transport: &str,
-    ranks: usize,
-    mpi_library: Option<&str>,
-) {
-    table.note(&format!(
-        "tpcomm-bench transport: {}",
-        std::env::args().collect::<Vec<_>>().join(" ")
-    ));
-    let plural = if ranks == 1 { "" } else { "s" };
-    table.note(&format!("transport {transport}, {ranks} rank{plural}"));
-    if let Some(lib) = mpi_library {
-        table.note(&format!("MPI library: {lib}"));
-    }
-    table.note(&format!("machine: {}", machine.describe()));
-    table.note(&args.sweep.describe());
-    table
-        .note("time: median over iterations of the slowest rank (a barrier before each iteration)");
-    table.note("min: fastest iteration; data verified once per size before timing");
-    if std::env::var_os("RUST_LOG").is_some() {
-        table.note("RUST_LOG is set: tracing spans enabled by it add to tpcomm's times");
-    }
-    if table.direct {
-        table.note(&format!(
-            "direct: the same collective through rsmpi on MPI_COMM_WORLD, iterations interleaved \
-             with tpcomm's; ratio = tpcomm median / direct median (target <= {RATIO_TARGET:.2}x)"
-        ));
-    }
-}
-
-/// Prints the closing summary and writes the JSON report (rank 0 only).
-fn finish(
-    args: &TransportArgs,
-    table: &Table,
-    machine: Machine,
-    transport: &'static str,
-    ranks: usize,
-    mpi_library: Option<String>,
-    rows: &[Row],
-) -> Result<(), BenchError> {
-    if table.direct {
-        let ratios: Vec<(f64, &Row)> = rows
-            .iter()
-            .filter_map(|r| r.ratio.map(|x| (x, r)))
-            .collect();
-        if let Some(&(worst, worst_row)) = ratios.iter().max_by(|a, b| a.0.total_cmp(&b.0)) {
-            let mut sorted: Vec<f64> = ratios.iter().map(|&(x, _)| x).collect();
-            sorted.sort_unstable_by(f64::total_cmp);
-            let median = sorted[sorted.len() / 2];
-            let over = sorted.iter().filter(|&&x| x > RATIO_TARGET).count();
-            table.note("");
-            table.note(&format!(
-                "wrapper cost (tpcomm / direct rsmpi median): median {median:.2}x over {} rows, \
-                 max {worst:.2}x ({} {} B); {over} rows above {RATIO_TARGET:.2}x",
-                sorted.len(),
-                worst_row.op,
-                worst_row.bytes
+            "min: fastest iteration; data verified once per size before timing".into(),
+        ];
+        if mpi.is_some() {
+            lines.push(format!(
+                "direct: the same collective as a plain MPI call (rsmpi on MPI_COMM_WORLD, warm \
+                 buffers), iterations interleaved with tpcomm's; ratio = tpcomm median / direct \
+                 median (target <= {RATIO_TARGET:.2}x)"
             ));
         }
-    }
-    if let Some(path) = &args.json {
-        let report = Report {
-            tool: "tpcomm-bench",
-            version: env!("CARGO_PKG_VERSION"),
-            subcommand: "transport",
-            command_line: std::env::args().collect(),
-            unix_time: report::unix_time(),
-            machine,
-            transport,
-            ranks,
-            mpi_library,
-            settings: args,
-            rows,
-            targets: &[],
-        };
-        report::write_json(path, &report)?;
-        table.note(&format!("JSON written to {}", path.display()));
-    }
-    Ok(())
-}
-
-/// One way of running the collectives: tpcomm's [`Communicator`], or rsmpi directly.
-trait Collectives {
-    /// `"tpcomm"` or `"rsmpi"`, for errors.
-    const NAME: &'static str;
-
-    /// Waits for every rank.
-    fn barrier(&self) -> Result<(), BenchError>;
-
-    /// Runs `case.op` once on `case`'s buffers.
-    fn run(&self, case: &mut Case) -> Result<(), BenchError>;
-}
-
-/// The collectives through a tpcomm [`Communicator`].
-#[derive(Debug)]
-struct Tpcomm<'a, C>(&'a C);
-
-impl<C: Communicator> Collectives for Tpcomm<'_, C> {
-    const NAME: &'static str = "tpcomm";
-
-    fn barrier(&self) -> Result<(), BenchError> {
-        Ok(self.0.barrier()?)
-    }
-
-    fn run(&self, case: &mut Case) -> Result<(), BenchError> {
-        let comm = self.0;
-        match case.op {
-            TransportOp::AllGather => comm.all_gather(&case.send, &mut case.recv)?,
-            TransportOp::AllGatherVarcount => {
-                comm.all_gather_varcount(&case.send, &mut case.recv, &case.counts, &case.displs)?
+        let json = args.run.json.as_deref();
+        let mut s = Session::start(info, "transport", comm.rank(), comm.size(), json, &lines)?;
+        let sizes = args.sweep.sizes();
+        s.progress.plan(args.ops.len() * sizes.len());
+        let columns = columns(mpi.is_some());
+        let paths = if mpi.is_some() { 2 } else { 1 };
+        for (op_index, &op) in args.ops.iter().enumerate() {
+            s.header(&format!("{}: {}", op.name(), op.size_meaning()), &columns);
+            for (size_index, &requested) in sizes.iter().enumerate() {
+                s.progress
+                    .case(format!("{} {}", op.name(), format_bytes(requested)));
+                let Some(mut case) = Case::new(op, requested, comm.rank(), comm.size())? else {
+                    s.note(&format!("{requested} B: skipped, fewer bytes than ranks"));
+                    continue;
+                };
+                let salt = ((op_index as u64) << 32) ^ size_index as u64;
+                for path in 0..paths {
+                    let salt = salt ^ ((path as u64) << 63);
+                    case.fill(salt);
+                    case.run(comm, mpi.as_ref(), path)?;
+                    agree(comm, case.check(salt), || {
+                        format!("{} {} of {} B", VARIANTS[path], op.name(), case.bytes)
+                    })?;
+                }
+                let timed = time_variants(
+                    comm,
+                    Plan {
+                        iter: &args.sweep.iter,
+                        bytes: case.bytes,
+                        variants: paths,
+                        order: Order::Rotate,
+                    },
+                    &s.progress,
+                    &mut case,
+                    |case, path| {
+                        time_once(comm, |start| {
+                            case.run(comm, mpi.as_ref(), path)?;
+                            Ok(elapsed_ns(start))
+                        })
+                    },
+                )?;
+                let bytes = case.bytes;
+                let mut rows: Vec<Row> = timed
+                    .samples
+                    .into_iter()
+                    .zip(VARIANTS)
+                    .filter_map(|(samples, variant)| {
+                        let row = Row::new(
+                            op.name(),
+                            &bytes.to_string(),
+                            variant,
+                            bytes,
+                            timed.warmup,
+                            samples,
+                        )?;
+                        Some(
+                            row.bus(op.bus(), comm.size())
+                                .with("count", bytes)
+                                .with("type", "uint8")
+                                .with("root", op.root()),
+                        )
+                    })
+                    .collect();
+                link_peers(&mut rows, |r| r.is("tpcomm").then(|| VARIANTS[1].into()));
+                s.rows(&columns, rows, |r| r.is("tpcomm"));
             }
-            TransportOp::GatherVarcount => {
-                let recv = (comm.rank() == ROOT).then_some(GatherRecv {
-                    recv: &mut case.recv,
-                    counts: &case.counts,
-                    displs: &case.displs,
-                });
-                comm.gather_varcount(ROOT, &case.send, recv)?
+            if let Some(line) = summary(op.name(), s.kept()) {
+                s.summary(line);
             }
-            TransportOp::Broadcast => comm.broadcast(ROOT, &mut case.recv)?,
-            TransportOp::AllToAllVarcount => comm.all_to_all_varcount(
-                Layout {
-                    buf: &case.send,
-                    counts: &case.send_counts,
-                    displs: &case.send_displs,
-                },
-                Layout {
-                    buf: &mut case.recv,
-                    counts: &case.counts,
-                    displs: &case.displs,
-                },
-            )?,
         }
-        Ok(())
+        let binding = mpi.is_some() && comm.size() == 2;
+        s.finish("transport", json, args, &targets(), binding)?;
+        Ok(Some(()))
     }
 }
 
-/// The "no direct path" of the local transport.
-#[derive(Debug)]
-enum NoDirect {}
-
-impl Collectives for NoDirect {
-    const NAME: &'static str = "none";
-
-    fn barrier(&self) -> Result<(), BenchError> {
-        match *self {}
+/// The closing line of one operation's table (nccl-tests' "Avg bus bandwidth").
+fn summary(op: &str, rows: &[Row]) -> Option<String> {
+    let rows: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.table == op && r.is("tpcomm"))
+        .collect();
+    if rows.is_empty() {
+        return None;
     }
-
-    fn run(&self, _: &mut Case) -> Result<(), BenchError> {
-        match *self {}
+    let avg = rows.iter().filter_map(|r| r.busbw_gbps).sum::<f64>() / rows.len() as f64;
+    let mut line = format!("{op}: avg busbw {avg:.3} GB/s");
+    let ratios: Vec<f64> = rows.iter().filter_map(|r| r.vs_peer).collect();
+    if let Some(max) = ratios.iter().copied().reduce(f64::max) {
+        let over = ratios.iter().filter(|&&x| x > RATIO_TARGET).count();
+        line.push_str(&format!(
+            "; ratio max {max:.2}x, {over} sizes above {RATIO_TARGET:.2}x"
+        ));
     }
+    Some(line)
 }
 
 /// The buffers of one operation at one size on one rank.
 ///
 /// `counts` / `displs` describe the receive buffer (one entry per rank) for every
-/// operation but broadcast; `send_counts` / `send_displs` the send buffer of all-to-all.
+/// operation but broadcast; `send_counts` / `send_displs` the send buffer of all-to-all;
+/// `mpi_counts` the same four tables as MPI's 32-bit counts, converted before timing.
 #[derive(Debug)]
 struct Case {
     op: TransportOp,
@@ -361,9 +324,7 @@ struct Case {
     displs: Vec<usize>,
     send_counts: Vec<usize>,
     send_displs: Vec<usize>,
-    /// The same layouts as MPI counts, for the direct path.
-    #[cfg(feature = "mpi")]
-    mpi: direct::Counts,
+    mpi_counts: [Vec<i32>; 4],
 }
 
 impl Case {
@@ -403,28 +364,103 @@ impl Case {
             TransportOp::Broadcast => (requested, 0, requested, Vec::new()),
         };
         let (displs, _) = dense_displacements(&counts).ok_or_else(overflow)?;
+        // With equal blocks, the receive layout of all-to-all is its send layout too.
         let (send_counts, send_displs) = if op == TransportOp::AllToAllVarcount {
             (counts.clone(), displs.clone())
         } else {
             (Vec::new(), Vec::new())
         };
-        // The receive layout of all-to-all: `counts[j]` bytes from rank j. With equal blocks
-        // it is the send layout too.
-        let case = Self {
+        let mpi = |v: &[usize]| {
+            v.iter()
+                .map(|&x| i32::try_from(x).map_err(|_| overflow()))
+                .collect::<Result<Vec<i32>, _>>()
+        };
+        Ok(Some(Self {
             op,
             rank,
             size,
             bytes,
             send: vec![0; send_len],
             recv: vec![0; recv_len],
-            #[cfg(feature = "mpi")]
-            mpi: direct::Counts::new(&counts, &displs, &send_counts, &send_displs)?,
+            mpi_counts: [
+                mpi(&counts)?,
+                mpi(&displs)?,
+                mpi(&send_counts)?,
+                mpi(&send_displs)?,
+            ],
             counts,
             displs,
             send_counts,
             send_displs,
-        };
-        Ok(Some(case))
+        }))
+    }
+
+    /// Runs the operation once: through tpcomm (`path` 0) or as the plain MPI call (1).
+    fn run<C: Communicator>(
+        &mut self,
+        comm: &C,
+        mpi: Option<&MpiWorld>,
+        path: usize,
+    ) -> Result<(), BenchError> {
+        if let (1, Some(mpi)) = (path, mpi) {
+            let [counts, displs, send_counts, send_displs] = &self.mpi_counts;
+            let (send, recv) = (&self.send[..], &mut self.recv[..]);
+            mpi.run(match self.op {
+                TransportOp::AllGather => MpiCall::AllGather { send, recv },
+                TransportOp::AllGatherVarcount => MpiCall::AllGatherV {
+                    send,
+                    recv,
+                    counts,
+                    displs,
+                },
+                TransportOp::GatherVarcount => MpiCall::GatherV {
+                    root: ROOT,
+                    send,
+                    recv: (self.rank == ROOT).then_some((recv, &counts[..], &displs[..])),
+                },
+                TransportOp::Broadcast => MpiCall::Broadcast {
+                    root: ROOT,
+                    buf: recv,
+                },
+                TransportOp::AllToAllVarcount => MpiCall::AllToAllV {
+                    send,
+                    send_counts,
+                    send_displs,
+                    recv,
+                    counts,
+                    displs,
+                },
+            });
+            return Ok(());
+        }
+        match self.op {
+            TransportOp::AllGather => comm.all_gather(&self.send, &mut self.recv)?,
+            TransportOp::AllGatherVarcount => {
+                comm.all_gather_varcount(&self.send, &mut self.recv, &self.counts, &self.displs)?
+            }
+            TransportOp::GatherVarcount => {
+                let recv = (self.rank == ROOT).then_some(GatherRecv {
+                    recv: &mut self.recv,
+                    counts: &self.counts,
+                    displs: &self.displs,
+                });
+                comm.gather_varcount(ROOT, &self.send, recv)?
+            }
+            TransportOp::Broadcast => comm.broadcast(ROOT, &mut self.recv)?,
+            TransportOp::AllToAllVarcount => comm.all_to_all_varcount(
+                Layout {
+                    buf: &self.send,
+                    counts: &self.send_counts,
+                    displs: &self.send_displs,
+                },
+                Layout {
+                    buf: &mut self.recv,
+                    counts: &self.counts,
+                    displs: &self.displs,
+                },
+            )?,
+        }
+        Ok(())
     }
 
     /// Fills the buffers with fresh data for a verification run: the send buffer (and the
@@ -505,193 +541,14 @@ pub(crate) fn splitmix64(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Runs every operation at every size on this rank; rank 0 prints the tables and returns
-/// the rows (the other ranks return none).
-///
-/// `direct`, when given, is timed too, interleaved with tpcomm.
-fn bench_rank<C: Communicator, D: Collectives>(
-    comm: &C,
-    direct: Option<&D>,
-    args: &TransportArgs,
-    table: &Table,
-) -> Result<Vec<Row>, BenchError> {
-    let printer = (comm.rank() == 0).then_some(table);
-    let mut rows = Vec::new();
-    let sizes = args.sweep.sizes();
-    for (op_index, &op) in args.ops.iter().enumerate() {
-        if let Some(t) = printer {
-            t.header(&format!("{}: {}", op.name(), op.size_meaning()));
-        }
-        let mut op_rows = Vec::new();
-        for (size_index, &requested) in sizes.iter().enumerate() {
-            let Some(mut case) = Case::new(op, requested, comm.rank(), comm.size())? else {
-                if let Some(t) = printer {
-                    t.note(&format!("{requested} B: skipped, fewer bytes than ranks"));
-                }
-                continue;
-            };
-            let salt = ((op_index as u64) << 32) ^ size_index as u64;
-            let row = measure(comm, direct, &mut case, args, salt)?;
-            if let Some(t) = printer {
-                t.row(&row);
-            }
-            op_rows.push(row);
-        }
-        if let Some(t) = printer {
-            summarize(t, op, &op_rows);
-        }
-        rows.extend(op_rows);
-    }
-    Ok(if printer.is_some() { rows } else { Vec::new() })
-}
-
-/// The closing line of one operation's table (nccl-tests' "Avg bus bandwidth").
-fn summarize(table: &Table, op: TransportOp, rows: &[Row]) {
-    if rows.is_empty() {
-        return;
-    }
-    let avg = rows.iter().map(|r| r.busbw_gbps).sum::<f64>() / rows.len() as f64;
-    let mut line = format!("{}: avg busbw {avg:.3} GB/s", op.name());
-    let ratios: Vec<f64> = rows.iter().filter_map(|r| r.ratio).collect();
-    if let Some(max) = ratios.iter().copied().reduce(f64::max) {
-        let over = ratios.iter().filter(|&&x| x > RATIO_TARGET).count();
-        line.push_str(&format!(
-            "; ratio max {max:.2}x, {over} sizes above {RATIO_TARGET:.2}x"
-        ));
-    }
-    table.note(&line);
-}
-
-/// Verifies, warms up and times one operation at one size; the row is the same on every
-/// rank.
-fn measure<C: Communicator, D: Collectives>(
-    comm: &C,
-    direct: Option<&D>,
-    case: &mut Case,
-    args: &TransportArgs,
-    salt: u64,
-) -> Result<Row, BenchError> {
-    let tpcomm = Tpcomm(comm);
-    verify(comm, &tpcomm, case, salt)?;
-    if let Some(d) = direct {
-        verify(comm, d, case, salt ^ (1 << 63))?;
-    }
-
-    let warmup = args.sweep.iter.warmup_for(case.bytes);
-    let mut warm = Vec::with_capacity(warmup);
-    let mut warm_direct = Vec::with_capacity(warmup);
-    for _ in 0..warmup {
-        warm.push(time_once(&tpcomm, case)?);
-        if let Some(d) = direct {
-            warm_direct.push(time_once(d, case)?);
-        }
-    }
-    // Every rank derives the count from the same gathered figures: all run as many.
-    let estimate = median(&slowest(comm, &warm)?).max(median(&slowest(comm, &warm_direct)?));
-    let iters = args
-        .sweep
-        .iter
-        .iters_for(std::time::Duration::from_nanos(estimate));
-
-    let mut times = Vec::with_capacity(iters);
-    let mut times_direct = Vec::with_capacity(iters);
-    for i in 0..iters {
-        match direct {
-            None => times.push(time_once(&tpcomm, case)?),
-            // Alternate which path goes first so that neither always follows the other.
-            Some(d) if i % 2 == 0 => {
-                times.push(time_once(&tpcomm, case)?);
-                times_direct.push(time_once(d, case)?);
-            }
-            Some(d) => {
-                times_direct.push(time_once(d, case)?);
-                times.push(time_once(&tpcomm, case)?);
-            }
-        }
-    }
-    let samples = slowest(comm, &times)?;
-    let direct_samples = match direct {
-        Some(_) => Some(slowest(comm, &times_direct)?),
-        None => None,
-    };
-    let op = case.op;
-    Row::new(&Measurement {
-        op: op.name(),
-        bytes: case.bytes,
-        elem_size: 1,
-        dtype: "uint8",
-        root: op.root(),
-        ranks: comm.size(),
-        bus: op.bus(),
-        warmup,
-        samples_ns: &samples,
-        direct_samples_ns: direct_samples.as_deref(),
-    })
-    .ok_or_else(|| BenchError::Usage("no timed iterations".into()))
-}
-
-/// One timed iteration: a barrier, then the operation; nanoseconds on this rank.
-fn time_once<P: Collectives>(path: &P, case: &mut Case) -> Result<u64, BenchError> {
-    path.barrier()?;
-    let start = Instant::now();
-    path.run(case)?;
-    Ok(elapsed_ns(start))
-}
-
-/// Runs the operation once on fresh data and checks what arrived. Collective: every rank
-/// learns which ranks saw wrong data, and all of them fail together.
-fn verify<C: Communicator, P: Collectives>(
-    comm: &C,
-    path: &P,
-    case: &mut Case,
-    salt: u64,
-) -> Result<(), BenchError> {
-    case.fill(salt);
-    path.run(case)?;
-    let problem = case.check(salt);
-    let bad_ranks = ranks_flagging(comm, problem.is_some())?;
-    let Some(&first) = bad_ranks.first() else {
-        return Ok(());
-    };
-    Err(BenchError::WrongData {
-        path: P::NAME,
-        op: case.op.name(),
-        bytes: case.bytes,
-        rank: if problem.is_some() { case.rank } else { first },
-        detail: problem.unwrap_or_else(|| format!("see rank {first}")),
-        bad_ranks,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sweep::IterArgs;
-    use tpcomm::transport::LocalGroup;
-
-    fn quick_args(ops: Vec<TransportOp>) -> TransportArgs {
-        TransportArgs {
-            ranks: None,
-            transport: Transport::Local,
-            ops,
-            sweep: SweepArgs {
-                min_bytes: 1,
-                max_bytes: 4096,
-                factor: 4,
-                iter: IterArgs {
-                    iters: Some(3),
-                    warmup: Some(1),
-                },
-            },
-            json: None,
-        }
-    }
 
     #[test]
     fn near_equal_split_sums_to_total() {
         assert_eq!(near_equal_split(8, 3), vec![3, 3, 2]);
         assert_eq!(near_equal_split(2, 4), vec![1, 1, 0, 0]);
-        assert_eq!(near_equal_split(8, 2), vec![4, 4]);
     }
 
     #[test]
@@ -701,9 +558,6 @@ mod tests {
         let mut tail = vec![0u8; 61];
         pattern(&mut tail, 3, 7, 39);
         assert_eq!(&whole[39..], &tail[..]);
-        let mut other = vec![0u8; 100];
-        pattern(&mut other, 4, 7, 0);
-        assert_ne!(whole, other);
     }
 
     #[test]
@@ -720,62 +574,39 @@ mod tests {
     }
 
     #[test]
-    fn every_operation_verifies_and_times_on_three_local_ranks() {
-        let args = quick_args(TransportOp::ALL.to_vec());
-        let table = Table { direct: false };
-        let results =
-            LocalGroup::new(3).run(|comm| bench_rank(&comm, None::<&NoDirect>, &args, &table));
-        let rows = first_rank_output(results).unwrap();
-        // Sizes 1, 4, 16, 64, 256, 1024, 4096; block ops skip 1 B over 3 ranks.
-        assert_eq!(rows.len(), 5 * 7 - 2);
-        assert!(rows.iter().all(|r| r.iters == 3 && r.median_us > 0.0));
-        let ag: Vec<usize> = rows
-            .iter()
-            .filter(|r| r.op == "all_gather")
-            .map(|r| r.bytes)
-            .collect();
-        assert_eq!(ag, vec![3, 15, 63, 255, 1023, 4095]);
-    }
-
-    /// A path that corrupts one byte on one rank, as a broken transport would.
-    struct Corrupting<'a, C>(Tpcomm<'a, C>, usize);
-
-    impl<C: Communicator> Collectives for Corrupting<'_, C> {
-        const NAME: &'static str = "corrupting";
-        fn barrier(&self) -> Result<(), BenchError> {
-            self.0.barrier()
-        }
-        fn run(&self, case: &mut Case) -> Result<(), BenchError> {
-            self.0.run(case)?;
-            if case.rank == self.1 {
-                if let Some(b) = case.recv.last_mut() {
-                    *b ^= 1;
-                }
-            }
-            Ok(())
-        }
+    fn a_corrupted_byte_is_found() {
+        let mut case = Case::new(TransportOp::AllGather, 96, 0, 1)
+            .unwrap()
+            .unwrap();
+        case.fill(5);
+        case.recv = case.send.clone();
+        assert_eq!(case.check(5), None);
+        case.recv[7] ^= 1;
+        assert!(case.check(5).unwrap().starts_with("byte 7"));
     }
 
     #[test]
-    fn wrong_data_on_one_rank_fails_every_rank_naming_it() {
-        let results = LocalGroup::new(3).run(|comm| {
-            let mut case = Case::new(TransportOp::AllGather, 96, comm.rank(), 3)
-                .unwrap()
-                .unwrap();
-            verify(&comm, &Corrupting(Tpcomm(&comm), 2), &mut case, 5)
-        });
-        for (rank, r) in results.into_iter().enumerate() {
-            match r.unwrap() {
-                Err(BenchError::WrongData {
-                    rank: culprit,
-                    bad_ranks,
-                    ..
-                }) => {
-                    assert_eq!(culprit, 2, "rank {rank}");
-                    assert_eq!(bad_ranks, vec![2]);
-                }
-                other => panic!("rank {rank}: expected WrongData, got {other:?}"),
-            }
-        }
+    fn the_summary_line_averages_busbw_and_counts_ratios_above_the_target() {
+        let row = |bytes: usize, ns: u64, vs: f64| {
+            let mut r = Row::new(
+                "all_gather",
+                &bytes.to_string(),
+                "tpcomm",
+                bytes,
+                0,
+                vec![ns],
+            )
+            .unwrap()
+            .bus(Bus::Same, 2);
+            r.vs_peer = Some(vs);
+            r
+        };
+        // 1000 B in 1 us and 2000 B in 1 us: 1 and 2 GB/s.
+        let rows = [row(1000, 1000, 1.0), row(2000, 1000, 1.2)];
+        assert_eq!(
+            summary("all_gather", &rows).unwrap(),
+            "all_gather: avg busbw 1.500 GB/s; ratio max 1.20x, 1 sizes above 1.10x"
+        );
+        assert_eq!(summary("broadcast", &rows), None);
     }
 }

@@ -1,0 +1,216 @@
+//! `tpcomm-bench plot RESULTS.json... -o DIR`: SVG charts of reports.
+//!
+//! Per report and table, one chart of time against size and, where the rows have a
+//! bandwidth, one of bus bandwidth against size; both axes logarithmic, one line per variant
+//! (the peer included). Tables without sizes (peer mappings, suspend/resume) are drawn
+//! against their case, a count. Text is left to the SVG viewer's fonts.
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use plotters::prelude::*;
+
+use crate::error::BenchError;
+use crate::harness::Row;
+use crate::report::{self, Report};
+
+/// Options of `tpcomm-bench plot`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct PlotArgs {
+    /// JSON reports written with `--json`.
+    #[arg(required = true, value_name = "RESULTS.json")]
+    pub(crate) reports: Vec<PathBuf>,
+    /// Directory the SVG files go to (created if missing).
+    #[arg(short, long, value_name = "DIR")]
+    pub(crate) out: PathBuf,
+}
+
+/// Runs the subcommand.
+pub(crate) fn run(args: &PlotArgs) -> Result<(), BenchError> {
+    std::fs::create_dir_all(&args.out).map_err(|source| BenchError::Write {
+        path: args.out.clone(),
+        source,
+    })?;
+    for path in &args.reports {
+        for file in plot_report(&report::read(path)?, &args.out)? {
+            println!("{}", file.display());
+        }
+    }
+    Ok(())
+}
+
+/// What a chart's y axis shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Measure {
+    Time,
+    BusBw,
+}
+
+impl Measure {
+    fn of(self, r: &Row) -> Option<f64> {
+        match self {
+            Measure::Time => Some(r.stats.median_us),
+            Measure::BusBw => r.busbw_gbps,
+        }
+    }
+}
+
+/// The x of a row: its size, or for tables without one its case as a number.
+fn x_of(r: &Row) -> Option<f64> {
+    if r.bytes > 0 {
+        return Some(r.bytes as f64);
+    }
+    r.case.parse::<f64>().ok().filter(|&x| x > 0.0)
+}
+
+/// `x` in the largest unit of `base` it reaches, without needless decimals: `64K`, `1.5M`,
+/// `0.25`.
+fn short(x: f64, base: f64, units: &[&str]) -> String {
+    let mut v = x;
+    let mut unit = 0;
+    while v >= base && unit + 1 < units.len() {
+        v /= base;
+        unit += 1;
+    }
+    let text = format!("{v:.2}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    format!("{text}{}", units[unit])
+}
+
+/// `peer mappings` -> `peer-mappings`: a file-name-safe form.
+fn slug(text: &str) -> String {
+    let s: String = text
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    s.split('-')
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+/// Draws every chart of `report` into `dir`; returns the files written.
+pub(crate) fn plot_report(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, BenchError> {
+    let mut tables: Vec<&str> = Vec::new();
+    for r in &report.rows {
+        if !tables.contains(&r.table.as_str()) {
+            tables.push(&r.table);
+        }
+    }
+    let mut written = Vec::new();
+    for table in tables {
+        let rows: Vec<&Row> = report.rows.iter().filter(|r| r.table == table).collect();
+        for measure in [Measure::Time, Measure::BusBw] {
+            let name = format!(
+                "{}-{}{}-{}-{}.svg",
+                report.subcommand,
+                report.transport,
+                report.ranks,
+                slug(table),
+                if measure == Measure::Time {
+                    "time"
+                } else {
+                    "busbw"
+                }
+            );
+            let path = dir.join(name);
+            if chart(report, table, &rows, measure, &path)? {
+                written.push(path);
+            }
+        }
+    }
+    Ok(written)
+}
+
+/// One chart; `false` (nothing written) when the rows hold fewer than two points of it.
+fn chart(
+    report: &Report,
+    table: &str,
+    rows: &[&Row],
+    measure: Measure,
+    path: &Path,
+) -> Result<bool, BenchError> {
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for r in rows {
+        let (Some(x), Some(y)) = (x_of(r), measure.of(r).filter(|&y| y > 0.0)) else {
+            continue;
+        };
+        match series.iter_mut().find(|(v, _)| *v == r.variant) {
+            Some((_, points)) => points.push((x, y)),
+            None => series.push((r.variant.clone(), vec![(x, y)])),
+        }
+    }
+    let points = || series.iter().flat_map(|(_, p)| p.iter().copied());
+    if points().count() < 2 {
+        return Ok(false);
+    }
+    let range = |f: fn(&(f64, f64)) -> f64| {
+        let (lo, hi) = points()
+            .map(|p| f(&p))
+            .fold((f64::MAX, 0.0f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+        (lo / 1.5)..(hi * 1.5)
+    };
+    let err = |e: &dyn std::fmt::Display| BenchError::Plot {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    };
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let title = format!(
+        "{} {table}: {} ({}, {} ranks)",
+        report.subcommand,
+        if measure == Measure::Time {
+            "time"
+        } else {
+            "bus bandwidth"
+        },
+        report.transport,
+        report.ranks
+    );
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(range(|p| p.0).log_scale(), range(|p| p.1).log_scale())
+        .map_err(|e| err(&e))?;
+    let x_desc = if rows.iter().any(|r| r.bytes > 0) {
+        "size (B)"
+    } else {
+        "count"
+    };
+    let y_desc = match measure {
+        Measure::Time => "median time (us)",
+        Measure::BusBw => "bus bandwidth (GB/s)",
+    };
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .x_label_formatter(&|x| short(*x, 1000.0, &["", "k", "M", "G"]))
+        .y_label_formatter(&|y| short(*y, 1000.0, &["", "k", "M", "G"]))
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, (variant, points)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                color.stroke_width(2),
+            ))
+            .map_err(|e| err(&e))?
+            .label(variant.as_str())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(true)
+}

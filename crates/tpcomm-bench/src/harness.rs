@@ -1,0 +1,561 @@
+//! The benchmark engine every subcommand uses: rows, the interleaved timing loop,
+//! verification agreed across ranks, and targets.
+//!
+//! A subcommand declares its cases (a size or a payload), the variants it times on each
+//! case (tpcomm's paths and the peer they are compared with), its columns and its targets;
+//! [`time_variants`] runs one case: warm-up iterations, an iteration count chosen from them,
+//! then timed iterations with the variants interleaved, each iteration's time being its
+//! slowest rank's. [`Row`] is the one row type of every table and of the JSON report.
+//!
+//! Conventions (nccl-tests, `doc/PERFORMANCE.md`): `time` is the median over iterations of
+//! the slowest rank's time; `algbw = bytes / time`; `busbw = algbw * factor` ([`Bus`]).
+//! GB/s are 10^9 bytes per second.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tpcomm::Communicator;
+
+use crate::error::BenchError;
+use crate::sweep::IterArgs;
+use crate::table::Progress;
+
+/// Median, minimum and maximum of per-iteration times, in microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Stats {
+    /// Median (mean of the two middle samples for an even count).
+    pub(crate) median_us: f64,
+    /// Fastest iteration.
+    pub(crate) min_us: f64,
+    /// Slowest iteration.
+    pub(crate) max_us: f64,
+}
+
+impl Stats {
+    /// Statistics of `samples_ns` (nanoseconds); `None` when there are no samples.
+    pub(crate) fn of(samples_ns: &[u64]) -> Option<Self> {
+        let mut sorted = samples_ns.to_vec();
+        sorted.sort_unstable();
+        let (&min, &max) = (sorted.first()?, sorted.last()?);
+        let mid = sorted.len() / 2;
+        let median_ns = if sorted.len() % 2 == 1 {
+            sorted[mid] as f64
+        } else {
+            (sorted[mid - 1] as f64 + sorted[mid] as f64) / 2.0
+        };
+        Some(Self {
+            median_us: median_ns / 1e3,
+            min_us: min as f64 / 1e3,
+            max_us: max as f64 / 1e3,
+        })
+    }
+}
+
+/// How bus bandwidth relates to algorithm bandwidth for an operation (nccl-tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Bus {
+    /// `busbw = algbw * (n-1)/n`: all-gather, gather, all-to-all.
+    AllButOwnShare,
+    /// `busbw = algbw`: broadcast.
+    Same,
+    /// `busbw = algbw * 2(n-1)/n`: all-reduce.
+    AllReduce,
+}
+
+impl Bus {
+    pub(crate) fn factor(self, ranks: usize) -> f64 {
+        let n = ranks.max(1) as f64;
+        match self {
+            Bus::AllButOwnShare => (n - 1.0) / n,
+            Bus::Same => 1.0,
+            Bus::AllReduce => 2.0 * (n - 1.0) / n,
+        }
+    }
+}
+
+/// One row of every table and of the JSON report: one variant on one case.
+///
+/// The fields are the JSON schema (`docs/benchmarks.md`, "JSON schema"); `(table, case,
+/// variant)` names a row across runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Row {
+    /// The table the row belongs to (`all_gather`, `f32`, `peer mappings`, ...).
+    pub(crate) table: String,
+    /// The case within the table: a size in bytes, a payload (`blob:64`), a count (`N=100`).
+    pub(crate) case: String,
+    /// What was timed (`tpcomm`, `rsmpi`, `floor`, `1stage`, `close_all`, ...).
+    pub(crate) variant: String,
+    /// Bytes the case moves, in the table's convention (the charts' x axis).
+    pub(crate) bytes: usize,
+    /// Timed iterations.
+    pub(crate) iters: usize,
+    /// Untimed iterations before them.
+    pub(crate) warmup: usize,
+    #[serde(flatten)]
+    pub(crate) stats: Stats,
+    /// `bytes / median`, GB/s (tables with a bandwidth).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) algbw_gbps: Option<f64>,
+    /// `algbw` times the operation's bus factor, GB/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) busbw_gbps: Option<f64>,
+    /// The variant of the same case this row is compared with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) peer: Option<String>,
+    /// `median / the peer's median` (below 1: faster than the peer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) vs_peer: Option<f64>,
+    /// Facts particular to the subcommand (element type, algorithm, mappings, ...).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub(crate) info: BTreeMap<String, Value>,
+    /// Every iteration's time (slowest rank), nanoseconds, in the order they ran.
+    #[serde(default)]
+    pub(crate) samples_ns: Vec<u64>,
+}
+
+impl Row {
+    /// A row of `samples_ns`; `None` without samples.
+    pub(crate) fn new(
+        table: &str,
+        case: &str,
+        variant: &str,
+        bytes: usize,
+        warmup: usize,
+        samples_ns: Vec<u64>,
+    ) -> Option<Self> {
+        Some(Self {
+            table: table.into(),
+            case: case.into(),
+            variant: variant.into(),
+            bytes,
+            iters: samples_ns.len(),
+            warmup,
+            stats: Stats::of(&samples_ns)?,
+            algbw_gbps: None,
+            busbw_gbps: None,
+            peer: None,
+            vs_peer: None,
+            info: BTreeMap::new(),
+            samples_ns,
+        })
+    }
+
+    /// Adds the bandwidth columns.
+    pub(crate) fn bus(mut self, bus: Bus, ranks: usize) -> Self {
+        let algbw = if self.stats.median_us > 0.0 {
+            self.bytes as f64 / self.stats.median_us / 1e3
+        } else {
+            0.0
+        };
+        self.algbw_gbps = Some(algbw);
+        self.busbw_gbps = Some(algbw * bus.factor(ranks));
+        self
+    }
+
+    /// Adds a subcommand-specific fact.
+    pub(crate) fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
+        self.info.insert(key.into(), value.into());
+        self
+    }
+
+    /// An `info` fact as text (`-` when absent).
+    pub(crate) fn text(&self, key: &str) -> String {
+        match self.info.get(key) {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Null) | None => "-".into(),
+            Some(v) => v.to_string(),
+        }
+    }
+
+    /// An `info` fact as a number.
+    pub(crate) fn number(&self, key: &str) -> Option<f64> {
+        self.info.get(key).and_then(Value::as_f64)
+    }
+
+    /// Whether this row is `(table, case)`'s row of `variant`.
+    pub(crate) fn is(&self, variant: &str) -> bool {
+        self.variant == variant
+    }
+}
+
+/// Compares each row with the row of `peer_of(variant)` of its table and case: sets `peer`
+/// and `vs_peer`.
+pub(crate) fn link_peers(rows: &mut [Row], peer_of: impl Fn(&Row) -> Option<String>) {
+    for i in 0..rows.len() {
+        let Some(peer) = peer_of(&rows[i]) else {
+            continue;
+        };
+        let peer_median = rows
+            .iter()
+            .find(|p| p.table == rows[i].table && p.case == rows[i].case && p.variant == peer)
+            .map(|p| p.stats.median_us);
+        if let Some(m) = peer_median {
+            let r = &mut rows[i];
+            r.vs_peer = (m > 0.0).then(|| r.stats.median_us / m);
+            r.peer = Some(peer);
+        }
+    }
+}
+
+/// Nanoseconds since `start`, saturating.
+pub(crate) fn elapsed_ns(start: Instant) -> u64 {
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// One timed iteration on this rank: a barrier, then `work`, which receives the start
+/// instant and returns its own [`elapsed_ns`] (so that it can stop the clock once its result
+/// is ready and drop the result untimed).
+pub(crate) fn time_once<C: Communicator>(
+    comm: &C,
+    work: impl FnOnce(Instant) -> Result<u64, BenchError>,
+) -> Result<u64, BenchError> {
+    comm.barrier()?;
+    work(Instant::now())
+}
+
+/// For each position `i`, the largest `local[i]` over all ranks (collective; every rank
+/// passes as many values).
+pub(crate) fn slowest<C: Communicator>(comm: &C, local: &[u64]) -> Result<Vec<u64>, BenchError> {
+    let send: Vec<u8> = local.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let mut all = vec![0u8; send.len() * comm.size()];
+    comm.all_gather(&send, &mut all)?;
+    let mut max = vec![0u64; local.len()];
+    for rank_block in all.chunks_exact(send.len().max(1)) {
+        for (m, word) in max.iter_mut().zip(rank_block.chunks_exact(8)) {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(word);
+            *m = (*m).max(u64::from_le_bytes(bytes));
+        }
+    }
+    Ok(max)
+}
+
+/// Median of `values` (upper middle for an even count); 0 when empty.
+pub(crate) fn median(values: &[u64]) -> u64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_unstable();
+    sorted.get(sorted.len() / 2).copied().unwrap_or(0)
+}
+
+/// In which order the variants of a case run within one iteration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Order {
+    /// Rotated by one each iteration, so that no variant always runs first or after the
+    /// same one.
+    Rotate,
+    /// Always in declaration order (a variant that needs the previous one's effect, such as
+    /// `reopen_all` after `close_all`).
+    Fixed,
+}
+
+impl Order {
+    /// The variants of iteration `i` of `n`, in running order.
+    pub(crate) fn of(self, n: usize, i: usize) -> Vec<usize> {
+        match self {
+            Order::Rotate => (0..n).map(|k| (k + i) % n.max(1)).collect(),
+            Order::Fixed => (0..n).collect(),
+        }
+    }
+}
+
+/// What [`time_variants`] measured: per variant, every iteration's slowest-rank time.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Timed {
+    pub(crate) warmup: usize,
+    pub(crate) samples: Vec<Vec<u64>>,
+}
+
+/// How one case is timed.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Plan<'a> {
+    /// The iteration policy.
+    pub(crate) iter: &'a IterArgs,
+    /// Bytes the case moves (the warm-up count depends on it).
+    pub(crate) bytes: usize,
+    /// How many variants run per iteration.
+    pub(crate) variants: usize,
+    pub(crate) order: Order,
+}
+
+/// Times the variants of one case, interleaved (collective): `warmup_for(bytes)` warm-up
+/// rounds, an iteration count chosen from them (the same on every rank, from gathered
+/// figures), then the timed rounds. `once(state, v)` runs variant `v` once, as one timed
+/// iteration ([`time_once`]), and returns its time on this rank.
+pub(crate) fn time_variants<C: Communicator, S>(
+    comm: &C,
+    plan: Plan<'_>,
+    progress: &Progress,
+    state: &mut S,
+    mut once: impl FnMut(&mut S, usize) -> Result<u64, BenchError>,
+) -> Result<Timed, BenchError> {
+    let Plan {
+        iter,
+        bytes,
+        variants: n,
+        order,
+    } = plan;
+    let warmup = iter.warmup_for(bytes);
+    let mut round = |i: usize, out: &mut Vec<Vec<u64>>| -> Result<(), BenchError> {
+        for v in order.of(n, i) {
+            out[v].push(once(state, v)?);
+        }
+        Ok(())
+    };
+    let mut warm = vec![Vec::with_capacity(warmup); n];
+    for i in 0..warmup {
+        round(i, &mut warm)?;
+    }
+    let mut estimate = 0;
+    for w in &warm {
+        estimate = estimate.max(median(&slowest(comm, w)?));
+    }
+    let iters = iter.iters_for(Duration::from_nanos(estimate));
+    let mut times = vec![Vec::with_capacity(iters); n];
+    for i in 0..iters {
+        round(i, &mut times)?;
+        progress.tick(i + 1, iters);
+    }
+    let mut samples = Vec::with_capacity(n);
+    for t in &times {
+        samples.push(slowest(comm, t)?);
+    }
+    Ok(Timed { warmup, samples })
+}
+
+/// Collective: the ranks whose `problem` is set, the same list on every rank; fails on every
+/// rank when any rank saw wrong data, so that nobody is left waiting in a collective.
+pub(crate) fn agree<C: Communicator>(
+    comm: &C,
+    problem: Option<String>,
+    what: impl FnOnce() -> String,
+) -> Result<(), BenchError> {
+    let mut all = vec![0u8; comm.size()];
+    comm.all_gather(&[u8::from(problem.is_some())], &mut all)?;
+    let bad_ranks: Vec<usize> = (0..all.len()).filter(|&r| all[r] != 0).collect();
+    let Some(&first) = bad_ranks.first() else {
+        return Ok(());
+    };
+    let rank = if problem.is_some() {
+        comm.rank()
+    } else {
+        first
+    };
+    Err(BenchError::WrongData {
+        what: what(),
+        rank,
+        detail: problem.unwrap_or_else(|| format!("see rank {first}")),
+        bad_ranks,
+    })
+}
+
+/// How a [`Target`] judges the rows: met, and the figures it was decided from; `None` when
+/// the rows hold nothing to judge.
+pub(crate) type Judge = Box<dyn Fn(&[Row]) -> Option<(bool, String)>>;
+
+/// A performance target a subcommand checks its rows against, with the reason it exists.
+pub(crate) struct Target {
+    /// What is aimed at, for a user ("tpcomm within 1.1x of rsmpi at every size").
+    pub(crate) what: String,
+    /// Why this figure is the target.
+    pub(crate) why: &'static str,
+    /// The verdict from the rows: met, and the figures it was decided from; `None` when the
+    /// rows hold nothing to judge.
+    pub(crate) judge: Judge,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Target").field("what", &self.what).finish()
+    }
+}
+
+/// A target checked against this run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Verdict {
+    pub(crate) target: String,
+    pub(crate) reason: String,
+    pub(crate) met: bool,
+    pub(crate) detail: String,
+    /// Whether this run is the configuration the target is stated for; a verdict on
+    /// another configuration is indicative only.
+    pub(crate) binding: bool,
+}
+
+impl Verdict {
+    /// The targets `rows` can judge.
+    pub(crate) fn judge_all(targets: &[Target], rows: &[Row], binding: bool) -> Vec<Verdict> {
+        targets
+            .iter()
+            .filter_map(|t| {
+                let (met, detail) = (t.judge)(rows)?;
+                Some(Verdict {
+                    target: t.what.clone(),
+                    reason: t.why.into(),
+                    met,
+                    detail,
+                    binding,
+                })
+            })
+            .collect()
+    }
+
+    /// The two comment lines of the verdict.
+    pub(crate) fn lines(&self) -> [String; 2] {
+        let state = if self.met { "MET" } else { "MISSED" };
+        let scope = if self.binding {
+            ""
+        } else {
+            " [indicative only]"
+        };
+        [
+            format!("target {}: {state}{scope} ({})", self.target, self.detail),
+            format!("  why: {}", self.reason),
+        ]
+    }
+}
+
+/// Geometric mean of `values` (`None` when empty or any is not positive).
+pub(crate) fn geomean(values: &[f64]) -> Option<f64> {
+    if values.is_empty() || values.iter().any(|&v| v <= 0.0) {
+        return None;
+    }
+    Some((values.iter().map(|v| v.ln()).sum::<f64>() / values.len() as f64).exp())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tpcomm::transport::LocalGroup;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        let s = Stats::of(&[3000, 1000, 2000]).unwrap();
+        assert_eq!((s.median_us, s.min_us, s.max_us), (2.0, 1.0, 3.0));
+        assert_eq!(Stats::of(&[4000, 1000, 2000, 3000]).unwrap().median_us, 2.5);
+        assert!(Stats::of(&[]).is_none());
+        assert_eq!(median(&[4, 1, 2, 3]), 3);
+    }
+
+    #[test]
+    fn bandwidths_follow_nccl_tests() {
+        // 1 MB in 1 ms: 1 GB/s algorithm bandwidth.
+        let row = |bus| {
+            Row::new("t", "c", "v", 1_000_000, 0, vec![1_000_000])
+                .unwrap()
+                .bus(bus, 4)
+        };
+        assert!((row(Bus::AllButOwnShare).busbw_gbps.unwrap() - 0.75).abs() < 1e-12);
+        assert!((row(Bus::Same).busbw_gbps.unwrap() - 1.0).abs() < 1e-12);
+        assert!((row(Bus::AllReduce).busbw_gbps.unwrap() - 1.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn rotation_interleaves_every_variant_in_every_position() {
+        assert_eq!(Order::Rotate.of(3, 0), vec![0, 1, 2]);
+        assert_eq!(Order::Rotate.of(3, 1), vec![1, 2, 0]);
+        assert_eq!(Order::Rotate.of(3, 2), vec![2, 0, 1]);
+        assert_eq!(Order::Fixed.of(3, 2), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn variants_run_interleaved_with_their_peer_in_rotated_order() {
+        let iter = IterArgs {
+            iters: Some(4),
+            warmup: Some(1),
+        };
+        let results = LocalGroup::new(2).run(|comm| {
+            let mut log = Vec::new();
+            let timed = time_variants(
+                &comm,
+                Plan {
+                    iter: &iter,
+                    bytes: 8,
+                    variants: 2,
+                    order: Order::Rotate,
+                },
+                &Progress::off(),
+                &mut log,
+                |log, v| {
+                    log.push(v);
+                    Ok(comm.rank() as u64 * 10 + v as u64)
+                },
+            )?;
+            Ok::<_, BenchError>((log, timed))
+        });
+        for r in results {
+            let (log, timed) = r.unwrap().unwrap();
+            // 1 warm-up round, then 4 timed rounds, the order rotated each round.
+            assert_eq!(log, vec![0, 1, 0, 1, 1, 0, 0, 1, 1, 0]);
+            assert_eq!(timed.warmup, 1);
+            // The slowest rank (rank 1) of every iteration.
+            assert_eq!(timed.samples, vec![vec![10; 4], vec![11; 4]]);
+        }
+    }
+
+    #[test]
+    fn peers_are_linked_within_a_case() {
+        let row = |case: &str, variant: &str, ns| Row::new("t", case, variant, 8, 0, vec![ns]);
+        let mut rows: Vec<Row> = [
+            row("8", "tpcomm", 1100),
+            row("8", "rsmpi", 1000),
+            row("16", "tpcomm", 500),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        link_peers(&mut rows, |r| r.is("tpcomm").then(|| "rsmpi".to_string()));
+        assert!((rows[0].vs_peer.unwrap() - 1.1).abs() < 1e-12);
+        assert_eq!(rows[0].peer.as_deref(), Some("rsmpi"));
+        assert_eq!((rows[1].vs_peer, rows[2].vs_peer), (None, None));
+    }
+
+    #[test]
+    fn wrong_data_on_one_rank_fails_every_rank_naming_it() {
+        let results = LocalGroup::new(3).run(|comm| {
+            let problem = (comm.rank() == 2).then(|| "byte 5".to_string());
+            agree(&comm, problem, || "all_gather".into())
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            match r.unwrap() {
+                Err(BenchError::WrongData {
+                    rank: culprit,
+                    bad_ranks,
+                    ..
+                }) => {
+                    assert_eq!((culprit, bad_ranks), (2, vec![2]), "rank {rank}");
+                }
+                other => panic!("rank {rank}: expected WrongData, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn targets_judge_the_rows_and_keep_their_reason() {
+        let targets = [Target {
+            what: "fast".into(),
+            why: "because",
+            judge: Box::new(|rows: &[Row]| {
+                let r = rows.first()?;
+                Some((
+                    r.stats.median_us < 2.0,
+                    format!("{:.1} us", r.stats.median_us),
+                ))
+            }),
+        }];
+        let rows = [Row::new("t", "c", "v", 8, 0, vec![1000]).unwrap()];
+        let v = Verdict::judge_all(&targets, &rows, false);
+        assert_eq!(v.len(), 1);
+        assert!(v[0].met);
+        assert_eq!(
+            v[0].lines(),
+            [
+                "target fast: MET [indicative only] (1.0 us)".to_string(),
+                "  why: because".to_string()
+            ]
+        );
+        assert!(Verdict::judge_all(&targets, &[], true).is_empty());
+        assert_eq!(geomean(&[2.0, 8.0]), Some(4.0));
+    }
+}

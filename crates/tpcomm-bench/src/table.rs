@@ -1,0 +1,229 @@
+//! nccl-tests-style tables on stdout, and progress on stderr.
+//!
+//! A table is a list of [`Column`]s declared as data: a name, a unit, a width and the
+//! function that formats a [`Row`]'s cell (given the row and the row of its peer, for
+//! columns that show the peer side by side). Header lines start with `#`, so that a table
+//! pasted into a file stays a comment block around its numbers, as nccl-tests prints them.
+
+use std::cell::{Cell as StdCell, RefCell};
+use std::io::{IsTerminal as _, Write as _};
+use std::time::{Duration, Instant};
+
+use crate::harness::Row;
+
+/// Formats one cell: the row, and the row of its peer when the table shows both.
+pub(crate) type Cell = fn(&Row, Option<&Row>) -> String;
+
+/// One column of a printed table: right-aligned to `width` characters, with a name line and
+/// a unit line above it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Column {
+    pub(crate) name: &'static str,
+    pub(crate) unit: &'static str,
+    pub(crate) width: usize,
+    pub(crate) cell: Cell,
+}
+
+impl Column {
+    pub(crate) const fn new(
+        name: &'static str,
+        unit: &'static str,
+        width: usize,
+        cell: Cell,
+    ) -> Self {
+        Self {
+            name,
+            unit,
+            width,
+            cell,
+        }
+    }
+}
+
+/// The columns most tables share.
+pub(crate) mod col {
+    use super::Column;
+
+    /// `x` with 3 decimals, `-` when absent.
+    pub(crate) fn f3(x: Option<f64>) -> String {
+        x.map_or_else(|| "-".into(), |x| format!("{x:.3}"))
+    }
+
+    /// A ratio: `1.03x`, `-` when absent.
+    pub(crate) fn ratio(x: Option<f64>) -> String {
+        x.map_or_else(|| "-".into(), |x| format!("{x:.2}x"))
+    }
+
+    pub(crate) const fn size(width: usize) -> Column {
+        Column::new("size", "(B)", width, |r, _| r.bytes.to_string())
+    }
+    pub(crate) const fn iters() -> Column {
+        Column::new("iters", "", 6, |r, _| r.iters.to_string())
+    }
+    pub(crate) const fn time(name: &'static str, width: usize) -> Column {
+        Column::new(name, "(us)", width, |r, _| {
+            format!("{:.3}", r.stats.median_us)
+        })
+    }
+    pub(crate) const fn min(width: usize) -> Column {
+        Column::new("min", "(us)", width, |r, _| {
+            format!("{:.3}", r.stats.min_us)
+        })
+    }
+    pub(crate) const fn algbw(width: usize) -> Column {
+        Column::new("algbw", "(GB/s)", width, |r, _| f3(r.algbw_gbps))
+    }
+    pub(crate) const fn busbw(width: usize) -> Column {
+        Column::new("busbw", "(GB/s)", width, |r, _| f3(r.busbw_gbps))
+    }
+    pub(crate) const fn variant(name: &'static str, width: usize) -> Column {
+        Column::new(name, "", width, |r, _| r.variant.clone())
+    }
+    pub(crate) const fn vs_peer(name: &'static str, unit: &'static str, width: usize) -> Column {
+        Column::new(name, unit, width, |r, _| ratio(r.vs_peer))
+    }
+}
+
+/// Joins `cells` right-aligned to the widths of `columns`, space-separated; with `comment`
+/// the line starts with `#`, taken from the first column's width.
+pub(crate) fn line(columns: &[Column], cells: &[String], comment: bool) -> String {
+    let mut out = String::new();
+    for (i, (col, cell)) in columns.iter().zip(cells).enumerate() {
+        let width = col.width;
+        match i {
+            0 if comment => out.push_str(&format!("#{cell:>w$}", w = width.saturating_sub(1))),
+            0 => out.push_str(&format!("{cell:>width$}")),
+            _ => out.push_str(&format!(" {cell:>width$}")),
+        }
+    }
+    out
+}
+
+/// The title and the two header lines (names, units) of a table.
+pub(crate) fn header(title: &str, columns: &[Column]) -> [String; 4] {
+    let names: Vec<String> = columns.iter().map(|c| c.name.to_string()).collect();
+    let units: Vec<String> = columns.iter().map(|c| c.unit.to_string()).collect();
+    [
+        "#".into(),
+        format!("# {title}"),
+        line(columns, &names, true),
+        line(columns, &units, true),
+    ]
+}
+
+/// One row's line.
+pub(crate) fn row_line(columns: &[Column], row: &Row, peer: Option<&Row>) -> String {
+    let cells: Vec<String> = columns.iter().map(|c| (c.cell)(row, peer)).collect();
+    line(columns, &cells, false)
+}
+
+/// Prints lines on stdout at once (a closed stdout, `| head`, does not stop the run).
+pub(crate) fn print(lines: &[String]) {
+    let mut out = std::io::stdout().lock();
+    for l in lines {
+        let _ = writeln!(out, "{l}");
+    }
+    let _ = out.flush();
+}
+
+/// Progress on stderr, only when it is a terminal and only on rank 0: the case being
+/// measured, cases done / total, elapsed time and an estimate of the time left. Redrawn at
+/// most every [`Progress::EVERY`], between iterations (never inside a timed region).
+#[derive(Debug)]
+pub(crate) struct Progress {
+    on: bool,
+    start: Instant,
+    total: StdCell<usize>,
+    done: StdCell<usize>,
+    case: RefCell<String>,
+    last: StdCell<Option<Instant>>,
+    /// Whether a progress line is on the terminal now.
+    shown: StdCell<bool>,
+}
+
+impl Progress {
+    const EVERY: Duration = Duration::from_millis(200);
+
+    /// Progress for `rank`: on for rank 0 when stderr is a terminal.
+    pub(crate) fn new(rank: usize) -> Self {
+        let on = rank == 0 && std::io::stderr().is_terminal();
+        Self { on, ..Self::off() }
+    }
+
+    /// No progress at all.
+    pub(crate) fn off() -> Self {
+        Self {
+            on: false,
+            start: Instant::now(),
+            total: StdCell::new(0),
+            done: StdCell::new(0),
+            case: RefCell::new(String::new()),
+            last: StdCell::new(None),
+            shown: StdCell::new(false),
+        }
+    }
+
+    /// Announces how many cases the run will measure.
+    pub(crate) fn plan(&self, total: usize) {
+        self.total.set(total);
+    }
+
+    /// A new case starts (the previous one, if any, is done).
+    pub(crate) fn case(&self, label: String) {
+        if !self.case.borrow().is_empty() {
+            self.done.set(self.done.get() + 1);
+        }
+        *self.case.borrow_mut() = label;
+        self.last.set(None);
+        self.tick(0, 0);
+    }
+
+    /// Iteration `i` of `n` of the current case is done.
+    pub(crate) fn tick(&self, i: usize, n: usize) {
+        if !self.on || self.last.get().is_some_and(|t| t.elapsed() < Self::EVERY) {
+            return;
+        }
+        self.last.set(Some(Instant::now()));
+        let (done, total) = (self.done.get(), self.total.get().max(1));
+        let elapsed = self.start.elapsed().as_secs_f64();
+        let left = if done > 0 {
+            format!(
+                ", ~{:.0} s left",
+                elapsed / done as f64 * (total - done.min(total)) as f64
+            )
+        } else {
+            String::new()
+        };
+        let iters = if n > 0 {
+            format!(" iter {i}/{n}")
+        } else {
+            String::new()
+        };
+        eprint!(
+            "\r\x1b[K[{done}/{total}] {}{iters}, {elapsed:.1} s{left}",
+            self.case.borrow()
+        );
+        self.shown.set(true);
+    }
+
+    /// Clears the progress line.
+    pub(crate) fn finish(&self) {
+        if self.shown.replace(false) {
+            eprint!("\r\x1b[K");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_lines_start_with_a_hash_inside_the_first_column() {
+        let columns = [col::size(6), col::time("t", 5)];
+        let h = header("x", &columns);
+        assert_eq!(h[2], "# size     t");
+        let row = Row::new("t", "c", "v", 64, 0, vec![1500]).unwrap();
+        assert_eq!(row_line(&columns, &row, None), "    64 1.500");
+    }
+}

@@ -1,7 +1,7 @@
 //! `tpcomm-bench gpu`: the CUDA backend of the custom all-reduce on one GPU, captured into
 //! CUDA graphs and replayed, before and after a suspend/resume, with NCCL as the reference.
 //!
-//! Ranks are threads of this process sharing one device ([`CudaMemory::same_process`]:
+//! Ranks are threads of this process sharing one device (`CudaMemory::same_process`:
 //! every rank opens its peers' buffers as aliases, and `CudaOptions::ranks_per_device` gives
 //! each rank's launch an equal share of the multiprocessors, so that every rank's blocks are
 //! resident at once). Per world size (2, 4, 8) and forced algorithm (`Config::algorithm`):

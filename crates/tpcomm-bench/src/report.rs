@@ -71,7 +71,7 @@ fn write_error(path: &Path) -> impl Fn(std::io::Error) -> BenchError + '_ {
 }
 
 /// Fails now, rather than after the whole run, when `path` cannot be written: creates (and
-/// removes) the temporary file [`write`] will use.
+/// removes) the temporary file [`write()`] will use.
 pub(crate) fn check_writable(path: &Path) -> Result<(), BenchError> {
     let tmp = tmp_path(path);
     std::fs::File::create(&tmp).map_err(write_error(path))?;

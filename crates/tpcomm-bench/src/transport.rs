@@ -9,10 +9,12 @@
 //! Per size: the data is verified once per path (outside timing; every rank learns whether
 //! any rank saw wrong bytes), then the harness warms up and times. Sizes follow nccl-tests:
 //! all-gather and gather count the bytes gathered in total, all-to-all the bytes each rank
-//! sends, broadcast the buffer.
+//! sends, broadcast the buffer, all-reduce the f32 vector each rank reduces (summed, with
+//! small integers so that every order of summation gives the same exact result).
 
 use clap::{Args, ValueEnum};
 use serde::Serialize;
+use tpcomm::transport::ReduceOp;
 use tpcomm::transport::{dense_displacements, GatherRecv, Layout};
 use tpcomm::Communicator;
 
@@ -51,17 +53,21 @@ pub(crate) enum TransportOp {
     /// Varcount all-to-all (alltoallv), equal blocks.
     #[value(name = "all_to_all_varcount")]
     AllToAllVarcount,
+    /// Numeric all-reduce of f32, summed (`Communicator::all_reduce`).
+    #[value(name = "all_reduce")]
+    AllReduce,
 }
 
 impl TransportOp {
     /// Every operation, in the default order of `--ops`.
     #[cfg(test)]
-    pub(crate) const ALL: [TransportOp; 5] = [
+    pub(crate) const ALL: [TransportOp; 6] = [
         TransportOp::AllGather,
         TransportOp::AllGatherVarcount,
         TransportOp::GatherVarcount,
         TransportOp::Broadcast,
         TransportOp::AllToAllVarcount,
+        TransportOp::AllReduce,
     ];
 
     fn name(self) -> &'static str {
@@ -71,6 +77,7 @@ impl TransportOp {
             TransportOp::GatherVarcount => "gather_varcount",
             TransportOp::Broadcast => "broadcast",
             TransportOp::AllToAllVarcount => "all_to_all_varcount",
+            TransportOp::AllReduce => "all_reduce",
         }
     }
 
@@ -84,6 +91,7 @@ impl TransportOp {
     fn bus(self) -> Bus {
         match self {
             TransportOp::Broadcast => Bus::Same,
+            TransportOp::AllReduce => Bus::AllReduce,
             _ => Bus::AllButOwnShare,
         }
     }
@@ -101,6 +109,9 @@ impl TransportOp {
             TransportOp::AllToAllVarcount => {
                 "size = bytes each rank sends (n equal blocks); busbw = algbw * (n-1)/n"
             }
+            TransportOp::AllReduce => {
+                "size = bytes of the f32 vector each rank reduces (sum); busbw = algbw * 2(n-1)/n"
+            }
         }
     }
 }
@@ -117,7 +128,7 @@ pub(crate) struct TransportArgs {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "all_gather,all_gather_varcount,gather_varcount,broadcast,all_to_all_varcount",
+        default_value = "all_gather,all_gather_varcount,gather_varcount,broadcast,all_to_all_varcount,all_reduce",
         value_name = "OPS"
     )]
     pub(crate) ops: Vec<TransportOp>,
@@ -265,8 +276,8 @@ impl PerRank for TransportJob<'_> {
                         )?;
                         Some(
                             row.bus(op.bus(), comm.size())
-                                .with("count", bytes)
-                                .with("type", "uint8")
+                                .with("count", case.count())
+                                .with("type", case.type_name())
                                 .with("root", op.root()),
                         )
                     })
@@ -325,6 +336,9 @@ struct Case {
     send_counts: Vec<usize>,
     send_displs: Vec<usize>,
     mpi_counts: [Vec<i32>; 4],
+    /// All-reduce's input and output (the byte buffers are empty then).
+    send_f32: Vec<f32>,
+    recv_f32: Vec<f32>,
 }
 
 impl Case {
@@ -339,6 +353,27 @@ impl Case {
         let overflow =
             || BenchError::Usage(format!("{requested} bytes over {size} ranks overflows"));
         let block = requested / size;
+        if op == TransportOp::AllReduce {
+            let elements = requested / std::mem::size_of::<f32>();
+            if elements == 0 {
+                return Ok(None);
+            }
+            return Ok(Some(Self {
+                op,
+                rank,
+                size,
+                bytes: elements * std::mem::size_of::<f32>(),
+                send: Vec::new(),
+                recv: Vec::new(),
+                counts: Vec::new(),
+                displs: Vec::new(),
+                send_counts: Vec::new(),
+                send_displs: Vec::new(),
+                mpi_counts: Default::default(),
+                send_f32: vec![0.0; elements],
+                recv_f32: vec![0.0; elements],
+            }));
+        }
         let (bytes, send_len, recv_len, counts) = match op {
             TransportOp::AllGather | TransportOp::AllToAllVarcount => {
                 if block == 0 {
@@ -362,6 +397,7 @@ impl Case {
                 (requested, counts[rank], recv_len, counts)
             }
             TransportOp::Broadcast => (requested, 0, requested, Vec::new()),
+            TransportOp::AllReduce => unreachable!("handled above"),
         };
         let (displs, _) = dense_displacements(&counts).ok_or_else(overflow)?;
         // With equal blocks, the receive layout of all-to-all is its send layout too.
@@ -392,7 +428,25 @@ impl Case {
             displs,
             send_counts,
             send_displs,
+            send_f32: Vec::new(),
+            recv_f32: Vec::new(),
         }))
+    }
+
+    /// Elements per rank, for the table's `count` column.
+    fn count(&self) -> usize {
+        match self.op {
+            TransportOp::AllReduce => self.send_f32.len(),
+            _ => self.bytes,
+        }
+    }
+
+    /// The element type, for the table's `type` column.
+    fn type_name(&self) -> &'static str {
+        match self.op {
+            TransportOp::AllReduce => "float",
+            _ => "uint8",
+        }
     }
 
     /// Runs the operation once: through tpcomm (`path` 0) or as the plain MPI call (1).
@@ -430,6 +484,10 @@ impl Case {
                     counts,
                     displs,
                 },
+                TransportOp::AllReduce => MpiCall::AllReduceSum {
+                    input: &self.send_f32,
+                    output: &mut self.recv_f32,
+                },
             });
             return Ok(());
         }
@@ -459,6 +517,9 @@ impl Case {
                     displs: &self.displs,
                 },
             )?,
+            TransportOp::AllReduce => {
+                comm.all_reduce(&self.send_f32, &mut self.recv_f32, ReduceOp::Sum)?
+            }
         }
         Ok(())
     }
@@ -466,6 +527,13 @@ impl Case {
     /// Fills the buffers with fresh data for a verification run: the send buffer (and the
     /// root's broadcast buffer) with this rank's pattern, the rest with garbage.
     fn fill(&mut self, salt: u64) {
+        if self.op == TransportOp::AllReduce {
+            for (i, x) in self.send_f32.iter_mut().enumerate() {
+                *x = small_integer(self.rank, salt, i);
+            }
+            self.recv_f32.fill(f32::NAN);
+            return;
+        }
         pattern(&mut self.send, self.rank, salt, 0);
         let garbage_salt = !salt;
         if self.op == TransportOp::Broadcast && self.rank == ROOT {
@@ -496,6 +564,20 @@ impl Case {
                 .then(|| format!("receive buffer of {} bytes, need {len}", self.recv.len()))
         };
         match self.op {
+            TransportOp::AllReduce => {
+                if self.recv_f32.len() != self.send_f32.len() {
+                    return Some(format!(
+                        "{} elements received, {} sent",
+                        self.recv_f32.len(),
+                        self.send_f32.len()
+                    ));
+                }
+                self.recv_f32.iter().enumerate().find_map(|(i, &got)| {
+                    let want: f32 = (0..self.size).map(|r| small_integer(r, salt, i)).sum();
+                    (got.to_bits() != want.to_bits())
+                        .then(|| format!("element {i} is {got}, expected {want}"))
+                })
+            }
             TransportOp::GatherVarcount if self.rank != ROOT => None,
             TransportOp::Broadcast => region(ROOT, 0, 0, self.recv.len()),
             TransportOp::AllGather
@@ -512,6 +594,12 @@ impl Case {
             }),
         }
     }
+}
+
+/// Element `i` of rank `rank`'s all-reduce input: an integer below 1024, so that sums over
+/// up to 2^14 ranks are exact in f32 whatever the order.
+fn small_integer(rank: usize, salt: u64, i: usize) -> f32 {
+    (splitmix64(salt ^ ((rank as u64) << 48) ^ i as u64) % 1024) as f32
 }
 
 /// Splits `total` into `parts` counts differing by at most one, larger ones first.
@@ -571,6 +659,27 @@ mod tests {
         assert!(Case::new(TransportOp::AllGatherVarcount, 3, 0, 4)
             .unwrap()
             .is_some());
+    }
+
+    #[test]
+    fn an_all_reduce_case_checks_the_exact_sum_of_every_rank() {
+        // One rank: the sum is its own input.
+        let mut case = Case::new(TransportOp::AllReduce, 64, 0, 1)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (case.bytes, case.count(), case.type_name()),
+            (64, 16, "float")
+        );
+        case.fill(9);
+        assert!(case.check(9).is_some(), "NaN output must not pass");
+        case.recv_f32 = case.send_f32.clone();
+        assert_eq!(case.check(9), None);
+        case.recv_f32[3] += 1.0;
+        assert!(case.check(9).unwrap().starts_with("element 3"));
+        assert!(Case::new(TransportOp::AllReduce, 3, 0, 2)
+            .unwrap()
+            .is_none());
     }
 
     #[test]

@@ -143,6 +143,34 @@ pub fn mpi_program(
     }
 }
 
+/// Prints the reports of an MPI program the way xtask counts them: on rank 0 one line per
+/// case, `case NAME ... ok` or `case NAME ... FAILED: detail`, then `PROGRAM (N ranks): N
+/// passed, N failed`; other ranks print their own failures to stderr. True when every case
+/// passed.
+pub fn print_reports<C: Communicator>(program: &str, comm: &C, reports: &[CaseReport]) -> bool {
+    let failed = reports.iter().filter(|r| !r.passed).count();
+    if comm.rank() == 0 {
+        for r in reports {
+            if r.passed {
+                println!("case {} ... ok", r.name);
+            } else {
+                println!("case {} ... FAILED: {}", r.name, r.detail);
+            }
+        }
+        println!(
+            "{program} ({} ranks): {} passed, {} failed",
+            comm.size(),
+            reports.len() - failed,
+            failed
+        );
+    } else {
+        for r in reports.iter().filter(|r| !r.passed) {
+            eprintln!("rank {}: case {} failed: {}", comm.rank(), r.name, r.detail);
+        }
+    }
+    failed == 0
+}
+
 /// A named case: run collectively by every rank.
 type Case<C> = (&'static str, fn(&C) -> CaseResult);
 

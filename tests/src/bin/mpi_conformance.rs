@@ -6,33 +6,12 @@
 
 use std::process::ExitCode;
 
-use tpcomm::transport::Communicator;
 use tpcomm_conformance::run_all;
 
 fn main() -> ExitCode {
     tpcomm_conformance::mpi_program("mpi-conformance", |comm| {
         let mut reports = run_all(comm);
         reports.extend(tpcomm_conformance::mpi_cases::run_mpi_cases(comm));
-        let failed = reports.iter().filter(|r| !r.passed).count();
-        if comm.rank() == 0 {
-            for r in &reports {
-                if r.passed {
-                    println!("case {} ... ok", r.name);
-                } else {
-                    println!("case {} ... FAILED: {}", r.name, r.detail);
-                }
-            }
-            println!(
-                "mpi-conformance ({} ranks): {} passed, {} failed",
-                comm.size(),
-                reports.len() - failed,
-                failed
-            );
-        } else {
-            for r in reports.iter().filter(|r| !r.passed) {
-                eprintln!("rank {}: case {} failed: {}", comm.rank(), r.name, r.detail);
-            }
-        }
-        failed == 0
+        tpcomm_conformance::print_reports("mpi-conformance", comm, &reports)
     })
 }

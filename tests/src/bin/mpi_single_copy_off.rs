@@ -8,33 +8,13 @@
 
 use std::process::ExitCode;
 
-use tpcomm::transport::{Communicator, MpiCommunicator};
+use tpcomm::transport::MpiCommunicator;
 use tpcomm_conformance::mpi_cases::run_single_copy_off_cases;
 
 fn main() -> ExitCode {
     let disabled = MpiCommunicator::disable_single_copy_before_init();
     tpcomm_conformance::mpi_program("mpi-single-copy-off", |comm| {
         let reports = run_single_copy_off_cases(comm, &disabled);
-        let failed = reports.iter().filter(|r| !r.passed).count();
-        if comm.rank() == 0 {
-            for r in &reports {
-                if r.passed {
-                    println!("case {} ... ok", r.name);
-                } else {
-                    println!("case {} ... FAILED: {}", r.name, r.detail);
-                }
-            }
-            println!(
-                "mpi-single-copy-off ({} ranks): {} passed, {} failed",
-                comm.size(),
-                reports.len() - failed,
-                failed
-            );
-        } else {
-            for r in reports.iter().filter(|r| !r.passed) {
-                eprintln!("rank {}: case {} failed: {}", comm.rank(), r.name, r.detail);
-            }
-        }
-        failed == 0
+        tpcomm_conformance::print_reports("mpi-single-copy-off", comm, &reports)
     })
 }

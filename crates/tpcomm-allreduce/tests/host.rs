@@ -354,7 +354,19 @@ fn with_fault(point: FaultPoint, during_resume: bool) -> Vec<(R<()>, R<()>, Phas
 }
 
 fn is_injected(e: &AllReduceError) -> bool {
-    format!("{e}").contains("injected fault")
+    chain(e).contains("injected fault")
+}
+
+/// `e` and every error below it (`source()`), joined: what a chain printer shows.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        next = s.source();
+    }
+    text
 }
 
 #[test]

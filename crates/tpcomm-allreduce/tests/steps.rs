@@ -20,6 +20,18 @@ fn new_ar(comm: &LocalCommunicator, config: Config) -> R<CustomAllReduce<HostBac
     CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, config)
 }
 
+/// `e` and every error below it (`source()`), joined: what a chain printer shows.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        next = s.source();
+    }
+    text
+}
+
 /// The setup: a close fault on rank 0 during the suspend. Rank 0 ends Failed, rank 1
 /// Suspended (fail-fast, no voting).
 fn suspend_with_close_fault_on_rank_0(comm: &LocalCommunicator) -> Faulty {
@@ -29,7 +41,7 @@ fn suspend_with_close_fault_on_rank_0(comm: &LocalCommunicator) -> Faulty {
     if comm.rank() == 0 {
         mem.arm(FaultPoint::Close, 1);
         let e = ar.prepare_for_suspend(comm).unwrap_err();
-        assert!(e.to_string().contains("injected fault"), "{e}");
+        assert!(chain(&e).contains("injected fault"), "{}", chain(&e));
         assert_eq!(ar.phase(), Phase::Failed);
     } else {
         ar.prepare_for_suspend(comm).expect("rank 1 suspends");
@@ -93,7 +105,7 @@ fn a_resume_paired_with_a_peers_unrelated_collective_names_the_rank_and_the_step
             assert_eq!(rank, 0);
             assert_eq!(expected.step, Step::Reopen);
             assert_eq!(found, None, "rank 0 is in no tagged step");
-            let message = e.to_string();
+            let message = chain(&e);
             assert!(
                 message.contains("rank 0 is in a collective that is not a tagged tpcomm step")
                     && message.contains("PeerMappings::reopen_all"),
@@ -189,7 +201,7 @@ fn close_with_frees_nothing_before_a_slower_peer_is_done_reading() {
         } else {
             // Reads rank 0's Signal block (and would read its staging) until the timeout.
             let e = ar.all_reduce(&[1f32; 64], &mut [0f32; 64]).unwrap_err();
-            assert!(e.to_string().contains("rank 0 never arrived"), "{e}");
+            assert!(chain(&e).contains("rank 0 never arrived"), "{}", chain(&e));
             done_reading.store(true, Ordering::SeqCst);
             ar.close_with(&comm)?;
         }

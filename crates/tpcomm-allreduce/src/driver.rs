@@ -1031,11 +1031,84 @@ impl<B: Backend> CustomAllReduce<B> {
             self.captured[slot] = true;
             return Ok(slot);
         }
+        self.pending_slot(Region { addr, len: bytes })
+    }
+
+    /// The next free slot, pending until `register_graph_buffers` exports `region` (this
+    /// rank's entry of the slot) with every rank's region of the same call.
+    fn pending_slot(&mut self, region: Region) -> Result<usize> {
         let slot = self.free_slot()?;
         self.captured[slot] = true;
         self.slots[slot] = Some(SlotSource::Pending);
-        self.pending.push((slot, Region { addr, len: bytes }));
+        self.pending.push((slot, region));
         Ok(slot)
+    }
+
+    /// The all-reduce of a caller's device memory that is not a buffer of the backend's
+    /// peer memory (cudarc views on CUDA): `input_addr` holds `count` elements of `dtype`
+    /// (the caller's view says so), `out` is the caller's output, already checked to hold
+    /// them and to be aligned.
+    ///
+    /// - a registered buffer at `input_addr`: zero-copy through its slot;
+    /// - while the backend records a graph: the call takes the next free slot (one per
+    ///   call, in lockstep with every rank). When `shareable()` says this rank's input can
+    ///   be exported to peers, the slot names the input (zero-copy); otherwise the
+    ///   staging copy (`stage`) is recorded into the graph and the slot names this rank's
+    ///   staging buffer. Either way every rank's `k`-th call reads slot `k`, and
+    ///   `register_graph_buffers` fills it from whatever each rank exported;
+    /// - eager: `stage` copies the input into the staging buffer (stream-ordered), slot 0.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn all_reduce_external(
+        &mut self,
+        call: &'static str,
+        input_addr: u64,
+        shareable: impl FnOnce() -> Result<bool>,
+        stage: impl FnOnce(&B, &Buffer<B>, usize) -> Result<()>,
+        out: u64,
+        dtype: DType,
+        count: usize,
+    ) -> Result<Algorithm> {
+        self.lifecycle.check_operation(call)?;
+        let bytes = count
+            .checked_mul(dtype.size())
+            .ok_or_else(|| AllReduceError::InvalidArgument(format!("{count} elements overflow")))?;
+        let algorithm = self.choose(dtype, bytes)?;
+        let recording = self.backend.capturing()?;
+        let (slot, staged) = match self.slot_of(input_addr, bytes) {
+            Some(slot) => {
+                if recording {
+                    self.captured[slot] = true;
+                }
+                (slot, false)
+            }
+            None if recording => {
+                if shareable()? {
+                    (self.pending_slot(Region { addr: input_addr, len: bytes })?, false)
+                } else {
+                    let staging = self.resources(call)?.staging.addr();
+                    (self.pending_slot(Region { addr: staging, len: bytes })?, true)
+                }
+            }
+            None => (0, true),
+        };
+        if staged {
+            let res = self.resources(call)?;
+            if let Err(e) = stage(&self.backend, &res.staging, bytes) {
+                return Err(self.lifecycle.fail(call, e));
+            }
+        } else {
+            check_no_alias(algorithm, input_addr, out, bytes)?;
+        }
+        tracing::trace!(
+            rank = self.rank,
+            slot,
+            staged,
+            recording,
+            "all-reduce of caller memory"
+        );
+        self.launch_slot(call, slot, dtype, count, algorithm, out, recording)?;
+        Ok(algorithm)
     }
 
     /// All-reduce of the first `count` elements of `input` into `output`, both buffers of

@@ -24,7 +24,7 @@ mod fallback;
 pub mod lifecycle;
 
 #[cfg(feature = "cuda")]
-pub use backend::cuda::{CudaBackend, CudaOptions, DeviceGraph};
+pub use backend::cuda::{CaptureMark, CudaBackend, CudaOptions, DeviceGraph};
 pub use backend::host::HostBackend;
 pub use backend::Backend;
 pub use dispatch::{Algorithm, FallbackReason};

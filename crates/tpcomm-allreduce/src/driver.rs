@@ -1084,10 +1084,22 @@ impl<B: Backend> CustomAllReduce<B> {
             }
             None if recording => {
                 if shareable()? {
-                    (self.pending_slot(Region { addr: input_addr, len: bytes })?, false)
+                    (
+                        self.pending_slot(Region {
+                            addr: input_addr,
+                            len: bytes,
+                        })?,
+                        false,
+                    )
                 } else {
                     let staging = self.resources(call)?.staging.addr();
-                    (self.pending_slot(Region { addr: staging, len: bytes })?, true)
+                    (
+                        self.pending_slot(Region {
+                            addr: staging,
+                            len: bytes,
+                        })?,
+                        true,
+                    )
                 }
             }
             None => (0, true),
@@ -1500,3 +1512,6 @@ fn fresh_nonce(rank: usize) -> u64 {
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     (z ^ (z >> 31)) | 1
 }
+
+#[cfg(test)]
+mod engine_capture;

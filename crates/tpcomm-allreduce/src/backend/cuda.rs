@@ -34,7 +34,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{sys, CudaContext, CudaGraph, CudaStream, DevicePtr, DevicePtrMut, DriverError};
+use cudarc::driver::{
+    sys, CudaContext, CudaGraph, CudaStream, DevicePtr, DevicePtrMut, DriverError,
+};
 use tpcomm_ipc::backend::cuda::result as cu;
 use tpcomm_ipc::{CudaBuffer, CudaMemory, MemoryRegion, PeerMemory};
 use tpcomm_kernels as kernels;
@@ -499,7 +501,10 @@ const PACK_BYTES: usize = 16;
 /// legacy IPC cannot export, with the reason traced.
 fn shareable_input(memory: &CudaMemory, addr: u64, bytes: usize) -> Result<bool> {
     if !addr.is_multiple_of(PACK_BYTES as u64) {
-        tracing::debug!(addr, "captured input is not 16-byte aligned: its staging copy is captured");
+        tracing::debug!(
+            addr,
+            "captured input is not 16-byte aligned: its staging copy is captured"
+        );
         return Ok(false);
     }
     match memory.check_exportable(addr, bytes) {
@@ -1108,6 +1113,23 @@ mod tests {
             device_error(0x1234, [0; 2], 0, Duration::ZERO),
             Some(AllReduceError::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn a_callers_stream_must_be_in_the_devices_primary_context() {
+        assert!(check_stream_context(1, 0x10, 0x10, 1).is_ok());
+        match check_stream_context(1, 0x10, 0x20, 1) {
+            Err(AllReduceError::ForeignStream { device: 1, found }) => {
+                assert!(found.contains("not its primary context"), "{found}")
+            }
+            other => panic!("{other:?}"),
+        }
+        match check_stream_context(1, 0x10, 0x20, 3) {
+            Err(AllReduceError::ForeignStream { device: 1, found }) => {
+                assert_eq!(found, "device 3")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

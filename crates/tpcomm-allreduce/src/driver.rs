@@ -69,8 +69,8 @@ impl Config {
         bytes: usize,
         world: usize,
     ) -> Result<Algorithm> {
-        let chosen =
-            dispatch::choose(bytes, world, self.max_bytes).map_err(AllReduceError::Fallback)?;
+        let chosen = dispatch::choose_with(backend.one_stage_table(), bytes, world, self.max_bytes)
+            .map_err(AllReduceError::Fallback)?;
         let algorithm = self.algorithm.unwrap_or(chosen);
         backend
             .supports(world, dtype, bytes, algorithm)

@@ -741,6 +741,11 @@ impl Backend for CudaBackend {
         false
     }
 
+    /// vLLM's cut-offs measured on NVLink ([`crate::dispatch::CUDA_ONE_STAGE_MAX_BYTES`]).
+    fn one_stage_table(&self) -> &'static [usize; crate::dispatch::MAX_RANKS + 1] {
+        &crate::dispatch::CUDA_ONE_STAGE_MAX_BYTES
+    }
+
     fn write_table(
         &self,
         _memory: &CudaMemory,
@@ -1113,6 +1118,12 @@ mod tests {
             device_error(0x1234, [0; 2], 0, Duration::ZERO),
             Some(AllReduceError::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn device_graphs_can_move_to_another_thread() {
+        fn send<T: Send>() {}
+        send::<DeviceGraph>();
     }
 
     #[test]

@@ -102,6 +102,14 @@ pub trait Backend: Send + Sync + Debug + 'static {
         Ok(())
     }
 
+    /// Sizes up to this many bytes use one-stage on `world` ranks (the dispatch table of
+    /// this backend's hardware): the host backend's measurements
+    /// ([`dispatch::ONE_STAGE_MAX_BYTES`](crate::dispatch::ONE_STAGE_MAX_BYTES)) by default.
+    /// Pure: every rank of a group (same backend, agreed in `new`) picks the same algorithm.
+    fn one_stage_table(&self) -> &'static [usize; crate::dispatch::MAX_RANKS + 1] {
+        &crate::dispatch::ONE_STAGE_MAX_BYTES
+    }
+
     /// True when the eager and registered entry points that take host slices
     /// ([`all_reduce`](crate::CustomAllReduce::all_reduce),
     /// [`all_reduce_registered`](crate::CustomAllReduce::all_reduce_registered)) can write

@@ -104,6 +104,7 @@ pub mod result {
         "cuIpcCloseMemHandle",
         "cuMemcpyHtoD_v2",
         "cuMemcpyDtoH_v2",
+        "cuCtxEnablePeerAccess",
     ];
 
     fn try_load() -> std::result::Result<(), String> {
@@ -391,6 +392,22 @@ pub mod result {
                 CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
                 ptr,
             )
+        }
+    }
+
+    /// `cuCtxEnablePeerAccess(peer, 0)` from the current context: `Ok(true)` when access
+    /// was enabled now, `Ok(false)` when it was enabled before
+    /// (`CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED` is not a failure).
+    ///
+    /// # Safety
+    /// `peer` is a live context (retained by the caller) of another device.
+    pub unsafe fn ctx_enable_peer_access(peer: CUcontext) -> Result<bool> {
+        load()?;
+        // SAFETY: `peer` is live (caller's contract); no pointers are written.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer, 0) } {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(false),
+            code => Err(error("cuCtxEnablePeerAccess", code)),
         }
     }
 
@@ -851,6 +868,11 @@ impl CudaMemory {
                 )))
             }
         }
+        let owner = result::pointer_device_ordinal(base)?;
+        match alias_access(self.ctx.ordinal, h.device, owner)? {
+            AliasAccess::SameDevice => {}
+            AliasAccess::Peer(device) => self.enable_peer_access(device)?,
+        }
         Ok(CudaMapping {
             key: (h.ipc, self.ctx.ordinal),
             base,
@@ -860,6 +882,37 @@ impl CudaMemory {
             released: false,
             alias: true,
         })
+    }
+
+    /// Lets this backend's context read and write device `peer`'s memory (ranks that are
+    /// threads of one process on several GPUs: kernels of this device read a peer's
+    /// aliases). Enabling twice is fine; a refusal (no P2P between the devices, too many
+    /// peers) is [`IpcError::PeerAccess`] with the driver's error.
+    pub fn enable_peer_access(&self, peer: i32) -> Result<()> {
+        let fail = |cause: IpcError| IpcError::PeerAccess {
+            device: self.ctx.ordinal,
+            peer_device: peer,
+            cause: Box::new(cause),
+        };
+        let device = result::device_get(peer).map_err(fail)?;
+        let peer_ctx = result::primary_ctx_retain(device).map_err(fail)?;
+        let enabled = self.ctx.make_current().and_then(|()| {
+            // SAFETY: `peer_ctx` is retained until the release below.
+            unsafe { result::ctx_enable_peer_access(peer_ctx) }
+        });
+        // SAFETY: balances the retain above; the peer access, once enabled, belongs to the
+        // contexts, and the peer's own CudaMemory keeps its context alive.
+        if let Err(e) = unsafe { result::primary_ctx_release(device) } {
+            tracing::warn!(error = %e, device = peer, "releasing a peer's primary context failed");
+        }
+        let now = enabled.map_err(fail)?;
+        tracing::debug!(
+            device = self.ctx.ordinal,
+            peer,
+            newly = now,
+            "peer access enabled"
+        );
+        Ok(())
     }
 
     /// The device ordinal this backend allocates on and opens into.
@@ -888,6 +941,34 @@ impl CudaMemory {
             Err(e) => Err(e),
         }
     }
+}
+
+/// How a same-process alias reaches its allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AliasAccess {
+    /// The allocation is on the importer's own device.
+    SameDevice,
+    /// The allocation is on this other device: the importer's context needs peer access.
+    Peer(i32),
+}
+
+/// Checks a same-process alias against its device: `handle_device` is the device the
+/// handle says (the exporter's), `owner_device` the one the allocation at its address is
+/// on now (`CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`), `own_device` the importer's. An
+/// allocation on another device than the handle says (freed and replaced) is
+/// [`IpcError::InvalidHandle`]; on another device than the importer's, it needs peer access.
+pub fn alias_access(own_device: i32, handle_device: i32, owner_device: i32) -> Result<AliasAccess> {
+    if owner_device != handle_device {
+        return Err(IpcError::InvalidHandle(format!(
+            "the handle names an allocation of device {handle_device}, but the memory at its \
+             address is on device {owner_device}"
+        )));
+    }
+    Ok(if owner_device == own_device {
+        AliasAccess::SameDevice
+    } else {
+        AliasAccess::Peer(owner_device)
+    })
 }
 
 /// A reservation of device virtual addresses (`cuMemAddressReserve` at a fixed address),
@@ -1201,5 +1282,34 @@ impl PeerMemory for CudaMemory {
         self.check_device_memory(region.addr(), region.len())?;
         // SAFETY: as in `write`.
         unsafe { result::memcpy_dtoh(dst, region.addr() + offset as u64) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_alias_on_the_importers_device_needs_nothing() {
+        assert_eq!(alias_access(0, 0, 0).unwrap(), AliasAccess::SameDevice);
+    }
+
+    #[test]
+    fn an_alias_on_another_device_needs_peer_access_to_it() {
+        assert_eq!(alias_access(0, 3, 3).unwrap(), AliasAccess::Peer(3));
+        assert_eq!(alias_access(2, 1, 1).unwrap(), AliasAccess::Peer(1));
+    }
+
+    #[test]
+    fn an_alias_whose_memory_moved_to_another_device_is_refused() {
+        match alias_access(0, 1, 2) {
+            Err(IpcError::InvalidHandle(why)) => {
+                assert!(
+                    why.contains("device 1") && why.contains("device 2"),
+                    "{why}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

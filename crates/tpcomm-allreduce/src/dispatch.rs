@@ -58,6 +58,18 @@ pub enum FallbackReason {
         /// The peer.
         peer: usize,
     },
+    /// More than 2 ranks whose GPUs are not all NVLink-connected: over PCIe the kernels are
+    /// slower than NCCL (`crate::topology`).
+    NotNvLinked {
+        /// One rank of the first pair that is not NVLink-connected.
+        rank: usize,
+        /// The other.
+        peer: usize,
+        /// How they are connected.
+        link: crate::topology::Link,
+    },
+    /// The topology check is off (`CudaOptions::topology`): the kernels never run.
+    TopologyOff,
     /// The backend has no launch for this request (the CUDA kernels serve world sizes 2,
     /// 4, 6 and 8).
     NoKernel {
@@ -84,6 +96,14 @@ impl fmt::Display for FallbackReason {
                 "rank {rank}'s device cannot access rank {peer}'s device memory (no P2P)"
             ),
             FallbackReason::NoKernel { reason } => write!(f, "no custom kernel: {reason}"),
+            FallbackReason::NotNvLinked { rank, peer, link } => write!(
+                f,
+                "ranks {rank} and {peer} are connected by {link}, not NVLink (more than 2 ranks \
+                 need every pair on NVLink)"
+            ),
+            FallbackReason::TopologyOff => {
+                f.write_str("the custom kernels are turned off (CudaOptions::topology)")
+            }
         }
     }
 }

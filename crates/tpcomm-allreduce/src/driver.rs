@@ -494,6 +494,11 @@ impl<B: Backend> CustomAllReduce<B> {
         // Nobody launches before every rank's tables are written; a rank that could not
         // write them still joins, and every rank fails together.
         let written = ar.write_tables();
+        let written = if ar.backend.prove_at_creation() {
+            ar.prove_at_creation(comm, written)?
+        } else {
+            written
+        };
         let res = ar.res.as_mut().expect("just created");
         let ready: Vec<Option<String>> = res.peers.agree(
             comm,
@@ -1368,6 +1373,49 @@ impl<B: Backend> CustomAllReduce<B> {
         res.peers.agree(comm, tpcomm_ipc::Step::ResumeProved, &())?;
         prepared?;
         proof
+    }
+
+    /// The one-time P2P data test of creation ([`Backend::prove_at_creation`]): after
+    /// `prior` (this rank's table writes), each rank writes a fresh nonce into its Signal
+    /// block, the nonces are all-gathered (tagged [`Step::CreateNonces`](tpcomm_ipc::Step)),
+    /// and each rank reads every peer's through its mapping. Returns this rank's outcome (for
+    /// the `Ready` step, which fails every rank together); `Err` only when the exchange
+    /// itself failed.
+    fn prove_at_creation<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &C,
+        prior: Result<()>,
+    ) -> Result<Result<()>> {
+        let nonce = prior.and_then(|()| {
+            let res = self.resources("new")?;
+            let nonce = fresh_nonce(self.rank);
+            self.backend.write_table(
+                res.peers.backend(),
+                &res.signal,
+                self.backend.nonce_offset(),
+                &nonce.to_le_bytes(),
+            )?;
+            Ok(nonce)
+        });
+        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+            call: "new",
+            phase: Phase::Closed,
+        })?;
+        let nonces: Vec<Option<u64>> = res.peers.agree(
+            comm,
+            tpcomm_ipc::Step::CreateNonces,
+            &nonce.as_ref().ok().copied(),
+        )?;
+        let proof = match &nonce {
+            Ok(_) => self.prove(&nonces),
+            Err(_) => Ok(()),
+        };
+        tracing::debug!(
+            rank = self.rank,
+            passed = proof.is_ok(),
+            "peer-to-peer data test of the new mappings"
+        );
+        Ok(nonce.map(drop).and(proof))
     }
 
     /// Reads every peer's announced nonce through the new mapping of its Signal block.

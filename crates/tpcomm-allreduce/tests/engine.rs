@@ -249,3 +249,50 @@ fn device_all_reduce_routes_to_nccl_inside_the_engines_capture() {
         r.unwrap().unwrap();
     }
 }
+
+#[test]
+fn ranks_as_threads_on_every_visible_gpu_reduce_through_peer_access() {
+    // One rank per GPU where there are two or more (each context is given access to the
+    // other's memory, aliases checked against their device); both ranks on GPU 0 otherwise.
+    if !gpu() {
+        return;
+    }
+    let devices = drv("device_count", CudaContext::device_count())
+        .unwrap()
+        .max(1) as usize;
+    let world: usize = 2;
+    let per_device = world.div_ceil(devices.min(world));
+    eprintln!("{devices} visible GPU(s): {per_device} rank(s) per GPU");
+    let results = group(world).run(|comm| -> R<String> {
+        let ordinal = comm.rank() % devices;
+        let ctx = drv("CudaContext::new", CudaContext::new(ordinal))?;
+        // SAFETY: one stream on this context handle (see engine_stream).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = drv("new_stream", ctx.new_stream())?;
+        let memory = CudaMemory::same_process(ordinal as i32)?;
+        let options = CudaOptions {
+            ranks_per_device: per_device,
+            ..CudaOptions::default()
+        };
+        let backend = CudaBackend::with_stream(&comm, &memory, options, stream.clone())?;
+        let reason = backend.topology().reason.clone();
+        let mut ar = CustomAllReduce::new(backend, memory, &comm, Config::default())?;
+        let x = drv(
+            "clone_htod",
+            stream.clone_htod(&vec![comm.rank() as f32 + 1.0; 4096]),
+        )?;
+        let mut y = drv("alloc_zeros", stream.alloc_zeros::<f32>(4096))?;
+        ar.all_reduce_device(&x, &mut y)?;
+        ar.synchronize()?;
+        expect_all(&stream, &y, 3.0)?;
+        comm.barrier()?;
+        ar.close_with(&comm)?;
+        Ok(reason)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let reason = r
+            .expect("rank finished")
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        eprintln!("rank {rank}: topology: {reason}");
+    }
+}

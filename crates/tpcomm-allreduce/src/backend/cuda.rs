@@ -42,11 +42,13 @@ use tpcomm_ipc::{CudaBuffer, CudaMemory, MemoryRegion, PeerMemory};
 use tpcomm_kernels as kernels;
 use tpcomm_transport::Communicator;
 
+use super::nvml::Nvml;
 use super::{Backend, Launch, RANK_DATA_BYTES};
 use crate::dispatch::{Algorithm, FallbackReason};
 use crate::driver::CustomAllReduce;
 use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
+use crate::topology::{self, Link, TopologyCheck, TopologyDecision};
 
 /// Every driver function this module and the cudarc calls it makes use; checked before the
 /// first call so that an old driver is a typed error, never cudarc's loader panic.
@@ -105,6 +107,11 @@ pub struct CudaOptions {
     /// (ranks as threads of one process, one-GPU tests) each launch takes at most
     /// `multiprocessors / ranks_per_device` blocks.
     pub ranks_per_device: usize,
+    /// How the probed topology decides whether the kernels run (default
+    /// [`TopologyCheck::Auto`]: vLLM's rule, more than 2 ranks only with every pair on
+    /// NVLink; `Assume` overrides the probe, `Off` always falls back). Every rank must pass
+    /// the same (agreed in `CustomAllReduce::new`).
+    pub topology: TopologyCheck,
 }
 
 impl Default for CudaOptions {
@@ -112,6 +119,7 @@ impl Default for CudaOptions {
         Self {
             max_blocks: kernels::DEFAULT_BLOCKS,
             ranks_per_device: 1,
+            topology: TopologyCheck::Auto,
         }
     }
 }
@@ -194,6 +202,7 @@ pub struct CudaBackend {
     options: CudaOptions,
     multiprocessors: u32,
     peer_access: std::result::Result<(), FallbackReason>,
+    topology: TopologyDecision,
     rank: usize,
     /// The barrier timeout of the latest launch, in nanoseconds (for the error report).
     timeout_ns: AtomicU64,
@@ -306,18 +315,25 @@ impl CudaBackend {
             });
         }
         let uuids: Vec<[u8; 16]> = tpcomm_objects::all_gather(comm, &uuid)?;
-        let lacking = Self::first_peer_without_access(&ctx, &uuids, comm.rank())?;
-        let all: Vec<Option<usize>> = tpcomm_objects::all_gather(comm, &lacking)?;
-        let peer_access = match all.iter().enumerate().find_map(|(r, p)| p.map(|p| (r, p))) {
-            Some((rank, peer)) => Err(FallbackReason::NoPeerAccess { rank, peer }),
-            None => Ok(()),
-        };
-        tracing::debug!(
+        // Never fails (a probe error is an unprobed link), so every rank joins the gather.
+        let row: Vec<u8> = probe_links(&ctx, &uuids, comm.rank())
+            .into_iter()
+            .map(Link::code)
+            .collect();
+        let rows: Vec<Vec<u8>> = tpcomm_objects::all_gather(comm, &row)?;
+        let rows: Vec<Vec<Link>> = rows
+            .iter()
+            .map(|r| r.iter().map(|&c| Link::from_code(c)).collect())
+            .collect();
+        let topology = topology::decide(&topology::merge_rows(&rows), options.topology);
+        let peer_access = topology.verdict.clone();
+        tracing::info!(
             rank = comm.rank(),
             device = memory.device_ordinal(),
             multiprocessors,
             ?peer_access,
-            "CUDA all-reduce backend ready"
+            reason = %topology.reason,
+            "CUDA all-reduce topology decided"
         );
         Ok(Self {
             memory: memory.clone(),
@@ -327,6 +343,7 @@ impl CudaBackend {
             options,
             multiprocessors,
             peer_access,
+            topology,
             rank: comm.rank(),
             timeout_ns: AtomicU64::new(0),
         })
@@ -376,48 +393,6 @@ impl CudaBackend {
         ))
     }
 
-    /// The first rank whose device this process cannot access (not visible here, or no P2P
-    /// with this rank's device), if any.
-    fn first_peer_without_access(
-        ctx: &Arc<CudaContext>,
-        uuids: &[[u8; 16]],
-        rank: usize,
-    ) -> Result<Option<usize>> {
-        let own = ctx.cu_device();
-        let count = CudaContext::device_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
-        let mut visible = Vec::new();
-        for ordinal in 0..count {
-            let mut dev: sys::CUdevice = 0;
-            // SAFETY: out-pointer to a local; the ordinal is in range.
-            check("cuDeviceGet", unsafe {
-                sys::cuDeviceGet(&mut dev, ordinal)
-            })?;
-            let mut uuid = sys::CUuuid { bytes: [0; 16] };
-            // SAFETY: out-pointer to a local.
-            check("cuDeviceGetUuid_v2", unsafe {
-                sys::cuDeviceGetUuid_v2(&mut uuid, dev)
-            })?;
-            visible.push((uuid.bytes.map(|b| b as u8), dev));
-        }
-        for (peer, uuid) in uuids.iter().enumerate() {
-            if peer == rank || *uuid == uuids[rank] {
-                continue;
-            }
-            let Some(&(_, dev)) = visible.iter().find(|(u, _)| u == uuid) else {
-                return Ok(Some(peer));
-            };
-            let mut can = 0;
-            // SAFETY: out-pointer to a local; both devices exist.
-            check("cuDeviceCanAccessPeer", unsafe {
-                sys::cuDeviceCanAccessPeer(&mut can, own, dev)
-            })?;
-            if can == 0 {
-                return Ok(Some(peer));
-            }
-        }
-        Ok(None)
-    }
-
     /// The stream every launch, staging copy and table write of this backend is issued on
     /// (non-blocking: the legacy default stream does not wait for it).
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -434,10 +409,16 @@ impl CudaBackend {
         &self.options
     }
 
-    /// Whether every rank's device can access every other's (agreed in
-    /// [`new`](Self::new)); the reason otherwise.
+    /// Whether the kernels may run on this group's GPUs (decided in [`new`](Self::new) from
+    /// the probed topology, the same on every rank); the reason every request falls back
+    /// otherwise.
     pub fn peer_access(&self) -> std::result::Result<(), FallbackReason> {
         self.peer_access.clone()
+    }
+
+    /// The probed links between every two ranks' GPUs, the verdict and its reason.
+    pub fn topology(&self) -> &TopologyDecision {
+        &self.topology
     }
 
     /// The block bound of one launch: the option, and at most an equal share of the
@@ -491,6 +472,80 @@ impl CudaBackend {
             sys::cuMemcpyDtoDAsync_v2(staging.device_ptr(), src, bytes, self.stream.cu_stream())
         })
     }
+}
+
+/// How this rank's GPU reaches every rank's (by UUID, `uuids[rank]` its own): the same GPU,
+/// NVML's answer (NVLink, PCIe, none) where NVML loads, else the driver's
+/// `cuDeviceCanAccessPeer` for GPUs visible in this process, else unprobed (one GPU visible
+/// per process and no NVML: CUDA IPC and the creation-time P2P data test decide). Never
+/// fails: a probe error is traced and the link counts as unprobed.
+fn probe_links(ctx: &Arc<CudaContext>, uuids: &[[u8; 16]], rank: usize) -> Vec<Link> {
+    let nvml = match Nvml::load() {
+        Ok(nvml) => Some(nvml),
+        Err(why) => {
+            tracing::debug!(%why, "NVML not available: the topology probe uses the driver");
+            None
+        }
+    };
+    let visible = visible_devices().unwrap_or_else(|e| {
+        tracing::debug!(error = %e, "listing the visible devices failed");
+        Vec::new()
+    });
+    let own = ctx.cu_device();
+    let mut row = Vec::with_capacity(uuids.len());
+    for (peer, uuid) in uuids.iter().enumerate() {
+        if peer == rank || *uuid == uuids[rank] {
+            row.push(Link::SameDevice);
+            continue;
+        }
+        if let Some(nvml) = &nvml {
+            match nvml.link(&uuids[rank], uuid) {
+                Ok(link) => {
+                    row.push(link);
+                    continue;
+                }
+                Err(why) => tracing::debug!(peer, %why, "NVML could not tell the link"),
+            }
+        }
+        let link = match visible.iter().find(|(u, _)| u == uuid) {
+            None => Link::Unknown,
+            Some(&(_, dev)) => {
+                let mut can = 0;
+                // SAFETY: out-pointer to a local; both devices exist.
+                let code = unsafe { sys::cuDeviceCanAccessPeer(&mut can, own, dev) };
+                match check("cuDeviceCanAccessPeer", code) {
+                    Ok(()) if can != 0 => Link::P2p,
+                    Ok(()) => Link::NoP2p,
+                    Err(e) => {
+                        tracing::debug!(peer, error = %e, "cuDeviceCanAccessPeer failed");
+                        Link::Unknown
+                    }
+                }
+            }
+        };
+        row.push(link);
+    }
+    row
+}
+
+/// The devices visible in this process, by UUID.
+fn visible_devices() -> Result<Vec<([u8; 16], sys::CUdevice)>> {
+    let count = CudaContext::device_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
+    let mut visible = Vec::new();
+    for ordinal in 0..count {
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: out-pointer to a local; the ordinal is in range.
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut dev, ordinal)
+        })?;
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: out-pointer to a local.
+        check("cuDeviceGetUuid_v2", unsafe {
+            sys::cuDeviceGetUuid_v2(&mut uuid, dev)
+        })?;
+        visible.push((uuid.bytes.map(|b| b as u8), dev));
+    }
+    Ok(visible)
 }
 
 /// Bytes of the packs the kernels move: outputs and zero-copy inputs are aligned to it.
@@ -648,7 +703,16 @@ impl Backend for CudaBackend {
     /// rank must launch with the same bound (it depends on `max_blocks`, the device's
     /// multiprocessors and `ranks_per_device`).
     fn agreed_shape(&self) -> Vec<(&'static str, String)> {
-        vec![("max_blocks", self.max_blocks().to_string())]
+        vec![
+            ("max_blocks", self.max_blocks().to_string()),
+            ("topology", self.options.topology.name().to_string()),
+        ]
+    }
+
+    /// Every CUDA communicator proves its mappings once at creation (vLLM's P2P check): each
+    /// rank reads every peer's nonce through its peer-to-peer mapping.
+    fn prove_at_creation(&self) -> bool {
+        true
     }
 
     fn reset_signal(&self, _memory: &CudaMemory, signal: &CudaBuffer) -> Result<()> {

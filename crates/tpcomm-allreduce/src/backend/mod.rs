@@ -7,6 +7,8 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod host;
+#[cfg(feature = "cuda")]
+mod nvml;
 
 use std::fmt::Debug;
 use std::time::Duration;
@@ -108,6 +110,15 @@ pub trait Backend: Send + Sync + Debug + 'static {
     /// Pure: every rank of a group (same backend, agreed in `new`) picks the same algorithm.
     fn one_stage_table(&self) -> &'static [usize; crate::dispatch::MAX_RANKS + 1] {
         &crate::dispatch::ONE_STAGE_MAX_BYTES
+    }
+
+    /// Whether `CustomAllReduce::new` runs a one-time data test of the peer mappings before
+    /// first use (each rank writes a nonce into its Signal block, every peer reads it
+    /// through its mapping; a mismatch fails creation on every rank). The CUDA backend does
+    /// (P2P can be reported and still not carry data); the host backend's mappings are
+    /// proved by every resume already.
+    fn prove_at_creation(&self) -> bool {
+        false
     }
 
     /// True when the eager and registered entry points that take host slices

@@ -123,6 +123,10 @@ impl Backend for GraphSim {
     fn capturing(&self) -> Result<bool> {
         Ok(self.capturing.load(Ordering::SeqCst))
     }
+    // As the CUDA backend: every creation runs the one-time data test of the mappings.
+    fn prove_at_creation(&self) -> bool {
+        true
+    }
 }
 
 type Ar = CustomAllReduce<GraphSim>;

@@ -68,7 +68,7 @@ pub enum FallbackReason {
         /// How they are connected.
         link: crate::topology::Link,
     },
-    /// The topology check is off (`CudaOptions::topology`): the kernels never run.
+    /// The topology check is off (`Config::topology`): the kernels never run.
     TopologyOff,
     /// The backend has no launch for this request (the CUDA kernels serve world sizes 2,
     /// 4, 6 and 8).
@@ -102,7 +102,7 @@ impl fmt::Display for FallbackReason {
                  need every pair on NVLink)"
             ),
             FallbackReason::TopologyOff => {
-                f.write_str("the custom kernels are turned off (CudaOptions::topology)")
+                f.write_str("the custom kernels are turned off (Config::topology)")
             }
         }
     }

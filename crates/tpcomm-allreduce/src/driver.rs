@@ -12,6 +12,7 @@ use crate::dispatch::{self, Algorithm, MAX_RANKS};
 use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
 use crate::lifecycle::{Lifecycle, Phase, Step, Transition};
+use crate::topology::TopologyCheck;
 
 /// Settings of a [`CustomAllReduce`].
 ///
@@ -34,6 +35,11 @@ pub struct Config {
     /// Forces one algorithm for every size it can serve (benchmarks, tests); `None` (the
     /// default) dispatches by size and world size.
     pub algorithm: Option<Algorithm>,
+    /// How a backend that probes the topology (CUDA) decides whether its kernels run:
+    /// [`TopologyCheck::Auto`] (the default: vLLM's rule, more than 2 ranks only with every
+    /// pair of GPUs on NVLink), `Assume` (run whatever the probe says), `Off` (always fall
+    /// back). Agreed across ranks. See `crate::topology`.
+    pub topology: TopologyCheck,
 }
 
 impl Default for Config {
@@ -43,6 +49,7 @@ impl Default for Config {
             slots: 1024,
             timeout: Duration::from_secs(30),
             algorithm: None,
+            topology: TopologyCheck::Auto,
         }
     }
 }
@@ -57,6 +64,7 @@ impl Config {
                 "algorithm".into(),
                 self.algorithm.map_or("by size", Algorithm::name).into(),
             ),
+            ("topology".into(), self.topology.name().into()),
         ]
     }
 
@@ -401,11 +409,12 @@ impl<B: Backend> CustomAllReduce<B> {
     /// [`AllReduceError::PeerSetup`] naming it elsewhere): the agreement rides on the first
     /// collective, and whatever was allocated is freed before returning.
     pub fn new<C: Communicator + ?Sized>(
-        backend: B,
+        mut backend: B,
         memory: B::Memory,
         comm: &C,
         config: Config,
     ) -> Result<Self> {
+        backend.apply_topology_check(config.topology);
         let world = comm.size();
         if world > MAX_RANKS {
             // Decided from the group size alone: every rank returns it, nobody is left waiting.

@@ -90,7 +90,8 @@ impl fmt::Display for Link {
     }
 }
 
-/// How [`decide`] uses the probe (`CudaOptions::topology`; every rank must pass the same).
+/// How [`decide`] uses the probe ([`Config::topology`](crate::Config::topology); every rank
+/// must pass the same).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TopologyCheck {
     /// vLLM's rule (the default): 2 ranks need peer-to-peer access (or an unprobed link,
@@ -173,13 +174,13 @@ pub fn decide(links: &[Vec<Link>], check: TopologyCheck) -> TopologyDecision {
         TopologyCheck::Off => {
             return done(
                 Err(FallbackReason::TopologyOff),
-                "CudaOptions::topology is Off: NCCL serves every request".into(),
+                "Config::topology is Off: NCCL serves every request".into(),
             )
         }
         TopologyCheck::Assume => {
             return done(
                 Ok(()),
-                "CudaOptions::topology is Assume: the probe is not enforced".into(),
+                "Config::topology is Assume: the probe is not enforced".into(),
             )
         }
         TopologyCheck::Auto => {}

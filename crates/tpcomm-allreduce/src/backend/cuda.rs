@@ -107,11 +107,6 @@ pub struct CudaOptions {
     /// (ranks as threads of one process, one-GPU tests) each launch takes at most
     /// `multiprocessors / ranks_per_device` blocks.
     pub ranks_per_device: usize,
-    /// How the probed topology decides whether the kernels run (default
-    /// [`TopologyCheck::Auto`]: vLLM's rule, more than 2 ranks only with every pair on
-    /// NVLink; `Assume` overrides the probe, `Off` always falls back). Every rank must pass
-    /// the same (agreed in `CustomAllReduce::new`).
-    pub topology: TopologyCheck,
 }
 
 impl Default for CudaOptions {
@@ -119,7 +114,6 @@ impl Default for CudaOptions {
         Self {
             max_blocks: kernels::DEFAULT_BLOCKS,
             ranks_per_device: 1,
-            topology: TopologyCheck::Auto,
         }
     }
 }
@@ -325,7 +319,9 @@ impl CudaBackend {
             .iter()
             .map(|r| r.iter().map(|&c| Link::from_code(c)).collect())
             .collect();
-        let topology = topology::decide(&topology::merge_rows(&rows), options.topology);
+        // `Config::topology` may override it when the all-reduce is created
+        // (`Backend::apply_topology_check`).
+        let topology = topology::decide(&topology::merge_rows(&rows), TopologyCheck::Auto);
         let peer_access = topology.verdict.clone();
         tracing::info!(
             rank = comm.rank(),
@@ -703,10 +699,22 @@ impl Backend for CudaBackend {
     /// rank must launch with the same bound (it depends on `max_blocks`, the device's
     /// multiprocessors and `ranks_per_device`).
     fn agreed_shape(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("max_blocks", self.max_blocks().to_string()),
-            ("topology", self.options.topology.name().to_string()),
-        ]
+        vec![("max_blocks", self.max_blocks().to_string())]
+    }
+
+    /// Decides again from the links probed in `new`, with `Config::topology`.
+    fn apply_topology_check(&mut self, check: TopologyCheck) {
+        if check == TopologyCheck::Auto {
+            return;
+        }
+        self.topology = topology::decide(&self.topology.links, check);
+        self.peer_access = self.topology.verdict.clone();
+        tracing::info!(
+            rank = self.rank,
+            ?check,
+            reason = %self.topology.reason,
+            "CUDA all-reduce topology overridden"
+        );
     }
 
     /// Every CUDA communicator proves its mappings once at creation (vLLM's P2P check): each

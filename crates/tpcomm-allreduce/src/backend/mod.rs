@@ -112,6 +112,14 @@ pub trait Backend: Send + Sync + Debug + 'static {
         &crate::dispatch::ONE_STAGE_MAX_BYTES
     }
 
+    /// Applies [`Config::topology`](crate::Config::topology) (called once by
+    /// `CustomAllReduce::new`, before anything is decided): a backend that probes the
+    /// topology decides again from its probe with `check`. The host backend has nothing to
+    /// decide.
+    fn apply_topology_check(&mut self, check: crate::topology::TopologyCheck) {
+        let _ = check;
+    }
+
     /// Whether `CustomAllReduce::new` runs a one-time data test of the peer mappings before
     /// first use (each rank writes a nonce into its Signal block, every peer reads it
     /// through its mapping; a mismatch fails creation on every rank). The CUDA backend does

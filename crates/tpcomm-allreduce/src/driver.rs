@@ -1097,7 +1097,10 @@ impl<B: Backend> CustomAllReduce<B> {
                 (slot, false)
             }
             None if recording => {
-                if shareable()? {
+                // A one-stage output overlapping its input (an in-place call) is served
+                // from the staging copy: peers read the input until the end barrier.
+                let in_place = check_no_alias(algorithm, input_addr, out, bytes).is_err();
+                if !in_place && shareable()? {
                     (
                         self.pending_slot(Region {
                             addr: input_addr,

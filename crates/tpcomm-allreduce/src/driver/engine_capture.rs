@@ -359,3 +359,26 @@ fn caller_memory_that_no_kernel_serves_falls_back_before_anything_is_recorded() 
         r.unwrap();
     }
 }
+
+#[test]
+fn an_in_place_call_inside_a_capture_is_staged_even_when_its_input_could_be_shared() {
+    let results = LocalGroup::new(2).run(|comm| {
+        let mut ar = new_ar(&comm);
+        let memory = ar.memory().unwrap().clone();
+        let x = memory.allocate(4096).unwrap();
+        ar.backend().begin_capture();
+        reduce(&mut ar, &x, true, &x, 1024).unwrap();
+        let graph = ar.backend().end_capture();
+        assert!(matches!(graph[0], Op::Stage { .. }), "{graph:?}");
+        ar.register_graph_buffers(&comm).unwrap();
+        let staging = ar.base_address(comm.rank(), STAGING).unwrap();
+        assert_eq!(ar.rank_data_slot(1).unwrap()[comm.rank()], staging);
+        fill(&ar, &x, comm.rank() as f32 + 1.0, 1024);
+        comm.barrier().unwrap();
+        replay(&mut ar, &graph, &[&x]).unwrap();
+        assert_eq!(read(&ar, &x, 1024), vec![3.0; 1024]);
+    });
+    for r in results {
+        r.unwrap();
+    }
+}

@@ -476,7 +476,12 @@ impl CudaBackend {
 /// per process and no NVML: CUDA IPC and the creation-time P2P data test decide). Never
 /// fails: a probe error is traced and the link counts as unprobed.
 fn probe_links(ctx: &Arc<CudaContext>, uuids: &[[u8; 16]], rank: usize) -> Vec<Link> {
-    let nvml = match Nvml::load() {
+    // Ranks that all share one GPU need no probe (and no NVML initialization, which takes
+    // a while, at every creation).
+    if uuids.iter().all(|u| *u == uuids[rank]) {
+        return vec![Link::SameDevice; uuids.len()];
+    }
+    let nvml = match Nvml::shared() {
         Ok(nvml) => Some(nvml),
         Err(why) => {
             tracing::debug!(%why, "NVML not available: the topology probe uses the driver");

@@ -71,6 +71,14 @@ fn describe(error_string: Option<ErrorStringFn>, call: &str, code: NvmlReturn) -
 }
 
 impl Nvml {
+    /// The process's NVML, loaded and initialized on first use and kept for the life of the
+    /// process (no `nvmlShutdown`: initialization is slow, and probes happen at every
+    /// communicator creation); why not, in words, when it cannot be loaded.
+    pub(crate) fn shared() -> Result<&'static Nvml, String> {
+        static SHARED: std::sync::OnceLock<Result<Nvml, String>> = std::sync::OnceLock::new();
+        SHARED.get_or_init(Nvml::load).as_ref().map_err(Clone::clone)
+    }
+
     /// Loads and initializes NVML; why not, in words, when it cannot.
     pub(crate) fn load() -> Result<Self, String> {
         let path =

@@ -76,7 +76,10 @@ impl Nvml {
     /// communicator creation); why not, in words, when it cannot be loaded.
     pub(crate) fn shared() -> Result<&'static Nvml, String> {
         static SHARED: std::sync::OnceLock<Result<Nvml, String>> = std::sync::OnceLock::new();
-        SHARED.get_or_init(Nvml::load).as_ref().map_err(Clone::clone)
+        SHARED
+            .get_or_init(Nvml::load)
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// Loads and initializes NVML; why not, in words, when it cannot.

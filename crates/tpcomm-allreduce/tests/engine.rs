@@ -296,3 +296,34 @@ fn ranks_as_threads_on_every_visible_gpu_reduce_through_peer_access() {
         eprintln!("rank {rank}: topology: {reason}");
     }
 }
+
+#[test]
+fn a_stream_of_another_context_is_refused_on_every_rank() {
+    if !gpu() {
+        return;
+    }
+    let results = group(2).run(|comm| -> R<()> {
+        let stream = if comm.rank() == 0 {
+            let ctx = drv("new_non_primary", CudaContext::new_non_primary(0, 0))?;
+            drv("new_stream", ctx.new_stream())?
+        } else {
+            engine_stream()?
+        };
+        let memory = CudaMemory::same_process(0)?;
+        let options = CudaOptions {
+            ranks_per_device: 2,
+            ..CudaOptions::default()
+        };
+        match CudaBackend::with_stream(&comm, &memory, options, stream) {
+            Err(AllReduceError::ForeignStream { device: 0, found }) if comm.rank() == 0 => {
+                assert!(found.contains("not its primary context"), "{found}")
+            }
+            Err(AllReduceError::PeerSetup { rank: 0, .. }) if comm.rank() == 1 => {}
+            other => panic!("rank {}: {other:?}", comm.rank()),
+        }
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
+}

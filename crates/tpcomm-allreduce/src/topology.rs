@@ -10,7 +10,7 @@
 //! the merged matrix and [`TopologyCheck`]: every rank computes the same verdict from the
 //! same gathered rows. The decision and its reason are returned
 //! (`CudaBackend::topology`) and traced; a refusal is a
-//! [`FallbackReason`](crate::FallbackReason) (NCCL serves the group).
+//! [`FallbackReason`] (NCCL serves the group).
 //!
 //! This module is always built (no CUDA needed), so the decision table is tested host-side
 //! with probe results fed in.

@@ -10,9 +10,13 @@
 //!   spins waiting for this rank). A launch passes the addresses of its RankData slot, this
 //!   rank's RankSignals table and Signal block, never a peer address: a launch recorded in a
 //!   CUDA graph keeps working after a resume rewrites the tables in place.
-//! - **Stream.** One non-blocking stream per backend ([`CudaBackend::stream`]); eager inputs
-//!   are copied into the staging buffer on it (`cuMemcpyDtoDAsync`), and NCCL can share it
-//!   ([`DeviceAllReduce`] does).
+//! - **Stream.** One stream per backend ([`CudaBackend::stream`]): a fresh non-blocking one
+//!   ([`CudaBackend::new`]) or the caller's ([`CudaBackend::with_stream`], an engine's
+//!   stream); eager inputs are copied into the staging buffer on it (`cuMemcpyDtoDAsync`),
+//!   and NCCL can share it ([`DeviceAllReduce`] does).
+//! - **Caller memory.** [`CustomAllReduce::all_reduce_device`] takes cudarc views
+//!   (`DevicePtr` / `DevicePtrMut`): staged eagerly; inside a capture of the stream, shared
+//!   zero-copy when legacy IPC can export the input, else with the staging copy captured.
 //! - **Capture.** While the stream is being captured (`cuStreamIsCapturing`), the driver gives
 //!   each new input the next RankData slot and records the launch; nothing is copied between
 //!   host and device and no table is written until
@@ -23,10 +27,13 @@
 //! - **Errors.** A kernel that waits longer than the configured timeout at a barrier stops
 //!   and records which peer never arrived in its Signal block; [`Backend::synchronize`]
 //!   reports it as [`AllReduceError::Timeout`] naming the peer.
-//! - **Who can run it.** [`CudaBackend::new`] agrees across ranks whether every pair of
-//!   devices can access each other's memory (`cuDeviceCanAccessPeer`, devices matched by
-//!   UUID); when not, every request gets [`FallbackReason::NoPeerAccess`]. World sizes
-//!   without a kernel (1, 3, 5, 7) get [`FallbackReason::NoKernel`].
+//! - **Who can run it.** [`CudaBackend::new`] probes the topology on every rank (NVML loaded
+//!   at run time, else `cuDeviceCanAccessPeer` for visible devices, devices matched by UUID),
+//!   all-gathers it and decides with [`crate::topology::decide`]: 2 ranks over any
+//!   peer-to-peer link, more only with every pair on NVLink; otherwise every request gets
+//!   [`FallbackReason::NoPeerAccess`] or [`FallbackReason::NotNvLinked`]. World sizes
+//!   without a kernel (1, 3, 5, 7) get [`FallbackReason::NoKernel`]. Sizes pick one-stage or
+//!   two-stage by vLLM's NVLink cut-offs ([`crate::dispatch::CUDA_ONE_STAGE_MAX_BYTES`]).
 
 use std::ffi::{c_void, CString};
 use std::mem::offset_of;
@@ -187,7 +194,8 @@ impl Drop for Module {
     }
 }
 
-/// The CUDA backend of [`CustomAllReduce`]: one device, one stream, the fatbin loaded.
+/// The CUDA backend of [`CustomAllReduce`]: one device, one stream (its own or the
+/// caller's), the fatbin loaded, the topology decided.
 pub struct CudaBackend {
     memory: CudaMemory,
     ctx: Arc<CudaContext>,

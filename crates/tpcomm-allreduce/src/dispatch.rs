@@ -58,6 +58,18 @@ pub enum FallbackReason {
         /// The peer.
         peer: usize,
     },
+    /// More than 2 ranks whose GPUs are not all NVLink-connected: over PCIe the kernels are
+    /// slower than NCCL (`crate::topology`).
+    NotNvLinked {
+        /// One rank of the first pair that is not NVLink-connected.
+        rank: usize,
+        /// The other.
+        peer: usize,
+        /// How they are connected.
+        link: crate::topology::Link,
+    },
+    /// The topology check is off (`Config::topology`): the kernels never run.
+    TopologyOff,
     /// The backend has no launch for this request (the CUDA kernels serve world sizes 2,
     /// 4, 6 and 8).
     NoKernel {
@@ -84,6 +96,14 @@ impl fmt::Display for FallbackReason {
                 "rank {rank}'s device cannot access rank {peer}'s device memory (no P2P)"
             ),
             FallbackReason::NoKernel { reason } => write!(f, "no custom kernel: {reason}"),
+            FallbackReason::NotNvLinked { rank, peer, link } => write!(
+                f,
+                "ranks {rank} and {peer} are connected by {link}, not NVLink (more than 2 ranks \
+                 need every pair on NVLink)"
+            ),
+            FallbackReason::TopologyOff => {
+                f.write_str("the custom kernels are turned off (Config::topology)")
+            }
         }
     }
 }
@@ -109,8 +129,40 @@ pub const ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
     32 << 10,
 ];
 
-/// The algorithm for `bytes` on `world` ranks, or why the fallback must serve it.
+/// Sizes up to this many bytes use one-stage on CUDA GPUs, for each world size (index =
+/// world size): vLLM's cut-offs, measured on NVLink-connected GPUs (its
+/// `custom_all_reduce.cuh`): 2 ranks always one-stage; 4 ranks one-stage below 512 KiB;
+/// 6 and 8 ranks below 256 KiB. World sizes without a kernel (3, 5, 7) take their next
+/// larger neighbour's value (they fall back anyway). tpcomm has not measured its own on
+/// several GPUs yet (`tpcomm-bench gpu` sweeps both algorithms so that a multi-GPU run can
+/// replace them).
+pub const CUDA_ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
+    0,
+    usize::MAX,
+    usize::MAX,
+    (512 << 10) - 1,
+    (512 << 10) - 1,
+    (256 << 10) - 1,
+    (256 << 10) - 1,
+    (256 << 10) - 1,
+    (256 << 10) - 1,
+];
+
+/// The algorithm for `bytes` on `world` ranks with the host backend's thresholds
+/// ([`ONE_STAGE_MAX_BYTES`]), or why the fallback must serve it.
 pub fn choose(bytes: usize, world: usize, max_bytes: usize) -> Result<Algorithm, FallbackReason> {
+    choose_with(&ONE_STAGE_MAX_BYTES, bytes, world, max_bytes)
+}
+
+/// The algorithm for `bytes` on `world` ranks when sizes up to `one_stage_max[world]` use
+/// one-stage (a backend's table: [`ONE_STAGE_MAX_BYTES`], [`CUDA_ONE_STAGE_MAX_BYTES`]),
+/// or why the fallback must serve it.
+pub fn choose_with(
+    one_stage_max: &[usize; MAX_RANKS + 1],
+    bytes: usize,
+    world: usize,
+    max_bytes: usize,
+) -> Result<Algorithm, FallbackReason> {
     if world == 0 || world > MAX_RANKS {
         return Err(FallbackReason::UnsupportedWorldSize { world });
     }
@@ -126,7 +178,7 @@ pub fn choose(bytes: usize, world: usize, max_bytes: usize) -> Result<Algorithm,
             max: max_bytes,
         });
     }
-    Ok(if bytes <= ONE_STAGE_MAX_BYTES[world] {
+    Ok(if bytes <= one_stage_max[world] {
         Algorithm::OneStage
     } else {
         Algorithm::TwoStage
@@ -145,6 +197,34 @@ mod tests {
             assert_eq!(choose(t, world, 8 << 20), Ok(Algorithm::OneStage));
             assert_eq!(choose(t + 16, world, 8 << 20), Ok(Algorithm::TwoStage));
         }
+    }
+
+    #[test]
+    fn cuda_cut_offs_are_vllms_nvlink_measurements() {
+        let table = &CUDA_ONE_STAGE_MAX_BYTES;
+        let max = 64 << 20;
+        let pick = |bytes, world| choose_with(table, bytes, world, max);
+        // (world, largest one-stage size, smallest two-stage size)
+        for (world, one, two) in [
+            (4, (512 << 10) - 16, 512 << 10),
+            (6, (256 << 10) - 16, 256 << 10),
+            (8, (256 << 10) - 16, 256 << 10),
+        ] {
+            assert_eq!(pick(16, world), Ok(Algorithm::OneStage), "world {world}");
+            assert_eq!(pick(one, world), Ok(Algorithm::OneStage), "world {world}");
+            assert_eq!(pick(two, world), Ok(Algorithm::TwoStage), "world {world}");
+        }
+        // Two ranks: one-stage at every size served.
+        assert_eq!(pick(max, 2), Ok(Algorithm::OneStage));
+        // Decode-size all-reduces (32-512 KiB) that the host table sends to two-stage.
+        assert_eq!(choose(128 << 10, 4, max), Ok(Algorithm::TwoStage));
+        assert_eq!(pick(128 << 10, 4), Ok(Algorithm::OneStage));
+        assert_eq!(pick(128 << 10, 8), Ok(Algorithm::OneStage));
+        // The fallback reasons are the same as with the host table.
+        assert_eq!(
+            pick(24, 4),
+            Err(FallbackReason::SizeNotMultipleOf16 { bytes: 24 })
+        );
     }
 
     #[test]

@@ -12,6 +12,7 @@ use crate::dispatch::{self, Algorithm, FallbackReason, MAX_RANKS};
 use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
 use crate::lifecycle::{Lifecycle, Phase, Step, Transition};
+use crate::topology::TopologyCheck;
 
 /// Settings of a [`CustomAllReduce`].
 ///
@@ -34,6 +35,11 @@ pub struct Config {
     /// Forces one algorithm for every size it can serve (benchmarks, tests); `None` (the
     /// default) dispatches by size and world size.
     pub algorithm: Option<Algorithm>,
+    /// How a backend that probes the topology (CUDA) decides whether its kernels run:
+    /// [`TopologyCheck::Auto`] (the default: vLLM's rule, more than 2 ranks only with every
+    /// pair of GPUs on NVLink), `Assume` (run whatever the probe says), `Off` (always fall
+    /// back). Agreed across ranks. See `crate::topology`.
+    pub topology: TopologyCheck,
 }
 
 impl Default for Config {
@@ -43,6 +49,7 @@ impl Default for Config {
             slots: 1024,
             timeout: Duration::from_secs(30),
             algorithm: None,
+            topology: TopologyCheck::Auto,
         }
     }
 }
@@ -57,6 +64,7 @@ impl Config {
                 "algorithm".into(),
                 self.algorithm.map_or("by size", Algorithm::name).into(),
             ),
+            ("topology".into(), self.topology.name().into()),
         ]
     }
 
@@ -69,8 +77,8 @@ impl Config {
         bytes: usize,
         world: usize,
     ) -> Result<Algorithm> {
-        let chosen =
-            dispatch::choose(bytes, world, self.max_bytes).map_err(AllReduceError::Fallback)?;
+        let chosen = dispatch::choose_with(backend.one_stage_table(), bytes, world, self.max_bytes)
+            .map_err(AllReduceError::Fallback)?;
         let algorithm = self.algorithm.unwrap_or(chosen);
         backend
             .supports(world, dtype, bytes, algorithm)
@@ -411,11 +419,12 @@ impl<B: Backend> CustomAllReduce<B> {
     /// [`AllReduceError::PeerSetup`] naming it elsewhere): the agreement rides on the first
     /// collective, and whatever was allocated is freed before returning.
     pub fn new<C: Communicator + ?Sized>(
-        backend: B,
+        mut backend: B,
         memory: B::Memory,
         comm: &C,
         config: Config,
     ) -> Result<Self> {
+        backend.apply_topology_check(config.topology);
         let world = comm.size();
         if world > MAX_RANKS {
             // Decided from the group size alone: every rank returns it, nobody is left waiting.
@@ -504,6 +513,11 @@ impl<B: Backend> CustomAllReduce<B> {
         // Nobody launches before every rank's tables are written; a rank that could not
         // write them still joins, and every rank fails together.
         let written = ar.write_tables();
+        let written = if ar.backend.prove_at_creation() {
+            ar.prove_at_creation(comm, written)?
+        } else {
+            written
+        };
         let res = ar.res.as_mut().expect("just created");
         let ready: Vec<Option<String>> = res.peers.agree(
             comm,
@@ -1107,11 +1121,99 @@ impl<B: Backend> CustomAllReduce<B> {
             self.captured[slot] = true;
             return Ok(slot);
         }
+        self.pending_slot(Region { addr, len: bytes })
+    }
+
+    /// The next free slot, pending until `register_graph_buffers` exports `region` (this
+    /// rank's entry of the slot) with every rank's region of the same call.
+    fn pending_slot(&mut self, region: Region) -> Result<usize> {
         let slot = self.free_slot()?;
         self.captured[slot] = true;
         self.slots[slot] = Some(SlotSource::Pending);
-        self.pending.push((slot, Region { addr, len: bytes }));
+        self.pending.push((slot, region));
         Ok(slot)
+    }
+
+    /// The all-reduce of a caller's device memory that is not a buffer of the backend's
+    /// peer memory (cudarc views on CUDA): `input_addr` holds `count` elements of `dtype`
+    /// (the caller's view says so), `out` is the caller's output, already checked to hold
+    /// them and to be aligned.
+    ///
+    /// - a registered buffer at `input_addr`: zero-copy through its slot;
+    /// - while the backend records a graph: the call takes the next free slot (one per
+    ///   call, in lockstep with every rank). When `shareable()` says this rank's input can
+    ///   be exported to peers, the slot names the input (zero-copy); otherwise the
+    ///   staging copy (`stage`) is recorded into the graph and the slot names this rank's
+    ///   staging buffer. Either way every rank's `k`-th call reads slot `k`, and
+    ///   `register_graph_buffers` fills it from whatever each rank exported;
+    /// - eager: `stage` copies the input into the staging buffer (stream-ordered), slot 0.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn all_reduce_external(
+        &mut self,
+        call: &'static str,
+        input_addr: u64,
+        shareable: impl FnOnce() -> Result<bool>,
+        stage: impl FnOnce(&B, &Buffer<B>, usize) -> Result<()>,
+        out: u64,
+        dtype: DType,
+        count: usize,
+    ) -> Result<Algorithm> {
+        self.lifecycle.check_operation(call)?;
+        let bytes = count
+            .checked_mul(dtype.size())
+            .ok_or_else(|| AllReduceError::InvalidArgument(format!("{count} elements overflow")))?;
+        let algorithm = self.choose(dtype, bytes)?;
+        let recording = self.backend.capturing()?;
+        let (slot, staged) = match self.slot_of(input_addr, bytes) {
+            Some(slot) => {
+                if recording {
+                    self.captured[slot] = true;
+                }
+                (slot, false)
+            }
+            None if recording => {
+                // A one-stage output overlapping its input (an in-place call) is served
+                // from the staging copy: peers read the input until the end barrier.
+                let in_place = check_no_alias(algorithm, input_addr, out, bytes).is_err();
+                if !in_place && shareable()? {
+                    (
+                        self.pending_slot(Region {
+                            addr: input_addr,
+                            len: bytes,
+                        })?,
+                        false,
+                    )
+                } else {
+                    let staging = self.resources(call)?.staging.addr();
+                    (
+                        self.pending_slot(Region {
+                            addr: staging,
+                            len: bytes,
+                        })?,
+                        true,
+                    )
+                }
+            }
+            None => (0, true),
+        };
+        if staged {
+            let res = self.resources(call)?;
+            if let Err(e) = stage(&self.backend, &res.staging, bytes) {
+                return Err(self.lifecycle.fail(call, e));
+            }
+        } else {
+            check_no_alias(algorithm, input_addr, out, bytes)?;
+        }
+        tracing::trace!(
+            rank = self.rank,
+            slot,
+            staged,
+            recording,
+            "all-reduce of caller memory"
+        );
+        self.launch_slot(call, slot, dtype, count, algorithm, out, recording)?;
+        Ok(algorithm)
     }
 
     /// All-reduce of the first `count` elements of `input` into `output`, both buffers of
@@ -1361,6 +1463,49 @@ impl<B: Backend> CustomAllReduce<B> {
         proof
     }
 
+    /// The one-time P2P data test of creation ([`Backend::prove_at_creation`]): after
+    /// `prior` (this rank's table writes), each rank writes a fresh nonce into its Signal
+    /// block, the nonces are all-gathered (tagged [`Step::CreateNonces`](tpcomm_ipc::Step)),
+    /// and each rank reads every peer's through its mapping. Returns this rank's outcome (for
+    /// the `Ready` step, which fails every rank together); `Err` only when the exchange
+    /// itself failed.
+    fn prove_at_creation<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &C,
+        prior: Result<()>,
+    ) -> Result<Result<()>> {
+        let nonce = prior.and_then(|()| {
+            let res = self.resources("new")?;
+            let nonce = fresh_nonce(self.rank);
+            self.backend.write_table(
+                res.peers.backend(),
+                &res.signal,
+                self.backend.nonce_offset(),
+                &nonce.to_le_bytes(),
+            )?;
+            Ok(nonce)
+        });
+        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+            call: "new",
+            phase: Phase::Closed,
+        })?;
+        let nonces: Vec<Option<u64>> = res.peers.agree(
+            comm,
+            tpcomm_ipc::Step::CreateNonces,
+            &nonce.as_ref().ok().copied(),
+        )?;
+        let proof = match &nonce {
+            Ok(_) => self.prove(&nonces),
+            Err(_) => Ok(()),
+        };
+        tracing::debug!(
+            rank = self.rank,
+            passed = proof.is_ok(),
+            "peer-to-peer data test of the new mappings"
+        );
+        Ok(nonce.map(drop).and(proof))
+    }
+
     /// Reads every peer's announced nonce through the new mapping of its Signal block.
     fn prove(&self, nonces: &[Option<u64>]) -> Result<()> {
         let res = self.resources("reinit_after_resume")?;
@@ -1503,3 +1648,6 @@ fn fresh_nonce(rank: usize) -> u64 {
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     (z ^ (z >> 31)) | 1
 }
+
+#[cfg(test)]
+mod engine_capture;

@@ -182,6 +182,40 @@ pub enum AllReduceError {
         /// Every rank's value, in rank order.
         values: Vec<(usize, String)>,
     },
+    /// A device buffer passed by the caller is not aligned as the kernels need (they move
+    /// 16-byte packs); refused before anything ran on this rank (the communicator stays
+    /// usable; peers that did launch time out naming this rank, as for
+    /// [`RegionTooSmall`](Self::RegionTooSmall)).
+    #[error("the {buffer} at {addr:#x} is not {align}-byte aligned")]
+    Misaligned {
+        /// `"output"`.
+        buffer: &'static str,
+        /// Its device address.
+        addr: u64,
+        /// The alignment needed.
+        align: usize,
+    },
+    /// A device buffer passed by the caller holds fewer elements than the all-reduce
+    /// writes; refused before anything ran on this rank.
+    #[error("the {buffer} holds {len} elements, the all-reduce writes {count}")]
+    BufferTooSmall {
+        /// `"output"`.
+        buffer: &'static str,
+        /// Elements it holds.
+        len: usize,
+        /// Elements the all-reduce reduces (the input's length).
+        count: usize,
+    },
+    /// The caller's stream cannot carry this communicator's work: another device, or a
+    /// context other than the device's primary context (where the kernels are loaded and
+    /// the peer mappings opened).
+    #[error("the stream belongs to {found}, but the all-reduce runs in the primary context of device {device}")]
+    ForeignStream {
+        /// The all-reduce's device ordinal.
+        device: i32,
+        /// What the stream belongs to.
+        found: String,
+    },
     /// Peer memory failed.
     #[error(transparent)]
     Ipc(Arc<IpcError>),

@@ -1,14 +1,17 @@
 //! [`DeviceAllReduce`]: the custom CUDA kernels where they serve, NCCL everywhere else.
 
+use std::sync::Arc;
+
+use cudarc::driver::{CudaGraph, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use half::{bf16, f16};
 use tpcomm_ipc::{CudaBuffer, CudaMemory};
 use tpcomm_transport::device::{DeviceCommunicator, DeviceElement, ReduceOp};
 use tpcomm_transport::{Communicator, NcclCommunicator};
 
-use crate::backend::cuda::{CudaBackend, CudaOptions};
+use crate::backend::cuda::{CaptureMark, CudaBackend, CudaOptions, DeviceGraph};
 use crate::dispatch::{Algorithm, FallbackReason};
 use crate::driver::{Config, CustomAllReduce};
-use crate::dtype::DType;
+use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
 use crate::lifecycle::join_every_step;
 
@@ -44,9 +47,108 @@ impl DeviceAllReduce {
         config: Config,
     ) -> Result<Self> {
         let backend = CudaBackend::new(comm, &memory, options)?;
+        Self::on_backend(comm, memory, backend, config)
+    }
+
+    /// Collective: [`new`](Self::new) on the caller's stream (an engine's): both paths (the
+    /// custom kernels and NCCL) issue their work on `stream`, in order with the caller's own
+    /// work there, and a capture the caller runs on `stream` records whichever path serves
+    /// each call (NCCL calls are captured as NCCL graph nodes). See
+    /// [`CudaBackend::with_stream`] for what the stream must be.
+    pub fn with_stream<C: Communicator>(
+        comm: &C,
+        memory: CudaMemory,
+        options: CudaOptions,
+        config: Config,
+        stream: Arc<CudaStream>,
+    ) -> Result<Self> {
+        let backend = CudaBackend::with_stream(comm, &memory, options, stream)?;
+        Self::on_backend(comm, memory, backend, config)
+    }
+
+    fn on_backend<C: Communicator>(
+        comm: &C,
+        memory: CudaMemory,
+        backend: CudaBackend,
+        config: Config,
+    ) -> Result<Self> {
         let nccl = NcclCommunicator::with_stream(comm, backend.stream().clone())?;
         let custom = CustomAllReduce::new(backend, memory, comm, config)?;
         Ok(Self { custom, nccl })
+    }
+
+    /// The stream both paths issue their work on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        self.custom.backend().stream()
+    }
+
+    /// Sums `input` over every rank into the first `input.len()` elements of `output`
+    /// (cudarc views of `f32`, `f16`, `bf16`), through the custom kernel
+    /// ([`CustomAllReduce::all_reduce_device`]: eager staging copy, or a graph slot while
+    /// the stream is being captured) or, for every [`FallbackReason`], NCCL on the same
+    /// stream (also inside a capture). Returns which path served it; asynchronous.
+    ///
+    /// Every rank must pass the same element type and count, so that every rank takes the
+    /// same path.
+    pub fn all_reduce_device<T, I, O>(&mut self, input: &I, output: &mut O) -> Result<Route>
+    where
+        T: Element + DeviceElement,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        match self.custom.all_reduce_device(input, output) {
+            Ok(algorithm) => Ok(Route::Custom(algorithm)),
+            Err(AllReduceError::Fallback(reason)) => {
+                tracing::debug!(%reason, dtype = T::DTYPE.name(), count = input.len(), "all-reduce falls back to NCCL");
+                if output.len() < input.len() {
+                    return Err(AllReduceError::BufferTooSmall {
+                        buffer: "output",
+                        len: output.len(),
+                        count: input.len(),
+                    });
+                }
+                if output.len() == input.len() {
+                    self.nccl.all_reduce(input, output, ReduceOp::Sum)?;
+                } else {
+                    let mut head = OutputHead {
+                        inner: output,
+                        len: input.len(),
+                        marker: std::marker::PhantomData,
+                    };
+                    self.nccl.all_reduce(input, &mut head, ReduceOp::Sum)?;
+                }
+                Ok(Route::Nccl(reason))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// See [`CustomAllReduce::capture_mark`].
+    pub fn capture_mark(&self) -> CaptureMark {
+        self.custom.capture_mark()
+    }
+
+    /// See [`CustomAllReduce::adopt_graph`].
+    pub fn adopt_graph(&self, graph: CudaGraph, mark: CaptureMark) -> Result<DeviceGraph> {
+        self.custom.adopt_graph(graph, mark)
+    }
+
+    /// Collective, after a capture: see [`CustomAllReduce::register_graph_buffers`]. The
+    /// NCCL nodes of a graph need nothing.
+    pub fn register_graph_buffers<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<usize> {
+        self.custom.register_graph_buffers(comm)
+    }
+
+    /// Fails unless a graph holding custom all-reduces may be launched now (see
+    /// [`CustomAllReduce::check_replay`]).
+    pub fn check_replay(&self) -> Result<()> {
+        self.custom.check_replay()
+    }
+
+    /// Launches an adopted or captured graph after the custom path's checks (see
+    /// [`CustomAllReduce::replay_graph`]).
+    pub fn replay_graph(&mut self, graph: &DeviceGraph) -> Result<()> {
+        self.custom.replay_graph(graph)
     }
 
     /// The custom all-reduce (registration, capture, suspend/resume).
@@ -153,5 +255,28 @@ impl DeviceAllReduce {
     pub fn synchronize(&mut self) -> Result<()> {
         self.custom.synchronize()?;
         Ok(self.nccl.synchronize()?)
+    }
+}
+
+/// The first `len` elements of a caller's output, for NCCL (which writes exactly as many
+/// elements as it reads).
+struct OutputHead<'o, T, O: DevicePtrMut<T>> {
+    inner: &'o mut O,
+    len: usize,
+    marker: std::marker::PhantomData<T>,
+}
+
+impl<T, O: DevicePtrMut<T>> DeviceSlice<T> for OutputHead<'_, T, O> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.inner.stream()
+    }
+}
+
+impl<T, O: DevicePtrMut<T>> DevicePtrMut<T> for OutputHead<'_, T, O> {
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        self.inner.device_ptr_mut(stream)
     }
 }

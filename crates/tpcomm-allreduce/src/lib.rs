@@ -22,9 +22,10 @@ mod error;
 #[cfg(feature = "nccl")]
 mod fallback;
 pub mod lifecycle;
+pub mod topology;
 
 #[cfg(feature = "cuda")]
-pub use backend::cuda::{CudaBackend, CudaOptions, DeviceGraph};
+pub use backend::cuda::{CaptureMark, CudaBackend, CudaOptions, DeviceGraph};
 pub use backend::host::HostBackend;
 pub use backend::Backend;
 pub use dispatch::{Algorithm, FallbackReason};
@@ -34,3 +35,4 @@ pub use error::{AllReduceError, Result};
 #[cfg(feature = "nccl")]
 pub use fallback::{DeviceAllReduce, Route};
 pub use lifecycle::{Lifecycle, Phase};
+pub use topology::{Link, TopologyCheck, TopologyDecision};

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use tpcomm_allreduce::backend::{Buffer, Launch};
 use tpcomm_allreduce::{
-    Algorithm, AllReduceError, Backend, Config, CustomAllReduce, DType, FallbackReason, HostBackend,
+    Algorithm, AllReduceError, Backend, Config, CustomAllReduce, DType, FallbackReason,
+    HostBackend, TopologyCheck,
 };
 use tpcomm_ipc::HostMemory;
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
@@ -87,6 +88,19 @@ fn different_forced_algorithms_are_refused_on_every_rank() {
         ..Config::default()
     });
     assert_mismatch(&outcomes, "algorithm", &["by size", "2stage"]);
+}
+
+#[test]
+fn different_topology_checks_are_refused_on_every_rank() {
+    let outcomes = new_with(|rank| Config {
+        topology: if rank == 1 {
+            TopologyCheck::Assume
+        } else {
+            TopologyCheck::Auto
+        },
+        ..Config::default()
+    });
+    assert_mismatch(&outcomes, "topology", &["auto", "assume"]);
 }
 
 /// The timeout only bounds a rank's own waits: it may differ.

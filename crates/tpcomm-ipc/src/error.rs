@@ -120,6 +120,19 @@ pub enum IpcError {
         #[source]
         local: Option<Box<IpcError>>,
     },
+    /// A context could not be given access to another device's memory
+    /// (`cuCtxEnablePeerAccess` failed for a reason other than "already enabled"): ranks
+    /// that are threads of one process on two GPUs cannot read each other's buffers.
+    #[error("device {device} cannot be given access to device {peer_device}'s memory")]
+    PeerAccess {
+        /// The device whose context would read.
+        device: i32,
+        /// The device that owns the memory.
+        peer_device: i32,
+        /// The driver's error.
+        #[source]
+        cause: Box<IpcError>,
+    },
     /// There is no usable device or driver (CUDA backend).
     #[error("no device: {0}")]
     NoDevice(String),

@@ -28,7 +28,8 @@ mod step;
 
 #[cfg(feature = "cuda")]
 pub use backend::cuda::{
-    BufferView, CudaAddressHold, CudaBuffer, CudaHandle, CudaMapping, CudaMemory,
+    alias_access, AliasAccess, BufferView, CudaAddressHold, CudaBuffer, CudaHandle, CudaMapping,
+    CudaMemory,
 };
 pub use backend::host::{AddressHold, HostBuffer, HostHandle, HostMapping, HostMemory};
 pub use error::{IpcError, Result, SegmentProblem};

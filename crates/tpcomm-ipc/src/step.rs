@@ -61,6 +61,9 @@ pub enum Step {
     ResumeProved,
     /// `CustomAllReduce::close_with`: every rank drained and stops using its peers' memory.
     Close,
+    /// `CustomAllReduce::new` (backends that ask for it, CUDA): the nonces of the one-time
+    /// peer-to-peer data test, read by every peer through its new mappings.
+    CreateNonces,
     /// A code this build does not know.
     Unknown(u16),
 }
@@ -79,6 +82,7 @@ impl Step {
             Step::ResumeNonces => 9,
             Step::ResumeProved => 10,
             Step::Close => 11,
+            Step::CreateNonces => 12,
             Step::Unknown(c) => c,
         }
     }
@@ -96,6 +100,7 @@ impl Step {
             9 => Step::ResumeNonces,
             10 => Step::ResumeProved,
             11 => Step::Close,
+            12 => Step::CreateNonces,
             c => Step::Unknown(c),
         }
     }
@@ -114,6 +119,7 @@ impl Step {
             Step::ResumeNonces => "reinit_after_resume (nonces)",
             Step::ResumeProved => "reinit_after_resume (mappings proved)",
             Step::Close => "close_with (final barrier)",
+            Step::CreateNonces => "CustomAllReduce::new (peer-to-peer data test)",
             Step::Unknown(_) => "an unknown step",
         }
     }
@@ -231,7 +237,7 @@ mod tests {
 
     #[test]
     fn every_known_code_decodes_to_its_step() {
-        for code in 1..=11 {
+        for code in 1..=12 {
             assert_eq!(Step::from_code(code).code(), code);
             assert!(!matches!(Step::from_code(code), Step::Unknown(_)));
         }

@@ -10,9 +10,13 @@
 //!   spins waiting for this rank). A launch passes the addresses of its RankData slot, this
 //!   rank's RankSignals table and Signal block, never a peer address: a launch recorded in a
 //!   CUDA graph keeps working after a resume rewrites the tables in place.
-//! - **Stream.** One non-blocking stream per backend ([`CudaBackend::stream`]); eager inputs
-//!   are copied into the staging buffer on it (`cuMemcpyDtoDAsync`), and NCCL can share it
-//!   (`DeviceAllReduce` does, feature `nccl`).
+//! - **Stream.** One stream per backend ([`CudaBackend::stream`]): a fresh non-blocking one
+//!   ([`CudaBackend::new`]) or the caller's ([`CudaBackend::with_stream`], an engine's
+//!   stream); eager inputs are copied into the staging buffer on it (`cuMemcpyDtoDAsync`),
+//!   and NCCL can share it (`DeviceAllReduce` does, feature `nccl`).
+//! - **Caller memory.** [`CustomAllReduce::all_reduce_device`] takes cudarc views
+//!   (`DevicePtr` / `DevicePtrMut`): staged eagerly; inside a capture of the stream, shared
+//!   zero-copy when legacy IPC can export the input, else with the staging copy captured.
 //! - **Capture.** While the stream is being captured (`cuStreamIsCapturing`), the driver gives
 //!   each new input the next RankData slot and records the launch; nothing is copied between
 //!   host and device and no table is written until
@@ -23,10 +27,13 @@
 //! - **Errors.** A kernel that waits longer than the configured timeout at a barrier stops
 //!   and records which peer never arrived in its Signal block; [`Backend::synchronize`]
 //!   reports it as [`AllReduceError::Timeout`] naming the peer.
-//! - **Who can run it.** [`CudaBackend::new`] agrees across ranks whether every pair of
-//!   devices can access each other's memory (`cuDeviceCanAccessPeer`, devices matched by
-//!   UUID); when not, every request gets [`FallbackReason::NoPeerAccess`]. World sizes
-//!   without a kernel (1, 3, 5, 7) get [`FallbackReason::NoKernel`].
+//! - **Who can run it.** [`CudaBackend::new`] probes the topology on every rank (NVML loaded
+//!   at run time, else `cuDeviceCanAccessPeer` for visible devices, devices matched by UUID),
+//!   all-gathers it and decides with [`crate::topology::decide`]: 2 ranks over any
+//!   peer-to-peer link, more only with every pair on NVLink; otherwise every request gets
+//!   [`FallbackReason::NoPeerAccess`] or [`FallbackReason::NotNvLinked`]. World sizes
+//!   without a kernel (1, 3, 5, 7) get [`FallbackReason::NoKernel`]. Sizes pick one-stage or
+//!   two-stage by vLLM's NVLink cut-offs ([`crate::dispatch::CUDA_ONE_STAGE_MAX_BYTES`]).
 
 use std::ffi::{c_void, CString};
 use std::mem::offset_of;
@@ -34,17 +41,21 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{sys, CudaContext, CudaGraph, CudaStream, DriverError};
+use cudarc::driver::{
+    sys, CudaContext, CudaGraph, CudaStream, DevicePtr, DevicePtrMut, DriverError,
+};
 use tpcomm_ipc::backend::cuda::result as cu;
 use tpcomm_ipc::{CudaBuffer, CudaMemory, MemoryRegion, PeerMemory};
 use tpcomm_kernels as kernels;
 use tpcomm_transport::Communicator;
 
+use super::nvml::Nvml;
 use super::{Backend, Launch, RANK_DATA_BYTES};
 use crate::dispatch::{Algorithm, FallbackReason};
 use crate::driver::CustomAllReduce;
-use crate::dtype::DType;
+use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
+use crate::topology::{self, Link, TopologyCheck, TopologyDecision};
 
 /// Every driver function this module and the cudarc calls it makes use; checked before the
 /// first call so that an old driver is a typed error, never cudarc's loader panic.
@@ -183,7 +194,8 @@ impl Drop for Module {
     }
 }
 
-/// The CUDA backend of [`CustomAllReduce`]: one device, one stream, the fatbin loaded.
+/// The CUDA backend of [`CustomAllReduce`]: one device, one stream (its own or the
+/// caller's), the fatbin loaded, the topology decided.
 pub struct CudaBackend {
     memory: CudaMemory,
     ctx: Arc<CudaContext>,
@@ -192,6 +204,7 @@ pub struct CudaBackend {
     options: CudaOptions,
     multiprocessors: u32,
     peer_access: std::result::Result<(), FallbackReason>,
+    topology: TopologyDecision,
     rank: usize,
     /// The barrier timeout of the latest launch, in nanoseconds (for the error report).
     timeout_ns: AtomicU64,
@@ -230,6 +243,51 @@ impl CudaBackend {
         memory: &CudaMemory,
         options: CudaOptions,
     ) -> Result<Self> {
+        Self::build(comm, memory, options, None)
+    }
+
+    /// Collective: [`new`](Self::new) on the caller's stream (an engine's `CudaStream`)
+    /// instead of a private one. Every launch, staging copy and table write of this backend
+    /// is issued on `stream`, in the caller's order with the caller's own work on it, and a
+    /// capture the caller begins on `stream` (`cuStreamBeginCapture`) records the
+    /// all-reduces issued meanwhile (see `docs/gpu.md`, "Using tpcomm in an engine").
+    ///
+    /// The stream must belong to the primary context of `memory`'s device (where the
+    /// kernels are loaded and the peer mappings opened: `CudaContext::new(ordinal)` gives
+    /// it); otherwise every rank fails with [`AllReduceError::ForeignStream`] on this rank
+    /// and [`AllReduceError::PeerSetup`] on the others.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use cudarc::driver::CudaContext;
+    /// use tpcomm_allreduce::{CudaBackend, CudaOptions, CustomAllReduce, Config};
+    /// use tpcomm_ipc::CudaMemory;
+    /// # let comm = tpcomm_transport::LocalGroup::new(1).communicators()?.remove(0);
+    /// let ctx = CudaContext::new(0)?;
+    /// let stream = ctx.new_stream()?; // the engine's stream
+    /// let memory = CudaMemory::new(0)?;
+    /// let backend = CudaBackend::with_stream(&comm, &memory, CudaOptions::default(), stream.clone())?;
+    /// let mut ar = CustomAllReduce::new(backend, memory, &comm, Config::default())?;
+    /// let x = stream.alloc_zeros::<f32>(4096)?;
+    /// let mut y = stream.alloc_zeros::<f32>(4096)?;
+    /// ar.all_reduce_device(&x, &mut y)?; // on `stream`, after what the engine issued there
+    /// # Ok(()) }
+    /// ```
+    pub fn with_stream<C: Communicator + ?Sized>(
+        comm: &C,
+        memory: &CudaMemory,
+        options: CudaOptions,
+        stream: Arc<CudaStream>,
+    ) -> Result<Self> {
+        Self::build(comm, memory, options, Some(stream))
+    }
+
+    fn build<C: Communicator + ?Sized>(
+        comm: &C,
+        memory: &CudaMemory,
+        options: CudaOptions,
+        stream: Option<Arc<CudaStream>>,
+    ) -> Result<Self> {
         if options.max_blocks == 0 || options.max_blocks as usize > kernels::MAX_BLOCKS {
             return Err(AllReduceError::InvalidArgument(format!(
                 "max_blocks {} is outside 1..={}",
@@ -244,7 +302,7 @@ impl CudaBackend {
         }
         // Every rank learns whether every rank could set up, so none is left waiting in the
         // peer-access exchange below.
-        let local = Self::open_device(memory);
+        let local = Self::open_device(memory, stream);
         let ready: Vec<Option<String>> =
             tpcomm_objects::all_gather(comm, &local.as_ref().err().map(ToString::to_string))?;
         let (ctx, stream, module, multiprocessors, uuid) = local?;
@@ -259,18 +317,27 @@ impl CudaBackend {
             });
         }
         let uuids: Vec<[u8; 16]> = tpcomm_objects::all_gather(comm, &uuid)?;
-        let lacking = Self::first_peer_without_access(&ctx, &uuids, comm.rank())?;
-        let all: Vec<Option<usize>> = tpcomm_objects::all_gather(comm, &lacking)?;
-        let peer_access = match all.iter().enumerate().find_map(|(r, p)| p.map(|p| (r, p))) {
-            Some((rank, peer)) => Err(FallbackReason::NoPeerAccess { rank, peer }),
-            None => Ok(()),
-        };
-        tracing::debug!(
+        // Never fails (a probe error is an unprobed link), so every rank joins the gather.
+        let row: Vec<u8> = probe_links(&ctx, &uuids, comm.rank())
+            .into_iter()
+            .map(Link::code)
+            .collect();
+        let rows: Vec<Vec<u8>> = tpcomm_objects::all_gather(comm, &row)?;
+        let rows: Vec<Vec<Link>> = rows
+            .iter()
+            .map(|r| r.iter().map(|&c| Link::from_code(c)).collect())
+            .collect();
+        // `Config::topology` may override it when the all-reduce is created
+        // (`Backend::apply_topology_check`).
+        let topology = topology::decide(&topology::merge_rows(&rows), TopologyCheck::Auto);
+        let peer_access = topology.verdict.clone();
+        tracing::info!(
             rank = comm.rank(),
             device = memory.device_ordinal(),
             multiprocessors,
             ?peer_access,
-            "CUDA all-reduce backend ready"
+            reason = %topology.reason,
+            "CUDA all-reduce topology decided"
         );
         Ok(Self {
             memory: memory.clone(),
@@ -280,6 +347,7 @@ impl CudaBackend {
             options,
             multiprocessors,
             peer_access,
+            topology,
             rank: comm.rank(),
             timeout_ns: AtomicU64::new(0),
         })
@@ -288,18 +356,31 @@ impl CudaBackend {
     #[allow(clippy::type_complexity)]
     fn open_device(
         memory: &CudaMemory,
+        stream: Option<Arc<CudaStream>>,
     ) -> Result<(Arc<CudaContext>, Arc<CudaStream>, Module, u32, [u8; 16])> {
         cu::require(SYMBOLS)?;
         let ordinal = memory.device_ordinal() as usize;
         let ctx =
             CudaContext::new(ordinal).map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
-        // SAFETY: this backend never uses cudarc's CudaSlice, whose synchronization the
-        // event tracking manages; turning it off keeps stream creation from synchronizing
-        // the whole context (which would wait on other ranks' spinning kernels).
+        // SAFETY: this backend's own CudaContext handle never allocates cudarc CudaSlices,
+        // whose synchronization the event tracking manages; turning it off keeps stream
+        // creation from synchronizing the whole context (which would wait on other ranks'
+        // spinning kernels). A caller's stream keeps its own context handle and settings.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| driver_error("cuStreamCreate", e))?;
+        let stream = match stream {
+            Some(stream) => {
+                check_stream_context(
+                    memory.device_ordinal(),
+                    ctx.cu_ctx() as usize,
+                    stream.context().cu_ctx() as usize,
+                    stream.context().ordinal(),
+                )?;
+                stream
+            }
+            None => ctx
+                .new_stream()
+                .map_err(|e| driver_error("cuStreamCreate", e))?,
+        };
         let module = Module::load(&ctx)?;
         let multiprocessors = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -314,48 +395,6 @@ impl CudaBackend {
             multiprocessors.max(1) as u32,
             uuid.bytes.map(|b| b as u8),
         ))
-    }
-
-    /// The first rank whose device this process cannot access (not visible here, or no P2P
-    /// with this rank's device), if any.
-    fn first_peer_without_access(
-        ctx: &Arc<CudaContext>,
-        uuids: &[[u8; 16]],
-        rank: usize,
-    ) -> Result<Option<usize>> {
-        let own = ctx.cu_device();
-        let count = CudaContext::device_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
-        let mut visible = Vec::new();
-        for ordinal in 0..count {
-            let mut dev: sys::CUdevice = 0;
-            // SAFETY: out-pointer to a local; the ordinal is in range.
-            check("cuDeviceGet", unsafe {
-                sys::cuDeviceGet(&mut dev, ordinal)
-            })?;
-            let mut uuid = sys::CUuuid { bytes: [0; 16] };
-            // SAFETY: out-pointer to a local.
-            check("cuDeviceGetUuid_v2", unsafe {
-                sys::cuDeviceGetUuid_v2(&mut uuid, dev)
-            })?;
-            visible.push((uuid.bytes.map(|b| b as u8), dev));
-        }
-        for (peer, uuid) in uuids.iter().enumerate() {
-            if peer == rank || *uuid == uuids[rank] {
-                continue;
-            }
-            let Some(&(_, dev)) = visible.iter().find(|(u, _)| u == uuid) else {
-                return Ok(Some(peer));
-            };
-            let mut can = 0;
-            // SAFETY: out-pointer to a local; both devices exist.
-            check("cuDeviceCanAccessPeer", unsafe {
-                sys::cuDeviceCanAccessPeer(&mut can, own, dev)
-            })?;
-            if can == 0 {
-                return Ok(Some(peer));
-            }
-        }
-        Ok(None)
     }
 
     /// The stream every launch, staging copy and table write of this backend is issued on
@@ -374,10 +413,16 @@ impl CudaBackend {
         &self.options
     }
 
-    /// Whether every rank's device can access every other's (agreed in
-    /// [`new`](Self::new)); the reason otherwise.
+    /// Whether the kernels may run on this group's GPUs (decided in [`new`](Self::new) from
+    /// the probed topology, the same on every rank); the reason every request falls back
+    /// otherwise.
     pub fn peer_access(&self) -> std::result::Result<(), FallbackReason> {
         self.peer_access.clone()
+    }
+
+    /// The probed links between every two ranks' GPUs, the verdict and its reason.
+    pub fn topology(&self) -> &TopologyDecision {
+        &self.topology
     }
 
     /// The block bound of one launch: the option, and at most an equal share of the
@@ -410,6 +455,149 @@ impl CudaBackend {
         }
         Ok(())
     }
+
+    /// Copies `bytes` from device address `src` into the staging buffer on the backend's
+    /// stream (recorded into the graph while the stream is being captured). The caller
+    /// guarantees that `src` holds `bytes` readable bytes until the copy has run (a live
+    /// buffer, or a cudarc view whose `device_ptr` guard is held, ordered on this stream).
+    fn stage_from(&self, src: u64, staging: &CudaBuffer, bytes: usize) -> Result<()> {
+        if bytes > staging.len() {
+            return Err(AllReduceError::InvalidArgument(format!(
+                "{bytes} bytes do not fit the {}-byte staging buffer",
+                staging.len()
+            )));
+        }
+        self.bind()?;
+        // SAFETY: the destination lies inside the live staging buffer (checked above); the
+        // source holds `bytes` bytes (the caller's contract: a buffer or view it borrows for
+        // the call, both checked against the element count); the copy is ordered on this
+        // backend's stream with the launch that reads the staging buffer.
+        check("cuMemcpyDtoDAsync_v2", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(staging.device_ptr(), src, bytes, self.stream.cu_stream())
+        })
+    }
+}
+
+/// How this rank's GPU reaches every rank's (by UUID, `uuids[rank]` its own): the same GPU,
+/// NVML's answer (NVLink, PCIe, none) where NVML loads, else the driver's
+/// `cuDeviceCanAccessPeer` for GPUs visible in this process, else unprobed (one GPU visible
+/// per process and no NVML: CUDA IPC and the creation-time P2P data test decide). Never
+/// fails: a probe error is traced and the link counts as unprobed.
+fn probe_links(ctx: &Arc<CudaContext>, uuids: &[[u8; 16]], rank: usize) -> Vec<Link> {
+    // Ranks that all share one GPU need no probe (and no NVML initialization, which takes
+    // a while, at every creation).
+    if uuids.iter().all(|u| *u == uuids[rank]) {
+        return vec![Link::SameDevice; uuids.len()];
+    }
+    let nvml = match Nvml::shared() {
+        Ok(nvml) => Some(nvml),
+        Err(why) => {
+            tracing::debug!(%why, "NVML not available: the topology probe uses the driver");
+            None
+        }
+    };
+    let visible = visible_devices().unwrap_or_else(|e| {
+        tracing::debug!(error = %e, "listing the visible devices failed");
+        Vec::new()
+    });
+    let own = ctx.cu_device();
+    let mut row = Vec::with_capacity(uuids.len());
+    for (peer, uuid) in uuids.iter().enumerate() {
+        if peer == rank || *uuid == uuids[rank] {
+            row.push(Link::SameDevice);
+            continue;
+        }
+        if let Some(nvml) = &nvml {
+            match nvml.link(&uuids[rank], uuid) {
+                Ok(link) => {
+                    row.push(link);
+                    continue;
+                }
+                Err(why) => tracing::debug!(peer, %why, "NVML could not tell the link"),
+            }
+        }
+        let link = match visible.iter().find(|(u, _)| u == uuid) {
+            None => Link::Unknown,
+            Some(&(_, dev)) => {
+                let mut can = 0;
+                // SAFETY: out-pointer to a local; both devices exist.
+                let code = unsafe { sys::cuDeviceCanAccessPeer(&mut can, own, dev) };
+                match check("cuDeviceCanAccessPeer", code) {
+                    Ok(()) if can != 0 => Link::P2p,
+                    Ok(()) => Link::NoP2p,
+                    Err(e) => {
+                        tracing::debug!(peer, error = %e, "cuDeviceCanAccessPeer failed");
+                        Link::Unknown
+                    }
+                }
+            }
+        };
+        row.push(link);
+    }
+    row
+}
+
+/// The devices visible in this process, by UUID.
+fn visible_devices() -> Result<Vec<([u8; 16], sys::CUdevice)>> {
+    let count = CudaContext::device_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
+    let mut visible = Vec::new();
+    for ordinal in 0..count {
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: out-pointer to a local; the ordinal is in range.
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut dev, ordinal)
+        })?;
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: out-pointer to a local.
+        check("cuDeviceGetUuid_v2", unsafe {
+            sys::cuDeviceGetUuid_v2(&mut uuid, dev)
+        })?;
+        visible.push((uuid.bytes.map(|b| b as u8), dev));
+    }
+    Ok(visible)
+}
+
+/// Bytes of the packs the kernels move: outputs and zero-copy inputs are aligned to it.
+const PACK_BYTES: usize = 16;
+
+/// Whether a caller's input can be shared with peers zero-copy: 16-byte aligned and
+/// exportable by legacy CUDA IPC; `false` (the staging copy is captured instead) for memory
+/// legacy IPC cannot export, with the reason traced.
+fn shareable_input(memory: &CudaMemory, addr: u64, bytes: usize) -> Result<bool> {
+    if !addr.is_multiple_of(PACK_BYTES as u64) {
+        tracing::debug!(
+            addr,
+            "captured input is not 16-byte aligned: its staging copy is captured"
+        );
+        return Ok(false);
+    }
+    match memory.check_exportable(addr, bytes) {
+        Ok(_) => Ok(true),
+        Err(tpcomm_ipc::IpcError::NotExportable { reason, .. }) => {
+            tracing::debug!(addr, %reason, "captured input is not exportable: its staging copy is captured");
+            Ok(false)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Fails unless a caller's stream (in context `found_ctx` of device `found_device`) can
+/// carry the work of an all-reduce on `device`, whose primary context is `primary`.
+fn check_stream_context(
+    device: i32,
+    primary: usize,
+    found_ctx: usize,
+    found_device: usize,
+) -> Result<()> {
+    if found_ctx == primary {
+        return Ok(());
+    }
+    let found = if found_device as i64 == i64::from(device) {
+        format!("another context of device {found_device} (not its primary context)")
+    } else {
+        format!("device {found_device}")
+    };
+    Err(AllReduceError::ForeignStream { device, found })
 }
 
 /// Blocks one launch may use: `max_blocks`, and at most an equal share of the
@@ -527,6 +715,27 @@ impl Backend for CudaBackend {
         vec![("max_blocks", self.max_blocks().to_string())]
     }
 
+    /// Decides again from the links probed in `new`, with `Config::topology`.
+    fn apply_topology_check(&mut self, check: TopologyCheck) {
+        if check == TopologyCheck::Auto {
+            return;
+        }
+        self.topology = topology::decide(&self.topology.links, check);
+        self.peer_access = self.topology.verdict.clone();
+        tracing::info!(
+            rank = self.rank,
+            ?check,
+            reason = %self.topology.reason,
+            "CUDA all-reduce topology overridden"
+        );
+    }
+
+    /// Every CUDA communicator proves its mappings once at creation (vLLM's P2P check): each
+    /// rank reads every peer's nonce through its peer-to-peer mapping.
+    fn prove_at_creation(&self) -> bool {
+        true
+    }
+
     fn reset_signal(&self, _memory: &CudaMemory, signal: &CudaBuffer) -> Result<()> {
         self.refuse_while_capturing("resetting the Signal block")?;
         self.bind()?;
@@ -617,6 +826,11 @@ impl Backend for CudaBackend {
         false
     }
 
+    /// vLLM's cut-offs measured on NVLink ([`crate::dispatch::CUDA_ONE_STAGE_MAX_BYTES`]).
+    fn one_stage_table(&self) -> &'static [usize; crate::dispatch::MAX_RANKS + 1] {
+        &crate::dispatch::CUDA_ONE_STAGE_MAX_BYTES
+    }
+
     fn write_table(
         &self,
         _memory: &CudaMemory,
@@ -656,24 +870,14 @@ impl Backend for CudaBackend {
         staging: &CudaBuffer,
         bytes: usize,
     ) -> Result<()> {
-        if bytes > input.len() || bytes > staging.len() {
+        if bytes > input.len() {
             return Err(AllReduceError::InvalidArgument(format!(
-                "{bytes} bytes do not fit the {}-byte input or the {}-byte staging buffer",
+                "{bytes} bytes do not fit the {}-byte input",
                 input.len(),
-                staging.len()
             )));
         }
-        self.bind()?;
-        // SAFETY: both ranges lie inside live device buffers (checked above), and the copy
-        // is ordered on this backend's stream with the launch that reads the staging buffer.
-        check("cuMemcpyDtoDAsync_v2", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(
-                staging.device_ptr(),
-                input.device_ptr(),
-                bytes,
-                self.stream.cu_stream(),
-            )
-        })
+        // The input is a live CudaBuffer holding `bytes` (checked above).
+        self.stage_from(input.device_ptr(), staging, bytes)
     }
 
     fn capturing(&self) -> Result<bool> {
@@ -717,13 +921,31 @@ impl Backend for CudaBackend {
     }
 }
 
-/// A CUDA graph of all-reduce launches captured by [`CustomAllReduce::capture_graph`].
+/// A CUDA graph of all-reduce launches captured by [`CustomAllReduce::capture_graph`], or
+/// an engine's own graph adopted with [`CustomAllReduce::adopt_graph`].
 pub struct DeviceGraph {
     graph: CudaGraph,
     launches: usize,
     owner: u64,
     /// The RankData slots its launches read.
     slots: Vec<usize>,
+}
+
+// SAFETY: a DeviceGraph owns its CUgraph / CUgraphExec exclusively (cudarc's CudaGraph,
+// which is not Send only because it holds raw driver handles) and an Arc of the stream
+// (Send + Sync). CUDA graph objects are not tied to a thread: the driver only requires that
+// calls on one graph object are serialized, which ownership gives (no `&self` method is
+// shared across threads: DeviceGraph is deliberately not Sync), and every call binds the
+// stream's context to the calling thread first (cudarc's `launch`, `Drop`).
+unsafe impl Send for DeviceGraph {}
+
+/// Where a caller's capture starts, in the communicator's record of captured launches
+/// ([`CustomAllReduce::capture_mark`]); [`CustomAllReduce::adopt_graph`] takes it back to
+/// know which launches (and so which RankData slots) the graph holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CaptureMark {
+    owner: u64,
+    recorded: usize,
 }
 
 impl std::fmt::Debug for DeviceGraph {
@@ -772,6 +994,113 @@ impl CustomAllReduce<CudaBackend> {
             owner: self.id(),
             slots: self.recorded_slots(before),
         })
+    }
+
+    /// Marks the start of a capture the caller runs on the backend's stream (an engine
+    /// capturing its whole step, [`CudaBackend::with_stream`]): call it before
+    /// `cuStreamBeginCapture` and hand it to [`adopt_graph`](Self::adopt_graph) with the
+    /// graph the capture made.
+    pub fn capture_mark(&self) -> CaptureMark {
+        CaptureMark {
+            owner: self.id(),
+            recorded: self.recorded_launches(),
+        }
+    }
+
+    /// Takes an engine's own graph (captured on the backend's stream after `mark`) under the
+    /// communicator's replay checks: [`replay_graph`](Self::replay_graph) then refuses to
+    /// launch it while captured inputs are unregistered, while the communicator is not
+    /// Active, or once a registered buffer it reads was unregistered. An engine that keeps
+    /// and launches its `CudaGraph` itself must call [`check_replay`](Self::check_replay)
+    /// before every launch instead.
+    ///
+    /// Fails with [`AllReduceError::ForeignToken`] for a mark of another communicator.
+    pub fn adopt_graph(&self, graph: CudaGraph, mark: CaptureMark) -> Result<DeviceGraph> {
+        if mark.owner != self.id() {
+            return Err(AllReduceError::ForeignToken {
+                what: "a capture mark",
+                owner: mark.owner,
+                communicator: self.id(),
+            });
+        }
+        Ok(DeviceGraph {
+            graph,
+            launches: self.recorded_launches().saturating_sub(mark.recorded),
+            owner: self.id(),
+            slots: self.recorded_slots(mark.recorded),
+        })
+    }
+
+    /// All-reduce (sum) of a caller's device memory, vLLM's `custom_all_reduce(tensor)`:
+    /// `input` and `output` are any cudarc views ([`CudaSlice`](cudarc::driver::CudaSlice),
+    /// [`CudaView`](cudarc::driver::CudaView), [`CudaBuffer::view`](tpcomm_ipc::CudaBuffer::view))
+    /// of `f32`, `f16` or `bf16`; the whole input (`input.len()` elements) is reduced into
+    /// the first `input.len()` elements of `output`. Everything is issued on the backend's
+    /// stream ([`CudaBackend::with_stream`]: the caller's), asynchronously.
+    ///
+    /// - **Eager**: the input is copied into the registered staging buffer
+    ///   (stream-ordered), the kernel writes straight into `output`. A registered input
+    ///   ([`register_buffer`](Self::register_buffer), passed as its
+    ///   [`view`](tpcomm_ipc::CudaBuffer::view)) is reduced without the copy.
+    /// - **During a capture of the stream** (the caller's own `cuStreamBeginCapture`, or
+    ///   [`capture_graph`](Self::capture_graph)): the call takes the next RankData slot (one
+    ///   per call), filled by [`register_graph_buffers`](Self::register_graph_buffers) after
+    ///   the capture. Memory that legacy CUDA IPC can export (`cuMemAlloc`, e.g.
+    ///   [`CudaMemory::allocate`](tpcomm_ipc::PeerMemory::allocate)) and is 16-byte
+    ///   aligned is shared zero-copy; anything else (cudarc's own allocations come from the
+    ///   stream-ordered pool, which legacy IPC cannot export) has its staging copy captured
+    ///   into the graph, so the graph is correct either way.
+    ///
+    /// Errors, before anything runs on this rank: [`AllReduceError::Fallback`] (empty, a
+    /// size not a multiple of 16 bytes, above `max_bytes`, no kernel or no peer access:
+    /// every rank of a same-shaped call gets the same reason), [`AllReduceError::BufferTooSmall`]
+    /// (output shorter than the input), [`AllReduceError::Misaligned`] (output not 16-byte
+    /// aligned). The checks of every launch (shape word at the start barrier, region limits
+    /// of every slot) apply as for [`all_reduce_buffer`](Self::all_reduce_buffer).
+    pub fn all_reduce_device<T, I, O>(&mut self, input: &I, output: &mut O) -> Result<Algorithm>
+    where
+        T: Element,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        let count = input.len();
+        if output.len() < count {
+            return Err(AllReduceError::BufferTooSmall {
+                buffer: "output",
+                len: output.len(),
+                count,
+            });
+        }
+        let memory = self.memory()?.clone();
+        let stream = self.backend().stream().clone();
+        // cudarc's protocol: the stream waits for earlier writes of the input and for earlier
+        // reads and writes of the output (where the caller's context tracks events); the
+        // guards record this call's use when they drop, after everything is issued.
+        let (input_addr, _input_guard) = input.device_ptr(&stream);
+        let (out, _output_guard) = output.device_ptr_mut(&stream);
+        if !out.is_multiple_of(PACK_BYTES as u64) {
+            return Err(AllReduceError::Misaligned {
+                buffer: "output",
+                addr: out,
+                align: PACK_BYTES,
+            });
+        }
+        let bytes = count.saturating_mul(T::DTYPE.size());
+        let shareable = || shareable_input(&memory, input_addr, bytes);
+        let stage = |backend: &CudaBackend, staging: &CudaBuffer, bytes: usize| {
+            // The input view holds `count` elements, `bytes` bytes, and its guard is held
+            // until the copy is issued.
+            backend.stage_from(input_addr, staging, bytes)
+        };
+        self.all_reduce_external(
+            "all_reduce_device",
+            input_addr,
+            shareable,
+            stage,
+            out,
+            T::DTYPE,
+            count,
+        )
     }
 
     /// Launches a captured graph on the backend's stream (asynchronously; see
@@ -874,6 +1203,29 @@ mod tests {
             device_error(0x1234, [0; 2], 0, Duration::ZERO),
             Some(AllReduceError::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn device_graphs_can_move_to_another_thread() {
+        fn send<T: Send>() {}
+        send::<DeviceGraph>();
+    }
+
+    #[test]
+    fn a_callers_stream_must_be_in_the_devices_primary_context() {
+        assert!(check_stream_context(1, 0x10, 0x10, 1).is_ok());
+        match check_stream_context(1, 0x10, 0x20, 1) {
+            Err(AllReduceError::ForeignStream { device: 1, found }) => {
+                assert!(found.contains("not its primary context"), "{found}")
+            }
+            other => panic!("{other:?}"),
+        }
+        match check_stream_context(1, 0x10, 0x20, 3) {
+            Err(AllReduceError::ForeignStream { device: 1, found }) => {
+                assert_eq!(found, "device 3")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

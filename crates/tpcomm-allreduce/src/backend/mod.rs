@@ -7,6 +7,8 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod host;
+#[cfg(feature = "cuda")]
+mod nvml;
 
 use std::fmt::Debug;
 use std::time::Duration;
@@ -100,6 +102,31 @@ pub trait Backend: Send + Sync + Debug + 'static {
     ) -> std::result::Result<(), FallbackReason> {
         let _ = (world, dtype, bytes, algorithm);
         Ok(())
+    }
+
+    /// Sizes up to this many bytes use one-stage on `world` ranks (the dispatch table of
+    /// this backend's hardware): the host backend's measurements
+    /// ([`dispatch::ONE_STAGE_MAX_BYTES`](crate::dispatch::ONE_STAGE_MAX_BYTES)) by default.
+    /// Pure: every rank of a group (same backend, agreed in `new`) picks the same algorithm.
+    fn one_stage_table(&self) -> &'static [usize; crate::dispatch::MAX_RANKS + 1] {
+        &crate::dispatch::ONE_STAGE_MAX_BYTES
+    }
+
+    /// Applies [`Config::topology`](crate::Config::topology) (called once by
+    /// `CustomAllReduce::new`, before anything is decided): a backend that probes the
+    /// topology decides again from its probe with `check`. The host backend has nothing to
+    /// decide.
+    fn apply_topology_check(&mut self, check: crate::topology::TopologyCheck) {
+        let _ = check;
+    }
+
+    /// Whether `CustomAllReduce::new` runs a one-time data test of the peer mappings before
+    /// first use (each rank writes a nonce into its Signal block, every peer reads it
+    /// through its mapping; a mismatch fails creation on every rank). The CUDA backend does
+    /// (P2P can be reported and still not carry data); the host backend's mappings are
+    /// proved by every resume already.
+    fn prove_at_creation(&self) -> bool {
+        false
     }
 
     /// True when the eager and registered entry points that take host slices

@@ -104,6 +104,7 @@ pub mod result {
         "cuIpcCloseMemHandle",
         "cuMemcpyHtoD_v2",
         "cuMemcpyDtoH_v2",
+        "cuCtxEnablePeerAccess",
     ];
 
     fn try_load() -> std::result::Result<(), String> {
@@ -391,6 +392,22 @@ pub mod result {
                 CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
                 ptr,
             )
+        }
+    }
+
+    /// `cuCtxEnablePeerAccess(peer, 0)` from the current context: `Ok(true)` when access
+    /// was enabled now, `Ok(false)` when it was enabled before
+    /// (`CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED` is not a failure).
+    ///
+    /// # Safety
+    /// `peer` is a live context (retained by the caller) of another device.
+    pub unsafe fn ctx_enable_peer_access(peer: CUcontext) -> Result<bool> {
+        load()?;
+        // SAFETY: `peer` is live (caller's contract); no pointers are written.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer, 0) } {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(false),
+            code => Err(error("cuCtxEnablePeerAccess", code)),
         }
     }
 
@@ -851,6 +868,11 @@ impl CudaMemory {
                 )))
             }
         }
+        let owner = result::pointer_device_ordinal(base)?;
+        match alias_access(self.ctx.ordinal, h.device, owner)? {
+            AliasAccess::SameDevice => {}
+            AliasAccess::Peer(device) => self.enable_peer_access(device)?,
+        }
         Ok(CudaMapping {
             key: (h.ipc, self.ctx.ordinal),
             base,
@@ -860,6 +882,37 @@ impl CudaMemory {
             released: false,
             alias: true,
         })
+    }
+
+    /// Lets this backend's context read and write device `peer`'s memory (ranks that are
+    /// threads of one process on several GPUs: kernels of this device read a peer's
+    /// aliases). Enabling twice is fine; a refusal (no P2P between the devices, too many
+    /// peers) is [`IpcError::PeerAccess`] with the driver's error.
+    pub fn enable_peer_access(&self, peer: i32) -> Result<()> {
+        let fail = |cause: IpcError| IpcError::PeerAccess {
+            device: self.ctx.ordinal,
+            peer_device: peer,
+            cause: Box::new(cause),
+        };
+        let device = result::device_get(peer).map_err(fail)?;
+        let peer_ctx = result::primary_ctx_retain(device).map_err(fail)?;
+        let enabled = self.ctx.make_current().and_then(|()| {
+            // SAFETY: `peer_ctx` is retained until the release below.
+            unsafe { result::ctx_enable_peer_access(peer_ctx) }
+        });
+        // SAFETY: balances the retain above; the peer access, once enabled, belongs to the
+        // contexts, and the peer's own CudaMemory keeps its context alive.
+        if let Err(e) = unsafe { result::primary_ctx_release(device) } {
+            tracing::warn!(error = %e, device = peer, "releasing a peer's primary context failed");
+        }
+        let now = enabled.map_err(fail)?;
+        tracing::debug!(
+            device = self.ctx.ordinal,
+            peer,
+            newly = now,
+            "peer access enabled"
+        );
+        Ok(())
     }
 
     /// The device ordinal this backend allocates on and opens into.
@@ -888,6 +941,34 @@ impl CudaMemory {
             Err(e) => Err(e),
         }
     }
+}
+
+/// How a same-process alias reaches its allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AliasAccess {
+    /// The allocation is on the importer's own device.
+    SameDevice,
+    /// The allocation is on this other device: the importer's context needs peer access.
+    Peer(i32),
+}
+
+/// Checks a same-process alias against its device: `handle_device` is the device the
+/// handle says (the exporter's), `owner_device` the one the allocation at its address is
+/// on now (`CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`), `own_device` the importer's. An
+/// allocation on another device than the handle says (freed and replaced) is
+/// [`IpcError::InvalidHandle`]; on another device than the importer's, it needs peer access.
+pub fn alias_access(own_device: i32, handle_device: i32, owner_device: i32) -> Result<AliasAccess> {
+    if owner_device != handle_device {
+        return Err(IpcError::InvalidHandle(format!(
+            "the handle names an allocation of device {handle_device}, but the memory at its \
+             address is on device {owner_device}"
+        )));
+    }
+    Ok(if owner_device == own_device {
+        AliasAccess::SameDevice
+    } else {
+        AliasAccess::Peer(owner_device)
+    })
 }
 
 /// A reservation of device virtual addresses (`cuMemAddressReserve` at a fixed address),
@@ -959,6 +1040,70 @@ impl CudaMemory {
     }
 }
 
+impl CudaMemory {
+    /// Whether `len` bytes at `addr` can be exported with legacy CUDA IPC
+    /// ([`PeerMemory::export`] would succeed): device memory (not managed, not host) that
+    /// is legacy-IPC capable (`cuMemAlloc` / `cudaMalloc`, not a stream-ordered pool's
+    /// `cuMemAllocAsync` nor VMM), the range inside one allocation. Returns the allocation's
+    /// base and size; [`IpcError::NotExportable`] names the kind of memory otherwise. Only
+    /// queries pointer attributes: allowed while a stream is being captured.
+    ///
+    /// cudarc's `CudaStream::alloc*` allocate from the device's stream-ordered pool on every
+    /// device that has one, so their `CudaSlice`s are *not* exportable; allocate with
+    /// [`allocate`](PeerMemory::allocate) and pass [`CudaBuffer::view`] wherever cudarc
+    /// takes a `DevicePtr` / `DevicePtrMut`.
+    pub fn check_exportable(&self, addr: u64, len: usize) -> Result<(u64, usize)> {
+        let not = |reason: String| IpcError::NotExportable { addr, len, reason };
+        self.ctx.make_current()?;
+        match result::pointer_memory_type(addr) {
+            Ok(result::MEMORYTYPE_DEVICE) => {}
+            Ok(t) => {
+                return Err(not(format!(
+                    "host memory (CUmemorytype {t}): only device memory can be shared"
+                )))
+            }
+            Err(IpcError::Cuda { code, name, .. }) => {
+                return Err(not(format!(
+                    "the CUDA driver does not know this address ({name}, code {code}): not \
+                     device memory"
+                )))
+            }
+            Err(e) => return Err(e),
+        }
+        if result::pointer_is_managed(addr)? {
+            return Err(not(
+                "managed (unified) memory is not legacy-CUDA-IPC capable".into(),
+            ));
+        }
+        if !result::pointer_is_legacy_ipc_capable(addr)? {
+            let kind = match result::pointer_mempool(addr) {
+                Ok(pool) if pool != 0 => {
+                    "memory from a stream-ordered pool (cuMemAllocAsync / cudaMallocAsync)"
+                }
+                Ok(_) => "memory mapped with the virtual memory management API (VMM: cuMemCreate / cuMemMap, e.g. expandable segments)",
+                Err(_) => "memory from a stream-ordered pool or mapped with the virtual memory management API (VMM)",
+            };
+            return Err(not(format!(
+                "{kind} is not legacy-CUDA-IPC capable; allocate with cuMemAlloc / cudaMalloc \
+                 (CudaMemory::allocate)"
+            )));
+        }
+        let (base, size) = result::mem_get_address_range(addr)?;
+        let offset = addr - base;
+        if len == 0
+            || offset
+                .checked_add(len as u64)
+                .is_none_or(|end| end > size as u64)
+        {
+            return Err(not(format!(
+                "range not inside one allocation (or empty): the allocation at {base:#x} has \
+                 {size} bytes, the range starts {offset} bytes in"
+            )));
+        }
+        Ok((base, size))
+    }
+}
+
 /// Accepts only this backend's own region types: device memory it allocated or mapped.
 fn cuda_region<R: MemoryRegion>(region: &R) -> Result<()> {
     let any = region.as_any();
@@ -1007,53 +1152,8 @@ impl PeerMemory for CudaMemory {
     }
 
     fn export(&self, addr: u64, len: usize) -> Result<CudaHandle> {
-        let not = |reason: String| IpcError::NotExportable { addr, len, reason };
-        self.ctx.make_current()?;
-        match result::pointer_memory_type(addr) {
-            Ok(result::MEMORYTYPE_DEVICE) => {}
-            Ok(t) => {
-                return Err(not(format!(
-                    "host memory (CUmemorytype {t}): only device memory can be shared"
-                )))
-            }
-            Err(IpcError::Cuda { code, name, .. }) => {
-                return Err(not(format!(
-                    "the CUDA driver does not know this address ({name}, code {code}): not \
-                     device memory"
-                )))
-            }
-            Err(e) => return Err(e),
-        }
-        if result::pointer_is_managed(addr)? {
-            return Err(not(
-                "managed (unified) memory is not legacy-CUDA-IPC capable".into(),
-            ));
-        }
-        if !result::pointer_is_legacy_ipc_capable(addr)? {
-            let kind = match result::pointer_mempool(addr) {
-                Ok(pool) if pool != 0 => {
-                    "memory from a stream-ordered pool (cuMemAllocAsync / cudaMallocAsync)"
-                }
-                Ok(_) => "memory mapped with the virtual memory management API (VMM: cuMemCreate / cuMemMap, e.g. expandable segments)",
-                Err(_) => "memory from a stream-ordered pool or mapped with the virtual memory management API (VMM)",
-            };
-            return Err(not(format!(
-                "{kind} is not legacy-CUDA-IPC capable; allocate with cuMemAlloc / cudaMalloc \
-                 (CudaMemory::allocate)"
-            )));
-        }
-        let (base, size) = result::mem_get_address_range(addr)?;
+        let (base, size) = self.check_exportable(addr, len)?;
         let offset = addr - base;
-        if len == 0
-            || offset
-                .checked_add(len as u64)
-                .is_none_or(|end| end > size as u64)
-        {
-            return Err(not(format!(
-                "range not inside one allocation (or empty): the allocation at {base:#x} has \
-                 {size} bytes, the range starts {offset} bytes in"
-            )));
-        }
         let device = result::pointer_device_ordinal(addr)?;
         let ipc = result::ipc_get_mem_handle(base)?;
         export_table().insert(ipc, base);
@@ -1182,5 +1282,34 @@ impl PeerMemory for CudaMemory {
         self.check_device_memory(region.addr(), region.len())?;
         // SAFETY: as in `write`.
         unsafe { result::memcpy_dtoh(dst, region.addr() + offset as u64) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_alias_on_the_importers_device_needs_nothing() {
+        assert_eq!(alias_access(0, 0, 0).unwrap(), AliasAccess::SameDevice);
+    }
+
+    #[test]
+    fn an_alias_on_another_device_needs_peer_access_to_it() {
+        assert_eq!(alias_access(0, 3, 3).unwrap(), AliasAccess::Peer(3));
+        assert_eq!(alias_access(2, 1, 1).unwrap(), AliasAccess::Peer(1));
+    }
+
+    #[test]
+    fn an_alias_whose_memory_moved_to_another_device_is_refused() {
+        match alias_access(0, 1, 2) {
+            Err(IpcError::InvalidHandle(why)) => {
+                assert!(
+                    why.contains("device 1") && why.contains("device 2"),
+                    "{why}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

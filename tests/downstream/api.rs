@@ -31,3 +31,29 @@ pub fn all_reduce_engine_view(
 ) -> Result<(), TransportError> {
     comm.all_reduce(input, output, ReduceOp::Sum)
 }
+
+/// The custom all-reduce (NCCL as its fallback) on the engine's stream, reducing an engine
+/// tensor into another: zero-copy where the memory allows it, staged otherwise.
+pub fn custom_all_reduce_engine_tensor(
+    ar: &mut tpcomm::allreduce::DeviceAllReduce,
+    input: &CudaSlice<f32>,
+    output: &mut CudaSlice<f32>,
+) -> Result<tpcomm::allreduce::Route, tpcomm::AllReduceError> {
+    ar.all_reduce_device(input, output)
+}
+
+/// The same all-reduce built on the engine's own stream.
+pub fn device_all_reduce_on_engine_stream<C: Communicator>(
+    host: &C,
+    stream: Arc<CudaStream>,
+) -> Result<tpcomm::allreduce::DeviceAllReduce, tpcomm::AllReduceError> {
+    let ordinal = i32::try_from(stream.context().ordinal()).unwrap_or(i32::MAX);
+    let memory = tpcomm::ipc::CudaMemory::new(ordinal)?;
+    tpcomm::allreduce::DeviceAllReduce::with_stream(
+        host,
+        memory,
+        tpcomm::allreduce::CudaOptions::default(),
+        tpcomm::allreduce::Config::default(),
+        stream,
+    )
+}

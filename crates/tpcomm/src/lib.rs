@@ -44,6 +44,14 @@ pub use half;
 #[cfg(feature = "mpi")]
 pub use mpi;
 
+/// cudarc (features `cuda` and `nccl`), the version tpcomm's CUDA code is built against:
+/// with it, a program's tensors (`cudarc::driver::CudaSlice`) and streams are the types
+/// tpcomm takes. A program that depends on cudarc itself gets this same crate as long as its
+/// requirement is compatible (cargo builds one cudarc per major version): tpcomm needs
+/// 0.19.10 or a later 0.19 release (`docs/gpu.md`).
+#[cfg(any(feature = "cuda", feature = "nccl"))]
+pub use cudarc;
+
 /// The repository's README, whose examples run as doctests of this crate (so they cannot
 /// drift from the API).
 #[doc = include_str!("../../../README.md")]

@@ -25,3 +25,18 @@ fn rsmpi_is_reexported_with_the_mpi_feature() {
     // Naming the function is enough: calling it would initialize MPI in the test process.
     let _initialize: fn() -> Option<tpcomm::mpi::environment::Universe> = tpcomm::mpi::initialize;
 }
+
+#[cfg(feature = "nccl")]
+#[test]
+fn cudarc_is_reexported_in_the_version_tpcomms_device_api_takes() {
+    // A slice of the re-exported cudarc is what tpcomm's device collectives take.
+    fn reducible<S: tpcomm::cudarc::driver::DevicePtrMut<f32>>() {}
+    reducible::<tpcomm::cudarc::driver::CudaSlice<f32>>();
+    fn takes_engine_slices<C: tpcomm::transport::DeviceCommunicator>(
+        comm: &C,
+        tensor: &mut tpcomm::cudarc::driver::CudaSlice<f32>,
+    ) -> Result<(), tpcomm::TransportError> {
+        comm.all_reduce_in_place(tensor, tpcomm::ReduceOp::Sum)
+    }
+    let _ = takes_engine_slices::<tpcomm::transport::NcclCommunicator>;
+}

@@ -5,11 +5,16 @@
 //! after the resume), then:
 //!
 //! - before the start barrier, this rank publishes the launch's *shape* (bytes, element
-//!   type, RankData slot) in every peer's Signal block, next to its start flag; after the
-//!   barrier it compares every peer's shape with its own. Different shapes (ranks reducing
-//!   different counts, types or inputs) skip the work, cross the end barrier and fail with
-//!   [`LaunchMismatch`](crate::AllReduceError::LaunchMismatch) on every rank, before any
-//!   peer data is read: no extra round trip, one store and one load per peer.
+//!   type, RankData slot): the whole word in its own Signal block, and a 32-bit tag of it in
+//!   every peer's block, in the cache line of the start flag it stores there next (so the
+//!   tag travels with the flag: no extra line moves between cores). After the barrier it
+//!   compares every peer's tag with its own. Different shapes (ranks reducing different
+//!   counts, types or inputs) skip the work, cross the end barrier and fail with
+//!   [`LaunchMismatch`](crate::AllReduceError::LaunchMismatch) on every rank (naming both
+//!   shapes, read from the peer's own block), before any peer data is read: no extra round
+//!   trip. The tag is the shape itself for launches up to 16 MiB from slots below 512 (so
+//!   equal tags mean equal shapes), a 31-bit digest beyond (equal for different shapes with
+//!   probability 2^-31).
 //! - one-stage: start barrier; reduce every rank's input in rank order with f32
 //!   accumulation into the output; end barrier (peers may still read this rank's input
 //!   until then);
@@ -39,9 +44,12 @@ use crate::dispatch::Algorithm;
 use crate::dtype::{DType, Element};
 use crate::error::Result;
 
-/// Host Signal block: three flag arrays (one 64-byte line each), the epoch counter, the
-/// nonce, the shapes (one 64-bit word per writer: what it launched). Offsets in bytes.
+/// Host Signal block: three flag arrays (one 64-byte line each; the start line also holds
+/// the shape tags, one 32-bit word per writer, after its 8 flags), the epoch counter, the
+/// nonce, the shapes (this rank's 64-bit word of what it launched, at its own index).
+/// Offsets in bytes.
 const START: usize = 0;
+const SHAPE_TAGS: usize = START + 32;
 const MID: usize = 64;
 const END: usize = 128;
 const COUNTER: usize = 192;
@@ -66,6 +74,25 @@ fn shape_word(dtype: DType, bytes: usize, slot: usize) -> u64 {
     (bytes as u64 & ((1 << SHAPE_BYTES_BITS) - 1))
         | (code << SHAPE_BYTES_BITS)
         | ((slot as u64) << SHAPE_SLOT_SHIFT)
+}
+
+/// The 32-bit tag of a shape word that peers compare: the shape itself (bit 31 clear:
+/// 16-byte packs in bits 0..20, the element type in 20..22, the slot in 22..31) when the
+/// launch is whole packs, at most 2^20 - 1 of them and from a slot below 512; otherwise a
+/// digest of the whole word with bit 31 set. So two tags are equal for different shapes only
+/// when both are digests that collide.
+fn shape_tag(word: u64) -> u32 {
+    let bytes = word & ((1 << SHAPE_BYTES_BITS) - 1);
+    let code = (word >> SHAPE_BYTES_BITS) & ((1 << SHAPE_DTYPE_BITS) - 1);
+    let slot = word >> SHAPE_SLOT_SHIFT;
+    let packs = bytes / 16;
+    if bytes % 16 == 0 && packs < (1 << 20) && code < 4 && slot < (1 << 9) {
+        return (packs | (code << 20) | (slot << 22)) as u32;
+    }
+    let mut z = word.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) as u32) | 0x8000_0000
 }
 
 /// Bytes, element type name and slot of a shape word.
@@ -158,23 +185,34 @@ impl<'a> SignalBlocks<'a> {
         unsafe { AtomicU64::from_ptr((base as usize + SHAPES + 8 * writer) as *mut u64) }
     }
 
-    /// Stores this rank's shape into every block's word for `rank` (before the start
-    /// barrier, whose release stores publish it).
+    /// Stores this rank's shape word into its own block and its tag into every block's tag
+    /// for `rank` (before the start barrier, whose release stores publish both).
     fn publish_shape(&self, rank: usize, world: usize, word: u64) {
+        // SAFETY: this rank's own block is live (`Self::new`); `rank < world <= 8` (the
+        // driver refuses larger groups).
+        unsafe { Self::shape(self.own, rank) }.store(word, Ordering::Relaxed);
+        let tag = shape_tag(word);
         for p in 0..world {
-            // SAFETY: `signals[p]` for `p < world` is live (`Self::new`); `rank < world <= 8`
-            // (the driver refuses larger groups).
-            unsafe { Self::shape(self.signals[p], rank) }.store(word, Ordering::Relaxed);
+            // SAFETY: `signals[p]` for `p < world` is a live, 8-byte aligned block
+            // (`Self::new`, checked in `launch`); SHAPE_TAGS + 4 * rank stays inside the start
+            // line for `rank < 8`; the word is only ever accessed atomically.
+            unsafe { flag(self.signals[p], SHAPE_TAGS + 4 * rank) }.store(tag, Ordering::Relaxed);
         }
     }
 
     /// After the start barrier: the first peer whose published shape differs from `word`.
     fn check_shapes(&self, rank: usize, world: usize, word: u64) -> Result<()> {
+        let tag = shape_tag(word);
         for peer in 0..world {
             // SAFETY: this rank's own block is live (`Self::new`); `peer < world <= 8`. The
             // start barrier's acquire loads ordered the peer's store before this load.
-            let theirs = unsafe { Self::shape(self.own, peer) }.load(Ordering::Relaxed);
-            if theirs != word {
+            let their_tag =
+                unsafe { flag(self.own, SHAPE_TAGS + 4 * peer) }.load(Ordering::Relaxed);
+            if their_tag != tag {
+                // SAFETY: `signals[peer]` is live and aligned (as above); the peer stored its
+                // word before its start flag, which this rank acquired.
+                let theirs =
+                    unsafe { Self::shape(self.signals[peer], peer) }.load(Ordering::Relaxed);
                 let (bytes, dtype, slot) = decode_shape(word);
                 let (peer_bytes, peer_dtype, peer_slot) = decode_shape(theirs);
                 return Err(crate::AllReduceError::LaunchMismatch {
@@ -397,8 +435,34 @@ impl<M: HostLike> Backend for HostBackend<M> {
 
 #[cfg(test)]
 mod tests {
-    use super::{decode_shape, part, shape_word};
+    use super::{decode_shape, part, shape_tag, shape_word};
     use crate::dtype::DType;
+
+    #[test]
+    fn shape_tags_are_exact_for_ordinary_launches_and_flagged_digests_beyond() {
+        let base = shape_word(DType::F32, 4096, 3);
+        assert_eq!(shape_tag(base) >> 31, 0);
+        // Exact: one field differs, the tag differs.
+        for other in [
+            shape_word(DType::F32, 4112, 3),
+            shape_word(DType::F16, 4096, 3),
+            shape_word(DType::F32, 4096, 4),
+            shape_word(DType::F32, (1 << 24) - 16, 511),
+        ] {
+            assert_ne!(shape_tag(base), shape_tag(other));
+            assert_eq!(shape_tag(other) >> 31, 0);
+        }
+        // Beyond the exact range (16 MiB, slot 512): digests, never equal to an exact tag.
+        let big = shape_word(DType::F32, 1 << 24, 3);
+        let far = shape_word(DType::F32, 4096, 512);
+        assert_eq!(shape_tag(big) >> 31, 1);
+        assert_eq!(shape_tag(far) >> 31, 1);
+        assert_ne!(shape_tag(big), shape_tag(far));
+        assert_ne!(
+            shape_tag(big),
+            shape_tag(shape_word(DType::F32, (1 << 24) + 16, 3))
+        );
+    }
 
     #[test]
     fn shape_words_round_trip_and_differ_in_every_field() {

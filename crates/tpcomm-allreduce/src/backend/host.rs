@@ -86,7 +86,7 @@ fn shape_tag(word: u64) -> u32 {
     let code = (word >> SHAPE_BYTES_BITS) & ((1 << SHAPE_DTYPE_BITS) - 1);
     let slot = word >> SHAPE_SLOT_SHIFT;
     let packs = bytes / 16;
-    if bytes % 16 == 0 && packs < (1 << 20) && code < 4 && slot < (1 << 9) {
+    if bytes.is_multiple_of(16) && packs < (1 << 20) && code < 4 && slot < (1 << 9) {
         return (packs | (code << 20) | (slot << 22)) as u32;
     }
     let mut z = word.wrapping_add(0x9E37_79B9_7F4A_7C15);

@@ -1426,33 +1426,17 @@ impl<B: Backend> CustomAllReduce<B> {
         }
         // A local failure from here on still joins both remaining steps, announcing no
         // nonce, then reports itself; peers skip its proof (no voting: they stay Active).
-        let prepared = self.write_tables().and_then(|()| {
+        let reset = self.write_tables().and_then(|()| {
             let res = self.resources("reinit_after_resume")?;
-            let memory = res.peers.backend();
-            self.backend.reset_signal(memory, &res.signal)?;
-            let nonce = fresh_nonce(self.rank);
-            self.backend.write_table(
-                memory,
-                &res.signal,
-                self.backend.nonce_offset(),
-                &nonce.to_le_bytes(),
-            )?;
-            Ok(nonce)
+            self.backend.reset_signal(res.peers.backend(), &res.signal)
         });
-        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
-            call: "reinit_after_resume",
-            phase: Phase::Closed,
-        })?;
         // Everybody reset its flags and wrote its nonce before anybody reads or launches.
-        let nonces: Vec<Option<u64>> = res.peers.agree(
+        let (prepared, proof) = self.nonce_test(
             comm,
+            "reinit_after_resume",
             tpcomm_ipc::Step::ResumeNonces,
-            &prepared.as_ref().ok().copied(),
+            reset,
         )?;
-        let proof = match &prepared {
-            Ok(_) => self.prove(&nonces),
-            Err(_) => Ok(()),
-        };
         let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
             call: "reinit_after_resume",
             phase: Phase::Closed,
@@ -1474,8 +1458,31 @@ impl<B: Backend> CustomAllReduce<B> {
         comm: &C,
         prior: Result<()>,
     ) -> Result<Result<()>> {
+        let (prepared, proof) =
+            self.nonce_test(comm, "new", tpcomm_ipc::Step::CreateNonces, prior)?;
+        tracing::debug!(
+            rank = self.rank,
+            passed = proof.is_ok(),
+            "peer-to-peer data test of the new mappings"
+        );
+        Ok(prepared.and(proof))
+    }
+
+    /// The nonce test of fresh mappings, shared by creation and resume: when `prior` (this
+    /// rank's own preparation) succeeded, writes a fresh nonce into this rank's Signal block;
+    /// every rank all-gathers its nonce, or none after a local failure, under `step`; a rank
+    /// that wrote one then reads every announced peer nonce through that peer's mapping.
+    /// Returns (this rank's preparation, the proof); `Err` only when the exchange itself
+    /// failed. A rank whose preparation failed still joins the exchange, so nobody waits.
+    fn nonce_test<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &C,
+        call: &'static str,
+        step: tpcomm_ipc::Step,
+        prior: Result<()>,
+    ) -> Result<(Result<()>, Result<()>)> {
         let nonce = prior.and_then(|()| {
-            let res = self.resources("new")?;
+            let res = self.resources(call)?;
             let nonce = fresh_nonce(self.rank);
             self.backend.write_table(
                 res.peers.backend(),
@@ -1486,29 +1493,21 @@ impl<B: Backend> CustomAllReduce<B> {
             Ok(nonce)
         });
         let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
-            call: "new",
+            call,
             phase: Phase::Closed,
         })?;
-        let nonces: Vec<Option<u64>> = res.peers.agree(
-            comm,
-            tpcomm_ipc::Step::CreateNonces,
-            &nonce.as_ref().ok().copied(),
-        )?;
+        let nonces: Vec<Option<u64>> =
+            res.peers.agree(comm, step, &nonce.as_ref().ok().copied())?;
         let proof = match &nonce {
-            Ok(_) => self.prove(&nonces),
+            Ok(_) => self.prove(call, &nonces),
             Err(_) => Ok(()),
         };
-        tracing::debug!(
-            rank = self.rank,
-            passed = proof.is_ok(),
-            "peer-to-peer data test of the new mappings"
-        );
-        Ok(nonce.map(drop).and(proof))
+        Ok((nonce.map(drop), proof))
     }
 
     /// Reads every peer's announced nonce through the new mapping of its Signal block.
-    fn prove(&self, nonces: &[Option<u64>]) -> Result<()> {
-        let res = self.resources("reinit_after_resume")?;
+    fn prove(&self, call: &'static str, nonces: &[Option<u64>]) -> Result<()> {
+        let res = self.resources(call)?;
         let memory = res.peers.backend();
         for (peer, expected) in nonces.iter().enumerate() {
             let Some(expected) = *expected else { continue };
@@ -1639,14 +1638,12 @@ fn fresh_nonce(rank: usize) -> u64 {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
-    let mut z = t
+    let z = t
         ^ ((rank as u64) << 56)
         ^ COUNTER
             .fetch_add(1, Ordering::Relaxed)
             .wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    (z ^ (z >> 31)) | 1
+    crate::backend::mix64(z) | 1
 }
 
 #[cfg(test)]

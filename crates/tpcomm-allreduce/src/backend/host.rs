@@ -89,10 +89,7 @@ fn shape_tag(word: u64) -> u32 {
     if bytes.is_multiple_of(16) && packs < (1 << 20) && code < 4 && slot < (1 << 9) {
         return (packs | (code << 20) | (slot << 22)) as u32;
     }
-    let mut z = word.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    ((z ^ (z >> 31)) as u32) | 0x8000_0000
+    (super::mix64(word.wrapping_add(0x9E37_79B9_7F4A_7C15)) as u32) | 0x8000_0000
 }
 
 /// Bytes, element type name and slot of a shape word.

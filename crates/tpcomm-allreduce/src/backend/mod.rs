@@ -177,3 +177,11 @@ pub trait Backend: Send + Sync + Debug + 'static {
         Ok(())
     }
 }
+
+/// The splitmix64 finalizer: spreads every input bit over the whole word (nonces, shape
+/// digests).
+pub(crate) fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}

@@ -1,0 +1,203 @@
+//! Byte copies into caller memory that stay fast whatever the two addresses are.
+//!
+//! glibc's `memcpy` (2.36, x86-64, CPUs with fast short `rep movsb`) moves copies between
+//! about 2 KiB and its non-temporal threshold with `rep movsb`, and on the AMD EPYC machines
+//! this project is measured on that path runs about 15 times slower when the destination
+//! lies 1 to 63 bytes after the source modulo 4 KiB: 256 KiB in 86-110 us instead of 6 us.
+//! That relation is the common one for a two-stage all-reduce's output: the temp buffers
+//! are page-aligned, and glibc places a large `Vec` (an `mmap`ed chunk) 16 bytes after a page
+//! boundary. A forward vector loop does not escape it either (each load then aliases the
+//! store 16 bytes behind it, 4 KiB apart: about 4x slower), but a *backward* loop does: its
+//! pending stores all lie above the next load. [`copy`] takes that loop, with aligned stores
+//! (none splits a cache line) and unaligned loads, for exactly that relation, and `memcpy`
+//! otherwise. Measured on the same machine (rustc -O, best of 5): with AVX (32-byte stores)
+//! the backward loop copies 4 KiB to 8 MiB at `memcpy`'s speed between page-aligned buffers
+//! (256 KiB: 6.3 us against 6.5 us; 8 MiB: 282 us against 283 us); the 16-byte loop used
+//! without AVX is about 1.3x slower than that, still 10x faster than the slow path.
+
+/// Copies shorter than this go to `memcpy` whatever the addresses (its vector path).
+const SMALL: usize = 2048;
+/// Destination offsets (modulo 4 KiB, after the source) that `memcpy` copies slowly.
+const SLOW_WINDOW: std::ops::Range<usize> = 1..64;
+
+/// Whether `memcpy` from `src` to `dst` of `n` bytes would take its slow path here.
+pub(crate) fn needs_backward(dst: usize, src: usize, n: usize) -> bool {
+    n >= SMALL && SLOW_WINDOW.contains(&(dst.wrapping_sub(src) % 4096))
+}
+
+/// Copies `n` bytes from `src` to `dst`.
+///
+/// # Safety
+/// `src` is readable and `dst` writable for `n` bytes, and the two ranges do not overlap.
+pub(crate) unsafe fn copy(dst: *mut u8, src: *const u8, n: usize) {
+    if !needs_backward(dst as usize, src as usize, n) {
+        // SAFETY: the caller's contract.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: the caller's contract; AVX is present (checked just above).
+        unsafe { backward_avx(dst, src, n) };
+        return;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { backward(dst, src, n) };
+}
+
+/// The backward copy with 16-byte aligned stores.
+///
+/// # Safety
+/// As [`copy`], and `n >= 16`.
+unsafe fn backward(dst: *mut u8, src: *const u8, n: usize) {
+    // dst[head..end] is whole 16-byte aligned packs; the bytes before and after go to memcpy.
+    let head = (16 - dst as usize % 16) % 16;
+    let end = head + (n - head) / 16 * 16;
+    // SAFETY: `end <= n`; the caller's contract covers dst[end..n] and src[end..n].
+    unsafe { std::ptr::copy_nonoverlapping(src.add(end), dst.add(end), n - end) };
+    let mut i = end;
+    while i >= head + 64 {
+        i -= 64;
+        // SAFETY: `head <= i` and `i + 64 <= end <= n`: inside both ranges. `dst + i` is
+        // 16-byte aligned (`dst + head` is, and `i - head` is a multiple of 16). The stores
+        // are volatile so that the compiler keeps this loop (and its order) rather than
+        // replacing it with the `memcpy` call it avoids.
+        unsafe {
+            let s = src.add(i);
+            let d = dst.add(i).cast::<u128>();
+            let a = s.add(48).cast::<u128>().read_unaligned();
+            let b = s.add(32).cast::<u128>().read_unaligned();
+            let c = s.add(16).cast::<u128>().read_unaligned();
+            let e = s.cast::<u128>().read_unaligned();
+            d.add(3).write_volatile(a);
+            d.add(2).write_volatile(b);
+            d.add(1).write_volatile(c);
+            d.write_volatile(e);
+        }
+    }
+    while i >= head + 16 {
+        i -= 16;
+        // SAFETY: as above, one pack.
+        unsafe {
+            let v = src.add(i).cast::<u128>().read_unaligned();
+            dst.add(i).cast::<u128>().write_volatile(v);
+        }
+    }
+    // SAFETY: `i <= n`; inside both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, i) };
+}
+
+/// The backward copy with 32-byte aligned AVX stores, four per step.
+///
+/// # Safety
+/// As [`copy`], `n >= 32`, and the CPU has AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn backward_avx(dst: *mut u8, src: *const u8, n: usize) {
+    use std::arch::x86_64::{_mm256_loadu_si256, _mm256_store_si256};
+    let head = (32 - dst as usize % 32) % 32;
+    let end = head + (n - head) / 32 * 32;
+    // SAFETY: `end <= n`; the caller's contract covers dst[end..n] and src[end..n].
+    unsafe { std::ptr::copy_nonoverlapping(src.add(end), dst.add(end), n - end) };
+    let mut i = end;
+    while i >= head + 128 {
+        i -= 128;
+        // SAFETY: `head <= i` and `i + 128 <= end <= n`: inside both ranges; `dst + i` is
+        // 32-byte aligned (`dst + head` is, and `i - head` is a multiple of 32), as the
+        // aligned stores need; the loads are unaligned ones.
+        unsafe {
+            let s = src.add(i);
+            let d = dst.add(i);
+            let a = _mm256_loadu_si256(s.add(96).cast());
+            let b = _mm256_loadu_si256(s.add(64).cast());
+            let c = _mm256_loadu_si256(s.add(32).cast());
+            let e = _mm256_loadu_si256(s.cast());
+            _mm256_store_si256(d.add(96).cast(), a);
+            _mm256_store_si256(d.add(64).cast(), b);
+            _mm256_store_si256(d.add(32).cast(), c);
+            _mm256_store_si256(d.cast(), e);
+        }
+    }
+    // SAFETY: `i <= n`; the rest (under 160 bytes) in front, inside both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, i) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_destinations_just_after_the_source_modulo_4k_take_the_backward_loop() {
+        assert!(needs_backward(4096 + 16, 0, 1 << 18));
+        assert!(needs_backward(8192 + 63, 4096, SMALL));
+        assert!(needs_backward(17, 0, SMALL));
+        assert!(!needs_backward(4096, 0, 1 << 18), "same offset in the page");
+        assert!(!needs_backward(64, 0, 1 << 18), "64 bytes after is fast");
+        assert!(
+            !needs_backward(0, 16, 1 << 18),
+            "destination before the source"
+        );
+        assert!(
+            !needs_backward(16, 0, SMALL - 1),
+            "short copies stay with memcpy"
+        );
+        assert!(needs_backward(16, usize::MAX - 4095, SMALL), "wraps");
+    }
+
+    /// Every length around the pack and unroll boundaries, every destination alignment in and
+    /// out of the slow window: the bytes copied, nothing around them touched.
+    #[test]
+    fn copies_exactly_the_bytes_for_every_alignment_and_length() {
+        let src: Vec<u8> = (0..40_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let mut dst = vec![0xEEu8; 48_000];
+        let src_base = src.as_ptr() as usize;
+        for len in [
+            SMALL,
+            SMALL + 1,
+            SMALL + 15,
+            SMALL + 17,
+            4096,
+            4097,
+            12_345,
+            32_768,
+        ] {
+            for delta in [1usize, 5, 15, 16, 17, 31, 48, 63, 64, 100, 0] {
+                // Destination offset in `dst` so that (dst - src) % 4096 == delta.
+                let dst_base = dst.as_ptr() as usize;
+                let off = (src_base + delta).wrapping_sub(dst_base) % 4096 + 4096;
+                let src_off = 3;
+                let want_backward =
+                    needs_backward(dst_base + off + src_off, src_base + src_off, len);
+                assert_eq!(
+                    want_backward,
+                    (1..64).contains(&delta),
+                    "len {len} delta {delta}"
+                );
+                for which in 0..2 {
+                    dst.fill(0xEE);
+                    // SAFETY: both ranges inside their vectors (off + 3 + len < 8192 + 3 + 32_768 <
+                    // 48_000), and disjoint (two vectors).
+                    unsafe {
+                        let (d, s) = (
+                            dst.as_mut_ptr().add(off + src_off),
+                            src.as_ptr().add(src_off),
+                        );
+                        // The AVX loop where the CPU has it, then the 16-byte loop everywhere.
+                        if which == 0 {
+                            copy(d, s, len)
+                        } else {
+                            backward(d, s, len)
+                        }
+                    };
+                    assert_eq!(
+                        &dst[off + src_off..off + src_off + len],
+                        &src[src_off..src_off + len],
+                        "len {len} delta {delta}"
+                    );
+                    assert!(dst[..off + src_off].iter().all(|&b| b == 0xEE));
+                    assert!(dst[off + src_off + len..].iter().all(|&b| b == 0xEE));
+                }
+            }
+        }
+    }
+}

@@ -193,7 +193,10 @@ fn mlp(x: &[f32], w1: &[f32], w2: &[f32]) -> Vec<f32> {
         let h_row = &mut h[t * INTERMEDIATE..][..INTERMEDIATE];
         for k in 0..HIDDEN {
             let xv = x[t * HIDDEN + k] as i64;
-            for (acc, &w) in h_row.iter_mut().zip(&w1[k * INTERMEDIATE..][..INTERMEDIATE]) {
+            for (acc, &w) in h_row
+                .iter_mut()
+                .zip(&w1[k * INTERMEDIATE..][..INTERMEDIATE])
+            {
                 *acc += xv * w as i64;
             }
         }
@@ -345,8 +348,7 @@ impl Block {
         }
         let mut cublas_version: c_int = 0;
         // SAFETY: live handle; out-pointer to a local.
-        unsafe { cublas_sys::cublasGetVersion_v2(*blas.handle(), &mut cublas_version) }
-            .result()?;
+        unsafe { cublas_sys::cublasGetVersion_v2(*blas.handle(), &mut cublas_version) }.result()?;
         let relu = ctx
             .load_module(Ptx::from_src(RELU_PTX))?
             .load_function("relu_f32_inplace")?;
@@ -408,7 +410,12 @@ where
 }
 
 /// `y` against the reference, exactly.
-fn check(stream: &Arc<CudaStream>, y: &CudaSlice<f32>, want: &[f32], what: &str) -> Result<(), Error> {
+fn check(
+    stream: &Arc<CudaStream>,
+    y: &CudaSlice<f32>,
+    want: &[f32],
+    what: &str,
+) -> Result<(), Error> {
     let got = stream.clone_dtoh(y)?;
     match got.iter().zip(want).position(|(g, w)| g != w) {
         None if got.len() == want.len() => Ok(()),
@@ -539,13 +546,31 @@ fn rank(
     let (where_, line) = if pool {
         // cudarc's pool memory: the all-reduce captures its staging copy into the graph.
         let mut partial = stream.alloc_zeros::<f32>(TOKENS * HIDDEN)?;
-        let line = run(comm, devices, &memory, &stream, &mut block, &mut partial, &mut y, model);
+        let line = run(
+            comm,
+            devices,
+            &memory,
+            &stream,
+            &mut block,
+            &mut partial,
+            &mut y,
+            model,
+        );
         ("cudarc pool memory (staging copy in the graph)", line?)
     } else {
         // Exportable memory seen as a cudarc view: the graph shares it with the peers.
         let buffer = memory.allocate(TOKENS * HIDDEN * std::mem::size_of::<f32>())?;
         let mut partial = buffer.view::<f32>(TOKENS * HIDDEN, &stream)?;
-        let line = run(comm, devices, &memory, &stream, &mut block, &mut partial, &mut y, model);
+        let line = run(
+            comm,
+            devices,
+            &memory,
+            &stream,
+            &mut block,
+            &mut partial,
+            &mut y,
+            model,
+        );
         ("exportable memory (zero-copy in the graph)", line?)
     };
     Ok(format!(
@@ -600,10 +625,12 @@ fn main() -> Result<(), Error> {
     // SAFETY: dlopen of the cuBLAS library the ranks load next (its initializers run; it is
     // closed again), so that a missing library is this error and not cudarc's panic.
     if !unsafe { cublas_sys::is_culib_present() } {
-        return Err("libcublas (libcublas.so.13 or libcublas.so.12) is not on the loader path: \
+        return Err(
+            "libcublas (libcublas.so.13 or libcublas.so.12) is not on the loader path: \
                     put the folder holding it (e.g. the nvidia-cublas python wheel's lib folder) \
                     on LD_LIBRARY_PATH"
-            .into());
+                .into(),
+        );
     }
     let world = world.unwrap_or_else(|| default_world(devices));
     if !matches!(world, 2 | 4 | 6 | 8) || !INTERMEDIATE.is_multiple_of(world) {
@@ -702,8 +729,8 @@ mod tests {
             for t in 0..TOKENS {
                 for k in 0..HIDDEN {
                     for j in 0..INTERMEDIATE {
-                        h[t * INTERMEDIATE + j] +=
-                            f64::from(x[t * HIDDEN + k]) * f64::from(model.w1[k * INTERMEDIATE + j]);
+                        h[t * INTERMEDIATE + j] += f64::from(x[t * HIDDEN + k])
+                            * f64::from(model.w1[k * INTERMEDIATE + j]);
                     }
                 }
             }

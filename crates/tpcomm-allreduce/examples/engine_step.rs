@@ -85,12 +85,16 @@ const RELU_THREADS: u32 = 256;
 // Every value the block computes is an integer below 2^24 in magnitude (see the module docs).
 const _: () = assert!(2 * HIDDEN * INTERMEDIATE < 1 << 24);
 
+/// The activation kernel's entry point in [`RELU_PTX`].
+const RELU_ENTRY: &str = "relu_f32_inplace";
+
 /// `relu_f32_inplace(float* x, unsigned n)`: `x[i] = max(x[i], 0)` for `i < n`, one element
-/// per thread. PTX ISA 7.0 for sm_70 and later (CUDA 11.0+ drivers compile it for the GPU
-/// they run on); checked with `ptxas -arch=sm_90`.
+/// per thread. PTX ISA 7.0 for sm_80 and later, like the all-reduce kernels' PTX (the driver
+/// compiles it for the GPU it runs on); checked with CUDA 13.0's `ptxas -arch=sm_90` and
+/// `-arch=sm_100`.
 const RELU_PTX: &str = r#"
 .version 7.0
-.target sm_70
+.target sm_80
 .address_size 64
 
 .visible .entry relu_f32_inplace(
@@ -351,7 +355,7 @@ impl Block {
         unsafe { cublas_sys::cublasGetVersion_v2(*blas.handle(), &mut cublas_version) }.result()?;
         let relu = ctx
             .load_module(Ptx::from_src(RELU_PTX))?
-            .load_function("relu_f32_inplace")?;
+            .load_function(RELU_ENTRY)?;
         Ok(Self {
             stream: stream.clone(),
             blas,
@@ -744,6 +748,16 @@ mod tests {
                 .collect()
         };
         assert_ne!(linear, model.outputs[0]);
+    }
+
+    #[test]
+    fn the_activation_ptx_declares_the_entry_the_block_launches() {
+        let entry = format!(".visible .entry {RELU_ENTRY}(");
+        assert_eq!(RELU_PTX.matches(&entry).count(), 1);
+        // Two parameters, as `forward` pushes them: the pointer, then the count.
+        assert!(RELU_PTX.contains(&format!(".param .u64 {RELU_ENTRY}_x,")));
+        assert!(RELU_PTX.contains(&format!(".param .u32 {RELU_ENTRY}_n\n")));
+        assert!(!RELU_PTX.contains('\0'));
     }
 
     #[test]

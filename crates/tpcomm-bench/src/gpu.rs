@@ -18,6 +18,12 @@
 //! 3. `prepare_for_suspend` + `reinit_after_resume` (timed), then step 2 again on the *same*
 //!    graphs (new input values, so a graph that reads stale tables cannot pass).
 //!
+//! The engine path (`--engine-worlds`, `--engine-sizes`), after the custom rows: the same
+//! kernel reached as an engine reaches it, on the engine's stream with cudarc views inside
+//! the engine's own capture (`caller`), against today's private-stream path (`private`,
+//! target: within 2%), and with the input in cudarc's pool memory, whose staging copy is
+//! captured into the graph (`caller+stage`, its cost against `caller`); see `mod engine`.
+//!
 //! The NCCL reference (feature `nccl`), measured after the custom rows (so that an NCCL
 //! failure or hang cannot cost them; the JSON report is written before and after it):
 //! `ncclAllReduce` on one rank (one GPU cannot host two NCCL ranks), `K` per graph, timed
@@ -114,6 +120,22 @@ pub(crate) struct GpuArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..), value_name = "S")]
     pub(crate) kernel_timeout_s: u64,
 
+    /// World sizes of the engine-path rows (`none` for none): the caller's stream and cudarc
+    /// views (`CudaBackend::with_stream`, `all_reduce_device`, the engine's own capture)
+    /// against the private-stream path, and the staging copy captured for pool memory.
+    #[arg(long, value_delimiter = ',', default_value = "2,4", value_parser = parse_world_or_none, value_name = "N,..")]
+    pub(crate) engine_worlds: Vec<Option<u32>>,
+
+    /// Sizes of the engine-path rows (multiples of 16 bytes), in the first of `--dtypes`.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "32KiB,256KiB,2MiB",
+        value_parser = parse_bytes,
+        value_name = "BYTES,.."
+    )]
+    pub(crate) engine_sizes: Vec<usize>,
+
     /// Skip the NCCL reference.
     #[arg(long)]
     pub(crate) no_nccl: bool,
@@ -179,11 +201,27 @@ impl GpuArgs {
         out
     }
 
+    /// The world sizes of the engine-path rows, in order, without repeats.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn engine_worlds(&self) -> Vec<u32> {
+        let mut out = Vec::new();
+        for w in self.engine_worlds.iter().flatten() {
+            if !out.contains(w) {
+                out.push(*w);
+            }
+        }
+        out
+    }
+
     fn validate(&self) -> Result<(), BenchError> {
+        let engine_sizes = self.engine_sizes.iter().map(|&v| ("--engine-sizes", v));
         for (name, v) in [
             ("--min-bytes", self.min_bytes),
             ("--max-bytes", self.max_bytes),
-        ] {
+        ]
+        .into_iter()
+        .chain(engine_sizes)
+        {
             if v == 0 || !v.is_multiple_of(16) {
                 return Err(BenchError::Usage(format!(
                     "{name} ({v}) must be a positive multiple of 16 bytes: the kernels move \
@@ -198,7 +236,12 @@ impl GpuArgs {
                 format_bytes(self.max_bytes)
             )));
         }
-        if let Some(w) = self.worlds.iter().find(|&&w| w % 2 == 1) {
+        if let Some(w) = self
+            .worlds
+            .iter()
+            .chain(&self.engine_worlds())
+            .find(|&&w| w % 2 == 1)
+        {
             return Err(BenchError::Usage(format!(
                 "world size {w}: the CUDA kernels serve 2, 4, 6 and 8 ranks"
             )));
@@ -206,6 +249,11 @@ impl GpuArgs {
         if self.worlds.is_empty() || self.dtypes.is_empty() || self.algorithms.is_empty() {
             return Err(BenchError::Usage(
                 "--worlds, --dtypes and --algorithms need at least one value".into(),
+            ));
+        }
+        if self.engine_sizes.is_empty() && !self.engine_worlds().is_empty() {
+            return Err(BenchError::Usage(
+                "--engine-sizes needs at least one value (or --engine-worlds none)".into(),
             ));
         }
         if self.device < 0 {
@@ -440,25 +488,41 @@ mod imp {
             })
         }
 
-        /// Collective: warm-up replays, then `iters` timed replays of `case` on every rank
-        /// at once; per replay, the slowest rank's time divided by K, nanoseconds.
+        /// Collective: [`time_replays`] of `case`.
         fn time(&mut self, case: &Case) -> Result<Vec<u64>, BenchError> {
-            for _ in 0..self.warmup {
-                self.ar.replay_graph(&case.graph)?;
-            }
-            self.ar.synchronize()?;
-            let stream = self.ar.backend().stream().clone();
-            let timer = Timer::new(self.ar.backend().context(), self.iters)?;
-            self.comm.barrier()?;
-            timer.mark(0, &stream)?;
-            for i in 1..=self.iters {
-                self.ar.replay_graph(&case.graph)?;
-                timer.mark(i, &stream)?;
-            }
-            self.ar.synchronize()?;
-            let local = timer.per_launch_ns(self.k)?;
-            slowest(self.comm, &local)
+            let (k, iters, warmup) = (self.k, self.iters, self.warmup);
+            time_replays(self.comm, &mut self.ar, &case.graph, k, iters, warmup)
         }
+    }
+
+    /// Collective: `warmup` replays of `graph`, then `iters` timed replays on every rank at
+    /// once, between CUDA events on the all-reduce's stream; per replay, the slowest rank's
+    /// time divided by `k` (the all-reduces in the graph), nanoseconds. Returns with the
+    /// stream drained.
+    fn time_replays<C: Communicator>(
+        comm: &C,
+        ar: &mut CudaAllReduce,
+        graph: &DeviceGraph,
+        k: usize,
+        iters: usize,
+        warmup: usize,
+    ) -> Result<Vec<u64>, BenchError> {
+        for _ in 0..warmup {
+            ar.replay_graph(graph)?;
+        }
+        ar.synchronize()?;
+        let stream = ar.backend().stream().clone();
+        // Events of the stream's own context handle (cudarc records only on those).
+        let timer = Timer::new(stream.context(), iters)?;
+        comm.barrier()?;
+        timer.mark(0, &stream)?;
+        for i in 1..=iters {
+            ar.replay_graph(graph)?;
+            timer.mark(i, &stream)?;
+        }
+        ar.synchronize()?;
+        let local = timer.per_launch_ns(k)?;
+        slowest(comm, &local)
     }
 
     /// What one world size's run found (rank 0's rows; empty on other ranks).
@@ -738,6 +802,20 @@ mod imp {
         s.keep(rows.clone());
         s.write_json("gpu", json, &settings(None, false), &[])?;
 
+        // The engine path; a failure is reported at the end, after NCCL and the report.
+        s.note("");
+        let (engine_rows, engine_failure) = match engine::run(&mut s, args) {
+            Ok(found) => (found, None),
+            Err(e) => {
+                let text = crate::error::chain(&e);
+                s.note(&format!("engine path: FAILED: {text}"));
+                eprintln!("tpcomm-bench gpu: engine path failed: {text}");
+                (Vec::new(), Some(e))
+            }
+        };
+        s.keep(engine_rows.clone());
+        s.write_json("gpu", json, &settings(None, false), &[])?;
+
         let mut dtypes: Vec<DType> = Vec::new();
         for r in &rows {
             let d = [DType::F32, DType::F16, DType::Bf16]
@@ -773,8 +851,15 @@ mod imp {
         }
         summarize(&mut s, &rows);
         s.note(&format!("total {:.1} s", started.elapsed().as_secs_f64()));
-        s.keep_only(nccl_rows.into_iter().chain(rows).collect());
-        s.write_json("gpu", json, &settings(nccl_library, true), &[])
+        s.keep_only(
+            nccl_rows
+                .into_iter()
+                .chain(rows)
+                .chain(engine_rows)
+                .collect(),
+        );
+        s.write_json("gpu", json, &settings(nccl_library, true), &[])?;
+        engine_failure.map_or(Ok(()), Err)
     }
 
     /// Closing lines: per world, type and algorithm, the after/before spread and the
@@ -815,6 +900,476 @@ mod imp {
                 s.summary(format!(
                     "{table} {algorithm}: time / nccl(1 rank) per size: {}; geomean {g:.2}x",
                     per.join(", ")
+                ));
+            }
+        }
+    }
+
+    /// The engine-path rows: what an engine pays for handing tpcomm its own stream and
+    /// tensors, against today's private-stream rows.
+    ///
+    /// Per world size and size, every rank captures three graphs of `K` all-reduces of one
+    /// input into one output (the same kernel and algorithm in all three, chosen by size):
+    /// - `private`: today's path: the backend's own stream ([`CudaBackend::new`]),
+    ///   [`CudaBuffer`]s, [`CustomAllReduce::capture_graph`];
+    /// - `caller`: the engine's path: the engine's stream ([`CudaBackend::with_stream`]),
+    ///   cudarc views of exportable memory ([`CudaBuffer::view`]) through
+    ///   [`CustomAllReduce::all_reduce_device`], the engine's own `cuStreamBeginCapture`
+    ///   adopted with [`CustomAllReduce::adopt_graph`]: zero-copy, like `private`;
+    /// - `caller+stage`: the same with the input in cudarc's pool memory (`CudaSlice`),
+    ///   which legacy IPC cannot export: the staging copy is captured into the graph.
+    ///
+    /// Each graph is verified once (exact sums on every rank), then the three are timed in
+    /// rounds, rotating which runs first, `iters` replays each per round (each variant on its
+    /// own stream, drained before the next starts). `caller` is compared with `private` (the
+    /// target: within 2%), `caller+stage` with `caller` (the staging copy's cost).
+    mod engine {
+        use std::sync::Arc;
+        use std::time::Duration;
+
+        use cudarc::driver::{
+            sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+        };
+        use tpcomm::allreduce::{
+            Algorithm, Config, CudaBackend, CudaOptions, CustomAllReduce, DType, DeviceGraph,
+            Element,
+        };
+        use tpcomm::ipc::{BufferView, CudaBuffer, CudaMemory, PeerMemory};
+        use tpcomm::Communicator;
+
+        use super::{
+            check_bytes, cuda_error, f2, input_bytes, poison_bytes, time_replays, CudaAllReduce,
+        };
+        use crate::allreduce::{expected, input};
+        use crate::error::BenchError;
+        use crate::gpu::GpuArgs;
+        use crate::harness::{agree, geomean, Bus, Row};
+        use crate::launch::Session;
+        use crate::sweep::format_bytes;
+        use crate::table::{self, col, Column};
+
+        /// Today's path.
+        pub(super) const PRIVATE: &str = "private";
+        /// The caller's stream and exportable views: zero-copy in the graph.
+        pub(super) const CALLER: &str = "caller";
+        /// The caller's stream and pool memory: the staging copy in the graph.
+        pub(super) const STAGED: &str = "caller+stage";
+        /// Timing rounds; each runs every variant `iters` times.
+        const ROUNDS: usize = 3;
+
+        pub(super) const COLUMNS: [Column; 10] = [
+            Column::new("ranks", "", 5, |r, _| r.text("ranks")),
+            Column::new("type", "", 5, |r, _| r.text("type")),
+            col::size(9),
+            col::variant("path", 12),
+            Column::new("alg", "", 6, |r, _| r.text("algorithm")),
+            Column::new("iters", "", 5, |r, _| r.iters.to_string()),
+            Column::new("time", "(us)", 9, |r, _| f2(Some(r.stats.median_us))),
+            Column::new("min", "(us)", 9, |r, _| f2(Some(r.stats.min_us))),
+            Column::new("vs", "", 8, |r, _| {
+                r.peer.clone().unwrap_or_else(|| "-".into())
+            }),
+            Column::new("ratio", "", 7, |r, _| col::f3(r.vs_peer)),
+        ];
+
+        /// One size's graphs on one rank, in [`PRIVATE`], [`CALLER`], [`STAGED`] order.
+        struct Case {
+            bytes: usize,
+            count: usize,
+            algorithm: Algorithm,
+            graphs: [DeviceGraph; 3],
+            /// Whether `caller+stage` captured the staging copy (see `run_world`).
+            staged: bool,
+        }
+
+        /// The engine's capture of `k` all-reduces of `input` into `output` on `stream` (the
+        /// all-reduce's stream), adopted by the all-reduce.
+        fn capture_on_stream<T: Element, I: DevicePtr<T>>(
+            ar: &mut CudaAllReduce,
+            stream: &Arc<CudaStream>,
+            input: &I,
+            output: &mut BufferView<'_, T>,
+            k: usize,
+        ) -> Result<(DeviceGraph, Algorithm), BenchError> {
+            let mark = ar.capture_mark();
+            stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(cuda_error("cuStreamBeginCapture"))?;
+            let mut issued = Ok(None);
+            for _ in 0..k {
+                issued = ar.all_reduce_device(input, output).map(Some);
+                if issued.is_err() {
+                    break;
+                }
+            }
+            // The capture ends whatever happened, so that the stream is usable again.
+            let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+            let algorithm = issued?;
+            let graph = ended
+                .map_err(cuda_error("cuStreamEndCapture"))?
+                .ok_or_else(|| BenchError::Usage("the engine's capture recorded nothing".into()))?;
+            let graph = ar.adopt_graph(graph, mark)?;
+            let algorithm = algorithm
+                .ok_or_else(|| BenchError::Usage("--graph-launches must be at least 1".into()))?;
+            Ok((graph, algorithm))
+        }
+
+        /// Collective: one replay of `graph` after `fill` wrote this rank's input and the
+        /// output was poisoned; the output checked exactly on every rank.
+        #[allow(clippy::too_many_arguments)]
+        fn verify<C: Communicator>(
+            comm: &C,
+            memory: &CudaMemory,
+            ar: &mut CudaAllReduce,
+            graph: &DeviceGraph,
+            output: &CudaBuffer,
+            dtype: DType,
+            count: usize,
+            salt: u64,
+            fill: impl FnOnce() -> Result<(), BenchError>,
+            what: String,
+        ) -> Result<(), BenchError> {
+            fill()?;
+            memory.write(output, 0, &poison_bytes(dtype, count))?;
+            comm.barrier()?;
+            ar.replay_graph(graph)?;
+            ar.synchronize()?;
+            let mut raw = vec![0u8; count * dtype.size()];
+            memory.read(output, 0, &mut raw)?;
+            let problem = check_bytes(dtype, &raw, &expected(comm.size(), count, salt));
+            agree(comm, problem, || what)
+        }
+
+        /// Every size at one world size, on this rank: rank 0's rows (empty on the others).
+        pub(super) fn run_world<C: Communicator, T: Element + DeviceRepr + ValidAsZeroBits>(
+            comm: &C,
+            args: &GpuArgs,
+        ) -> Result<Vec<Row>, BenchError> {
+            let (rank, world) = (comm.rank(), comm.size());
+            let dtype = T::DTYPE;
+            let k = args.graph_launches as usize;
+            let (iters, warmup) = (args.iters as usize, args.warmup as usize);
+            let sizes = &args.engine_sizes;
+            let max_bytes = sizes.iter().copied().max().unwrap_or(16);
+            let memory = CudaMemory::same_process(args.device)?;
+            let defaults = CudaOptions::default();
+            let options = CudaOptions {
+                max_blocks: args.max_blocks.unwrap_or(defaults.max_blocks),
+                ranks_per_device: world,
+            };
+            let mut config = Config {
+                max_bytes,
+                timeout: Duration::from_secs(args.kernel_timeout_s),
+                ..Config::default()
+            };
+            // Every captured call takes its own RankData slot, plus slot 0.
+            config.slots = config.slots.max(1 + 2 * k * sizes.len());
+            let backend = CudaBackend::new(comm, &memory, options.clone())?;
+            let blocks = backend.max_blocks();
+            let mut private = CustomAllReduce::new(backend, memory.clone(), comm, config.clone())?;
+            // The engine's stream, on a context handle without event tracking, as an engine
+            // that captures its step holds it.
+            let ctx = CudaContext::new(args.device as usize)
+                .map_err(cuda_error("cuDevicePrimaryCtxRetain"))?;
+            // SAFETY: every slice of this context handle (the pool input) is used on
+            // `stream` only, which orders its uses.
+            unsafe { ctx.disable_event_tracking() };
+            let stream = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
+            let backend = CudaBackend::with_stream(comm, &memory, options, stream.clone())?;
+            let mut engine = CustomAllReduce::new(backend, memory.clone(), comm, config)?;
+            // Separate buffers for the two communicators: each registers its own inputs.
+            let (p_in, p_out) = (memory.allocate(max_bytes)?, memory.allocate(max_bytes)?);
+            let (e_in, e_out) = (memory.allocate(max_bytes)?, memory.allocate(max_bytes)?);
+            let mut pool_in: CudaSlice<T> = stream
+                .alloc_zeros(max_bytes / dtype.size())
+                .map_err(cuda_error("cuMemAllocAsync"))?;
+            stream
+                .synchronize()
+                .map_err(cuda_error("cuStreamSynchronize"))?;
+            comm.barrier()?;
+
+            let mut cases = Vec::with_capacity(sizes.len());
+            for &bytes in sizes {
+                let count = bytes / dtype.size();
+                let (p_in_ref, p_out_ref) = (&p_in, &p_out);
+                let mut algorithm = None;
+                let private_graph = private.capture_graph(|ar| {
+                    for _ in 0..k {
+                        algorithm = Some(ar.all_reduce_buffer(p_in_ref, p_out_ref, dtype, count)?);
+                    }
+                    Ok(())
+                })?;
+                let mut out = e_out.view::<T>(count, &stream)?;
+                let (caller_graph, _) = capture_on_stream(
+                    &mut engine,
+                    &stream,
+                    &e_in.view::<T>(count, &stream)?,
+                    &mut out,
+                    k,
+                )?;
+                let (staged_graph, alg) =
+                    capture_on_stream(&mut engine, &stream, &pool_in.slice(..count), &mut out, k)?;
+                cases.push(Case {
+                    bytes,
+                    count,
+                    algorithm: algorithm.unwrap_or(alg),
+                    graphs: [private_graph, caller_graph, staged_graph],
+                    staged: false,
+                });
+            }
+            private.register_graph_buffers(comm)?;
+            engine.register_graph_buffers(comm)?;
+            // Whether the pool input was staged in the graph: its slots (slot 0 serves eager
+            // calls; each case took K for `caller`, then K for `caller+stage`) hold this
+            // rank's staging buffer, not the input (a device without memory pools gives
+            // cudarc exportable memory, shared zero-copy).
+            let staging = engine.base_address(rank, 1)?;
+            for (c, case) in cases.iter_mut().enumerate() {
+                case.staged = engine.rank_data_slot(1 + 2 * k * c + k)?[rank] == staging;
+            }
+
+            let mut rows = Vec::new();
+            for (c, case) in cases.iter().enumerate() {
+                let count = case.count;
+                let salt =
+                    |v: usize| ((world as u64) << 40) ^ (0xe9 << 32) ^ ((c as u64) << 8) ^ v as u64;
+                let what = |v: &str| format!("cuda {v} path of {} B", case.bytes);
+                let [pg, cg, sg] = &case.graphs;
+                verify(
+                    comm,
+                    &memory,
+                    &mut private,
+                    pg,
+                    &p_out,
+                    dtype,
+                    count,
+                    salt(0),
+                    || Ok(memory.write(&p_in, 0, &input_bytes(dtype, rank, count, salt(0)))?),
+                    what(PRIVATE),
+                )?;
+                verify(
+                    comm,
+                    &memory,
+                    &mut engine,
+                    cg,
+                    &e_out,
+                    dtype,
+                    count,
+                    salt(1),
+                    || Ok(memory.write(&e_in, 0, &input_bytes(dtype, rank, count, salt(1)))?),
+                    what(CALLER),
+                )?;
+                verify(
+                    comm,
+                    &memory,
+                    &mut engine,
+                    sg,
+                    &e_out,
+                    dtype,
+                    count,
+                    salt(2),
+                    || {
+                        stream
+                            .memcpy_htod(&input::<T>(rank, count, salt(2)), &mut pool_in)
+                            .map_err(cuda_error("cuMemcpyHtoDAsync"))?;
+                        stream
+                            .synchronize()
+                            .map_err(cuda_error("cuStreamSynchronize"))
+                    },
+                    what(STAGED),
+                )?;
+
+                // Rounds of the three variants, rotating which runs first.
+                let mut samples: [Vec<u64>; 3] = Default::default();
+                for round in 0..ROUNDS {
+                    for v in (0..3).map(|i| (i + round) % 3) {
+                        let ar = if v == 0 { &mut private } else { &mut engine };
+                        let timed = time_replays(comm, ar, &case.graphs[v], k, iters, warmup)?;
+                        samples[v].extend(timed);
+                    }
+                }
+                if rank == 0 {
+                    rows.extend(rows_of(case, samples, world, dtype, blocks, k, warmup));
+                }
+            }
+
+            // Teardown with every stream drained, as in the custom rows.
+            private.synchronize()?;
+            engine.synchronize()?;
+            comm.barrier()?;
+            drop(cases);
+            private.close()?;
+            engine.close()?;
+            comm.barrier()?;
+            drop((p_in, p_out, e_in, e_out, pool_in));
+            drop((private, engine));
+            comm.barrier()?;
+            Ok(rows)
+        }
+
+        /// The three rows of one case, each compared with its peer variant.
+        fn rows_of(
+            case: &Case,
+            samples: [Vec<u64>; 3],
+            world: usize,
+            dtype: DType,
+            blocks: u32,
+            k: usize,
+            warmup: usize,
+        ) -> Vec<Row> {
+            let table = format!("engine {world} ranks {}", dtype.name());
+            let mut rows: Vec<Row> = [PRIVATE, CALLER, STAGED]
+                .into_iter()
+                .zip(samples)
+                .filter_map(|(variant, samples)| {
+                    let row = Row::new(
+                        &table,
+                        &case.bytes.to_string(),
+                        variant,
+                        case.bytes,
+                        warmup,
+                        samples,
+                    )?;
+                    Some(
+                        row.bus(Bus::AllReduce, world)
+                            .with("ranks", world)
+                            .with("type", dtype.name())
+                            .with("count", case.count)
+                            .with("algorithm", case.algorithm.name())
+                            .with("blocks", blocks)
+                            .with("graph_launches", k),
+                    )
+                })
+                .collect();
+            crate::harness::link_peers(&mut rows, |r| match r.variant.as_str() {
+                CALLER => Some(PRIVATE.into()),
+                STAGED => Some(CALLER.into()),
+                _ => None,
+            });
+            // The staging copy's cost in microseconds per all-reduce, next to its ratio.
+            let caller = rows
+                .iter()
+                .find(|r| r.is(CALLER))
+                .map(|r| r.stats.median_us);
+            for r in rows.iter_mut().filter(|r| r.is(STAGED)) {
+                let extra = caller.map(|c| r.stats.median_us - c);
+                r.info.insert("staging_copy_us".into(), extra.into());
+                r.info.insert("staging_in_graph".into(), case.staged.into());
+            }
+            rows
+        }
+
+        /// Prints the engine-path table; returns its rows (empty when `--engine-worlds none`).
+        pub(super) fn run(s: &mut Session<'_>, args: &GpuArgs) -> Result<Vec<Row>, BenchError> {
+            let worlds = args.engine_worlds();
+            if worlds.is_empty() {
+                s.note("engine path: skipped (--engine-worlds none)");
+                return Ok(Vec::new());
+            }
+            let dtype = args.dtypes[0].dtype();
+            s.note(&format!(
+                "engine path ({}, sizes {}): private = CudaBackend::new, CudaBuffers, \
+                 capture_graph (the rows above); caller = CudaBackend::with_stream on the \
+                 engine's stream, all_reduce_device on cudarc views of exportable memory, the \
+                 engine's own capture (adopt_graph); caller+stage = the same with the input in \
+                 cudarc pool memory (the staging copy captured into the graph). {ROUNDS} rounds \
+                 rotating the order, {} replays each per round; ratio: time / the `vs` path's",
+                dtype.name(),
+                args.engine_sizes
+                    .iter()
+                    .map(|&b| format_bytes(b))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                args.iters
+            ));
+            s.header(
+                "engine path: the caller's stream and tensors (CUDA graphs, ranks as threads on one GPU)",
+                &COLUMNS,
+            );
+            let mut rows = Vec::new();
+            for world in worlds {
+                let group = tpcomm::transport::LocalGroup::new(world as usize);
+                let results = match dtype {
+                    DType::F32 => group.run(|comm| run_world::<_, f32>(&comm, args)),
+                    DType::F16 => group.run(|comm| run_world::<_, half::f16>(&comm, args)),
+                    DType::Bf16 => group.run(|comm| run_world::<_, half::bf16>(&comm, args)),
+                };
+                let found = crate::launch::first_rank_output(results)?;
+                if s.prints() {
+                    let lines: Vec<String> = found
+                        .iter()
+                        .map(|r| table::row_line(&COLUMNS, r, None))
+                        .collect();
+                    table::print(&lines);
+                }
+                rows.extend(found);
+            }
+            summarize(s, &rows);
+            Ok(rows)
+        }
+
+        /// Per table: caller / private per size with the geometric mean (target within 2%),
+        /// and the staging copy's ratio and microseconds per size.
+        fn summarize(s: &mut Session<'_>, rows: &[Row]) {
+            let mut tables: Vec<&str> = Vec::new();
+            for r in rows {
+                if !tables.contains(&r.table.as_str()) {
+                    tables.push(&r.table);
+                }
+            }
+            for table in tables {
+                let of = |variant: &str| -> Vec<&Row> {
+                    rows.iter()
+                        .filter(|r| r.table == table && r.is(variant))
+                        .collect()
+                };
+                let per = |rs: &[&Row], extra: bool| -> String {
+                    rs.iter()
+                        .filter_map(|r| {
+                            let ratio = r.vs_peer?;
+                            let us = r
+                                .number("staging_copy_us")
+                                .filter(|_| extra)
+                                .map_or_else(String::new, |us| format!(" ({us:+.2} us)"));
+                            Some(format!("{} {ratio:.3}{us}", format_bytes(r.bytes)))
+                        })
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                let geo = |rs: &[&Row]| {
+                    let v: Vec<f64> = rs.iter().filter_map(|r| r.vs_peer).collect();
+                    geomean(&v).map_or_else(|| "-".into(), |g| format!("{g:.3}"))
+                };
+                let (caller, staged) = (of(CALLER), of(STAGED));
+                let worst = caller
+                    .iter()
+                    .filter_map(|r| r.vs_peer)
+                    .fold(0.0f64, f64::max);
+                let verdict = if caller.iter().all(|r| r.vs_peer.is_some_and(|v| v <= 1.02)) {
+                    "met"
+                } else {
+                    "NOT met"
+                };
+                s.summary(format!(
+                    "{table}: caller/private per size: {}; geomean {}; worst {worst:.3} \
+                     (target <= 1.02: {verdict})",
+                    per(&caller, false),
+                    geo(&caller)
+                ));
+                let unstaged = staged
+                    .iter()
+                    .any(|r| r.info.get("staging_in_graph") == Some(&false.into()));
+                s.summary(format!(
+                    "{table}: caller+stage/caller (the staging copy in the graph) per size: {}; \
+                     geomean {}{}",
+                    per(&staged, true),
+                    geo(&staged),
+                    if unstaged {
+                        " (NOT a staging cost: cudarc's memory was exportable here, shared \
+                         zero-copy)"
+                    } else {
+                        ""
+                    }
                 ));
             }
         }
@@ -1088,6 +1643,20 @@ mod tests {
         assert!(parse(&["--min-bytes", "16MiB"]).validate().is_err());
         let none = parse(&["--f32-worlds", "none", "--dtypes", "f16,bf16,f16"]);
         assert_eq!(none.dtypes_for(2), vec![DTypeArg::F16, DTypeArg::Bf16]);
+    }
+
+    #[test]
+    fn engine_rows_default_to_2_and_4_ranks_at_decode_and_prefill_sizes() {
+        let args = parse(&[]);
+        assert_eq!(args.engine_worlds(), vec![2, 4]);
+        assert_eq!(args.engine_sizes, vec![32 << 10, 256 << 10, 2 << 20]);
+        let none = parse(&["--engine-worlds", "none"]);
+        assert!(none.engine_worlds().is_empty());
+        assert!(none.validate().is_ok());
+        let repeated = parse(&["--engine-worlds", "4,2,4"]);
+        assert_eq!(repeated.engine_worlds(), vec![4, 2]);
+        assert!(parse(&["--engine-worlds", "3"]).validate().is_err());
+        assert!(parse(&["--engine-sizes", "1000"]).validate().is_err());
     }
 
     #[test]

@@ -28,7 +28,7 @@ mod step;
 
 #[cfg(feature = "cuda")]
 pub use backend::cuda::{
-    alias_access, AliasAccess, BufferView, CudaAddressHold, CudaBuffer, CudaHandle, CudaMapping,
+    alias_access, imported_allocations as cuda_imported_allocations, AliasAccess, BufferView, CudaAddressHold, CudaBuffer, CudaHandle, CudaMapping,
     CudaMemory,
 };
 pub use backend::host::{AddressHold, HostBuffer, HostHandle, HostMapping, HostMemory};

@@ -764,6 +764,14 @@ fn open_table() -> MutexGuard<'static, HashMap<OpenKey, Opened>> {
 
 /// Allocations this process exported: the 64 handle bytes -> the allocation's base, so that a
 /// [`CudaMemory::same_process`] backend can open its own handles as aliases.
+///
+/// Entries are never looked up by peers of other processes, only by this process's own
+/// aliases, and an alias is checked against the allocation still at `base`
+/// ([`CudaMemory::open_alias`]). So a stale entry is harmless: after a process checkpoint and
+/// restore the driver hands out a *different* handle for the same allocation (the old one no
+/// longer opens anywhere: `CUDA_ERROR_INVALID_HANDLE`), the registry's resume exports again
+/// and inserts the new handle next to the old one, both naming the same base (a restore
+/// keeps every allocation at its virtual address).
 fn export_table() -> MutexGuard<'static, HashMap<[u8; result::IPC_HANDLE_BYTES], CUdeviceptr>> {
     static TABLE: OnceLock<Mutex<HashMap<[u8; result::IPC_HANDLE_BYTES], CUdeviceptr>>> =
         OnceLock::new();
@@ -772,6 +780,20 @@ fn export_table() -> MutexGuard<'static, HashMap<[u8; result::IPC_HANDLE_BYTES],
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The number of peer allocations this process has open through legacy CUDA IPC
+/// (`cuIpcOpenMemHandle`) right now, over every [`CudaMemory`] and device: each counts once
+/// however many [`CudaMapping`]s share it. Same-process aliases
+/// ([`CudaMemory::same_process`]) open nothing in the driver and are not counted.
+///
+/// A process checkpoint (`cuCheckpointProcessCheckpoint`) must not run while this is above
+/// zero: on driver 580 the checkpoint of an importer succeeds but its restore fails
+/// (`CUDA_ERROR_INVALID_VALUE`) and leaves the process checkpointed for good, so
+/// `tpcomm-checkpoint` refuses before locking. The count is taken under the table's lock;
+/// another thread may open or close a mapping right after it is read.
+pub fn imported_allocations() -> usize {
+    open_table().len()
 }
 
 /// Turns a failed open into [`IpcError::OwnerGone`] when the exporting process is gone.

@@ -22,8 +22,7 @@ const CANDIDATES: &[&str] = &["nvcuda.dll"];
 /// `symbols` it does not export; `Err` with a message naming every file name tried when no
 /// driver library is found. Calls no driver function, never panics.
 pub fn missing_symbols<'n>(symbols: &[&'n str]) -> Result<Vec<&'n str>, String> {
-    static DRIVER: OnceLock<Result<libloading::Library, String>> = OnceLock::new();
-    let lib = DRIVER.get_or_init(load).as_ref().map_err(Clone::clone)?;
+    let lib = library()?;
     Ok(symbols
         .iter()
         .copied()
@@ -31,6 +30,14 @@ pub fn missing_symbols<'n>(symbols: &[&'n str]) -> Result<Vec<&'n str>, String> 
         // through this type.
         .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
         .collect())
+}
+
+/// The driver library as the probe loaded it (once per process; it stays loaded), for layers
+/// that resolve driver functions cudarc does not bind (the process-checkpoint entry points of
+/// `tpcomm-checkpoint`). `Err` as for [`missing_symbols`]. Calls no driver function.
+pub fn library() -> Result<&'static libloading::Library, String> {
+    static DRIVER: OnceLock<Result<libloading::Library, String>> = OnceLock::new();
+    DRIVER.get_or_init(load).as_ref().map_err(Clone::clone)
 }
 
 fn load() -> Result<libloading::Library, String> {

@@ -1,0 +1,387 @@
+//! Runs a [`Sequence`] over a [`Communicator`]: each step's local action on this rank, one
+//! all-gather of every rank's [`StepReport`], then the next step.
+
+use std::time::{Duration, Instant};
+
+use tpcomm_transport::Communicator;
+
+use crate::driver::{CheckpointDriver, DriverInfo, ProcessState};
+use crate::error::{CheckpointError, ExchangeError, Reason};
+use crate::sequence::{Sequence, Step, StepReport};
+use crate::suspend::{BoxError, Suspendable};
+
+/// Settings of [`checkpoint_group`]. `lock_timeout` may differ between ranks.
+#[derive(Debug, Clone)]
+pub struct CheckpointOptions {
+    /// How long `cuCheckpointProcessLock` waits for the process's running CUDA calls before
+    /// it fails (1 ms to `u32::MAX` ms; the driver's 0, "wait for ever", is refused).
+    /// Default 10 s.
+    pub lock_timeout: Duration,
+    /// The process this rank runs in, as the driver knows it. Default (`None`): this
+    /// process. Ranks with the same pid share one driver rank (the lowest). Tests that
+    /// model ranks of separate processes with threads (a fake driver) set it.
+    pub pid: Option<u32>,
+}
+
+impl Default for CheckpointOptions {
+    fn default() -> Self {
+        Self {
+            lock_timeout: Duration::from_secs(10),
+            pid: None,
+        }
+    }
+}
+
+impl CheckpointOptions {
+    fn check(&self) -> Result<(), String> {
+        let ms = self.lock_timeout.as_millis();
+        if ms == 0 || ms > u128::from(u32::MAX) {
+            return Err(format!(
+                "lock_timeout must be 1 ms to {} ms, not {:?}",
+                u32::MAX,
+                self.lock_timeout
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What the pause callback is told: every process of the group is checkpointed.
+#[derive(Debug, Clone)]
+pub struct Paused {
+    /// This rank.
+    pub rank: usize,
+    /// Its process.
+    pub pid: u32,
+    /// Whether this rank is its process's driver rank (the one that should dump the
+    /// process, when the pause is a CRIU dump: ranks that are threads of one process all
+    /// get the callback).
+    pub driver_rank: bool,
+}
+
+/// How long one step took on this rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepTiming {
+    /// The step.
+    pub step: Step,
+    /// This rank's own part (its driver call, its objects, its pause).
+    pub local: Duration,
+    /// The exchange of every rank's outcome after it (waiting for the slowest rank).
+    pub agree: Duration,
+}
+
+/// What a successful group checkpoint reports on each rank.
+#[derive(Debug, Clone)]
+pub struct CheckpointReport {
+    /// The pid of every rank.
+    pub pids: Vec<u32>,
+    /// Whether this rank made its process's driver calls.
+    pub driver_rank: bool,
+    /// The driver, as this rank's check saw it.
+    pub driver: DriverInfo,
+    /// Every step this rank ran, in order.
+    pub timings: Vec<StepTiming>,
+}
+
+impl CheckpointReport {
+    /// The timing of `step`, if it ran.
+    pub fn timing(&self, step: Step) -> Option<StepTiming> {
+        self.timings.iter().find(|t| t.step == step).copied()
+    }
+}
+
+/// This process's lock and checkpoint, undone on drop unless the sequence's own back half
+/// ran: a panic in the pause or a failed exchange never leaves the process locked.
+struct ProcessHold<'d, D: CheckpointDriver + ?Sized> {
+    driver: &'d D,
+    pid: u32,
+    /// A lock or checkpoint call succeeded and the back half has not run.
+    armed: bool,
+}
+
+impl<D: CheckpointDriver + ?Sized> ProcessHold<'_, D> {
+    /// Restores the process if it is checkpointed, then unlocks it if it is locked; returns
+    /// the state it is left in.
+    fn roll_back(&mut self) -> Result<ProcessState, String> {
+        self.armed = false;
+        let state = self.driver.state(self.pid).map_err(|e| e.to_string())?;
+        if state == ProcessState::Checkpointed {
+            self.driver.restore(self.pid).map_err(|e| e.to_string())?;
+        }
+        let state = self.driver.state(self.pid).map_err(|e| e.to_string())?;
+        if state == ProcessState::Locked {
+            self.driver.unlock(self.pid).map_err(|e| e.to_string())?;
+        }
+        self.driver.state(self.pid).map_err(|e| e.to_string())
+    }
+}
+
+impl<D: CheckpointDriver + ?Sized> Drop for ProcessHold<'_, D> {
+    fn drop(&mut self) {
+        if self.armed {
+            let pid = self.pid;
+            match self.roll_back() {
+                Ok(state) => tracing::warn!(pid, %state, "process checkpoint abandoned; rolled back"),
+                Err(e) => tracing::error!(pid, error = %e, "process checkpoint abandoned; rollback failed"),
+            }
+        }
+    }
+}
+
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}
+
+/// Checkpoints the process of every rank of `comm` through the CUDA driver, with every
+/// registered object suspended around it:
+///
+/// 1. **check** (every rank): the driver supports it, the options are valid, every object
+///    can suspend, every rank registered as many objects; pids are gathered, and the lowest
+///    rank of each pid is that process's *driver rank*;
+/// 2. **prepare**: `prepare_for_suspend` of every object (collective, in order);
+/// 3. **lock** (driver ranks): refused if the process still imports CUDA IPC memory,
+///    otherwise `cuCheckpointProcessLock(pid, lock_timeout)`;
+/// 4. **checkpoint** (driver ranks): `cuCheckpointProcessCheckpoint`;
+/// 5. **pause** (every rank): `pause`, while every process is checkpointed; it must not call
+///    CUDA (this process's CUDA calls block until the unlock);
+/// 6. **restore** (driver ranks): `cuCheckpointProcessRestore` of a checkpointed process;
+/// 7. **unlock** (driver ranks): `cuCheckpointProcessUnlock` of a locked process;
+/// 8. **reinit**: `reinit_after_resume` of every object, once every process runs.
+///
+/// After every step each rank all-gathers its outcome over `comm` (which must not call
+/// CUDA itself: a host transport), so nobody checkpoints before every process is locked and
+/// nobody unlocks before every process is restored. A failure at any step on any rank ends
+/// the front half and runs the back half (restore what is checkpointed, unlock what is
+/// locked, resume what every rank suspended) on every rank; every rank then returns the same
+/// [`CheckpointError::Failed`] naming the step and rank, with what was left behind. Every
+/// wait is bounded: the lock by `lock_timeout`, the exchanges by `comm`'s own timeout; a
+/// failed exchange rolls this rank's process back alone ([`CheckpointError::Exchange`]).
+///
+/// Self-checkpoint: each process checkpoints itself from one of its own threads (measured
+/// on driver 580: lock, checkpoint, restore and unlock of the caller's own pid all succeed),
+/// so no controller process or helper binary is needed.
+pub fn checkpoint_group<C, D, P>(
+    comm: &C,
+    driver: &D,
+    objects: &mut [&mut dyn Suspendable<C>],
+    options: &CheckpointOptions,
+    pause: P,
+) -> Result<CheckpointReport, CheckpointError>
+where
+    C: Communicator + ?Sized,
+    D: CheckpointDriver + ?Sized,
+    P: FnOnce(&Paused) -> Result<(), BoxError>,
+{
+    let rank = comm.rank();
+    let pid = options.pid.unwrap_or_else(std::process::id);
+    let count = u32::try_from(objects.len()).unwrap_or(u32::MAX);
+    let _span = tracing::debug_span!("checkpoint_group", rank, pid).entered();
+    let mut seq = Sequence::new(comm.size());
+    let mut hold = ProcessHold {
+        driver,
+        pid,
+        armed: false,
+    };
+    let mut pause = Some(pause);
+    let mut info = None;
+    let mut timings = Vec::new();
+    while let Some(step) = seq.step() {
+        let started = Instant::now();
+        let mut report = StepReport::new(step, pid, count);
+        let driver_rank = seq.is_driver_rank(rank);
+        match step {
+            Step::Check => {
+                let support = driver.support();
+                report.failure = match (&support, options.check()) {
+                    (Err(e), _) => Some(Reason::Unsupported(e.clone())),
+                    (_, Err(why)) => Some(Reason::InvalidOptions(why)),
+                    _ => objects.iter().enumerate().find_map(|(object, o)| {
+                        o.suspend_support().err().map(|why| Reason::CannotSuspend {
+                            object,
+                            name: o.name(),
+                            why,
+                        })
+                    }),
+                };
+                info = support.ok();
+            }
+            Step::Prepare => {
+                // Every object's transition is collective: a rank whose earlier object
+                // failed still joins the later ones.
+                for (object, o) in objects.iter_mut().enumerate() {
+                    let outcome = o.prepare_for_suspend(comm);
+                    report.suspended.push(outcome.is_ok());
+                    if let (Err(e), None) = (outcome, &report.failure) {
+                        report.failure = Some(Reason::Object {
+                            object,
+                            name: o.name(),
+                            message: chain(e.as_ref()),
+                        });
+                    }
+                }
+            }
+            Step::Lock if driver_rank => {
+                let imported = driver.imported_ipc_mappings(pid);
+                if imported > 0 {
+                    report.failure = Some(Reason::ImportedMappings {
+                        pid,
+                        count: imported,
+                    });
+                } else {
+                    match driver.lock(pid, options.lock_timeout) {
+                        Ok(()) => hold.armed = true,
+                        Err(e) => report.failure = Some(Reason::Driver(e)),
+                    }
+                }
+                report.state = Some(state_or(driver, pid, &mut report.failure));
+            }
+            Step::Checkpoint if driver_rank => {
+                if let Err(e) = driver.checkpoint(pid) {
+                    report.failure = Some(Reason::Driver(e));
+                }
+                report.state = Some(state_or(driver, pid, &mut report.failure));
+            }
+            Step::Pause => {
+                let pause = pause.take().expect("the pause step runs once");
+                let paused = Paused {
+                    rank,
+                    pid,
+                    driver_rank,
+                };
+                if let Err(e) = pause(&paused) {
+                    report.failure = Some(Reason::Pause(chain(e.as_ref())));
+                }
+            }
+            Step::Restore | Step::Unlock if driver_rank => {
+                let (wanted, call): (ProcessState, fn(&D, u32) -> _) = if step == Step::Restore {
+                    (ProcessState::Checkpointed, |d: &D, p| d.restore(p))
+                } else {
+                    (ProcessState::Locked, |d: &D, p| d.unlock(p))
+                };
+                match driver.state(pid) {
+                    Ok(state) if state == wanted => {
+                        if let Err(e) = call(driver, pid) {
+                            report.failure = Some(Reason::Driver(e));
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => report.failure = Some(Reason::Driver(e)),
+                }
+                report.state = Some(state_or(driver, pid, &mut report.failure));
+                if step == Step::Unlock {
+                    // The back half ran: nothing is left for the guard to undo.
+                    hold.armed = false;
+                }
+            }
+            Step::Reinit => {
+                for (object, o) in objects.iter_mut().enumerate() {
+                    if !seq.resumes(object) {
+                        continue;
+                    }
+                    if let (Err(e), None) = (o.reinit_after_resume(comm), &report.failure) {
+                        report.failure = Some(Reason::Object {
+                            object,
+                            name: o.name(),
+                            message: chain(e.as_ref()),
+                        });
+                    }
+                }
+            }
+            // Driver steps on a rank that shares its process with a lower rank.
+            Step::Lock | Step::Checkpoint | Step::Restore | Step::Unlock => {}
+        }
+        let local = started.elapsed();
+        if let Some(reason) = &report.failure {
+            tracing::warn!(rank, %step, %reason, "checkpoint step failed on this rank");
+        }
+        let agreed_at = Instant::now();
+        let reports = match exchange(comm, &report) {
+            Ok(reports) => reports,
+            Err(source) => {
+                let local = match hold.armed {
+                    true => match hold.roll_back() {
+                        Ok(state) => format!("{state} (rolled back alone)"),
+                        Err(e) => format!("in an unknown state: the rollback failed: {e}"),
+                    },
+                    false => "as it was (not locked by this sequence)".to_string(),
+                };
+                return Err(CheckpointError::Exchange {
+                    step,
+                    rank,
+                    local,
+                    source,
+                });
+            }
+        };
+        timings.push(StepTiming {
+            step,
+            local,
+            agree: agreed_at.elapsed(),
+        });
+        tracing::debug!(rank, %step, ?local, "checkpoint step agreed");
+        seq.agree(&reports);
+    }
+    hold.armed = false;
+    match seq.outcome() {
+        Ok(()) => Ok(CheckpointReport {
+            pids: seq_pids(&seq, comm.size(), pid),
+            driver_rank: seq.is_driver_rank(rank),
+            driver: info.expect("the check passed, so the driver is supported"),
+            timings,
+        }),
+        Err((first, also, aftermath)) => Err(CheckpointError::Failed {
+            first,
+            also,
+            aftermath,
+        }),
+    }
+}
+
+/// The process's state after a driver step; a failed query is recorded as the step's
+/// failure (if it has none) and reported as `Failed`.
+fn state_or<D: CheckpointDriver + ?Sized>(
+    driver: &D,
+    pid: u32,
+    failure: &mut Option<Reason>,
+) -> ProcessState {
+    match driver.state(pid) {
+        Ok(state) => state,
+        Err(e) => {
+            failure.get_or_insert(Reason::Driver(e));
+            ProcessState::Failed
+        }
+    }
+}
+
+fn seq_pids(seq: &Sequence, size: usize, own: u32) -> Vec<u32> {
+    // The pids are in the sequence once Check passed; every rank knows them.
+    (0..size).map(|r| seq.pid(r).unwrap_or(own)).collect()
+}
+
+/// All-gathers this rank's report; refuses reports of another step or protocol.
+fn exchange<C: Communicator + ?Sized>(
+    comm: &C,
+    report: &StepReport,
+) -> Result<Vec<StepReport>, ExchangeError> {
+    let reports: Vec<StepReport> = tpcomm_objects::all_gather(comm, report)?;
+    if let Some((rank, other)) = reports
+        .iter()
+        .enumerate()
+        .find(|(_, r)| !r.is_tagged() || r.step != report.step)
+    {
+        let found = if other.is_tagged() {
+            format!("the checkpoint's {} step", other.step)
+        } else {
+            "another collective".to_string()
+        };
+        return Err(ExchangeError::OutOfStep { rank, found });
+    }
+    Ok(reports)
+}

@@ -1,0 +1,324 @@
+//! The coordination of a group checkpoint as a sans-IO state machine: [`Sequence`] says
+//! which step comes next and, given every rank's [`StepReport`] of the current step (the
+//! same reports on every rank, from one all-gather), decides the step after it. It calls
+//! nobody; [`checkpoint_group`](crate::checkpoint_group) runs the steps and the exchanges.
+//!
+//! ```text
+//! Check -> Prepare -> Lock -> Checkpoint -> Pause -> Restore -> Unlock -> Reinit -> done
+//!   |         |         |          |                   ^          |
+//!   |         |         +----------+--- a failure -----+          +-- a process not
+//!   |         |                                                   |   running: done
+//!   |         +--------------- a failure -------------------------+-> Reinit
+//!   +-- a failure: done (nothing touched)
+//! ```
+//!
+//! The back half (Restore, Unlock) runs after *any* failure from Lock on: each process's
+//! driver rank asks the driver for the process's state and restores a checkpointed process,
+//! unlocks a locked one, and leaves a running one alone. So "roll back" and "finish" are the
+//! same steps, and the ordering rules hold on both paths: no checkpoint before every
+//! process is locked (Checkpoint follows a Lock step every rank passed), no unlock before
+//! every process is restored (Unlock follows the Restore step).
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::driver::ProcessState;
+use crate::error::{Aftermath, ObjectsLeft, Reason, StepFailure};
+
+/// One step of a group checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Step {
+    /// Every rank: the driver supports checkpoints, the options are valid, every object can
+    /// suspend, every rank registered as many objects; the pids (one driver rank per pid).
+    Check,
+    /// Every rank: `prepare_for_suspend` of every object, in registration order.
+    Prepare,
+    /// Each process's driver rank: refuse if the process imports CUDA IPC memory, else
+    /// `cuCheckpointProcessLock` with the timeout.
+    Lock,
+    /// Each process's driver rank: `cuCheckpointProcessCheckpoint`.
+    Checkpoint,
+    /// Every rank: the caller's pause (nothing, a wait, a CRIU dump).
+    Pause,
+    /// Each process's driver rank: `cuCheckpointProcessRestore` if it is checkpointed.
+    Restore,
+    /// Each process's driver rank: `cuCheckpointProcessUnlock` if it is locked.
+    Unlock,
+    /// Every rank: `reinit_after_resume` of every object every rank suspended.
+    Reinit,
+}
+
+impl Step {
+    /// Every step, in order.
+    pub const ALL: [Step; 8] = [
+        Step::Check,
+        Step::Prepare,
+        Step::Lock,
+        Step::Checkpoint,
+        Step::Pause,
+        Step::Restore,
+        Step::Unlock,
+        Step::Reinit,
+    ];
+
+    /// Lower-case name (`lock`, `checkpoint`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Step::Check => "check",
+            Step::Prepare => "prepare",
+            Step::Lock => "lock",
+            Step::Checkpoint => "checkpoint",
+            Step::Pause => "pause",
+            Step::Restore => "restore",
+            Step::Unlock => "unlock",
+            Step::Reinit => "reinit",
+        }
+    }
+
+    /// Whether the step calls the driver (on one rank per process).
+    pub fn is_driver_step(self) -> bool {
+        matches!(
+            self,
+            Step::Lock | Step::Checkpoint | Step::Restore | Step::Unlock
+        )
+    }
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Marks a report as one of this protocol (a peer in an unrelated collective is detected).
+pub(crate) const MAGIC: [u8; 4] = *b"tpK1";
+
+/// One rank's outcome of one step, as all-gathered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepReport {
+    /// [`MAGIC`].
+    pub(crate) magic: [u8; 4],
+    /// The step this report is for.
+    pub step: Step,
+    /// The rank's process.
+    pub pid: u32,
+    /// The number of objects the rank registered.
+    pub objects: u32,
+    /// The rank's failure, if it failed.
+    pub failure: Option<Reason>,
+    /// Prepare: per object, whether its `prepare_for_suspend` succeeded.
+    pub suspended: Vec<bool>,
+    /// Driver steps on a driver rank: the process's state after the step.
+    pub state: Option<ProcessState>,
+}
+
+impl StepReport {
+    /// A report of `step` with nothing failed.
+    pub fn new(step: Step, pid: u32, objects: u32) -> Self {
+        Self {
+            magic: MAGIC,
+            step,
+            pid,
+            objects,
+            failure: None,
+            suspended: Vec::new(),
+            state: None,
+        }
+    }
+
+    /// Whether the report belongs to this protocol.
+    pub(crate) fn is_tagged(&self) -> bool {
+        self.magic == MAGIC
+    }
+}
+
+/// The state machine of one group checkpoint (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    size: usize,
+    step: Option<Step>,
+    pids: Vec<u32>,
+    objects: usize,
+    failures: Vec<StepFailure>,
+    /// Per object: every rank suspended it (filled by Prepare).
+    resumable: Vec<bool>,
+    prepared: bool,
+    processes: Vec<Option<ProcessState>>,
+    reinit_ran: bool,
+    reinit_skipped: bool,
+}
+
+impl Sequence {
+    /// A sequence for `size` ranks, at [`Step::Check`].
+    pub fn new(size: usize) -> Self {
+        Self {
+            size,
+            step: Some(Step::Check),
+            pids: Vec::new(),
+            objects: 0,
+            failures: Vec::new(),
+            resumable: Vec::new(),
+            prepared: false,
+            processes: vec![None; size],
+            reinit_ran: false,
+            reinit_skipped: false,
+        }
+    }
+
+    /// The step to run next; `None` when the sequence is over.
+    pub fn step(&self) -> Option<Step> {
+        self.step
+    }
+
+    /// Whether `rank` makes the driver calls for its process: the lowest rank with its pid
+    /// (known after [`Step::Check`]).
+    pub fn is_driver_rank(&self, rank: usize) -> bool {
+        match self.pids.get(rank) {
+            Some(pid) => self.pids.iter().position(|p| p == pid) == Some(rank),
+            None => false,
+        }
+    }
+
+    /// The pid of `rank` (known after [`Step::Check`]).
+    pub fn pid(&self, rank: usize) -> Option<u32> {
+        self.pids.get(rank).copied()
+    }
+
+    /// Whether object `index` is resumed in [`Step::Reinit`]: every rank suspended it.
+    pub fn resumes(&self, index: usize) -> bool {
+        self.resumable.get(index).copied().unwrap_or(false)
+    }
+
+    /// The failures agreed so far, in order.
+    pub fn failures(&self) -> &[StepFailure] {
+        &self.failures
+    }
+
+    /// Takes every rank's report of the current step (indexed by rank) and moves to the
+    /// next step. Every rank passes the same reports, so every rank takes the same
+    /// decision. Reports of another step, or a wrong count, are a caller bug: the
+    /// exchange checks them first ([`StepReport::step`]); here they panic in debug builds
+    /// and are treated as failures of the step otherwise.
+    pub fn agree(&mut self, reports: &[StepReport]) {
+        let Some(step) = self.step else { return };
+        debug_assert_eq!(reports.len(), self.size, "one report per rank");
+        debug_assert!(reports.iter().all(|r| r.step == step), "reports of {step}");
+        for (rank, report) in reports.iter().enumerate() {
+            if let Some(reason) = &report.failure {
+                self.failures.push(StepFailure {
+                    step,
+                    rank,
+                    reason: reason.clone(),
+                });
+            }
+            if step.is_driver_step() {
+                if let Some(state) = report.state {
+                    self.processes[rank] = Some(state);
+                }
+            }
+        }
+        let failed_now = reports.iter().any(|r| r.failure.is_some());
+        self.step = match step {
+            Step::Check => {
+                self.pids = reports.iter().map(|r| r.pid).collect();
+                let counts: Vec<u32> = reports.iter().map(|r| r.objects).collect();
+                if let Some(rank) = counts.iter().position(|&c| c != counts[0]) {
+                    self.failures.push(StepFailure {
+                        step,
+                        rank,
+                        reason: Reason::ObjectCountMismatch { counts },
+                    });
+                }
+                self.objects = reports.first().map_or(0, |r| r.objects as usize);
+                if self.failures.is_empty() {
+                    Some(Step::Prepare)
+                } else {
+                    None
+                }
+            }
+            Step::Prepare => {
+                self.prepared = true;
+                self.resumable = (0..self.objects)
+                    .map(|i| reports.iter().all(|r| r.suspended.get(i) == Some(&true)))
+                    .collect();
+                if failed_now {
+                    Some(Step::Reinit)
+                } else {
+                    Some(Step::Lock)
+                }
+            }
+            Step::Lock if failed_now => Some(Step::Restore),
+            Step::Lock => Some(Step::Checkpoint),
+            Step::Checkpoint if failed_now => Some(Step::Restore),
+            Step::Checkpoint => Some(Step::Pause),
+            Step::Pause => Some(Step::Restore),
+            Step::Restore => Some(Step::Unlock),
+            Step::Unlock => {
+                // Resuming objects is collective and runs CUDA: only when every process
+                // runs again.
+                let mut all_running = true;
+                for (rank, state) in self.processes.clone().into_iter().enumerate() {
+                    if let Some(state) = state.filter(|s| *s != ProcessState::Running) {
+                        all_running = false;
+                        let pid = self.pids.get(rank).copied().unwrap_or(0);
+                        self.failures.push(StepFailure {
+                            step,
+                            rank,
+                            reason: Reason::NotRestored { pid, state },
+                        });
+                    }
+                }
+                if all_running {
+                    Some(Step::Reinit)
+                } else {
+                    self.reinit_skipped = true;
+                    None
+                }
+            }
+            Step::Reinit => {
+                self.reinit_ran = true;
+                None
+            }
+        };
+    }
+
+    /// The outcome once [`step`](Self::step) is `None`: `Ok` when no rank failed any step,
+    /// otherwise the first failure, every later one, and what was left behind.
+    pub fn outcome(&self) -> Result<(), (StepFailure, Vec<StepFailure>, Aftermath)> {
+        let mut failures = self.failures.clone();
+        // The earliest step first, then the lowest rank (the push order already is, except
+        // for the NotRestored entries of the Unlock step, which come after that step's own).
+        failures.sort_by_key(|f| f.step);
+        let mut failures = failures.into_iter();
+        let Some(first) = failures.next() else {
+            return Ok(());
+        };
+        let objects = if !self.prepared {
+            ObjectsLeft::Untouched
+        } else if self.reinit_skipped || !self.reinit_ran {
+            ObjectsLeft::NotResumed
+        } else if self.resumable.iter().all(|&r| r) {
+            ObjectsLeft::Resumed
+        } else {
+            ObjectsLeft::Partial(self.resumable.clone())
+        };
+        let aftermath = Aftermath {
+            processes: self.processes_by_rank(),
+            objects,
+        };
+        Err((first, failures.collect(), aftermath))
+    }
+
+    /// The last known state of every rank's process (a rank that is not its process's
+    /// driver rank gets its driver rank's).
+    fn processes_by_rank(&self) -> Vec<Option<ProcessState>> {
+        (0..self.size)
+            .map(|rank| {
+                let pid = self.pids.get(rank)?;
+                let driver_rank = self.pids.iter().position(|p| p == pid)?;
+                self.processes[driver_rank]
+            })
+            .collect()
+    }
+}

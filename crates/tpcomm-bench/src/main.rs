@@ -14,6 +14,7 @@
 //! mpirun -np 2 tpcomm-bench allreduce --transport mpi --json ar.json   # plus MPI_Allreduce
 //! tpcomm-bench lifecycle                      # suspend + resume with 1, 100, 1000 graph buffers
 //! tpcomm-bench gpu                            # CUDA backend on one GPU (features cuda, nccl)
+//! tpcomm-bench checkpoint                     # process checkpoint, each step timed (feature cuda)
 //! tpcomm-bench compare old.json new.json      # ratio per row, regressions flagged
 //! tpcomm-bench plot t.json ar.json -o charts  # SVG charts of time and bandwidth
 //! tpcomm-bench peer-check --launcher "mpirun -np 2"   # the MPI peer against a C loop
@@ -28,6 +29,7 @@
 
 mod allreduce;
 mod charts;
+mod checkpoint;
 mod compare;
 mod error;
 mod gpu;
@@ -93,6 +95,12 @@ enum Command {
     ///
     /// Needs the `cuda` feature (and `nccl` for the reference row) and a GPU.
     Gpu(gpu::GpuArgs),
+    /// Process checkpoint through the CUDA driver (ranks as threads on one GPU): prepare,
+    /// lock, checkpoint, restore, unlock, reinit and the first graph replay timed, with the
+    /// GPU memory the checkpoint released.
+    ///
+    /// Needs the `cuda` feature, a GPU and a 570+ driver.
+    Checkpoint(checkpoint::CheckpointArgs),
     /// Compares two JSON reports row by row: new median / old median, regressions flagged.
     ///
     /// Exits with status 1 when a row is slower than the threshold allows.
@@ -118,6 +126,7 @@ fn main() -> ExitCode {
         Command::AllReduce(args) => allreduce::run(&args),
         Command::Lifecycle(args) => lifecycle::run(&args),
         Command::Gpu(args) => gpu::run(&args),
+        Command::Checkpoint(args) => checkpoint::run(&args),
         Command::Compare(args) => compare::run(&args),
         Command::PeerCheck(args) => peer_check::run(&args),
         Command::Plot(args) => charts::run(&args),

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use tpcomm_transport::Communicator;
 
-use crate::driver::{CheckpointDriver, DriverInfo, ProcessState};
+use crate::driver::{CheckpointDriver, DriverError, DriverInfo, ProcessState};
 use crate::error::{CheckpointError, ExchangeError, Reason};
 use crate::sequence::{Sequence, Step, StepReport};
 use crate::suspend::{BoxError, Suspendable};
@@ -92,27 +92,56 @@ impl CheckpointReport {
 
 /// This process's lock and checkpoint, undone on drop unless the sequence's own back half
 /// ran: a panic in the pause or a failed exchange never leaves the process locked.
+///
+/// The state is tracked from the calls' results, so the successful path makes exactly the
+/// four driver calls (lock, checkpoint, restore, unlock: the sequence measured on driver
+/// 580 for a process checkpointing itself); `cuCheckpointProcessGetState` is asked only
+/// after a failed call, to learn what the failure left.
 struct ProcessHold<'d, D: CheckpointDriver + ?Sized> {
     driver: &'d D,
     pid: u32,
-    /// A lock or checkpoint call succeeded and the back half has not run.
+    state: ProcessState,
+    /// A lock succeeded and the back half has not run.
     armed: bool,
 }
 
 impl<D: CheckpointDriver + ?Sized> ProcessHold<'_, D> {
+    /// Runs one driver call; on success the process is in `after`, on failure its state is
+    /// asked from the driver (a failed query keeps the last known state and is reported
+    /// only when the call itself was not).
+    fn call(
+        &mut self,
+        result: Result<(), DriverError>,
+        after: ProcessState,
+        failure: &mut Option<Reason>,
+    ) {
+        match result {
+            Ok(()) => self.state = after,
+            Err(e) => {
+                failure.get_or_insert(Reason::Driver(e));
+                if let Ok(state) = self.driver.state(self.pid) {
+                    self.state = state;
+                }
+            }
+        }
+    }
+
     /// Restores the process if it is checkpointed, then unlocks it if it is locked; returns
     /// the state it is left in.
     fn roll_back(&mut self) -> Result<ProcessState, String> {
         self.armed = false;
-        let state = self.driver.state(self.pid).map_err(|e| e.to_string())?;
-        if state == ProcessState::Checkpointed {
+        if let Ok(state) = self.driver.state(self.pid) {
+            self.state = state;
+        }
+        if self.state == ProcessState::Checkpointed {
             self.driver.restore(self.pid).map_err(|e| e.to_string())?;
+            self.state = ProcessState::Locked;
         }
-        let state = self.driver.state(self.pid).map_err(|e| e.to_string())?;
-        if state == ProcessState::Locked {
+        if self.state == ProcessState::Locked {
             self.driver.unlock(self.pid).map_err(|e| e.to_string())?;
+            self.state = ProcessState::Running;
         }
-        self.driver.state(self.pid).map_err(|e| e.to_string())
+        Ok(self.state)
     }
 }
 
@@ -121,8 +150,12 @@ impl<D: CheckpointDriver + ?Sized> Drop for ProcessHold<'_, D> {
         if self.armed {
             let pid = self.pid;
             match self.roll_back() {
-                Ok(state) => tracing::warn!(pid, %state, "process checkpoint abandoned; rolled back"),
-                Err(e) => tracing::error!(pid, error = %e, "process checkpoint abandoned; rollback failed"),
+                Ok(state) => {
+                    tracing::warn!(pid, %state, "process checkpoint abandoned; rolled back")
+                }
+                Err(e) => {
+                    tracing::error!(pid, error = %e, "process checkpoint abandoned; rollback failed")
+                }
             }
         }
     }
@@ -187,6 +220,7 @@ where
     let mut hold = ProcessHold {
         driver,
         pid,
+        state: ProcessState::Running,
         armed: false,
     };
     let mut pause = Some(pause);
@@ -235,18 +269,16 @@ where
                         count: imported,
                     });
                 } else {
-                    match driver.lock(pid, options.lock_timeout) {
-                        Ok(()) => hold.armed = true,
-                        Err(e) => report.failure = Some(Reason::Driver(e)),
-                    }
+                    let locked = driver.lock(pid, options.lock_timeout);
+                    hold.armed = locked.is_ok();
+                    hold.call(locked, ProcessState::Locked, &mut report.failure);
                 }
-                report.state = Some(state_or(driver, pid, &mut report.failure));
+                report.state = Some(hold.state);
             }
             Step::Checkpoint if driver_rank => {
-                if let Err(e) = driver.checkpoint(pid) {
-                    report.failure = Some(Reason::Driver(e));
-                }
-                report.state = Some(state_or(driver, pid, &mut report.failure));
+                let done = driver.checkpoint(pid);
+                hold.call(done, ProcessState::Checkpointed, &mut report.failure);
+                report.state = Some(hold.state);
             }
             Step::Pause => {
                 let pause = pause.take().expect("the pause step runs once");
@@ -259,26 +291,21 @@ where
                     report.failure = Some(Reason::Pause(chain(e.as_ref())));
                 }
             }
-            Step::Restore | Step::Unlock if driver_rank => {
-                let (wanted, call): (ProcessState, fn(&D, u32) -> _) = if step == Step::Restore {
-                    (ProcessState::Checkpointed, |d: &D, p| d.restore(p))
-                } else {
-                    (ProcessState::Locked, |d: &D, p| d.unlock(p))
-                };
-                match driver.state(pid) {
-                    Ok(state) if state == wanted => {
-                        if let Err(e) = call(driver, pid) {
-                            report.failure = Some(Reason::Driver(e));
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(e) => report.failure = Some(Reason::Driver(e)),
+            Step::Restore if driver_rank => {
+                if hold.state == ProcessState::Checkpointed {
+                    let done = driver.restore(pid);
+                    hold.call(done, ProcessState::Locked, &mut report.failure);
                 }
-                report.state = Some(state_or(driver, pid, &mut report.failure));
-                if step == Step::Unlock {
-                    // The back half ran: nothing is left for the guard to undo.
-                    hold.armed = false;
+                report.state = Some(hold.state);
+            }
+            Step::Unlock if driver_rank => {
+                if hold.state == ProcessState::Locked {
+                    let done = driver.unlock(pid);
+                    hold.call(done, ProcessState::Running, &mut report.failure);
                 }
+                report.state = Some(hold.state);
+                // The back half ran: nothing is left for the guard to undo.
+                hold.armed = false;
             }
             Step::Reinit => {
                 for (object, o) in objects.iter_mut().enumerate() {
@@ -316,7 +343,7 @@ where
                     step,
                     rank,
                     local,
-                    source,
+                    source: Box::new(source),
                 });
             }
         };
@@ -337,26 +364,10 @@ where
             timings,
         }),
         Err((first, also, aftermath)) => Err(CheckpointError::Failed {
-            first,
+            first: Box::new(first),
             also,
             aftermath,
         }),
-    }
-}
-
-/// The process's state after a driver step; a failed query is recorded as the step's
-/// failure (if it has none) and reported as `Failed`.
-fn state_or<D: CheckpointDriver + ?Sized>(
-    driver: &D,
-    pid: u32,
-    failure: &mut Option<Reason>,
-) -> ProcessState {
-    match driver.state(pid) {
-        Ok(state) => state,
-        Err(e) => {
-            failure.get_or_insert(Reason::Driver(e));
-            ProcessState::Failed
-        }
     }
 }
 

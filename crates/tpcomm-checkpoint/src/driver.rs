@@ -236,8 +236,8 @@ mod tests {
 
     #[test]
     fn a_new_driver_missing_an_entry_point_is_unsupported_naming_it() {
-        let e = check_support(Some(13000), None, &["cuCheckpointProcessRestore"], None)
-            .unwrap_err();
+        let e =
+            check_support(Some(13000), None, &["cuCheckpointProcessRestore"], None).unwrap_err();
         assert!(e.reason.contains("cuCheckpointProcessRestore"), "{e}");
     }
 

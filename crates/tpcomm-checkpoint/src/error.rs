@@ -145,7 +145,10 @@ impl fmt::Display for Aftermath {
             ObjectsLeft::NotResumed => f.write_str(", objects not resumed"),
             ObjectsLeft::Partial(resumed) => {
                 let not: Vec<usize> = (0..resumed.len()).filter(|&i| !resumed[i]).collect();
-                write!(f, ", objects {not:?} not resumed (a rank failed to suspend them)")
+                write!(
+                    f,
+                    ", objects {not:?} not resumed (a rank failed to suspend them)"
+                )
             }
         }
     }
@@ -161,7 +164,7 @@ pub enum CheckpointError {
     #[error("process checkpoint failed at {first}; left: {aftermath}")]
     Failed {
         /// The first failure.
-        first: StepFailure,
+        first: Box<StepFailure>,
         /// Failures after it, in order.
         also: Vec<StepFailure>,
         /// What was left behind.
@@ -181,7 +184,7 @@ pub enum CheckpointError {
         local: String,
         /// The exchange's error.
         #[source]
-        source: ExchangeError,
+        source: Box<ExchangeError>,
     },
 }
 

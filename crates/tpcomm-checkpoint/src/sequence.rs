@@ -285,6 +285,7 @@ impl Sequence {
 
     /// The outcome once [`step`](Self::step) is `None`: `Ok` when no rank failed any step,
     /// otherwise the first failure, every later one, and what was left behind.
+    #[allow(clippy::result_large_err)] // once per checkpoint
     pub fn outcome(&self) -> Result<(), (StepFailure, Vec<StepFailure>, Aftermath)> {
         let mut failures = self.failures.clone();
         // The earliest step first, then the lowest rank (the push order already is, except

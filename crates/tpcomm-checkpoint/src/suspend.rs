@@ -109,7 +109,10 @@ mod tests {
     #[test]
     fn nccl_without_comm_suspend_cannot_suspend_and_says_its_version() {
         let why = nccl_suspend_support(false, 22809).unwrap_err();
-        assert!(why.contains("22809") && why.contains("ncclCommSuspend"), "{why}");
+        assert!(
+            why.contains("22809") && why.contains("ncclCommSuspend"),
+            "{why}"
+        );
         assert!(nccl_suspend_support(true, 22900).is_ok());
     }
 }

@@ -73,8 +73,13 @@ impl<C: Communicator + ?Sized> Suspendable<C> for Probe {
 }
 
 fn host_ar(comm: &LocalCommunicator) -> CustomAllReduce<HostBackend> {
-    CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, Config::default())
-        .expect("host all-reduce")
+    CustomAllReduce::new(
+        HostBackend::new(),
+        HostMemory::new(),
+        comm,
+        Config::default(),
+    )
+    .expect("host all-reduce")
 }
 
 /// Index of the first / last event of `call` in the log.
@@ -119,7 +124,7 @@ fn run_probe(
 }
 
 fn failed(out: &Result<CheckpointReport, CheckpointError>) -> &CheckpointError {
-    out.as_ref().err().expect("the checkpoint should have failed")
+    out.as_ref().expect_err("the checkpoint should have failed")
 }
 
 #[test]
@@ -148,7 +153,8 @@ fn every_process_is_locked_before_any_checkpoint_and_restored_before_any_unlock(
                 );
                 // The all-reduce works after the resume.
                 let mut out = [0f32; 64];
-                ar.all_reduce(&[1f32; 64], &mut out).expect("all-reduce after");
+                ar.all_reduce(&[1f32; 64], &mut out)
+                    .expect("all-reduce after");
                 assert!(out.iter().all(|&v| v == world as f32));
                 (report, ar.phase(), probe.prepared, probe.resumed)
             })
@@ -380,7 +386,11 @@ fn ranks_sharing_a_process_make_one_driver_call_per_process() {
     let log = driver.log();
     assert_eq!(log.len(), 8, "two processes, four calls each: {log:?}");
     for pid in [500, 600] {
-        let calls: Vec<Call> = log.iter().filter(|e| e.pid == pid).map(|e| e.call).collect();
+        let calls: Vec<Call> = log
+            .iter()
+            .filter(|e| e.pid == pid)
+            .map(|e| e.call)
+            .collect();
         assert_eq!(
             calls,
             [Call::Lock, Call::Checkpoint, Call::Restore, Call::Unlock]
@@ -428,7 +438,9 @@ fn an_absent_or_too_old_driver_is_refused_on_every_rank_before_anything_is_touch
                     panic!("{out:?}")
                 };
                 assert_eq!((first.step, first.rank), (Step::Check, bad));
-                assert!(matches!(&first.reason, Reason::Unsupported(u) if u.reason.contains(needle)));
+                assert!(
+                    matches!(&first.reason, Reason::Unsupported(u) if u.reason.contains(needle))
+                );
                 assert_eq!(aftermath.objects, ObjectsLeft::Untouched);
                 assert_eq!((probe.prepared, probe.resumed), (0, 0));
             }
@@ -497,7 +509,10 @@ fn an_object_that_cannot_suspend_or_a_differing_object_count_is_refused_at_the_c
     for (out, probe) in &outcomes {
         let e = failed(out);
         assert_eq!((e.step(), e.rank()), (Step::Check, 1));
-        assert!(matches!(e.reason(), Some(Reason::CannotSuspend { object: 0, .. })));
+        assert!(matches!(
+            e.reason(),
+            Some(Reason::CannotSuspend { object: 0, .. })
+        ));
         assert_eq!(probe.prepared, 0);
     }
     let outcomes: Vec<_> = group(2)
@@ -539,7 +554,10 @@ fn a_zero_lock_timeout_is_refused_and_the_timeout_reaches_the_driver() {
         .map(|r| r.expect("rank finished"))
         .collect();
     for out in &outcomes {
-        assert!(matches!(failed(out).reason(), Some(Reason::InvalidOptions(_))));
+        assert!(matches!(
+            failed(out).reason(),
+            Some(Reason::InvalidOptions(_))
+        ));
     }
     let outcomes: Vec<_> = group(2)
         .run(|comm| {
@@ -561,12 +579,18 @@ fn a_rank_panicking_in_the_pause_leaves_no_process_locked_or_checkpointed() {
     let driver = FakeDriver::new();
     let outcomes = group(3).run(|comm| {
         let mut probe = Probe::default();
-        checkpoint_group(&comm, &driver, &mut [&mut probe], &options(comm.rank()), |p| {
-            if p.rank == 1 {
-                panic!("the pause panicked");
-            }
-            Ok(())
-        })
+        checkpoint_group(
+            &comm,
+            &driver,
+            &mut [&mut probe],
+            &options(comm.rank()),
+            |p| {
+                if p.rank == 1 {
+                    panic!("the pause panicked");
+                }
+                Ok(())
+            },
+        )
     });
     assert!(outcomes[1].is_err(), "rank 1 panicked");
     for rank in [0, 2] {
@@ -582,6 +606,10 @@ fn a_rank_panicking_in_the_pause_leaves_no_process_locked_or_checkpointed() {
     // The panicking rank's guard rolled its process back while unwinding; the others
     // rolled back alone when the exchange failed.
     for r in 0..3 {
-        assert_eq!(driver.state_of(pid_of(r)), ProcessState::Running, "rank {r}");
+        assert_eq!(
+            driver.state_of(pid_of(r)),
+            ProcessState::Running,
+            "rank {r}"
+        );
     }
 }

@@ -28,8 +28,8 @@ mod step;
 
 #[cfg(feature = "cuda")]
 pub use backend::cuda::{
-    alias_access, imported_allocations as cuda_imported_allocations, AliasAccess, BufferView, CudaAddressHold, CudaBuffer, CudaHandle, CudaMapping,
-    CudaMemory,
+    alias_access, imported_allocations as cuda_imported_allocations, AliasAccess, BufferView,
+    CudaAddressHold, CudaBuffer, CudaHandle, CudaMapping, CudaMemory,
 };
 pub use backend::host::{AddressHold, HostBuffer, HostHandle, HostMapping, HostMemory};
 pub use error::{IpcError, Result, SegmentProblem};

@@ -10,6 +10,7 @@
 //! | `cuda`  | `ipc::CudaMemory`: CUDA IPC peer memory and `allreduce::CudaBackend`, the custom all-reduce's kernels; building needs nvcc (`cargo xtask setup-cuda`), running a GPU (driver loaded at run time unless the program links cudarc) |
 //! | `nccl`  | `transport::NcclCommunicator` and `transport::DeviceCommunicator`: NCCL collectives on device buffers (libcuda and libnccl loaded at run time) |
 //! | `gpu`   | `cuda` and `nccl`, and `allreduce::DeviceAllReduce` (the custom kernels with NCCL as the fallback) |
+//! | `checkpoint` | [`checkpoint`]: process checkpoint of a group through the CUDA driver (`checkpoint_group`), with every tpcomm object suspended around it; with `cuda`, the real driver `checkpoint::CudaCheckpoint` (loaded at run time, driver 570+) |
 //! | `cuda-13000` (default) | cudarc's CUDA 13.0 bindings, when a GPU feature builds cudarc; turn the default features off when your program picks cudarc's CUDA version itself (see `docs/gpu.md`) |
 //!
 //! ```
@@ -24,6 +25,8 @@
 //! ```
 
 pub use tpcomm_allreduce as allreduce;
+#[cfg(feature = "checkpoint")]
+pub use tpcomm_checkpoint as checkpoint;
 pub use tpcomm_ipc as ipc;
 pub use tpcomm_objects as objects;
 pub use tpcomm_transport as transport;

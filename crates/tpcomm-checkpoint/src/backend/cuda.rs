@@ -110,7 +110,9 @@ impl CudaCheckpoint {
             Some(f) if unsafe { f(&mut version) } == 0 => Some(version),
             _ => None,
         };
-        let load_error = version.is_none().then_some("cuDriverGetVersion failed or is missing");
+        let load_error = version
+            .is_none()
+            .then_some("cuDriverGetVersion failed or is missing");
         let info = check_support(version, load_error, &missing, kernel)?;
         // SAFETY: as above.
         let init = unsafe { lib.get::<InitFn>(b"cuInit") }.ok();
@@ -226,7 +228,10 @@ fn load_failure(info: &DriverInfo, e: libloading::Error) -> Unsupported {
 
 impl CheckpointDriver for CudaCheckpoint {
     fn support(&self) -> Result<DriverInfo, Unsupported> {
-        self.loaded.as_ref().map(|(_, i)| i.clone()).map_err(Clone::clone)
+        self.loaded
+            .as_ref()
+            .map(|(_, i)| i.clone())
+            .map_err(Clone::clone)
     }
 
     fn lock(&self, pid: u32, timeout: Duration) -> Result<(), DriverError> {

@@ -4,6 +4,7 @@
 //! the figures matter (what a checkpoint released).
 
 use std::ffi::{c_int, c_uint, c_void};
+use std::sync::OnceLock;
 
 type NvmlReturn = c_int;
 type NvmlDevice = *mut c_void;
@@ -59,63 +60,91 @@ impl GpuMemory {
             .sum()
     }
 
-    /// Reads the figures now; why not, in words (no NVML, a failed call).
+    /// Reads the figures now; why not, in words (no NVML, a failed call). NVML is loaded
+    /// and initialised once per process and stays loaded (as in engines that poll it).
     pub fn probe() -> Result<Self, String> {
+        static NVML: OnceLock<Result<Nvml, String>> = OnceLock::new();
+        NVML.get_or_init(Nvml::load)
+            .as_ref()
+            .map_err(Clone::clone)?
+            .figures()
+    }
+}
+
+/// NVML's functions this module calls, initialised.
+struct Nvml {
+    count: CountFn,
+    handle: HandleFn,
+    memory: MemoryFn,
+    processes: Option<ProcessesFn>,
+    // Keeps the functions above loaded.
+    _lib: libloading::Library,
+}
+
+fn check(call: &str, code: NvmlReturn) -> Result<(), String> {
+    if code == 0 {
+        Ok(())
+    } else {
+        Err(format!("{call} failed with NVML error {code}"))
+    }
+}
+
+impl Nvml {
+    fn load() -> Result<Self, String> {
         let path =
             std::env::var("TPCOMM_NVML_LIBRARY").unwrap_or_else(|_| "libnvidia-ml.so.1".into());
         // SAFETY: loading NVML runs its initialisers, which is how it is meant to be used.
         let lib = unsafe { libloading::Library::new(&path) }
             .map_err(|e| format!("NVML ({path}) cannot be loaded: {e}"))?;
-        // SAFETY: each symbol is read with its nvml.h signature and called only through it.
-        let (init, count, handle, memory, processes) = unsafe {
-            let get = |name: &[u8]| {
-                lib.get::<unsafe extern "C" fn()>(name)
-                    .map(|s| *s)
-                    .map_err(|e| format!("NVML lacks {}: {e}", String::from_utf8_lossy(name)))
-            };
-            (
-                std::mem::transmute::<unsafe extern "C" fn(), InitFn>(get(b"nvmlInit_v2")?),
-                std::mem::transmute::<unsafe extern "C" fn(), CountFn>(get(
-                    b"nvmlDeviceGetCount_v2",
-                )?),
-                std::mem::transmute::<unsafe extern "C" fn(), HandleFn>(get(
-                    b"nvmlDeviceGetHandleByIndex_v2",
-                )?),
-                std::mem::transmute::<unsafe extern "C" fn(), MemoryFn>(get(
-                    b"nvmlDeviceGetMemoryInfo",
-                )?),
-                get(b"nvmlDeviceGetComputeRunningProcesses_v3")
+        let missing = |name: &str, e: libloading::Error| format!("NVML lacks {name}: {e}");
+        // SAFETY: each symbol is read with its nvml.h signature and called only through it;
+        // the library stays loaded as long as the copied pointers (`_lib`).
+        let nvml = unsafe {
+            let init = *lib
+                .get::<InitFn>(b"nvmlInit_v2")
+                .map_err(|e| missing("nvmlInit_v2", e))?;
+            check("nvmlInit_v2", init())?;
+            Nvml {
+                count: *lib
+                    .get::<CountFn>(b"nvmlDeviceGetCount_v2")
+                    .map_err(|e| missing("nvmlDeviceGetCount_v2", e))?,
+                handle: *lib
+                    .get::<HandleFn>(b"nvmlDeviceGetHandleByIndex_v2")
+                    .map_err(|e| missing("nvmlDeviceGetHandleByIndex_v2", e))?,
+                memory: *lib
+                    .get::<MemoryFn>(b"nvmlDeviceGetMemoryInfo")
+                    .map_err(|e| missing("nvmlDeviceGetMemoryInfo", e))?,
+                processes: lib
+                    .get::<ProcessesFn>(b"nvmlDeviceGetComputeRunningProcesses_v3")
                     .ok()
-                    .map(|f| std::mem::transmute::<unsafe extern "C" fn(), ProcessesFn>(f)),
-            )
-        };
-        let check = |call: &str, code: NvmlReturn| {
-            if code == 0 {
-                Ok(())
-            } else {
-                Err(format!("{call} failed with NVML error {code}"))
+                    .map(|f| *f),
+                _lib: lib,
             }
         };
-        // SAFETY: nvmlInit_v2 may be called any number of times (reference counted); the
-        // library stays loaded for this function's life, and no shutdown is needed for a
-        // probe (the count is released at process exit).
-        check("nvmlInit_v2", unsafe { init() })?;
+        Ok(nvml)
+    }
+
+    fn figures(&self) -> Result<GpuMemory, String> {
         let mut devices: c_uint = 0;
-        // SAFETY: out-pointer to a local.
-        check("nvmlDeviceGetCount_v2", unsafe { count(&mut devices) })?;
+        // SAFETY: out-pointer to a local; NVML is initialised.
+        check("nvmlDeviceGetCount_v2", unsafe {
+            (self.count)(&mut devices)
+        })?;
         let mut figures = GpuMemory::default();
         for index in 0..devices {
             let mut device: NvmlDevice = std::ptr::null_mut();
             // SAFETY: out-pointer to a local; index below the count.
             check("nvmlDeviceGetHandleByIndex_v2", unsafe {
-                handle(index, &mut device)
+                (self.handle)(index, &mut device)
             })?;
             let mut m = Memory::default();
             // SAFETY: a device handle from NVML, out-pointer to a local struct of nvml.h's
             // layout.
-            check("nvmlDeviceGetMemoryInfo", unsafe { memory(device, &mut m) })?;
+            check("nvmlDeviceGetMemoryInfo", unsafe {
+                (self.memory)(device, &mut m)
+            })?;
             figures.device_used += m.used;
-            if let Some(list) = processes {
+            if let Some(list) = self.processes {
                 let mut infos = vec![ProcessInfo::default(); 256];
                 let mut n = infos.len() as c_uint;
                 // SAFETY: `n` is the capacity of `infos`; NVML writes at most `n` entries

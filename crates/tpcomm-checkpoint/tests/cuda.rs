@@ -1,0 +1,468 @@
+//! The process checkpoint on a GPU: two processes on one device (this test process as rank
+//! 0, a child of the same executable as rank 1, over a Unix-socket pair transport), a custom
+//! all-reduce over CUDA IPC between them, a CUDA graph of several all-reduces captured
+//! before the checkpoint and replayed after it. Run by `cargo xtask gpu-check` (step
+//! `checkpoint`); on a machine without a GPU every test records why it skips, and with
+//! `TPCOMM_REQUIRE_GPU=1` a skip is a failure.
+#![cfg(feature = "cuda")]
+
+use std::time::Instant;
+
+use tpcomm_allreduce::{Config, CudaBackend, CudaOptions, CustomAllReduce, DType, Phase};
+use tpcomm_checkpoint::{
+    checkpoint_group, CheckpointDriver, CheckpointError, CheckpointOptions, CudaCheckpoint,
+    GpuMemory, ProcessState, Reason, Step, Suspendable,
+};
+use tpcomm_ipc::{CudaBuffer, CudaMemory, IpcError, PeerMemory};
+use tpcomm_transport::testing::skip_without_gpu;
+use tpcomm_transport::Communicator;
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+type Ar = CustomAllReduce<CudaBackend>;
+
+/// True when device 0 and the checkpoint API are usable; otherwise records why the test
+/// skips (a failure under `TPCOMM_REQUIRE_GPU=1`).
+fn gpu() -> bool {
+    match CudaMemory::new(0) {
+        Ok(_) => {}
+        Err(IpcError::NoDevice(why)) => {
+            skip_without_gpu(&format!("no CUDA device: {why}"));
+            return false;
+        }
+        Err(e) => panic!("CudaMemory::new(0) failed with {e}"),
+    }
+    match CudaCheckpoint::load().support() {
+        Ok(info) => {
+            eprintln!("checkpoint driver: {info:?}");
+            true
+        }
+        Err(why) => {
+            skip_without_gpu(&format!("no process-checkpoint support: {why}"));
+            false
+        }
+    }
+}
+
+/// Elements of the small and the large all-reduce chains (f32).
+const SMALL: usize = 4096;
+const LARGE: usize = 256 << 10;
+/// Bytes each process allocates on top, so that what a checkpoint releases is unmistakable.
+const BALLAST: usize = 256 << 20;
+
+/// Rank `rank`'s input element `i`: a fraction with all mantissa bits in use, so that sums
+/// are rounded and a replay reading anything else than before shows.
+fn input(rank: usize, i: usize) -> f32 {
+    let h = (i as u32)
+        .wrapping_mul(0x9E37_79B1)
+        .wrapping_add((rank as u32 + 1).wrapping_mul(0x85EB_CA77));
+    let h = h ^ (h >> 15);
+    (h as f32 / u32::MAX as f32 - 0.5) * 3.0
+}
+
+fn upload(memory: &CudaMemory, buf: &CudaBuffer, v: &[f32]) -> R<()> {
+    Ok(memory.write(buf, 0, bytemuck::cast_slice(v))?)
+}
+
+fn download(memory: &CudaMemory, buf: &CudaBuffer, count: usize) -> R<Vec<u8>> {
+    let mut out = vec![0u8; count * 4];
+    memory.read(buf, 0, &mut out)?;
+    Ok(out)
+}
+
+/// A rank's all-reduce with its graph: `a -> b -> c` (small) and `x -> y -> z` (large),
+/// four all-reduces captured into one CUDA graph, the graph buffers registered.
+struct Setup {
+    memory: CudaMemory,
+    ar: Ar,
+    graph: tpcomm_allreduce::DeviceGraph,
+    bufs: [CudaBuffer; 6],
+}
+
+fn setup(comm: &pair::Pair) -> R<Setup> {
+    let memory = CudaMemory::new(0)?;
+    let options = CudaOptions {
+        ranks_per_device: 2,
+        ..CudaOptions::default()
+    };
+    let backend = CudaBackend::new(comm, &memory, options)?;
+    let mut ar = CustomAllReduce::new(backend, memory.clone(), comm, Config::default())?;
+    let bufs = [SMALL, SMALL, SMALL, LARGE, LARGE, LARGE].map(|n| memory.allocate(n * 4));
+    let [a, b, c, x, y, z] = bufs;
+    let bufs = [a?, b?, c?, x?, y?, z?];
+    let graph = {
+        let [a, b, c, x, y, z] = &bufs;
+        ar.capture_graph(|ar| {
+            ar.all_reduce_buffer(a, b, DType::F32, SMALL)?;
+            ar.all_reduce_buffer(b, c, DType::F32, SMALL)?;
+            ar.all_reduce_buffer(x, y, DType::F32, LARGE)?;
+            ar.all_reduce_buffer(y, z, DType::F32, LARGE)?;
+            Ok(())
+        })?
+    };
+    assert_eq!(graph.launches(), 4);
+    assert_eq!(ar.register_graph_buffers(comm)?, 4);
+    let own = |n: usize| (0..n).map(|i| input(comm.rank(), i)).collect::<Vec<_>>();
+    upload(&memory, &bufs[0], &own(SMALL))?;
+    upload(&memory, &bufs[3], &own(LARGE))?;
+    Ok(Setup {
+        memory,
+        ar,
+        graph,
+        bufs,
+    })
+}
+
+/// Poisons every output, replays the graph on both ranks, returns `c` and `z`.
+fn replay(s: &mut Setup, comm: &pair::Pair) -> R<(Vec<u8>, Vec<u8>)> {
+    for (i, n) in [(1, SMALL), (2, SMALL), (4, LARGE), (5, LARGE)] {
+        upload(&s.memory, &s.bufs[i], &vec![f32::NAN; n])?;
+    }
+    comm.barrier()?;
+    s.ar.replay_graph(&s.graph)?;
+    s.ar.synchronize()?;
+    comm.barrier()?;
+    Ok((
+        download(&s.memory, &s.bufs[2], SMALL)?,
+        download(&s.memory, &s.bufs[5], LARGE)?,
+    ))
+}
+
+/// `c` (or `z`) as the host computes it: two ranks' sum, then that sum doubled (each sum of
+/// two f32 is one rounding, whatever the order, so the kernel's result is exact to the bit).
+fn expected(n: usize) -> Vec<u8> {
+    let v: Vec<f32> = (0..n)
+        .map(|i| {
+            let b = input(0, i) + input(1, i);
+            b + b
+        })
+        .collect();
+    bytemuck::cast_slice(&v).to_vec()
+}
+
+/// One rank of the full sequence: capture, replay, checkpoint both processes (GPU memory
+/// measured while they are checkpointed), restore, resume, replay: bit-identical.
+fn checkpoint_rank(comm: &pair::Pair) -> R<()> {
+    let mut s = setup(comm)?;
+    let ballast = s.memory.allocate(BALLAST)?;
+    let pattern: Vec<f32> = (0..(1 << 18)).map(|i| input(7, i)).collect();
+    upload(&s.memory, &ballast, &pattern)?;
+    let (c0, z0) = replay(&mut s, comm)?;
+    assert!(
+        c0 == expected(SMALL),
+        "rank {}: c is not the exact sum",
+        comm.rank()
+    );
+    assert!(
+        z0 == expected(LARGE),
+        "rank {}: z is not the exact sum",
+        comm.rank()
+    );
+
+    let driver = CudaCheckpoint::load();
+    let pid = std::process::id();
+    // Only rank 0 measures (NVML in one process is enough; both are checkpointed in the
+    // pause).
+    let before = (comm.rank() == 0).then(GpuMemory::probe);
+    let mut during: Option<Result<GpuMemory, String>> = None;
+    let started = Instant::now();
+    let report = {
+        let objects: &mut [&mut dyn Suspendable<pair::Pair>] = &mut [&mut s.ar];
+        checkpoint_group(comm, &driver, objects, &CheckpointOptions::default(), |p| {
+            if p.rank == 0 {
+                // NVML, not CUDA: it answers while both processes are checkpointed.
+                during = Some(GpuMemory::probe());
+            }
+            Ok(())
+        })
+    };
+    let total = started.elapsed();
+    let report = report.map_err(|e| format!("rank {}: {e}", comm.rank()))?;
+    assert_eq!(driver.state(pid)?, ProcessState::Running);
+    assert_eq!(s.ar.phase(), Phase::Active);
+    eprintln!("rank {} checkpoint_group: {total:?}", comm.rank());
+    for t in &report.timings {
+        eprintln!(
+            "rank {}   {:<10} local {:>10.3} ms   agree {:>8.3} ms",
+            comm.rank(),
+            t.step.name(),
+            t.local.as_secs_f64() * 1e3,
+            t.agree.as_secs_f64() * 1e3
+        );
+    }
+    if comm.rank() == 0 {
+        let after = GpuMemory::probe();
+        eprintln!("GPU memory before: {before:?}");
+        eprintln!("GPU memory while checkpointed: {during:?}");
+        eprintln!("GPU memory after: {after:?}");
+        if let (Some(Ok(before)), Some(Ok(during))) = (&before, &during) {
+            let released = before.device_used.saturating_sub(during.device_used);
+            eprintln!(
+                "released while checkpointed: {:.1} MiB on the device; this process {:.1} -> {:.1} MiB",
+                released as f64 / (1u64 << 20) as f64,
+                before.of_process(pid) as f64 / (1u64 << 20) as f64,
+                during.of_process(pid) as f64 / (1u64 << 20) as f64,
+            );
+            assert!(
+                released >= BALLAST as u64,
+                "a checkpoint of both processes released only {released} bytes"
+            );
+        }
+    }
+    // The ballast came back with its contents, at the same address.
+    let mut back = vec![0u8; pattern.len() * 4];
+    s.memory.read(&ballast, 0, &mut back)?;
+    assert!(
+        back == bytemuck::cast_slice::<f32, u8>(&pattern),
+        "ballast contents changed"
+    );
+
+    let first = Instant::now();
+    let (c1, z1) = replay(&mut s, comm)?;
+    eprintln!(
+        "rank {} first replay after restore: {:?}",
+        comm.rank(),
+        first.elapsed()
+    );
+    assert!(
+        c1 == c0,
+        "rank {}: small chain differs after restore",
+        comm.rank()
+    );
+    assert!(
+        z1 == z0,
+        "rank {}: large chain differs after restore",
+        comm.rank()
+    );
+    s.ar.close_with(comm)?;
+    Ok(())
+}
+
+/// One rank of the refusal: peer mappings open (no `prepare_for_suspend`), so each
+/// process imports its peer's memory and the checkpoint must be refused before locking.
+fn refuse_rank(comm: &pair::Pair) -> R<()> {
+    let mut s = setup(comm)?;
+    let (c0, _) = replay(&mut s, comm)?;
+    let driver = CudaCheckpoint::load();
+    let pid = std::process::id();
+    let out = checkpoint_group(
+        comm,
+        &driver,
+        &mut [],
+        &CheckpointOptions::default(),
+        |_| -> Result<(), tpcomm_checkpoint::BoxError> {
+            panic!("no pause: the checkpoint must be refused")
+        },
+    );
+    let Err(CheckpointError::Failed { first, also, .. }) = out else {
+        panic!("rank {}: expected a refusal, got {out:?}", comm.rank())
+    };
+    eprintln!("rank {}: refused: {first}; also {also:?}", comm.rank());
+    assert_eq!((first.step, first.rank), (Step::Lock, 0));
+    assert!(
+        matches!(first.reason, Reason::ImportedMappings { count, .. } if count > 0),
+        "{first}"
+    );
+    assert!(also
+        .iter()
+        .any(|f| f.rank == 1 && matches!(f.reason, Reason::ImportedMappings { .. })));
+    assert_eq!(driver.state(pid)?, ProcessState::Running, "left locked");
+    // Nothing was touched: the communicator still reduces.
+    let (c1, _) = replay(&mut s, comm)?;
+    assert!(c1 == c0);
+    s.ar.close_with(comm)?;
+    Ok(())
+}
+
+#[test]
+fn two_processes_checkpoint_restore_and_replay_a_graph_bit_identically() {
+    if !gpu() {
+        return;
+    }
+    run_pair("checkpoint", checkpoint_rank);
+}
+
+#[test]
+fn a_checkpoint_without_prepare_for_suspend_is_refused_and_nothing_is_left_locked() {
+    if !gpu() {
+        return;
+    }
+    run_pair("refuse", refuse_rank);
+}
+
+#[test]
+#[ignore = "helper process (rank 1) of the two-process tests"]
+fn child_pair_rank() {
+    let path = std::env::var(PAIR_SOCKET).expect("run by a two-process test");
+    let stream = std::os::unix::net::UnixStream::connect(path).expect("connect to rank 0");
+    let comm = pair::Pair::new(1, stream);
+    let outcome = match std::env::var(PAIR_MODE).as_deref() {
+        Ok("checkpoint") => checkpoint_rank(&comm),
+        Ok("refuse") => refuse_rank(&comm),
+        other => panic!("unknown {PAIR_MODE}: {other:?}"),
+    };
+    outcome.unwrap_or_else(|e| panic!("rank 1: {e}"));
+}
+
+/// Env var naming the socket the child rank connects to.
+const PAIR_SOCKET: &str = "TPCOMM_TEST_PAIR_SOCKET";
+/// Env var naming what the child rank runs.
+const PAIR_MODE: &str = "TPCOMM_TEST_PAIR_MODE";
+
+/// Rank 0 of a two-process test: spawns this executable as rank 1 running `mode`, runs
+/// `body` as rank 0 over the pair transport, and returns once rank 1 succeeded.
+fn run_pair(mode: &str, body: fn(&pair::Pair) -> R<()>) {
+    let dir = std::env::temp_dir().join(format!("tpcomm-ckpt-{}-{mode}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_pair_rank", "--ignored", "--nocapture"])
+        .env(PAIR_SOCKET, &path)
+        .env(PAIR_MODE, mode)
+        // libtest's own summary of the helper would be counted as a test by `xtask test`.
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    let comm = pair::Pair::new(0, stream);
+    let outcome = body(&comm);
+    drop(comm);
+    let status = child.wait().unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    outcome.unwrap_or_else(|e| panic!("rank 0: {e}"));
+    assert!(status.success(), "rank 1 failed: {status}");
+}
+
+/// Two processes as two ranks over one Unix socket (the GPU machine has no MPI): barrier,
+/// all-gather, varcount all-gather and broadcast, what the all-reduce and the checkpoint
+/// use. The same transport as tpcomm-allreduce's two-process test.
+mod pair {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use tpcomm_transport::check::{
+        AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
+    };
+    use tpcomm_transport::{Communicator, TransportError};
+
+    type Result<T> = std::result::Result<T, TransportError>;
+
+    #[derive(Debug)]
+    pub(crate) struct Pair {
+        rank: usize,
+        stream: Mutex<UnixStream>,
+    }
+
+    impl Pair {
+        pub(crate) fn new(rank: usize, stream: UnixStream) -> Self {
+            stream
+                .set_read_timeout(Some(Duration::from_secs(60)))
+                .expect("socket timeout");
+            Self {
+                rank,
+                stream: Mutex::new(stream),
+            }
+        }
+
+        fn io(&self, what: &str, e: std::io::Error) -> TransportError {
+            TransportError::Setup(format!(
+                "rank {}: {what} rank {}: {e}",
+                self.rank,
+                1 - self.rank
+            ))
+        }
+
+        /// Sends `mine` to the peer and returns the peer's bytes; rank 0 writes first.
+        fn exchange(&self, mine: &[u8]) -> Result<Vec<u8>> {
+            let mut s = self.stream.lock().unwrap();
+            let send = |s: &mut UnixStream| -> std::io::Result<()> {
+                s.write_all(&(mine.len() as u64).to_le_bytes())?;
+                s.write_all(mine)
+            };
+            let recv = |s: &mut UnixStream| -> std::io::Result<Vec<u8>> {
+                let mut len = [0u8; 8];
+                s.read_exact(&mut len)?;
+                let mut theirs = vec![0u8; u64::from_le_bytes(len) as usize];
+                s.read_exact(&mut theirs)?;
+                Ok(theirs)
+            };
+            if self.rank == 0 {
+                send(&mut s).map_err(|e| self.io("sending to", e))?;
+                recv(&mut s).map_err(|e| self.io("receiving from", e))
+            } else {
+                let theirs = recv(&mut s).map_err(|e| self.io("receiving from", e))?;
+                send(&mut s).map_err(|e| self.io("sending to", e))?;
+                Ok(theirs)
+            }
+        }
+
+        fn unsupported(&self, op: &str) -> TransportError {
+            TransportError::Setup(format!("{op} is not served by the test pair transport"))
+        }
+    }
+
+    impl Communicator for Pair {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn size(&self) -> usize {
+            2
+        }
+        fn max_count(&self) -> usize {
+            i32::MAX as usize
+        }
+        fn backend_name(&self) -> &'static str {
+            "test-pair"
+        }
+        fn split(&self, _color: Option<u32>, _key: i32) -> Result<Option<Self>> {
+            Err(self.unsupported("split"))
+        }
+        fn raw_barrier(&self) -> Result<()> {
+            self.exchange(&[]).map(drop)
+        }
+        fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<()> {
+            let block = args.block_len();
+            let (send, recv) = args.parts();
+            let theirs = self.exchange(send)?;
+            let peer = 1 - self.rank;
+            recv[self.rank * block..][..block].copy_from_slice(send);
+            recv[peer * block..][..block].copy_from_slice(&theirs);
+            Ok(())
+        }
+        fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<()> {
+            let (send, recv, counts, displs) = args.parts();
+            let theirs = self.exchange(send)?;
+            let peer = 1 - self.rank;
+            recv[displs[self.rank]..][..counts[self.rank]].copy_from_slice(send);
+            recv[displs[peer]..][..counts[peer]].copy_from_slice(&theirs);
+            Ok(())
+        }
+        fn raw_gather_varcount(&self, _args: GatherArgs<'_>) -> Result<()> {
+            Err(self.unsupported("gather"))
+        }
+        fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> Result<()> {
+            let root = args.root();
+            let buf = args.buf();
+            if root == self.rank {
+                self.exchange(buf).map(drop)
+            } else {
+                let theirs = self.exchange(&[])?;
+                if theirs.len() != buf.len() {
+                    return Err(TransportError::Setup(format!(
+                        "broadcast: root sent {} bytes, rank {} expected {}",
+                        theirs.len(),
+                        self.rank,
+                        buf.len()
+                    )));
+                }
+                buf.copy_from_slice(&theirs);
+                Ok(())
+            }
+        }
+        fn raw_all_to_all_varcount(&self, _args: AllToAllArgs<'_>) -> Result<()> {
+            Err(self.unsupported("all-to-all"))
+        }
+    }
+}

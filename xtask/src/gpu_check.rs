@@ -557,7 +557,7 @@ if wanted bench; then
     step bench 120 "$BUNDLE" "$BIN/tpcomm-bench" gpu --json "$RESULTS/gpu-bench.json" ${TPCOMM_BENCH_ARGS:-}
 fi
 if wanted checkpoint-bench; then
-    # Process checkpoint of two processes on the GPU, each step timed (crates/tpcomm-bench/src/checkpoint.rs).
+    # Process checkpoint (ranks as threads of one process), each step timed (crates/tpcomm-bench/src/checkpoint.rs).
     step checkpoint-bench 60 "$BUNDLE" "$BIN/tpcomm-bench" checkpoint --json "$RESULTS/gpu-checkpoint.json"
 fi
 

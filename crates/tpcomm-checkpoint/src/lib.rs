@@ -23,6 +23,41 @@
 //!   driver allows it (measured on driver 580), so no controller process is needed.
 //! - A process that still imports CUDA IPC memory is refused before it is locked
 //!   ([`Reason::ImportedMappings`]): the driver checkpoints it, but cannot restore it.
+//!
+//! Two ranks as threads, a host all-reduce suspended around the checkpoint, and the fake
+//! driver standing in for `CudaCheckpoint::load()`:
+//!
+//! ```
+//! use tpcomm_allreduce::{Config, CustomAllReduce, HostBackend};
+//! use tpcomm_checkpoint::{checkpoint_group, fake::FakeDriver, CheckpointOptions, Step};
+//! use tpcomm_ipc::HostMemory;
+//! use tpcomm_transport::{Communicator, LocalGroup};
+//!
+//! let driver = FakeDriver::new(); // the real one: tpcomm_checkpoint::CudaCheckpoint::load()
+//! let results = LocalGroup::new(2).run(|comm| {
+//!     let mut ar =
+//!         CustomAllReduce::new(HostBackend::new(), HostMemory::new(), &comm, Config::default())
+//!             .unwrap();
+//!     let report = checkpoint_group(
+//!         &comm,
+//!         &driver,
+//!         &mut [&mut ar],
+//!         &CheckpointOptions::default(),
+//!         |paused| {
+//!             // Every process is checkpointed here: dump it, wait, or return at once.
+//!             let _ = paused.driver_rank;
+//!             Ok(())
+//!         },
+//!     )
+//!     .unwrap();
+//!     let mut out = [0f32; 4];
+//!     ar.all_reduce(&[1.0; 4], &mut out).unwrap(); // resumed
+//!     (report.timing(Step::Checkpoint).is_some(), out[0])
+//! });
+//! for r in results {
+//!     assert_eq!(r.unwrap(), (true, 2.0));
+//! }
+//! ```
 
 #[cfg(feature = "cuda")]
 pub mod backend;

@@ -323,3 +323,142 @@ impl Sequence {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::DriverError;
+
+    fn reports(step: Step, pids: &[u32]) -> Vec<StepReport> {
+        pids.iter()
+            .map(|&pid| StepReport::new(step, pid, 1))
+            .collect()
+    }
+
+    fn driver_error(pid: u32) -> Reason {
+        Reason::Driver(DriverError {
+            entry_point: "cuCheckpointProcessLock".into(),
+            pid,
+            code: 2,
+            name: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+        })
+    }
+
+    /// Runs the sequence with every rank succeeding, returning the steps taken.
+    fn walk(seq: &mut Sequence, pids: &[u32], fail: Option<(Step, usize)>) -> Vec<Step> {
+        let mut taken = Vec::new();
+        while let Some(step) = seq.step() {
+            taken.push(step);
+            let mut r = reports(step, pids);
+            for (rank, report) in r.iter_mut().enumerate() {
+                if step == Step::Prepare {
+                    report.suspended = vec![fail != Some((Step::Prepare, rank))];
+                }
+                if step.is_driver_step() && seq.is_driver_rank(rank) {
+                    report.state = Some(ProcessState::Running);
+                }
+                if fail == Some((step, rank)) {
+                    report.failure = Some(driver_error(pids[rank]));
+                }
+            }
+            seq.agree(&r);
+        }
+        taken
+    }
+
+    #[test]
+    fn a_clean_run_takes_every_step_in_order() {
+        let mut seq = Sequence::new(3);
+        assert_eq!(walk(&mut seq, &[1, 2, 3], None), Step::ALL);
+        assert!(seq.outcome().is_ok());
+    }
+
+    #[test]
+    fn a_failure_in_the_front_half_skips_to_the_back_half() {
+        let after = |step| {
+            let mut seq = Sequence::new(2);
+            walk(&mut seq, &[1, 2], Some((step, 1)))
+        };
+        use Step::*;
+        assert_eq!(after(Check), [Check]);
+        assert_eq!(after(Prepare), [Check, Prepare, Reinit]);
+        assert_eq!(after(Lock), [Check, Prepare, Lock, Restore, Unlock, Reinit]);
+        assert_eq!(
+            after(Checkpoint),
+            [Check, Prepare, Lock, Checkpoint, Restore, Unlock, Reinit]
+        );
+        assert_eq!(after(Pause), Step::ALL);
+        assert_eq!(after(Restore), Step::ALL);
+    }
+
+    #[test]
+    fn a_process_left_not_running_ends_the_sequence_before_reinit() {
+        let mut seq = Sequence::new(2);
+        for step in [Step::Check, Step::Prepare, Step::Lock, Step::Checkpoint] {
+            let mut r = reports(step, &[1, 2]);
+            if step == Step::Prepare {
+                r.iter_mut().for_each(|r| r.suspended = vec![true]);
+            }
+            seq.agree(&r);
+        }
+        seq.agree(&reports(Step::Pause, &[1, 2]));
+        let mut r = reports(Step::Restore, &[1, 2]);
+        r[1].failure = Some(driver_error(2));
+        r[1].state = Some(ProcessState::Checkpointed);
+        r[0].state = Some(ProcessState::Locked);
+        seq.agree(&r);
+        let mut r = reports(Step::Unlock, &[1, 2]);
+        r[0].state = Some(ProcessState::Running);
+        r[1].state = Some(ProcessState::Checkpointed);
+        seq.agree(&r);
+        assert_eq!(seq.step(), None);
+        let (first, also, aftermath) = seq.outcome().unwrap_err();
+        assert_eq!((first.step, first.rank), (Step::Restore, 1));
+        assert!(matches!(
+            also.as_slice(),
+            [StepFailure {
+                step: Step::Unlock,
+                rank: 1,
+                reason: Reason::NotRestored {
+                    pid: 2,
+                    state: ProcessState::Checkpointed
+                }
+            }]
+        ));
+        assert_eq!(
+            aftermath.processes,
+            [
+                Some(ProcessState::Running),
+                Some(ProcessState::Checkpointed)
+            ]
+        );
+        assert_eq!(aftermath.objects, ObjectsLeft::NotResumed);
+    }
+
+    #[test]
+    fn the_lowest_rank_of_each_pid_is_its_driver_rank() {
+        let mut seq = Sequence::new(4);
+        seq.agree(&reports(Step::Check, &[9, 7, 9, 7]));
+        let driver: Vec<bool> = (0..4).map(|r| seq.is_driver_rank(r)).collect();
+        assert_eq!(driver, [true, true, false, false]);
+        assert_eq!(seq.pid(3), Some(7));
+    }
+
+    #[test]
+    fn differing_object_counts_fail_the_check_naming_the_first_rank_that_differs() {
+        let mut seq = Sequence::new(3);
+        let mut r = reports(Step::Check, &[1, 2, 3]);
+        r[2].objects = 4;
+        seq.agree(&r);
+        assert_eq!(seq.step(), None);
+        let (first, _, aftermath) = seq.outcome().unwrap_err();
+        assert_eq!(first.rank, 2);
+        assert_eq!(
+            first.reason,
+            Reason::ObjectCountMismatch {
+                counts: vec![1, 1, 4]
+            }
+        );
+        assert_eq!(aftermath.objects, ObjectsLeft::Untouched);
+    }
+}

@@ -164,6 +164,11 @@ fn checkpoint_rank(comm: &pair::Pair) -> R<()> {
     // pause).
     let before = (comm.rank() == 0).then(GpuMemory::probe);
     let mut during: Option<Result<GpuMemory, String>> = None;
+    eprintln!(
+        "rank {}: {} allocation(s) imported through CUDA IPC before prepare_for_suspend",
+        comm.rank(),
+        tpcomm_ipc::cuda_imported_allocations()
+    );
     let started = Instant::now();
     let report = {
         let objects: &mut [&mut dyn Suspendable<pair::Pair>] = &mut [&mut s.ar];
@@ -270,6 +275,12 @@ fn refuse_rank(comm: &pair::Pair) -> R<()> {
     let (c1, _) = replay(&mut s, comm)?;
     assert!(c1 == c0);
     s.ar.close_with(comm)?;
+    drop(s);
+    eprintln!(
+        "rank {}: {} allocation(s) still imported after close_with",
+        comm.rank(),
+        tpcomm_ipc::cuda_imported_allocations()
+    );
     Ok(())
 }
 

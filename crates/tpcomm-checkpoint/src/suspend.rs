@@ -89,6 +89,28 @@ impl<C: Communicator + ?Sized> Suspendable<C> for tpcomm_allreduce::DeviceAllRed
     }
 }
 
+/// An NCCL communicator on its own: `ncclCommSuspend(NCCL_SUSPEND_MEM)` /
+/// `ncclCommResume` (collective among the NCCL ranks; `comm` is not used). A library without
+/// them (NCCL before 2.29) cannot suspend, and the checkpoint is refused at the check.
+#[cfg(feature = "nccl")]
+impl<C: Communicator + ?Sized> Suspendable<C> for tpcomm_transport::NcclCommunicator {
+    fn name(&self) -> String {
+        "NCCL communicator".into()
+    }
+
+    fn suspend_support(&self) -> Result<(), String> {
+        nccl_suspend_support(self.library().supports_suspend(), self.library().version())
+    }
+
+    fn prepare_for_suspend(&mut self, _comm: &C) -> Result<(), BoxError> {
+        Ok(self.suspend()?)
+    }
+
+    fn reinit_after_resume(&mut self, _comm: &C) -> Result<(), BoxError> {
+        Ok(self.resume()?)
+    }
+}
+
 /// Whether an NCCL library of `version` that does (not) export `ncclCommSuspend` /
 /// `ncclCommResume` lets its communicator's process be checkpointed.
 pub fn nccl_suspend_support(supports_suspend: bool, version: i32) -> Result<(), String> {

@@ -101,6 +101,8 @@ struct ProcessHold<'d, D: CheckpointDriver + ?Sized> {
     driver: &'d D,
     pid: u32,
     state: ProcessState,
+    /// This sequence's lock succeeded (the state is ours to report and undo).
+    held: bool,
     /// A lock succeeded and the back half has not run.
     armed: bool,
 }
@@ -221,6 +223,7 @@ where
         driver,
         pid,
         state: ProcessState::Running,
+        held: false,
         armed: false,
     };
     let mut pause = Some(pause);
@@ -268,12 +271,24 @@ where
                         pid,
                         count: imported,
                     });
+                    report.state = Some(hold.state);
                 } else {
-                    let locked = driver.lock(pid, options.lock_timeout);
-                    hold.armed = locked.is_ok();
-                    hold.call(locked, ProcessState::Locked, &mut report.failure);
+                    match driver.lock(pid, options.lock_timeout) {
+                        Ok(()) => {
+                            hold.state = ProcessState::Locked;
+                            hold.held = true;
+                            hold.armed = true;
+                            report.state = Some(hold.state);
+                        }
+                        Err(e) => {
+                            // This sequence holds no lock: nothing of it is undone later.
+                            // The state is reported as the driver sees it (a process locked
+                            // by someone else stays locked, and its objects are not resumed).
+                            report.failure = Some(Reason::Driver(e));
+                            report.state = Some(driver.state(pid).unwrap_or(hold.state));
+                        }
+                    }
                 }
-                report.state = Some(hold.state);
             }
             Step::Checkpoint if driver_rank => {
                 let done = driver.checkpoint(pid);
@@ -296,14 +311,15 @@ where
                     let done = driver.restore(pid);
                     hold.call(done, ProcessState::Locked, &mut report.failure);
                 }
-                report.state = Some(hold.state);
+                // A process this sequence never locked keeps the state its lock step saw.
+                report.state = hold.held.then_some(hold.state);
             }
             Step::Unlock if driver_rank => {
                 if hold.state == ProcessState::Locked {
                     let done = driver.unlock(pid);
                     hold.call(done, ProcessState::Running, &mut report.failure);
                 }
-                report.state = Some(hold.state);
+                report.state = hold.held.then_some(hold.state);
                 // The back half ran: nothing is left for the guard to undo.
                 hold.armed = false;
             }

@@ -613,3 +613,37 @@ fn a_rank_panicking_in_the_pause_leaves_no_process_locked_or_checkpointed() {
         );
     }
 }
+
+#[test]
+fn a_process_locked_by_someone_else_is_not_unlocked_by_the_sequence() {
+    use tpcomm_checkpoint::CheckpointDriver;
+    let driver = FakeDriver::new();
+    // Another tool holds the lock of rank 1's process.
+    driver.lock(pid_of(1), Duration::from_secs(1)).unwrap();
+    let outcomes = run_probe(2, &driver, |_| Probe::default());
+    for (out, probe) in &outcomes {
+        let CheckpointError::Failed {
+            first, aftermath, ..
+        } = failed(out)
+        else {
+            panic!("{out:?}")
+        };
+        assert_eq!((first.step, first.rank), (Step::Lock, 1));
+        assert!(matches!(&first.reason, Reason::Driver(e) if e.code == 401));
+        assert_eq!(
+            aftermath.processes,
+            [Some(ProcessState::Running), Some(ProcessState::Locked)]
+        );
+        assert_eq!(aftermath.objects, ObjectsLeft::NotResumed);
+        assert_eq!(probe.resumed, 0);
+    }
+    // Its lock is still the other tool's; ours on rank 0 was undone.
+    assert_eq!(driver.state_of(pid_of(1)), ProcessState::Locked);
+    assert_eq!(driver.state_of(pid_of(0)), ProcessState::Running);
+    let unlocks = driver
+        .log()
+        .iter()
+        .filter(|e| e.call == Call::Unlock)
+        .count();
+    assert_eq!(unlocks, 1, "{:?}", driver.log());
+}

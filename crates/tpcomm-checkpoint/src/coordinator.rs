@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use tpcomm_transport::Communicator;
 
-use crate::driver::{CheckpointDriver, DriverError, DriverInfo, ProcessState};
+use crate::driver::{
+    CheckpointDriver, DriverError, DriverInfo, ProcessState, CUDA_ERROR_ILLEGAL_STATE,
+};
 use crate::error::{CheckpointError, ExchangeError, Reason};
 use crate::sequence::{Sequence, Step, StepReport};
 use crate::suspend::{BoxError, Suspendable};
@@ -281,11 +283,19 @@ where
                             report.state = Some(hold.state);
                         }
                         Err(e) => {
-                            // This sequence holds no lock: nothing of it is undone later.
-                            // The state is reported as the driver sees it (a process locked
-                            // by someone else stays locked, and its objects are not resumed).
+                            let seen = driver.state(pid).unwrap_or(hold.state);
+                            if e.code != CUDA_ERROR_ILLEGAL_STATE && seen != ProcessState::Running {
+                                // A lock that failed late (a timeout) may still hold the
+                                // process: it is this sequence's, undone in the back half.
+                                hold.state = seen;
+                                hold.held = true;
+                                hold.armed = true;
+                            }
+                            // ILLEGAL_STATE: the process was already locked by someone else
+                            // (another tool); that lock is not this sequence's to undo, so
+                            // it stays locked and no object is resumed.
                             report.failure = Some(Reason::Driver(e));
-                            report.state = Some(driver.state(pid).unwrap_or(hold.state));
+                            report.state = Some(seen);
                         }
                     }
                 }

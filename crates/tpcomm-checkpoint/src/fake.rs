@@ -16,6 +16,10 @@ use crate::driver::{
     CUDA_ERROR_INVALID_VALUE,
 };
 
+/// An injected lock failure code (`CUDA_ERROR_TIMEOUT`, 909) after which the fake leaves the
+/// process locked: a lock that failed late.
+pub const LOCK_TIMEOUT_KEEPS_LOCK: i32 = 909;
+
 /// A driver call of the fake's log.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Call {
@@ -91,7 +95,8 @@ impl FakeDriver {
     }
 
     /// Makes the next `call` on `pid` fail with `code` (queued: several faults fail
-    /// successive calls). A failed call changes no state.
+    /// successive calls). A failed call changes no state, except a lock failing with
+    /// [`LOCK_TIMEOUT_KEEPS_LOCK`], which leaves the process locked (a lock that failed late).
     pub fn fail_next(&self, call: Call, pid: u32, code: i32) {
         self.with(|i| i.faults.entry((call, pid)).or_default().push_back(code));
     }
@@ -116,6 +121,9 @@ impl FakeDriver {
             let state = i.states.get(&pid).copied().unwrap_or(ProcessState::Running);
             let injected = i.faults.get_mut(&(call, pid)).and_then(VecDeque::pop_front);
             let (code, next) = match (injected, call, state) {
+                (Some(LOCK_TIMEOUT_KEEPS_LOCK), Call::Lock, ProcessState::Running) => {
+                    (LOCK_TIMEOUT_KEEPS_LOCK, ProcessState::Locked)
+                }
                 (Some(code), _, _) => (code, state),
                 (None, Call::Lock, ProcessState::Running) => (0, ProcessState::Locked),
                 (None, Call::Checkpoint, ProcessState::Locked) => (0, ProcessState::Checkpointed),

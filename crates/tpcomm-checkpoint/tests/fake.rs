@@ -647,3 +647,25 @@ fn a_process_locked_by_someone_else_is_not_unlocked_by_the_sequence() {
         .count();
     assert_eq!(unlocks, 1, "{:?}", driver.log());
 }
+
+#[test]
+fn a_lock_that_failed_but_left_the_process_locked_is_unlocked() {
+    use tpcomm_checkpoint::fake::LOCK_TIMEOUT_KEEPS_LOCK;
+    let driver = FakeDriver::new();
+    driver.fail_next(Call::Lock, pid_of(1), LOCK_TIMEOUT_KEEPS_LOCK);
+    let outcomes = run_probe(2, &driver, |_| Probe::default());
+    for (out, probe) in &outcomes {
+        let CheckpointError::Failed {
+            first, aftermath, ..
+        } = failed(out)
+        else {
+            panic!("{out:?}")
+        };
+        assert_eq!((first.step, first.rank), (Step::Lock, 1));
+        assert_eq!(aftermath.processes, [Some(ProcessState::Running); 2]);
+        assert_eq!(aftermath.objects, ObjectsLeft::Resumed);
+        assert_eq!(probe.resumed, 1);
+    }
+    assert_eq!(driver.state_of(pid_of(1)), ProcessState::Running);
+    assert_ordering(&driver.log());
+}

@@ -1,7 +1,8 @@
 //! `tpcomm-bench checkpoint`: a process checkpoint through the CUDA driver
 //! (`tpcomm_checkpoint::checkpoint_group`), each step timed: prepare (`prepare_for_suspend`),
 //! lock, checkpoint, restore, unlock, reinit (`reinit_after_resume`), the first graph replay
-//! after it, and the GPU memory the checkpoint released (NVML, read in the pause).
+//! after it, and the GPU memory the checkpoint released (read in the pause by `nvidia-smi`,
+//! another process).
 //!
 //! Ranks are threads of this process on one GPU (`CudaMemory::same_process`): one process,
 //! so one driver rank makes the four driver calls while the others wait in the agreement.
@@ -232,7 +233,7 @@ mod imp {
                 push("process_mib_during", mib(d.of_process(pid)));
             } else if comm.rank() == 0 {
                 eprintln!(
-                    "tpcomm-bench checkpoint: no NVML figures: {memory_before:?} / {during:?}"
+                    "tpcomm-bench checkpoint: no GPU memory figures: {memory_before:?} / {during:?}"
                 );
             }
         }

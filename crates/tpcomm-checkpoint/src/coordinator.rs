@@ -187,7 +187,9 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
 ///    otherwise `cuCheckpointProcessLock(pid, lock_timeout)`;
 /// 4. **checkpoint** (driver ranks): `cuCheckpointProcessCheckpoint`;
 /// 5. **pause** (every rank): `pause`, while every process is checkpointed; it must not call
-///    CUDA (this process's CUDA calls block until the unlock);
+///    into the GPU driver, CUDA or NVML (this process's calls block until the unlock: an
+///    NVML read here never returned on driver 580); read GPU figures from another process
+///    ([`GpuMemory::probe`](crate::GpuMemory::probe) does);
 /// 6. **restore** (driver ranks): `cuCheckpointProcessRestore` of a checkpointed process;
 /// 7. **unlock** (driver ranks): `cuCheckpointProcessUnlock` of a locked process;
 /// 8. **reinit**: `reinit_after_resume` of every object, once every process runs.

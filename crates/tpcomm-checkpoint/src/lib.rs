@@ -71,7 +71,7 @@ mod suspend;
 #[cfg(feature = "cuda")]
 pub use backend::cuda::CudaCheckpoint;
 #[cfg(feature = "cuda")]
-pub use backend::nvml::GpuMemory;
+pub use backend::smi::GpuMemory;
 pub use coordinator::{checkpoint_group, CheckpointOptions, CheckpointReport, Paused, StepTiming};
 pub use driver::{
     check_support, CheckpointDriver, DriverError, DriverInfo, ProcessState, Unsupported,

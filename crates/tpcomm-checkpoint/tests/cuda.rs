@@ -160,7 +160,7 @@ fn checkpoint_rank(comm: &pair::Pair) -> R<()> {
 
     let driver = CudaCheckpoint::load();
     let pid = std::process::id();
-    // Only rank 0 measures (NVML in one process is enough; both are checkpointed in the
+    // Only rank 0 measures (one reading is enough; both are checkpointed in the
     // pause).
     let before = (comm.rank() == 0).then(GpuMemory::probe);
     let mut during: Option<Result<GpuMemory, String>> = None;
@@ -174,7 +174,7 @@ fn checkpoint_rank(comm: &pair::Pair) -> R<()> {
         let objects: &mut [&mut dyn Suspendable<pair::Pair>] = &mut [&mut s.ar];
         checkpoint_group(comm, &driver, objects, &CheckpointOptions::default(), |p| {
             if p.rank == 0 {
-                // NVML, not CUDA: it answers while both processes are checkpointed.
+                // Read by another process (nvidia-smi): this one is checkpointed.
                 during = Some(GpuMemory::probe());
             }
             Ok(())

@@ -1,4 +1,5 @@
-//! The real driver and NVML, loaded at run time. `unsafe` code of this crate lives here only.
+//! The real driver (loaded at run time) and GPU memory figures read by another process.
+//! `unsafe` code of this crate lives here only.
 
 pub mod cuda;
-pub mod nvml;
+pub mod smi;

@@ -3,9 +3,21 @@
 //! Every collective is a *round* identified by a per-communicator sequence number (all ranks
 //! call collectives in the same order, so the n-th call of every rank meets in round n).
 //! A rank joins a round by posting its contribution (a copy of its send bytes plus the
-//! counts it was called with), waits on a condition variable until the ranks it depends on
-//! have posted, takes shared references to their posts and leaves; the last rank to leave
-//! removes the round. Copies out of the posts happen outside the lock.
+//! counts it was called with), waits until the ranks it depends on have posted, takes
+//! shared references to their posts and leaves; the last rank to leave removes the round.
+//! Copies out of the posts happen outside the lock.
+//!
+//! Waiting: every change of the shared state bumps an atomic *epoch*. A waiting rank first
+//! spins outside the lock, watching the epoch, and parks on a condition variable only when
+//! its spin budget runs out; a change wakes parked ranks only when some are parked (no
+//! system call on the common path). Ranks of one group usually arrive within a microsecond
+//! or two of each other, so most waits end while spinning, at the cost of a cache line moving
+//! between cores instead of a futex wake and a context switch (tens of microseconds). The
+//! budget adapts per rank, as an adaptive mutex's does: up to [`LocalGroupConfig::spin`]
+//! (default 50 us) while spins succeed, down to a sixteenth of it while waits end parked
+//! anyway (a late peer, or one the scheduler put on this rank's core, which no spin can let
+//! run). A rank waiting for an absent peer spins once, then sleeps until something changes
+//! or its timeout: no busy wait.
 //!
 //! Every wait is bounded by [`LocalGroupConfig::timeout`]. A timeout, a rank that dropped
 //! its communicator while others wait for it (a panicking rank does so while unwinding), or
@@ -39,11 +51,20 @@ pub struct LocalGroupConfig {
     /// smaller than a main thread's usual 8 MiB). Raise it for ranks that recurse deeply,
     /// for example over recursive values.
     pub stack_size: usize,
+    /// Longest time a waiting rank spins (watching for its peers without sleeping) before
+    /// it parks (default [`LocalGroupConfig::DEFAULT_SPIN`], 50 us). Each rank adapts its
+    /// budget between this and a sixteenth of it, from how its last waits ended.
+    /// `Duration::ZERO` parks at once: the least CPU, and the latency of a futex wake and a
+    /// context switch on every wait.
+    pub spin: Duration,
 }
 
 impl LocalGroupConfig {
     /// The default stack size of a rank's thread: 2 MiB, as `std::thread::spawn` gives.
     pub const DEFAULT_STACK_SIZE: usize = 2 << 20;
+    /// The default spin budget of a wait: 50 us, several times the spread of ranks arriving
+    /// at the same collective, and a small fraction of a wait for a rank that is late.
+    pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 }
 
 impl Default for LocalGroupConfig {
@@ -52,6 +73,7 @@ impl Default for LocalGroupConfig {
             timeout: Duration::from_secs(60),
             max_count: i32::MAX as usize,
             stack_size: Self::DEFAULT_STACK_SIZE,
+            spin: Self::DEFAULT_SPIN,
         }
     }
 }
@@ -104,6 +126,13 @@ impl LocalGroup {
     /// Sets `max_count`.
     pub fn max_count(mut self, max_count: usize) -> Self {
         self.config.max_count = max_count;
+        self
+    }
+
+    /// Sets how long a waiting rank spins before it parks (see
+    /// [`LocalGroupConfig::spin`]); `Duration::ZERO` parks at once.
+    pub fn spin(mut self, spin: Duration) -> Self {
+        self.config.spin = spin;
         self
     }
 
@@ -223,7 +252,18 @@ pub struct LocalCommunicator {
     shared: Arc<Shared>,
     rank: usize,
     seq: AtomicU64,
+    /// How long this rank's waits spin before parking.
+    spin: SpinBudget,
+    /// This rank's last post, reused for the next one when the peers have let go of it (see
+    /// [`LocalCommunicator::post_with`]).
+    spare: Mutex<Option<Arc<Post>>>,
 }
+
+/// The largest post (in bytes of capacity) a communicator keeps for reuse: reusing saves
+/// three allocations per call, which matter next to a small collective's sub-microsecond
+/// hand-off and not next to the copy of a large one; keeping more would hold the memory of
+/// the largest message ever sent.
+const SPARE_MAX_BYTES: usize = 256 << 10;
 
 /// What a rank contributes to a round.
 #[derive(Debug, Default)]
@@ -252,12 +292,14 @@ struct Abort {
 
 #[derive(Debug)]
 struct State {
-    rounds: HashMap<u64, Round>,
+    rounds: HashMap<u64, Round, SeqHash>,
     abort: Option<Abort>,
     left: Vec<bool>,
     /// Sub-groups being handed out by `split`: (round, color) -> (group, members still to
     /// take it).
     children: HashMap<(u64, u32), (Arc<Shared>, usize)>,
+    /// Ranks parked on `Shared::changed` (a change notifies only when some are).
+    parked: usize,
 }
 
 #[derive(Debug)]
@@ -266,6 +308,127 @@ struct Shared {
     config: LocalGroupConfig,
     state: Mutex<State>,
     changed: Condvar,
+    /// Bumped, under the lock, on every change of `state` a waiter may wait for (a post, an
+    /// abort, a rank leaving): spinning waiters watch it without taking the lock. On a cache
+    /// line of its own, so that their loads do not slow down the lock holder.
+    epoch: Padded<AtomicU64>,
+}
+
+/// A value alone on its cache line (128 bytes: two 64-byte lines, as adjacent-line
+/// prefetchers pair them).
+#[derive(Debug)]
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// The hasher of the rounds map: its keys are sequence numbers, distinct and consecutive, so
+/// a multiplicative hash spreads them (SipHash's protection against chosen keys buys
+/// nothing here, and costs about as much as the rest of a small collective's bookkeeping).
+#[derive(Debug, Clone, Copy, Default)]
+struct SeqHash;
+
+impl std::hash::BuildHasher for SeqHash {
+    type Hasher = SeqHasher;
+
+    fn build_hasher(&self) -> SeqHasher {
+        SeqHasher(0)
+    }
+}
+
+#[derive(Debug)]
+struct SeqHasher(u64);
+
+impl std::hash::Hasher for SeqHasher {
+    fn finish(&self) -> u64 {
+        // Fibonacci hashing: the high bits (which pick the control byte) depend on all bits.
+        self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | u64::from(b)).rotate_left(5);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+/// The clock of one wait in a round, started when the rank first finds a post missing (a
+/// rank whose peers are all there never reads the clock).
+#[derive(Debug)]
+struct Wait {
+    started: Instant,
+    deadline: Instant,
+    /// End of the current spin: set when a spin starts, cleared after each park.
+    spin_until: Option<Instant>,
+    /// Whether this wait spun, and whether it parked.
+    spun: bool,
+    parked: bool,
+}
+
+impl Wait {
+    fn new(now: Instant, config: &LocalGroupConfig) -> Self {
+        Self {
+            started: now,
+            deadline: now + config.timeout,
+            spin_until: None,
+            spun: false,
+            parked: false,
+        }
+    }
+}
+
+/// A rank's spin budget, adapted to how its waits end (the adaptive mutex's rule): halved,
+/// down to a sixteenth of [`LocalGroupConfig::spin`], after a wait that had to park anyway;
+/// doubled, up to `spin`, after a wait that a spin ended. When the peers come within the
+/// budget (ranks on cores of their own) every wait spins; when spinning does not help (a
+/// peer that shares this rank's core, or is late) the rank mostly parks, spending little
+/// CPU on spins that fail.
+#[derive(Debug)]
+struct SpinBudget {
+    max: u64,
+    /// Current budget in nanoseconds (only this rank's thread reads and writes it; atomic
+    /// because the communicator is `Sync`).
+    nanos: AtomicU64,
+}
+
+impl SpinBudget {
+    fn new(max: Duration) -> Self {
+        let max = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
+        Self {
+            max,
+            nanos: AtomicU64::new(max),
+        }
+    }
+
+    fn get(&self) -> Duration {
+        Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
+    }
+
+    /// A spin ran out and the rank parks.
+    fn shrink(&self) {
+        let now = self.nanos.load(Ordering::Relaxed);
+        self.nanos
+            .store((now / 2).max(self.max / 16), Ordering::Relaxed);
+    }
+
+    /// A wait ended: a spin that ended it earns a longer budget.
+    fn learn(&self, wait: &Wait) {
+        if wait.spun && !wait.parked {
+            let now = self.nanos.load(Ordering::Relaxed);
+            self.nanos
+                .store(now.saturating_mul(2).clamp(1, self.max), Ordering::Relaxed);
+        }
+    }
 }
 
 /// Which posts a rank needs before it can leave a round.
@@ -282,13 +445,47 @@ impl Shared {
             size,
             config,
             state: Mutex::new(State {
-                rounds: HashMap::new(),
+                rounds: HashMap::with_hasher(SeqHash),
                 abort: None,
                 left: vec![false; size],
                 children: HashMap::new(),
+                parked: 0,
             }),
             changed: Condvar::new(),
+            epoch: Padded(AtomicU64::new(0)),
         })
+    }
+
+    /// Publishes a change of `state` (called with the lock held): spinning waiters see the
+    /// epoch move; parked ones are woken, with a system call only when there are some.
+    fn publish(&self, state: &State) {
+        self.epoch.fetch_add(1, Ordering::Release);
+        if state.parked > 0 {
+            self.changed.notify_all();
+        }
+    }
+
+    /// Spins until the epoch differs from `seen` or `until` passes, whichever is first;
+    /// returns whether it moved. A few pause instructions between looks (doubling up to 8,
+    /// well under a microsecond): a look at an unchanged line costs no coherence traffic,
+    /// and the pauses leave the core's other hardware thread its share.
+    fn spin_while_unchanged(&self, seen: u64, until: Instant) -> bool {
+        let mut pauses = 1u32;
+        let mut looks = 0u32;
+        loop {
+            if self.epoch.load(Ordering::Acquire) != seen {
+                return true;
+            }
+            looks = looks.wrapping_add(1);
+            // The clock costs tens of nanoseconds: read it every 16th look.
+            if looks.is_multiple_of(16) && Instant::now() >= until {
+                return false;
+            }
+            for _ in 0..pauses {
+                std::hint::spin_loop();
+            }
+            pauses = (pauses * 2).min(8);
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -301,10 +498,39 @@ impl Shared {
 impl LocalCommunicator {
     fn new(shared: Arc<Shared>, rank: usize) -> Self {
         Self {
+            spin: SpinBudget::new(shared.config.spin),
             shared,
             rank,
             seq: AtomicU64::new(0),
+            spare: Mutex::new(None),
         }
+    }
+
+    /// This rank's post of `bytes` and `meta`.
+    fn post(&self, bytes: &[u8], meta: &[usize]) -> Arc<Post> {
+        self.post_with(|p| {
+            p.bytes.extend_from_slice(bytes);
+            p.meta.extend_from_slice(meta);
+        })
+    }
+
+    /// A post filled by `fill`: the previous post when no peer holds it any more (its
+    /// buffers keep their capacity), a new one otherwise. Keeps a reference to it for the
+    /// next call when it is small enough.
+    fn post_with(&self, fill: impl FnOnce(&mut Post)) -> Arc<Post> {
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        let mut post = spare
+            .take()
+            .and_then(|mut old| Arc::get_mut(&mut old).is_some().then_some(old))
+            .unwrap_or_default();
+        let p = Arc::get_mut(&mut post).expect("a new or unshared post");
+        p.bytes.clear();
+        p.meta.clear();
+        fill(p);
+        if p.bytes.capacity() <= SPARE_MAX_BYTES {
+            *spare = Some(post.clone());
+        }
+        post
     }
 
     fn aborted(&self, op: Op, abort: &Abort) -> TransportError {
@@ -322,16 +548,16 @@ impl LocalCommunicator {
         &self,
         op: Op,
         root: Option<usize>,
-        post: Post,
+        post: Arc<Post>,
         needs: Needs,
     ) -> Result<Vec<Option<Arc<Post>>>> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let shared = &*self.shared;
+        let size = shared.size;
         let mut state = shared.lock();
         if let Some(abort) = &state.abort {
             return Err(self.aborted(op, abort));
         }
-        let size = shared.size;
         let round = state.rounds.entry(seq).or_insert_with(|| Round {
             op,
             root,
@@ -345,38 +571,45 @@ impl LocalCommunicator {
             );
             return Err(self.abort_group(&mut state, op, reason));
         }
-        round.posts[self.rank] = Some(Arc::new(post));
-        shared.changed.notify_all();
-
-        let deadline = Instant::now() + shared.config.timeout;
-        let started = Instant::now();
+        round.posts[self.rank] = Some(post);
+        // This rank's post is published once, before it waits or leaves: a peer spinning on
+        // the epoch then finds the lock free, or about to be.
+        let mut published = false;
+        let mut wait: Option<Wait> = None;
         loop {
             let round = state
                 .rounds
                 .get(&seq)
                 .expect("a round stays until every rank finished it");
-            let missing: Vec<usize> = match needs {
-                Needs::Nobody => Vec::new(),
-                Needs::Rank(r) => round.posts[r].is_none().then_some(r).into_iter().collect(),
-                Needs::Everybody => (0..size).filter(|&r| round.posts[r].is_none()).collect(),
-            };
-            if missing.is_empty() {
+            let is_missing = |r: usize| round.posts[r].is_none();
+            if !needed_ranks(needs, size).any(is_missing) {
                 break;
             }
-            let timeout = TransportError::Timeout {
-                op,
-                rank: self.rank,
-                waited: started.elapsed(),
-                missing: missing.clone(),
+            if !published {
+                shared.publish(&state);
+                published = true;
+            }
+            let missing = || {
+                needed_ranks(needs, size)
+                    .filter(|&r| is_missing(r))
+                    .collect()
             };
+            let now = Instant::now();
+            let w = wait.get_or_insert_with(|| Wait::new(now, &shared.config));
             if let Some(abort) = &state.abort {
                 return Err(if abort.timed_out {
-                    timeout
+                    TransportError::Timeout {
+                        op,
+                        rank: self.rank,
+                        waited: now - w.started,
+                        missing: missing(),
+                    }
                 } else {
                     self.aborted(op, abort)
                 });
             }
-            if let Some(&gone) = missing.iter().find(|&&r| state.left[r]) {
+            if let Some(gone) = needed_ranks(needs, size).find(|&r| is_missing(r) && state.left[r])
+            {
                 let reason = format!("rank {gone} dropped its communicator before joining {op}");
                 let abort = Abort {
                     by: gone,
@@ -384,11 +617,11 @@ impl LocalCommunicator {
                     timed_out: false,
                 };
                 state.abort = Some(abort.clone());
-                shared.changed.notify_all();
+                shared.publish(&state);
                 return Err(self.aborted(op, &abort));
             }
-            let now = Instant::now();
-            if now >= deadline {
+            if now >= w.deadline {
+                let missing: Vec<usize> = missing();
                 let reason = format!(
                     "rank {} timed out in {op} after {:?} waiting for ranks {missing:?}",
                     self.rank, shared.config.timeout
@@ -398,14 +631,43 @@ impl LocalCommunicator {
                     reason,
                     timed_out: true,
                 });
-                shared.changed.notify_all();
-                return Err(timeout);
+                shared.publish(&state);
+                return Err(TransportError::Timeout {
+                    op,
+                    rank: self.rank,
+                    waited: now - w.started,
+                    missing,
+                });
             }
+            // Every change is published under the lock: the epoch read here is the one the
+            // state above was seen at.
+            let seen = shared.epoch.load(Ordering::Relaxed);
+            let budget = self.spin.get();
+            let spin_until = *w
+                .spin_until
+                .get_or_insert_with(|| (now + budget).min(w.deadline));
+            if now < spin_until {
+                w.spun = true;
+                drop(state);
+                shared.spin_while_unchanged(seen, spin_until);
+                state = shared.lock();
+                continue;
+            }
+            if !w.parked {
+                w.parked = true;
+                // A spin that ran out: the next ones (after a wake-up in this wait too) are
+                // shorter.
+                self.spin.shrink();
+            }
+            state.parked += 1;
             state = shared
                 .changed
-                .wait_timeout(state, deadline - now)
+                .wait_timeout(state, w.deadline - now)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+            state.parked -= 1;
+            // Woken by a change: the next wait spins afresh.
+            w.spin_until = None;
         }
         let round = state.rounds.get_mut(&seq).expect("checked above");
         let posts = match needs {
@@ -421,6 +683,13 @@ impl LocalCommunicator {
         if round.finished == size {
             state.rounds.remove(&seq);
         }
+        if !published {
+            shared.publish(&state);
+        }
+        drop(state);
+        if let Some(w) = wait {
+            self.spin.learn(&w);
+        }
         Ok(posts)
     }
 
@@ -433,7 +702,7 @@ impl LocalCommunicator {
                 timed_out: false,
             })
             .clone();
-        self.shared.changed.notify_all();
+        self.shared.publish(state);
         self.aborted(op, &abort)
     }
 
@@ -443,6 +712,15 @@ impl LocalCommunicator {
             rank: self.rank,
             detail,
         }
+    }
+}
+
+/// The ranks whose posts `needs` names.
+fn needed_ranks(needs: Needs, size: usize) -> std::ops::Range<usize> {
+    match needs {
+        Needs::Nobody => 0..0,
+        Needs::Rank(r) => r..r + 1,
+        Needs::Everybody => 0..size,
     }
 }
 
@@ -457,7 +735,7 @@ impl Drop for LocalCommunicator {
     fn drop(&mut self) {
         let mut state = self.shared.lock();
         state.left[self.rank] = true;
-        self.shared.changed.notify_all();
+        self.shared.publish(&state);
     }
 }
 
@@ -483,15 +761,7 @@ impl Communicator for LocalCommunicator {
         let op = Op::Split;
         let meta = vec![color.map_or(NO_COLOR, |c| c as usize), key as i64 as usize];
         let seq = self.seq.load(Ordering::Relaxed);
-        let posts = self.exchange(
-            op,
-            None,
-            Post {
-                bytes: Vec::new(),
-                meta,
-            },
-            Needs::Everybody,
-        )?;
+        let posts = self.exchange(op, None, self.post(&[], &meta), Needs::Everybody)?;
         let Some(color) = color else {
             return Ok(None);
         };
@@ -528,17 +798,14 @@ impl Communicator for LocalCommunicator {
     }
 
     fn raw_barrier(&self) -> Result<()> {
-        self.exchange(Op::Barrier, None, Post::default(), Needs::Everybody)
+        self.exchange(Op::Barrier, None, self.post(&[], &[]), Needs::Everybody)
             .map(drop)
     }
 
     fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<()> {
         let op = Op::AllGather;
         let block = args.block_len();
-        let post = Post {
-            bytes: args.send().to_vec(),
-            meta: vec![block],
-        };
+        let post = self.post(args.send(), &[block]);
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         for r in 0..self.size() {
             let len = posted(&posts, r).bytes.len();
@@ -562,10 +829,7 @@ impl Communicator for LocalCommunicator {
 
     fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<()> {
         let op = Op::AllGatherVarcount;
-        let post = Post {
-            bytes: args.send().to_vec(),
-            meta: args.counts().to_vec(),
-        };
+        let post = self.post(args.send(), args.counts());
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         let (_, recv, counts, displs) = args.parts();
         for r in 0..self.size() {
@@ -589,10 +853,7 @@ impl Communicator for LocalCommunicator {
         let op = Op::GatherVarcount;
         let root = args.root();
         let is_root = self.rank == root;
-        let post = Post {
-            bytes: args.send().to_vec(),
-            meta: Vec::new(),
-        };
+        let post = self.post(args.send(), &[]);
         let needs = if is_root {
             Needs::Everybody
         } else {
@@ -624,17 +885,11 @@ impl Communicator for LocalCommunicator {
         let op = Op::Broadcast;
         let root = args.root();
         if self.rank == root {
-            let post = Post {
-                bytes: args.buf().to_vec(),
-                meta: Vec::new(),
-            };
+            let post = self.post(args.buf(), &[]);
             self.exchange(op, Some(root), post, Needs::Nobody)?;
             return Ok(());
         }
-        let post = Post {
-            bytes: Vec::new(),
-            meta: vec![args.buf().len()],
-        };
+        let post = self.post(&[], &[args.buf().len()]);
         let posts = self.exchange(op, Some(root), post, Needs::Rank(root))?;
         let data = &posted(&posts, root).bytes;
         let buf = args.buf();
@@ -670,15 +925,12 @@ impl Communicator for LocalCommunicator {
             ),
             _ => format!("{meta:?}"),
         };
-        let meta = vec![count, dtype_index(dtype), op_index(reduce)];
-        let post = Post {
-            bytes: args.input().to_vec(),
-            meta: meta.clone(),
-        };
+        let meta = [count, dtype_index(dtype), op_index(reduce)];
+        let post = self.post(args.input(), &meta);
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         for r in 0..self.size() {
             let theirs = &posted(&posts, r).meta;
-            if *theirs != meta {
+            if theirs[..] != meta[..] {
                 return Err(self.mismatch(
                     op,
                     format!(
@@ -701,10 +953,10 @@ impl Communicator for LocalCommunicator {
         reduce_into(dtype, reduce, &inputs, &mut mine);
         drop(inputs);
         drop(posts);
-        let post = Post {
+        let post = Arc::new(Post {
             bytes: mine,
             meta: Vec::new(),
-        };
+        });
         let slices = self.exchange(op, None, post, Needs::Everybody)?;
         let (_, recv) = args.parts();
         for r in 0..self.size() {
@@ -717,12 +969,11 @@ impl Communicator for LocalCommunicator {
     fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<()> {
         let op = Op::AllToAllVarcount;
         let send = args.send();
-        let mut meta = send.counts.to_vec();
-        meta.extend_from_slice(send.displs);
-        let post = Post {
-            bytes: send.buf.to_vec(),
-            meta,
-        };
+        let post = self.post_with(|p| {
+            p.bytes.extend_from_slice(send.buf);
+            p.meta.extend_from_slice(send.counts);
+            p.meta.extend_from_slice(send.displs);
+        });
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         let size = self.size();
         let me = self.rank;

@@ -16,8 +16,9 @@
 //! budget adapts per rank, as an adaptive mutex's does: up to [`LocalGroupConfig::spin`]
 //! (default 50 us) while spins succeed, down to a sixteenth of it while waits end parked
 //! anyway (a late peer, or one the scheduler put on this rank's core, which no spin can let
-//! run). A rank waiting for an absent peer spins once, then sleeps until something changes
-//! or its timeout: no busy wait.
+//! run). Ranks of a group larger than the number of CPUs the process may use never spin. A
+//! rank waiting for an absent peer spins once, then sleeps until something changes or its
+//! timeout: no busy wait.
 //!
 //! Every wait is bounded by [`LocalGroupConfig::timeout`]. A timeout, a rank that dropped
 //! its communicator while others wait for it (a panicking rank does so while unwinding), or
@@ -53,7 +54,8 @@ pub struct LocalGroupConfig {
     pub stack_size: usize,
     /// Longest time a waiting rank spins (watching for its peers without sleeping) before
     /// it parks (default [`LocalGroupConfig::DEFAULT_SPIN`], 50 us). Each rank adapts its
-    /// budget between this and a sixteenth of it, from how its last waits ended.
+    /// budget between this and a sixteenth of it, from how its last waits ended; the ranks of
+    /// a group larger than the number of CPUs the process may use do not spin.
     /// `Duration::ZERO` parks at once: the least CPU, and the latency of a futex wake and a
     /// context switch on every wait.
     pub spin: Duration,
@@ -254,17 +256,22 @@ pub struct LocalCommunicator {
     seq: AtomicU64,
     /// How long this rank's waits spin before parking.
     spin: SpinBudget,
-    /// This rank's last post, reused for the next one when the peers have let go of it (see
-    /// [`LocalCommunicator::post_with`]).
-    spare: Mutex<Option<Arc<Post>>>,
+    /// This rank's last posts, reused for the next ones when the peers have let go of them
+    /// (see [`LocalCommunicator::post_with`]).
+    spares: Mutex<Vec<Arc<Post>>>,
 }
 
-/// The largest post (in bytes of capacity) a communicator keeps for reuse (64 MiB). Reuse
+/// How many posts a communicator keeps for reuse: a post may still be held by a slow peer
+/// when the next call starts (an object collective's header, then its payload), and one of
+/// the others is free by then.
+const SPARES: usize = 4;
+
+/// The most bytes (of capacity) of the posts a communicator keeps for reuse (64 MiB). Reuse
 /// saves three allocations per call, which matter next to a small collective's
 /// sub-microsecond hand-off, and past glibc's mmap threshold (128 KiB at first) the page
 /// faults of a fresh buffer (one per 4 KiB, about 3.4 us each on the development VM), which
 /// cost more than the copy itself. The price: each communicator holds the memory of its
-/// largest post up to this size.
+/// recent posts, up to this size.
 const SPARE_MAX_BYTES: usize = 64 << 20;
 
 /// What a rank contributes to a round.
@@ -433,6 +440,12 @@ impl SpinBudget {
     }
 }
 
+/// The number of CPUs this process may run on (1 when unknown), read once.
+fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// Which posts a rank needs before it can leave a round.
 #[derive(Debug, Clone, Copy)]
 enum Needs {
@@ -500,11 +513,17 @@ impl Shared {
 impl LocalCommunicator {
     fn new(shared: Arc<Shared>, rank: usize) -> Self {
         Self {
-            spin: SpinBudget::new(shared.config.spin),
+            spin: SpinBudget::new(if shared.size > cores() {
+                // More ranks than cores: a spinning rank holds a core that a rank it waits
+                // for may need.
+                Duration::ZERO
+            } else {
+                shared.config.spin
+            }),
             shared,
             rank,
             seq: AtomicU64::new(0),
-            spare: Mutex::new(None),
+            spares: Mutex::new(Vec::with_capacity(SPARES)),
         }
     }
 
@@ -516,21 +535,29 @@ impl LocalCommunicator {
         })
     }
 
-    /// A post filled by `fill`: the previous post when no peer holds it any more (its
-    /// buffers keep their capacity), a new one otherwise. Keeps a reference to it for the
-    /// next call when it is small enough.
+    /// A post filled by `fill`: a kept post that no peer holds any more (its buffers keep
+    /// their capacity; the largest such), a new one otherwise. Keeps a reference to it for
+    /// the next calls, within [`SPARES`] posts and [`SPARE_MAX_BYTES`].
     fn post_with(&self, fill: impl FnOnce(&mut Post)) -> Arc<Post> {
-        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
-        let mut post = spare
-            .take()
-            .and_then(|mut old| Arc::get_mut(&mut old).is_some().then_some(old))
-            .unwrap_or_default();
+        let mut spares = self.spares.lock().unwrap_or_else(|e| e.into_inner());
+        // A count of 1 is only this reference (no weak ones are made): nobody else can
+        // clone it, so it stays unshared.
+        let free = (0..spares.len())
+            .filter(|&i| Arc::strong_count(&spares[i]) == 1)
+            .max_by_key(|&i| spares[i].bytes.capacity());
+        let mut post = free.map_or_else(Arc::default, |i| spares.swap_remove(i));
         let p = Arc::get_mut(&mut post).expect("a new or unshared post");
         p.bytes.clear();
         p.meta.clear();
         fill(p);
-        if p.bytes.capacity() <= SPARE_MAX_BYTES {
-            *spare = Some(post.clone());
+        let kept = p.bytes.capacity();
+        if kept <= SPARE_MAX_BYTES {
+            // Make room: the oldest first, until the count and the bytes fit.
+            let mut total: usize = spares.iter().map(|s| s.bytes.capacity()).sum();
+            while !spares.is_empty() && (spares.len() >= SPARES || total + kept > SPARE_MAX_BYTES) {
+                total -= spares.remove(0).bytes.capacity();
+            }
+            spares.push(post.clone());
         }
         post
     }

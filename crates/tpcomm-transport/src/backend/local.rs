@@ -28,8 +28,8 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::check::{
@@ -256,10 +256,16 @@ pub struct LocalCommunicator {
     seq: AtomicU64,
     /// How long this rank's waits spin before parking.
     spin: SpinBudget,
+    /// The sequence number of the last round this rank joined ([`NO_ROUND`] before the
+    /// first): the rank removes it at its next call when every rank has left it.
+    last_round: AtomicU64,
     /// This rank's last posts, reused for the next ones when the peers have let go of them
     /// (see [`LocalCommunicator::post_with`]).
     spares: Mutex<Vec<Arc<Post>>>,
 }
+
+/// `last_round` before a rank joined any.
+const NO_ROUND: u64 = u64::MAX;
 
 /// How many posts a communicator keeps for reuse: a post may still be held by a slow peer
 /// when the next call starts (an object collective's header, then its payload), and one of
@@ -286,8 +292,37 @@ struct Post {
 struct Round {
     op: Op,
     root: Option<usize>,
-    posts: Vec<Option<Arc<Post>>>,
-    finished: usize,
+    /// Each rank's post, set once, under the lock, when it joins.
+    posts: Box<[OnceLock<Arc<Post>>]>,
+    /// Posts set so far (bumped after each `posts` entry, with release ordering).
+    arrived: AtomicUsize,
+    /// Ranks that have left the round (dropped their [`Joined`]).
+    left: AtomicUsize,
+}
+
+impl Round {
+    fn new(op: Op, root: Option<usize>, size: usize) -> Self {
+        Self {
+            op,
+            root,
+            posts: (0..size).map(|_| OnceLock::new()).collect(),
+            arrived: AtomicUsize::new(0),
+            left: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// A rank's membership of a round: the posts it waited for are set; dropping it leaves the
+/// round (the round is removed from the group once every rank has left it).
+#[derive(Debug)]
+struct Joined {
+    round: Arc<Round>,
+}
+
+impl Drop for Joined {
+    fn drop(&mut self) {
+        self.round.left.fetch_add(1, Ordering::Release);
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -301,7 +336,7 @@ struct Abort {
 
 #[derive(Debug)]
 struct State {
-    rounds: HashMap<u64, Round, SeqHash>,
+    rounds: HashMap<u64, Arc<Round>, SeqHash>,
     abort: Option<Abort>,
     left: Vec<bool>,
     /// Sub-groups being handed out by `split`: (round, color) -> (group, members still to
@@ -523,6 +558,7 @@ impl LocalCommunicator {
             shared,
             rank,
             seq: AtomicU64::new(0),
+            last_round: AtomicU64::new(NO_ROUND),
             spares: Mutex::new(Vec::with_capacity(SPARES)),
         }
     }
@@ -571,15 +607,20 @@ impl LocalCommunicator {
         }
     }
 
-    /// Joins the next round with `post`, waits until `needs` have posted, and returns their
-    /// posts (indexed by rank; `None` for ranks not needed).
+    /// Joins the next round with `post`, waits until `needs` have posted, and returns the
+    /// round, from which their posts are read ([`posted`]); dropping it leaves the round.
+    ///
+    /// The lock is taken to join (find or create the round, check the operation, post) and
+    /// for the slow path of a wait (aborts, ranks that left, the timeout, parking). A rank
+    /// whose spin sees its round complete reads the posts without taking it again: they are
+    /// set once, before the round's `arrived` count that the reader acquires.
     fn exchange(
         &self,
         op: Op,
         root: Option<usize>,
         post: Arc<Post>,
         needs: Needs,
-    ) -> Result<Vec<Option<Arc<Post>>>> {
+    ) -> Result<Joined> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let shared = &*self.shared;
         let size = shared.size;
@@ -587,12 +628,21 @@ impl LocalCommunicator {
         if let Some(abort) = &state.abort {
             return Err(self.aborted(op, abort));
         }
-        let round = state.rounds.entry(seq).or_insert_with(|| Round {
-            op,
-            root,
-            posts: vec![None; size],
-            finished: 0,
-        });
+        // The previous round this rank was in: removed once every rank has left it (the last
+        // rank to leave a round always finds it so at its next call).
+        let previous = self.last_round.swap(seq, Ordering::Relaxed);
+        if previous != NO_ROUND {
+            if let Some(r) = state.rounds.get(&previous) {
+                if r.left.load(Ordering::Acquire) == size {
+                    state.rounds.remove(&previous);
+                }
+            }
+        }
+        let round = state
+            .rounds
+            .entry(seq)
+            .or_insert_with(|| Arc::new(Round::new(op, root, size)))
+            .clone();
         if round.op != op || round.root != root {
             let reason = format!(
                 "call #{seq}: rank {} called {op} (root {root:?}) while a peer called {} (root {:?})",
@@ -600,27 +650,26 @@ impl LocalCommunicator {
             );
             return Err(self.abort_group(&mut state, op, reason));
         }
-        round.posts[self.rank] = Some(post);
-        // This rank's post is published once, before it waits or leaves: a peer spinning on
-        // the epoch then finds the lock free, or about to be.
-        let mut published = false;
+        if round.posts[self.rank].set(post).is_err() {
+            return Err(TransportError::Setup(format!(
+                "rank {} posted twice in call #{seq}",
+                self.rank
+            )));
+        }
+        round.arrived.fetch_add(1, Ordering::Release);
+        // Published once, before waiting or leaving: a peer spinning on the epoch then finds
+        // the lock free, or about to be.
+        shared.publish(&state);
+        let joined = Joined { round };
+        let ready = || !needed_ranks(needs, size).any(|r| joined.round.posts[r].get().is_none());
+        if ready() {
+            return Ok(joined);
+        }
         let mut wait: Option<Wait> = None;
         loop {
-            let round = state
-                .rounds
-                .get(&seq)
-                .expect("a round stays until every rank finished it");
-            let is_missing = |r: usize| round.posts[r].is_none();
-            if !needed_ranks(needs, size).any(is_missing) {
-                break;
-            }
-            if !published {
-                shared.publish(&state);
-                published = true;
-            }
             let missing = || {
                 needed_ranks(needs, size)
-                    .filter(|&r| is_missing(r))
+                    .filter(|&r| joined.round.posts[r].get().is_none())
                     .collect()
             };
             let now = Instant::now();
@@ -637,7 +686,8 @@ impl LocalCommunicator {
                     self.aborted(op, abort)
                 });
             }
-            if let Some(gone) = needed_ranks(needs, size).find(|&r| is_missing(r) && state.left[r])
+            if let Some(gone) = needed_ranks(needs, size)
+                .find(|&r| joined.round.posts[r].get().is_none() && state.left[r])
             {
                 let reason = format!("rank {gone} dropped its communicator before joining {op}");
                 let abort = Abort {
@@ -679,47 +729,34 @@ impl LocalCommunicator {
                 w.spun = true;
                 drop(state);
                 shared.spin_while_unchanged(seen, spin_until);
+                if ready() {
+                    self.spin.learn(w);
+                    return Ok(joined);
+                }
                 state = shared.lock();
-                continue;
+            } else {
+                if !w.parked {
+                    w.parked = true;
+                    // A spin that ran out: the next ones (after a wake-up in this wait too)
+                    // are shorter.
+                    self.spin.shrink();
+                }
+                state.parked += 1;
+                state = shared
+                    .changed
+                    .wait_timeout(state, w.deadline - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                state.parked -= 1;
+                // Woken by a change: the next wait spins afresh.
+                w.spin_until = None;
             }
-            if !w.parked {
-                w.parked = true;
-                // A spin that ran out: the next ones (after a wake-up in this wait too) are
-                // shorter.
-                self.spin.shrink();
+            if ready() {
+                drop(state);
+                self.spin.learn(w);
+                return Ok(joined);
             }
-            state.parked += 1;
-            state = shared
-                .changed
-                .wait_timeout(state, w.deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-            state.parked -= 1;
-            // Woken by a change: the next wait spins afresh.
-            w.spin_until = None;
         }
-        let round = state.rounds.get_mut(&seq).expect("checked above");
-        let posts = match needs {
-            Needs::Nobody => Vec::new(),
-            Needs::Rank(r) => {
-                let mut v = vec![None; size];
-                v[r] = round.posts[r].clone();
-                v
-            }
-            Needs::Everybody => round.posts.clone(),
-        };
-        round.finished += 1;
-        if round.finished == size {
-            state.rounds.remove(&seq);
-        }
-        if !published {
-            shared.publish(&state);
-        }
-        drop(state);
-        if let Some(w) = wait {
-            self.spin.learn(&w);
-        }
-        Ok(posts)
     }
 
     fn abort_group(&self, state: &mut State, op: Op, reason: String) -> TransportError {
@@ -753,11 +790,11 @@ fn needed_ranks(needs: Needs, size: usize) -> std::ops::Range<usize> {
     }
 }
 
-/// Unwraps a post that `exchange` guarantees to be present.
-fn posted(posts: &[Option<Arc<Post>>], rank: usize) -> &Post {
-    posts[rank]
-        .as_deref()
-        .expect("exchange returns every needed post")
+/// A post that `exchange` waited for.
+fn posted(joined: &Joined, rank: usize) -> &Post {
+    joined.round.posts[rank]
+        .get()
+        .expect("exchange returns once every needed post is set")
 }
 
 impl Drop for LocalCommunicator {
@@ -1043,4 +1080,37 @@ fn op_index(op: ReduceOp) -> usize {
         .iter()
         .position(|&o| o == op)
         .expect("ALL lists every reduction")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rounds every rank has left are removed: the group's bookkeeping stays bounded by the
+    /// group, not by the number of calls (a root running ahead included).
+    #[test]
+    fn finished_rounds_are_removed() {
+        let comms = LocalGroup::new(3).communicators().unwrap();
+        let shared = comms[0].shared.clone();
+        std::thread::scope(|s| {
+            for comm in comms {
+                s.spawn(move || {
+                    for i in 0..500u32 {
+                        let mut buf = [0u8; 4];
+                        if comm.rank() == 0 {
+                            buf = i.to_le_bytes();
+                        }
+                        comm.broadcast(0, &mut buf).unwrap();
+                        assert_eq!(u32::from_le_bytes(buf), i);
+                        let mut all = [0u8; 3];
+                        comm.all_gather(&[comm.rank() as u8], &mut all).unwrap();
+                        assert_eq!(all, [0, 1, 2]);
+                    }
+                });
+            }
+        });
+        // At most the last round of each rank is still in the map.
+        let rounds = shared.lock().rounds.len();
+        assert!(rounds <= 3, "{rounds} rounds left after 1000 calls");
+    }
 }

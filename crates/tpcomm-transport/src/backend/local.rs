@@ -13,10 +13,10 @@
 //! system call on the common path). Ranks of one group usually arrive within a microsecond
 //! or two of each other, so most waits end while spinning, at the cost of a cache line moving
 //! between cores instead of a futex wake and a context switch (tens of microseconds). The
-//! budget adapts per rank, as an adaptive mutex's does: up to [`LocalGroupConfig::spin`]
-//! (default 50 us) while spins succeed, down to a sixteenth of it while waits end parked
-//! anyway (a late peer, or one the scheduler put on this rank's core, which no spin can let
-//! run). Ranks of a group larger than the number of CPUs the process may use never spin. A
+//! budget adapts per rank, as an adaptive mutex's does: [`LocalGroupConfig::spin`]
+//! (default 50 us) while spins succeed, halved after each wait that parks anyway (a late
+//! peer, or one the scheduler put on this rank's core, which no spin can let run) and then
+//! none at all but for an occasional probe. Ranks of a group larger than the number of CPUs the process may use never spin. A
 //! rank waiting for an absent peer spins once, then sleeps until something changes or its
 //! timeout: no busy wait.
 //!
@@ -54,8 +54,9 @@ pub struct LocalGroupConfig {
     pub stack_size: usize,
     /// Longest time a waiting rank spins (watching for its peers without sleeping) before
     /// it parks (default [`LocalGroupConfig::DEFAULT_SPIN`], 50 us). Each rank adapts its
-    /// budget between this and a sixteenth of it, from how its last waits ended; the ranks of
-    /// a group larger than the number of CPUs the process may use do not spin.
+    /// budget from how its last waits ended (this while spins succeed; less, down to none
+    /// but for an occasional probe, while waits park anyway); the ranks of a group larger
+    /// than the number of CPUs the process may use do not spin.
     /// `Duration::ZERO` parks at once: the least CPU, and the latency of a futex wake and a
     /// context switch on every wait.
     pub spin: Duration,
@@ -431,19 +432,30 @@ impl Wait {
     }
 }
 
-/// A rank's spin budget, adapted to how its waits end (the adaptive mutex's rule): halved,
-/// down to a sixteenth of [`LocalGroupConfig::spin`], after a wait that had to park anyway;
-/// doubled, up to `spin`, after a wait that a spin ended. When the peers come within the
-/// budget (ranks on cores of their own) every wait spins; when spinning does not help (a
-/// peer that shares this rank's core, or is late) the rank mostly parks, spending little
-/// CPU on spins that fail.
+/// A rank's spin budget, adapted to how its waits end (the adaptive mutex's rule): halved
+/// after a wait that had to park anyway, and dropped to nothing below a sixteenth of
+/// [`LocalGroupConfig::spin`]; back to `spin` after a wait that a spin ended. While the
+/// budget is nothing, every [`PROBE_EVERY`]th wait spins for `spin` again, so that a rank
+/// finds out when spinning works again.
+///
+/// When the peers come within the budget (ranks on cores of their own) every wait spins;
+/// when spinning does not help the rank parks at once, as if it never spun. That case is
+/// common on a busy machine: a parked thread is woken on its waker's core when no core is
+/// idle, and two ranks sharing a core cannot meet while one of them spins (measured on the
+/// 2-CPU development VM with other work running: a fixed 50 us budget made every call cost
+/// the whole budget).
 #[derive(Debug)]
 struct SpinBudget {
     max: u64,
-    /// Current budget in nanoseconds (only this rank's thread reads and writes it; atomic
-    /// because the communicator is `Sync`).
+    /// Current budget in nanoseconds (only this rank's thread reads and writes these;
+    /// atomics because the communicator is `Sync`).
     nanos: AtomicU64,
+    /// Waits started with no budget, counted to pick the probes.
+    idle_waits: AtomicU64,
 }
+
+/// While a rank's spin budget is nothing, one wait in this many spins for the full budget.
+const PROBE_EVERY: u64 = 32;
 
 impl SpinBudget {
     fn new(max: Duration) -> Self {
@@ -451,26 +463,35 @@ impl SpinBudget {
         Self {
             max,
             nanos: AtomicU64::new(max),
+            idle_waits: AtomicU64::new(0),
         }
     }
 
+    /// The budget of a wait starting now.
     fn get(&self) -> Duration {
-        Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
+        let nanos = self.nanos.load(Ordering::Relaxed);
+        if nanos > 0 {
+            return Duration::from_nanos(nanos);
+        }
+        let n = self.idle_waits.fetch_add(1, Ordering::Relaxed);
+        if (n + 1).is_multiple_of(PROBE_EVERY) {
+            Duration::from_nanos(self.max)
+        } else {
+            Duration::ZERO
+        }
     }
 
     /// A spin ran out and the rank parks.
     fn shrink(&self) {
-        let now = self.nanos.load(Ordering::Relaxed);
-        self.nanos
-            .store((now / 2).max(self.max / 16), Ordering::Relaxed);
+        let half = self.nanos.load(Ordering::Relaxed) / 2;
+        let next = if half < self.max / 16 { 0 } else { half };
+        self.nanos.store(next, Ordering::Relaxed);
     }
 
-    /// A wait ended: a spin that ended it earns a longer budget.
+    /// A wait ended: one that a spin ended restores the whole budget.
     fn learn(&self, wait: &Wait) {
         if wait.spun && !wait.parked {
-            let now = self.nanos.load(Ordering::Relaxed);
-            self.nanos
-                .store(now.saturating_mul(2).clamp(1, self.max), Ordering::Relaxed);
+            self.nanos.store(self.max, Ordering::Relaxed);
         }
     }
 }

@@ -1107,6 +1107,41 @@ fn op_index(op: ReduceOp) -> usize {
 mod tests {
     use super::*;
 
+    fn wait(spun: bool, parked: bool) -> Wait {
+        let mut w = Wait::new(Instant::now(), &LocalGroupConfig::default());
+        w.spun = spun;
+        w.parked = parked;
+        w
+    }
+
+    #[test]
+    fn the_spin_budget_halves_on_parks_then_only_probes_and_comes_back_on_a_success() {
+        let max = Duration::from_micros(64);
+        let b = SpinBudget::new(max);
+        assert_eq!(b.get(), max);
+        b.shrink();
+        assert_eq!(b.get(), max / 2);
+        for _ in 0..4 {
+            b.shrink();
+        }
+        // Below a sixteenth: nothing, but one wait in PROBE_EVERY spins the whole budget.
+        let budgets: Vec<Duration> = (0..2 * PROBE_EVERY).map(|_| b.get()).collect();
+        let probes = budgets.iter().filter(|&&d| d == max).count();
+        assert_eq!(probes, 2);
+        assert!(budgets.iter().all(|&d| d == max || d == Duration::ZERO));
+        // A wait that spun and did not park restores the budget; one that parked does not.
+        b.learn(&wait(true, true));
+        assert_eq!(b.get(), Duration::ZERO);
+        b.learn(&wait(true, false));
+        assert_eq!(b.get(), max);
+    }
+
+    #[test]
+    fn a_zero_spin_never_spins() {
+        let b = SpinBudget::new(Duration::ZERO);
+        assert!((0..100).all(|_| b.get() == Duration::ZERO));
+    }
+
     /// Rounds every rank has left are removed: the group's bookkeeping stays bounded by the
     /// group, not by the number of calls (a root running ahead included).
     #[test]

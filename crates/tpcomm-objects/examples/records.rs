@@ -89,7 +89,9 @@ fn main() {
     );
     let ser = time(iters, || postcard::to_allocvec(&values[0]).unwrap());
     let one = time(iters, || decode_from::<Vec<Record>>(0, &blocks[0]).unwrap());
-    let plain = time(iters, || postcard::from_bytes::<Vec<Record>>(&blocks[0]).unwrap());
+    let plain = time(iters, || {
+        postcard::from_bytes::<Vec<Record>>(&blocks[0]).unwrap()
+    });
     let every = time(iters, || {
         blocks
             .iter()

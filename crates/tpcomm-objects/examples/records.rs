@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! records [--records N] [--ranks N] [--iters N]
+//! records --blob BYTES [--ranks N] [--iters N]    only the all_gather of one blob per rank
 //! ```
 //!
 //! The records are those of `tpcomm-bench objects` (`records:N`): `{ id: u64, name: String
@@ -63,6 +64,7 @@ fn time<R>(iters: usize, mut f: impl FnMut() -> R) -> f64 {
 
 fn main() {
     let (mut n, mut ranks, mut iters) = (100_000usize, 2usize, 20usize);
+    let mut blob = None;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value: usize = args
@@ -73,8 +75,12 @@ fn main() {
             "--records" => n = value,
             "--ranks" => ranks = value,
             "--iters" => iters = value,
+            "--blob" => blob = Some(value),
             other => panic!("unknown argument {other}"),
         }
+    }
+    if let Some(bytes) = blob {
+        return blob_all_gather(bytes, ranks, iters);
     }
     let values: Vec<Vec<Record>> = (0..ranks)
         .map(|r| (0..n).map(|i| record(r, i)).collect())
@@ -126,5 +132,35 @@ fn main() {
     println!(
         "  all_gather (slowest rank)      {:10.3} ms",
         median_ms(slowest)
+    );
+}
+
+/// The median and fastest of the slowest rank's `all_gather` of one `bytes`-byte blob per
+/// rank (a barrier before each).
+fn blob_all_gather(bytes: usize, ranks: usize, iters: usize) {
+    let results = LocalGroup::new(ranks).run(|comm| {
+        let mine = serde_bytes::ByteBuf::from(vec![comm.rank() as u8; bytes]);
+        let mut local = Vec::with_capacity(iters);
+        for i in 0..iters + 20 {
+            comm.barrier().unwrap();
+            let start = Instant::now();
+            let all: Vec<serde_bytes::ByteBuf> = all_gather(&comm, &mine).unwrap();
+            let ns = start.elapsed().as_nanos() as u64;
+            drop(all);
+            if i >= 20 {
+                local.push(ns);
+            }
+        }
+        local
+    });
+    let per_rank: Vec<Vec<u64>> = results.into_iter().map(|r| r.unwrap()).collect();
+    let mut slowest: Vec<u64> = (0..iters)
+        .map(|i| per_rank.iter().map(|t| t[i]).max().unwrap())
+        .collect();
+    slowest.sort_unstable();
+    println!(
+        "# blob:{bytes}, {ranks} ranks: all_gather median {:.3} us, fastest {:.3} us",
+        slowest[iters / 2] as f64 / 1e3,
+        slowest[0] as f64 / 1e3
     );
 }

@@ -14,9 +14,9 @@
 //! or two of each other, so most waits end while spinning, at the cost of a cache line moving
 //! between cores instead of a futex wake and a context switch (tens of microseconds). The
 //! budget adapts per rank, as an adaptive mutex's does: [`LocalGroupConfig::spin`]
-//! (default 50 us) while spins succeed, halved after each wait that parks anyway (a late
-//! peer, or one the scheduler put on this rank's core, which no spin can let run) and then
-//! none at all but for an occasional probe. Ranks of a group larger than the number of CPUs the process may use never spin. A
+//! (default 50 us) after a wait a spin ended, halved by each wait in a row that parks anyway
+//! (a late peer, or one the scheduler put on this rank's core, which no spin can let run), and
+//! none at all after 16 of them, but for an occasional probe. Ranks of a group larger than the number of CPUs the process may use never spin. A
 //! rank waiting for an absent peer spins once, then sleeps until something changes or its
 //! timeout: no busy wait.
 //!
@@ -432,46 +432,49 @@ impl Wait {
     }
 }
 
-/// A rank's spin budget, adapted to how its waits end (the adaptive mutex's rule): halved
-/// after a wait that had to park anyway, and dropped to nothing below a sixteenth of
-/// [`LocalGroupConfig::spin`]; back to `spin` after a wait that a spin ended. While the
-/// budget is nothing, every [`PROBE_EVERY`]th wait spins for `spin` again, so that a rank
-/// finds out when spinning works again.
+/// A rank's spin budget, adapted to how its waits end (the adaptive mutex's rule): the whole
+/// of [`LocalGroupConfig::spin`] after a wait that a spin ended; halved by each wait in a row
+/// that had to park anyway, down to a sixteenth; nothing after [`DROP_AFTER`] such waits in
+/// a row, but for a full-budget probe every [`PROBE_EVERY`]th wait, so that the rank finds
+/// out when spinning works again.
 ///
-/// When the peers come within the budget (ranks on cores of their own) every wait spins;
-/// when spinning does not help the rank parks at once, as if it never spun. That case is
-/// common on a busy machine: a parked thread is woken on its waker's core when no core is
-/// idle, and two ranks sharing a core cannot meet while one of them spins (measured on the
-/// 2-CPU development VM with other work running: a fixed 50 us budget made every call cost
-/// the whole budget).
+/// When the peers come within the budget (ranks on cores of their own) every wait spins, and
+/// a few late peers in between (a rank that paid page faults the other did not) do not turn
+/// spinning off. When spinning never helps, the rank parks at once, as if it never spun.
+/// That case is common on a busy machine: a parked thread is woken on its waker's core when
+/// no core is idle, and two ranks sharing a core cannot meet while one of them spins
+/// (measured on the 2-CPU development VM with other work running: a fixed 50 us budget made
+/// every call cost the whole 50 us).
 #[derive(Debug)]
 struct SpinBudget {
     max: u64,
-    /// Current budget in nanoseconds (only this rank's thread reads and writes these;
-    /// atomics because the communicator is `Sync`).
-    nanos: AtomicU64,
+    /// Waits in a row that parked (only this rank's thread reads and writes these; atomics
+    /// because the communicator is `Sync`).
+    parked_in_a_row: AtomicU64,
     /// Waits started with no budget, counted to pick the probes.
     idle_waits: AtomicU64,
 }
 
-/// While a rank's spin budget is nothing, one wait in this many spins for the full budget.
+/// Waits in a row that must park before a rank stops spinning.
+const DROP_AFTER: u64 = 16;
+
+/// While a rank does not spin, one wait in this many spins for the full budget.
 const PROBE_EVERY: u64 = 32;
 
 impl SpinBudget {
     fn new(max: Duration) -> Self {
-        let max = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
         Self {
-            max,
-            nanos: AtomicU64::new(max),
+            max: u64::try_from(max.as_nanos()).unwrap_or(u64::MAX),
+            parked_in_a_row: AtomicU64::new(0),
             idle_waits: AtomicU64::new(0),
         }
     }
 
     /// The budget of a wait starting now.
     fn get(&self) -> Duration {
-        let nanos = self.nanos.load(Ordering::Relaxed);
-        if nanos > 0 {
-            return Duration::from_nanos(nanos);
+        let parked = self.parked_in_a_row.load(Ordering::Relaxed);
+        if parked < DROP_AFTER {
+            return Duration::from_nanos(self.max >> parked.min(4));
         }
         let n = self.idle_waits.fetch_add(1, Ordering::Relaxed);
         if (n + 1).is_multiple_of(PROBE_EVERY) {
@@ -481,17 +484,15 @@ impl SpinBudget {
         }
     }
 
-    /// A spin ran out and the rank parks.
+    /// A spin ran out (or there was none) and the rank parks.
     fn shrink(&self) {
-        let half = self.nanos.load(Ordering::Relaxed) / 2;
-        let next = if half < self.max / 16 { 0 } else { half };
-        self.nanos.store(next, Ordering::Relaxed);
+        self.parked_in_a_row.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A wait ended: one that a spin ended restores the whole budget.
     fn learn(&self, wait: &Wait) {
         if wait.spun && !wait.parked {
-            self.nanos.store(self.max, Ordering::Relaxed);
+            self.parked_in_a_row.store(0, Ordering::Relaxed);
         }
     }
 }
@@ -1121,10 +1122,13 @@ mod tests {
         assert_eq!(b.get(), max);
         b.shrink();
         assert_eq!(b.get(), max / 2);
-        for _ in 0..4 {
+        for _ in 1..DROP_AFTER - 1 {
             b.shrink();
         }
-        // Below a sixteenth: nothing, but one wait in PROBE_EVERY spins the whole budget.
+        // Down to a sixteenth while spins fail...
+        assert_eq!(b.get(), max / 16);
+        // ...then nothing, but one wait in PROBE_EVERY spins the whole budget.
+        b.shrink();
         let budgets: Vec<Duration> = (0..2 * PROBE_EVERY).map(|_| b.get()).collect();
         let probes = budgets.iter().filter(|&&d| d == max).count();
         assert_eq!(probes, 2);

@@ -3,20 +3,22 @@
 //! Every collective is a *round* identified by a per-communicator sequence number (all ranks
 //! call collectives in the same order, so the n-th call of every rank meets in round n).
 //! A rank joins a round by posting its contribution (a copy of its send bytes plus the
-//! counts it was called with), waits until the ranks it depends on have posted, takes
-//! shared references to their posts and leaves; the last rank to leave removes the round.
-//! Copies out of the posts happen outside the lock.
+//! counts it was called with), waits until the ranks it depends on have posted, reads their
+//! posts and leaves. A round is shared (`Arc`) and each post in it is set once, so a rank
+//! reads the posts, and copies out of them, without the lock; a round every rank has left
+//! is removed at the next call of the last one to leave.
 //!
 //! Waiting: every change of the shared state bumps an atomic *epoch*. A waiting rank first
 //! spins outside the lock, watching the epoch, and parks on a condition variable only when
 //! its spin budget runs out; a change wakes parked ranks only when some are parked (no
 //! system call on the common path). Ranks of one group usually arrive within a microsecond
-//! or two of each other, so most waits end while spinning, at the cost of a cache line moving
-//! between cores instead of a futex wake and a context switch (tens of microseconds). The
-//! budget adapts per rank, as an adaptive mutex's does: [`LocalGroupConfig::spin`]
-//! (default 50 us) after a wait a spin ended, halved by each wait in a row that parks anyway
-//! (a late peer, or one the scheduler put on this rank's core, which no spin can let run), and
-//! none at all after 16 of them, but for an occasional probe. Ranks of a group larger than the number of CPUs the process may use never spin. A
+//! or two of each other, so most waits end while spinning, at the cost of a cache line
+//! moving between cores instead of a futex wake and a context switch (tens of
+//! microseconds). The budget adapts per rank, as an adaptive mutex's does:
+//! [`LocalGroupConfig::spin`] (default 50 us) after a wait a spin ended, halved by each wait
+//! in a row that parks anyway (a late peer, or one the scheduler put on this rank's core,
+//! which no spin can let run), and none at all after 16 of them, but for an occasional
+//! probe. Ranks of a group larger than the number of CPUs the process may use never spin. A
 //! rank waiting for an absent peer spins once, then sleeps until something changes or its
 //! timeout: no busy wait.
 //!
@@ -295,8 +297,6 @@ struct Round {
     root: Option<usize>,
     /// Each rank's post, set once, under the lock, when it joins.
     posts: Box<[OnceLock<Arc<Post>>]>,
-    /// Posts set so far (bumped after each `posts` entry, with release ordering).
-    arrived: AtomicUsize,
     /// Ranks that have left the round (dropped their [`Joined`]).
     left: AtomicUsize,
 }
@@ -307,7 +307,6 @@ impl Round {
             op,
             root,
             posts: (0..size).map(|_| OnceLock::new()).collect(),
-            arrived: AtomicUsize::new(0),
             left: AtomicUsize::new(0),
         }
     }
@@ -635,7 +634,7 @@ impl LocalCommunicator {
     /// The lock is taken to join (find or create the round, check the operation, post) and
     /// for the slow path of a wait (aborts, ranks that left, the timeout, parking). A rank
     /// whose spin sees its round complete reads the posts without taking it again: they are
-    /// set once, before the round's `arrived` count that the reader acquires.
+    /// set once (`OnceLock`: a reader that sees one set sees its contents).
     fn exchange(
         &self,
         op: Op,
@@ -678,7 +677,6 @@ impl LocalCommunicator {
                 self.rank
             )));
         }
-        round.arrived.fetch_add(1, Ordering::Release);
         // Published once, before waiting or leaving: a peer spinning on the epoch then finds
         // the lock free, or about to be.
         shared.publish(&state);

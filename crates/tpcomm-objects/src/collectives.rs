@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use tpcomm_transport::{dense_displacements, Communicator, GatherRecv, Layout};
 use tracing::field::Empty;
 
+use crate::buffers::Kept;
 use crate::error::{ObjectError, Result};
 use crate::gathered::{decode_exact, Gathered};
 use crate::header::{
@@ -233,7 +234,7 @@ fn gather_bytes<C: Communicator + ?Sized>(
     }
     let limit = opts.round_limit(comm.max_count());
     let mut buf = if receives {
-        reserve(total)?
+        Kept::Recv.take(total)?
     } else {
         Vec::new()
     };
@@ -261,11 +262,39 @@ fn gather_bytes<C: Communicator + ?Sized>(
     Ok(Some(Gathered::new(buf, ranges, opts.max_depth)))
 }
 
-fn serialize<T: Serialize + ?Sized>(value: &T) -> std::result::Result<Vec<u8>, postcard::Error> {
-    postcard::to_allocvec(value)
+/// A value serialized into the thread's kept send buffer (see `buffers.rs`), which it gives
+/// back when dropped.
+struct Encoded(Vec<u8>);
+
+impl Encoded {
+    /// The buffer, which is then not given back.
+    fn into_vec(mut self) -> Vec<u8> {
+        std::mem::take(&mut self.0)
+    }
 }
 
-fn mine_of(serialized: &std::result::Result<Vec<u8>, postcard::Error>) -> Mine<'_> {
+impl std::ops::Deref for Encoded {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for Encoded {
+    fn drop(&mut self) {
+        Kept::Send.give_back(std::mem::take(&mut self.0));
+    }
+}
+
+/// Serializes `value` straight into the thread's kept send buffer (no allocation once it
+/// has the capacity).
+fn serialize<T: Serialize + ?Sized>(value: &T) -> std::result::Result<Encoded, postcard::Error> {
+    let buf = Kept::Send.take(0).unwrap_or_default();
+    postcard::to_extend(value, buf).map(Encoded)
+}
+
+fn mine_of(serialized: &std::result::Result<Encoded, postcard::Error>) -> Mine<'_> {
     match serialized {
         Ok(bytes) => Mine::Bytes(bytes),
         Err(e) => Mine::Failed(e.clone()),
@@ -482,13 +511,13 @@ where
     }
     drop(header);
     let mut buf = match serialized.take() {
-        Some(Ok(bytes)) if bytes.len() == len => bytes,
+        Some(Ok(bytes)) if bytes.len() == len => bytes.into_vec(),
         Some(_) => {
             return Err(ObjectError::Corrupt(format!(
                 "root {root}: the broadcast header lost its own length"
             )))
         }
-        None => reserve(len)?,
+        None => Kept::Recv.take(len)?,
     };
     let rounds = broadcast_payload(
         comm,
@@ -503,7 +532,9 @@ where
         len,
         rounds,
     );
-    decode_exact(root, &buf, opts.max_depth)
+    let value = decode_exact(root, &buf, opts.max_depth);
+    Kept::Recv.give_back(buf);
+    value
 }
 
 /// Serializes `values` back to back into one buffer; returns it and each value's length.

@@ -4,6 +4,7 @@ use std::ops::Range;
 
 use serde::Deserialize;
 
+use crate::buffers::Kept;
 use crate::depth::{Bounded, Budget};
 use crate::error::{DecodeError, ObjectError, Result};
 
@@ -84,6 +85,14 @@ impl Gathered {
             ObjectError::InvalidArgument(format!("no rank {rank} in {} views", self.len()))
         })?;
         decode_exact(rank, bytes, self.max_depth)
+    }
+}
+
+/// The receive buffer goes back to the dropping thread's kept buffers (`buffers.rs`), for
+/// its next collective.
+impl Drop for Gathered {
+    fn drop(&mut self) {
+        Kept::Recv.give_back(std::mem::take(&mut self.buf));
     }
 }
 

@@ -25,9 +25,14 @@
 //!    [`Options::max_depth`]; bad bytes are a `Decode { rank }` error, never a panic or a
 //!    stack overflow.
 //!
+//! 7. **Buffers**: each thread keeps its last send and receive buffer (up to 64 MiB each)
+//!    for its next collective, so that steady-state collectives allocate only the values
+//!    they return; [`release_buffers`] frees them.
+//!
 //! Every collective works on any sub-communicator from `split`, and opens a `tracing` span
 //! `object_collective` with the path taken (`small`, `single`, `rounds`), bytes and rounds.
 
+mod buffers;
 mod collectives;
 mod depth;
 mod error;
@@ -36,6 +41,7 @@ mod header;
 mod options;
 mod rounds;
 
+pub use buffers::release_buffers;
 pub use collectives::{
     all_gather, all_gather_borrowed, all_gather_borrowed_with, all_gather_bytes,
     all_gather_bytes_with, all_gather_with, all_reduce_with, all_reduce_with_options, all_to_all,

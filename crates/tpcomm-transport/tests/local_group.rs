@@ -240,6 +240,105 @@ fn communicators_can_be_driven_by_caller_owned_threads() {
 }
 
 #[test]
+fn a_spin_longer_than_the_timeout_still_times_out_naming_the_absent_rank() {
+    // Two ranks: a group larger than the machine's CPUs would not spin at all.
+    let results = LocalGroup::new(2)
+        .timeout(Duration::from_millis(200))
+        .spin(Duration::from_secs(30))
+        .run(|comm| {
+            if comm.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(600));
+                return Ok(());
+            }
+            comm.barrier()
+        });
+    match results.into_iter().next().unwrap().unwrap() {
+        Err(TransportError::Timeout { rank, missing, .. }) => {
+            assert_eq!(rank, 0);
+            assert_eq!(missing, vec![1]);
+        }
+        other => panic!("rank 0: expected a timeout, got {other:?}"),
+    }
+}
+
+/// The values every rank contributes to call `i` of the sequences below: lengths change
+/// from call to call, so that a reused post that kept old bytes would show.
+fn contribution(rank: usize, i: usize) -> Vec<u8> {
+    let len = (i * 7 + rank * 3) % 23;
+    (0..len).map(|k| (rank * 31 + i * 5 + k) as u8).collect()
+}
+
+fn varcount_sequence(comm: &impl Communicator, calls: usize) -> Result<(), String> {
+    let size = comm.size();
+    for i in 0..calls {
+        let counts: Vec<usize> = (0..size).map(|r| contribution(r, i).len()).collect();
+        let (displs, total) = dense_displacements(&counts).unwrap();
+        let mut recv = vec![0xEEu8; total];
+        comm.all_gather_varcount(&contribution(comm.rank(), i), &mut recv, &counts, &displs)
+            .map_err(|e| e.to_string())?;
+        let want: Vec<u8> = (0..size).flat_map(|r| contribution(r, i)).collect();
+        if recv != want {
+            return Err(format!("call {i}: got {recv:?}, want {want:?}"));
+        }
+        // A root that runs ahead: rank 0 posts broadcasts nobody has taken yet.
+        let mut buf = if comm.rank() == 0 {
+            contribution(0, i + 1000)
+        } else {
+            vec![0u8; contribution(0, i + 1000).len()]
+        };
+        comm.broadcast(0, &mut buf).map_err(|e| e.to_string())?;
+        if buf != contribution(0, i + 1000) {
+            return Err(format!("broadcast {i}: got {buf:?}"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn long_sequences_of_collectives_deliver_every_call_exactly_whatever_the_spin() {
+    for spin in [
+        Duration::ZERO,
+        Duration::from_micros(50),
+        Duration::from_secs(1),
+    ] {
+        for size in [1, 2, 3, 5] {
+            let results = LocalGroup::new(size)
+                .spin(spin)
+                .run(|comm| varcount_sequence(&comm, 300));
+            for (rank, r) in results.into_iter().enumerate() {
+                if let Err(e) = r.unwrap() {
+                    panic!("spin {spin:?}, {size} ranks, rank {rank}: {e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_slow_receiver_sees_every_broadcast_of_a_root_that_ran_ahead() {
+    let results = LocalGroup::new(2).run(|comm| {
+        let mut got = Vec::new();
+        for i in 0..50u8 {
+            let mut buf = [i; 3];
+            if comm.rank() == 1 {
+                buf = [0; 3];
+                if i == 0 {
+                    // Let the root post many rounds before the first is taken.
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+            comm.broadcast(0, &mut buf)?;
+            got.push(buf);
+        }
+        Ok::<_, TransportError>(got)
+    });
+    let want: Vec<[u8; 3]> = (0..50u8).map(|i| [i; 3]).collect();
+    for r in results {
+        assert_eq!(r.unwrap().unwrap(), want);
+    }
+}
+
+#[test]
 fn nested_splits_form_independent_groups() {
     // 8 ranks -> 2 groups of 4 (tensor parallel) -> each split again into pairs.
     let results = LocalGroup::new(8).run(|comm| {

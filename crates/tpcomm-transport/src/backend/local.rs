@@ -3,9 +3,24 @@
 //! Every collective is a *round* identified by a per-communicator sequence number (all ranks
 //! call collectives in the same order, so the n-th call of every rank meets in round n).
 //! A rank joins a round by posting its contribution (a copy of its send bytes plus the
-//! counts it was called with), waits on a condition variable until the ranks it depends on
-//! have posted, takes shared references to their posts and leaves; the last rank to leave
-//! removes the round. Copies out of the posts happen outside the lock.
+//! counts it was called with), waits until the ranks it depends on have posted, reads their
+//! posts and leaves. A round is shared (`Arc`) and each post in it is set once, so a rank
+//! reads the posts, and copies out of them, without the lock; a round every rank has left
+//! is removed at the next call of the last one to leave.
+//!
+//! Waiting: every change of the shared state bumps an atomic *epoch*. A waiting rank first
+//! spins outside the lock, watching the epoch, and parks on a condition variable only when
+//! its spin budget runs out; a change wakes parked ranks only when some are parked (no
+//! system call on the common path). Ranks of one group usually arrive within a microsecond
+//! or two of each other, so most waits end while spinning, at the cost of a cache line
+//! moving between cores instead of a futex wake and a context switch (tens of
+//! microseconds). The budget adapts per rank, as an adaptive mutex's does:
+//! [`LocalGroupConfig::spin`] (default 50 us) after a wait a spin ended, halved by each wait
+//! in a row that parks anyway (a late peer, or one the scheduler put on this rank's core,
+//! which no spin can let run), and none at all after 16 of them, but for an occasional
+//! probe. Ranks of a group larger than the number of CPUs the process may use never spin. A
+//! rank waiting for an absent peer spins once, then sleeps until something changes or its
+//! timeout: no busy wait.
 //!
 //! Every wait is bounded by [`LocalGroupConfig::timeout`]. A timeout, a rank that dropped
 //! its communicator while others wait for it (a panicking rank does so while unwinding), or
@@ -15,8 +30,8 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::check::{
@@ -39,11 +54,22 @@ pub struct LocalGroupConfig {
     /// smaller than a main thread's usual 8 MiB). Raise it for ranks that recurse deeply,
     /// for example over recursive values.
     pub stack_size: usize,
+    /// Longest time a waiting rank spins (watching for its peers without sleeping) before
+    /// it parks (default [`LocalGroupConfig::DEFAULT_SPIN`], 50 us). Each rank adapts its
+    /// budget from how its last waits ended (this while spins succeed; less, down to none
+    /// but for an occasional probe, while waits park anyway); the ranks of a group larger
+    /// than the number of CPUs the process may use do not spin.
+    /// `Duration::ZERO` parks at once: the least CPU, and the latency of a futex wake and a
+    /// context switch on every wait.
+    pub spin: Duration,
 }
 
 impl LocalGroupConfig {
     /// The default stack size of a rank's thread: 2 MiB, as `std::thread::spawn` gives.
     pub const DEFAULT_STACK_SIZE: usize = 2 << 20;
+    /// The default spin budget of a wait: 50 us, several times the spread of ranks arriving
+    /// at the same collective, and a small fraction of a wait for a rank that is late.
+    pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 }
 
 impl Default for LocalGroupConfig {
@@ -52,6 +78,7 @@ impl Default for LocalGroupConfig {
             timeout: Duration::from_secs(60),
             max_count: i32::MAX as usize,
             stack_size: Self::DEFAULT_STACK_SIZE,
+            spin: Self::DEFAULT_SPIN,
         }
     }
 }
@@ -104,6 +131,13 @@ impl LocalGroup {
     /// Sets `max_count`.
     pub fn max_count(mut self, max_count: usize) -> Self {
         self.config.max_count = max_count;
+        self
+    }
+
+    /// Sets how long a waiting rank spins before it parks (see
+    /// [`LocalGroupConfig::spin`]); `Duration::ZERO` parks at once.
+    pub fn spin(mut self, spin: Duration) -> Self {
+        self.config.spin = spin;
         self
     }
 
@@ -223,7 +257,31 @@ pub struct LocalCommunicator {
     shared: Arc<Shared>,
     rank: usize,
     seq: AtomicU64,
+    /// How long this rank's waits spin before parking.
+    spin: SpinBudget,
+    /// The sequence number of the last round this rank joined ([`NO_ROUND`] before the
+    /// first): the rank removes it at its next call when every rank has left it.
+    last_round: AtomicU64,
+    /// This rank's last posts, reused for the next ones when the peers have let go of them
+    /// (see [`LocalCommunicator::post_with`]).
+    spares: Mutex<Vec<Arc<Post>>>,
 }
+
+/// `last_round` before a rank joined any.
+const NO_ROUND: u64 = u64::MAX;
+
+/// How many posts a communicator keeps for reuse: a post may still be held by a slow peer
+/// when the next call starts (an object collective's header, then its payload), and one of
+/// the others is free by then.
+const SPARES: usize = 4;
+
+/// The most bytes (of capacity) of the posts a communicator keeps for reuse (64 MiB). Reuse
+/// saves three allocations per call, which matter next to a small collective's
+/// sub-microsecond hand-off, and past glibc's mmap threshold (128 KiB at first) the page
+/// faults of a fresh buffer (one per 4 KiB, about 3.4 us each on the development VM), which
+/// cost more than the copy itself. The price: each communicator holds the memory of its
+/// recent posts, up to this size.
+const SPARE_MAX_BYTES: usize = 64 << 20;
 
 /// What a rank contributes to a round.
 #[derive(Debug, Default)]
@@ -237,8 +295,34 @@ struct Post {
 struct Round {
     op: Op,
     root: Option<usize>,
-    posts: Vec<Option<Arc<Post>>>,
-    finished: usize,
+    /// Each rank's post, set once, under the lock, when it joins.
+    posts: Box<[OnceLock<Arc<Post>>]>,
+    /// Ranks that have left the round (dropped their [`Joined`]).
+    left: AtomicUsize,
+}
+
+impl Round {
+    fn new(op: Op, root: Option<usize>, size: usize) -> Self {
+        Self {
+            op,
+            root,
+            posts: (0..size).map(|_| OnceLock::new()).collect(),
+            left: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// A rank's membership of a round: the posts it waited for are set; dropping it leaves the
+/// round (the round is removed from the group once every rank has left it).
+#[derive(Debug)]
+struct Joined {
+    round: Arc<Round>,
+}
+
+impl Drop for Joined {
+    fn drop(&mut self) {
+        self.round.left.fetch_add(1, Ordering::Release);
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -252,12 +336,14 @@ struct Abort {
 
 #[derive(Debug)]
 struct State {
-    rounds: HashMap<u64, Round>,
+    rounds: HashMap<u64, Arc<Round>, SeqHash>,
     abort: Option<Abort>,
     left: Vec<bool>,
     /// Sub-groups being handed out by `split`: (round, color) -> (group, members still to
     /// take it).
     children: HashMap<(u64, u32), (Arc<Shared>, usize)>,
+    /// Ranks parked on `Shared::changed` (a change notifies only when some are).
+    parked: usize,
 }
 
 #[derive(Debug)]
@@ -266,6 +352,154 @@ struct Shared {
     config: LocalGroupConfig,
     state: Mutex<State>,
     changed: Condvar,
+    /// Bumped, under the lock, on every change of `state` a waiter may wait for (a post, an
+    /// abort, a rank leaving): spinning waiters watch it without taking the lock. On a cache
+    /// line of its own, so that their loads do not slow down the lock holder.
+    epoch: Padded<AtomicU64>,
+}
+
+/// A value alone on its cache line (128 bytes: two 64-byte lines, as adjacent-line
+/// prefetchers pair them).
+#[derive(Debug)]
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// The hasher of the rounds map: its keys are sequence numbers, distinct and consecutive, so
+/// a multiplicative hash spreads them (SipHash's protection against chosen keys buys
+/// nothing here, and costs about as much as the rest of a small collective's bookkeeping).
+#[derive(Debug, Clone, Copy, Default)]
+struct SeqHash;
+
+impl std::hash::BuildHasher for SeqHash {
+    type Hasher = SeqHasher;
+
+    fn build_hasher(&self) -> SeqHasher {
+        SeqHasher(0)
+    }
+}
+
+#[derive(Debug)]
+struct SeqHasher(u64);
+
+impl std::hash::Hasher for SeqHasher {
+    fn finish(&self) -> u64 {
+        // Fibonacci hashing: the high bits (which pick the control byte) depend on all bits.
+        self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | u64::from(b)).rotate_left(5);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+/// The clock of one wait in a round, started when the rank first finds a post missing (a
+/// rank whose peers are all there never reads the clock).
+#[derive(Debug)]
+struct Wait {
+    started: Instant,
+    deadline: Instant,
+    /// End of the current spin: set when a spin starts, cleared after each park.
+    spin_until: Option<Instant>,
+    /// Whether this wait spun, and whether it parked.
+    spun: bool,
+    parked: bool,
+}
+
+impl Wait {
+    fn new(now: Instant, config: &LocalGroupConfig) -> Self {
+        Self {
+            started: now,
+            deadline: now + config.timeout,
+            spin_until: None,
+            spun: false,
+            parked: false,
+        }
+    }
+}
+
+/// A rank's spin budget, adapted to how its waits end (the adaptive mutex's rule): the whole
+/// of [`LocalGroupConfig::spin`] after a wait that a spin ended; halved by each wait in a row
+/// that had to park anyway, down to a sixteenth; nothing after [`DROP_AFTER`] such waits in
+/// a row, but for a full-budget probe every [`PROBE_EVERY`]th wait, so that the rank finds
+/// out when spinning works again.
+///
+/// When the peers come within the budget (ranks on cores of their own) every wait spins, and
+/// a few late peers in between (a rank that paid page faults the other did not) do not turn
+/// spinning off. When spinning never helps, the rank parks at once, as if it never spun.
+/// That case is common on a busy machine: a parked thread is woken on its waker's core when
+/// no core is idle, and two ranks sharing a core cannot meet while one of them spins
+/// (measured on the 2-CPU development VM with other work running: a fixed 50 us budget made
+/// every call cost the whole 50 us).
+#[derive(Debug)]
+struct SpinBudget {
+    max: u64,
+    /// Waits in a row that parked (only this rank's thread reads and writes these; atomics
+    /// because the communicator is `Sync`).
+    parked_in_a_row: AtomicU64,
+    /// Waits started with no budget, counted to pick the probes.
+    idle_waits: AtomicU64,
+}
+
+/// Waits in a row that must park before a rank stops spinning.
+const DROP_AFTER: u64 = 16;
+
+/// While a rank does not spin, one wait in this many spins for the full budget.
+const PROBE_EVERY: u64 = 32;
+
+impl SpinBudget {
+    fn new(max: Duration) -> Self {
+        Self {
+            max: u64::try_from(max.as_nanos()).unwrap_or(u64::MAX),
+            parked_in_a_row: AtomicU64::new(0),
+            idle_waits: AtomicU64::new(0),
+        }
+    }
+
+    /// The budget of a wait starting now.
+    fn get(&self) -> Duration {
+        let parked = self.parked_in_a_row.load(Ordering::Relaxed);
+        if parked < DROP_AFTER {
+            return Duration::from_nanos(self.max >> parked.min(4));
+        }
+        let n = self.idle_waits.fetch_add(1, Ordering::Relaxed);
+        if (n + 1).is_multiple_of(PROBE_EVERY) {
+            Duration::from_nanos(self.max)
+        } else {
+            Duration::ZERO
+        }
+    }
+
+    /// A spin ran out (or there was none) and the rank parks.
+    fn shrink(&self) {
+        self.parked_in_a_row.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A wait ended: one that a spin ended restores the whole budget.
+    fn learn(&self, wait: &Wait) {
+        if wait.spun && !wait.parked {
+            self.parked_in_a_row.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The number of CPUs this process may run on (1 when unknown), read once.
+fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// Which posts a rank needs before it can leave a round.
@@ -282,13 +516,47 @@ impl Shared {
             size,
             config,
             state: Mutex::new(State {
-                rounds: HashMap::new(),
+                rounds: HashMap::with_hasher(SeqHash),
                 abort: None,
                 left: vec![false; size],
                 children: HashMap::new(),
+                parked: 0,
             }),
             changed: Condvar::new(),
+            epoch: Padded(AtomicU64::new(0)),
         })
+    }
+
+    /// Publishes a change of `state` (called with the lock held): spinning waiters see the
+    /// epoch move; parked ones are woken, with a system call only when there are some.
+    fn publish(&self, state: &State) {
+        self.epoch.fetch_add(1, Ordering::Release);
+        if state.parked > 0 {
+            self.changed.notify_all();
+        }
+    }
+
+    /// Spins until the epoch differs from `seen` or `until` passes, whichever is first;
+    /// returns whether it moved. A few pause instructions between looks (doubling up to 8,
+    /// well under a microsecond): a look at an unchanged line costs no coherence traffic,
+    /// and the pauses leave the core's other hardware thread its share.
+    fn spin_while_unchanged(&self, seen: u64, until: Instant) -> bool {
+        let mut pauses = 1u32;
+        let mut looks = 0u32;
+        loop {
+            if self.epoch.load(Ordering::Acquire) != seen {
+                return true;
+            }
+            looks = looks.wrapping_add(1);
+            // The clock costs tens of nanoseconds: read it every 16th look.
+            if looks.is_multiple_of(16) && Instant::now() >= until {
+                return false;
+            }
+            for _ in 0..pauses {
+                std::hint::spin_loop();
+            }
+            pauses = (pauses * 2).min(8);
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -301,10 +569,54 @@ impl Shared {
 impl LocalCommunicator {
     fn new(shared: Arc<Shared>, rank: usize) -> Self {
         Self {
+            spin: SpinBudget::new(if shared.size > cores() {
+                // More ranks than cores: a spinning rank holds a core that a rank it waits
+                // for may need.
+                Duration::ZERO
+            } else {
+                shared.config.spin
+            }),
             shared,
             rank,
             seq: AtomicU64::new(0),
+            last_round: AtomicU64::new(NO_ROUND),
+            spares: Mutex::new(Vec::with_capacity(SPARES)),
         }
+    }
+
+    /// This rank's post of `bytes` and `meta`.
+    fn post(&self, bytes: &[u8], meta: &[usize]) -> Arc<Post> {
+        self.post_with(|p| {
+            p.bytes.extend_from_slice(bytes);
+            p.meta.extend_from_slice(meta);
+        })
+    }
+
+    /// A post filled by `fill`: a kept post that no peer holds any more (its buffers keep
+    /// their capacity; the largest such), a new one otherwise. Keeps a reference to it for
+    /// the next calls, within [`SPARES`] posts and [`SPARE_MAX_BYTES`].
+    fn post_with(&self, fill: impl FnOnce(&mut Post)) -> Arc<Post> {
+        let mut spares = self.spares.lock().unwrap_or_else(|e| e.into_inner());
+        // A count of 1 is only this reference (no weak ones are made): nobody else can
+        // clone it, so it stays unshared.
+        let free = (0..spares.len())
+            .filter(|&i| Arc::strong_count(&spares[i]) == 1)
+            .max_by_key(|&i| spares[i].bytes.capacity());
+        let mut post = free.map_or_else(Arc::default, |i| spares.swap_remove(i));
+        let p = Arc::get_mut(&mut post).expect("a new or unshared post");
+        p.bytes.clear();
+        p.meta.clear();
+        fill(p);
+        let kept = p.bytes.capacity();
+        if kept <= SPARE_MAX_BYTES {
+            // Make room: the oldest first, until the count and the bytes fit.
+            let mut total: usize = spares.iter().map(|s| s.bytes.capacity()).sum();
+            while !spares.is_empty() && (spares.len() >= SPARES || total + kept > SPARE_MAX_BYTES) {
+                total -= spares.remove(0).bytes.capacity();
+            }
+            spares.push(post.clone());
+        }
+        post
     }
 
     fn aborted(&self, op: Op, abort: &Abort) -> TransportError {
@@ -316,28 +628,42 @@ impl LocalCommunicator {
         }
     }
 
-    /// Joins the next round with `post`, waits until `needs` have posted, and returns their
-    /// posts (indexed by rank; `None` for ranks not needed).
+    /// Joins the next round with `post`, waits until `needs` have posted, and returns the
+    /// round, from which their posts are read ([`posted`]); dropping it leaves the round.
+    ///
+    /// The lock is taken to join (find or create the round, check the operation, post) and
+    /// for the slow path of a wait (aborts, ranks that left, the timeout, parking). A rank
+    /// whose spin sees its round complete reads the posts without taking it again: they are
+    /// set once (`OnceLock`: a reader that sees one set sees its contents).
     fn exchange(
         &self,
         op: Op,
         root: Option<usize>,
-        post: Post,
+        post: Arc<Post>,
         needs: Needs,
-    ) -> Result<Vec<Option<Arc<Post>>>> {
+    ) -> Result<Joined> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let shared = &*self.shared;
+        let size = shared.size;
         let mut state = shared.lock();
         if let Some(abort) = &state.abort {
             return Err(self.aborted(op, abort));
         }
-        let size = shared.size;
-        let round = state.rounds.entry(seq).or_insert_with(|| Round {
-            op,
-            root,
-            posts: vec![None; size],
-            finished: 0,
-        });
+        // The previous round this rank was in: removed once every rank has left it (the last
+        // rank to leave a round always finds it so at its next call).
+        let previous = self.last_round.swap(seq, Ordering::Relaxed);
+        if previous != NO_ROUND {
+            if let Some(r) = state.rounds.get(&previous) {
+                if r.left.load(Ordering::Acquire) == size {
+                    state.rounds.remove(&previous);
+                }
+            }
+        }
+        let round = state
+            .rounds
+            .entry(seq)
+            .or_insert_with(|| Arc::new(Round::new(op, root, size)))
+            .clone();
         if round.op != op || round.root != root {
             let reason = format!(
                 "call #{seq}: rank {} called {op} (root {root:?}) while a peer called {} (root {:?})",
@@ -345,38 +671,44 @@ impl LocalCommunicator {
             );
             return Err(self.abort_group(&mut state, op, reason));
         }
-        round.posts[self.rank] = Some(Arc::new(post));
-        shared.changed.notify_all();
-
-        let deadline = Instant::now() + shared.config.timeout;
-        let started = Instant::now();
+        if round.posts[self.rank].set(post).is_err() {
+            return Err(TransportError::Setup(format!(
+                "rank {} posted twice in call #{seq}",
+                self.rank
+            )));
+        }
+        // Published once, before waiting or leaving: a peer spinning on the epoch then finds
+        // the lock free, or about to be.
+        shared.publish(&state);
+        let joined = Joined { round };
+        let ready = || !needed_ranks(needs, size).any(|r| joined.round.posts[r].get().is_none());
+        if ready() {
+            return Ok(joined);
+        }
+        let mut wait: Option<Wait> = None;
         loop {
-            let round = state
-                .rounds
-                .get(&seq)
-                .expect("a round stays until every rank finished it");
-            let missing: Vec<usize> = match needs {
-                Needs::Nobody => Vec::new(),
-                Needs::Rank(r) => round.posts[r].is_none().then_some(r).into_iter().collect(),
-                Needs::Everybody => (0..size).filter(|&r| round.posts[r].is_none()).collect(),
+            let missing = || {
+                needed_ranks(needs, size)
+                    .filter(|&r| joined.round.posts[r].get().is_none())
+                    .collect()
             };
-            if missing.is_empty() {
-                break;
-            }
-            let timeout = TransportError::Timeout {
-                op,
-                rank: self.rank,
-                waited: started.elapsed(),
-                missing: missing.clone(),
-            };
+            let now = Instant::now();
+            let w = wait.get_or_insert_with(|| Wait::new(now, &shared.config));
             if let Some(abort) = &state.abort {
                 return Err(if abort.timed_out {
-                    timeout
+                    TransportError::Timeout {
+                        op,
+                        rank: self.rank,
+                        waited: now - w.started,
+                        missing: missing(),
+                    }
                 } else {
                     self.aborted(op, abort)
                 });
             }
-            if let Some(&gone) = missing.iter().find(|&&r| state.left[r]) {
+            if let Some(gone) = needed_ranks(needs, size)
+                .find(|&r| joined.round.posts[r].get().is_none() && state.left[r])
+            {
                 let reason = format!("rank {gone} dropped its communicator before joining {op}");
                 let abort = Abort {
                     by: gone,
@@ -384,11 +716,11 @@ impl LocalCommunicator {
                     timed_out: false,
                 };
                 state.abort = Some(abort.clone());
-                shared.changed.notify_all();
+                shared.publish(&state);
                 return Err(self.aborted(op, &abort));
             }
-            let now = Instant::now();
-            if now >= deadline {
+            if now >= w.deadline {
+                let missing: Vec<usize> = missing();
                 let reason = format!(
                     "rank {} timed out in {op} after {:?} waiting for ranks {missing:?}",
                     self.rank, shared.config.timeout
@@ -398,30 +730,53 @@ impl LocalCommunicator {
                     reason,
                     timed_out: true,
                 });
-                shared.changed.notify_all();
-                return Err(timeout);
+                shared.publish(&state);
+                return Err(TransportError::Timeout {
+                    op,
+                    rank: self.rank,
+                    waited: now - w.started,
+                    missing,
+                });
             }
-            state = shared
-                .changed
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        let round = state.rounds.get_mut(&seq).expect("checked above");
-        let posts = match needs {
-            Needs::Nobody => Vec::new(),
-            Needs::Rank(r) => {
-                let mut v = vec![None; size];
-                v[r] = round.posts[r].clone();
-                v
+            // Every change is published under the lock: the epoch read here is the one the
+            // state above was seen at.
+            let seen = shared.epoch.load(Ordering::Relaxed);
+            let budget = self.spin.get();
+            let spin_until = *w
+                .spin_until
+                .get_or_insert_with(|| (now + budget).min(w.deadline));
+            if now < spin_until {
+                w.spun = true;
+                drop(state);
+                shared.spin_while_unchanged(seen, spin_until);
+                if ready() {
+                    self.spin.learn(w);
+                    return Ok(joined);
+                }
+                state = shared.lock();
+            } else {
+                if !w.parked {
+                    w.parked = true;
+                    // A spin that ran out: the next ones (after a wake-up in this wait too)
+                    // are shorter.
+                    self.spin.shrink();
+                }
+                state.parked += 1;
+                state = shared
+                    .changed
+                    .wait_timeout(state, w.deadline - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                state.parked -= 1;
+                // Woken by a change: the next wait spins afresh.
+                w.spin_until = None;
             }
-            Needs::Everybody => round.posts.clone(),
-        };
-        round.finished += 1;
-        if round.finished == size {
-            state.rounds.remove(&seq);
+            if ready() {
+                drop(state);
+                self.spin.learn(w);
+                return Ok(joined);
+            }
         }
-        Ok(posts)
     }
 
     fn abort_group(&self, state: &mut State, op: Op, reason: String) -> TransportError {
@@ -433,7 +788,7 @@ impl LocalCommunicator {
                 timed_out: false,
             })
             .clone();
-        self.shared.changed.notify_all();
+        self.shared.publish(state);
         self.aborted(op, &abort)
     }
 
@@ -446,18 +801,27 @@ impl LocalCommunicator {
     }
 }
 
-/// Unwraps a post that `exchange` guarantees to be present.
-fn posted(posts: &[Option<Arc<Post>>], rank: usize) -> &Post {
-    posts[rank]
-        .as_deref()
-        .expect("exchange returns every needed post")
+/// The ranks whose posts `needs` names.
+fn needed_ranks(needs: Needs, size: usize) -> std::ops::Range<usize> {
+    match needs {
+        Needs::Nobody => 0..0,
+        Needs::Rank(r) => r..r + 1,
+        Needs::Everybody => 0..size,
+    }
+}
+
+/// A post that `exchange` waited for.
+fn posted(joined: &Joined, rank: usize) -> &Post {
+    joined.round.posts[rank]
+        .get()
+        .expect("exchange returns once every needed post is set")
 }
 
 impl Drop for LocalCommunicator {
     fn drop(&mut self) {
         let mut state = self.shared.lock();
         state.left[self.rank] = true;
-        self.shared.changed.notify_all();
+        self.shared.publish(&state);
     }
 }
 
@@ -483,15 +847,7 @@ impl Communicator for LocalCommunicator {
         let op = Op::Split;
         let meta = vec![color.map_or(NO_COLOR, |c| c as usize), key as i64 as usize];
         let seq = self.seq.load(Ordering::Relaxed);
-        let posts = self.exchange(
-            op,
-            None,
-            Post {
-                bytes: Vec::new(),
-                meta,
-            },
-            Needs::Everybody,
-        )?;
+        let posts = self.exchange(op, None, self.post(&[], &meta), Needs::Everybody)?;
         let Some(color) = color else {
             return Ok(None);
         };
@@ -528,17 +884,14 @@ impl Communicator for LocalCommunicator {
     }
 
     fn raw_barrier(&self) -> Result<()> {
-        self.exchange(Op::Barrier, None, Post::default(), Needs::Everybody)
+        self.exchange(Op::Barrier, None, self.post(&[], &[]), Needs::Everybody)
             .map(drop)
     }
 
     fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<()> {
         let op = Op::AllGather;
         let block = args.block_len();
-        let post = Post {
-            bytes: args.send().to_vec(),
-            meta: vec![block],
-        };
+        let post = self.post(args.send(), &[block]);
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         for r in 0..self.size() {
             let len = posted(&posts, r).bytes.len();
@@ -562,10 +915,7 @@ impl Communicator for LocalCommunicator {
 
     fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<()> {
         let op = Op::AllGatherVarcount;
-        let post = Post {
-            bytes: args.send().to_vec(),
-            meta: args.counts().to_vec(),
-        };
+        let post = self.post(args.send(), args.counts());
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         let (_, recv, counts, displs) = args.parts();
         for r in 0..self.size() {
@@ -589,10 +939,7 @@ impl Communicator for LocalCommunicator {
         let op = Op::GatherVarcount;
         let root = args.root();
         let is_root = self.rank == root;
-        let post = Post {
-            bytes: args.send().to_vec(),
-            meta: Vec::new(),
-        };
+        let post = self.post(args.send(), &[]);
         let needs = if is_root {
             Needs::Everybody
         } else {
@@ -624,17 +971,11 @@ impl Communicator for LocalCommunicator {
         let op = Op::Broadcast;
         let root = args.root();
         if self.rank == root {
-            let post = Post {
-                bytes: args.buf().to_vec(),
-                meta: Vec::new(),
-            };
+            let post = self.post(args.buf(), &[]);
             self.exchange(op, Some(root), post, Needs::Nobody)?;
             return Ok(());
         }
-        let post = Post {
-            bytes: Vec::new(),
-            meta: vec![args.buf().len()],
-        };
+        let post = self.post(&[], &[args.buf().len()]);
         let posts = self.exchange(op, Some(root), post, Needs::Rank(root))?;
         let data = &posted(&posts, root).bytes;
         let buf = args.buf();
@@ -670,15 +1011,12 @@ impl Communicator for LocalCommunicator {
             ),
             _ => format!("{meta:?}"),
         };
-        let meta = vec![count, dtype_index(dtype), op_index(reduce)];
-        let post = Post {
-            bytes: args.input().to_vec(),
-            meta: meta.clone(),
-        };
+        let meta = [count, dtype_index(dtype), op_index(reduce)];
+        let post = self.post(args.input(), &meta);
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         for r in 0..self.size() {
             let theirs = &posted(&posts, r).meta;
-            if *theirs != meta {
+            if theirs[..] != meta[..] {
                 return Err(self.mismatch(
                     op,
                     format!(
@@ -701,10 +1039,10 @@ impl Communicator for LocalCommunicator {
         reduce_into(dtype, reduce, &inputs, &mut mine);
         drop(inputs);
         drop(posts);
-        let post = Post {
+        let post = Arc::new(Post {
             bytes: mine,
             meta: Vec::new(),
-        };
+        });
         let slices = self.exchange(op, None, post, Needs::Everybody)?;
         let (_, recv) = args.parts();
         for r in 0..self.size() {
@@ -717,12 +1055,11 @@ impl Communicator for LocalCommunicator {
     fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<()> {
         let op = Op::AllToAllVarcount;
         let send = args.send();
-        let mut meta = send.counts.to_vec();
-        meta.extend_from_slice(send.displs);
-        let post = Post {
-            bytes: send.buf.to_vec(),
-            meta,
-        };
+        let post = self.post_with(|p| {
+            p.bytes.extend_from_slice(send.buf);
+            p.meta.extend_from_slice(send.counts);
+            p.meta.extend_from_slice(send.displs);
+        });
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         let size = self.size();
         let me = self.rank;
@@ -763,4 +1100,75 @@ fn op_index(op: ReduceOp) -> usize {
         .iter()
         .position(|&o| o == op)
         .expect("ALL lists every reduction")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wait(spun: bool, parked: bool) -> Wait {
+        let mut w = Wait::new(Instant::now(), &LocalGroupConfig::default());
+        w.spun = spun;
+        w.parked = parked;
+        w
+    }
+
+    #[test]
+    fn the_spin_budget_halves_on_parks_then_only_probes_and_comes_back_on_a_success() {
+        let max = Duration::from_micros(64);
+        let b = SpinBudget::new(max);
+        assert_eq!(b.get(), max);
+        b.shrink();
+        assert_eq!(b.get(), max / 2);
+        for _ in 1..DROP_AFTER - 1 {
+            b.shrink();
+        }
+        // Down to a sixteenth while spins fail...
+        assert_eq!(b.get(), max / 16);
+        // ...then nothing, but one wait in PROBE_EVERY spins the whole budget.
+        b.shrink();
+        let budgets: Vec<Duration> = (0..2 * PROBE_EVERY).map(|_| b.get()).collect();
+        let probes = budgets.iter().filter(|&&d| d == max).count();
+        assert_eq!(probes, 2);
+        assert!(budgets.iter().all(|&d| d == max || d == Duration::ZERO));
+        // A wait that spun and did not park restores the budget; one that parked does not.
+        b.learn(&wait(true, true));
+        assert_eq!(b.get(), Duration::ZERO);
+        b.learn(&wait(true, false));
+        assert_eq!(b.get(), max);
+    }
+
+    #[test]
+    fn a_zero_spin_never_spins() {
+        let b = SpinBudget::new(Duration::ZERO);
+        assert!((0..100).all(|_| b.get() == Duration::ZERO));
+    }
+
+    /// Rounds every rank has left are removed: the group's bookkeeping stays bounded by the
+    /// group, not by the number of calls (a root running ahead included).
+    #[test]
+    fn finished_rounds_are_removed() {
+        let comms = LocalGroup::new(3).communicators().unwrap();
+        let shared = comms[0].shared.clone();
+        std::thread::scope(|s| {
+            for comm in comms {
+                s.spawn(move || {
+                    for i in 0..500u32 {
+                        let mut buf = [0u8; 4];
+                        if comm.rank() == 0 {
+                            buf = i.to_le_bytes();
+                        }
+                        comm.broadcast(0, &mut buf).unwrap();
+                        assert_eq!(u32::from_le_bytes(buf), i);
+                        let mut all = [0u8; 3];
+                        comm.all_gather(&[comm.rank() as u8], &mut all).unwrap();
+                        assert_eq!(all, [0, 1, 2]);
+                    }
+                });
+            }
+        });
+        // At most the last round of each rank is still in the map.
+        let rounds = shared.lock().rounds.len();
+        assert!(rounds <= 3, "{rounds} rounds left after 1000 calls");
+    }
 }

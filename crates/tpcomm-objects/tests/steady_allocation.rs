@@ -1,0 +1,106 @@
+//! Steady-state object collectives allocate only the values they return: the send buffer,
+//! the receive buffer and the transport's post are kept from one call to the next (a fresh
+//! buffer past glibc's mmap threshold costs a page fault per 4 KiB page, more than the
+//! transfer itself).
+//!
+//! A dedicated test binary with one test, so that the per-thread allocation counter of its
+//! global allocator sees nothing else.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use serde_bytes::ByteBuf;
+use tpcomm_objects::{all_gather, all_gather_borrowed};
+use tpcomm_transport::{Communicator, LocalGroup};
+
+/// Counts the bytes each thread allocates (realloc growth included).
+struct PerThread;
+
+thread_local! {
+    static ALLOCATED: Cell<usize> = const { Cell::new(0) };
+}
+
+fn count(bytes: usize) {
+    // `try_with`: the allocator also runs while thread-locals are torn down.
+    let _ = ALLOCATED.try_with(|a| a.set(a.get() + bytes));
+}
+
+fn allocated() -> usize {
+    ALLOCATED.with(Cell::get)
+}
+
+// SAFETY: delegates every call to the system allocator unchanged; only counts sizes.
+unsafe impl GlobalAlloc for PerThread {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count(layout.size());
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count(layout.size());
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count(new_size.saturating_sub(layout.size()));
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: PerThread = PerThread;
+
+const BLOB: usize = 64 << 10;
+
+#[test]
+fn steady_state_all_gathers_allocate_only_the_values_they_return() {
+    let results = LocalGroup::new(2).run(|comm| {
+        let mine = ByteBuf::from(vec![comm.rank() as u8 + 1; BLOB]);
+        let mut owned = Vec::new();
+        let mut borrowed = Vec::new();
+        for _ in 0..4 {
+            let before = allocated();
+            let all: Vec<ByteBuf> = all_gather(&comm, &mine).unwrap();
+            owned.push(allocated() - before);
+            assert_eq!(all[1 - comm.rank()][0], 2 - comm.rank() as u8);
+            drop(all);
+
+            let before = allocated();
+            let gathered = all_gather_borrowed(&comm, &mine).unwrap();
+            borrowed.push(allocated() - before);
+            let views: Vec<&serde_bytes::Bytes> = gathered.decode().unwrap();
+            assert_eq!(views[1 - comm.rank()].len(), BLOB);
+            drop(views);
+            drop(gathered);
+            comm.barrier().unwrap();
+        }
+        (owned, borrowed)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let (owned, borrowed) = r.unwrap();
+        // The returned values: two 64 KiB blobs and the vector holding them. Slack for the
+        // bookkeeping (header entries, counts, a post's reference count): well under one
+        // blob, so that any per-call send, receive or post buffer shows.
+        let values = 2 * BLOB + 2 * std::mem::size_of::<ByteBuf>();
+        let slack = 8 << 10;
+        for (call, &bytes) in owned.iter().enumerate().skip(2) {
+            assert!(
+                bytes <= values + slack,
+                "rank {rank}, owned all_gather call {call}: {bytes} bytes allocated, \
+                 the values take {values} (calls: {owned:?})"
+            );
+        }
+        for (call, &bytes) in borrowed.iter().enumerate().skip(2) {
+            assert!(
+                bytes <= slack,
+                "rank {rank}, all_gather_borrowed call {call}: {bytes} bytes allocated \
+                 (calls: {borrowed:?})"
+            );
+        }
+    }
+}

@@ -38,10 +38,8 @@ use tpcomm::ipc::{HostBuffer, HostMemory, PeerMemory};
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{
-    agree, elapsed_ns, geomean, link_peers, time_once, time_variants, Bus, Order, Plan, Row, Target,
-};
-use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
+use crate::harness::{elapsed_ns, geomean, time_once, Bus, Row, Spec, Target};
+use crate::launch::{Bench, RunArgs, Session};
 use crate::mpi_peer::{MpiCall, MpiWorld};
 use crate::sweep::{format_bytes, SweepArgs};
 use crate::table::{col, Column};
@@ -52,6 +50,11 @@ pub(crate) type HostAllReduce = CustomAllReduce<HostBackend>;
 
 /// The peer's variant name.
 const MPI: &str = "MPI_Allreduce";
+/// The memory-bandwidth floor's variant name.
+const MEMCPY: &str = "memcpy";
+/// The memory-bandwidth floor is quoted from sizes of at least this many bytes (caches
+/// hold less).
+const FLOOR_MIN_BYTES: usize = 8 << 20;
 /// The targets (2 MPI ranks, f32): at least this much faster than `MPI_Allreduce` as a
 /// geometric mean...
 const SPEEDUP_TARGET: f64 = 1.5;
@@ -105,7 +108,7 @@ pub(crate) struct AllReduceArgs {
 }
 
 impl AllReduceArgs {
-    fn validate(&self) -> Result<(), BenchError> {
+    fn check_options(&self) -> Result<(), BenchError> {
         self.sweep.validate()?;
         self.run.at_most(8)?;
         if !self.sweep.min_bytes.is_multiple_of(16) {
@@ -122,12 +125,6 @@ impl AllReduceArgs {
         }
         Ok(())
     }
-}
-
-/// Runs the subcommand.
-pub(crate) fn run(args: &AllReduceArgs) -> Result<(), BenchError> {
-    args.validate()?;
-    launch::launch(&args.run, &AllReduceJob { args }).map(drop)
 }
 
 /// An element type on the command line.
@@ -198,6 +195,9 @@ fn columns(with_mpi: bool) -> Vec<Column> {
         col::algbw(7),
         col::busbw(7),
     ];
+    c.push(Column::new("vs copy", "t/memcpy", 9, |r, _| {
+        col::ratio(r.number("vs_memcpy"))
+    }));
     if with_mpi {
         c.push(col::vs_peer("vs MPI", "cust/MPI", 8));
     }
@@ -293,9 +293,30 @@ struct Replay<'b> {
     plans: Vec<Vec<(CapturedPlan<'b, HostBackend>, Algorithm)>>,
 }
 
-/// What a rank runs the paths with.
+/// What one row of a table times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    /// A custom all-reduce path.
+    Path(PathArg),
+    /// One plain copy of the message on every rank at once: the memory-bandwidth floor.
+    Memcpy,
+    /// `MPI_Allreduce`, the peer (f32 in MPI mode).
+    Mpi,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Path(p) => p.name(),
+            Variant::Memcpy => MEMCPY,
+            Variant::Mpi => MPI,
+        }
+    }
+}
+
+/// What a rank runs the variants with.
 struct Runner<'r, 'b> {
-    /// `paths[i]`: the instance of path `i`, `None` for `MPI_Allreduce`.
+    /// The instances of one-stage, two-stage and auto (also replay's).
     instances: [Option<HostAllReduce>; 3],
     replay: Option<Replay<'b>>,
     mpi: Option<&'r MpiWorld>,
@@ -303,10 +324,11 @@ struct Runner<'r, 'b> {
 
 /// The buffers of one size and element type on one rank.
 struct Case<T> {
-    bytes: usize,
     count: usize,
     input: Vec<T>,
     output: Vec<T>,
+    /// The memcpy variant's destination.
+    copy: Vec<T>,
     /// The same input as f32 for `MPI_Allreduce` (empty unless f32 in MPI mode).
     mpi_input: Vec<f32>,
     mpi_output: Vec<f32>,
@@ -326,14 +348,14 @@ impl Runner<'_, '_> {
             .ok_or_else(|| BenchError::Usage(format!("no instance for {}", path.name())))
     }
 
-    /// Runs `path` (`None`: `MPI_Allreduce`) once; returns the algorithm it used.
+    /// Runs `variant` once; returns the algorithm it used.
     fn run<T: Element>(
         &mut self,
-        path: Option<PathArg>,
+        variant: Variant,
         case: &mut Case<T>,
     ) -> Result<Option<Algorithm>, BenchError> {
-        match path {
-            Some(PathArg::Replay) => {
+        match variant {
+            Variant::Path(PathArg::Replay) => {
                 let replay = self.replay.as_ref().ok_or_else(|| {
                     BenchError::Usage("replay path without captured plans".into())
                 })?;
@@ -344,11 +366,15 @@ impl Runner<'_, '_> {
                 plan.replay(ar)?;
                 Ok(Some(*algorithm))
             }
-            Some(p) => Ok(Some(
+            Variant::Path(p) => Ok(Some(
                 self.instance(p)?
                     .all_reduce(&case.input, &mut case.output)?,
             )),
-            None => {
+            Variant::Memcpy => {
+                case.copy.copy_from_slice(&case.input);
+                Ok(None)
+            }
+            Variant::Mpi => {
                 let mpi = self
                     .mpi
                     .ok_or_else(|| BenchError::Usage("MPI path outside MPI mode".into()))?;
@@ -361,70 +387,71 @@ impl Runner<'_, '_> {
         }
     }
 
-    /// Runs `path` on fresh data and checks the result on every rank (collective).
-    fn verify<T: Element, C: Communicator>(
+    /// Runs `variant` on fresh data; the algorithm it used and what is wrong, if anything.
+    fn verify<T: Element>(
         &mut self,
-        comm: &C,
-        path: Option<PathArg>,
+        (rank, ranks): (usize, usize),
+        variant: Variant,
         case: &mut Case<T>,
         salt: u64,
-    ) -> Result<Option<Algorithm>, BenchError> {
-        let want = expected(comm.size(), case.count, salt);
+    ) -> Result<(Option<Algorithm>, Option<String>), BenchError> {
+        let want = expected(ranks, case.count, salt);
         let garbage = T::from_f32(f32::NAN);
-        case.input = input(comm.rank(), case.count, salt);
+        case.input = input(rank, case.count, salt);
         case.output.fill(garbage);
+        case.copy.fill(garbage);
         if !case.mpi_input.is_empty() {
-            case.mpi_input = input(comm.rank(), case.count, salt);
+            case.mpi_input = input(rank, case.count, salt);
             case.mpi_output.fill(f32::NAN);
         }
-        if let (Some(PathArg::Replay), Some(r)) = (path, &self.replay) {
+        if let (Variant::Path(PathArg::Replay), Some(r)) = (variant, &self.replay) {
             r.memory
                 .write(r.input, 0, bytemuck::cast_slice(&case.input))?;
             let nan = vec![garbage; case.count];
             r.memory.write(r.output, 0, bytemuck::cast_slice(&nan))?;
         }
-        let algorithm = self.run(path, case)?;
-        let problem = match (path, &self.replay) {
-            (None, _) => check(&case.mpi_output, &want),
-            (Some(PathArg::Replay), Some(r)) => {
+        let algorithm = self.run(variant, case)?;
+        let bytes = |v: &[T]| bytemuck::cast_slice::<T, u8>(v).to_vec();
+        let problem = match (variant, &self.replay) {
+            (Variant::Mpi, _) => check(&case.mpi_output, &want),
+            (Variant::Memcpy, _) => (bytes(&case.copy) != bytes(&case.input))
+                .then(|| "the copy differs from its source".to_string()),
+            (Variant::Path(PathArg::Replay), Some(r)) => {
                 let mut got = vec![garbage; case.count];
                 r.memory
                     .read(r.output, 0, bytemuck::cast_slice_mut(&mut got))?;
                 check(&got, &want)
             }
-            (Some(_), _) => check(&case.output, &want),
+            (Variant::Path(_), _) => check(&case.output, &want),
         };
-        agree(comm, problem, || {
-            format!(
-                "{} all_reduce of {} B",
-                path.map_or(MPI, PathArg::name),
-                case.bytes
-            )
-        })?;
-        Ok(algorithm)
+        Ok((algorithm, problem))
     }
 }
 
-/// The per-rank job.
-struct AllReduceJob<'a> {
-    args: &'a AllReduceArgs,
-}
+impl Bench for AllReduceArgs {
+    const NAME: &'static str = "allreduce";
+    const STATED_FOR: &'static str =
+        "2 MPI ranks (mpirun -np 2 ... --transport mpi): they compare with MPI_Allreduce";
 
-impl PerRank for AllReduceJob<'_> {
-    type Output = ();
+    fn run_args(&self) -> &RunArgs {
+        &self.run
+    }
 
-    fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
-        let args = self.args;
-        let mpi = MpiWorld::for_run(info);
-        let json = args.run.json.as_deref();
-        let mut s = Session::start(
-            info,
-            "allreduce",
-            comm.rank(),
-            comm.size(),
-            json,
-            &preamble(args, mpi.is_some()),
-        )?;
+    fn validate(&self) -> Result<(), BenchError> {
+        self.check_options()
+    }
+
+    fn preamble(&self, mpi: bool) -> Vec<String> {
+        preamble(self, mpi)
+    }
+
+    fn targets(&self) -> Vec<Target> {
+        targets()
+    }
+
+    fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
+        let args = self;
+        let mpi = s.mpi.take();
         let sizes = args.sweep.sizes();
         let max_bytes = sizes.last().copied().unwrap_or(args.sweep.max_bytes);
         let config = |algorithm| Config {
@@ -483,40 +510,28 @@ impl PerRank for AllReduceJob<'_> {
             }
             _ => None,
         };
-        let mut sync = new_sync(comm)?;
-        let mut runner = Runner {
-            instances,
-            replay,
-            mpi: mpi.as_ref(),
+        let mut t = Table {
+            runner: Runner {
+                instances,
+                replay,
+                mpi: mpi.as_ref(),
+            },
+            sync: new_sync(comm)?,
+            dtype_index: 0,
+            with_mpi: false,
         };
         s.progress.plan(args.dtypes.len() * sizes.len());
         for (di, &d) in args.dtypes.iter().enumerate() {
-            let with_mpi = mpi.is_some() && d == DTypeArg::F32;
+            t.dtype_index = di;
+            t.with_mpi = mpi.is_some() && d == DTypeArg::F32;
             match d {
-                DTypeArg::F32 => {
-                    bench_dtype::<f32, C>(&mut s, comm, &mut runner, &mut sync, args, di, with_mpi)
-                }
-                DTypeArg::F16 => {
-                    bench_dtype::<f16, C>(&mut s, comm, &mut runner, &mut sync, args, di, with_mpi)
-                }
-                DTypeArg::Bf16 => {
-                    bench_dtype::<bf16, C>(&mut s, comm, &mut runner, &mut sync, args, di, with_mpi)
-                }
+                DTypeArg::F32 => t.bench::<f32, C>(s, comm, args),
+                DTypeArg::F16 => t.bench::<f16, C>(s, comm, args),
+                DTypeArg::Bf16 => t.bench::<bf16, C>(s, comm, args),
             }?;
-            summarize(&mut s, d.dtype().name(), comm.size());
+            summarize(s, d.dtype().name(), comm.size());
         }
-        if mpi.is_none() {
-            s.note("");
-            s.note(
-                "the targets compare with MPI_Allreduce: run under mpirun with --transport mpi \
-                 (2 ranks) to check them",
-            );
-        } else if comm.size() != 2 {
-            s.note("");
-            s.note("the targets are stated for 2 ranks: the verdicts below are indicative only");
-        }
-        s.finish("allreduce", json, args, &targets(), comm.size() == 2)?;
-        Ok(Some(()))
+        Ok(())
     }
 }
 
@@ -540,6 +555,11 @@ fn preamble(args: &AllReduceArgs, mpi: bool) -> Vec<String> {
                 .into(),
         );
     }
+    lines.push(
+        "memcpy: one plain copy of the message (its size, per rank, every rank at once), \
+         timed like the paths: the memory-bandwidth floor; vs copy = median / memcpy median"
+            .into(),
+    );
     if mpi {
         lines.push(
             "MPI_Allreduce: the plain MPI call (rsmpi all_reduce_into, sum, on MPI_COMM_WORLD), \
@@ -551,85 +571,91 @@ fn preamble(args: &AllReduceArgs, mpi: bool) -> Vec<String> {
     lines
 }
 
-/// Verifies and times every path at every size for one element type; rank 0 prints.
-fn bench_dtype<T: Element, C: Communicator>(
-    s: &mut Session<'_>,
-    comm: &C,
-    runner: &mut Runner<'_, '_>,
-    sync: &mut HostAllReduce,
-    args: &AllReduceArgs,
+/// What one rank measures the tables with.
+struct Table<'r, 'b> {
+    runner: Runner<'r, 'b>,
+    sync: HostAllReduce,
     dtype_index: usize,
     with_mpi: bool,
-) -> Result<(), BenchError> {
-    let ranks = comm.size();
-    let name = T::DTYPE.name();
-    let columns = columns(with_mpi);
-    s.header(
-        &format!("all_reduce sum, {name}, {ranks} ranks: size = bytes per rank; busbw = algbw * 2(n-1)/n"),
-        &columns,
-    );
-    let mut paths: Vec<Option<PathArg>> = args.paths.iter().map(|&p| Some(p)).collect();
-    if with_mpi {
-        paths.push(None);
-    }
-    for (size_index, &bytes) in args.sweep.sizes().iter().enumerate() {
-        s.progress.case(format!("{name} {}", format_bytes(bytes)));
-        let count = bytes / T::DTYPE.size();
-        let mpi_len = if with_mpi { count } else { 0 };
-        let mut case = Case {
-            bytes,
-            count,
-            input: vec![T::from_f32(0.0); count],
-            output: vec![T::from_f32(0.0); count],
-            mpi_input: vec![0.0; mpi_len],
-            mpi_output: vec![0.0; mpi_len],
-            plan: (dtype_index, size_index),
-        };
-        let salt = ((dtype_index as u64) << 40) ^ ((size_index as u64) << 20) ^ 0x5eed;
-        let mut algorithms = Vec::with_capacity(paths.len());
-        for (k, &p) in paths.iter().enumerate() {
-            algorithms.push(runner.verify(comm, p, &mut case, salt ^ ((k as u64) << 56))?);
+}
+
+impl Table<'_, '_> {
+    /// Verifies and times every variant at every size for one element type; rank 0 prints.
+    fn bench<T: Element, C: Communicator>(
+        &mut self,
+        s: &mut Session<'_>,
+        comm: &C,
+        args: &AllReduceArgs,
+    ) -> Result<(), BenchError> {
+        let ranks = comm.size();
+        let name = T::DTYPE.name();
+        let columns = columns(self.with_mpi);
+        s.header(
+            &format!(
+                "all_reduce sum, {name}, {ranks} ranks: size = bytes per rank; busbw = algbw * \
+                 2(n-1)/n"
+            ),
+            &columns,
+        );
+        let mut variants: Vec<Variant> = args.paths.iter().map(|&p| Variant::Path(p)).collect();
+        variants.push(Variant::Memcpy);
+        if self.with_mpi {
+            variants.push(Variant::Mpi);
         }
-        let timed = time_variants(
-            comm,
-            Plan {
-                iter: &args.sweep.iter,
-                bytes,
-                variants: paths.len(),
-                order: Order::Rotate,
-            },
-            &s.progress,
-            &mut (&mut *runner, &mut *sync, &mut case),
-            |(runner, sync, case), k| {
-                time_synced(comm, sync, || runner.run(paths[k], case).map(drop))
-            },
-        )?;
-        let mut rows: Vec<Row> = timed
-            .samples
-            .into_iter()
-            .enumerate()
-            .filter_map(|(k, samples)| {
-                let variant = paths[k].map_or(MPI, PathArg::name);
-                let row = Row::new(
-                    name,
-                    &bytes.to_string(),
-                    variant,
-                    bytes,
-                    timed.warmup,
-                    samples,
-                )?;
-                Some(
-                    row.bus(Bus::AllReduce, ranks)
-                        .with("count", count)
-                        .with("type", name)
-                        .with("algorithm", algorithms[k].map(Algorithm::name)),
-                )
-            })
-            .collect();
-        link_peers(&mut rows, |r| (with_mpi && !r.is(MPI)).then(|| MPI.into()));
-        s.rows(&columns, rows, |_| true);
+        let names: Vec<&str> = variants.iter().map(|v| v.name()).collect();
+        for (size_index, &bytes) in args.sweep.sizes().iter().enumerate() {
+            let count = bytes / T::DTYPE.size();
+            let mpi_len = if self.with_mpi { count } else { 0 };
+            let zeros = || vec![T::from_f32(0.0); count];
+            let mut case = Case {
+                count,
+                input: zeros(),
+                output: zeros(),
+                copy: zeros(),
+                mpi_input: vec![0.0; mpi_len],
+                mpi_output: vec![0.0; mpi_len],
+                plan: (self.dtype_index, size_index),
+            };
+            let spec = Spec {
+                peer: self.with_mpi.then_some(MPI),
+                bus: Some(Bus::AllReduce),
+                ..Spec::new(name, bytes.to_string(), bytes, &names)
+                    .with("count", count)
+                    .with("type", name)
+            };
+            let salt = ((self.dtype_index as u64) << 40) ^ ((size_index as u64) << 20) ^ 0x5eed;
+            let mut algorithms = Vec::with_capacity(variants.len());
+            let ranks = (comm.rank(), comm.size());
+            s.verify(comm, &spec, &mut case, |case, k| {
+                let salt = salt ^ ((k as u64) << 56);
+                let (algorithm, problem) = self.runner.verify(ranks, variants[k], case, salt)?;
+                algorithms.push(algorithm);
+                Ok(problem)
+            })?;
+            let rows = s.measure(comm, &spec, &mut case, |case, k| {
+                let runner = &mut self.runner;
+                time_synced(comm, &mut self.sync, || {
+                    runner.run(variants[k], case).map(drop)
+                })
+            })?;
+            let copy = rows
+                .iter()
+                .find(|r| r.is(MEMCPY))
+                .map(|r| r.stats.median_us);
+            let rows = rows
+                .into_iter()
+                .zip(&algorithms)
+                .map(|(row, a)| {
+                    let vs_copy = copy.filter(|&c| c > 0.0 && !row.is(MEMCPY));
+                    let vs_copy = vs_copy.map(|c| row.stats.median_us / c);
+                    row.with("algorithm", a.map(Algorithm::name))
+                        .with("vs_memcpy", vs_copy)
+                })
+                .collect();
+            s.rows(&columns, rows, |_| true);
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// `1024` -> `1K`, `8 << 20` -> `8M`: compact sizes for summary lines.
@@ -677,6 +703,9 @@ fn summarize(s: &mut Session<'_>, dtype: &str, ranks: usize) {
         .filter_map(|&b| Some((b, median_of("1stage", b)?, median_of("2stage", b)?)))
         .collect();
     s.note("");
+    if let Some(line) = floor_line(dtype, &rows) {
+        s.summary(line);
+    }
     if points.is_empty() {
         return;
     }
@@ -739,6 +768,36 @@ fn summarize(s: &mut Session<'_>, dtype: &str, ranks: usize) {
             )
         });
     }
+}
+
+/// The memory-bandwidth floor of one table: memcpy at its largest size, which must be at
+/// least [`FLOOR_MIN_BYTES`] (smaller copies stay in caches), and every path's time over it
+/// there.
+fn floor_line(dtype: &str, rows: &[Row]) -> Option<String> {
+    let copy = rows
+        .iter()
+        .filter(|r| r.is(MEMCPY))
+        .max_by_key(|r| r.bytes)?;
+    let size = format_bytes(copy.bytes);
+    if copy.bytes < FLOOR_MIN_BYTES {
+        return Some(format!(
+            "{dtype}: memory-bandwidth floor not quoted: the largest size ({size}) is below {} \
+             and stays in caches; give --max-bytes 8MiB or more",
+            format_bytes(FLOOR_MIN_BYTES)
+        ));
+    }
+    let paths: Vec<String> = rows
+        .iter()
+        .filter(|r| r.bytes == copy.bytes && !r.is(MEMCPY))
+        .filter_map(|r| Some(format!("{} {:.2}x", r.variant, r.number("vs_memcpy")?)))
+        .collect();
+    Some(format!(
+        "{dtype}: memory-bandwidth floor: memcpy of {size} per rank, every rank at once, {:.1} us \
+         ({:.2} GB/s per rank); time / memcpy at {size}: {}",
+        copy.stats.median_us,
+        copy.algbw_gbps.unwrap_or(0.0),
+        paths.join(", ")
+    ))
 }
 
 /// The targets against `MPI_Allreduce`, judged on the `auto` rows (the eager all-reduce as
@@ -830,12 +889,12 @@ mod tests {
         assert_eq!(args.dtypes, vec![DTypeArg::F32]);
         assert_eq!(args.paths.len(), 4);
         assert_eq!(args.sweep.sizes().len(), 14);
-        assert!(args.validate().is_ok());
+        assert!(args.check_options().is_ok());
         let nine = Cli::try_parse_from(["tpcomm-bench", "allreduce", "--ranks", "9"]).unwrap();
         let Command::AllReduce(nine) = nine.command else {
             panic!("not the allreduce subcommand")
         };
-        assert!(nine.validate().is_err());
+        assert!(nine.check_options().is_err());
         assert!(Cli::try_parse_from(["tpcomm-bench", "allreduce", "--dtypes", "f64"]).is_err());
     }
 
@@ -861,7 +920,7 @@ mod tests {
             panic!("not the allreduce subcommand")
         };
         args.run.ranks = Some(3);
-        run(&args).unwrap();
+        crate::launch::run(&args).unwrap();
     }
 
     #[test]
@@ -877,6 +936,29 @@ mod tests {
             (Some(8), Some(2))
         );
         assert_eq!(crossover(&[p(1, 1.0, 2.0)]), (None, None));
+    }
+
+    #[test]
+    fn the_floor_line_quotes_memcpy_at_8_mib_or_says_why_not() {
+        let row = |path: &str, bytes: usize, us: u64| {
+            let r = Row::new("f32", &bytes.to_string(), path, bytes, 0, vec![us * 1000]);
+            r.unwrap().bus(Bus::AllReduce, 2)
+        };
+        let big = 8 << 20;
+        let rows = [
+            row(MEMCPY, 1 << 20, 50),
+            row(MEMCPY, big, 1000),
+            row("auto", big, 2500).with("vs_memcpy", 2.5),
+        ];
+        let line = floor_line("f32", &rows).unwrap();
+        assert!(line.contains("memcpy of 8 MiB"), "{line}");
+        assert!(
+            line.contains("8.39 GB/s") && line.ends_with("auto 2.50x"),
+            "{line}"
+        );
+        let small = floor_line("f32", &rows[..1]).unwrap();
+        assert!(small.contains("not quoted"), "{small}");
+        assert_eq!(floor_line("f32", &rows[2..]), None);
     }
 
     #[test]

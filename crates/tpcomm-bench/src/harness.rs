@@ -260,6 +260,52 @@ impl Order {
     }
 }
 
+/// One case of a table, declared by a subcommand and measured by
+/// [`Session::measure`](crate::launch::Session::measure).
+#[derive(Debug, Clone)]
+pub(crate) struct Spec<'a> {
+    /// The table the rows go to.
+    pub(crate) table: &'a str,
+    /// The case within the table (a size, a payload, a count).
+    pub(crate) case: String,
+    /// Bytes the case moves (0 where it is not a size).
+    pub(crate) bytes: usize,
+    /// What is timed, one name per variant, in declaration order.
+    pub(crate) variants: &'a [&'a str],
+    pub(crate) order: Order,
+    /// The variant every other one is compared with.
+    pub(crate) peer: Option<&'a str>,
+    /// How bus bandwidth follows from algorithm bandwidth, for tables with bandwidths.
+    pub(crate) bus: Option<Bus>,
+    /// Rows that are the per-iteration sum of two variants: `(name, a, b)`.
+    pub(crate) sums: &'a [(&'a str, usize, usize)],
+    /// Facts every row of the case carries (`info`).
+    pub(crate) info: Vec<(String, Value)>,
+}
+
+impl<'a> Spec<'a> {
+    /// A case of `variants` in rotated order, without peer, bandwidth, sums or facts.
+    pub(crate) fn new(table: &'a str, case: String, bytes: usize, variants: &'a [&'a str]) -> Self {
+        Self {
+            table,
+            case,
+            bytes,
+            variants,
+            order: Order::Rotate,
+            peer: None,
+            bus: None,
+            sums: &[],
+            info: Vec::new(),
+        }
+    }
+
+    /// Adds a fact every row carries.
+    pub(crate) fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
+        self.info.push((key.into(), value.into()));
+        self
+    }
+}
+
 /// What [`time_variants`] measured: per variant, every iteration's slowest-rank time.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Timed {

@@ -24,9 +24,9 @@ use tpcomm_ipc::{
 };
 
 use crate::error::BenchError;
-use crate::harness::{agree, elapsed_ns, time_once, time_variants, Order, Plan, Row, Target};
-use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
-use crate::sweep::{parse_bytes, IterArgs};
+use crate::harness::{agree, elapsed_ns, time_once, Order, Row, Spec, Target};
+use crate::launch::{Bench, RunArgs, Session};
+use crate::sweep::parse_bytes;
 use crate::table::{col, Column};
 
 /// The target: `reopen_all` of this many mappings...
@@ -57,21 +57,6 @@ pub(crate) struct IpcArgs {
     /// Size of each buffer (rounded up to a page by the backend).
     #[arg(long, default_value = "4096", value_parser = parse_bytes, value_name = "BYTES")]
     pub(crate) buffer_bytes: usize,
-
-    #[command(flatten)]
-    #[serde(flatten)]
-    pub(crate) iter: IterArgs,
-}
-
-/// Runs the subcommand.
-pub(crate) fn run(args: &IpcArgs) -> Result<(), BenchError> {
-    args.iter.validate()?;
-    if args.buffer_bytes == 0 {
-        return Err(BenchError::Usage(
-            "--buffer-bytes must be at least 1".into(),
-        ));
-    }
-    launch::launch(&args.run, &IpcJob { args }).map(drop)
 }
 
 const COLUMNS: [Column; 7] = [
@@ -179,10 +164,9 @@ fn bench_regions<C: Communicator>(
     comm: &C,
     n: usize,
     buffer_bytes: usize,
-    iter: &IterArgs,
 ) -> Result<Vec<Row>, BenchError> {
     let mem = HostMemory::new();
-    let (buffers, regions) = allocate(&mem, comm.rank(), n, buffer_bytes)?;
+    let (_buffers, regions) = allocate(&mem, comm.rank(), n, buffer_bytes)?;
     let mappings = n * (comm.size() - 1);
 
     let mut peers = PeerMappings::new(mem.clone(), comm)?;
@@ -197,69 +181,49 @@ fn bench_regions<C: Communicator>(
     peers.reopen_all(comm)?;
     verify(comm, &peers, id, n, "reopen_all")?;
 
-    let timed = time_variants(
-        comm,
-        Plan {
-            iter,
-            bytes: 0,
-            variants: OPS.len(),
-            order: Order::Fixed,
-        },
-        &s.progress,
-        &mut peers,
-        |peers, v| match v {
-            0 => {
-                let mut fresh = PeerMappings::new(mem.clone(), comm)?;
-                time_once(comm, |start| {
-                    fresh.exchange(comm, &regions)?;
-                    Ok(elapsed_ns(start))
-                })
-            }
-            1 => time_once(comm, |start| {
-                peers.close_all()?;
-                Ok(elapsed_ns(start))
-            }),
-            _ => time_once(comm, |start| {
-                peers.reopen_all(comm)?;
-                Ok(elapsed_ns(start))
-            }),
-        },
-    )?;
-    drop(peers);
-    drop(buffers);
-
-    let both: Vec<u64> = timed.samples[1]
-        .iter()
-        .zip(&timed.samples[2])
-        .map(|(c, r)| c + r)
-        .collect();
-    let samples = timed.samples.into_iter().chain([both]);
-    let names = OPS.into_iter().chain(["close_all+reopen_all"]);
-    Ok(samples
-        .zip(names)
-        .filter_map(|(samples, op)| {
-            let row = Row::new(TABLE, &n.to_string(), op, 0, timed.warmup, samples)?;
-            Some(row.with("mappings", mappings))
+    let spec = Spec {
+        order: Order::Fixed,
+        sums: &[("close_all+reopen_all", 1, 2)],
+        ..Spec::new(TABLE, n.to_string(), 0, &OPS).with("mappings", mappings)
+    };
+    s.measure(comm, &spec, &mut peers, |peers, v| {
+        // A fresh registry for `exchange`, made and dropped outside the timed region.
+        let mut fresh = (v == 0)
+            .then(|| PeerMappings::new(mem.clone(), comm))
+            .transpose()?;
+        time_once(comm, |start| {
+            match (&mut fresh, v) {
+                (Some(fresh), _) => drop(fresh.exchange(comm, &regions)?),
+                (None, 1) => drop(peers.close_all()?),
+                _ => peers.reopen_all(comm)?,
+            };
+            Ok(elapsed_ns(start))
         })
-        .collect())
+    })
 }
 
-/// The per-rank job of the subcommand.
-struct IpcJob<'a> {
-    args: &'a IpcArgs,
-}
+impl Bench for IpcArgs {
+    const NAME: &'static str = "ipc";
 
-impl PerRank for IpcJob<'_> {
-    type Output = ();
+    fn run_args(&self) -> &RunArgs {
+        &self.run
+    }
 
-    fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
-        let args = self.args;
-        let lines = [
+    fn validate(&self) -> Result<(), BenchError> {
+        if self.buffer_bytes == 0 {
+            return Err(BenchError::Usage(
+                "--buffer-bytes must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn preamble(&self, _mpi: bool) -> Vec<String> {
+        vec![
             format!(
                 "backend host (memfd); each region its own HostMemory::allocate({}) buffer",
-                args.buffer_bytes
+                self.buffer_bytes
             ),
-            args.iter.describe(),
             "time: median over iterations of the slowest rank (a barrier before each timed op)"
                 .into(),
             "exchange: PeerMappings::exchange on a fresh registry (new + drop untimed); \
@@ -267,45 +231,34 @@ impl PerRank for IpcJob<'_> {
                 .into(),
             "close_all+reopen_all: the sum of the two (slowest rank of each) per iteration".into(),
             "mappings verified (tags read through every peer mapping) before timing".into(),
-        ];
-        let json = args.run.json.as_deref();
-        let mut s = Session::start(info, "ipc", comm.rank(), comm.size(), json, &lines)?;
+        ]
+    }
+
+    fn targets(&self) -> Vec<Target> {
+        targets()
+    }
+
+    fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
         s.header(
             "peer mappings: exchange N regions per rank, close_all, reopen_all",
             &COLUMNS,
         );
-        s.progress.plan(args.regions.len());
-        for &n in &args.regions {
-            s.progress.case(format!("{n} regions"));
-            let rows = bench_regions(&s, comm, n as usize, args.buffer_bytes, &args.iter)?;
+        s.progress.plan(self.regions.len());
+        for &n in &self.regions {
+            let rows = bench_regions(s, comm, n as usize, self.buffer_bytes)?;
             s.rows(&COLUMNS, rows, |_| true);
         }
-        if comm.size() != 2 {
-            s.note("");
-            s.note("the target is stated for 2 ranks: the verdict below is indicative only");
-        }
-        s.finish("ipc", json, args, &targets(), comm.size() == 2)?;
-        Ok(Some(()))
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tpcomm::transport::LocalGroup;
 
     #[test]
     fn every_op_verifies_and_times_on_three_local_ranks() {
-        let iter = IterArgs {
-            iters: Some(2),
-            warmup: Some(1),
-        };
-        let info = RunInfo::local("test");
-        let results = LocalGroup::new(3).run(|comm| {
-            let s = Session::start(&info, "ipc", 1, 3, None, &[])?;
-            bench_regions(&s, &comm, 4, 100, &iter)
-        });
-        let rows = launch::first_rank_output(results).unwrap();
+        let rows = crate::launch::test_rank_rows(3, |s, comm| bench_regions(s, comm, 4, 100));
         let ops: Vec<&str> = rows.iter().map(|r| r.variant.as_str()).collect();
         assert_eq!(
             ops,

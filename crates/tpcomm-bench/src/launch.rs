@@ -13,8 +13,10 @@ use tpcomm::transport::LocalGroup;
 use tpcomm::{Communicator, TransportError};
 
 use crate::error::BenchError;
-use crate::harness::{Row, Target, Verdict};
+use crate::harness::{link_peers, time_variants, Plan, Row, Spec, Target, Verdict};
+use crate::mpi_peer::MpiWorld;
 use crate::report::{self, Machine, Report};
+use crate::sweep::IterArgs;
 use crate::table::{self, Column, Progress};
 
 /// Ranks of the local group when `--ranks` is not given.
@@ -47,6 +49,10 @@ pub(crate) struct RunArgs {
     /// docs/benchmarks.md).
     #[arg(long, value_name = "FILE")]
     pub(crate) json: Option<PathBuf>,
+
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) iter: IterArgs,
 }
 
 impl RunArgs {
@@ -93,6 +99,10 @@ pub(crate) struct Session<'a> {
     pub(crate) rank: usize,
     pub(crate) ranks: usize,
     pub(crate) progress: Progress,
+    /// The iteration policy of [`Session::measure`].
+    pub(crate) iter: IterArgs,
+    /// The plain MPI calls on `MPI_COMM_WORLD`, when the ranks are MPI ranks.
+    pub(crate) mpi: Option<MpiWorld>,
     rows: Vec<Row>,
     summary: Vec<String>,
 }
@@ -114,6 +124,8 @@ impl<'a> Session<'a> {
             rank,
             ranks,
             progress: Progress::new(rank),
+            iter: IterArgs::default(),
+            mpi: MpiWorld::for_run(info),
             rows: Vec::new(),
             summary: Vec::new(),
         };
@@ -138,6 +150,80 @@ impl<'a> Session<'a> {
             }
         }
         Ok(s)
+    }
+
+    /// Verifies every variant of `spec` once (`check(state, v)` runs variant `v` on fresh
+    /// data and says what is wrong, if anything), failing on every rank when any rank saw
+    /// wrong data (collective).
+    pub(crate) fn verify<C: Communicator, S>(
+        &self,
+        comm: &C,
+        spec: &Spec<'_>,
+        state: &mut S,
+        mut check: impl FnMut(&mut S, usize) -> Result<Option<String>, BenchError>,
+    ) -> Result<(), BenchError> {
+        for (v, variant) in spec.variants.iter().enumerate() {
+            let problem = check(state, v)?;
+            crate::harness::agree(comm, problem, || {
+                format!("{variant} {} of {}", spec.table, spec.case)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Times the variants of `spec` interleaved (collective; `once(state, v)` runs variant
+    /// `v` as one timed iteration) and returns its rows: one per variant and per declared
+    /// sum, with the bandwidths, the case's facts and the comparison with its peer.
+    pub(crate) fn measure<C: Communicator, S>(
+        &self,
+        comm: &C,
+        spec: &Spec<'_>,
+        state: &mut S,
+        once: impl FnMut(&mut S, usize) -> Result<u64, BenchError>,
+    ) -> Result<Vec<Row>, BenchError> {
+        self.progress.case(format!("{} {}", spec.table, spec.case));
+        let plan = Plan {
+            iter: &self.iter,
+            bytes: spec.bytes,
+            variants: spec.variants.len(),
+            order: spec.order,
+        };
+        let timed = time_variants(comm, plan, &self.progress, state, once)?;
+        let mut samples = timed.samples;
+        let mut names: Vec<&str> = spec.variants.to_vec();
+        for &(name, a, b) in spec.sums {
+            samples.push(
+                samples[a]
+                    .iter()
+                    .zip(&samples[b])
+                    .map(|(x, y)| x + y)
+                    .collect(),
+            );
+            names.push(name);
+        }
+        let mut rows: Vec<Row> = names
+            .into_iter()
+            .zip(samples)
+            .filter_map(|(variant, samples)| {
+                let mut row = Row::new(
+                    spec.table,
+                    &spec.case,
+                    variant,
+                    spec.bytes,
+                    timed.warmup,
+                    samples,
+                )?;
+                if let Some(bus) = spec.bus {
+                    row = row.bus(bus, comm.size());
+                }
+                row.info.extend(spec.info.iter().cloned());
+                Some(row)
+            })
+            .collect();
+        if let Some(peer) = spec.peer {
+            link_peers(&mut rows, |r| (!r.is(peer)).then(|| peer.to_string()));
+        }
+        Ok(rows)
     }
 
     /// Whether this rank prints (rank 0).
@@ -221,22 +307,32 @@ impl<'a> Session<'a> {
     }
 
     /// Ends the run on rank 0: judges `targets` on the rows (binding when this run is the
-    /// configuration they are stated for), prints the verdicts and writes the JSON report.
+    /// configuration they are stated for, `stated_for`), prints the verdicts and writes the
+    /// JSON report.
     pub(crate) fn finish<S: Serialize>(
         self,
         subcommand: &str,
         json: Option<&Path>,
         settings: &S,
         targets: &[Target],
-        binding: bool,
+        (binding, stated_for): (bool, &str),
     ) -> Result<(), BenchError> {
         if !self.prints() {
             return Ok(());
         }
         self.progress.finish();
         let verdicts = Verdict::judge_all(targets, &self.rows, binding);
-        if !verdicts.is_empty() {
+        if !targets.is_empty() {
             self.note("");
+        }
+        if verdicts.is_empty() && !targets.is_empty() {
+            self.note(&format!(
+                "no target can be judged on this run: they are stated for {stated_for}"
+            ));
+        } else if !binding && !verdicts.is_empty() {
+            self.note(&format!(
+                "the targets are stated for {stated_for}: the verdicts below are indicative only"
+            ));
         }
         for v in &verdicts {
             v.lines().iter().for_each(|l| self.note(l));
@@ -277,32 +373,76 @@ impl<'a> Session<'a> {
     }
 }
 
-/// The work of one rank of a subcommand.
-pub(crate) trait PerRank: Sync {
-    /// What rank 0 returns.
-    type Output: Send;
+/// A subcommand that measures: its options, preamble, targets and per-rank measurement;
+/// [`run`] does the rest (ranks, session, verdicts, JSON).
+pub(crate) trait Bench: Serialize + Sync {
+    /// The subcommand's name.
+    const NAME: &'static str;
+    /// The configuration the targets are stated for, in words.
+    const STATED_FOR: &'static str = "2 ranks";
 
-    /// Runs on every rank; rank 0's `Ok(Some(_))` is the run's output, the other ranks
-    /// return `Ok(None)`.
-    fn run<C: Communicator>(
-        &self,
-        comm: &C,
-        info: &RunInfo,
-    ) -> Result<Option<Self::Output>, BenchError>;
+    /// The options every measuring subcommand takes.
+    fn run_args(&self) -> &RunArgs;
+
+    /// Checks what clap cannot check option by option.
+    fn validate(&self) -> Result<(), BenchError> {
+        Ok(())
+    }
+
+    /// Lines printed below the common preamble: what is timed and how.
+    fn preamble(&self, mpi: bool) -> Vec<String>;
+
+    /// The targets the rows are judged against.
+    fn targets(&self) -> Vec<Target> {
+        Vec::new()
+    }
+
+    /// Whether a run of `ranks` ranks over `transport` is the configuration of the targets.
+    fn binding(&self, _transport: &str, ranks: usize) -> bool {
+        ranks == 2
+    }
+
+    /// Verifies, times and prints every case on this rank (collective).
+    fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError>;
 }
 
-/// Runs `job` on `ranks` local threads (default [`DEFAULT_LOCAL_RANKS`]) or, with
-/// [`Transport::Mpi`], as this MPI rank. Returns rank 0's output (`None` on other MPI
-/// ranks). In MPI mode a failing rank prints its error and aborts the job, so that no rank
-/// stays blocked in a collective its peers left.
-pub(crate) fn launch<J: PerRank>(args: &RunArgs, job: &J) -> Result<Option<J::Output>, BenchError> {
+/// Runs `bench` on every rank: the session, its measurement, the verdicts and the report.
+pub(crate) fn run<B: Bench>(bench: &B) -> Result<(), BenchError> {
+    bench.run_args().iter.validate()?;
+    bench.validate()?;
+    launch(bench.run_args(), bench).map(drop)
+}
+
+/// One rank of [`run`].
+fn run_rank<B: Bench, C: Communicator>(
+    bench: &B,
+    comm: &C,
+    info: &RunInfo,
+) -> Result<Option<()>, BenchError> {
+    let json = bench.run_args().json.as_deref();
+    let mpi = info.transport == "mpi";
+    let (rank, ranks) = (comm.rank(), comm.size());
+    let mut lines = vec![bench.run_args().iter.describe()];
+    lines.extend(bench.preamble(mpi));
+    let mut s = Session::start(info, B::NAME, rank, ranks, json, &lines)?;
+    s.iter = bench.run_args().iter.clone();
+    bench.measure(comm, &mut s)?;
+    let binding = (bench.binding(info.transport, ranks), B::STATED_FOR);
+    s.finish(B::NAME, json, bench, &bench.targets(), binding)?;
+    Ok((rank == 0).then_some(()))
+}
+
+/// Runs `bench` on `ranks` local threads (default [`DEFAULT_LOCAL_RANKS`]) or, with
+/// [`Transport::Mpi`], as this MPI rank. In MPI mode a failing rank prints its error and
+/// aborts the job, so that no rank stays blocked in a collective its peers left.
+fn launch<B: Bench>(args: &RunArgs, bench: &B) -> Result<Option<()>, BenchError> {
     let ranks = args.ranks;
     match args.transport {
         Transport::Local => {
             warn_if_under_mpirun();
             let info = RunInfo::local("local (threads of this process)");
             let ranks = ranks.unwrap_or(DEFAULT_LOCAL_RANKS) as usize;
-            let results = LocalGroup::new(ranks).run(|comm| job.run(&comm, &info));
+            let results = LocalGroup::new(ranks).run(|comm| run_rank(bench, &comm, &info));
             first_rank_output(results)
         }
         Transport::Mpi => {
@@ -313,13 +453,13 @@ pub(crate) fn launch<J: PerRank>(args: &RunArgs, job: &J) -> Result<Option<J::Ou
                         .into(),
                 ));
             }
-            launch_mpi(job)
+            launch_mpi(bench)
         }
     }
 }
 
 #[cfg(feature = "mpi")]
-fn launch_mpi<J: PerRank>(job: &J) -> Result<Option<J::Output>, BenchError> {
+fn launch_mpi<B: Bench>(bench: &B) -> Result<Option<()>, BenchError> {
     use mpi::topology::Communicator as _;
     use tpcomm::transport::MpiCommunicator;
 
@@ -335,7 +475,7 @@ fn launch_mpi<J: PerRank>(job: &J) -> Result<Option<J::Output>, BenchError> {
     };
     let result = MpiCommunicator::world(&universe)
         .map_err(BenchError::from)
-        .and_then(|comm| job.run(&comm, &info));
+        .and_then(|comm| run_rank(bench, &comm, &info));
     match result {
         Ok(out) => Ok(out),
         Err(e) => {
@@ -349,7 +489,7 @@ fn launch_mpi<J: PerRank>(job: &J) -> Result<Option<J::Output>, BenchError> {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn launch_mpi<J: PerRank>(_: &J) -> Result<Option<J::Output>, BenchError> {
+fn launch_mpi<B: Bench>(_: &B) -> Result<Option<()>, BenchError> {
     Err(BenchError::Usage(
         "this tpcomm-bench was built without MPI: rebuild with \
          `cargo build --release -p tpcomm-bench --features mpi`"
@@ -379,6 +519,25 @@ pub(crate) fn warn_if_under_mpirun() {
              local: every process runs its own local group; pass --transport mpi"
         );
     }
+}
+
+/// Runs `f` on `ranks` local threads in a session that prints nothing (2 timed iterations
+/// after 1 warm-up); rank 0's result.
+#[cfg(test)]
+pub(crate) fn test_rank_rows<T: Send>(
+    ranks: usize,
+    f: impl Fn(&Session<'_>, &tpcomm::transport::LocalCommunicator) -> Result<T, BenchError> + Sync,
+) -> T {
+    let info = RunInfo::local("test");
+    let results = LocalGroup::new(ranks).run(|comm| {
+        let mut s = Session::start(&info, "test", 1, ranks, None, &[])?;
+        s.iter = IterArgs {
+            iters: Some(2),
+            warmup: Some(1),
+        };
+        f(&s, &comm)
+    });
+    first_rank_output(results).unwrap()
 }
 
 /// Rank 0's output, or the most telling error of any rank: one that is not just "the group

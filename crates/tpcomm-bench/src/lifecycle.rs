@@ -14,8 +14,11 @@
 //!    pass for an effect of the resume: each round times a block of all-reduces ("before";
 //!    the first block precedes any suspend), runs one untimed suspend + resume, and times
 //!    a block again ("after"), each iteration lined up as in `tpcomm-bench allreduce`;
-//! 3. suspend/resume cycles are timed by the harness: `prepare_for_suspend` and
-//!    `reinit_after_resume`, each behind a barrier, and their sum per iteration;
+//! 3. suspend/resume cycles are timed by the harness, each step behind a barrier, in this
+//!    order every iteration: a `replay` of the plan (steady state: every mapping warm),
+//!    `prepare_for_suspend`, `reinit_after_resume`, and the `first replay` after the resume
+//!    (reopened mappings touched for the first time); `suspend+resume` is the sum of the
+//!    two transitions, and the first replay is compared with the steady one (after/before);
 //! 4. the plan is replayed on fresh data and all N outputs checked again.
 //!
 //! [`CustomAllReduce`]: tpcomm::allreduce::CustomAllReduce
@@ -33,10 +36,9 @@ use crate::allreduce::{
 };
 use crate::error::BenchError;
 use crate::harness::{
-    agree, elapsed_ns, link_peers, median, slowest, time_once, time_variants, Order, Plan, Row,
-    Target,
+    agree, elapsed_ns, link_peers, median, slowest, time_once, Order, Row, Spec, Target,
 };
-use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
+use crate::launch::{Bench, RunArgs, Session};
 use crate::sweep::{format_bytes, parse_bytes, IterArgs};
 use crate::table::{col, Column};
 
@@ -49,8 +51,13 @@ const TARGET_TIME: Duration = Duration::from_millis(5);
 const LATENCY_TOLERANCE: f64 = 1.10;
 /// Rounds of the before/after latency comparison (one untimed suspend + resume each).
 const LATENCY_ROUNDS: usize = 5;
-/// The timed transitions, in running order; their sum is a row too.
-const TRANSITIONS: [&str; 2] = ["prepare_for_suspend", "reinit_after_resume"];
+/// The timed steps of a cycle, in running order; the sum of the transitions is a row too.
+const STEPS: [&str; 4] = [
+    "replay",
+    "prepare_for_suspend",
+    "reinit_after_resume",
+    "first replay",
+];
 const TRANSITION_TABLE: &str = "suspend/resume";
 const LATENCY_TABLE: &str = "latency";
 
@@ -78,36 +85,9 @@ pub(crate) struct LifecycleArgs {
     /// Size of the eager f32 all-reduce timed before and after a resume (a multiple of 16).
     #[arg(long, default_value = "64KiB", value_parser = parse_bytes, value_name = "BYTES")]
     pub(crate) latency_bytes: usize,
-
-    #[command(flatten)]
-    #[serde(flatten)]
-    pub(crate) iter: IterArgs,
 }
 
-impl LifecycleArgs {
-    fn validate(&self) -> Result<(), BenchError> {
-        self.iter.validate()?;
-        self.run.at_most(8)?;
-        for (name, v) in [
-            ("--buffer-bytes", self.buffer_bytes),
-            ("--latency-bytes", self.latency_bytes),
-        ] {
-            if v == 0 || !v.is_multiple_of(16) {
-                return Err(BenchError::Usage(format!(
-                    "{name} ({v}) must be a positive multiple of 16 bytes"
-                )));
-            }
-        }
-        if self.graph_buffers.is_empty() {
-            return Err(BenchError::Usage(
-                "--graph-buffers needs at least one value".into(),
-            ));
-        }
-        Ok(())
-    }
-}
-
-const TRANSITION_COLUMNS: [Column; 6] = [
+const TRANSITION_COLUMNS: [Column; 7] = [
     Column::new("graph", "buffers", 8, |r, _| r.case.clone()),
     Column::new("mappings", "(per rank)", 11, |r, _| r.text("mappings")),
     col::variant("op", 20),
@@ -116,6 +96,9 @@ const TRANSITION_COLUMNS: [Column; 6] = [
         format!("{:.2}", r.stats.median_us)
     }),
     Column::new("min", "(us)", 11, |r, _| format!("{:.2}", r.stats.min_us)),
+    Column::new("ratio", "after/bef", 10, |r, _| {
+        r.vs_peer.map_or_else(|| "-".into(), |x| format!("{x:.3}x"))
+    }),
 ];
 
 const LATENCY_COLUMNS: [Column; 7] = [
@@ -340,28 +323,25 @@ fn bench_buffers<C: Communicator>(
     verify_plan(&mut ar, 0x11fe ^ n as u64, "replay before suspend")?;
     let mappings = ar.peer_mappings()?.counters().open;
 
-    let latency_rows = latency(comm, &mut sync, &mut ar, n, args.latency_bytes, &args.iter)?;
-    let timed = time_variants(
-        comm,
-        Plan {
-            iter: &args.iter,
-            bytes: 0,
-            variants: TRANSITIONS.len(),
-            order: Order::Fixed,
-        },
-        &s.progress,
-        &mut ar,
-        |ar, v| {
-            time_once(comm, |start| {
-                if v == 0 {
-                    ar.prepare_for_suspend(comm)?;
-                } else {
-                    ar.reinit_after_resume(comm)?;
-                }
-                Ok(elapsed_ns(start))
-            })
-        },
-    )?;
+    let latency_rows = latency(comm, &mut sync, &mut ar, n, args.latency_bytes, &s.iter)?;
+    let spec = Spec {
+        order: Order::Fixed,
+        sums: &[("suspend+resume", 1, 2)],
+        ..Spec::new(TRANSITION_TABLE, n.to_string(), 0, &STEPS).with("mappings", mappings)
+    };
+    let mut transitions = s.measure(comm, &spec, &mut ar, |ar, v| {
+        time_once(comm, |start| {
+            match v {
+                1 => ar.prepare_for_suspend(comm)?,
+                2 => ar.reinit_after_resume(comm)?,
+                _ => plan.replay(ar)?,
+            };
+            Ok(elapsed_ns(start))
+        })
+    })?;
+    link_peers(&mut transitions, |r| {
+        r.is("first replay").then(|| "replay".into())
+    });
     verify_plan(&mut ar, 0x22fe ^ n as u64, "replay after resume")?;
     let reopened = ar.peer_mappings()?.counters().open;
     if reopened != mappings {
@@ -371,72 +351,93 @@ fn bench_buffers<C: Communicator>(
     }
     drop(plan);
     ar.close()?;
-
-    let both: Vec<u64> = timed.samples[0]
-        .iter()
-        .zip(&timed.samples[1])
-        .map(|(a, b)| a + b)
-        .collect();
-    let names = TRANSITIONS.into_iter().chain(["suspend+resume"]);
-    let transitions = timed
-        .samples
-        .into_iter()
-        .chain([both])
-        .zip(names)
-        .filter_map(|(samples, op)| {
-            let row = Row::new(
-                TRANSITION_TABLE,
-                &n.to_string(),
-                op,
-                0,
-                timed.warmup,
-                samples,
-            )?;
-            Some(row.with("mappings", mappings))
-        })
-        .collect();
     Ok((transitions, latency_rows))
 }
 
-/// The per-rank job of the subcommand.
-struct LifecycleJob<'a> {
-    args: &'a LifecycleArgs,
+/// The closing line of the first replays: after/before per N.
+fn first_replay_line(rows: &[Row]) -> Option<String> {
+    let per: Vec<String> = rows
+        .iter()
+        .filter(|r| r.table == TRANSITION_TABLE && r.is("first replay"))
+        .filter_map(|r| {
+            Some(format!(
+                "N={} {:.2}x ({:.1} us)",
+                r.case, r.vs_peer?, r.stats.median_us
+            ))
+        })
+        .collect();
+    (!per.is_empty()).then(|| {
+        format!(
+            "first replay after a resume / steady-state replay: {}",
+            per.join(", ")
+        )
+    })
 }
 
-impl PerRank for LifecycleJob<'_> {
-    type Output = ();
+impl Bench for LifecycleArgs {
+    const NAME: &'static str = "lifecycle";
 
-    fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
-        let args = self.args;
-        let lines = [
+    fn run_args(&self) -> &RunArgs {
+        &self.run
+    }
+
+    fn validate(&self) -> Result<(), BenchError> {
+        self.run.at_most(8)?;
+        for (name, v) in [
+            ("--buffer-bytes", self.buffer_bytes),
+            ("--latency-bytes", self.latency_bytes),
+        ] {
+            if v == 0 || !v.is_multiple_of(16) {
+                return Err(BenchError::Usage(format!(
+                    "{name} ({v}) must be a positive multiple of 16 bytes"
+                )));
+            }
+        }
+        if self.graph_buffers.is_empty() {
+            return Err(BenchError::Usage(
+                "--graph-buffers needs at least one value".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn preamble(&self, _mpi: bool) -> Vec<String> {
+        vec![
             format!(
                 "tpcomm-allreduce host backend; N graph buffers = N captured f32 all-reduces of \
                  distinct {} inputs from ar.memory(), then register_graph_buffers",
-                format_bytes(args.buffer_bytes)
+                format_bytes(self.buffer_bytes)
             ),
-            args.iter.describe(),
-            "time: median over iterations of the slowest rank; a barrier before each transition; \
+            "time: median over iterations of the slowest rank; a barrier before each step; \
              before each latency iteration a barrier and an untimed 16-byte all-reduce"
                 .into(),
             "mappings: peer mappings open on each rank (Signal, staging, temp and graph buffers \
              of every peer), all closed by prepare_for_suspend and reopened by reinit_after_resume"
                 .into(),
-            "suspend+resume: the sum of the two (slowest rank of each) per iteration".into(),
+            "per cycle: replay (the plan, steady state), prepare_for_suspend, \
+             reinit_after_resume, first replay after it; suspend+resume: the sum of the two \
+             transitions per iteration; ratio: first replay / steady replay"
+                .into(),
             "the plan is replayed and every output checked before the first suspend and after \
              the last resume"
                 .into(),
-        ];
-        let json = args.run.json.as_deref();
-        let mut s = Session::start(info, "lifecycle", comm.rank(), comm.size(), json, &lines)?;
+        ]
+    }
+
+    fn targets(&self) -> Vec<Target> {
+        targets()
+    }
+
+    fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
         s.header(
-            "suspend/resume: prepare_for_suspend, reinit_after_resume, and their sum",
+            "suspend/resume cycles: steady replay, prepare_for_suspend, reinit_after_resume, \
+             first replay",
             &TRANSITION_COLUMNS,
         );
-        s.progress.plan(args.graph_buffers.len());
+        s.progress.plan(self.graph_buffers.len());
         let mut latencies = Vec::new();
-        for &n in &args.graph_buffers {
-            s.progress.case(format!("{n} graph buffers"));
-            let (transitions, latency) = bench_buffers(&s, comm, n as usize, args)?;
+        for &n in &self.graph_buffers {
+            let (transitions, latency) = bench_buffers(s, comm, n as usize, self)?;
             s.rows(&TRANSITION_COLUMNS, transitions, |_| true);
             latencies.extend(latency);
         }
@@ -444,31 +445,23 @@ impl PerRank for LifecycleJob<'_> {
             &format!(
                 "eager f32 all-reduce of {}: blocks just before and just after a suspend + \
                  resume, {LATENCY_ROUNDS} rounds interleaved",
-                format_bytes(args.latency_bytes)
+                format_bytes(self.latency_bytes)
             ),
             &LATENCY_COLUMNS,
         );
         s.rows(&LATENCY_COLUMNS, latencies, |_| true);
-        if comm.size() != 2 {
+        if let Some(line) = first_replay_line(s.kept()) {
             s.note("");
-            s.note("the targets are stated for 2 ranks: the verdicts below are indicative only");
+            s.summary(line);
         }
-        s.finish("lifecycle", json, args, &targets(), comm.size() == 2)?;
-        Ok(Some(()))
+        Ok(())
     }
-}
-
-/// Runs the subcommand.
-pub(crate) fn run(args: &LifecycleArgs) -> Result<(), BenchError> {
-    args.validate()?;
-    launch::launch(&args.run, &LifecycleJob { args }).map(drop)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
-    use tpcomm::transport::LocalGroup;
 
     use crate::{Cli, Command};
 
@@ -498,22 +491,19 @@ mod tests {
             "256",
             "--latency-bytes",
             "1024",
-            "--iters",
-            "2",
-            "--warmup",
-            "1",
         ]);
-        let info = RunInfo::local("test");
-        let results = LocalGroup::new(3).run(|comm| {
-            let s = Session::start(&info, "lifecycle", 1, 3, None, &[])?;
-            bench_buffers(&s, &comm, 3, &args)
-        });
-        let (transitions, latencies) = launch::first_rank_output(results).unwrap();
+        let (transitions, latencies) =
+            crate::launch::test_rank_rows(3, |s, comm| bench_buffers(s, comm, 3, &args));
         // Signal, staging, temp and 3 graph buffers of each of 2 peers.
-        assert_eq!(transitions.len(), 3);
+        let ops: Vec<&str> = transitions.iter().map(|r| r.variant.as_str()).collect();
+        assert_eq!(ops, [&STEPS[..], &["suspend+resume"]].concat());
         assert!(transitions
             .iter()
             .all(|r| r.text("mappings") == "12" && r.iters == 2));
+        let first = &transitions[3];
+        assert_eq!(first.peer.as_deref(), Some("replay"));
+        assert!(first.vs_peer.is_some());
+        assert!(first_replay_line(&transitions).unwrap().contains("N=3 "));
         assert!(latencies[1].is("after") && latencies[1].vs_peer.is_some());
     }
 

@@ -17,7 +17,7 @@
 //! tpcomm-bench checkpoint                     # process checkpoint, each step timed (feature cuda)
 //! tpcomm-bench compare old.json new.json      # ratio per row, regressions flagged
 //! tpcomm-bench plot t.json ar.json -o charts  # SVG charts of time and bandwidth
-//! tpcomm-bench peer-check --launcher "mpirun -np 2"   # the MPI peer against a C loop
+//! mpirun -np 2 tpcomm-bench peer-check --transport mpi   # the MPI peer against a C loop
 //! ```
 //!
 //! Every subcommand runs through one harness ([`harness`], [`launch::Session`]): cases
@@ -105,11 +105,10 @@ enum Command {
     ///
     /// Exits with status 1 when a row is slower than the threshold allows.
     Compare(compare::CompareArgs),
-    /// Checks the MPI peer of `transport` and `allreduce` (rsmpi in the run) against a
-    /// standalone C loop of the same MPI calls, built with `mpicc`.
+    /// Checks the MPI peer of `transport` and `allreduce` (rsmpi in the run) against a C
+    /// loop of the same MPI calls (built with `mpicc`), iterations interleaved.
     ///
-    /// Run it outside mpirun: it starts the MPI jobs itself with `--launcher`. Needs the
-    /// `mpi` feature.
+    /// Run it under `mpirun -np 2` with `--transport mpi`. Needs the `mpi` feature.
     PeerCheck(peer_check::PeerCheckArgs),
     /// Draws SVG charts of JSON reports: time and bus bandwidth against size, log axes, one
     /// line per variant and per peer.
@@ -120,11 +119,11 @@ fn main() -> ExitCode {
     init_tracing();
     let cli = Cli::parse();
     let result: Result<(), BenchError> = match cli.command {
-        Command::Transport(args) => transport::run(&args),
+        Command::Transport(args) => launch::run(&args),
         Command::Objects(args) => objects::run(&args),
-        Command::Ipc(args) => ipc::run(&args),
-        Command::AllReduce(args) => allreduce::run(&args),
-        Command::Lifecycle(args) => lifecycle::run(&args),
+        Command::Ipc(args) => launch::run(&args),
+        Command::AllReduce(args) => launch::run(&args),
+        Command::Lifecycle(args) => launch::run(&args),
         Command::Gpu(args) => gpu::run(&args),
         Command::Checkpoint(args) => checkpoint::run(&args),
         Command::Compare(args) => compare::run(&args),
@@ -193,7 +192,7 @@ mod tests {
             (sweep.min_bytes, sweep.max_bytes, sweep.factor),
             (8, 64 << 20, 2)
         );
-        assert_eq!((sweep.iter.iters, sweep.iter.warmup), (None, None));
+        assert_eq!((args.run.iter.iters, args.run.iter.warmup), (None, None));
     }
 
     #[test]

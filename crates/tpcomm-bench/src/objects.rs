@@ -29,11 +29,9 @@ use tpcomm::transport::dense_displacements;
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{
-    agree, elapsed_ns, link_peers, slowest, time_once, time_variants, Order, Plan, Row, Target,
-};
-use crate::launch::{self, PerRank, RunArgs, RunInfo, Session, Transport};
-use crate::sweep::{format_bytes, parse_bytes, IterArgs};
+use crate::harness::{elapsed_ns, link_peers, slowest, time_once, Row, Spec, Target};
+use crate::launch::{self, Bench, RunArgs, Session, Transport};
+use crate::sweep::{format_bytes, parse_bytes};
 use crate::table::{col, Column};
 use crate::transport::{pattern, splitmix64};
 
@@ -65,19 +63,14 @@ pub(crate) struct ObjectsArgs {
     )]
     pub(crate) payloads: Vec<Payload>,
 
-    #[command(flatten)]
-    #[serde(flatten)]
-    pub(crate) iter: IterArgs,
-
     /// Skip the mpi4py peer (otherwise run, with the local transport, when
     /// `python3 -c "import mpi4py"` works and `mpirun` exists).
     #[arg(long)]
     pub(crate) no_mpi4py: bool,
 }
 
-/// Runs the subcommand.
+/// Runs the subcommand: the mpi4py peer first (its own MPI job), then the bench's ranks.
 pub(crate) fn run(args: &ObjectsArgs) -> Result<(), BenchError> {
-    args.iter.validate()?;
     if args.payloads.is_empty() {
         return Err(BenchError::Usage("--payloads is empty".into()));
     }
@@ -100,7 +93,7 @@ pub(crate) fn run(args: &ObjectsArgs) -> Result<(), BenchError> {
                 .into(),
         ),
     };
-    launch::launch(&args.run, &ObjectsJob { args, mpi4py }).map(drop)
+    launch::run(&ObjectsBench { args, mpi4py })
 }
 
 /// The mpi4py peer's script, written to a temporary file and run under `mpirun`.
@@ -156,8 +149,8 @@ fn run_mpi4py(args: &ObjectsArgs) -> Result<Vec<Mpi4pyRun>, String> {
         "python3",
     ])
     .arg(&script)
-    .arg(args.iter.iters.unwrap_or(0).to_string())
-    .arg(args.iter.warmup.unwrap_or(5).to_string())
+    .arg(args.run.iter.iters.unwrap_or(0).to_string())
+    .arg(args.run.iter.warmup.unwrap_or(5).to_string())
     .args(args.payloads.iter().map(Payload::to_string));
     eprintln!("tpcomm-bench objects: timing the mpi4py peer first ({ranks} MPI ranks)");
     let out = cmd.output();
@@ -518,14 +511,13 @@ fn time_variant<C: Communicator, S: Shape>(
     })
 }
 
-/// Runs variant `v` once and checks that every rank's value arrived (collective).
+/// Runs variant `v` once; what is wrong with what arrived, if anything.
 fn verify<C: Communicator, S: Shape>(
     comm: &C,
-    payload: Payload,
     v: usize,
     value: &S::Owned,
     expected: &[S::Owned],
-) -> Result<(), BenchError> {
+) -> Result<Option<String>, BenchError> {
     let first_wrong = |equal: &dyn Fn(usize) -> bool, got: usize| {
         if got != expected.len() {
             return Some(format!("{got} values for {} ranks", expected.len()));
@@ -549,9 +541,7 @@ fn verify<C: Communicator, S: Shape>(
             first_wrong(&|r| all[r] == expected[r], all.len())
         }
     };
-    agree(comm, problem, || {
-        format!("{} all_gather of {payload}", VARIANTS[v])
-    })
+    Ok(problem)
 }
 
 /// Verifies, warms up and times the variants on one payload; the rows are the same on
@@ -562,16 +552,20 @@ fn bench_payload<C: Communicator, S: Shape>(
     shape: &S,
     payload: Payload,
     values_per_rank: usize,
-    iter: &IterArgs,
     mpi4py: Option<&Mpi4pyRun>,
 ) -> Result<Vec<Row>, BenchError> {
     let value = shape.value(comm.rank());
     let expected: Vec<S::Owned> = (0..comm.size()).map(|r| shape.value(r)).collect();
     let own_bytes = postcard::to_allocvec(&value)?.len() as u64;
     let bytes_per_rank = slowest(comm, &[own_bytes])?[0] as usize;
-    for v in 0..VARIANTS.len() {
-        verify::<C, S>(comm, payload, v, &value, &expected)?;
-    }
+    let spec = Spec {
+        peer: Some(VARIANTS[2]),
+        ..Spec::new(TABLE, payload.to_string(), bytes_per_rank, &VARIANTS)
+            .with("values_per_rank", values_per_rank)
+    };
+    s.verify(comm, &spec, &mut (), |_, v| {
+        verify::<C, S>(comm, v, &value, &expected)
+    })?;
     if let Some(py) = mpi4py {
         let ours = fingerprint::<S>(&expected);
         if py.fingerprint != ours {
@@ -583,57 +577,39 @@ fn bench_payload<C: Communicator, S: Shape>(
         }
     }
     drop(expected);
-    let timed = time_variants(
-        comm,
-        Plan {
-            iter,
-            bytes: bytes_per_rank.saturating_mul(comm.size()),
-            variants: VARIANTS.len(),
-            order: Order::Rotate,
-        },
-        &s.progress,
-        &mut (),
-        |_, v| time_variant::<C, S>(comm, v, &value),
-    )?;
-    let case = payload.to_string();
-    let mut rows: Vec<Row> = timed
-        .samples
-        .into_iter()
-        .zip(VARIANTS)
-        .filter_map(|(samples, variant)| {
-            let row = Row::new(TABLE, &case, variant, bytes_per_rank, timed.warmup, samples)?;
-            Some(row.with("values_per_rank", values_per_rank))
-        })
-        .collect();
+    let mut rows = s.measure(comm, &spec, &mut (), |_, v| {
+        time_variant::<C, S>(comm, v, &value)
+    })?;
     if let Some(py) = mpi4py {
-        let row = Row::new(
-            TABLE,
-            &case,
-            MPI4PY,
-            bytes_per_rank,
-            py.warmup,
-            py.samples_ns.clone(),
-        );
+        let case = payload.to_string();
+        let samples = py.samples_ns.clone();
+        let row = Row::new(TABLE, &case, MPI4PY, bytes_per_rank, py.warmup, samples);
         rows.extend(row.map(|r| r.with("values_per_rank", values_per_rank)));
+        link_peers(&mut rows, |r| r.is(MPI4PY).then(|| VARIANTS[2].into()));
     }
-    link_peers(&mut rows, |_| Some(VARIANTS[2].into()));
     Ok(rows)
 }
 
-/// The per-rank job of the subcommand.
-struct ObjectsJob<'a> {
+/// `objects` with the mpi4py peer's figures, measured before the ranks start.
+#[derive(Serialize)]
+struct ObjectsBench<'a> {
+    #[serde(flatten)]
     args: &'a ObjectsArgs,
     /// The mpi4py peer's runs, or why there are none.
+    #[serde(skip)]
     mpi4py: Result<Vec<Mpi4pyRun>, String>,
 }
 
-impl PerRank for ObjectsJob<'_> {
-    type Output = ();
+impl Bench for ObjectsBench<'_> {
+    const NAME: &'static str = "objects";
+    const STATED_FOR: &'static str = "2 MPI ranks (mpirun -np 2 ... --transport mpi)";
 
-    fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
-        let args = self.args;
-        let lines = [
-            args.iter.describe(),
+    fn run_args(&self) -> &RunArgs {
+        &self.args.run
+    }
+
+    fn preamble(&self, _mpi: bool) -> Vec<String> {
+        vec![
             "time: median over iterations of the slowest rank (a barrier before each iteration);"
                 .into(),
             "  timed until the gathered values are in hand (dropping them is not timed)".into(),
@@ -653,53 +629,47 @@ impl PerRank for ObjectsJob<'_> {
                     .into(),
                 Err(why) => format!("mpi4py: {why}"),
             },
-        ];
-        let json = args.run.json.as_deref();
-        let mut s = Session::start(info, "objects", comm.rank(), comm.size(), json, &lines)?;
+        ]
+    }
+
+    fn targets(&self) -> Vec<Target> {
+        targets()
+    }
+
+    fn binding(&self, transport: &str, ranks: usize) -> bool {
+        transport == "mpi" && ranks == 2
+    }
+
+    fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
         s.header(
             "object all-gather: one value per rank, every rank gets all of them",
             &COLUMNS,
         );
-        s.progress.plan(args.payloads.len());
-        for &payload in &args.payloads {
-            s.progress.case(payload.to_string());
+        s.progress.plan(self.args.payloads.len());
+        for &payload in &self.args.payloads {
             let py = self
                 .mpi4py
                 .as_ref()
                 .ok()
                 .and_then(|runs| runs.iter().find(|r| r.payload == payload.to_string()));
             let rows = match payload {
-                Payload::Blob(n) => {
-                    bench_payload(&s, comm, &BlobShape(n), payload, 1, &args.iter, py)?
-                }
-                Payload::Records(n) => {
-                    bench_payload(&s, comm, &RecordsShape(n), payload, n, &args.iter, py)?
-                }
+                Payload::Blob(n) => bench_payload(s, comm, &BlobShape(n), payload, 1, py)?,
+                Payload::Records(n) => bench_payload(s, comm, &RecordsShape(n), payload, n, py)?,
             };
             s.rows(&COLUMNS, rows, |_| true);
         }
-        s.note("");
         let lines = mpi4py_lines(s.kept());
         if !lines.is_empty() {
-            lines.into_iter().for_each(|l| s.summary(l));
             s.note("");
+            lines.into_iter().for_each(|l| s.summary(l));
         }
-        let binding = info.transport == "mpi" && comm.size() == 2;
-        if !binding {
-            s.note(
-                "targets are stated for 2 MPI ranks (mpirun -np 2 ... --transport mpi); on \
-                 another configuration they are indicative only",
-            );
-        }
-        s.finish("objects", json, args, &targets(), binding)?;
-        Ok(Some(()))
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tpcomm::transport::LocalGroup;
 
     #[test]
     fn payload_names_round_trip() {
@@ -728,38 +698,27 @@ mod tests {
 
     #[test]
     fn every_variant_verifies_and_times_on_three_local_ranks() {
-        let iter = IterArgs {
-            iters: Some(3),
-            warmup: Some(1),
-        };
-        let info = RunInfo::local("test");
-        let results = LocalGroup::new(3).run(|comm| {
-            let s = Session::start(&info, "objects", 1, 3, None, &[])?;
-            let mut rows = bench_payload(
-                &s,
-                &comm,
-                &BlobShape(300),
-                Payload::Blob(300),
-                1,
-                &iter,
-                None,
-            )?;
+        let rows = launch::test_rank_rows(3, |s, comm| {
+            let mut rows = bench_payload(s, comm, &BlobShape(300), Payload::Blob(300), 1, None)?;
+            let records = RecordsShape(10);
             rows.extend(bench_payload(
-                &s,
-                &comm,
-                &RecordsShape(10),
+                s,
+                comm,
+                &records,
                 Payload::Records(10),
                 10,
-                &iter,
                 None,
             )?);
-            Ok::<_, BenchError>(rows)
+            Ok(rows)
         });
-        let rows = launch::first_rank_output(results).unwrap();
         assert_eq!(rows.len(), 6);
-        assert!(rows.iter().all(|r| r.iters == 3 && r.stats.median_us > 0.0));
+        assert!(rows.iter().all(|r| r.iters == 2 && r.stats.median_us > 0.0));
         let floor = rows.iter().find(|r| r.is("floor")).unwrap();
-        assert_eq!((floor.vs_peer, floor.bytes), (Some(1.0), 302));
+        assert_eq!((floor.vs_peer, floor.bytes), (None, 302));
+        assert!(rows
+            .iter()
+            .filter(|r| !r.is("floor"))
+            .all(|r| r.vs_peer.is_some()));
     }
 
     #[test]

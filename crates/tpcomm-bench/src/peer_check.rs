@@ -1,259 +1,272 @@
-//! `tpcomm-bench peer-check`: checks the MPI peer the other subcommands measure in their
-//! runs (the plain MPI call through rsmpi, [`crate::mpi_peer`]) against the same calls in a
-//! standalone C program, `src/peer_loop.c`, built here with `mpicc` next to this executable.
+//! `tpcomm-bench peer-check`: checks the MPI peer of the other subcommands (the plain MPI
+//! call through rsmpi, [`crate::mpi_peer`]) against the same call made from C.
 //!
-//! Both sides time the same way (barrier, one call, slowest rank, median) at the same sizes
-//! and iteration counts, in separate MPI jobs started by `--launcher`, alternated for
-//! `--rounds` rounds; the median over rounds of each side is compared. A peer within
-//! `--tolerance` of the C loop measures MPI, not the Rust binding around it.
+//! `src/peer_loop.c` is one iteration of a C benchmark loop (a barrier, one MPI call timed
+//! with `CLOCK_MONOTONIC`); each rank compiles it with `mpicc` into a shared library and
+//! loads it. The harness then runs both on the same buffers, iterations interleaved, at
+//! every size of the sweep: `rsmpi` as `transport` and `allreduce` time their peer, `C` as
+//! the C loop times itself. A peer within `--tolerance` of the C loop measures MPI, not the
+//! Rust binding around it. Run it under `mpirun -np 2` with `--transport mpi`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use clap::Args;
+use serde::Serialize;
+use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::Row;
-use crate::report;
-use crate::sweep::parse_bytes;
-use crate::table::{self, col, Column};
+use crate::harness::{elapsed_ns, time_once, Row, Spec, Target};
+use crate::launch::{self, Bench, RunArgs, Session, Transport};
+use crate::sweep::SweepArgs;
+use crate::table::{col, Column};
+use crate::transport::{Case, TransportOp};
 
-/// The C source, written next to the executable and compiled there.
+/// The C source, compiled by each rank into its own temporary directory.
 const SOURCE: &str = include_str!("peer_loop.c");
+/// The calls checked: the transport operation whose peer is the call, the C loop's op code.
+const CALLS: [(TransportOp, i32); 3] = [
+    (TransportOp::AllGather, 0),
+    (TransportOp::AllGatherVarcount, 1),
+    (TransportOp::AllReduce, 2),
+];
+const VARIANTS: [&str; 2] = ["rsmpi", "C"];
 
 /// Options of `tpcomm-bench peer-check`.
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Args, Serialize)]
+#[command(mut_arg("min_bytes", |a| a.default_value("64")))]
+#[command(mut_arg("max_bytes", |a| a.default_value("4MiB")))]
+#[command(mut_arg("factor", |a| a.default_value("4")))]
 pub(crate) struct PeerCheckArgs {
-    /// The command that starts the MPI jobs, split at spaces (for example
-    /// `mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2`).
-    #[arg(long, default_value = "mpirun -np 2", value_name = "CMD")]
-    pub(crate) launcher: String,
-    /// Smallest size (a multiple of 16: the all-reduce moves 16-byte packs).
-    #[arg(long, default_value = "64", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) min_bytes: usize,
-    /// Largest size.
-    #[arg(long, default_value = "1MiB", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) max_bytes: usize,
-    /// Each size is the previous one times this factor.
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(2..))]
-    pub(crate) factor: u32,
-    /// Timed iterations per size, on both sides.
-    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..))]
-    pub(crate) iters: u32,
-    /// Jobs of each side, alternated.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
-    pub(crate) rounds: u32,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) run: RunArgs,
+
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) sweep: SweepArgs,
+
     /// The largest difference from the C loop still counted as the same, in percent.
     #[arg(long, default_value_t = 5.0, value_name = "PCT")]
     pub(crate) tolerance: f64,
 }
 
-/// The three calls checked: the C loop's name, the bench subcommand and table that measure
-/// the same call, and the peer's variant name there.
-const CALLS: [(&str, &str, &str, &str); 3] = [
-    ("allgather", "transport", "all_gather", "rsmpi"),
-    ("allgatherv", "transport", "all_gather_varcount", "rsmpi"),
-    ("allreduce", "allreduce", "f32", "MPI_Allreduce"),
-];
-const WARMUP: &str = "5";
+/// One iteration of the C loop: `peer_iteration` of `peer_loop.c`.
+type Iteration = unsafe extern "C" fn(
+    i32,
+    *const std::ffi::c_void,
+    i32,
+    *mut std::ffi::c_void,
+    *const i32,
+    *const i32,
+) -> i64;
 
-/// Runs `argv` (after the launcher); its stdout.
-fn job(launcher: &[&str], argv: &[String]) -> Result<String, BenchError> {
-    let mut cmd = Command::new(launcher[0]);
-    cmd.args(&launcher[1..]).args(argv);
-    let out = cmd
-        .output()
-        .map_err(|e| BenchError::Usage(format!("cannot start `{}`: {e}", launcher[0])))?;
-    if !out.status.success() {
-        return Err(BenchError::Usage(format!(
-            "`{} {}` failed ({}): {}",
-            launcher.join(" "),
-            argv.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+/// `peer-check` with the C loop loaded.
+#[derive(Serialize)]
+struct PeerCheck<'a> {
+    #[serde(flatten)]
+    args: &'a PeerCheckArgs,
+    /// The library, kept loaded while `iteration` may be called.
+    #[serde(skip)]
+    _library: libloading::Library,
+    #[serde(skip)]
+    iteration: Iteration,
 }
 
-/// Compiles the C loop into `dir`; its path.
+/// Compiles the C loop into a shared library in `dir`; its path.
 fn build(dir: &Path) -> Result<PathBuf, BenchError> {
     let write = |path: &Path, source| BenchError::Write {
         path: path.to_path_buf(),
         source,
     };
     std::fs::create_dir_all(dir).map_err(|e| write(dir, e))?;
-    let (src, exe) = (dir.join("peer_loop.c"), dir.join("peer_loop"));
+    let (src, lib) = (dir.join("peer_loop.c"), dir.join("libpeer_loop.so"));
     std::fs::write(&src, SOURCE).map_err(|e| write(&src, e))?;
     let status = Command::new("mpicc")
-        .args(["-O2", "-o"])
-        .arg(&exe)
+        .args(["-O2", "-shared", "-fPIC", "-o"])
+        .arg(&lib)
         .arg(&src)
         .status()
         .map_err(|e| BenchError::Usage(format!("mpicc not found ({e}): install Open MPI")))?;
     if !status.success() {
         return Err(BenchError::Usage(format!("mpicc failed ({status})")));
     }
-    Ok(exe)
+    Ok(lib)
 }
 
-/// Runs the subcommand.
+/// Runs the subcommand: builds and loads the C loop, then the ranks.
 pub(crate) fn run(args: &PeerCheckArgs) -> Result<(), BenchError> {
-    let launcher: Vec<&str> = args.launcher.split_whitespace().collect();
-    if launcher.is_empty() || !args.min_bytes.is_multiple_of(16) || args.min_bytes > args.max_bytes
-    {
+    if args.run.transport != Transport::Mpi || cfg!(not(feature = "mpi")) {
         return Err(BenchError::Usage(
-            "--launcher must name a command; --min-bytes a multiple of 16, at most --max-bytes"
+            "peer-check compares MPI calls: run it under mpirun with --transport mpi (and a \
+             tpcomm-bench built with --features mpi)"
                 .into(),
         ));
     }
-    let exe = std::env::current_exe().map_err(|e| BenchError::Usage(e.to_string()))?;
-    let dir = exe.parent().unwrap_or(Path::new(".")).join("peer-check");
-    let c_loop = build(&dir)?;
-    let mut sizes = vec![args.min_bytes];
-    while let Some(next) = sizes
-        .last()
-        .and_then(|s| s.checked_mul(args.factor as usize))
-    {
-        if next > args.max_bytes {
-            break;
-        }
-        sizes.push(next);
+    if !args.sweep.min_bytes.is_multiple_of(16) {
+        return Err(BenchError::Usage(
+            "--min-bytes must be a multiple of 16 (the all-reduce moves f32)".into(),
+        ));
     }
-    let size_args: Vec<String> = sizes.iter().map(usize::to_string).collect();
-    let bench = |subcommand: &str, extra: &[&str], json: &Path| -> Vec<String> {
-        let mut v: Vec<String> = [
-            exe.to_string_lossy().as_ref(),
-            subcommand,
-            "--transport",
-            "mpi",
-        ]
-        .iter()
-        .chain(extra)
-        .map(|s| s.to_string())
-        .collect();
-        for (flag, value) in [
-            ("--min-bytes", args.min_bytes.to_string()),
-            ("--max-bytes", args.max_bytes.to_string()),
-            ("--factor", args.factor.to_string()),
-            ("--iters", args.iters.to_string()),
-            ("--warmup", WARMUP.to_string()),
-            ("--json", json.display().to_string()),
-        ] {
-            v.extend([flag.to_string(), value]);
-        }
-        v
-    };
-    // (call, bytes) -> medians of the in-run peer and of the C loop, one per round.
-    let mut peer: Vec<(usize, usize, f64)> = Vec::new();
-    let mut c: Vec<(usize, usize, f64)> = Vec::new();
-    for round in 0..args.rounds {
-        eprintln!(
-            "tpcomm-bench peer-check: round {} of {}",
-            round + 1,
-            args.rounds
-        );
-        for (k, (name, ..)) in CALLS.iter().enumerate() {
-            let mut argv = vec![c_loop.display().to_string(), name.to_string()];
-            argv.extend([args.iters.to_string(), WARMUP.to_string()]);
-            argv.extend(size_args.iter().cloned());
-            for line in job(&launcher, &argv)?.lines() {
-                let fields: Vec<&str> = line.split_whitespace().collect();
-                if let [_, bytes, us] = fields[..] {
-                    if let (Ok(b), Ok(us)) = (bytes.parse(), us.parse()) {
-                        c.push((k, b, us));
-                    }
-                }
-            }
-        }
-        let json = dir.join("peer.json");
-        for (subcommand, extra) in [
-            (
-                "transport",
-                &["--ops", "all_gather,all_gather_varcount"][..],
+    let dir = std::env::temp_dir().join(format!("tpcomm-bench-peer-{}", std::process::id()));
+    let path = build(&dir)?;
+    let load = |e: libloading::Error| BenchError::Usage(format!("{}: {e}", path.display()));
+    // SAFETY: the library is ours, just compiled from `peer_loop.c`, with no initializers.
+    let library = unsafe { libloading::Library::new(&path) }.map_err(load)?;
+    // SAFETY: `peer_iteration` in `peer_loop.c` has the signature of `Iteration`.
+    let symbol = unsafe { library.get::<Iteration>(b"peer_iteration\0") };
+    let iteration = *symbol.map_err(load)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    launch::run(&PeerCheck {
+        args,
+        _library: library,
+        iteration,
+    })
+}
+
+impl PeerCheck<'_> {
+    /// One iteration of the C loop on `case`'s buffers: its nanoseconds on this rank.
+    fn c_iteration(&self, op: i32, case: &mut Case) -> Result<u64, BenchError> {
+        let [counts, displs, ..] = &case.mpi_counts;
+        let (send, send_count, recv) = match case.op {
+            TransportOp::AllReduce => (
+                case.send_f32.as_ptr().cast(),
+                case.send_f32.len(),
+                case.recv_f32.as_mut_ptr().cast(),
             ),
-            ("allreduce", &["--paths", "auto"][..]),
-        ] {
-            job(&launcher, &bench(subcommand, extra, &json))?;
-            for r in report::read(&json)?.rows {
-                let call = CALLS
+            _ => (
+                case.send.as_ptr().cast(),
+                case.send.len(),
+                case.recv.as_mut_ptr().cast(),
+            ),
+        };
+        let send_count = i32::try_from(send_count)
+            .map_err(|_| BenchError::Usage("a count beyond MPI's 32 bits".into()))?;
+        // SAFETY: the buffers are the case's, as large as the counts say (`Case::new`);
+        // MPI is initialized (the ranks are MPI ranks) and every rank makes the same call.
+        let ns = unsafe {
+            (self.iteration)(op, send, send_count, recv, counts.as_ptr(), displs.as_ptr())
+        };
+        u64::try_from(ns).map_err(|_| BenchError::Usage(format!("C loop: MPI call {op} failed")))
+    }
+}
+
+const COLUMNS: [Column; 6] = [
+    Column::new("call", "", 20, |r, _| r.table.clone()),
+    col::size(10),
+    col::iters(),
+    Column::new("rsmpi", "(us)", 10, |r, _| {
+        format!("{:.3}", r.stats.median_us)
+    }),
+    Column::new("C loop", "(us)", 10, |_, p| {
+        col::f3(p.map(|p| p.stats.median_us))
+    }),
+    col::vs_peer("ratio", "rsmpi/C", 8),
+];
+
+impl Bench for PeerCheck<'_> {
+    const NAME: &'static str = "peer-check";
+    const STATED_FOR: &'static str = "2 MPI ranks";
+
+    fn run_args(&self) -> &RunArgs {
+        &self.args.run
+    }
+
+    fn validate(&self) -> Result<(), BenchError> {
+        self.args.sweep.validate()
+    }
+
+    fn preamble(&self, _mpi: bool) -> Vec<String> {
+        vec![
+            self.args.sweep.describe(),
+            "rsmpi: the MPI peer of transport and allreduce (rsmpi on MPI_COMM_WORLD, warm \
+             buffers), timed as they time it (barrier, Instant around the call)"
+                .into(),
+            "C: one iteration of a C loop (src/peer_loop.c built with mpicc -O2: MPI_Barrier, \
+             then the call timed with CLOCK_MONOTONIC) on the same buffers"
+                .into(),
+            "iterations interleaved; time: median over iterations of the slowest rank; \
+             ratio = rsmpi median / C median"
+                .into(),
+        ]
+    }
+
+    fn targets(&self) -> Vec<Target> {
+        let tol = self.args.tolerance;
+        vec![Target {
+            what: format!("the MPI peer within {tol}% of the C loop at every size"),
+            why: "the peer stands for what MPI itself costs; a binding or a harness that adds \
+                  or hides time would make every comparison with it wrong",
+            judge: Box::new(move |rows: &[Row]| {
+                let ratios: Vec<(f64, &Row)> =
+                    rows.iter().filter_map(|r| Some((r.vs_peer?, r))).collect();
+                let outside: Vec<String> = ratios
                     .iter()
-                    .position(|c| c.1 == subcommand && c.2 == r.table && c.3 == r.variant);
-                if let Some(k) = call {
-                    peer.push((k, r.bytes, r.stats.median_us));
-                }
+                    .filter(|(x, _)| (x - 1.0).abs() * 100.0 > tol)
+                    .map(|(x, r)| format!("{} {} B {x:.3}x", r.table, r.bytes))
+                    .collect();
+                let worst = ratios.iter().map(|r| r.0).reduce(|a, b| {
+                    if (a - 1.0).abs() > (b - 1.0).abs() {
+                        a
+                    } else {
+                        b
+                    }
+                })?;
+                let detail = format!(
+                    "{} of {} sizes within, farthest {worst:.3}x{}",
+                    ratios.len() - outside.len(),
+                    ratios.len(),
+                    if outside.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; outside: {}", outside.join(", "))
+                    }
+                );
+                Some((outside.is_empty(), detail))
+            }),
+        }]
+    }
+
+    fn binding(&self, transport: &str, ranks: usize) -> bool {
+        transport == "mpi" && ranks == 2
+    }
+
+    fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
+        let mpi = s.mpi.take();
+        let sizes = self.args.sweep.sizes();
+        s.progress.plan(CALLS.len() * sizes.len());
+        s.header("MPI call: rsmpi (the in-run peer) and the C loop", &COLUMNS);
+        for (k, &(op, code)) in CALLS.iter().enumerate() {
+            for (i, &bytes) in sizes.iter().enumerate() {
+                let Some(mut case) = Case::new(op, bytes, comm.rank(), comm.size())? else {
+                    continue;
+                };
+                let spec = Spec {
+                    peer: Some(VARIANTS[1]),
+                    ..Spec::new(op.name(), case.bytes.to_string(), case.bytes, &VARIANTS)
+                };
+                let salt = ((k as u64) << 32) ^ i as u64;
+                s.verify(comm, &spec, &mut case, |case, v| {
+                    case.fill(salt ^ v as u64);
+                    if v == 0 {
+                        case.run(comm, mpi.as_ref(), 1)?;
+                    } else {
+                        self.c_iteration(code, case)?;
+                    }
+                    Ok(case.check(salt ^ v as u64))
+                })?;
+                let rows = s.measure(comm, &spec, &mut case, |case, v| {
+                    time_once(comm, |start| {
+                        if v == 1 {
+                            return self.c_iteration(code, case);
+                        }
+                        case.run(comm, mpi.as_ref(), 1)?;
+                        Ok(elapsed_ns(start))
+                    })
+                })?;
+                s.rows(&COLUMNS, rows, |r| r.is(VARIANTS[0]));
             }
         }
+        Ok(())
     }
-    let median_of = |v: &[(usize, usize, f64)], k: usize, b: usize| {
-        let mut xs: Vec<f64> = v
-            .iter()
-            .filter(|x| (x.0, x.1) == (k, b))
-            .map(|x| x.2)
-            .collect();
-        xs.sort_by(f64::total_cmp);
-        match xs.len() {
-            0 => None,
-            n if n % 2 == 1 => Some(xs[n / 2]),
-            n => Some((xs[n / 2 - 1] + xs[n / 2]) / 2.0),
-        }
-    };
-    // A row per call and size: the peer's median as the row, the C loop's as its peer.
-    let mut rows = Vec::new();
-    for (k, call) in CALLS.iter().enumerate() {
-        for &b in &sizes {
-            let (Some(p), Some(cl)) = (median_of(&peer, k, b), median_of(&c, k, b)) else {
-                continue;
-            };
-            let ns = |us: f64| vec![(us * 1e3).round() as u64];
-            let mut row = Row::new(call.0, &b.to_string(), call.3, b, 5, ns(p))
-                .ok_or_else(|| BenchError::Usage("no samples".into()))?;
-            row.vs_peer = Some(p / cl);
-            rows.push(row.with("c_loop_us", cl));
-        }
-    }
-    const COLUMNS: [Column; 5] = [
-        Column::new("call", "(MPI_)", 11, |r, _| r.table.clone()),
-        col::size(10),
-        Column::new("in-run", "peer (us)", 12, |r, _| {
-            format!("{:.3}", r.stats.median_us)
-        }),
-        Column::new("C loop", "(us)", 12, |r, _| col::f3(r.number("c_loop_us"))),
-        col::vs_peer("ratio", "peer/C", 8),
-    ];
-    let mut lines = vec![format!(
-        "# peer-check: the in-run MPI peer (rsmpi, warm buffers) against {}, {} iterations, \
-         median of {} rounds; launcher `{}`",
-        c_loop.display(),
-        args.iters,
-        args.rounds,
-        args.launcher
-    )];
-    lines.extend(table::header("median time per call", &COLUMNS));
-    lines.extend(rows.iter().map(|r| table::row_line(&COLUMNS, r, None)));
-    let tol = args.tolerance / 100.0;
-    let outside: Vec<&Row> = rows
-        .iter()
-        .filter(|r| r.vs_peer.is_some_and(|x| (x - 1.0).abs() > tol))
-        .collect();
-    lines.push(format!(
-        "# {} of {} rows within {}% of the C loop{}",
-        rows.len() - outside.len(),
-        rows.len(),
-        args.tolerance,
-        if outside.is_empty() {
-            String::new()
-        } else {
-            let list: Vec<String> = outside
-                .iter()
-                .map(|r| format!("{} {} B", r.table, r.bytes))
-                .collect();
-            format!(
-                " (outside: {}; rerun on a quiet machine before reading much into it)",
-                list.join(", ")
-            )
-        }
-    ));
-    table::print(&lines);
-    Ok(())
 }

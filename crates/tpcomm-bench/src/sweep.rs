@@ -41,14 +41,10 @@ pub(crate) struct SweepArgs {
     /// Each size is the previous one times this factor.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(2..))]
     pub(crate) factor: u32,
-
-    #[command(flatten)]
-    #[serde(flatten)]
-    pub(crate) iter: IterArgs,
 }
 
 /// Options of the iteration policy (flattened into every subcommand).
-#[derive(Debug, Clone, Args, Serialize)]
+#[derive(Debug, Clone, Default, Args, Serialize)]
 pub(crate) struct IterArgs {
     /// Timed iterations per case [default: adaptive, about 40 ms of collective time per
     /// case, between 20 and 1000].
@@ -130,7 +126,7 @@ impl SweepArgs {
                 format_bytes(self.max_bytes)
             )));
         }
-        self.iter.validate()
+        Ok(())
     }
 
     /// The sizes of the sweep, smallest first.
@@ -150,11 +146,10 @@ impl SweepArgs {
     /// One line describing the sweep, for table headers.
     pub(crate) fn describe(&self) -> String {
         format!(
-            "sizes {} .. {} x{}; {}",
+            "sizes {} .. {} x{}",
             format_bytes(self.min_bytes),
             format_bytes(self.max_bytes),
             self.factor,
-            self.iter.describe()
         )
     }
 }
@@ -207,10 +202,6 @@ mod tests {
             min_bytes: min,
             max_bytes: max,
             factor,
-            iter: IterArgs {
-                iters: None,
-                warmup: None,
-            },
         }
     }
 
@@ -251,7 +242,7 @@ mod tests {
 
     #[test]
     fn adaptive_iterations_stay_within_bounds() {
-        let s = sweep(8, 8, 2).iter;
+        let s = IterArgs::default();
         assert_eq!(s.iters_for(Duration::from_nanos(1)), MAX_ITERS);
         assert_eq!(s.iters_for(Duration::from_secs(1)), MIN_ITERS);
         assert_eq!(s.iters_for(TARGET_TIME / 100), 100);
@@ -267,15 +258,11 @@ mod tests {
         assert!(sweep(0, 8, 2).validate().is_err());
         assert!(sweep(16, 8, 2).validate().is_err());
         assert!(sweep(8, 1 << 31, 2).validate().is_err());
-        assert!(SweepArgs {
-            iter: IterArgs {
-                iters: None,
-                warmup: Some(0),
-            },
-            ..sweep(8, 8, 2)
-        }
-        .validate()
-        .is_err());
+        let no_warmup = IterArgs {
+            iters: None,
+            warmup: Some(0),
+        };
+        assert!(no_warmup.validate().is_err());
         assert!(sweep(8, 64 << 20, 2).validate().is_ok());
     }
 

@@ -19,12 +19,10 @@ use tpcomm::transport::{dense_displacements, GatherRecv, Layout};
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{
-    agree, elapsed_ns, link_peers, time_once, time_variants, Bus, Order, Plan, Row, Target,
-};
-use crate::launch::{self, PerRank, RunArgs, RunInfo, Session};
+use crate::harness::{elapsed_ns, time_once, Bus, Row, Spec, Target};
+use crate::launch::{Bench, RunArgs, Session};
 use crate::mpi_peer::{MpiCall, MpiWorld};
-use crate::sweep::{format_bytes, SweepArgs};
+use crate::sweep::SweepArgs;
 use crate::table::{col, Column};
 
 /// Root of broadcast and gather.
@@ -70,7 +68,7 @@ impl TransportOp {
         TransportOp::AllReduce,
     ];
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             TransportOp::AllGather => "all_gather",
             TransportOp::AllGatherVarcount => "all_gather_varcount",
@@ -81,14 +79,14 @@ impl TransportOp {
         }
     }
 
-    fn root(self) -> Option<usize> {
+    pub(crate) fn root(self) -> Option<usize> {
         match self {
             TransportOp::GatherVarcount | TransportOp::Broadcast => Some(ROOT),
             _ => None,
         }
     }
 
-    fn bus(self) -> Bus {
+    pub(crate) fn bus(self) -> Bus {
         match self {
             TransportOp::Broadcast => Bus::Same,
             TransportOp::AllReduce => Bus::AllReduce,
@@ -97,7 +95,7 @@ impl TransportOp {
     }
 
     /// What `size` means for this operation, for the table's title.
-    fn size_meaning(self) -> &'static str {
+    pub(crate) fn size_meaning(self) -> &'static str {
         match self {
             TransportOp::AllGather | TransportOp::AllGatherVarcount => {
                 "size = bytes gathered (all ranks' contributions); busbw = algbw * (n-1)/n"
@@ -138,14 +136,8 @@ pub(crate) struct TransportArgs {
     pub(crate) sweep: SweepArgs,
 }
 
-/// Runs the subcommand.
-pub(crate) fn run(args: &TransportArgs) -> Result<(), BenchError> {
-    args.sweep.validate()?;
-    launch::launch(&args.run, &TransportJob { args }).map(drop)
-}
-
 /// The nccl-tests columns; with the MPI peer, its time and the ratio.
-fn columns(with_peer: bool) -> Vec<Column> {
+pub(crate) fn columns(with_peer: bool) -> Vec<Column> {
     let mut c = vec![
         col::size(12),
         Column::new("count", "(elements)", 12, |r, _| r.text("count")),
@@ -195,103 +187,84 @@ fn targets() -> Vec<Target> {
     }]
 }
 
-/// The per-rank job.
-struct TransportJob<'a> {
-    args: &'a TransportArgs,
-}
+impl Bench for TransportArgs {
+    const NAME: &'static str = "transport";
+    const STATED_FOR: &'static str = "2 MPI ranks (mpirun -np 2 ... --transport mpi)";
 
-impl PerRank for TransportJob<'_> {
-    type Output = ();
+    fn run_args(&self) -> &RunArgs {
+        &self.run
+    }
 
-    fn run<C: Communicator>(&self, comm: &C, info: &RunInfo) -> Result<Option<()>, BenchError> {
-        let args = self.args;
-        let mpi = MpiWorld::for_run(info);
+    fn validate(&self) -> Result<(), BenchError> {
+        self.sweep.validate()
+    }
+
+    fn preamble(&self, mpi: bool) -> Vec<String> {
         let mut lines = vec![
-            args.sweep.describe(),
+            self.sweep.describe(),
             "time: median over iterations of the slowest rank (a barrier before each iteration)"
                 .into(),
             "min: fastest iteration; data verified once per size before timing".into(),
         ];
-        if mpi.is_some() {
+        if mpi {
             lines.push(format!(
                 "direct: the same collective as a plain MPI call (rsmpi on MPI_COMM_WORLD, warm \
                  buffers), iterations interleaved with tpcomm's; ratio = tpcomm median / direct \
                  median (target <= {RATIO_TARGET:.2}x)"
             ));
         }
-        let json = args.run.json.as_deref();
-        let mut s = Session::start(info, "transport", comm.rank(), comm.size(), json, &lines)?;
-        let sizes = args.sweep.sizes();
-        s.progress.plan(args.ops.len() * sizes.len());
+        lines
+    }
+
+    fn targets(&self) -> Vec<Target> {
+        targets()
+    }
+
+    fn binding(&self, transport: &str, ranks: usize) -> bool {
+        transport == "mpi" && ranks == 2
+    }
+
+    fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
+        let sizes = self.sweep.sizes();
+        s.progress.plan(self.ops.len() * sizes.len());
+        let mpi = s.mpi.take();
         let columns = columns(mpi.is_some());
-        let paths = if mpi.is_some() { 2 } else { 1 };
-        for (op_index, &op) in args.ops.iter().enumerate() {
+        let variants = &VARIANTS[..if mpi.is_some() { 2 } else { 1 }];
+        for (op_index, &op) in self.ops.iter().enumerate() {
             s.header(&format!("{}: {}", op.name(), op.size_meaning()), &columns);
             for (size_index, &requested) in sizes.iter().enumerate() {
-                s.progress
-                    .case(format!("{} {}", op.name(), format_bytes(requested)));
                 let Some(mut case) = Case::new(op, requested, comm.rank(), comm.size())? else {
                     s.note(&format!("{requested} B: skipped, fewer bytes than ranks"));
                     continue;
                 };
+                let spec = Spec {
+                    peer: Some(VARIANTS[1]),
+                    bus: Some(op.bus()),
+                    ..Spec::new(op.name(), case.bytes.to_string(), case.bytes, variants)
+                        .with("count", case.count())
+                        .with("type", case.type_name())
+                        .with("root", op.root())
+                };
                 let salt = ((op_index as u64) << 32) ^ size_index as u64;
-                for path in 0..paths {
+                s.verify(comm, &spec, &mut case, |case, path| {
                     let salt = salt ^ ((path as u64) << 63);
                     case.fill(salt);
                     case.run(comm, mpi.as_ref(), path)?;
-                    agree(comm, case.check(salt), || {
-                        format!("{} {} of {} B", VARIANTS[path], op.name(), case.bytes)
-                    })?;
-                }
-                let timed = time_variants(
-                    comm,
-                    Plan {
-                        iter: &args.sweep.iter,
-                        bytes: case.bytes,
-                        variants: paths,
-                        order: Order::Rotate,
-                    },
-                    &s.progress,
-                    &mut case,
-                    |case, path| {
-                        time_once(comm, |start| {
-                            case.run(comm, mpi.as_ref(), path)?;
-                            Ok(elapsed_ns(start))
-                        })
-                    },
-                )?;
-                let bytes = case.bytes;
-                let mut rows: Vec<Row> = timed
-                    .samples
-                    .into_iter()
-                    .zip(VARIANTS)
-                    .filter_map(|(samples, variant)| {
-                        let row = Row::new(
-                            op.name(),
-                            &bytes.to_string(),
-                            variant,
-                            bytes,
-                            timed.warmup,
-                            samples,
-                        )?;
-                        Some(
-                            row.bus(op.bus(), comm.size())
-                                .with("count", case.count())
-                                .with("type", case.type_name())
-                                .with("root", op.root()),
-                        )
+                    Ok(case.check(salt))
+                })?;
+                let rows = s.measure(comm, &spec, &mut case, |case, path| {
+                    time_once(comm, |start| {
+                        case.run(comm, mpi.as_ref(), path)?;
+                        Ok(elapsed_ns(start))
                     })
-                    .collect();
-                link_peers(&mut rows, |r| r.is("tpcomm").then(|| VARIANTS[1].into()));
+                })?;
                 s.rows(&columns, rows, |r| r.is("tpcomm"));
             }
             if let Some(line) = summary(op.name(), s.kept()) {
                 s.summary(line);
             }
         }
-        let binding = mpi.is_some() && comm.size() == 2;
-        s.finish("transport", json, args, &targets(), binding)?;
-        Ok(Some(()))
+        Ok(())
     }
 }
 
@@ -322,29 +295,29 @@ fn summary(op: &str, rows: &[Row]) -> Option<String> {
 /// operation but broadcast; `send_counts` / `send_displs` the send buffer of all-to-all;
 /// `mpi_counts` the same four tables as MPI's 32-bit counts, converted before timing.
 #[derive(Debug)]
-struct Case {
-    op: TransportOp,
-    rank: usize,
-    size: usize,
+pub(crate) struct Case {
+    pub(crate) op: TransportOp,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
     /// The size in the table's convention.
-    bytes: usize,
-    send: Vec<u8>,
+    pub(crate) bytes: usize,
+    pub(crate) send: Vec<u8>,
     /// Receive buffer; the buffer itself for broadcast; empty off the root for gather.
-    recv: Vec<u8>,
-    counts: Vec<usize>,
-    displs: Vec<usize>,
-    send_counts: Vec<usize>,
-    send_displs: Vec<usize>,
-    mpi_counts: [Vec<i32>; 4],
+    pub(crate) recv: Vec<u8>,
+    pub(crate) counts: Vec<usize>,
+    pub(crate) displs: Vec<usize>,
+    pub(crate) send_counts: Vec<usize>,
+    pub(crate) send_displs: Vec<usize>,
+    pub(crate) mpi_counts: [Vec<i32>; 4],
     /// All-reduce's input and output (the byte buffers are empty then).
-    send_f32: Vec<f32>,
-    recv_f32: Vec<f32>,
+    pub(crate) send_f32: Vec<f32>,
+    pub(crate) recv_f32: Vec<f32>,
 }
 
 impl Case {
     /// Buffers for `op` at about `requested` bytes; `None` when the operation cannot move
     /// that few bytes over `size` ranks (equal blocks of at least one byte).
-    fn new(
+    pub(crate) fn new(
         op: TransportOp,
         requested: usize,
         rank: usize,
@@ -434,7 +407,7 @@ impl Case {
     }
 
     /// Elements per rank, for the table's `count` column.
-    fn count(&self) -> usize {
+    pub(crate) fn count(&self) -> usize {
         match self.op {
             TransportOp::AllReduce => self.send_f32.len(),
             _ => self.bytes,
@@ -442,7 +415,7 @@ impl Case {
     }
 
     /// The element type, for the table's `type` column.
-    fn type_name(&self) -> &'static str {
+    pub(crate) fn type_name(&self) -> &'static str {
         match self.op {
             TransportOp::AllReduce => "float",
             _ => "uint8",
@@ -450,7 +423,7 @@ impl Case {
     }
 
     /// Runs the operation once: through tpcomm (`path` 0) or as the plain MPI call (1).
-    fn run<C: Communicator>(
+    pub(crate) fn run<C: Communicator>(
         &mut self,
         comm: &C,
         mpi: Option<&MpiWorld>,
@@ -526,7 +499,7 @@ impl Case {
 
     /// Fills the buffers with fresh data for a verification run: the send buffer (and the
     /// root's broadcast buffer) with this rank's pattern, the rest with garbage.
-    fn fill(&mut self, salt: u64) {
+    pub(crate) fn fill(&mut self, salt: u64) {
         if self.op == TransportOp::AllReduce {
             for (i, x) in self.send_f32.iter_mut().enumerate() {
                 *x = small_integer(self.rank, salt, i);
@@ -545,7 +518,7 @@ impl Case {
 
     /// Checks the receive buffer after a run on data from [`fill`](Self::fill); returns
     /// what is wrong.
-    fn check(&self, salt: u64) -> Option<String> {
+    pub(crate) fn check(&self, salt: u64) -> Option<String> {
         let region = |from: usize, at: usize, offset: usize, len: usize| -> Option<String> {
             let got = self.recv.get(at..at + len)?;
             let mut want = vec![0; len];

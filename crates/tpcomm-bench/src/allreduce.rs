@@ -38,7 +38,7 @@ use tpcomm::ipc::{HostBuffer, HostMemory, PeerMemory};
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{elapsed_ns, geomean, time_once, Bus, Row, Spec, Target};
+use crate::harness::{elapsed_ns, geomean, time_once, Bus, RatioLine, Row, Spec, Target};
 use crate::launch::{Bench, RunArgs, Session};
 use crate::mpi_peer::{MpiCall, MpiWorld};
 use crate::sweep::{format_bytes, SweepArgs};
@@ -829,6 +829,7 @@ fn targets() -> Vec<Target> {
             ),
             why: "a custom all-reduce inside a node is only worth its peer memory and its \
                   lifecycle if it clearly beats the MPI library on the sizes of inference",
+            line: RatioLine::new(MPI, 1.0 / SPEEDUP_TARGET),
             judge: Box::new(move |rows: &[Row]| {
                 let g = speedup(rows, path)?;
                 let mut detail = format!("geomean speedup over MPI_Allreduce {g:.3}x");
@@ -851,6 +852,7 @@ fn targets() -> Vec<Target> {
             ),
             why: "small all-reduces are latency-bound; the custom path must not lose there what \
                   it gains on larger sizes",
+            line: None,
             judge: Box::new(move |rows: &[Row]| {
                 let find = |p: &str| {
                     rows.iter()

@@ -2,8 +2,10 @@
 //!
 //! Per report and table, one chart of time against size and, where the rows have a
 //! bandwidth, one of bus bandwidth against size; both axes logarithmic, one line per variant
-//! (the peer included). Tables without sizes (peer mappings, suspend/resume) are drawn
-//! against their case, a count. Text is left to the SVG viewer's fonts.
+//! (the peer included). Where a target is a ratio to a peer at every case, the time chart
+//! also draws it as a dashed line: the peer's time times the ratio, the most a variant may
+//! take. Tables without sizes (peer mappings, suspend/resume) are drawn against their case,
+//! a count. Text is left to the SVG viewer's fonts.
 
 use std::path::{Path, PathBuf};
 
@@ -61,6 +63,26 @@ fn x_of(r: &Row) -> Option<f64> {
         return Some(r.bytes as f64);
     }
     r.case.parse::<f64>().ok().filter(|&x| x > 0.0)
+}
+
+/// The dashed lines of the report's ratio targets whose peer has a series here: the peer's
+/// points times the ratio, labelled for the legend.
+fn target_lines(
+    report: &Report,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> Vec<(String, Vec<(f64, f64)>)> {
+    let mut lines: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for line in report.targets.iter().filter_map(|v| v.line.as_ref()) {
+        let Some((_, peer)) = series.iter().find(|(v, _)| *v == line.peer) else {
+            continue;
+        };
+        let label = format!("target: {:.2}x {}", line.ratio, line.peer);
+        if lines.iter().all(|(l, _)| *l != label) {
+            let points = peer.iter().map(|&(x, y)| (x, y * line.ratio)).collect();
+            lines.push((label, points));
+        }
+    }
+    lines
 }
 
 /// `x` in the largest unit of `base` it reaches, without needless decimals: `64K`, `1.5M`,
@@ -140,7 +162,17 @@ fn chart(
             None => series.push((r.variant.clone(), vec![(x, y)])),
         }
     }
-    let points = || series.iter().flat_map(|(_, p)| p.iter().copied());
+    let targets = if measure == Measure::Time {
+        target_lines(report, &series)
+    } else {
+        Vec::new()
+    };
+    let points = || {
+        series
+            .iter()
+            .chain(&targets)
+            .flat_map(|(_, p)| p.iter().copied())
+    };
     if points().count() < 2 {
         return Ok(false);
     }
@@ -203,6 +235,14 @@ fn chart(
             .legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
             });
+    }
+    for (label, points) in &targets {
+        let style = BLACK.mix(0.6).stroke_width(1);
+        chart
+            .draw_series(DashedLineSeries::new(points.iter().copied(), 6, 4, style))
+            .map_err(|e| err(&e))?
+            .label(label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
     }
     chart
         .configure_series_labels()

@@ -175,7 +175,14 @@ mod tests {
             settings: serde_json::json!({ "iters": 3 }),
             rows,
             summary: vec!["all_gather: avg busbw 0.1 GB/s".into()],
-            targets: Vec::new(),
+            targets: vec![crate::harness::Verdict {
+                target: "tpcomm within 1.10x of rsmpi".into(),
+                reason: "a wrapper should cost next to nothing".into(),
+                met: tpcomm_ns <= 1100,
+                detail: String::new(),
+                binding: false,
+                line: crate::harness::RatioLine::new("rsmpi", 1.1),
+            }],
         }
     }
 
@@ -245,9 +252,15 @@ mod tests {
                 "transport-local2-all-gather-busbw.svg"
             ]
         );
-        for f in files {
-            let svg = std::fs::read_to_string(f).unwrap();
-            assert!(svg.starts_with("<svg") && svg.contains("tpcomm") && svg.contains("rsmpi"));
+        let svg: Vec<String> = files
+            .iter()
+            .map(|f| std::fs::read_to_string(f).unwrap())
+            .collect();
+        for s in &svg {
+            assert!(s.starts_with("<svg") && s.contains("tpcomm") && s.contains("rsmpi"));
         }
+        // The ratio target on the time chart only.
+        assert!(svg[0].contains("target: 1.10x rsmpi"), "{}", svg[0]);
+        assert!(!svg[1].contains("target:"));
     }
 }

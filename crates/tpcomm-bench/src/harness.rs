@@ -400,6 +400,24 @@ pub(crate) fn agree<C: Communicator>(
 /// the rows hold nothing to judge.
 pub(crate) type Judge = Box<dyn Fn(&[Row]) -> Option<(bool, String)>>;
 
+/// A target drawn on the time charts: `ratio` times the median of `peer`, case by case.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct RatioLine {
+    /// The variant the target compares with.
+    pub(crate) peer: String,
+    /// The largest time allowed, as a multiple of the peer's.
+    pub(crate) ratio: f64,
+}
+
+impl RatioLine {
+    pub(crate) fn new(peer: &str, ratio: f64) -> Option<Self> {
+        Some(Self {
+            peer: peer.into(),
+            ratio,
+        })
+    }
+}
+
 /// A performance target a subcommand checks its rows against, with the reason it exists.
 pub(crate) struct Target {
     /// What is aimed at, for a user ("tpcomm within 1.1x of rsmpi at every size").
@@ -409,6 +427,8 @@ pub(crate) struct Target {
     /// The verdict from the rows: met, and the figures it was decided from; `None` when the
     /// rows hold nothing to judge.
     pub(crate) judge: Judge,
+    /// The target as a line on the charts, where it is a ratio to a peer at every case.
+    pub(crate) line: Option<RatioLine>,
 }
 
 impl std::fmt::Debug for Target {
@@ -427,6 +447,9 @@ pub(crate) struct Verdict {
     /// Whether this run is the configuration the target is stated for; a verdict on
     /// another configuration is indicative only.
     pub(crate) binding: bool,
+    /// The target as a line on the charts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) line: Option<RatioLine>,
 }
 
 impl Verdict {
@@ -442,6 +465,7 @@ impl Verdict {
                     met,
                     detail,
                     binding,
+                    line: t.line.clone(),
                 })
             })
             .collect()
@@ -589,6 +613,7 @@ mod tests {
                     format!("{:.1} us", r.stats.median_us),
                 ))
             }),
+            line: None,
         }];
         let rows = [Row::new("t", "c", "v", 8, 0, vec![1000]).unwrap()];
         let v = Verdict::judge_all(&targets, &rows, false);

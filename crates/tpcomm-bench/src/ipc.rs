@@ -79,6 +79,7 @@ fn targets() -> Vec<Target> {
         ),
         why: "an engine resuming after a suspend reopens every peer mapping before it serves \
               again; a few milliseconds keep that invisible next to the resume itself",
+        line: None,
         judge: Box::new(|rows: &[Row]| {
             let find = |op: &str| {
                 rows.iter()

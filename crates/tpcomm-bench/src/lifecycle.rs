@@ -124,6 +124,7 @@ fn targets() -> Vec<Target> {
             ),
             why: "an engine suspends and resumes between requests (weights offloaded, GPU \
                   shared); the transition must stay well below a request's latency",
+            line: None,
             judge: Box::new(|rows: &[Row]| {
                 let both = rows.iter().find(|r| {
                     r.table == TRANSITION_TABLE
@@ -147,6 +148,7 @@ fn targets() -> Vec<Target> {
             ),
             why: "a resume rewrites the stable tables in place; a kernel reading them must run \
                   exactly as fast as before (the tolerance is this machine's noise)",
+            line: None,
             judge: Box::new(|rows: &[Row]| {
                 let ratios: Vec<(String, f64)> = rows
                     .iter()

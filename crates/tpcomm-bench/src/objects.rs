@@ -29,7 +29,7 @@ use tpcomm::transport::dense_displacements;
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{elapsed_ns, link_peers, slowest, time_once, Row, Spec, Target};
+use crate::harness::{elapsed_ns, link_peers, slowest, time_once, RatioLine, Row, Spec, Target};
 use crate::launch::{self, Bench, RunArgs, Session, Transport};
 use crate::sweep::{format_bytes, parse_bytes};
 use crate::table::{col, Column};
@@ -235,6 +235,7 @@ fn targets() -> Vec<Target> {
             what: "tpcomm within 1.3x of the floor on every payload".into(),
             why: "the failure agreement, the length cap and the round path must not cost more \
                   than a third of the least work an all-gather of objects takes",
+            line: RatioLine::new(VARIANTS[2], 1.3),
             judge: Box::new(move |rows: &[Row]| {
                 let rows = tpcomm(rows);
                 let worst = rows.iter().max_by(|a, b| {
@@ -258,6 +259,7 @@ fn targets() -> Vec<Target> {
             what: "tpcomm at most 0.8x the floor on blob:64".into(),
             why: "small values take one collective (lengths and bytes together) where the \
                   floor takes two, which should show as at least a 20% gain",
+            line: None,
             judge: Box::new(move |rows: &[Row]| {
                 let small: Vec<Row> = tpcomm(rows)
                     .into_iter()
@@ -273,6 +275,7 @@ fn targets() -> Vec<Target> {
             what: "tpcomm at least 25x faster than mpi4py on records:100000".into(),
             why: "Python engines gather control-plane state with mpi4py (pickle); typed values \
                   in postcard must leave that cost far behind to be worth a Rust engine's while",
+            line: None,
             judge: Box::new(move |rows: &[Row]| {
                 let big: Vec<&Row> = rows.iter().filter(|r| r.case == "records:100000").collect();
                 let py = big.iter().find(|r| r.is(MPI4PY))?;

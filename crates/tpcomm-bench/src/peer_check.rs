@@ -16,7 +16,7 @@ use serde::Serialize;
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{elapsed_ns, time_once, Row, Spec, Target};
+use crate::harness::{elapsed_ns, time_once, RatioLine, Row, Spec, Target};
 use crate::launch::{self, Bench, RunArgs, Session, Transport};
 use crate::sweep::SweepArgs;
 use crate::table::{col, Column};
@@ -197,6 +197,7 @@ impl Bench for PeerCheck<'_> {
             what: format!("the MPI peer within {tol}% of the C loop at every size"),
             why: "the peer stands for what MPI itself costs; a binding or a harness that adds \
                   or hides time would make every comparison with it wrong",
+            line: RatioLine::new(VARIANTS[1], 1.0 + tol / 100.0),
             judge: Box::new(move |rows: &[Row]| {
                 let ratios: Vec<(f64, &Row)> =
                     rows.iter().filter_map(|r| Some((r.vs_peer?, r))).collect();

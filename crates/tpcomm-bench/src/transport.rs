@@ -19,7 +19,7 @@ use tpcomm::transport::{dense_displacements, GatherRecv, Layout};
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{elapsed_ns, time_once, Bus, Row, Spec, Target};
+use crate::harness::{elapsed_ns, time_once, Bus, RatioLine, Row, Spec, Target};
 use crate::launch::{Bench, RunArgs, Session};
 use crate::mpi_peer::{MpiCall, MpiWorld};
 use crate::sweep::SweepArgs;
@@ -169,6 +169,7 @@ fn targets() -> Vec<Target> {
         what: format!("tpcomm within {RATIO_TARGET:.2}x of the direct MPI call at every size"),
         why: "a safe wrapper is worth its checks only if it costs next to nothing over calling \
               MPI directly; 10% is about the run-to-run noise of these figures",
+        line: RatioLine::new(VARIANTS[1], RATIO_TARGET),
         judge: Box::new(|rows: &[Row]| {
             let ratios: Vec<(f64, &Row)> =
                 rows.iter().filter_map(|r| Some((r.vs_peer?, r))).collect();

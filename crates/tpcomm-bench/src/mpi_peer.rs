@@ -62,12 +62,14 @@ impl MpiWorld {
         (info.transport == "mpi").then(|| Self(mpi::topology::SimpleCommunicator::world()))
     }
 
-    /// Runs `call` once.
-    pub(crate) fn run(&self, call: MpiCall<'_>) {
+    /// Runs `call` once; its nanoseconds, the clock started right before the call, as a C
+    /// loop starts it.
+    pub(crate) fn run(&self, call: MpiCall<'_>) -> u64 {
         use mpi::collective::{CommunicatorCollectives as _, Root as _, SystemOperation};
         use mpi::datatype::{Partition, PartitionMut};
         use mpi::topology::Communicator as _;
         let comm = &self.0;
+        let start = std::time::Instant::now();
         match call {
             MpiCall::AllGather { send, recv } => comm.all_gather_into(send, recv),
             MpiCall::AllGatherV {
@@ -104,6 +106,7 @@ impl MpiWorld {
                 comm.all_reduce_into(input, output, SystemOperation::sum())
             }
         }
+        crate::harness::elapsed_ns(start)
     }
 }
 
@@ -118,7 +121,7 @@ impl MpiWorld {
         None
     }
 
-    pub(crate) fn run(&self, _: MpiCall<'_>) {
+    pub(crate) fn run(&self, _: MpiCall<'_>) -> u64 {
         match *self {}
     }
 }

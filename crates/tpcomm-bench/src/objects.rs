@@ -5,7 +5,7 @@
 //!
 //! - `tpcomm owned`: [`tpcomm::objects::all_gather`], returning `Vec<T>`;
 //! - `tpcomm borrowed`: [`tpcomm::objects::all_gather_borrowed`] then
-//!   [`Gathered::decode`] into values that borrow from the receive buffer (`&Bytes` for a
+//!   [`Gathered::decode`](tpcomm::objects::Gathered::decode) into values that borrow from the receive buffer (`&Bytes` for a
 //!   blob, records whose `name` is a `&str`);
 //! - `floor` (the peer): what a careful program would write by hand over the same
 //!   [`Communicator`]: postcard encode, a fixed all-gather of the 64-bit lengths, one
@@ -24,7 +24,6 @@ use clap::Args;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_bytes::{ByteBuf, Bytes};
-use tpcomm::objects::Gathered;
 use tpcomm::transport::dense_displacements;
 use tpcomm::Communicator;
 
@@ -484,67 +483,46 @@ fn floor_all_gather<C: Communicator, T: Serialize + DeserializeOwned>(
         .collect()
 }
 
-/// Runs variant `v` once on this rank's `value`, as one timed iteration.
-fn time_variant<C: Communicator, S: Shape>(
+/// Runs variant `v` once on this rank's `value` as one timed iteration (the clock stops
+/// once the values are in hand; dropping them is not timed). With `expected`, also says
+/// what is wrong with what arrived, if anything.
+fn gather_once<C: Communicator, S: Shape>(
     comm: &C,
     v: usize,
     value: &S::Owned,
-) -> Result<u64, BenchError> {
-    time_once(comm, |start| match v {
-        0 => {
-            let all: Vec<S::Owned> = tpcomm::objects::all_gather(comm, value)?;
-            let ns = elapsed_ns(start);
-            drop(black_box(all));
-            Ok(ns)
+    expected: Option<&[S::Owned]>,
+) -> Result<(u64, Option<String>), BenchError> {
+    let check = |n: usize, equal: &dyn Fn(usize, &S::Owned) -> bool| {
+        let want = expected?;
+        if n != want.len() {
+            return Some(format!("{n} values for {} ranks", want.len()));
         }
-        1 => {
-            let gathered = tpcomm::objects::all_gather_borrowed(comm, value)?;
-            let all: Vec<S::Borrowed<'_>> = gathered.decode()?;
-            let ns = elapsed_ns(start);
-            drop(black_box(all));
-            drop(gathered);
-            Ok(ns)
-        }
-        _ => {
-            let all: Vec<S::Owned> = floor_all_gather(comm, value)?;
-            let ns = elapsed_ns(start);
-            drop(black_box(all));
-            Ok(ns)
-        }
-    })
-}
-
-/// Runs variant `v` once; what is wrong with what arrived, if anything.
-fn verify<C: Communicator, S: Shape>(
-    comm: &C,
-    v: usize,
-    value: &S::Owned,
-    expected: &[S::Owned],
-) -> Result<Option<String>, BenchError> {
-    let first_wrong = |equal: &dyn Fn(usize) -> bool, got: usize| {
-        if got != expected.len() {
-            return Some(format!("{got} values for {} ranks", expected.len()));
-        }
-        (0..got)
-            .find(|&r| !equal(r))
+        (0..n)
+            .find(|&r| !equal(r, &want[r]))
             .map(|r| format!("the value of rank {r} differs from what it sent"))
     };
-    let problem = match v {
-        0 => {
-            let all: Vec<S::Owned> = tpcomm::objects::all_gather(comm, value)?;
-            first_wrong(&|r| all[r] == expected[r], all.len())
-        }
-        1 => {
-            let gathered: Gathered = tpcomm::objects::all_gather_borrowed(comm, value)?;
+    let mut problem = None;
+    let ns = time_once(comm, |start| {
+        let ns;
+        if v == 1 {
+            let gathered = tpcomm::objects::all_gather_borrowed(comm, value)?;
             let all: Vec<S::Borrowed<'_>> = gathered.decode()?;
-            first_wrong(&|r| S::borrowed_eq(&all[r], &expected[r]), all.len())
+            ns = elapsed_ns(start);
+            problem = check(all.len(), &|r, w| S::borrowed_eq(&all[r], w));
+            drop(black_box(all));
+        } else {
+            let all: Vec<S::Owned> = if v == 0 {
+                tpcomm::objects::all_gather(comm, value)?
+            } else {
+                floor_all_gather(comm, value)?
+            };
+            ns = elapsed_ns(start);
+            problem = check(all.len(), &|r, w| all[r] == *w);
+            drop(black_box(all));
         }
-        _ => {
-            let all: Vec<S::Owned> = floor_all_gather(comm, value)?;
-            first_wrong(&|r| all[r] == expected[r], all.len())
-        }
-    };
-    Ok(problem)
+        Ok(ns)
+    })?;
+    Ok((ns, problem))
 }
 
 /// Verifies, warms up and times the variants on one payload; the rows are the same on
@@ -567,7 +545,7 @@ fn bench_payload<C: Communicator, S: Shape>(
             .with("values_per_rank", values_per_rank)
     };
     s.verify(comm, &spec, &mut (), |_, v| {
-        verify::<C, S>(comm, v, &value, &expected)
+        Ok(gather_once::<C, S>(comm, v, &value, Some(&expected))?.1)
     })?;
     if let Some(py) = mpi4py {
         let ours = fingerprint::<S>(&expected);
@@ -581,7 +559,7 @@ fn bench_payload<C: Communicator, S: Shape>(
     }
     drop(expected);
     let mut rows = s.measure(comm, &spec, &mut (), |_, v| {
-        time_variant::<C, S>(comm, v, &value)
+        Ok(gather_once::<C, S>(comm, v, &value, None)?.0)
     })?;
     if let Some(py) = mpi4py {
         let case = payload.to_string();

@@ -12,6 +12,8 @@
 //! sends, broadcast the buffer, all-reduce the f32 vector each rank reduces (summed, with
 //! small integers so that every order of summation gives the same exact result).
 
+use std::time::Instant;
+
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use tpcomm::transport::ReduceOp;
@@ -203,7 +205,8 @@ impl Bench for TransportArgs {
     fn preamble(&self, mpi: bool) -> Vec<String> {
         let mut lines = vec![
             self.sweep.describe(),
-            "time: median over iterations of the slowest rank (a barrier before each iteration)"
+            "time: median over iterations of the slowest rank (a barrier before each iteration, \
+             the clock started right before the call)"
                 .into(),
             "min: fastest iteration; data verified once per size before timing".into(),
         ];
@@ -254,10 +257,7 @@ impl Bench for TransportArgs {
                     Ok(case.check(salt))
                 })?;
                 let rows = s.measure(comm, &spec, &mut case, |case, path| {
-                    time_once(comm, |start| {
-                        case.run(comm, mpi.as_ref(), path)?;
-                        Ok(elapsed_ns(start))
-                    })
+                    time_once(comm, |_| case.run(comm, mpi.as_ref(), path))
                 })?;
                 s.rows(&columns, rows, |r| r.is("tpcomm"));
             }
@@ -423,17 +423,18 @@ impl Case {
         }
     }
 
-    /// Runs the operation once: through tpcomm (`path` 0) or as the plain MPI call (1).
+    /// Runs the operation once: through tpcomm (`path` 0) or as the plain MPI call (1); the
+    /// call's nanoseconds, the clock started right before it (as a C loop starts it).
     pub(crate) fn run<C: Communicator>(
         &mut self,
         comm: &C,
         mpi: Option<&MpiWorld>,
         path: usize,
-    ) -> Result<(), BenchError> {
+    ) -> Result<u64, BenchError> {
         if let (1, Some(mpi)) = (path, mpi) {
             let [counts, displs, send_counts, send_displs] = &self.mpi_counts;
             let (send, recv) = (&self.send[..], &mut self.recv[..]);
-            mpi.run(match self.op {
+            return Ok(mpi.run(match self.op {
                 TransportOp::AllGather => MpiCall::AllGather { send, recv },
                 TransportOp::AllGatherVarcount => MpiCall::AllGatherV {
                     send,
@@ -462,9 +463,9 @@ impl Case {
                     input: &self.send_f32,
                     output: &mut self.recv_f32,
                 },
-            });
-            return Ok(());
+            }));
         }
+        let start = Instant::now();
         match self.op {
             TransportOp::AllGather => comm.all_gather(&self.send, &mut self.recv)?,
             TransportOp::AllGatherVarcount => {
@@ -495,7 +496,7 @@ impl Case {
                 comm.all_reduce(&self.send_f32, &mut self.recv_f32, ReduceOp::Sum)?
             }
         }
-        Ok(())
+        Ok(elapsed_ns(start))
     }
 
     /// Fills the buffers with fresh data for a verification run: the send buffer (and the

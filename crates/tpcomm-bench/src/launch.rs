@@ -322,20 +322,8 @@ impl<'a> Session<'a> {
         }
         self.progress.finish();
         let verdicts = Verdict::judge_all(targets, &self.rows, binding);
-        if !targets.is_empty() {
-            self.note("");
-        }
-        if verdicts.is_empty() && !targets.is_empty() {
-            self.note(&format!(
-                "no target can be judged on this run: they are stated for {stated_for}"
-            ));
-        } else if !binding && !verdicts.is_empty() {
-            self.note(&format!(
-                "the targets are stated for {stated_for}: the verdicts below are indicative only"
-            ));
-        }
-        for v in &verdicts {
-            v.lines().iter().for_each(|l| self.note(l));
+        for line in verdict_lines(targets.len(), &verdicts, (binding, stated_for)) {
+            self.note(&line);
         }
         self.write_json(subcommand, json, settings, &verdicts)
     }
@@ -371,6 +359,32 @@ impl<'a> Session<'a> {
         self.note(&format!("JSON written to {}", path.display()));
         Ok(())
     }
+}
+
+/// The closing lines of a run with `targets` targets, judged into `verdicts`: a blank line,
+/// a note when none could be judged or the run is not the configuration they are stated
+/// for, and the verdicts with their reasons.
+fn verdict_lines(
+    targets: usize,
+    verdicts: &[Verdict],
+    (binding, stated_for): (bool, &str),
+) -> Vec<String> {
+    let mut lines = Vec::new();
+    if targets == 0 {
+        return lines;
+    }
+    lines.push(String::new());
+    if verdicts.is_empty() {
+        lines.push(format!(
+            "no target can be judged on this run: they are stated for {stated_for}"
+        ));
+    } else if !binding {
+        lines.push(format!(
+            "the targets are stated for {stated_for}: the verdicts below are indicative only"
+        ));
+    }
+    lines.extend(verdicts.iter().flat_map(Verdict::lines));
+    lines
 }
 
 /// A subcommand that measures: its options, preamble, targets and per-rank measurement;
@@ -563,4 +577,86 @@ pub(crate) fn first_rank_output<T>(
         return Err(e);
     }
     output.ok_or_else(|| BenchError::Usage("rank 0 returned no output".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::harness::{Bus, Order};
+
+    #[test]
+    fn a_case_gives_a_row_per_variant_and_sum_with_its_facts_bandwidth_and_peer() {
+        let rows = test_rank_rows(2, |s, comm| {
+            let spec = Spec {
+                order: Order::Fixed,
+                peer: Some("peer"),
+                bus: Some(Bus::Same),
+                sums: &[("a+b", 0, 1)],
+                ..Spec::new("t", "1000".into(), 1000, &["a", "b", "peer"]).with("type", "x")
+            };
+            // Variant v takes (v + 1) us on rank 1, less on rank 0.
+            let ns = |v: usize| ((v + 1) * 1000 / (2 - comm.rank())) as u64;
+            s.measure(comm, &spec, &mut (), |_, v| Ok(ns(v)))
+        });
+        let names: Vec<&str> = rows.iter().map(|r| r.variant.as_str()).collect();
+        assert_eq!(names, ["a", "b", "peer", "a+b"]);
+        let medians: Vec<f64> = rows.iter().map(|r| r.stats.median_us).collect();
+        assert_eq!(medians, [1.0, 2.0, 3.0, 3.0], "the slowest rank's times");
+        assert_eq!(rows[0].vs_peer, Some(1.0 / 3.0));
+        assert_eq!(rows[3].peer.as_deref(), Some("peer"));
+        assert_eq!(
+            rows[2].vs_peer, None,
+            "the peer is not compared with itself"
+        );
+        assert!(rows.iter().all(|r| r.text("type") == "x" && r.iters == 2));
+        assert_eq!(rows[0].busbw_gbps, Some(1.0), "1000 B in 1 us");
+    }
+
+    #[test]
+    fn verification_fails_every_rank_naming_the_variant_and_the_case() {
+        let info = RunInfo::local("test");
+        let results = LocalGroup::new(2).run(|comm| {
+            let s = Session::start(&info, "test", 1, 2, None, &[])?;
+            let spec = Spec::new("t", "64".into(), 64, &["good", "bad"]);
+            s.verify(&comm, &spec, &mut (), |_, v| {
+                Ok((v == 1 && comm.rank() == 1).then(|| "byte 3".to_string()))
+            })
+        });
+        for r in results {
+            let e = r.unwrap().unwrap_err().to_string();
+            assert!(
+                e.starts_with("bad t of 64 delivered wrong data on rank 1"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_verdicts_say_when_the_run_is_not_the_configuration_of_the_targets() {
+        let target = Target {
+            what: "fast".into(),
+            why: "because",
+            judge: Box::new(|rows: &[Row]| {
+                Some((rows.first()?.stats.median_us < 2.0, "1 us".into()))
+            }),
+            line: None,
+        };
+        let rows: Vec<Row> = Row::new("t", "c", "v", 8, 0, vec![1000])
+            .into_iter()
+            .collect();
+        let lines = |rows: &[Row], binding| {
+            let verdicts = Verdict::judge_all(std::slice::from_ref(&target), rows, binding);
+            verdict_lines(1, &verdicts, (binding, "2 ranks"))
+        };
+        assert_eq!(
+            lines(&rows, false)[1],
+            "the targets are stated for 2 ranks: the verdicts below are indicative only"
+        );
+        assert_eq!(lines(&rows, true)[1], "target fast: MET (1 us)");
+        assert_eq!(
+            lines(&[], true)[1],
+            "no target can be judged on this run: they are stated for 2 ranks"
+        );
+        assert!(verdict_lines(0, &[], (false, "2 ranks")).is_empty());
+    }
 }

@@ -184,25 +184,10 @@ impl Progress {
             return;
         }
         self.last.set(Some(Instant::now()));
-        let (done, total) = (self.done.get(), self.total.get().max(1));
         let elapsed = self.start.elapsed().as_secs_f64();
-        let left = if done > 0 {
-            format!(
-                ", ~{:.0} s left",
-                elapsed / done as f64 * (total - done.min(total)) as f64
-            )
-        } else {
-            String::new()
-        };
-        let iters = if n > 0 {
-            format!(" iter {i}/{n}")
-        } else {
-            String::new()
-        };
-        eprint!(
-            "\r\x1b[K[{done}/{total}] {}{iters}, {elapsed:.1} s{left}",
-            self.case.borrow()
-        );
+        let (done, total) = (self.done.get(), self.total.get());
+        let line = status(done, total, &self.case.borrow(), (i, n), elapsed);
+        eprint!("\r\x1b[K{line}");
         self.shown.set(true);
     }
 
@@ -214,9 +199,44 @@ impl Progress {
     }
 }
 
+/// The progress line: cases done / total, the current case and its iteration, the time
+/// elapsed and, once a case is done, an estimate of the time left.
+fn status(done: usize, total: usize, case: &str, (i, n): (usize, usize), elapsed: f64) -> String {
+    let total = total.max(done + 1);
+    let mut line = format!("[{done}/{total}] {case}");
+    if n > 0 {
+        line.push_str(&format!(" iter {i}/{n}"));
+    }
+    line.push_str(&format!(", {elapsed:.1} s"));
+    if done > 0 {
+        let left = elapsed / done as f64 * (total - done) as f64;
+        line.push_str(&format!(", ~{left:.0} s left"));
+    }
+    line
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn progress_shows_cases_done_the_case_elapsed_and_time_left() {
+        assert_eq!(
+            status(0, 4, "f32 1 KiB", (0, 0), 0.04),
+            "[0/4] f32 1 KiB, 0.0 s"
+        );
+        assert_eq!(
+            status(2, 4, "f32 4 KiB", (30, 200), 10.0),
+            "[2/4] f32 4 KiB iter 30/200, 10.0 s, ~10 s left"
+        );
+        // More cases than planned: the total follows.
+        assert_eq!(status(5, 4, "x", (0, 0), 5.0), "[5/6] x, 5.0 s, ~1 s left");
+        // Piped (not a terminal) or not rank 0: nothing is drawn, nothing to clear.
+        let off = Progress::new(1);
+        off.case("x".into());
+        off.tick(1, 2);
+        assert!(!off.shown.get());
+    }
 
     #[test]
     fn header_lines_start_with_a_hash_inside_the_first_column() {

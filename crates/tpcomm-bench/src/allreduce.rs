@@ -11,6 +11,10 @@
 //! - `replay`: a plan captured on the `auto` instance (inputs and outputs in peer memory,
 //!   registered with `register_graph_buffers`) replayed: zero-copy, the host equivalent of
 //!   a CUDA graph launch;
+//! - `memcpy`: one plain copy of the message (its size, on every rank at once), timed like
+//!   the paths: the memory-bandwidth floor no all-reduce of that size can beat; `vs copy`
+//!   is every row's time over it, and the summary quotes it at the largest size (at least
+//!   8 MiB, so that it is memory and not caches);
 //! - `MPI_Allreduce` (the peer; `--transport mpi`, f32 only): the plain MPI call
 //!   ([`MpiWorld`]) on the same input.
 //!

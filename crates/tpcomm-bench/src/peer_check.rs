@@ -133,7 +133,7 @@ impl PeerCheck<'_> {
     /// One iteration of the C loop on `case`'s buffers: with `timed`, barrier and clock in C
     /// (its nanoseconds on this rank), otherwise the call alone (0).
     fn c_iteration(&self, op: i32, case: &mut Case, timed: bool) -> Result<u64, BenchError> {
-        let [counts, displs, ..] = &case.mpi_counts;
+        let [counts, displs] = &case.mpi_counts;
         let (send, send_count, recv) = match case.op {
             TransportOp::AllReduce => (
                 case.send_f32.as_ptr().cast(),

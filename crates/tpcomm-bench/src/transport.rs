@@ -293,8 +293,8 @@ fn summary(op: &str, rows: &[Row]) -> Option<String> {
 /// The buffers of one operation at one size on one rank.
 ///
 /// `counts` / `displs` describe the receive buffer (one entry per rank) for every
-/// operation but broadcast; `send_counts` / `send_displs` the send buffer of all-to-all;
-/// `mpi_counts` the same four tables as MPI's 32-bit counts, converted before timing.
+/// operation but broadcast, and with equal blocks the send buffer of all-to-all too;
+/// `mpi_counts` the same two tables as MPI's 32-bit counts, converted before timing.
 #[derive(Debug)]
 pub(crate) struct Case {
     pub(crate) op: TransportOp,
@@ -307,9 +307,7 @@ pub(crate) struct Case {
     pub(crate) recv: Vec<u8>,
     pub(crate) counts: Vec<usize>,
     pub(crate) displs: Vec<usize>,
-    pub(crate) send_counts: Vec<usize>,
-    pub(crate) send_displs: Vec<usize>,
-    pub(crate) mpi_counts: [Vec<i32>; 4],
+    pub(crate) mpi_counts: [Vec<i32>; 2],
     /// All-reduce's input and output (the byte buffers are empty then).
     pub(crate) send_f32: Vec<f32>,
     pub(crate) recv_f32: Vec<f32>,
@@ -327,39 +325,17 @@ impl Case {
         let overflow =
             || BenchError::Usage(format!("{requested} bytes over {size} ranks overflows"));
         let block = requested / size;
-        if op == TransportOp::AllReduce {
-            let elements = requested / std::mem::size_of::<f32>();
-            if elements == 0 {
-                return Ok(None);
-            }
-            return Ok(Some(Self {
-                op,
-                rank,
-                size,
-                bytes: elements * std::mem::size_of::<f32>(),
-                send: Vec::new(),
-                recv: Vec::new(),
-                counts: Vec::new(),
-                displs: Vec::new(),
-                send_counts: Vec::new(),
-                send_displs: Vec::new(),
-                mpi_counts: Default::default(),
-                send_f32: vec![0.0; elements],
-                recv_f32: vec![0.0; elements],
-            }));
-        }
+        // All-reduce: f32 elements, in `send_f32` / `recv_f32` (the byte buffers stay empty).
+        let elements = requested / std::mem::size_of::<f32>();
         let (bytes, send_len, recv_len, counts) = match op {
-            TransportOp::AllGather | TransportOp::AllToAllVarcount => {
-                if block == 0 {
-                    return Ok(None);
-                }
-                let total = block * size;
-                let send_len = if op == TransportOp::AllGather {
-                    block
-                } else {
-                    total
-                };
-                (total, send_len, total, vec![block; size])
+            TransportOp::AllReduce if elements == 0 => return Ok(None),
+            TransportOp::AllReduce => (elements * 4, 0, 0, Vec::new()),
+            TransportOp::AllGather | TransportOp::AllToAllVarcount if block == 0 => {
+                return Ok(None)
+            }
+            TransportOp::AllGather => (block * size, block, block * size, vec![block; size]),
+            TransportOp::AllToAllVarcount => {
+                (block * size, block * size, block * size, vec![block; size])
             }
             TransportOp::AllGatherVarcount | TransportOp::GatherVarcount => {
                 let counts = near_equal_split(requested, size);
@@ -371,15 +347,14 @@ impl Case {
                 (requested, counts[rank], recv_len, counts)
             }
             TransportOp::Broadcast => (requested, 0, requested, Vec::new()),
-            TransportOp::AllReduce => unreachable!("handled above"),
+        };
+        let f32s = if op == TransportOp::AllReduce {
+            elements
+        } else {
+            0
         };
         let (displs, _) = dense_displacements(&counts).ok_or_else(overflow)?;
         // With equal blocks, the receive layout of all-to-all is its send layout too.
-        let (send_counts, send_displs) = if op == TransportOp::AllToAllVarcount {
-            (counts.clone(), displs.clone())
-        } else {
-            (Vec::new(), Vec::new())
-        };
         let mpi = |v: &[usize]| {
             v.iter()
                 .map(|&x| i32::try_from(x).map_err(|_| overflow()))
@@ -392,18 +367,11 @@ impl Case {
             bytes,
             send: vec![0; send_len],
             recv: vec![0; recv_len],
-            mpi_counts: [
-                mpi(&counts)?,
-                mpi(&displs)?,
-                mpi(&send_counts)?,
-                mpi(&send_displs)?,
-            ],
+            mpi_counts: [mpi(&counts)?, mpi(&displs)?],
             counts,
             displs,
-            send_counts,
-            send_displs,
-            send_f32: Vec::new(),
-            recv_f32: Vec::new(),
+            send_f32: vec![0.0; f32s],
+            recv_f32: vec![0.0; f32s],
         }))
     }
 
@@ -432,7 +400,7 @@ impl Case {
         path: usize,
     ) -> Result<u64, BenchError> {
         if let (1, Some(mpi)) = (path, mpi) {
-            let [counts, displs, send_counts, send_displs] = &self.mpi_counts;
+            let [counts, displs] = &self.mpi_counts;
             let (send, recv) = (&self.send[..], &mut self.recv[..]);
             return Ok(mpi.run(match self.op {
                 TransportOp::AllGather => MpiCall::AllGather { send, recv },
@@ -453,8 +421,8 @@ impl Case {
                 },
                 TransportOp::AllToAllVarcount => MpiCall::AllToAllV {
                     send,
-                    send_counts,
-                    send_displs,
+                    send_counts: counts,
+                    send_displs: displs,
                     recv,
                     counts,
                     displs,
@@ -483,8 +451,8 @@ impl Case {
             TransportOp::AllToAllVarcount => comm.all_to_all_varcount(
                 Layout {
                     buf: &self.send,
-                    counts: &self.send_counts,
-                    displs: &self.send_displs,
+                    counts: &self.counts,
+                    displs: &self.displs,
                 },
                 Layout {
                     buf: &mut self.recv,

@@ -45,13 +45,11 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             .args(["transport", "--transport", "mpi", "--json"]);
         cmd.arg(out.join("transport-mpi-2.json"));
         util::run(cmd)?;
-        let mpirun = util::mpirun(2);
-        let launcher: Vec<String> = std::iter::once(mpirun.get_program())
-            .chain(mpirun.get_args())
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect();
-        let mut check = Command::new(&exe);
-        check.args(["peer-check", "--launcher", &launcher.join(" ")]);
+        let mut check = util::mpirun(2);
+        check
+            .arg(&exe)
+            .args(["peer-check", "--transport", "mpi", "--json"]);
+        check.arg(out.join("peer-check-mpi-2.json"));
         util::run(check)?;
     }
     let mut plot = Command::new(&exe);

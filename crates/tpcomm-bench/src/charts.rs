@@ -57,12 +57,24 @@ impl Measure {
     }
 }
 
-/// The x of a row: its size, or for tables without one its case as a number.
+/// The x of a row: its case where that is a number (a size, a count of buffers), otherwise
+/// its bytes (a payload's).
 fn x_of(r: &Row) -> Option<f64> {
-    if r.bytes > 0 {
-        return Some(r.bytes as f64);
+    let x = r.case.parse::<f64>().unwrap_or(r.bytes as f64);
+    (x > 0.0).then_some(x)
+}
+
+/// The x axis's name: sizes where the cases are the bytes, counts where they are other
+/// numbers, bytes per rank where they are payloads.
+fn x_desc(rows: &[&Row]) -> &'static str {
+    let case = |r: &&Row| r.case.parse::<f64>().ok();
+    if rows.iter().all(|r| case(r) == Some(r.bytes as f64)) {
+        "size (B)"
+    } else if rows.iter().all(|r| case(r).is_some()) {
+        "count"
+    } else {
+        "bytes per rank"
     }
-    r.case.parse::<f64>().ok().filter(|&x| x > 0.0)
 }
 
 /// The dashed lines of the report's ratio targets whose peer has a series here: the peer's
@@ -206,18 +218,13 @@ fn chart(
         .y_label_area_size(70)
         .build_cartesian_2d(range(|p| p.0).log_scale(), range(|p| p.1).log_scale())
         .map_err(|e| err(&e))?;
-    let x_desc = if rows.iter().any(|r| r.bytes > 0) {
-        "size (B)"
-    } else {
-        "count"
-    };
     let y_desc = match measure {
         Measure::Time => "median time (us)",
         Measure::BusBw => "bus bandwidth (GB/s)",
     };
     chart
         .configure_mesh()
-        .x_desc(x_desc)
+        .x_desc(x_desc(rows))
         .y_desc(y_desc)
         .x_label_formatter(&|x| short(*x, 1000.0, &["", "k", "M", "G"]))
         .y_label_formatter(&|y| short(*y, 1000.0, &["", "k", "M", "G"]))

@@ -259,6 +259,7 @@ mod tests {
         for s in &svg {
             assert!(s.starts_with("<svg") && s.contains("tpcomm") && s.contains("rsmpi"));
         }
+        assert!(svg[0].contains("size (B)"));
         // The ratio target on the time chart only.
         assert!(svg[0].contains("target: 1.10x rsmpi"), "{}", svg[0]);
         assert!(!svg[1].contains("target:"));

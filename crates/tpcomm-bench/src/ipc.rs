@@ -26,7 +26,7 @@ use tpcomm_ipc::{
 use crate::error::BenchError;
 use crate::harness::{agree, elapsed_ns, time_once, Order, Row, Spec, Target};
 use crate::launch::{Bench, RunArgs, Session};
-use crate::sweep::parse_bytes;
+use crate::sweep::BufferArgs;
 use crate::table::{col, Column};
 
 /// The target: `reopen_all` of this many mappings...
@@ -39,24 +39,18 @@ const TABLE: &str = "peer mappings";
 
 /// Options of `tpcomm-bench ipc`.
 #[derive(Debug, Clone, Args, Serialize)]
+#[command(mut_arg("buffers", |a| a.long("regions")
+    .help("Buffers (regions) each rank shares, comma-separated; one row group per value")))]
+#[command(mut_arg("buffer_bytes", |a| a
+    .help("Size of each buffer (rounded up to a page by the backend)")))]
 pub(crate) struct IpcArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub(crate) run: RunArgs,
 
-    /// Buffers (regions) each rank shares, comma-separated; one row group per value.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "1,100,1000",
-        value_parser = clap::value_parser!(u32).range(1..),
-        value_name = "N,..."
-    )]
-    pub(crate) regions: Vec<u32>,
-
-    /// Size of each buffer (rounded up to a page by the backend).
-    #[arg(long, default_value = "4096", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) buffer_bytes: usize,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) buffers: BufferArgs,
 }
 
 const COLUMNS: [Column; 7] = [
@@ -211,7 +205,7 @@ impl Bench for IpcArgs {
     }
 
     fn validate(&self) -> Result<(), BenchError> {
-        if self.buffer_bytes == 0 {
+        if self.buffers.buffer_bytes == 0 {
             return Err(BenchError::Usage(
                 "--buffer-bytes must be at least 1".into(),
             ));
@@ -223,7 +217,7 @@ impl Bench for IpcArgs {
         vec![
             format!(
                 "backend host (memfd); each region its own HostMemory::allocate({}) buffer",
-                self.buffer_bytes
+                self.buffers.buffer_bytes
             ),
             "time: median over iterations of the slowest rank (a barrier before each timed op)"
                 .into(),
@@ -244,9 +238,9 @@ impl Bench for IpcArgs {
             "peer mappings: exchange N regions per rank, close_all, reopen_all",
             &COLUMNS,
         );
-        s.progress.plan(self.regions.len());
-        for &n in &self.regions {
-            let rows = bench_regions(s, comm, n as usize, self.buffer_bytes)?;
+        s.progress.plan(self.buffers.buffers.len());
+        for &n in &self.buffers.buffers {
+            let rows = bench_regions(s, comm, n as usize, self.buffers.buffer_bytes)?;
             s.rows(&COLUMNS, rows, |_| true);
         }
         Ok(())

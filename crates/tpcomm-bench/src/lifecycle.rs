@@ -39,7 +39,7 @@ use crate::harness::{
     agree, elapsed_ns, link_peers, median, slowest, time_once, Order, Row, Spec, Target,
 };
 use crate::launch::{Bench, RunArgs, Session};
-use crate::sweep::{format_bytes, parse_bytes, IterArgs};
+use crate::sweep::{format_bytes, parse_bytes, BufferArgs, IterArgs};
 use crate::table::{col, Column};
 
 /// The target: suspend + resume with this many graph buffers...
@@ -63,24 +63,18 @@ const LATENCY_TABLE: &str = "latency";
 
 /// Options of `tpcomm-bench lifecycle`.
 #[derive(Debug, Clone, Args, Serialize)]
+#[command(mut_arg("buffers", |a| a.long("graph-buffers")
+    .help("Graph buffers registered before suspending, comma-separated; one row group each")))]
+#[command(mut_arg("buffer_bytes", |a| a
+    .help("Bytes of each graph buffer (input and output; a multiple of 16)")))]
 pub(crate) struct LifecycleArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub(crate) run: RunArgs,
 
-    /// Graph buffers registered before suspending, comma-separated; one row group each.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "1,100,1000",
-        value_parser = clap::value_parser!(u32).range(1..),
-        value_name = "N,..."
-    )]
-    pub(crate) graph_buffers: Vec<u32>,
-
-    /// Bytes of each graph buffer (input and output; a multiple of 16).
-    #[arg(long, default_value = "4096", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) buffer_bytes: usize,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) buffers: BufferArgs,
 
     /// Size of the eager f32 all-reduce timed before and after a resume (a multiple of 16).
     #[arg(long, default_value = "64KiB", value_parser = parse_bytes, value_name = "BYTES")]
@@ -287,7 +281,7 @@ fn bench_buffers<C: Communicator>(
 ) -> Result<(Vec<Row>, Vec<Row>), BenchError> {
     let (rank, ranks) = (comm.rank(), comm.size());
     let config = Config {
-        max_bytes: args.latency_bytes.max(args.buffer_bytes),
+        max_bytes: args.latency_bytes.max(args.buffers.buffer_bytes),
         slots: n + 1,
         ..Config::default()
     };
@@ -296,14 +290,14 @@ fn bench_buffers<C: Communicator>(
     let memory = ar.memory()?.clone();
     let allocate = || -> Result<Vec<HostBuffer>, BenchError> {
         (0..n)
-            .map(|_| Ok(memory.allocate(args.buffer_bytes)?))
+            .map(|_| Ok(memory.allocate(args.buffers.buffer_bytes)?))
             .collect()
     };
     let buffers = GraphBuffers {
         memory: &memory,
         inputs: allocate()?,
         outputs: allocate()?,
-        count: args.buffer_bytes / 4,
+        count: args.buffers.buffer_bytes / 4,
     };
     let plan = ar.capture(|cap| {
         for (inp, out) in buffers.inputs.iter().zip(&buffers.outputs) {
@@ -386,7 +380,7 @@ impl Bench for LifecycleArgs {
     fn validate(&self) -> Result<(), BenchError> {
         self.run.at_most(8)?;
         for (name, v) in [
-            ("--buffer-bytes", self.buffer_bytes),
+            ("--buffer-bytes", self.buffers.buffer_bytes),
             ("--latency-bytes", self.latency_bytes),
         ] {
             if v == 0 || !v.is_multiple_of(16) {
@@ -395,7 +389,7 @@ impl Bench for LifecycleArgs {
                 )));
             }
         }
-        if self.graph_buffers.is_empty() {
+        if self.buffers.buffers.is_empty() {
             return Err(BenchError::Usage(
                 "--graph-buffers needs at least one value".into(),
             ));
@@ -408,7 +402,7 @@ impl Bench for LifecycleArgs {
             format!(
                 "tpcomm-allreduce host backend; N graph buffers = N captured f32 all-reduces of \
                  distinct {} inputs from ar.memory(), then register_graph_buffers",
-                format_bytes(self.buffer_bytes)
+                format_bytes(self.buffers.buffer_bytes)
             ),
             "time: median over iterations of the slowest rank; a barrier before each step; \
              before each latency iteration a barrier and an untimed 16-byte all-reduce"
@@ -436,9 +430,9 @@ impl Bench for LifecycleArgs {
              first replay",
             &TRANSITION_COLUMNS,
         );
-        s.progress.plan(self.graph_buffers.len());
+        s.progress.plan(self.buffers.buffers.len());
         let mut latencies = Vec::new();
-        for &n in &self.graph_buffers {
+        for &n in &self.buffers.buffers {
             let (transitions, latency) = bench_buffers(s, comm, n as usize, self)?;
             s.rows(&TRANSITION_COLUMNS, transitions, |_| true);
             latencies.extend(latency);
@@ -478,8 +472,11 @@ mod tests {
     #[test]
     fn defaults_are_1_100_1000_buffers_and_64_kib_latency() {
         let args = parse(&[]);
-        assert_eq!(args.graph_buffers, vec![1, 100, 1000]);
-        assert_eq!((args.buffer_bytes, args.latency_bytes), (4096, 64 << 10));
+        assert_eq!(args.buffers.buffers, vec![1, 100, 1000]);
+        assert_eq!(
+            (args.buffers.buffer_bytes, args.latency_bytes),
+            (4096, 64 << 10)
+        );
         assert!(args.validate().is_ok());
         assert!(parse(&["--latency-bytes", "1000"]).validate().is_err());
     }

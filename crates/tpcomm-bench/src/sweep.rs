@@ -43,6 +43,25 @@ pub(crate) struct SweepArgs {
     pub(crate) factor: u32,
 }
 
+/// Buffer counts and sizes of the peer-memory subcommands (`ipc` renames `--buffers` to
+/// `--regions`, `lifecycle` to `--graph-buffers`): one row group per count.
+#[derive(Debug, Clone, Args, Serialize)]
+pub(crate) struct BufferArgs {
+    /// Buffers each rank registers, comma-separated; one row group per value.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,100,1000",
+        value_parser = clap::value_parser!(u32).range(1..),
+        value_name = "N,..."
+    )]
+    pub(crate) buffers: Vec<u32>,
+
+    /// Bytes of each buffer.
+    #[arg(long, default_value = "4096", value_parser = parse_bytes, value_name = "BYTES")]
+    pub(crate) buffer_bytes: usize,
+}
+
 /// Options of the iteration policy (flattened into every subcommand).
 #[derive(Debug, Clone, Default, Args, Serialize)]
 pub(crate) struct IterArgs {

@@ -304,6 +304,36 @@ impl<'a> Spec<'a> {
         self.info.push((key.into(), value.into()));
         self
     }
+
+    /// The rows of the case from every variant's samples (`samples[v]`, slowest rank per
+    /// iteration, nanoseconds) over `ranks` ranks: one per variant and per declared sum, with
+    /// the bandwidths, the case's facts and the comparison with its peer. A variant without
+    /// samples has no row.
+    pub(crate) fn rows(&self, ranks: usize, warmup: usize, mut samples: Vec<Vec<u64>>) -> Vec<Row> {
+        let mut names: Vec<&str> = self.variants.to_vec();
+        for &(name, a, b) in self.sums {
+            let sum = samples[a].iter().zip(&samples[b]).map(|(x, y)| x + y);
+            samples.push(sum.collect());
+            names.push(name);
+        }
+        let mut rows: Vec<Row> = names
+            .into_iter()
+            .zip(samples)
+            .filter_map(|(variant, samples)| {
+                let mut row =
+                    Row::new(self.table, &self.case, variant, self.bytes, warmup, samples)?;
+                if let Some(bus) = self.bus {
+                    row = row.bus(bus, ranks);
+                }
+                row.info.extend(self.info.iter().cloned());
+                Some(row)
+            })
+            .collect();
+        if let Some(peer) = self.peer {
+            link_peers(&mut rows, |r| (!r.is(peer)).then(|| peer.to_string()));
+        }
+        rows
+    }
 }
 
 /// What [`time_variants`] measured: per variant, every iteration's slowest-rank time.

@@ -13,7 +13,7 @@ use tpcomm::transport::LocalGroup;
 use tpcomm::{Communicator, TransportError};
 
 use crate::error::BenchError;
-use crate::harness::{link_peers, time_variants, Plan, Row, Spec, Target, Verdict};
+use crate::harness::{time_variants, Plan, Row, Spec, Target, Verdict};
 use crate::mpi_peer::MpiWorld;
 use crate::report::{self, Machine, Report};
 use crate::sweep::IterArgs;
@@ -189,41 +189,7 @@ impl<'a> Session<'a> {
             order: spec.order,
         };
         let timed = time_variants(comm, plan, &self.progress, state, once)?;
-        let mut samples = timed.samples;
-        let mut names: Vec<&str> = spec.variants.to_vec();
-        for &(name, a, b) in spec.sums {
-            samples.push(
-                samples[a]
-                    .iter()
-                    .zip(&samples[b])
-                    .map(|(x, y)| x + y)
-                    .collect(),
-            );
-            names.push(name);
-        }
-        let mut rows: Vec<Row> = names
-            .into_iter()
-            .zip(samples)
-            .filter_map(|(variant, samples)| {
-                let mut row = Row::new(
-                    spec.table,
-                    &spec.case,
-                    variant,
-                    spec.bytes,
-                    timed.warmup,
-                    samples,
-                )?;
-                if let Some(bus) = spec.bus {
-                    row = row.bus(bus, comm.size());
-                }
-                row.info.extend(spec.info.iter().cloned());
-                Some(row)
-            })
-            .collect();
-        if let Some(peer) = spec.peer {
-            link_peers(&mut rows, |r| (!r.is(peer)).then(|| peer.to_string()));
-        }
-        Ok(rows)
+        Ok(spec.rows(comm.size(), timed.warmup, timed.samples))
     }
 
     /// Whether this rank prints (rank 0).

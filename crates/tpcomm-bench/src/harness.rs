@@ -382,6 +382,7 @@ pub(crate) fn time_variants<C: Communicator, S>(
     let mut warm = vec![Vec::with_capacity(warmup); n];
     for i in 0..warmup {
         round(i, &mut warm)?;
+        progress.tick(0, 0);
     }
     let mut estimate = 0;
     for w in &warm {

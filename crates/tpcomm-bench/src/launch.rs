@@ -162,6 +162,7 @@ impl<'a> Session<'a> {
         state: &mut S,
         mut check: impl FnMut(&mut S, usize) -> Result<Option<String>, BenchError>,
     ) -> Result<(), BenchError> {
+        self.progress.case(format!("{} {}", spec.table, spec.case));
         for (v, variant) in spec.variants.iter().enumerate() {
             let problem = check(state, v)?;
             crate::harness::agree(comm, problem, || {

@@ -168,8 +168,12 @@ impl Progress {
         self.total.set(total);
     }
 
-    /// A new case starts (the previous one, if any, is done).
+    /// A new case starts (the previous one, if any, is done); the same label again changes
+    /// nothing (verification and timing of one case both announce it).
     pub(crate) fn case(&self, label: String) {
+        if *self.case.borrow() == label {
+            return;
+        }
         if !self.case.borrow().is_empty() {
             self.done.set(self.done.get() + 1);
         }
@@ -232,6 +236,11 @@ mod tests {
         // More cases than planned: the total follows.
         assert_eq!(status(5, 4, "x", (0, 0), 5.0), "[5/6] x, 5.0 s, ~1 s left");
         // Piped (not a terminal) or not rank 0: nothing is drawn, nothing to clear.
+        let counted = Progress::off();
+        counted.case("a".into());
+        counted.case("a".into());
+        counted.case("b".into());
+        assert_eq!(counted.done.get(), 1, "a announced twice is one case");
         let off = Progress::new(1);
         off.case("x".into());
         off.tick(1, 2);

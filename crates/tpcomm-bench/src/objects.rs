@@ -151,7 +151,9 @@ fn run_mpi4py(args: &ObjectsArgs) -> Result<Vec<Mpi4pyRun>, String> {
     .arg(args.run.iter.iters.unwrap_or(0).to_string())
     .arg(args.run.iter.warmup.unwrap_or(5).to_string())
     .args(args.payloads.iter().map(Payload::to_string));
-    eprintln!("tpcomm-bench objects: timing the mpi4py peer first ({ranks} MPI ranks)");
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        eprintln!("tpcomm-bench objects: timing the mpi4py peer first ({ranks} MPI ranks)");
+    }
     let out = cmd.output();
     let _ = std::fs::remove_file(&script);
     let out = out.map_err(|e| format!("cannot start mpirun: {e}"))?;

@@ -1,11 +1,12 @@
 //! The benchmark engine every subcommand uses: rows, the interleaved timing loop,
 //! verification agreed across ranks, and targets.
 //!
-//! A subcommand declares its cases (a size or a payload), the variants it times on each
-//! case (tpcomm's paths and the peer they are compared with), its columns and its targets;
-//! [`time_variants`] runs one case: warm-up iterations, an iteration count chosen from them,
-//! then timed iterations with the variants interleaved, each iteration's time being its
-//! slowest rank's. [`Row`] is the one row type of every table and of the JSON report.
+//! A subcommand declares each case as a [`Spec`] (the table, a size or a payload, the
+//! variants it times, the peer they are compared with, sums and facts), its columns and its
+//! targets; [`time_variants`] runs one case: warm-up iterations, an iteration count chosen
+//! from them, then timed iterations with the variants interleaved, each iteration's time
+//! being its slowest rank's; [`Spec::rows`] turns the samples into rows. [`Row`] is the one
+//! row type of every table and of the JSON report.
 //!
 //! Conventions (nccl-tests, `doc/PERFORMANCE.md`): `time` is the median over iterations of
 //! the slowest rank's time; `algbw = bytes / time`; `busbw = algbw * factor` ([`Bus`]).

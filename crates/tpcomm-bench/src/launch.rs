@@ -1,9 +1,11 @@
 //! Starting the ranks of a subcommand (threads of a local group, or this process as one MPI
-//! rank under `mpirun`) and the [`Session`] each rank runs in: rank 0's printer, the rows,
-//! the summary lines, progress, and the JSON report at the end.
+//! rank under `mpirun`) and the [`Session`] each rank runs in: verification and timing of
+//! the declared cases, rank 0's printer, the rows, the summary lines, progress, the
+//! verdicts and the JSON report at the end.
 //!
-//! A subcommand's per-rank work is a [`PerRank`] job, generic over the communicator so
-//! that each backend is called directly (no dynamic dispatch in timed code).
+//! A subcommand is a [`Bench`]: its options, preamble, targets and per-rank measurement,
+//! generic over the communicator so that each backend is called directly (no dynamic
+//! dispatch in timed code); [`run`] does the rest.
 
 use std::path::{Path, PathBuf};
 

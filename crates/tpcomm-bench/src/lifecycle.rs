@@ -15,7 +15,8 @@
 //!    the first block precedes any suspend), runs one untimed suspend + resume, and times
 //!    a block again ("after"), each iteration lined up as in `tpcomm-bench allreduce`;
 //! 3. suspend/resume cycles are timed by the harness, each step behind a barrier, in this
-//!    order every iteration: a `replay` of the plan (steady state: every mapping warm),
+//!    order every iteration: a `replay` of the plan (steady state: every mapping already
+//!    touched by the replays since the last resume),
 //!    `prepare_for_suspend`, `reinit_after_resume`, and the `first replay` after the resume
 //!    (reopened mappings touched for the first time); `suspend+resume` is the sum of the
 //!    two transitions, and the first replay is compared with the steady one (after/before);
@@ -410,7 +411,8 @@ impl Bench for LifecycleArgs {
             "mappings: peer mappings open on each rank (Signal, staging, temp and graph buffers \
              of every peer), all closed by prepare_for_suspend and reopened by reinit_after_resume"
                 .into(),
-            "per cycle: replay (the plan, steady state), prepare_for_suspend, \
+            "per cycle: replay (the plan, steady state: its mappings touched since the last \
+             resume), prepare_for_suspend, \
              reinit_after_resume, first replay after it; suspend+resume: the sum of the two \
              transitions per iteration; ratio: first replay / steady replay"
                 .into(),

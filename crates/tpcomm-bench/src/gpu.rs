@@ -302,7 +302,7 @@ mod imp {
     use super::{AlgorithmArg, GpuArgs};
     use crate::allreduce::{check, expected, input, DTypeArg};
     use crate::error::BenchError;
-    use crate::harness::{agree, elapsed_ns, geomean, slowest, Bus, Row};
+    use crate::harness::{agree, elapsed_ns, geomean, slowest, Bus, Row, Spec};
     use crate::launch::{self, RunInfo, Session};
     use crate::sweep::format_bytes;
     use crate::table::{self, col, Column};
@@ -638,31 +638,28 @@ mod imp {
             if comm.rank() == 0 {
                 let first = rows.len();
                 for ((case, before), after) in cases.iter().zip(&before).zip(&after) {
-                    let Some(row) = Row::new(
-                        &format!("{world} ranks {}", case.dtype.name()),
-                        &case.bytes.to_string(),
-                        algorithm.name(),
-                        case.bytes,
-                        args.warmup as usize,
-                        before.clone(),
-                    ) else {
-                        continue;
-                    };
-                    let after_median = crate::harness::Stats::of(after).map(|s| s.median_us);
-                    let ratio =
-                        after_median.map(|a| a / row.stats.median_us.max(f64::MIN_POSITIVE));
-                    rows.push(
-                        row.bus(Bus::AllReduce, world)
+                    let table = format!("{world} ranks {}", case.dtype.name());
+                    let variants = [algorithm.name()];
+                    let spec = Spec {
+                        bus: Some(Bus::AllReduce),
+                        ..Spec::new(&table, case.bytes.to_string(), case.bytes, &variants)
                             .with("ranks", world)
                             .with("type", case.dtype.name())
                             .with("count", case.count)
                             .with("blocks", blocks)
                             .with("graph_launches", k)
-                            .with("after_median_us", after_median)
-                            .with("after_over_before", ratio)
-                            .with("suspend_resume_us", suspend_resume_ns as f64 / 1e3)
-                            .with("after_samples_ns", after.clone()),
-                    );
+                    };
+                    for row in spec.rows(world, args.warmup as usize, vec![before.clone()]) {
+                        let after_median = crate::harness::Stats::of(after).map(|s| s.median_us);
+                        let ratio =
+                            after_median.map(|a| a / row.stats.median_us.max(f64::MIN_POSITIVE));
+                        rows.push(
+                            row.with("after_median_us", after_median)
+                                .with("after_over_before", ratio)
+                                .with("suspend_resume_us", suspend_resume_ns as f64 / 1e3)
+                                .with("after_samples_ns", after.clone()),
+                        );
+                    }
                 }
                 // Printed as soon as measured: a run cut short keeps what it measured.
                 let lines: Vec<String> = rows[first..]
@@ -858,7 +855,15 @@ mod imp {
                 .chain(engine_rows)
                 .collect(),
         );
-        s.write_json("gpu", json, &settings(nccl_library, true), &[])?;
+        let stated = "the engine path's worlds (--engine-worlds)";
+        let targets = engine::targets();
+        s.finish(
+            "gpu",
+            json,
+            &settings(nccl_library, true),
+            &targets,
+            (true, stated),
+        )?;
         engine_failure.map_or(Ok(()), Err)
     }
 
@@ -943,7 +948,7 @@ mod imp {
         use crate::allreduce::{expected, input};
         use crate::error::BenchError;
         use crate::gpu::GpuArgs;
-        use crate::harness::{agree, geomean, Bus, Row};
+        use crate::harness::{agree, geomean, Bus, Row, Spec, Target};
         use crate::launch::Session;
         use crate::sweep::format_bytes;
         use crate::table::{self, col, Column};
@@ -1218,29 +1223,22 @@ mod imp {
             warmup: usize,
         ) -> Vec<Row> {
             let table = format!("engine {world} ranks {}", dtype.name());
-            let mut rows: Vec<Row> = [PRIVATE, CALLER, STAGED]
-                .into_iter()
-                .zip(samples)
-                .filter_map(|(variant, samples)| {
-                    let row = Row::new(
-                        &table,
-                        &case.bytes.to_string(),
-                        variant,
-                        case.bytes,
-                        warmup,
-                        samples,
-                    )?;
-                    Some(
-                        row.bus(Bus::AllReduce, world)
-                            .with("ranks", world)
-                            .with("type", dtype.name())
-                            .with("count", case.count)
-                            .with("algorithm", case.algorithm.name())
-                            .with("blocks", blocks)
-                            .with("graph_launches", k),
-                    )
-                })
-                .collect();
+            let spec = Spec {
+                bus: Some(Bus::AllReduce),
+                ..Spec::new(
+                    &table,
+                    case.bytes.to_string(),
+                    case.bytes,
+                    &[PRIVATE, CALLER, STAGED],
+                )
+                .with("ranks", world)
+                .with("type", dtype.name())
+                .with("count", case.count)
+                .with("algorithm", case.algorithm.name())
+                .with("blocks", blocks)
+                .with("graph_launches", k)
+            };
+            let mut rows = spec.rows(world, warmup, samples.into());
             crate::harness::link_peers(&mut rows, |r| match r.variant.as_str() {
                 CALLER => Some(PRIVATE.into()),
                 STAGED => Some(CALLER.into()),
@@ -1257,6 +1255,45 @@ mod imp {
                 r.info.insert("staging_in_graph".into(), case.staged.into());
             }
             rows
+        }
+
+        /// The target of the engine path: an engine's own stream and tensors cost nothing.
+        pub(super) fn targets() -> Vec<Target> {
+            vec![Target {
+                what: format!(
+                    "engine path: {CALLER} (the engine's stream and tensors) within 1.02x of \
+                     {PRIVATE} at every size"
+                ),
+                why: "an engine that hands the all-reduce its own stream and tensors must not \
+                      pay for it; 2% is about the noise of these replays",
+                line: crate::harness::RatioLine::new(PRIVATE, 1.02),
+                judge: Box::new(|rows: &[Row]| {
+                    let caller: Vec<&Row> = rows.iter().filter(|r| r.is(CALLER)).collect();
+                    let worst = caller.iter().filter_map(|r| r.vs_peer).reduce(f64::max)?;
+                    let over = caller
+                        .iter()
+                        .filter(|r| r.vs_peer.is_some_and(|v| v > 1.02));
+                    let over = over.count();
+                    let detail =
+                        format!("worst {worst:.3}x; {over} of {} rows above", caller.len());
+                    Some((over == 0, detail))
+                }),
+            }]
+        }
+
+        #[test]
+        fn the_engine_target_is_the_caller_path_within_2_percent_of_the_private_one() {
+            let row = |variant: &str, vs: f64| {
+                let mut r = Row::new("engine 2 ranks bf16", "32768", variant, 32768, 0, vec![1]);
+                r.as_mut().unwrap().vs_peer = Some(vs);
+                r.unwrap()
+            };
+            let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(), rows, true);
+            assert!(judge(&[row(CALLER, 1.019), row(STAGED, 1.4)])[0].met);
+            let v = judge(&[row(CALLER, 1.019), row(CALLER, 1.021)]);
+            assert!(!v[0].met);
+            assert_eq!(v[0].detail, "worst 1.021x; 1 of 2 rows above");
+            assert!(judge(&[row(STAGED, 1.0)]).is_empty());
         }
 
         /// Prints the engine-path table; returns its rows (empty when `--engine-worlds none`).

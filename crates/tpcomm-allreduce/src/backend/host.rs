@@ -30,7 +30,6 @@
 //! over the flag words, so that the same code is model-checked with loom
 //! (`cargo xtask loom`); this module supplies the shared-memory slots.
 
-mod copy;
 mod flags;
 
 use std::marker::PhantomData;
@@ -337,9 +336,9 @@ fn gather<T: Element, M: HostLike>(l: &Launch<'_, HostBackend<M>>, temps: &[u64;
         // SAFETY: rank r finished writing its part of its temp buffer before the
         // mid barrier (release/acquire); the driver checked that every rank's temp buffer
         // and the output hold `count` elements; the output is the caller's, never a temp
-        // buffer. `copy` keeps the speed of an output 16 bytes into a page (a large `Vec`).
+        // buffer. `copy_bytes` keeps the speed of an output 16 bytes into a page (a large `Vec`).
         unsafe {
-            copy::copy(
+            tpcomm_ipc::backend::copy::copy_bytes(
                 (l.out as *mut u8).add(offset),
                 (temps[r] as *const u8).add(offset),
                 bytes,

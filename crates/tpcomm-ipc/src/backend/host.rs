@@ -757,9 +757,9 @@ impl PeerMemory for HostMemory {
         // `allocate`, checked by `open`), so no access faults with SIGBUS; `src` is a Rust
         // slice that cannot overlap shared memory we only reach through raw pointers.
         unsafe {
-            ptr::copy_nonoverlapping(
-                src.as_ptr(),
+            super::copy::copy_bytes(
                 (region.addr() as *mut u8).add(offset),
+                src.as_ptr(),
                 src.len(),
             )
         };
@@ -772,9 +772,9 @@ impl PeerMemory for HostMemory {
         // SAFETY: as in `write`: a live mapping of at least `offset + dst.len()` bytes of a
         // file that cannot shrink.
         unsafe {
-            ptr::copy_nonoverlapping(
-                (region.addr() as *const u8).add(offset),
+            super::copy::copy_bytes(
                 dst.as_mut_ptr(),
+                (region.addr() as *const u8).add(offset),
                 dst.len(),
             )
         };

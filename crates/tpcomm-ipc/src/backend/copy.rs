@@ -1,4 +1,5 @@
-//! Byte copies into caller memory that stay fast whatever the two addresses are.
+//! [`copy_bytes`]: byte copies that stay fast whatever the two addresses are, used by the
+//! host backend's reads and writes and by the host all-reduce's copy into its output.
 //!
 //! glibc's `memcpy` (2.36, x86-64, CPUs with fast short `rep movsb`) moves copies between
 //! about 2 KiB and its non-temporal threshold with `rep movsb`, and on the AMD EPYC machines
@@ -21,15 +22,16 @@ const SMALL: usize = 2048;
 const SLOW_WINDOW: std::ops::Range<usize> = 1..64;
 
 /// Whether `memcpy` from `src` to `dst` of `n` bytes would take its slow path here.
-pub(crate) fn needs_backward(dst: usize, src: usize, n: usize) -> bool {
+pub fn needs_backward(dst: usize, src: usize, n: usize) -> bool {
     n >= SMALL && SLOW_WINDOW.contains(&(dst.wrapping_sub(src) % 4096))
 }
 
-/// Copies `n` bytes from `src` to `dst`.
+/// Copies `n` bytes from `src` to `dst`, as `std::ptr::copy_nonoverlapping` does, without
+/// `memcpy`'s slow case described in the [module docs](self).
 ///
 /// # Safety
 /// `src` is readable and `dst` writable for `n` bytes, and the two ranges do not overlap.
-pub(crate) unsafe fn copy(dst: *mut u8, src: *const u8, n: usize) {
+pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, n: usize) {
     if !needs_backward(dst as usize, src as usize, n) {
         // SAFETY: the caller's contract.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
@@ -48,7 +50,7 @@ pub(crate) unsafe fn copy(dst: *mut u8, src: *const u8, n: usize) {
 /// The backward copy with 16-byte aligned stores.
 ///
 /// # Safety
-/// As [`copy`], and `n >= 16`.
+/// As [`copy_bytes`], and `n >= 16`.
 unsafe fn backward(dst: *mut u8, src: *const u8, n: usize) {
     // dst[head..end] is whole 16-byte aligned packs; the bytes before and after go to memcpy.
     let head = (16 - dst as usize % 16) % 16;
@@ -90,7 +92,7 @@ unsafe fn backward(dst: *mut u8, src: *const u8, n: usize) {
 /// The backward copy with 32-byte aligned AVX stores, four per step.
 ///
 /// # Safety
-/// As [`copy`], `n >= 32`, and the CPU has AVX.
+/// As [`copy_bytes`], `n >= 32`, and the CPU has AVX.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
 unsafe fn backward_avx(dst: *mut u8, src: *const u8, n: usize) {
@@ -184,7 +186,7 @@ mod tests {
                         );
                         // The AVX loop where the CPU has it, then the 16-byte loop everywhere.
                         if which == 0 {
-                            copy(d, s, len)
+                            copy_bytes(d, s, len)
                         } else {
                             backward(d, s, len)
                         }

@@ -21,6 +21,7 @@ use common::{check, inputs, run_seed};
 type Ar = CustomAllReduce<CudaBackend>;
 type R<T> = tpcomm_allreduce::Result<T>;
 
+use tpcomm_transport::testing::pair;
 use tpcomm_transport::testing::skip_without_gpu;
 
 /// True when device 0 is usable; otherwise records why the test skips (a failure under
@@ -464,141 +465,6 @@ fn one_rank_falls_back_to_nccl_and_sums_correctly_across_a_suspend() {
     });
     for r in results {
         r.unwrap().unwrap();
-    }
-}
-
-/// Two processes as two ranks: a test-only transport over one Unix socket (the suite runs
-/// without MPI on the GPU machine). Only what the all-reduce's setup, exchanges and
-/// lifecycle use is served: barrier, all-gather, varcount all-gather and broadcast.
-mod pair {
-    use std::io::{Read, Write};
-    use std::os::unix::net::UnixStream;
-    use std::sync::Mutex;
-    use std::time::Duration;
-
-    use tpcomm_transport::check::{
-        AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
-    };
-    use tpcomm_transport::{Communicator, TransportError};
-
-    type Result<T> = std::result::Result<T, TransportError>;
-
-    #[derive(Debug)]
-    pub(crate) struct Pair {
-        rank: usize,
-        stream: Mutex<UnixStream>,
-    }
-
-    impl Pair {
-        pub(crate) fn new(rank: usize, stream: UnixStream) -> Self {
-            stream
-                .set_read_timeout(Some(Duration::from_secs(60)))
-                .expect("socket timeout");
-            Self {
-                rank,
-                stream: Mutex::new(stream),
-            }
-        }
-
-        fn io(&self, what: &str, e: std::io::Error) -> TransportError {
-            TransportError::Setup(format!(
-                "rank {}: {what} rank {}: {e}",
-                self.rank,
-                1 - self.rank
-            ))
-        }
-
-        /// Sends `mine` to the peer and returns the peer's bytes; rank 0 writes first, so
-        /// two large writes never wait on each other.
-        fn exchange(&self, mine: &[u8]) -> Result<Vec<u8>> {
-            let mut s = self.stream.lock().unwrap();
-            let send = |s: &mut UnixStream| -> std::io::Result<()> {
-                s.write_all(&(mine.len() as u64).to_le_bytes())?;
-                s.write_all(mine)
-            };
-            let recv = |s: &mut UnixStream| -> std::io::Result<Vec<u8>> {
-                let mut len = [0u8; 8];
-                s.read_exact(&mut len)?;
-                let mut theirs = vec![0u8; u64::from_le_bytes(len) as usize];
-                s.read_exact(&mut theirs)?;
-                Ok(theirs)
-            };
-            if self.rank == 0 {
-                send(&mut s).map_err(|e| self.io("sending to", e))?;
-                recv(&mut s).map_err(|e| self.io("receiving from", e))
-            } else {
-                let theirs = recv(&mut s).map_err(|e| self.io("receiving from", e))?;
-                send(&mut s).map_err(|e| self.io("sending to", e))?;
-                Ok(theirs)
-            }
-        }
-
-        fn unsupported(&self, op: &str) -> TransportError {
-            TransportError::Setup(format!("{op} is not served by the test pair transport"))
-        }
-    }
-
-    impl Communicator for Pair {
-        fn rank(&self) -> usize {
-            self.rank
-        }
-        fn size(&self) -> usize {
-            2
-        }
-        fn max_count(&self) -> usize {
-            i32::MAX as usize
-        }
-        fn backend_name(&self) -> &'static str {
-            "test-pair"
-        }
-        fn split(&self, _color: Option<u32>, _key: i32) -> Result<Option<Self>> {
-            Err(self.unsupported("split"))
-        }
-        fn raw_barrier(&self) -> Result<()> {
-            self.exchange(&[]).map(drop)
-        }
-        fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<()> {
-            let block = args.block_len();
-            let (send, recv) = args.parts();
-            let theirs = self.exchange(send)?;
-            let peer = 1 - self.rank;
-            recv[self.rank * block..][..block].copy_from_slice(send);
-            recv[peer * block..][..block].copy_from_slice(&theirs);
-            Ok(())
-        }
-        fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<()> {
-            let (send, recv, counts, displs) = args.parts();
-            let theirs = self.exchange(send)?;
-            let peer = 1 - self.rank;
-            recv[displs[self.rank]..][..counts[self.rank]].copy_from_slice(send);
-            recv[displs[peer]..][..counts[peer]].copy_from_slice(&theirs);
-            Ok(())
-        }
-        fn raw_gather_varcount(&self, _args: GatherArgs<'_>) -> Result<()> {
-            Err(self.unsupported("gather"))
-        }
-        fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> Result<()> {
-            let root = args.root();
-            let buf = args.buf();
-            if root == self.rank {
-                self.exchange(buf).map(drop)
-            } else {
-                let theirs = self.exchange(&[])?;
-                if theirs.len() != buf.len() {
-                    return Err(TransportError::Setup(format!(
-                        "broadcast: root sent {} bytes, rank {} expected {}",
-                        theirs.len(),
-                        self.rank,
-                        buf.len()
-                    )));
-                }
-                buf.copy_from_slice(&theirs);
-                Ok(())
-            }
-        }
-        fn raw_all_to_all_varcount(&self, _args: AllToAllArgs<'_>) -> Result<()> {
-            Err(self.unsupported("all-to-all"))
-        }
     }
 }
 

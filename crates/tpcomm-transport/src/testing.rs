@@ -7,6 +7,8 @@
 
 use std::io::Write;
 
+pub mod pair;
+
 /// True when `TPCOMM_REQUIRE_GPU=1`.
 pub fn gpu_required() -> bool {
     std::env::var("TPCOMM_REQUIRE_GPU").is_ok_and(|v| v == "1")

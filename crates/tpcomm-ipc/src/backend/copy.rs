@@ -9,7 +9,7 @@
 //! are page-aligned, and glibc places a large `Vec` (an `mmap`ed chunk) 16 bytes after a page
 //! boundary. A forward vector loop does not escape it either (each load then aliases the
 //! store 16 bytes behind it, 4 KiB apart: about 4x slower), but a *backward* loop does: its
-//! pending stores all lie above the next load. [`copy`] takes that loop, with aligned stores
+//! pending stores all lie above the next load. [`copy_bytes`] takes that loop, with aligned stores
 //! (none splits a cache line) and unaligned loads, for exactly that relation, and `memcpy`
 //! otherwise. Measured on the same machine (rustc -O, best of 5): with AVX (32-byte stores)
 //! the backward loop copies 4 KiB to 8 MiB at `memcpy`'s speed between page-aligned buffers

@@ -468,38 +468,6 @@ fn one_rank_falls_back_to_nccl_and_sums_correctly_across_a_suspend() {
     }
 }
 
-/// Env var naming the socket the child rank connects to.
-const PAIR_SOCKET: &str = "TPCOMM_TEST_PAIR_SOCKET";
-/// Env var naming what the child rank runs: `cuda` or `host`.
-const PAIR_MODE: &str = "TPCOMM_TEST_PAIR_MODE";
-
-/// Rank 0 of a two-process test: spawns this executable as rank 1 running `mode`, runs
-/// `body` as rank 0 over the pair transport, and returns its outcome once rank 1 succeeded.
-fn run_pair<T>(mode: &str, body: impl FnOnce(&pair::Pair) -> R<T>) -> T {
-    let dir = std::env::temp_dir().join(format!("tpcomm-pair-{}-{mode}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sock");
-    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_pair_rank", "--ignored", "--nocapture"])
-        .env(PAIR_SOCKET, &path)
-        .env(PAIR_MODE, mode)
-        // libtest's own summary of the helper would be counted as a test by `xtask test`;
-        // failures still show on stderr.
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let (stream, _) = listener.accept().unwrap();
-    let comm = pair::Pair::new(0, stream);
-    let outcome = body(&comm);
-    drop(comm);
-    let status = child.wait().unwrap();
-    std::fs::remove_dir_all(&dir).ok();
-    let value = outcome.unwrap_or_else(|e| panic!("rank 0: {e}"));
-    assert!(status.success(), "rank 1 failed: {status}");
-    value
-}
-
 /// One rank of the host all-reduce across two processes (memfd peer memory): checks the
 /// pair transport itself on every machine, GPU or not.
 fn host_pair_rank(comm: &pair::Pair) -> R<()> {
@@ -528,7 +496,7 @@ fn host_pair_rank(comm: &pair::Pair) -> R<()> {
 
 #[test]
 fn the_pair_transport_carries_the_host_all_reduce_across_two_processes() {
-    run_pair("host", host_pair_rank);
+    pair::run_pair("host", host_pair_rank);
 }
 
 /// One rank of the two-process test: real CUDA IPC between the processes. Captures a graph
@@ -599,13 +567,11 @@ fn two_process_rank(comm: &pair::Pair) -> R<bool> {
 #[test]
 #[ignore = "helper process (rank 1) of the two-process tests"]
 fn child_pair_rank() {
-    let path = std::env::var(PAIR_SOCKET).expect("run by a two-process test");
-    let stream = std::os::unix::net::UnixStream::connect(path).expect("connect to rank 0");
-    let comm = pair::Pair::new(1, stream);
-    let outcome = match std::env::var(PAIR_MODE).as_deref() {
-        Ok("host") => host_pair_rank(&comm),
-        Ok("cuda") => two_process_rank(&comm).map(drop),
-        other => panic!("unknown {PAIR_MODE}: {other:?}"),
+    let (comm, mode) = pair::child();
+    let outcome = match mode.as_str() {
+        "host" => host_pair_rank(&comm),
+        "cuda" => two_process_rank(&comm).map(drop),
+        other => panic!("unknown two-process mode {other:?}"),
     };
     outcome.unwrap_or_else(|e| panic!("rank 1: {e}"));
 }
@@ -615,7 +581,7 @@ fn two_processes_replay_a_graph_after_resume_with_moved_mappings() {
     if !gpu() {
         return;
     }
-    let moved = run_pair("cuda", two_process_rank);
+    let moved = pair::run_pair("cuda", two_process_rank);
     eprintln!("peer mappings moved on resume: {moved}");
 }
 

@@ -290,7 +290,7 @@ fn two_processes_checkpoint_restore_and_replay_a_graph_bit_identically() {
     if !gpu() {
         return;
     }
-    run_pair("checkpoint", checkpoint_rank);
+    pair::run_pair("checkpoint", checkpoint_rank);
 }
 
 #[test]
@@ -298,49 +298,17 @@ fn a_checkpoint_without_prepare_for_suspend_is_refused_and_nothing_is_left_locke
     if !gpu() {
         return;
     }
-    run_pair("refuse", refuse_rank);
+    pair::run_pair("refuse", refuse_rank);
 }
 
 #[test]
 #[ignore = "helper process (rank 1) of the two-process tests"]
 fn child_pair_rank() {
-    let path = std::env::var(PAIR_SOCKET).expect("run by a two-process test");
-    let stream = std::os::unix::net::UnixStream::connect(path).expect("connect to rank 0");
-    let comm = pair::Pair::new(1, stream);
-    let outcome = match std::env::var(PAIR_MODE).as_deref() {
-        Ok("checkpoint") => checkpoint_rank(&comm),
-        Ok("refuse") => refuse_rank(&comm),
-        other => panic!("unknown {PAIR_MODE}: {other:?}"),
+    let (comm, mode) = pair::child();
+    let outcome = match mode.as_str() {
+        "checkpoint" => checkpoint_rank(&comm),
+        "refuse" => refuse_rank(&comm),
+        other => panic!("unknown two-process mode {other:?}"),
     };
     outcome.unwrap_or_else(|e| panic!("rank 1: {e}"));
-}
-
-/// Env var naming the socket the child rank connects to.
-const PAIR_SOCKET: &str = "TPCOMM_TEST_PAIR_SOCKET";
-/// Env var naming what the child rank runs.
-const PAIR_MODE: &str = "TPCOMM_TEST_PAIR_MODE";
-
-/// Rank 0 of a two-process test: spawns this executable as rank 1 running `mode`, runs
-/// `body` as rank 0 over the pair transport, and returns once rank 1 succeeded.
-fn run_pair(mode: &str, body: fn(&pair::Pair) -> R<()>) {
-    let dir = std::env::temp_dir().join(format!("tpcomm-ckpt-{}-{mode}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sock");
-    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_pair_rank", "--ignored", "--nocapture"])
-        .env(PAIR_SOCKET, &path)
-        .env(PAIR_MODE, mode)
-        // libtest's own summary of the helper would be counted as a test by `xtask test`.
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let (stream, _) = listener.accept().unwrap();
-    let comm = pair::Pair::new(0, stream);
-    let outcome = body(&comm);
-    drop(comm);
-    let status = child.wait().unwrap();
-    std::fs::remove_dir_all(&dir).ok();
-    outcome.unwrap_or_else(|e| panic!("rank 0: {e}"));
-    assert!(status.success(), "rank 1 failed: {status}");
 }

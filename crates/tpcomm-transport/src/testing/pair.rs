@@ -133,3 +133,48 @@ impl Communicator for Pair {
         Err(self.unsupported("all-to-all"))
     }
 }
+
+/// Env var naming the socket rank 1 connects to.
+const SOCKET_VAR: &str = "TPCOMM_TEST_PAIR_SOCKET";
+/// Env var naming what rank 1 runs (the test's own mode names).
+const MODE_VAR: &str = "TPCOMM_TEST_PAIR_MODE";
+
+/// Rank 0 of a two-process test: spawns this test executable as rank 1 (its ignored test
+/// `child_pair_rank`, which calls [`child`] and runs `mode`), runs `body` as rank 0 over the
+/// pair, and returns its value once rank 1 succeeded. Panics on any failure of either rank.
+pub fn run_pair<T, E: std::fmt::Display>(
+    mode: &str,
+    body: impl FnOnce(&Pair) -> std::result::Result<T, E>,
+) -> T {
+    let dir = std::env::temp_dir().join(format!("tpcomm-pair-{}-{mode}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_pair_rank", "--ignored", "--nocapture"])
+        .env(SOCKET_VAR, &path)
+        .env(MODE_VAR, mode)
+        // libtest's own summary of the helper would be counted as a test by `xtask test`;
+        // failures still show on stderr.
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    let comm = Pair::new(0, stream);
+    let outcome = body(&comm);
+    drop(comm);
+    let status = child.wait().unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    let value = outcome.unwrap_or_else(|e| panic!("rank 0: {e}"));
+    assert!(status.success(), "rank 1 failed: {status}");
+    value
+}
+
+/// Rank 1 of a two-process test, inside its `child_pair_rank`: the pair connected to rank 0
+/// and the mode [`run_pair`] named.
+pub fn child() -> (Pair, String) {
+    let path = std::env::var(SOCKET_VAR).expect("run by a two-process test");
+    let mode = std::env::var(MODE_VAR).expect("run by a two-process test");
+    let stream = UnixStream::connect(path).expect("connect to rank 0");
+    (Pair::new(1, stream), mode)
+}

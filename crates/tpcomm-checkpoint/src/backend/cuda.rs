@@ -9,10 +9,9 @@
 //! must be zero; `CUcheckpointRestoreArgs` of 13.0 adds an optional GPU remapping table,
 //! left empty). Zeroed blocks work on driver 580 (measured).
 //!
-//! Every entry point is called from a fresh thread that has never made a CUDA call (no
-//! context current on it), as the calls were measured to work on driver 580: a process
-//! checkpointing itself from such a thread. The rank's own thread has its context current and
-//! may be the one the driver's lock waits for.
+//! The entry points are called from the rank's own thread: on driver 580 a process's calls
+//! on its own pid work from any of its threads, one with its context current included
+//! (measured).
 
 use std::ffi::{c_char, c_int, c_uint, CStr};
 use std::time::Duration;
@@ -23,14 +22,6 @@ use crate::driver::{
 };
 
 type CuResult = c_int;
-
-/// Runs `f` on a fresh thread with no CUDA context current and returns its result.
-fn on_clean_thread<T: Send>(f: impl FnOnce() -> T + Send) -> T {
-    std::thread::scope(|s| match s.spawn(f).join() {
-        Ok(v) => v,
-        Err(panic) => std::panic::resume_unwind(panic),
-    })
-}
 
 /// `CUcheckpointLockArgs`.
 #[repr(C)]
@@ -224,12 +215,9 @@ impl CudaCheckpoint {
     ) -> Result<(), DriverError> {
         let f = pick(&self.entries(entry_point, pid)?);
         let raw = Self::raw_pid(pid, entry_point)?;
-        let code = on_clean_thread(|| {
-            let mut args = ReservedArgs { reserved: [0; 8] };
-            // SAFETY: a 64-byte zeroed argument block as the driver expects, valid for the
-            // call.
-            unsafe { f(raw, &mut args) }
-        });
+        let mut args = ReservedArgs { reserved: [0; 8] };
+        // SAFETY: a 64-byte zeroed argument block as the driver expects, valid for the call.
+        let code = unsafe { f(raw, &mut args) };
         self.check(entry_point, pid, code)
     }
 }
@@ -256,15 +244,13 @@ impl CheckpointDriver for CudaCheckpoint {
         let raw = Self::raw_pid(pid, CALL)?;
         // 0 would mean "no timeout": at least 1 ms, at most u32::MAX.
         let ms = timeout.as_millis().clamp(1, u128::from(u32::MAX)) as c_uint;
-        let code = on_clean_thread(|| {
-            let mut args = LockArgs {
-                timeout_ms: ms,
-                reserved0: 0,
-                reserved1: [0; 7],
-            };
-            // SAFETY: a 64-byte argument block as the driver expects, valid for the call.
-            unsafe { f(raw, &mut args) }
-        });
+        let mut args = LockArgs {
+            timeout_ms: ms,
+            reserved0: 0,
+            reserved1: [0; 7],
+        };
+        // SAFETY: a 64-byte argument block as the driver expects, valid for the call.
+        let code = unsafe { f(raw, &mut args) };
         self.check(CALL, pid, code)
     }
 
@@ -284,12 +270,9 @@ impl CheckpointDriver for CudaCheckpoint {
         const CALL: &str = "cuCheckpointProcessGetState";
         let f = self.entries(CALL, pid)?.state;
         let raw = Self::raw_pid(pid, CALL)?;
-        let (code, state) = on_clean_thread(|| {
-            let mut state: c_int = -1;
-            // SAFETY: out-pointer to a local `CUprocessState` (an int-sized enum).
-            let code = unsafe { f(raw, &mut state) };
-            (code, state)
-        });
+        let mut state: c_int = -1;
+        // SAFETY: out-pointer to a local `CUprocessState` (an int-sized enum).
+        let code = unsafe { f(raw, &mut state) };
         self.check(CALL, pid, code)?;
         Ok(ProcessState::from_raw(state))
     }

@@ -1,8 +1,8 @@
 //! [`Pair`]: two processes as two ranks over one Unix socket, for the GPU suites that run
 //! without MPI on the GPU machine (two-process CUDA IPC tests). Only what the all-reduce's
 //! setup, exchanges and lifecycle and the checkpoint sequence use is served: barrier,
-//! all-gather, varcount all-gather and broadcast. Test support: it trusts its peer (a length
-//! it announces is allocated as is) and waits at most 60 s for it.
+//! all-gather, varcount all-gather and broadcast. Test support: a length its peer announces is
+//! allocated up to 2 GiB - 1 (`max_count`), and it waits at most 60 s for the peer.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -52,7 +52,15 @@ impl Pair {
         let recv = |s: &mut UnixStream| -> std::io::Result<Vec<u8>> {
             let mut len = [0u8; 8];
             s.read_exact(&mut len)?;
-            let mut theirs = vec![0u8; u64::from_le_bytes(len) as usize];
+            let len = u64::from_le_bytes(len);
+            // Never more than a collective of this transport may carry (`max_count`).
+            if len > i32::MAX as u64 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("the peer announced {len} bytes, more than {}", i32::MAX),
+                ));
+            }
+            let mut theirs = vec![0u8; len as usize];
             s.read_exact(&mut theirs)?;
             Ok(theirs)
         };

@@ -25,15 +25,20 @@ fn group(n: usize) -> LocalGroup {
 
 type R<T> = tpcomm_ipc::Result<T>;
 
+/// Every rank's value; panics naming every rank that failed (the first failure is often a
+/// peer's consequence of another rank's).
 fn done<T: std::fmt::Debug>(results: Vec<tpcomm_transport::Result<R<T>>>) -> Vec<T> {
-    results
-        .into_iter()
-        .enumerate()
-        .map(|(rank, r)| {
-            r.unwrap_or_else(|e| panic!("rank {rank} died: {e}"))
-                .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
-        })
-        .collect()
+    let mut values = Vec::new();
+    let mut failures = Vec::new();
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(Ok(v)) => values.push(v),
+            Ok(Err(e)) => failures.push(format!("rank {rank}: {e}")),
+            Err(e) => failures.push(format!("rank {rank} died: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("; "));
+    values
 }
 
 #[test]
@@ -154,6 +159,9 @@ fn a_reopened_mapping_moves_when_its_old_address_is_taken() {
         let old = peers.address(id, other, 0)?;
         peers.close_all()?;
         let hold = AddressHold::at(old, 1 << 20)?; // nothing may be mapped there now
+                                                   // Ranks are threads of one process: nobody reopens (maps) before every rank holds
+                                                   // its old address, or a peer's new mapping could take it first.
+        comm.barrier()?;
         peers.reopen_all(&comm)?;
         let new = peers.address(id, other, 0)?;
         assert_ne!(new, old, "the reopened mapping must be at a new address");

@@ -178,6 +178,9 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
                 .filter(|&(r, _)| r != comm.rank())
                 .map(|(_, &p)| AddressHold::at(p & !4095, 4096))
                 .collect::<Result<_, _>>()?;
+            // Ranks are threads of one process: nobody reopens (maps) before every rank
+            // holds its old addresses, or a peer's new mapping could take one first.
+            comm.barrier()?;
             ar.reinit_after_resume(&comm)?;
             drop(holds);
             let moved = ar.rank_data_slot(1)?;

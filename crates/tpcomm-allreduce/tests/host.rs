@@ -254,6 +254,9 @@ fn a_plan_captured_before_suspend_replays_correctly_after_resume_at_new_addresse
                 .iter()
                 .map(|&a| AddressHold::at(a & !4095, 4096).map_err(AllReduceError::from))
                 .collect::<R<_>>()?;
+            // Ranks are threads of one process: nobody reopens (maps) before every rank
+            // holds its old addresses, or a peer's new mapping could take one first.
+            comm.barrier()?;
             ar.reinit_after_resume(&comm)?;
             for (i, &a) in old.iter().enumerate() {
                 assert_ne!(

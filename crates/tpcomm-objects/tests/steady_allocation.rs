@@ -57,13 +57,22 @@ static GLOBAL: PerThread = PerThread;
 
 const BLOB: usize = 64 << 10;
 
+/// Calls of each kind; the first two warm the kept buffers up.
+const CALLS: usize = 8;
+
+/// Steady calls (of `CALLS - 2`) that must allocate nothing beyond their values. Not all:
+/// the threads transport reuses a post only once every peer has let go of it, and a peer
+/// the scheduler holds up (a loaded machine) can make one call take a fresh post. A buffer
+/// made on every call still fails every one of them.
+const STEADY_WITHIN: usize = 4;
+
 #[test]
 fn steady_state_all_gathers_allocate_only_the_values_they_return() {
     let results = LocalGroup::new(2).run(|comm| {
         let mine = ByteBuf::from(vec![comm.rank() as u8 + 1; BLOB]);
         let mut owned = Vec::new();
         let mut borrowed = Vec::new();
-        for _ in 0..4 {
+        for _ in 0..CALLS {
             let before = allocated();
             let all: Vec<ByteBuf> = all_gather(&comm, &mine).unwrap();
             owned.push(allocated() - before);
@@ -88,19 +97,18 @@ fn steady_state_all_gathers_allocate_only_the_values_they_return() {
         // blob, so that any per-call send, receive or post buffer shows.
         let values = 2 * BLOB + 2 * std::mem::size_of::<ByteBuf>();
         let slack = 8 << 10;
-        for (call, &bytes) in owned.iter().enumerate().skip(2) {
-            assert!(
-                bytes <= values + slack,
-                "rank {rank}, owned all_gather call {call}: {bytes} bytes allocated, \
-                 the values take {values} (calls: {owned:?})"
-            );
-        }
-        for (call, &bytes) in borrowed.iter().enumerate().skip(2) {
-            assert!(
-                bytes <= slack,
-                "rank {rank}, all_gather_borrowed call {call}: {bytes} bytes allocated \
-                 (calls: {borrowed:?})"
-            );
-        }
+        let within = |calls: &[usize], bound: usize| {
+            calls.iter().skip(2).filter(|&&bytes| bytes <= bound).count()
+        };
+        assert!(
+            within(&owned, values + slack) >= STEADY_WITHIN,
+            "rank {rank}: fewer than {STEADY_WITHIN} steady all_gather calls allocated only \
+             their values ({values} bytes + {slack} slack); calls: {owned:?}"
+        );
+        assert!(
+            within(&borrowed, slack) >= STEADY_WITHIN,
+            "rank {rank}: fewer than {STEADY_WITHIN} steady all_gather_borrowed calls \
+             allocated at most {slack} bytes; calls: {borrowed:?}"
+        );
     }
 }

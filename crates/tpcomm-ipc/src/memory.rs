@@ -7,6 +7,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::Result;
+use crate::registry::Region;
 
 mod sealed {
     pub trait Sealed {}
@@ -67,6 +68,20 @@ pub trait PeerMemory: Send + Sync + Debug + 'static {
 
     /// Closes a mapping, reporting a failure (dropping it closes too, logging failures).
     fn close(&self, mapping: Self::Mapping) -> Result<()>;
+
+    /// [`export`](Self::export) of every region, in order; the first failure fails the
+    /// batch. Backends override it where a batch is cheaper than its parts.
+    fn export_all(&self, regions: &[Region]) -> Result<Vec<Self::Handle>> {
+        regions.iter().map(|r| self.export(r.addr, r.len)).collect()
+    }
+
+    /// [`open`](Self::open) of every handle (distinct ones), in order; the first failure
+    /// fails the batch, and the mappings opened before it are closed. Backends override it
+    /// where a batch is cheaper than its parts (the host backend checks each peer segment
+    /// once per batch).
+    fn open_all(&self, handles: &[&Self::Handle]) -> Result<Vec<Self::Mapping>> {
+        handles.iter().map(|h| self.open(h)).collect()
+    }
 
     /// Copies `src` into `region` at `offset`.
     fn write<R: MemoryRegion>(&self, region: &R, offset: usize, src: &[u8]) -> Result<()>;

@@ -44,14 +44,42 @@ pub struct Counters {
     pub opens: u64,
     /// Mappings closed since creation.
     pub closes: u64,
+    /// Reopens in which no rank's handles had changed, so that every rank reopened the
+    /// handles it kept (see [`PeerMappings::reopen_all`]).
+    pub reopens_in_place: u64,
 }
 
 #[derive(Debug)]
-struct Exchange {
+struct Exchange<H> {
     /// This rank's regions, re-exported on reopen.
     local: Vec<Region>,
+    /// The handles this rank shared for `local` last time, compared with fresh ones on
+    /// reopen.
+    sent: Vec<H>,
     /// `slots[rank][index]`: the mapping slab index for each peer region (`None` for own).
     slots: Vec<Vec<Option<usize>>>,
+}
+
+/// One opened handle. Slots of exchanges keep their handle while closed, so that a reopen
+/// whose handles did not change reopens them in place.
+#[derive(Debug)]
+struct Slot<B: PeerMemory> {
+    handle: B::Handle,
+    /// `None` while closed.
+    mapping: Option<B::Mapping>,
+    /// Opened for an exchange (reopened by `reopen_all`), not by `import`.
+    exchanged: bool,
+}
+
+/// What a rank shares in `reopen_all`.
+#[derive(Debug, Serialize, Deserialize)]
+enum Reshare<H> {
+    /// It could not export its regions (its error stays local).
+    ExportFailed,
+    /// Every handle it exports is the one it shared last time.
+    Unchanged,
+    /// Fresh handles of every exchange's regions, exchange by exchange.
+    Fresh(Vec<Vec<Envelope<H>>>),
 }
 
 /// The registry of every peer mapping of one group of ranks.
@@ -94,10 +122,10 @@ pub struct PeerMappings<B: PeerMemory> {
     rank: usize,
     size: usize,
     group: u64,
-    exchanges: Vec<Exchange>,
-    /// Open mappings with the handle each was opened from; `None` once closed (indices stay
-    /// stable within an open period).
-    slab: Vec<Option<(B::Mapping, B::Handle)>>,
+    exchanges: Vec<Exchange<B::Handle>>,
+    /// Opened handles and their mappings; `None` once released (indices stay stable while
+    /// the handles do).
+    slab: Vec<Option<Slot<B>>>,
     /// Handle -> slab index, so a handle is opened once per process.
     memo: HashMap<B::Handle, usize>,
     closed: bool,
@@ -218,40 +246,32 @@ impl<B: PeerMemory> PeerMappings<B> {
         let _span =
             tracing::debug_span!("peer_exchange", rank = self.rank, regions = regions.len())
                 .entered();
-        let slots = self.share_and_open(comm, regions, [Step::Exchange, Step::ExchangeVerdict])?;
+        let (sent, all) = self.share(comm, regions)?;
+        let slots = self.open_shared(comm, &all, Step::ExchangeVerdict)?;
         self.exchanges.push(Exchange {
             local: regions.to_vec(),
+            sent,
             slots,
         });
         Ok(ExchangeId(self.exchanges.len() - 1))
     }
 
-    /// Exports, all-gathers, validates and opens; rolls back and fails on every rank when
-    /// any rank fails. `steps` tag the handle exchange and the verdict exchange.
-    fn share_and_open<C: Communicator + ?Sized>(
+    /// Exports and all-gathers this rank's handles of `regions`: the handles and every
+    /// rank's envelopes, or a failure agreed by every rank.
+    #[allow(clippy::type_complexity)]
+    fn share<C: Communicator + ?Sized>(
         &mut self,
         comm: &C,
         regions: &[Region],
-        steps: [Step; 2],
-    ) -> Result<Vec<Vec<Option<usize>>>> {
+    ) -> Result<(Vec<B::Handle>, Vec<Vec<Envelope<B::Handle>>>)> {
         // Export failures are agreed too: a rank that cannot export sends no handles, which
-        // every rank sees as a count mismatch naming it.
-        let exported: Result<Vec<Envelope<B::Handle>>> = regions
-            .iter()
-            .map(|r| {
-                let handle = self.backend.export(r.addr, r.len)?;
-                Ok(Envelope {
-                    group: self.group,
-                    rank: self.rank as u32,
-                    handle,
-                })
-            })
-            .collect();
-        let (mine, export_error) = match exported {
-            Ok(v) => (Some(v), None),
+        // every rank sees as a failure naming it.
+        let (sent, export_error) = match self.backend.export_all(regions) {
+            Ok(handles) => (Some(handles), None),
             Err(e) => (None, Some(e)),
         };
-        let all: Vec<Option<Vec<Envelope<B::Handle>>>> = self.agree(comm, steps[0], &mine)?;
+        let mine = sent.as_ref().map(|h| self.envelopes(h));
+        let all: Vec<Option<Vec<Envelope<B::Handle>>>> = self.agree(comm, Step::Exchange, &mine)?;
         let failed_export: Vec<usize> = (0..self.size).filter(|&r| all[r].is_none()).collect();
         if !failed_export.is_empty() {
             return Err(IpcError::PeerOpenFailed {
@@ -259,37 +279,50 @@ impl<B: PeerMemory> PeerMappings<B> {
                 local: export_error.map(Box::new),
             });
         }
-        let counts: Vec<usize> = all.iter().map(|v| v.as_ref().map_or(0, Vec::len)).collect();
-        if counts.iter().any(|&c| c != counts[0]) {
-            return Err(IpcError::Mismatch(format!(
-                "ranks shared different numbers of regions: {counts:?}"
-            )));
-        }
+        let all: Vec<Vec<Envelope<B::Handle>>> = all.into_iter().flatten().collect();
+        check_counts(&all)?;
+        Ok((sent.unwrap_or_default(), all))
+    }
 
+    /// This rank's envelopes of `handles`.
+    fn envelopes(&self, handles: &[B::Handle]) -> Vec<Envelope<B::Handle>> {
+        handles.iter().map(|h| self.envelope(h.clone())).collect()
+    }
+
+    /// Opens every peer's envelopes of `all` (one list per rank, the same length), then
+    /// agrees under `verdict` whether every rank opened all of them; rolls back and fails on
+    /// every rank when any rank failed. Returns the slots, `[rank][index]`.
+    fn open_shared<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &C,
+        all: &[Vec<Envelope<B::Handle>>],
+        verdict: Step,
+    ) -> Result<Vec<Vec<Option<usize>>>> {
+        let count = all.first().map_or(0, Vec::len);
         let mut opened_here = Vec::new();
-        let mut slots = vec![vec![None; counts[0]]; self.size];
+        let mut slots = vec![vec![None; count]; self.size];
         let mut local_error = None;
-        'peers: for (r, envelopes) in all.iter().enumerate() {
+        for (r, envelopes) in all.iter().enumerate() {
             if r == self.rank {
                 continue;
             }
-            for (i, env) in envelopes.iter().flatten().enumerate() {
-                match self.open_memoized(r, env) {
-                    Ok((slot, fresh)) => {
+            match self.open_batch(r, envelopes) {
+                Ok(batch) => {
+                    for (i, (slot, fresh)) in batch.into_iter().enumerate() {
                         slots[r][i] = Some(slot);
                         if fresh {
                             opened_here.push(slot);
                         }
                     }
-                    Err(e) => {
-                        local_error = Some(e);
-                        break 'peers;
-                    }
+                }
+                Err(e) => {
+                    local_error = Some(e);
+                    break;
                 }
             }
         }
         let ok: bool = local_error.is_none();
-        let verdicts: Vec<bool> = self.agree(comm, steps[1], &ok)?;
+        let verdicts: Vec<bool> = self.agree(comm, verdict, &ok)?;
         let failed: Vec<usize> = (0..self.size).filter(|&r| !verdicts[r]).collect();
         if failed.is_empty() {
             return Ok(slots);
@@ -305,6 +338,57 @@ impl<B: PeerMemory> PeerMappings<B> {
         })
     }
 
+    /// Opens the envelopes rank `from` shared, in one batch of the backend: the slab index
+    /// of each and whether it was opened now (the first occurrence of a handle not open
+    /// before). Nothing is opened unless every envelope is of this group and of `from`.
+    fn open_batch(
+        &mut self,
+        from: usize,
+        envelopes: &[Envelope<B::Handle>],
+    ) -> Result<Vec<(usize, bool)>> {
+        /// Where an envelope's mapping comes from.
+        enum Source {
+            Open(usize),
+            Batch(usize),
+        }
+        let mut to_open: Vec<&B::Handle> = Vec::new();
+        let mut in_batch: HashMap<&B::Handle, usize> = HashMap::new();
+        let mut plan = Vec::with_capacity(envelopes.len());
+        for env in envelopes {
+            self.check_envelope(from, env)?;
+            if let Some(&slot) = self.memo.get(&env.handle) {
+                plan.push(Source::Open(slot));
+                continue;
+            }
+            let next = to_open.len();
+            let k = *in_batch.entry(&env.handle).or_insert(next);
+            if k == next {
+                to_open.push(&env.handle);
+            }
+            plan.push(Source::Batch(k));
+        }
+        let mappings = self.backend.open_all(&to_open)?;
+        let first = self.slab.len();
+        for (handle, mapping) in to_open.into_iter().zip(mappings) {
+            self.memo.insert(handle.clone(), self.slab.len());
+            self.slab.push(Some(Slot {
+                handle: handle.clone(),
+                mapping: Some(mapping),
+                exchanged: true,
+            }));
+            self.counters.open += 1;
+            self.counters.opens += 1;
+        }
+        let mut seen = vec![false; self.slab.len() - first];
+        Ok(plan
+            .into_iter()
+            .map(|source| match source {
+                Source::Open(slot) => (slot, false),
+                Source::Batch(k) => (first + k, !std::mem::replace(&mut seen[k], true)),
+            })
+            .collect())
+    }
+
     /// Opens one handle received by other means (not through [`exchange`](Self::exchange)),
     /// after checking that it belongs to this group and comes from rank `from`. Memoized like
     /// exchanged handles, and closed by [`close_all`](Self::close_all) (but not reopened).
@@ -315,7 +399,7 @@ impl<B: PeerMemory> PeerMappings<B> {
         let (slot, _) = self.open_memoized(from, env)?;
         self.slab[slot]
             .as_ref()
-            .map(|(m, _)| m)
+            .and_then(|s| s.mapping.as_ref())
             .ok_or_else(|| IpcError::NoSuchMapping(format!("slot {slot}")))
     }
 
@@ -332,6 +416,25 @@ impl<B: PeerMemory> PeerMappings<B> {
     /// Opens `env` unless its handle is already open; returns the slab index and whether it
     /// was opened now.
     fn open_memoized(&mut self, from: usize, env: &Envelope<B::Handle>) -> Result<(usize, bool)> {
+        self.check_envelope(from, env)?;
+        if let Some(&slot) = self.memo.get(&env.handle) {
+            return Ok((slot, false));
+        }
+        let mapping = self.backend.open(&env.handle)?;
+        self.slab.push(Some(Slot {
+            handle: env.handle.clone(),
+            mapping: Some(mapping),
+            exchanged: false,
+        }));
+        let slot = self.slab.len() - 1;
+        self.memo.insert(env.handle.clone(), slot);
+        self.counters.open += 1;
+        self.counters.opens += 1;
+        Ok((slot, true))
+    }
+
+    /// An envelope of this group, from rank `from`, or the error that says which it is not.
+    fn check_envelope(&self, from: usize, env: &Envelope<B::Handle>) -> Result<()> {
         if env.group != self.group {
             return Err(IpcError::ForeignHandle {
                 expected: self.group,
@@ -344,24 +447,24 @@ impl<B: PeerMemory> PeerMappings<B> {
                 env.rank
             )));
         }
-        if let Some(&slot) = self.memo.get(&env.handle) {
-            return Ok((slot, false));
-        }
-        let mapping = self.backend.open(&env.handle)?;
-        self.slab.push(Some((mapping, env.handle.clone())));
-        let slot = self.slab.len() - 1;
-        self.memo.insert(env.handle.clone(), slot);
-        self.counters.open += 1;
-        self.counters.opens += 1;
-        Ok((slot, true))
+        Ok(())
     }
 
-    /// Closes one slot; `Ok(false)` when it was not open. The slot is gone either way.
+    /// Removes one slot, closing its mapping; `Ok(false)` when it was not open. The slot is
+    /// gone either way.
     fn close_slot(&mut self, slot: usize) -> Result<bool> {
-        let Some((mapping, handle)) = self.slab.get_mut(slot).and_then(Option::take) else {
+        let Some(removed) = self.slab.get_mut(slot).and_then(Option::take) else {
             return Ok(false);
         };
-        self.memo.remove(&handle);
+        self.memo.remove(&removed.handle);
+        self.close_mapping(removed.mapping)
+    }
+
+    /// Closes a slot's mapping, if open; `Ok(false)` when it was not.
+    fn close_mapping(&mut self, mapping: Option<B::Mapping>) -> Result<bool> {
+        let Some(mapping) = mapping else {
+            return Ok(false);
+        };
         self.counters.open -= 1;
         self.counters.closes += 1;
         self.backend.close(mapping).map(|()| true)
@@ -384,7 +487,10 @@ impl<B: PeerMemory> PeerMappings<B> {
             .and_then(|s| s.get(index).copied())
             .flatten()
             .ok_or_else(missing)?;
-        self.slab[slot].as_ref().map(|(m, _)| m).ok_or_else(missing)
+        self.slab[slot]
+            .as_ref()
+            .and_then(|s| s.mapping.as_ref())
+            .ok_or_else(missing)
     }
 
     /// The address of region `index` of `rank` in exchange `id`: the peer mapping's address
@@ -407,13 +513,22 @@ impl<B: PeerMemory> PeerMappings<B> {
     /// closed. Repeating it is a no-op returning 0.
     ///
     /// Every mapping is closed (and unreachable) even when some close fails; the first
-    /// failure is then returned.
+    /// failure is then returned. Handles opened by [`import`](Self::import) are forgotten;
+    /// those of exchanges are kept for [`reopen_all`](Self::reopen_all).
     pub fn close_all(&mut self) -> Result<usize> {
         let _span = tracing::debug_span!("peer_close_all", rank = self.rank).entered();
         let mut closed = 0;
         let mut first_error = None;
         for slot in 0..self.slab.len() {
-            match self.close_slot(slot) {
+            let outcome = match self.slab[slot].as_mut() {
+                None => continue,
+                Some(s) if s.exchanged => {
+                    let mapping = s.mapping.take();
+                    self.close_mapping(mapping)
+                }
+                Some(_) => self.close_slot(slot),
+            };
+            match outcome {
                 Ok(was_open) => closed += usize::from(was_open),
                 Err(e) => {
                     closed += 1;
@@ -421,8 +536,6 @@ impl<B: PeerMemory> PeerMappings<B> {
                 }
             }
         }
-        self.slab.clear();
-        self.memo.clear();
         self.closed = true;
         tracing::debug!(closed, "peer mappings closed");
         match first_error {
@@ -433,6 +546,12 @@ impl<B: PeerMemory> PeerMappings<B> {
 
     /// Collective: exports fresh handles for every region of every exchange, exchanges and
     /// reopens them (new addresses are likely). A no-op when not closed.
+    ///
+    /// One step carries every exchange's handles. A rank whose fresh handles are all the
+    /// ones it shared before (host memory: always; CUDA: unless the process was
+    /// checkpointed) says so in a byte instead; when every rank does, each reopens the
+    /// handles it kept, in one batch of the backend. A failure leaves the registry closed,
+    /// on every rank.
     pub fn reopen_all<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
         if !self.closed {
             return Ok(());
@@ -443,26 +562,160 @@ impl<B: PeerMemory> PeerMappings<B> {
             exchanges = self.exchanges.len()
         )
         .entered();
-        let mut exchanges = std::mem::take(&mut self.exchanges);
-        self.closed = false;
+        let fresh: Result<Vec<Vec<B::Handle>>> = self
+            .exchanges
+            .iter()
+            .map(|x| self.backend.export_all(&x.local))
+            .collect();
+        let (mine, export_error) = match fresh {
+            Ok(fresh) if fresh.iter().zip(&self.exchanges).all(|(f, x)| *f == x.sent) => {
+                (Reshare::Unchanged, None)
+            }
+            Ok(fresh) => (
+                Reshare::Fresh(fresh.iter().map(|f| self.envelopes(f)).collect()),
+                None,
+            ),
+            Err(e) => (Reshare::ExportFailed, Some(e)),
+        };
+        let all: Vec<Reshare<B::Handle>> = self.agree(comm, Step::Reopen, &mine)?;
+        let failed_export: Vec<usize> = (0..self.size)
+            .filter(|&r| matches!(all[r], Reshare::ExportFailed))
+            .collect();
+        if !failed_export.is_empty() {
+            return Err(IpcError::PeerOpenFailed {
+                ranks: failed_export,
+                local: export_error.map(Box::new),
+            });
+        }
+        let result = if all.iter().all(|r| matches!(r, Reshare::Unchanged)) {
+            self.reopen_in_place(comm)
+        } else {
+            self.reopen_fresh(comm, all)
+        };
+        match result {
+            Ok(()) => {
+                self.closed = false;
+                Ok(())
+            }
+            Err(e) => {
+                // Leave a consistent closed state: nothing half-open.
+                if let Err(e) = self.close_all() {
+                    tracing::warn!(error = %e, "closing after a failed reopen failed");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Every rank's handles are unchanged: reopens every kept handle in one batch, then
+    /// agrees the verdict.
+    fn reopen_in_place<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        let (slots, handles): (Vec<usize>, Vec<&B::Handle>) = self
+            .slab
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|s| (i, &s.handle)))
+            .unzip();
+        let opened = self.backend.open_all(&handles);
+        let verdicts: Vec<bool> = self.agree(comm, Step::ReopenVerdict, &opened.is_ok())?;
+        let failed: Vec<usize> = (0..self.size).filter(|&r| !verdicts[r]).collect();
+        if !failed.is_empty() {
+            // Mappings opened here close as they drop.
+            return Err(IpcError::PeerOpenFailed {
+                ranks: failed,
+                local: opened.err().map(Box::new),
+            });
+        }
+        for (slot, mapping) in slots.into_iter().zip(opened?) {
+            if let Some(s) = self.slab[slot].as_mut() {
+                s.mapping = Some(mapping);
+                self.counters.open += 1;
+                self.counters.opens += 1;
+            }
+        }
+        self.counters.reopens_in_place += 1;
+        Ok(())
+    }
+
+    /// Some rank shared fresh handles: forgets every kept handle and opens every exchange's
+    /// handles anew (fresh ones, or those kept of the ranks whose handles did not change).
+    fn reopen_fresh<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &C,
+        all: Vec<Reshare<B::Handle>>,
+    ) -> Result<()> {
+        let mut lists = Vec::with_capacity(self.exchanges.len());
+        for (k, x) in self.exchanges.iter().enumerate() {
+            let mut per_rank = Vec::with_capacity(self.size);
+            for (r, shared) in all.iter().enumerate() {
+                per_rank.push(match shared {
+                    Reshare::Fresh(fresh) => fresh.get(k).cloned().ok_or_else(|| {
+                        IpcError::Mismatch(format!(
+                            "rank {r} reshared {} exchanges, this rank has {}",
+                            fresh.len(),
+                            self.exchanges.len()
+                        ))
+                    })?,
+                    Reshare::Unchanged if r == self.rank => self.envelopes(&x.sent),
+                    _ => self.kept_envelopes(x, r)?,
+                });
+            }
+            check_counts(&per_rank)?;
+            lists.push(per_rank);
+        }
+        // Every mapping is closed: the new slab starts empty. The kept one comes back if the
+        // reopen fails, so that a later one can still rely on it.
+        let kept_slab = std::mem::take(&mut self.slab);
+        let kept_memo = std::mem::take(&mut self.memo);
+        let mut reopened = Vec::with_capacity(lists.len());
         let mut result = Ok(());
-        for x in &mut exchanges {
-            match self.share_and_open(comm, &x.local, [Step::Reopen, Step::ReopenVerdict]) {
-                Ok(slots) => x.slots = slots,
+        for per_rank in &lists {
+            match self.open_shared(comm, per_rank, Step::ReopenVerdict) {
+                Ok(slots) => reopened.push(slots),
                 Err(e) => {
                     result = Err(e);
                     break;
                 }
             }
         }
-        self.exchanges = exchanges;
         if result.is_err() {
-            // Leave a consistent closed state: nothing half-open.
-            if let Err(e) = self.close_all() {
-                tracing::warn!(error = %e, "closing after a failed reopen failed");
+            for slot in 0..self.slab.len() {
+                if let Err(e) = self.close_slot(slot) {
+                    tracing::warn!(error = %e, slot, "closing after a failed reopen failed");
+                }
             }
+            self.slab = kept_slab;
+            self.memo = kept_memo;
+            return result;
         }
-        result
+        for ((x, slots), per_rank) in self.exchanges.iter_mut().zip(reopened).zip(&lists) {
+            x.slots = slots;
+            x.sent = per_rank[self.rank]
+                .iter()
+                .map(|e| e.handle.clone())
+                .collect();
+        }
+        Ok(())
+    }
+
+    /// The envelopes rank `r` shared last time for exchange `x`, from the kept handles.
+    fn kept_envelopes(
+        &self,
+        x: &Exchange<B::Handle>,
+        r: usize,
+    ) -> Result<Vec<Envelope<B::Handle>>> {
+        let row = x.slots.get(r).map_or(&[][..], Vec::as_slice);
+        row.iter()
+            .map(|slot| {
+                let kept = slot.and_then(|i| self.slab.get(i)).and_then(Option::as_ref);
+                kept.map(|s| Envelope {
+                    group: self.group,
+                    rank: r as u32,
+                    handle: s.handle.clone(),
+                })
+                .ok_or_else(|| IpcError::NoSuchMapping(format!("kept handle of rank {r}")))
+            })
+            .collect()
     }
 
     /// The length in bytes of region `index` of `rank` in exchange `id`: the length this
@@ -535,4 +788,15 @@ impl<B: PeerMemory> Drop for PeerMappings<B> {
             }
         }
     }
+}
+
+/// Every rank shared as many regions as rank 0.
+fn check_counts<H>(all: &[Vec<Envelope<H>>]) -> Result<()> {
+    let counts: Vec<usize> = all.iter().map(Vec::len).collect();
+    if counts.iter().any(|&c| c != counts[0]) {
+        return Err(IpcError::Mismatch(format!(
+            "ranks shared different numbers of regions: {counts:?}"
+        )));
+    }
+    Ok(())
 }

@@ -268,7 +268,7 @@ fn bad_handles_give_typed_errors() {
         IpcError::InvalidHandle(_)
     ));
     let past_end = HostHandle {
-        offset: 8000,
+        offset: good.segment_len - 100,
         len: 500,
         ..good.clone()
     };

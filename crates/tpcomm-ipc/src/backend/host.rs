@@ -4,7 +4,8 @@
 //! against growing and shrinking (and against further sealing) before it is mapped or
 //! exported, mode 0600, and mapped `MAP_SHARED` into its owner. It never has a name in
 //! `/dev/shm`, so nothing is left behind after any exit, SIGKILL included: the kernel frees
-//! the segment when its last descriptor and mapping are gone.
+//! the segment when its last descriptor and mapping are gone. A large buffer is a segment of
+//! its own; small ones are carved out of shared chunks (the `arena` module).
 //!
 //! A [`HostHandle`] names the owner's pid, the descriptor number in the owner, the
 //! segment's device and inode (its identity), its size, and the exported range. Another
@@ -32,6 +33,11 @@
 //! fetched descriptor is closed and nothing is mapped. The descriptor is also closed right
 //! after a successful `mmap`: a mapping holds no descriptor.
 //!
+//! A backend (with its clones) maps a peer segment once, whole; every handle opened in it
+//! shares that mapping, and the last [`HostMapping`] of it to go unmaps it. A handle of a
+//! segment mapped already skips the fetch (the mapping holds the file, so the device and
+//! inode name it), not the checks of its own fields nor the owner's liveness.
+//!
 //! The pidfds of owners are cached for reuse, at most
 //! [`HostMemory::PIDFD_CACHE_CAPACITY`] of them (least recently used first out); an entry
 //! whose process has exited (its pidfd polls readable) is dropped, and only the pidfd of an
@@ -45,11 +51,12 @@
 //! `docs/peer-memory.md`).
 
 use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::{self, NonNull};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::fs::{FileType, MemfdFlags, Mode, OFlags, SealFlags};
@@ -60,6 +67,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{os, IpcError, Result, SegmentProblem};
 use crate::memory::{check_range, MemoryRegion, PeerMemory, Sealed};
+use crate::registry::Region;
+
+mod arena;
+
+use arena::Arena;
 
 /// The name of every segment (the kernel shows it as `/memfd:tpcomm-peer`).
 const SEGMENT_NAME: &str = "tpcomm-peer";
@@ -97,39 +109,49 @@ pub struct HostHandle {
     pub len: u64,
 }
 
-/// One live segment of this process, for `export` by address.
+/// One live buffer of this process, for `export` by address: the buffer's length and where
+/// it lies in its segment.
 #[derive(Debug, Clone, Copy)]
-struct Segment {
+struct Exportable {
     len: usize,
     fd: i32,
     dev: u64,
     inode: u64,
+    segment_len: usize,
+    offset: usize,
 }
 
-/// Live segments of this process by base address: every `HostMemory` of the process shares
+/// Live buffers of this process by base address: every `HostMemory` of the process shares
 /// it, so that a handle exported by one thread can be opened by another without going
 /// through `/proc`.
 static SEGMENTS: Mutex<SegmentTable> = Mutex::new(SegmentTable {
     by_addr: BTreeMap::new(),
-    inode_of_fd: BTreeMap::new(),
+    fds: BTreeMap::new(),
 });
 
-/// The live segments of this process, by base address (for `export`) and by descriptor
-/// (for same-process opens).
+/// The live buffers of this process, by base address (for `export`), and the descriptors of
+/// their segments with the number of buffers in each (for same-process opens).
 struct SegmentTable {
-    by_addr: BTreeMap<usize, Segment>,
-    inode_of_fd: BTreeMap<i32, u64>,
+    by_addr: BTreeMap<usize, Exportable>,
+    /// Descriptor -> (inode, live buffers in the segment).
+    fds: BTreeMap<i32, (u64, usize)>,
 }
 
 impl SegmentTable {
-    fn insert(&mut self, base: usize, segment: Segment) {
-        self.inode_of_fd.insert(segment.fd, segment.inode);
-        self.by_addr.insert(base, segment);
+    fn insert(&mut self, base: usize, buffer: Exportable) {
+        self.fds.entry(buffer.fd).or_insert((buffer.inode, 0)).1 += 1;
+        self.by_addr.insert(base, buffer);
     }
 
     fn remove(&mut self, base: usize) {
-        if let Some(segment) = self.by_addr.remove(&base) {
-            self.inode_of_fd.remove(&segment.fd);
+        let Some(buffer) = self.by_addr.remove(&base) else {
+            return;
+        };
+        if let std::collections::btree_map::Entry::Occupied(mut e) = self.fds.entry(buffer.fd) {
+            e.get_mut().1 -= 1;
+            if e.get().1 == 0 {
+                e.remove();
+            }
         }
     }
 }
@@ -139,11 +161,46 @@ fn segments() -> std::sync::MutexGuard<'static, SegmentTable> {
     SEGMENTS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The host (CPU) peer-memory backend. Cheap to clone; clones share a cache of process
-/// descriptors (pidfds) of the peers whose handles they opened.
+/// The host (CPU) peer-memory backend. Cheap to clone; clones share the chunks small
+/// buffers are carved from (see [`CARVE_MAX_BYTES`](Self::CARVE_MAX_BYTES)), the mappings of
+/// peer segments open now (one per segment, whatever the number of handles opened in it) and
+/// a cache of process descriptors (pidfds) of the peers whose handles they opened.
 #[derive(Debug, Clone, Default)]
 pub struct HostMemory {
     pidfds: Arc<Mutex<PidfdCache>>,
+    arena: Arc<Mutex<Arena>>,
+    views: Arc<Mutex<ViewCache>>,
+}
+
+/// The mappings of peer segments open now, by segment identity (device, inode). An entry
+/// whose mapping is gone fails to upgrade and is replaced.
+///
+/// Keying by identity alone is sound: a live mapping holds its file, so no other file can
+/// have the same device and inode while the entry upgrades.
+#[derive(Debug, Default)]
+struct ViewCache {
+    by_segment: HashMap<(u64, u64), Weak<PeerMap>>,
+}
+
+impl ViewCache {
+    /// Entries past which dead ones are swept on insertion.
+    const SWEEP_AT: usize = 64;
+
+    fn get(&self, dev: u64, inode: u64) -> Option<Arc<PeerMap>> {
+        self.by_segment.get(&(dev, inode)).and_then(Weak::upgrade)
+    }
+
+    fn insert(&mut self, dev: u64, inode: u64, map: &Arc<PeerMap>) {
+        if self.by_segment.len() >= Self::SWEEP_AT {
+            self.by_segment.retain(|_, m| m.strong_count() > 0);
+        }
+        self.by_segment.insert((dev, inode), Arc::downgrade(map));
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Nothing panics while holding these locks.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The pidfds of owners whose handles opened, most recently used last; at most
@@ -204,14 +261,73 @@ impl HostMemory {
     /// How many owners' pidfds a backend (and its clones) keeps open at most.
     pub const PIDFD_CACHE_CAPACITY: usize = 32;
 
+    /// Allocations of at most this many bytes are carved out of shared chunks (one segment
+    /// each, of [`CHUNK_BYTES`](Self::CHUNK_BYTES)); larger ones get a segment of their own.
+    /// A peer maps a segment once however many of its buffers it opens, so that a thousand
+    /// registered graph buffers cost a suspend one `munmap` and a resume one `mmap` per peer
+    /// chunk instead of a thousand each.
+    pub const CARVE_MAX_BYTES: usize = 1 << 20;
+
+    /// The size of a chunk (virtual: its pages take memory once touched, and give it back
+    /// when the buffer using them is freed).
+    pub const CHUNK_BYTES: usize = 32 << 20;
+
     /// A backend.
     pub fn new() -> Self {
         Self::default()
     }
 
     fn cache(&self) -> std::sync::MutexGuard<'_, PidfdCache> {
-        // Nothing panics while holding the lock.
-        self.pidfds.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.pidfds)
+    }
+
+    /// Chunks this backend (and its clones) carves small buffers from now.
+    pub fn chunks(&self) -> usize {
+        lock(&self.arena).chunks()
+    }
+
+    /// The mapping of the segment `h` names, after checking `h`: the one open already (its
+    /// owner still alive), or a new one made after fetching and checking the descriptor.
+    /// `views` is held while fetching and mapping, so that two threads opening handles of
+    /// one segment map it once.
+    fn segment_map(
+        &self,
+        views: &mut ViewCache,
+        h: &HostHandle,
+        own_pid: u32,
+    ) -> Result<Arc<PeerMap>> {
+        let segment_len = check_fields(h)?;
+        if let Some(map) = views.get(h.dev, h.inode).filter(|m| m.owner == h.pid) {
+            check_len(&map, h)?;
+            check_alive(&map, h, own_pid)?;
+            return Ok(map);
+        }
+        let Fetched { fd, pidfd } = self.fetch_fd(h)?;
+        check_segment(&fd, h)?;
+        let ptr = map_shared(&fd, 0, segment_len)?;
+        let map = Arc::new(PeerMap {
+            ptr,
+            len: segment_len,
+            owner: h.pid,
+            pidfd: pidfd.clone(),
+            dev: h.dev,
+            inode: h.inode,
+        });
+        views.insert(h.dev, h.inode, &map);
+        if let Some(pidfd) = pidfd {
+            self.cache().keep(h.pid, pidfd);
+        }
+        Ok(map)
+    }
+
+    /// Peer segments this backend (and its clones) has mapped now: one per segment, however
+    /// many handles of it are open.
+    pub fn peer_segments_mapped(&self) -> usize {
+        lock(&self.views)
+            .by_segment
+            .values()
+            .filter(|m| m.strong_count() > 0)
+            .count()
     }
 
     /// The pidfd of `pid`, cached or freshly opened (and not cached: see
@@ -285,13 +401,14 @@ impl HostMemory {
 /// Duplicates this process's descriptor `fd`, which must belong to the live segment `inode`.
 fn dup_own(fd: i32, inode: u64) -> Result<OwnedFd> {
     let table = segments();
-    if table.inode_of_fd.get(&fd) != Some(&inode) {
+    if table.fds.get(&fd).map(|&(i, _)| i) != Some(inode) {
         return Err(IpcError::StaleHandle(format!(
             "no live segment of this process has descriptor {fd} and inode {inode}"
         )));
     }
-    // SAFETY: the table lists `fd` as the descriptor of a live HostBuffer, and a HostBuffer
-    // removes its entry (under this lock, which we hold) before its descriptor is closed, so
+    // SAFETY: the table lists `fd` as the segment descriptor of live HostBuffers; each holds
+    // its segment (and so the descriptor) and removes its entry under this lock, which we
+    // hold, before letting go of it, and the entry goes with the segment's last buffer, so
     // `fd` stays open for the duration of this borrow.
     let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
     rustix::io::fcntl_dupfd_cloexec(borrowed, 0).map_err(os("fcntl(F_DUPFD_CLOEXEC)"))
@@ -351,6 +468,91 @@ fn process_exited(pid: u32) -> bool {
         .rsplit_once(')')
         .and_then(|(_, rest)| rest.trim_start().chars().next());
     matches!(state, Some('Z' | 'X' | 'x'))
+}
+
+/// A handle of a segment mapped already opens from that mapping only as long as it would
+/// open afresh: the segment still has a live buffer (same process), or its owner still
+/// runs. Its descriptor is not fetched again: the mapping holds the segment, so its device
+/// and inode name it and no other file.
+fn check_alive(map: &PeerMap, h: &HostHandle, own_pid: u32) -> Result<()> {
+    if h.pid == own_pid {
+        if segments().fds.get(&h.fd).map(|&(inode, _)| inode) != Some(h.inode) {
+            return Err(IpcError::StaleHandle(format!(
+                "no live segment of this process has descriptor {} and inode {}",
+                h.fd, h.inode
+            )));
+        }
+        return Ok(());
+    }
+    let exited = match &map.pidfd {
+        Some(pidfd) => has_exited(pidfd),
+        None => process_exited(h.pid),
+    };
+    if exited {
+        return Err(IpcError::OwnerGone { pid: h.pid });
+    }
+    Ok(())
+}
+
+/// Exports `len` bytes at `addr`, which must lie inside one live buffer of `table`, as a
+/// handle of process `pid`.
+fn export_from(table: &SegmentTable, pid: u32, addr: u64, len: usize) -> Result<HostHandle> {
+    let not = |reason: &str| IpcError::NotExportable {
+        addr,
+        len,
+        reason: reason.into(),
+    };
+    let a = usize::try_from(addr).map_err(|_| not("address out of range"))?;
+    let (&base, buf) = table
+        .by_addr
+        .range(..=a)
+        .next_back()
+        .ok_or_else(|| not("not inside a buffer of this backend"))?;
+    let inside = a - base;
+    if inside >= buf.len || len == 0 || inside.checked_add(len).is_none_or(|end| end > buf.len) {
+        return Err(not("range not inside one buffer (or empty)"));
+    }
+    Ok(HostHandle {
+        pid,
+        fd: buf.fd,
+        dev: buf.dev,
+        inode: buf.inode,
+        segment_len: buf.segment_len as u64,
+        offset: (buf.offset + inside) as u64,
+        len: len as u64,
+    })
+}
+
+/// The fields of a handle that can be checked without its segment: a non-empty range inside
+/// the segment, a descriptor number, sizes this process can address. Returns the segment's
+/// length.
+fn check_fields(h: &HostHandle) -> Result<usize> {
+    let end = h.offset.checked_add(h.len);
+    if h.len == 0 || end.is_none_or(|e| e > h.segment_len) {
+        return Err(IpcError::InvalidHandle(format!(
+            "range {}+{} outside a {}-byte segment",
+            h.offset, h.len, h.segment_len
+        )));
+    }
+    if h.fd < 0 {
+        return Err(IpcError::InvalidHandle(format!(
+            "negative descriptor {}",
+            h.fd
+        )));
+    }
+    usize::try_from(h.segment_len)
+        .map_err(|_| IpcError::InvalidHandle("segment length out of range".into()))
+}
+
+/// A handle of a segment mapped already announces the segment's true size.
+fn check_len(map: &PeerMap, h: &HostHandle) -> Result<()> {
+    if u64::try_from(map.len).ok() != Some(h.segment_len) {
+        return Err(IpcError::InvalidHandle(format!(
+            "segment is {} bytes, the handle says {}",
+            map.len, h.segment_len
+        )));
+    }
+    Ok(())
 }
 
 /// The handle's descriptor names the handle's inode, or the handle is stale.
@@ -424,40 +626,139 @@ fn check_segment(fd: &OwnedFd, h: &HostHandle) -> Result<()> {
     Ok(())
 }
 
-/// A shared-memory segment owned by this process, mapped at [`addr`](MemoryRegion::addr).
-pub struct HostBuffer {
+/// A segment made by this process (a chunk or a large buffer's own), mapped whole; unmapped
+/// and its descriptor closed when the last buffer in it (and its arena) let go.
+pub(crate) struct OwnedSegment {
     ptr: NonNull<u8>,
     len: usize,
     fd: OwnedFd,
+    dev: u64,
+    inode: u64,
+}
+
+// SAFETY: an owned descriptor plus a MAP_SHARED mapping; neither is tied to the creating
+// thread, and the bytes are only reached through raw copies or atomics.
+unsafe impl Send for OwnedSegment {}
+// SAFETY: `&OwnedSegment` exposes nothing but the address, length and identity.
+unsafe impl Sync for OwnedSegment {}
+
+impl fmt::Debug for OwnedSegment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OwnedSegment")
+            .field("addr", &self.ptr)
+            .field("len", &self.len)
+            .field("fd", &self.fd.as_raw_fd())
+            .finish()
+    }
+}
+
+impl OwnedSegment {
+    /// A new segment of `len` bytes (a multiple of the page size): created, made private to
+    /// this user, sized, sealed (before it is mapped or exported: no one can change its size
+    /// from then on) and mapped.
+    fn new(len: usize) -> Result<Self> {
+        let fd = rustix::fs::memfd_create(
+            SEGMENT_NAME,
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )
+        .map_err(os("memfd_create"))?;
+        rustix::fs::fchmod(&fd, Mode::RUSR | Mode::WUSR).map_err(os("fchmod 0600"))?;
+        rustix::fs::ftruncate(&fd, len as u64).map_err(os("ftruncate"))?;
+        rustix::fs::fcntl_add_seals(&fd, SEGMENT_SEALS).map_err(os("fcntl(F_ADD_SEALS)"))?;
+        let stat = rustix::fs::fstat(&fd).map_err(os("fstat"))?;
+        let ptr = map_shared(&fd, 0, len)?;
+        Ok(Self {
+            ptr,
+            len,
+            fd,
+            dev: stat.st_dev,
+            inode: stat.st_ino,
+        })
+    }
+
+    /// Frees the pages of `offset..offset + len` (page aligned, inside the segment): their
+    /// memory goes back to the system and the range reads as zeros, here and in every peer
+    /// mapping. Zeroed by hand where the file system refuses to punch holes.
+    ///
+    /// Called only on an extent being handed out again: see the `arena` module.
+    fn punch(&self, offset: usize, len: usize) {
+        let flags = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+        if let Err(e) = rustix::fs::fallocate(&self.fd, flags, offset as u64, len as u64) {
+            tracing::debug!(error = %e, "punching a freed extent failed: zeroing it");
+            // SAFETY: `offset..offset + len` lies inside this live mapping of a file sealed
+            // against shrinking (checked by the caller, the arena's extent), and no Rust
+            // reference points into shared memory.
+            unsafe { ptr::write_bytes(self.ptr.as_ptr().add(offset), 0, len) };
+        }
+    }
+}
+
+impl Drop for OwnedSegment {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly the mapping made in `new`, unmapped once here; the
+        // descriptor closes after (a field).
+        if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) } {
+            tracing::warn!(error = %e, "munmap of a host segment failed");
+        }
+    }
+}
+
+/// Where a carved buffer came from, to give it back on drop.
+struct Carved {
+    arena: Arc<Mutex<Arena>>,
+    offset: usize,
+}
+
+/// A shared-memory buffer owned by this process, mapped at [`addr`](MemoryRegion::addr): a
+/// segment of its own, or an extent carved out of a chunk (see
+/// [`HostMemory::CARVE_MAX_BYTES`]). Its bytes read as zeros when it is allocated.
+pub struct HostBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    segment: Arc<OwnedSegment>,
+    carved: Option<Carved>,
+}
+
+/// A peer segment mapped whole by this process; every [`HostMapping`] of a handle in it
+/// shares it, and the last to go unmaps it.
+struct PeerMap {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// The owner's pid and, when the segment was fetched with it, its pidfd: a handle of the
+    /// segment opens from this mapping only while the owner lives.
+    owner: u32,
+    pidfd: Option<Arc<OwnedFd>>,
+    /// The segment's identity.
+    dev: u64,
+    inode: u64,
 }
 
 /// This process's mapping of a (possibly remote) segment range.
 pub struct HostMapping {
-    /// Start of the mmap (page aligned).
-    map: NonNull<u8>,
-    map_len: usize,
-    /// Offset of the exported range inside the mmap.
-    delta: usize,
+    map: Arc<PeerMap>,
+    /// Offset of the range in the segment (and so in the mapping).
+    offset: usize,
     len: usize,
 }
 
-// SAFETY: a HostBuffer is an owned descriptor plus a MAP_SHARED mapping; neither is tied to
-// the creating thread, and all access to the bytes goes through raw copies or atomics.
+// SAFETY: a HostBuffer holds an owned segment (descriptor and MAP_SHARED mapping), usable
+// from any thread; all access to the bytes goes through raw copies or atomics.
 unsafe impl Send for HostBuffer {}
 // SAFETY: shared references only expose the address and length; reads and writes of the
 // memory are raw copies whose races are the documented contract of shared memory.
 unsafe impl Sync for HostBuffer {}
-// SAFETY: as for HostBuffer: an mmap owned by this value, usable from any thread.
-unsafe impl Send for HostMapping {}
-// SAFETY: as for HostBuffer: `&HostMapping` exposes only the address and length.
-unsafe impl Sync for HostMapping {}
+// SAFETY: an mmap owned by this value, usable from any thread.
+unsafe impl Send for PeerMap {}
+// SAFETY: `&PeerMap` exposes only the address and length.
+unsafe impl Sync for PeerMap {}
 
 impl fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostBuffer")
             .field("addr", &self.ptr)
             .field("len", &self.len)
-            .field("fd", &self.fd.as_raw_fd())
+            .field("fd", &self.segment.fd.as_raw_fd())
+            .field("offset", &self.carved.as_ref().map_or(0, |c| c.offset))
             .finish()
     }
 }
@@ -488,7 +789,7 @@ impl MemoryRegion for HostBuffer {
 
 impl MemoryRegion for HostMapping {
     fn addr(&self) -> u64 {
-        self.map.as_ptr() as u64 + self.delta as u64
+        self.map.ptr.as_ptr() as u64 + self.offset as u64
     }
     fn len(&self) -> usize {
         self.len
@@ -503,6 +804,12 @@ impl HostBuffer {
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
+
+    /// Whether this buffer was carved out of a shared chunk (see
+    /// [`HostMemory::CARVE_MAX_BYTES`]) rather than given a segment of its own.
+    pub fn is_carved(&self) -> bool {
+        self.carved.is_some()
+    }
 }
 
 impl HostMapping {
@@ -514,19 +821,36 @@ impl HostMapping {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        // Removed before `fd` is closed (fields drop after this body): see `dup_own`.
+        // Removed before the segment can go (fields drop after this body): see `dup_own`.
         segments().remove(self.ptr.as_ptr() as usize);
-        // SAFETY: `ptr`/`len` are exactly the mapping made in `allocate`, unmapped once here.
-        if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) } {
-            tracing::warn!(error = %e, "munmap of a host segment failed");
+        if let Some(carved) = &self.carved {
+            lock(&carved.arena).give_back(&self.segment, carved.offset, self.len);
         }
     }
 }
 
-impl Drop for HostMapping {
+impl PeerMap {
+    /// The segment's identity and owner.
+    fn key(&self) -> (u64, u64, u32) {
+        (self.dev, self.inode, self.owner)
+    }
+
+    /// Unmaps now, reporting a failure (`Drop` can only log it).
+    fn unmap(mut self) -> Result<()> {
+        // Dropped here: `ManuallyDrop` below would leak it.
+        drop(self.pidfd.take());
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: the mapping made in `open`, unmapped once: `ManuallyDrop` keeps `Drop`
+        // from unmapping it again.
+        unsafe { rustix::mm::munmap(this.ptr.as_ptr().cast::<c_void>(), this.len) }
+            .map_err(os("munmap"))
+    }
+}
+
+impl Drop for PeerMap {
     fn drop(&mut self) {
-        // SAFETY: `map`/`map_len` are exactly the mapping made in `open`, unmapped once here.
-        if let Err(e) = unsafe { rustix::mm::munmap(self.map.as_ptr().cast(), self.map_len) } {
+        // SAFETY: `ptr`/`len` are exactly the mapping made in `open`, unmapped once here.
+        if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) } {
             tracing::warn!(error = %e, "munmap of a peer mapping failed");
         }
     }
@@ -650,102 +974,96 @@ impl PeerMemory for HostMemory {
         let len = bytes.checked_next_multiple_of(page).ok_or_else(|| {
             IpcError::InvalidAllocation(format!("{bytes} bytes overflow when rounded to pages"))
         })?;
-        let fd = rustix::fs::memfd_create(
-            SEGMENT_NAME,
-            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-        )
-        .map_err(os("memfd_create"))?;
-        rustix::fs::fchmod(&fd, Mode::RUSR | Mode::WUSR).map_err(os("fchmod 0600"))?;
-        rustix::fs::ftruncate(&fd, len as u64).map_err(os("ftruncate"))?;
-        // Sealed before it is mapped or exported: no one can change its size from now on.
-        rustix::fs::fcntl_add_seals(&fd, SEGMENT_SEALS).map_err(os("fcntl(F_ADD_SEALS)"))?;
-        let stat = rustix::fs::fstat(&fd).map_err(os("fstat"))?;
-        let ptr = map_shared(&fd, 0, len)?;
-        let segment = Segment {
-            len,
-            fd: fd.as_raw_fd(),
-            dev: stat.st_dev,
-            inode: stat.st_ino,
+        let (segment, carved) = if len <= Self::CARVE_MAX_BYTES {
+            let (chunk, offset) = lock(&self.arena).carve(len, Self::CHUNK_BYTES)?;
+            let carved = Carved {
+                arena: self.arena.clone(),
+                offset,
+            };
+            (chunk, Some(carved))
+        } else {
+            (Arc::new(OwnedSegment::new(len)?), None)
         };
-        segments().insert(ptr.as_ptr() as usize, segment);
+        let offset = carved.as_ref().map_or(0, |c| c.offset);
+        // SAFETY: `offset + len` lies inside the segment's mapping (the arena's extent, or
+        // the whole of a segment of `len` bytes).
+        let ptr = unsafe { NonNull::new_unchecked(segment.ptr.as_ptr().add(offset)) };
+        let entry = Exportable {
+            len,
+            fd: segment.fd.as_raw_fd(),
+            dev: segment.dev,
+            inode: segment.inode,
+            segment_len: segment.len,
+            offset,
+        };
+        segments().insert(ptr.as_ptr() as usize, entry);
         tracing::trace!(
             len,
-            fd = segment.fd,
-            inode = segment.inode,
-            "host segment allocated"
+            fd = entry.fd,
+            inode = entry.inode,
+            offset,
+            "host buffer allocated"
         );
-        Ok(HostBuffer { ptr, len, fd })
+        Ok(HostBuffer {
+            ptr,
+            len,
+            segment,
+            carved,
+        })
     }
 
     fn export(&self, addr: u64, len: usize) -> Result<HostHandle> {
-        let not = |reason: &str| IpcError::NotExportable {
-            addr,
-            len,
-            reason: reason.into(),
-        };
-        let a = usize::try_from(addr).map_err(|_| not("address out of range"))?;
-        let table = segments();
-        let (&base, seg) = table
-            .by_addr
-            .range(..=a)
-            .next_back()
-            .ok_or_else(|| not("not inside a segment of this backend"))?;
-        let offset = a - base;
-        if offset >= seg.len || len == 0 || offset.checked_add(len).is_none_or(|end| end > seg.len)
-        {
-            return Err(not("range not inside one segment (or empty)"));
-        }
-        Ok(HostHandle {
-            pid: std::process::id(),
-            fd: seg.fd,
-            dev: seg.dev,
-            inode: seg.inode,
-            segment_len: seg.len as u64,
-            offset: offset as u64,
-            len: len as u64,
-        })
+        export_from(&segments(), std::process::id(), addr, len)
+    }
+
+    fn export_all(&self, regions: &[Region]) -> Result<Vec<HostHandle>> {
+        let (table, pid) = (segments(), std::process::id());
+        regions
+            .iter()
+            .map(|r| export_from(&table, pid, r.addr, r.len))
+            .collect()
     }
 
     fn open(&self, h: &HostHandle) -> Result<HostMapping> {
-        let end = h.offset.checked_add(h.len);
-        if h.len == 0 || end.is_none_or(|e| e > h.segment_len) {
-            return Err(IpcError::InvalidHandle(format!(
-                "range {}+{} outside a {}-byte segment",
-                h.offset, h.len, h.segment_len
-            )));
-        }
-        if h.fd < 0 {
-            return Err(IpcError::InvalidHandle(format!(
-                "negative descriptor {}",
-                h.fd
-            )));
-        }
-        let Fetched { fd, pidfd } = self.fetch_fd(h)?;
-        check_segment(&fd, h)?;
-        let page = page_size() as u64;
-        let map_offset = h.offset - h.offset % page;
-        let delta = (h.offset - map_offset) as usize;
-        let len = usize::try_from(h.len)
-            .map_err(|_| IpcError::InvalidHandle("length out of range".into()))?;
-        let map_len = delta + len;
-        let map = map_shared(&fd, map_offset, map_len)?;
-        if let Some(pidfd) = pidfd {
-            self.cache().keep(h.pid, pidfd);
-        }
+        let mut views = lock(&self.views);
+        let map = self.segment_map(&mut views, h, std::process::id())?;
         Ok(HostMapping {
             map,
-            map_len,
-            delta,
-            len,
+            offset: h.offset as usize,
+            len: h.len as usize,
         })
     }
 
+    fn open_all(&self, handles: &[&HostHandle]) -> Result<Vec<HostMapping>> {
+        let mut views = lock(&self.views);
+        let pid = std::process::id();
+        let mut mappings: Vec<HostMapping> = Vec::with_capacity(handles.len());
+        for &h in handles {
+            // Handles of one segment come in runs: the previous one's mapping (checked alive
+            // in this batch) serves the next, after the same checks of its own fields.
+            let map = match mappings.last() {
+                Some(prev) if prev.map.key() == (h.dev, h.inode, h.pid) => {
+                    let map = prev.map.clone();
+                    check_fields(h)?;
+                    check_len(&map, h)?;
+                    map
+                }
+                _ => self.segment_map(&mut views, h, pid)?,
+            };
+            mappings.push(HostMapping {
+                map,
+                offset: h.offset as usize,
+                len: h.len as usize,
+            });
+        }
+        Ok(mappings)
+    }
+
     fn close(&self, mapping: HostMapping) -> Result<()> {
-        let mapping = std::mem::ManuallyDrop::new(mapping);
-        // SAFETY: the mapping made in `open`, unmapped once: `ManuallyDrop` keeps `Drop`
-        // from unmapping it again.
-        unsafe { rustix::mm::munmap(mapping.map.as_ptr().cast::<c_void>(), mapping.map_len) }
-            .map_err(os("munmap"))
+        match Arc::into_inner(mapping.map) {
+            Some(map) => map.unmap(),
+            None => Ok(()),
+        }
     }
 
     fn write<R: MemoryRegion>(&self, region: &R, offset: usize, src: &[u8]) -> Result<()> {

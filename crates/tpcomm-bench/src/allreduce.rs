@@ -32,7 +32,6 @@
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
-use half::{bf16, f16};
 use serde::Serialize;
 use tpcomm::allreduce::dispatch::ONE_STAGE_MAX_BYTES;
 use tpcomm::allreduce::{
@@ -206,6 +205,27 @@ fn columns(with_mpi: bool) -> Vec<Column> {
         c.push(col::vs_peer("vs MPI", "cust/MPI", 8));
     }
     c
+}
+
+/// Evaluates `$body` with `$t` naming the Rust element type of the [`DType`] `$dtype`.
+#[macro_export]
+macro_rules! with_element {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            ::tpcomm::allreduce::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            ::tpcomm::allreduce::DType::F16 => {
+                type $t = ::half::f16;
+                $body
+            }
+            ::tpcomm::allreduce::DType::Bf16 => {
+                type $t = ::half::bf16;
+                $body
+            }
+        }
+    };
 }
 
 /// Element `i` of rank `rank`'s input for verification `salt`: an integer in -8..=7, so
@@ -528,11 +548,7 @@ impl Bench for AllReduceArgs {
         for (di, &d) in args.dtypes.iter().enumerate() {
             t.dtype_index = di;
             t.with_mpi = mpi.is_some() && d == DTypeArg::F32;
-            match d {
-                DTypeArg::F32 => t.bench::<f32, C>(s, comm, args),
-                DTypeArg::F16 => t.bench::<f16, C>(s, comm, args),
-                DTypeArg::Bf16 => t.bench::<bf16, C>(s, comm, args),
-            }?;
+            with_element!(d.dtype(), T => t.bench::<T, C>(s, comm, args))?;
             summarize(s, d.dtype().name(), comm.size());
         }
         Ok(())
@@ -879,6 +895,8 @@ fn targets() -> Vec<Target> {
 
 #[cfg(test)]
 mod tests {
+    use half::bf16;
+
     use super::*;
     use clap::Parser;
 

@@ -41,7 +41,7 @@ use tpcomm::ipc::{HostBuffer, HostMemory, PeerMemory};
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{elapsed_ns, geomean, time_once, Bus, RatioLine, Row, Spec, Target};
+use crate::harness::{elapsed_ns, geomean, time_once, within, Bus, RatioLine, Row, Spec, Target};
 use crate::launch::{Bench, RunArgs, Session};
 use crate::mpi_peer::{MpiCall, MpiWorld};
 use crate::sweep::{format_bytes, SweepArgs};
@@ -873,21 +873,11 @@ fn targets() -> Vec<Target> {
             why: "small all-reduces are latency-bound; the custom path must not lose there what \
                   it gains on larger sizes",
             line: None,
-            judge: Box::new(move |rows: &[Row]| {
-                let find = |p: &str| {
-                    rows.iter()
-                        .find(|r| r.table == "f32" && r.is(p) && r.bytes == SMALL_SIZE)
-                };
-                let (custom, mpi) = (find(path)?, find(MPI)?);
-                let ratio = custom.vs_peer?;
-                Some((
-                    ratio <= SMALL_RATIO_TARGET,
-                    format!(
-                        "{:.2} us vs MPI_Allreduce {:.2} us: {ratio:.2}x",
-                        custom.stats.median_us, mpi.stats.median_us
-                    ),
-                ))
-            }),
+            judge: within(
+                move |r| r.table == "f32" && r.is(path) && r.bytes == SMALL_SIZE,
+                |x| x,
+                SMALL_RATIO_TARGET,
+            ),
         });
     }
     out

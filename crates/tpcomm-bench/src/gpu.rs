@@ -1226,32 +1226,23 @@ mod imp {
                 why: "an engine that hands the all-reduce its own stream and tensors must not \
                       pay for it; 2% is about the noise of these replays",
                 line: crate::harness::RatioLine::new(PRIVATE, 1.02),
-                judge: Box::new(|rows: &[Row]| {
-                    let caller: Vec<&Row> = rows.iter().filter(|r| r.is(CALLER)).collect();
-                    let worst = caller.iter().filter_map(|r| r.vs_peer).reduce(f64::max)?;
-                    let over = caller
-                        .iter()
-                        .filter(|r| r.vs_peer.is_some_and(|v| v > 1.02));
-                    let over = over.count();
-                    let detail =
-                        format!("worst {worst:.3}x; {over} of {} rows above", caller.len());
-                    Some((over == 0, detail))
-                }),
+                judge: crate::harness::within(|r| r.is(CALLER), |x| x, 1.02),
             }]
         }
 
         #[test]
         fn the_engine_target_is_the_caller_path_within_2_percent_of_the_private_one() {
-            let row = |variant: &str, vs: f64| {
-                let mut r = Row::new("engine 2 ranks bf16", "32768", variant, 32768, 0, vec![1]);
-                r.as_mut().unwrap().vs_peer = Some(vs);
-                r.unwrap()
-            };
+            let row =
+                |variant, vs| crate::harness::row_vs("engine 2 ranks bf16", "32768", variant, vs);
             let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(), rows, true);
             assert!(judge(&[row(CALLER, 1.019), row(STAGED, 1.4)])[0].met);
             let v = judge(&[row(CALLER, 1.019), row(CALLER, 1.021)]);
             assert!(!v[0].met);
-            assert_eq!(v[0].detail, "worst 1.021x; 1 of 2 rows above");
+            assert_eq!(
+                v[0].detail,
+                "1 of 2 rows within, farthest engine 2 ranks bf16 32768 caller 1.021x; outside: \
+                 engine 2 ranks bf16 32768 caller 1.021x"
+            );
             assert!(judge(&[row(STAGED, 1.0)]).is_empty());
         }
 

@@ -432,6 +432,43 @@ pub(crate) fn agree<C: Communicator>(
 /// the rows hold nothing to judge.
 pub(crate) type Judge = Box<dyn Fn(&[Row]) -> Option<(bool, String)>>;
 
+/// The judge of "every row that `pick` chooses within `limit` of its peer", `distance`
+/// telling how far a ratio is (`|x| x` for "at most", `|x| (x - 1.0).abs()` for "either
+/// way"): met when no ratio is farther than `limit`; the detail counts the rows within and
+/// names the farthest and those outside. `None` when no chosen row has a peer.
+pub(crate) fn within(
+    pick: impl Fn(&Row) -> bool + 'static,
+    distance: fn(f64) -> f64,
+    limit: f64,
+) -> Judge {
+    Box::new(move |rows: &[Row]| {
+        let ratios: Vec<(f64, &Row)> = rows
+            .iter()
+            .filter(|r| pick(r))
+            .filter_map(|r| Some((r.vs_peer?, r)))
+            .collect();
+        let far = |(x, r): &(f64, &Row)| format!("{} {} {} {x:.3}x", r.table, r.case, r.variant);
+        let farthest = ratios
+            .iter()
+            .max_by(|a, b| distance(a.0).total_cmp(&distance(b.0)))?;
+        let outside: Vec<String> = ratios
+            .iter()
+            .filter(|(x, _)| distance(*x) > limit)
+            .map(far)
+            .collect();
+        let mut detail = format!(
+            "{} of {} rows within, farthest {}",
+            ratios.len() - outside.len(),
+            ratios.len(),
+            far(farthest)
+        );
+        if !outside.is_empty() {
+            detail.push_str(&format!("; outside: {}", outside.join(", ")));
+        }
+        Some((outside.is_empty(), detail))
+    })
+}
+
 /// A target drawn on the time charts: `ratio` times the median of `peer`, case by case.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct RatioLine {
@@ -524,6 +561,15 @@ pub(crate) fn geomean(values: &[f64]) -> Option<f64> {
         return None;
     }
     Some((values.iter().map(|v| v.ln()).sum::<f64>() / values.len() as f64).exp())
+}
+
+/// A row of one iteration of 1 us compared with its peer by `vs_peer` (for tests).
+#[cfg(test)]
+pub(crate) fn row_vs(table: &str, case: &str, variant: &str, vs_peer: f64) -> Row {
+    Row {
+        vs_peer: Some(vs_peer),
+        ..Row::new(table, case, variant, 0, 0, vec![1000]).expect("one sample")
+    }
 }
 
 #[cfg(test)]
@@ -631,6 +677,23 @@ mod tests {
                 other => panic!("rank {rank}: expected WrongData, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn within_counts_the_rows_inside_and_names_the_farthest_and_those_outside() {
+        let row = |case: &str, vs| row_vs("t", case, "v", vs);
+        let judge = within(|r| r.is("v"), |x| (x - 1.0).abs(), 0.05);
+        let (met, detail) = judge(&[row("8", 1.04), row("16", 0.94)]).unwrap();
+        assert!(!met);
+        assert_eq!(
+            detail,
+            "1 of 2 rows within, farthest t 16 v 0.940x; outside: t 16 v 0.940x"
+        );
+        assert_eq!(
+            judge(&[row("8", 0.96)]),
+            Some((true, "1 of 1 rows within, farthest t 8 v 0.960x".into()))
+        );
+        assert_eq!(judge(&[]), None);
     }
 
     #[test]

@@ -37,7 +37,7 @@ use crate::allreduce::{
 };
 use crate::error::BenchError;
 use crate::harness::{
-    agree, elapsed_ns, link_peers, median, slowest, time_once, Order, Row, Spec, Target,
+    agree, elapsed_ns, link_peers, median, slowest, time_once, within, Order, Row, Spec, Target,
 };
 use crate::launch::{Bench, RunArgs, Session};
 use crate::sweep::{format_bytes, parse_bytes, BufferArgs, IterArgs};
@@ -147,21 +147,15 @@ fn targets() -> Vec<Target> {
             why: "reopened mappings are touched for the first time by the first replay; a slow \
                   first step after every resume would add to the latency the resume saved",
             line: None,
-            judge: Box::new(|rows: &[Row]| {
-                let first = rows.iter().find(|r| {
+            judge: within(
+                |r| {
                     r.table == TRANSITION_TABLE
                         && r.case == TARGET_BUFFERS.to_string()
                         && r.is("first replay")
-                })?;
-                let ratio = first.vs_peer?;
-                Some((
-                    ratio <= FIRST_REPLAY_RATIO,
-                    format!(
-                        "after/before {ratio:.3}x, first replay {:.1} us",
-                        first.stats.median_us
-                    ),
-                ))
-            }),
+                },
+                |x| x,
+                FIRST_REPLAY_RATIO,
+            ),
         },
         Target {
             what: format!(
@@ -171,25 +165,12 @@ fn targets() -> Vec<Target> {
             why: "a resume rewrites the stable tables in place; a kernel reading them must run \
                   exactly as fast as before (the tolerance is this machine's noise)",
             line: None,
-            judge: Box::new(|rows: &[Row]| {
-                let ratios: Vec<(String, f64)> = rows
-                    .iter()
-                    .filter_map(|r| {
-                        Some((
-                            r.case.clone(),
-                            r.vs_peer.filter(|_| r.table == LATENCY_TABLE)?,
-                        ))
-                    })
-                    .collect();
-                // The ratio farthest from 1, either way.
-                let distance = |x: f64| x.max(1.0 / x);
-                let worst = ratios.iter().map(|r| distance(r.1)).reduce(f64::max)?;
-                let detail: Vec<String> = ratios
-                    .iter()
-                    .map(|(n, x)| format!("N={n}: {x:.3}x"))
-                    .collect();
-                Some((worst <= LATENCY_TOLERANCE, detail.join(", ")))
-            }),
+            // The ratio farthest from 1, either way.
+            judge: within(
+                |r| r.table == LATENCY_TABLE,
+                |x| x.max(1.0 / x),
+                LATENCY_TOLERANCE,
+            ),
         },
     ]
 }

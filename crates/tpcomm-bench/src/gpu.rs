@@ -41,6 +41,7 @@ use serde::Serialize;
 
 use crate::allreduce::DTypeArg;
 use crate::error::BenchError;
+use crate::harness::distinct;
 use crate::sweep::{format_bytes, parse_bytes};
 
 /// Options of `tpcomm-bench gpu`.
@@ -189,28 +190,17 @@ impl GpuArgs {
     /// The element types timed at `world` ranks, in order, without repeats.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn dtypes_for(&self, world: u32) -> Vec<DTypeArg> {
-        let mut out = Vec::new();
-        for &d in &self.dtypes {
-            if !out.contains(&d) {
-                out.push(d);
-            }
-        }
-        if self.f32_worlds.contains(&Some(world)) && !out.contains(&DTypeArg::F32) {
-            out.push(DTypeArg::F32);
-        }
-        out
+        let f32_too = self
+            .f32_worlds
+            .contains(&Some(world))
+            .then_some(DTypeArg::F32);
+        distinct(self.dtypes.iter().copied().chain(f32_too))
     }
 
     /// The world sizes of the engine-path rows, in order, without repeats.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn engine_worlds(&self) -> Vec<u32> {
-        let mut out = Vec::new();
-        for w in self.engine_worlds.iter().flatten() {
-            if !out.contains(w) {
-                out.push(*w);
-            }
-        }
-        out
+        distinct(self.engine_worlds.iter().flatten().copied())
     }
 
     fn validate(&self) -> Result<(), BenchError> {
@@ -302,7 +292,9 @@ mod imp {
     use super::{AlgorithmArg, GpuArgs};
     use crate::allreduce::{check, expected, input, DTypeArg};
     use crate::error::BenchError;
-    use crate::harness::{agree, elapsed_ns, geomean, slowest, Bus, Order, Row, Spec, Stats};
+    use crate::harness::{
+        agree, distinct, elapsed_ns, per_size, slowest, Bus, Order, Row, Spec, Stats,
+    };
     use crate::launch::{self, RunInfo, Session};
     use crate::sweep::format_bytes;
     use crate::table::{self, col, Column};
@@ -836,15 +828,11 @@ mod imp {
         s.keep(engine_rows.clone());
         s.write_json("gpu", json, &settings(None, false), &[])?;
 
-        let mut dtypes: Vec<DType> = Vec::new();
-        for r in &rows {
-            let d = [DType::F32, DType::F16, DType::Bf16]
+        let dtypes = distinct(rows.iter().filter_map(|r| {
+            [DType::F32, DType::F16, DType::Bf16]
                 .into_iter()
-                .find(|d| d.name() == r.text("type"));
-            if let Some(d) = d.filter(|d| !dtypes.contains(d)) {
-                dtypes.push(d);
-            }
-        }
+                .find(|d| d.name() == r.text("type"))
+        }));
         s.note("");
         let (nccl_rows, nccl_library) = if args.no_nccl {
             s.note("nccl: skipped (--no-nccl)");
@@ -894,20 +882,12 @@ mod imp {
     /// custom / NCCL ratio per size with its geometric mean.
     fn summarize(s: &mut Session<'_>, rows: &[Row]) {
         s.note("");
-        let mut groups: Vec<(String, String)> = Vec::new();
-        for r in rows {
-            let key = (r.table.clone(), r.variant.clone());
-            if !groups.contains(&key) {
-                groups.push(key);
-            }
-        }
-        for (table, algorithm) in groups {
-            let group: Vec<&Row> = rows
+        for (table, algorithm) in distinct(rows.iter().map(|r| (&r.table, &r.variant))) {
+            let group = rows
                 .iter()
-                .filter(|r| r.table == table && r.variant == algorithm)
-                .collect();
+                .filter(|r| &r.table == table && &r.variant == algorithm);
             let spread: Vec<f64> = group
-                .iter()
+                .clone()
                 .filter_map(|r| r.number("after_over_before"))
                 .collect();
             let worst = spread.iter().copied().fold(0.0f64, f64::max);
@@ -915,19 +895,9 @@ mod imp {
             s.summary(format!(
                 "{table} {algorithm}: after/before resume {best:.3}..{worst:.3}"
             ));
-            let ratios: Vec<(usize, f64)> = group
-                .iter()
-                .filter_map(|r| r.vs_peer.map(|v| (r.bytes, v)))
-                .collect();
-            let values: Vec<f64> = ratios.iter().map(|r| r.1).collect();
-            if let Some(g) = geomean(&values) {
-                let per: Vec<String> = ratios
-                    .iter()
-                    .map(|&(b, v)| format!("{} {v:.2}", format_bytes(b)))
-                    .collect();
+            if let (per, Some(g)) = per_size(group, |r| r.vs_peer, 2) {
                 s.summary(format!(
-                    "{table} {algorithm}: time / nccl(1 rank) per size: {}; geomean {g:.2}x",
-                    per.join(", ")
+                    "{table} {algorithm}: time / nccl(1 rank) per size: {per}; geomean {g:.2}x"
                 ));
             }
         }
@@ -970,7 +940,7 @@ mod imp {
         use crate::allreduce::input;
         use crate::error::BenchError;
         use crate::gpu::GpuArgs;
-        use crate::harness::{geomean, Bus, Row, Spec, Target};
+        use crate::harness::{distinct, per_size, Bus, Row, Spec, Target};
         use crate::launch::Session;
         use crate::sweep::format_bytes;
         use crate::table::{self, col, Column};
@@ -1294,59 +1264,27 @@ mod imp {
         /// Per table: caller / private per size with the geometric mean (target within 2%),
         /// and the staging copy's ratio and microseconds per size.
         fn summarize(s: &mut Session<'_>, rows: &[Row]) {
-            let mut tables: Vec<&str> = Vec::new();
-            for r in rows {
-                if !tables.contains(&r.table.as_str()) {
-                    tables.push(&r.table);
-                }
-            }
-            for table in tables {
-                let of = |variant: &str| -> Vec<&Row> {
+            let geo = |g: Option<f64>| g.map_or_else(|| "-".into(), |g| format!("{g:.3}"));
+            for table in distinct(rows.iter().map(|r| &r.table)) {
+                let of = |variant| {
                     rows.iter()
-                        .filter(|r| r.table == table && r.is(variant))
-                        .collect()
+                        .filter(move |r| &r.table == table && r.is(variant))
                 };
-                let per = |rs: &[&Row], extra: bool| -> String {
-                    rs.iter()
-                        .filter_map(|r| {
-                            let ratio = r.vs_peer?;
-                            let us = r
-                                .number("staging_copy_us")
-                                .filter(|_| extra)
-                                .map_or_else(String::new, |us| format!(" ({us:+.2} us)"));
-                            Some(format!("{} {ratio:.3}{us}", format_bytes(r.bytes)))
-                        })
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                };
-                let geo = |rs: &[&Row]| {
-                    let v: Vec<f64> = rs.iter().filter_map(|r| r.vs_peer).collect();
-                    geomean(&v).map_or_else(|| "-".into(), |g| format!("{g:.3}"))
-                };
-                let (caller, staged) = (of(CALLER), of(STAGED));
-                let worst = caller
-                    .iter()
-                    .filter_map(|r| r.vs_peer)
-                    .fold(0.0f64, f64::max);
-                let verdict = if caller.iter().all(|r| r.vs_peer.is_some_and(|v| v <= 1.02)) {
-                    "met"
-                } else {
-                    "NOT met"
-                };
+                let (per, g) = per_size(of(CALLER), |r| r.vs_peer, 3);
+                let worst = of(CALLER).filter_map(|r| r.vs_peer).fold(0.0f64, f64::max);
                 s.summary(format!(
-                    "{table}: caller/private per size: {}; geomean {}; worst {worst:.3} \
-                     (target <= 1.02: {verdict})",
-                    per(&caller, false),
-                    geo(&caller)
+                    "{table}: caller/private per size: {per}; geomean {}; worst {worst:.3} \
+                     (target <= 1.02)",
+                    geo(g)
                 ));
-                let unstaged = staged
-                    .iter()
-                    .any(|r| r.info.get("staging_in_graph") == Some(&false.into()));
+                let (per, g) = per_size(of(STAGED), |r| r.vs_peer, 3);
+                let (us, _) = per_size(of(STAGED), |r| r.number("staging_copy_us"), 2);
+                let unstaged =
+                    of(STAGED).any(|r| r.info.get("staging_in_graph") == Some(&false.into()));
                 s.summary(format!(
-                    "{table}: caller+stage/caller (the staging copy in the graph) per size: {}; \
-                     geomean {}{}",
-                    per(&staged, true),
-                    geo(&staged),
+                    "{table}: caller+stage/caller (the staging copy in the graph) per size: {per}; \
+                     geomean {}; the copy's us per size: {us}{}",
+                    geo(g),
                     if unstaged {
                         " (NOT a staging cost: cudarc's memory was exportable here, shared \
                          zero-copy)"

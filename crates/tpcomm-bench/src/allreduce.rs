@@ -41,10 +41,12 @@ use tpcomm::ipc::{HostBuffer, HostMemory, PeerMemory};
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{elapsed_ns, geomean, time_once, within, Bus, RatioLine, Row, Spec, Target};
+use crate::harness::{
+    elapsed_ns, geomean, per_size, time_once, within, Bus, RatioLine, Row, Spec, Target,
+};
 use crate::launch::{Bench, RunArgs, Session};
 use crate::mpi_peer::{MpiCall, MpiWorld};
-use crate::sweep::{format_bytes, SweepArgs};
+use crate::sweep::{format_bytes, short_bytes, SweepArgs};
 use crate::table::{col, Column};
 use crate::transport::splitmix64;
 
@@ -678,15 +680,6 @@ impl Table<'_, '_> {
     }
 }
 
-/// `1024` -> `1K`, `8 << 20` -> `8M`: compact sizes for summary lines.
-fn short_bytes(b: usize) -> String {
-    match b {
-        b if b >= 1 << 20 && b.is_multiple_of(1 << 20) => format!("{}M", b >> 20),
-        b if b >= 1 << 10 && b.is_multiple_of(1 << 10) => format!("{}K", b >> 10),
-        b => b.to_string(),
-    }
-}
-
 /// `(size, one-stage median, two-stage median)` -> the crossover sizes: from which size on
 /// two-stage stays faster, and the first size where it is faster.
 fn crossover(points: &[(usize, f64, f64)]) -> (Option<usize>, Option<usize>) {
@@ -729,14 +722,13 @@ fn summarize(s: &mut Session<'_>, dtype: &str, ranks: usize) {
     if points.is_empty() {
         return;
     }
-    let ratios: Vec<String> = points
-        .iter()
-        .map(|&(b, one, two)| format!("{} {:.2}", short_bytes(b), two / one))
-        .collect();
-    s.summary(format!(
-        "{dtype}: 2stage/1stage time per size: {}",
-        ratios.join(", ")
-    ));
+    let two = rows.iter().filter(|r| r.is("2stage"));
+    let (ratios, _) = per_size(
+        two,
+        |r| Some(r.stats.median_us / median_of("1stage", r.bytes)?),
+        2,
+    );
+    s.summary(format!("{dtype}: 2stage/1stage time per size: {ratios}"));
     let measured = match crossover(&points) {
         (Some(f), Some(g)) if f == g => format!("two-stage faster from {} up", format_bytes(f)),
         (Some(f), Some(g)) => format!(

@@ -42,10 +42,13 @@ use serde::Serialize;
 use crate::allreduce::DTypeArg;
 use crate::error::BenchError;
 use crate::harness::distinct;
-use crate::sweep::{format_bytes, parse_bytes};
+use crate::sweep::{parse_bytes, SweepArgs};
 
 /// Options of `tpcomm-bench gpu`.
 #[derive(Debug, Clone, Args, Serialize)]
+#[command(mut_arg("min_bytes", |a| a.default_value("1KiB")))]
+#[command(mut_arg("max_bytes", |a| a.default_value("8MiB")))]
+#[command(mut_arg("factor", |a| a.default_value("4")))]
 pub(crate) struct GpuArgs {
     /// World sizes (ranks as threads on one GPU), comma-separated; the kernels serve 2, 4,
     /// 6 and 8.
@@ -82,18 +85,11 @@ pub(crate) struct GpuArgs {
     )]
     pub(crate) algorithms: Vec<AlgorithmArg>,
 
-    /// Smallest size in bytes (a multiple of 16); suffixes K/KiB, M/MiB.
-    #[arg(long, default_value = "1KiB", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) min_bytes: usize,
-
-    /// Largest size in bytes (a multiple of 16; always measured, even off the factor's
-    /// steps).
-    #[arg(long, default_value = "8MiB", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) max_bytes: usize,
-
-    /// Each size is the previous one times this factor.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..))]
-    pub(crate) factor: u32,
+    /// Sizes (here 1 KiB to 8 MiB by 4 by default, multiples of 16: the kernels move
+    /// 16-byte packs; the largest size is always measured, even off the factor's steps).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) sweep: SweepArgs,
 
     /// All-reduces captured in each graph (K).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=256), value_name = "K")]
@@ -171,19 +167,13 @@ pub(crate) enum AlgorithmArg {
 }
 
 impl GpuArgs {
-    /// The sizes: `min_bytes` times powers of `factor` up to `max_bytes`, and `max_bytes`.
+    /// The sweep's sizes, and `--max-bytes` when off the factor's steps.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn sizes(&self) -> Vec<usize> {
-        let mut sizes = Vec::new();
-        let mut size = self.min_bytes;
-        while size < self.max_bytes {
-            sizes.push(size);
-            match size.checked_mul(self.factor as usize) {
-                Some(next) => size = next,
-                None => break,
-            }
+        let mut sizes = self.sweep.sizes();
+        if sizes.last() != Some(&self.sweep.max_bytes) {
+            sizes.push(self.sweep.max_bytes);
         }
-        sizes.push(self.max_bytes);
         sizes
     }
 
@@ -204,10 +194,11 @@ impl GpuArgs {
     }
 
     fn validate(&self) -> Result<(), BenchError> {
+        self.sweep.validate()?;
         let engine_sizes = self.engine_sizes.iter().map(|&v| ("--engine-sizes", v));
         for (name, v) in [
-            ("--min-bytes", self.min_bytes),
-            ("--max-bytes", self.max_bytes),
+            ("--min-bytes", self.sweep.min_bytes),
+            ("--max-bytes", self.sweep.max_bytes),
         ]
         .into_iter()
         .chain(engine_sizes)
@@ -218,13 +209,6 @@ impl GpuArgs {
                      16-byte packs"
                 )));
             }
-        }
-        if self.min_bytes > self.max_bytes {
-            return Err(BenchError::Usage(format!(
-                "--min-bytes ({}) is above --max-bytes ({})",
-                format_bytes(self.min_bytes),
-                format_bytes(self.max_bytes)
-            )));
         }
         if let Some(w) = self
             .worlds
@@ -578,7 +562,7 @@ mod imp {
     fn run_world<C: Communicator>(comm: &C, args: &GpuArgs) -> Result<Vec<Row>, BenchError> {
         let (rank, world) = (comm.rank(), comm.size());
         let sizes = args.sizes();
-        let max_bytes = args.max_bytes;
+        let max_bytes = args.sweep.max_bytes;
         let k = args.graph_launches as usize;
         let dtypes: Vec<DType> = args
             .dtypes_for(world as u32)

@@ -566,7 +566,7 @@ pub(crate) fn distinct<T: PartialEq>(items: impl IntoIterator<Item = T>) -> Vec<
     out
 }
 
-/// `"1 KiB 1.02, 4 KiB 0.98"`: each row's size and `value` (rows without one are left out),
+/// `"1K 1.02, 4K 0.98"`: each row's size and `value` (rows without one are left out),
 /// `decimals` after the point, and the geometric mean of the values.
 pub(crate) fn per_size<'r>(
     rows: impl IntoIterator<Item = &'r Row>,
@@ -578,7 +578,7 @@ pub(crate) fn per_size<'r>(
         if let Some(v) = value(r) {
             text.push(format!(
                 "{} {v:.decimals$}",
-                crate::sweep::format_bytes(r.bytes)
+                crate::sweep::short_bytes(r.bytes)
             ));
             values.push(v);
         }
@@ -757,6 +757,6 @@ mod tests {
         assert_eq!(distinct([3, 1, 3, 2, 1]), [3, 1, 2]);
         let rows = [row_vs("t", "a", "v", 2.0), row_vs("t", "b", "v", 8.0)];
         let (text, g) = per_size(&rows, |r| r.vs_peer, 1);
-        assert_eq!((text.as_str(), g), ("0 B 2.0, 0 B 8.0", Some(4.0)));
+        assert_eq!((text.as_str(), g), ("0 2.0, 0 8.0", Some(4.0)));
     }
 }

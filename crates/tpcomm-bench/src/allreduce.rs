@@ -45,7 +45,7 @@ use crate::harness::{
     elapsed_ns, geomean, per_size, time_once, within, Bus, RatioLine, Row, Spec, Target,
 };
 use crate::launch::{Bench, RunArgs, Session};
-use crate::mpi_peer::{MpiCall, MpiWorld};
+use crate::mpi_peer::MpiWorld;
 use crate::sweep::{format_bytes, short_bytes, SweepArgs};
 use crate::table::{col, Column};
 use crate::transport::splitmix64;
@@ -404,10 +404,7 @@ impl Runner<'_, '_> {
                 let mpi = self
                     .mpi
                     .ok_or_else(|| BenchError::Usage("MPI path outside MPI mode".into()))?;
-                mpi.run(MpiCall::AllReduceSum {
-                    input: &case.mpi_input,
-                    output: &mut case.mpi_output,
-                });
+                mpi.all_reduce_sum(&case.mpi_input, &mut case.mpi_output);
                 Ok(None)
             }
         }

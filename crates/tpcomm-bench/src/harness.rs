@@ -432,6 +432,9 @@ pub(crate) fn agree<C: Communicator>(
 /// the rows hold nothing to judge.
 pub(crate) type Judge = Box<dyn Fn(&[Row]) -> Option<(bool, String)>>;
 
+/// The most rows outside a target that its detail names.
+const MAX_LISTED: usize = 5;
+
 /// The judge of "every row that `pick` chooses within `limit` of its peer", `distance`
 /// telling how far a ratio is (`|x| x` for "at most", `|x| (x - 1.0).abs()` for "either
 /// way"): met when no ratio is farther than `limit`; the detail counts the rows within and
@@ -463,7 +466,12 @@ pub(crate) fn within(
             far(farthest)
         );
         if !outside.is_empty() {
-            detail.push_str(&format!("; outside: {}", outside.join(", ")));
+            let more = outside.len().saturating_sub(MAX_LISTED);
+            let listed = outside[..outside.len().min(MAX_LISTED)].join(", ");
+            detail.push_str(&format!("; outside: {listed}"));
+            if more > 0 {
+                detail.push_str(&format!(" and {more} more"));
+            }
         }
         Some((outside.is_empty(), detail))
     })

@@ -23,12 +23,12 @@ use tpcomm::Communicator;
 use crate::error::BenchError;
 use crate::harness::{elapsed_ns, time_once, within, Bus, RatioLine, Row, Spec, Target};
 use crate::launch::{Bench, RunArgs, Session};
-use crate::mpi_peer::{MpiCall, MpiWorld};
+use crate::mpi_peer::MpiWorld;
 use crate::sweep::SweepArgs;
 use crate::table::{col, Column};
 
 /// Root of broadcast and gather.
-const ROOT: usize = 0;
+pub(crate) const ROOT: usize = 0;
 /// The wrapper's target: median within this factor of the direct MPI call at every size.
 const RATIO_TARGET: f64 = 1.1;
 /// The variants: tpcomm, and the MPI peer in MPI mode.
@@ -386,38 +386,7 @@ impl Case {
         path: usize,
     ) -> Result<u64, BenchError> {
         if let (1, Some(mpi)) = (path, mpi) {
-            let [counts, displs] = &self.mpi_counts;
-            let (send, recv) = (&self.send[..], &mut self.recv[..]);
-            return Ok(mpi.run(match self.op {
-                TransportOp::AllGather => MpiCall::AllGather { send, recv },
-                TransportOp::AllGatherVarcount => MpiCall::AllGatherV {
-                    send,
-                    recv,
-                    counts,
-                    displs,
-                },
-                TransportOp::GatherVarcount => MpiCall::GatherV {
-                    root: ROOT,
-                    send,
-                    recv: (self.rank == ROOT).then_some((recv, &counts[..], &displs[..])),
-                },
-                TransportOp::Broadcast => MpiCall::Broadcast {
-                    root: ROOT,
-                    buf: recv,
-                },
-                TransportOp::AllToAllVarcount => MpiCall::AllToAllV {
-                    send,
-                    send_counts: counts,
-                    send_displs: displs,
-                    recv,
-                    counts,
-                    displs,
-                },
-                TransportOp::AllReduce => MpiCall::AllReduceSum {
-                    input: &self.send_f32,
-                    output: &mut self.recv_f32,
-                },
-            }));
+            return Ok(mpi.run(self));
         }
         let start = Instant::now();
         match self.op {

@@ -204,12 +204,7 @@ mod imp {
     use crate::error::BenchError;
 
     pub(super) fn run(_: &CheckpointArgs) -> Result<Measured, BenchError> {
-        Err(BenchError::Usage(
-            "this tpcomm-bench was built without `cuda`: rebuild with \
-             `cargo build --release -p tpcomm-bench --features cuda,nccl`, or run \
-             `cargo xtask gpu-check`"
-                .into(),
-        ))
+        Err(BenchError::WithoutCuda)
     }
 }
 

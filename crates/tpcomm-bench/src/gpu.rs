@@ -249,12 +249,7 @@ mod imp {
     use crate::error::BenchError;
 
     pub(super) fn run(_: &GpuArgs) -> Result<(), BenchError> {
-        Err(BenchError::Usage(
-            "this tpcomm-bench was built without `cuda`: rebuild with \
-             `cargo build --release -p tpcomm-bench --features cuda,nccl` (nvcc from \
-             `cargo xtask setup-cuda`), or run `cargo xtask gpu-check`"
-                .into(),
-        ))
+        Err(BenchError::WithoutCuda)
     }
 }
 

@@ -20,6 +20,7 @@ use tpcomm::transport::ReduceOp;
 use tpcomm::transport::{dense_displacements, GatherRecv, Layout};
 use tpcomm::Communicator;
 
+use crate::allreduce::{check, expected, input};
 use crate::error::BenchError;
 use crate::harness::{elapsed_ns, time_once, within, Bus, RatioLine, Row, Spec, Target};
 use crate::launch::{Bench, RunArgs, Session};
@@ -426,9 +427,7 @@ impl Case {
     /// root's broadcast buffer) with this rank's pattern, the rest with garbage.
     pub(crate) fn fill(&mut self, salt: u64) {
         if self.op == TransportOp::AllReduce {
-            for (i, x) in self.send_f32.iter_mut().enumerate() {
-                *x = small_integer(self.rank, salt, i);
-            }
+            self.send_f32 = input(self.rank, self.send_f32.len(), salt);
             self.recv_f32.fill(f32::NAN);
             return;
         }
@@ -462,20 +461,10 @@ impl Case {
                 .then(|| format!("receive buffer of {} bytes, need {len}", self.recv.len()))
         };
         match self.op {
-            TransportOp::AllReduce => {
-                if self.recv_f32.len() != self.send_f32.len() {
-                    return Some(format!(
-                        "{} elements received, {} sent",
-                        self.recv_f32.len(),
-                        self.send_f32.len()
-                    ));
-                }
-                self.recv_f32.iter().enumerate().find_map(|(i, &got)| {
-                    let want: f32 = (0..self.size).map(|r| small_integer(r, salt, i)).sum();
-                    (got.to_bits() != want.to_bits())
-                        .then(|| format!("element {i} is {got}, expected {want}"))
-                })
-            }
+            TransportOp::AllReduce => check(
+                &self.recv_f32,
+                &expected(self.size, self.send_f32.len(), salt),
+            ),
             TransportOp::GatherVarcount if self.rank != ROOT => None,
             TransportOp::Broadcast => region(ROOT, 0, 0, self.recv.len()),
             TransportOp::AllGather
@@ -492,12 +481,6 @@ impl Case {
             }),
         }
     }
-}
-
-/// Element `i` of rank `rank`'s all-reduce input: an integer below 1024, so that sums over
-/// up to 2^14 ranks are exact in f32 whatever the order.
-fn small_integer(rank: usize, salt: u64, i: usize) -> f32 {
-    (splitmix64(salt ^ ((rank as u64) << 48) ^ i as u64) % 1024) as f32
 }
 
 /// Splits `total` into `parts` counts differing by at most one, larger ones first.

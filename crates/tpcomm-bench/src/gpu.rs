@@ -1189,8 +1189,8 @@ mod imp {
             assert!(!v[0].met);
             assert_eq!(
                 v[0].detail,
-                "1 of 2 rows within, farthest engine 2 ranks bf16 32768 caller 1.021x; outside: \
-                 engine 2 ranks bf16 32768 caller 1.021x"
+                "1 of 2 rows within; outside, farthest first: engine 2 ranks bf16 32768 caller \
+                 1.021x"
             );
             assert!(judge(&[row(STAGED, 1.0)]).is_empty());
         }

@@ -438,7 +438,8 @@ const MAX_LISTED: usize = 5;
 /// The judge of "every row that `pick` chooses within `limit` of its peer", `distance`
 /// telling how far a ratio is (`|x| x` for "at most", `|x| (x - 1.0).abs()` for "either
 /// way"): met when no ratio is farther than `limit`; the detail counts the rows within and
-/// names the farthest and those outside. `None` when no chosen row has a peer.
+/// names those outside, farthest first (or the farthest, when none is). `None` when no
+/// chosen row has a peer.
 pub(crate) fn within(
     pick: impl Fn(&Row) -> bool + 'static,
     distance: fn(f64) -> f64,
@@ -451,26 +452,23 @@ pub(crate) fn within(
             .filter_map(|r| Some((r.vs_peer?, r)))
             .collect();
         let far = |(x, r): &(f64, &Row)| format!("{} {} {} {x:.3}x", r.table, r.case, r.variant);
-        let farthest = ratios
-            .iter()
-            .max_by(|a, b| distance(a.0).total_cmp(&distance(b.0)))?;
-        let outside: Vec<String> = ratios
+        let mut outside: Vec<&(f64, &Row)> = ratios
             .iter()
             .filter(|(x, _)| distance(*x) > limit)
-            .map(far)
             .collect();
-        let mut detail = format!(
-            "{} of {} rows within, farthest {}",
-            ratios.len() - outside.len(),
-            ratios.len(),
-            far(farthest)
-        );
-        if !outside.is_empty() {
-            let more = outside.len().saturating_sub(MAX_LISTED);
-            let listed = outside[..outside.len().min(MAX_LISTED)].join(", ");
-            detail.push_str(&format!("; outside: {listed}"));
-            if more > 0 {
-                detail.push_str(&format!(" and {more} more"));
+        outside.sort_by(|a, b| distance(b.0).total_cmp(&distance(a.0)));
+        let within = ratios.len() - outside.len();
+        let mut detail = format!("{within} of {} rows within", ratios.len());
+        if outside.is_empty() {
+            let farthest = ratios
+                .iter()
+                .max_by(|a, b| distance(a.0).total_cmp(&distance(b.0)))?;
+            detail.push_str(&format!(", farthest {}", far(farthest)));
+        } else {
+            let listed: Vec<String> = outside.iter().take(MAX_LISTED).map(|r| far(r)).collect();
+            detail.push_str(&format!("; outside, farthest first: {}", listed.join(", ")));
+            if outside.len() > MAX_LISTED {
+                detail.push_str(&format!(" and {} more", outside.len() - MAX_LISTED));
             }
         }
         Some((outside.is_empty(), detail))
@@ -726,7 +724,7 @@ mod tests {
         assert!(!met);
         assert_eq!(
             detail,
-            "1 of 2 rows within, farthest t 16 v 0.940x; outside: t 16 v 0.940x"
+            "1 of 2 rows within; outside, farthest first: t 16 v 0.940x"
         );
         assert_eq!(
             judge(&[row("8", 0.96)]),

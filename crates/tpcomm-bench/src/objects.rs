@@ -683,7 +683,7 @@ mod tests {
         assert!(!v[0].met);
         assert!(
             v[0].detail
-                .contains("outside: object all_gather records:100000 tpcomm owned 1.310x"),
+                .contains("farthest first: object all_gather records:100000 tpcomm owned 1.310x"),
             "{}",
             v[0].detail
         );

@@ -284,7 +284,7 @@ mod tests {
         assert!(!v[0].met);
         assert!(
             v[0].detail
-                .ends_with("outside: all_gather 256 rsmpi 0.940x"),
+                .ends_with("farthest first: all_gather 256 rsmpi 0.940x"),
             "{v:?}"
         );
         assert_eq!(v[0].line, RatioLine::new("C loop", 1.05));

@@ -1289,7 +1289,7 @@ mod imp {
         use crate::allreduce::expected;
         use crate::error::BenchError;
         use crate::gpu::GpuArgs;
-        use crate::harness::Row;
+        use crate::harness::{agree, Row};
         use crate::launch::Session;
         use crate::sweep::format_bytes;
 
@@ -1322,11 +1322,7 @@ mod imp {
             count: usize,
             k: usize,
         ) -> Result<(), BenchError> {
-            match dtype {
-                DType::F32 => enqueue::<f32>(comm, b, count, k),
-                DType::F16 => enqueue::<half::f16>(comm, b, count, k),
-                DType::Bf16 => enqueue::<half::bf16>(comm, b, count, k),
-            }
+            crate::with_element!(dtype, T => enqueue::<T>(comm, b, count, k))
         }
 
         /// A graph of `k` all-reduces, or `None` when the capture failed (the reason on
@@ -1339,26 +1335,21 @@ mod imp {
             k: usize,
         ) -> Option<CudaGraph> {
             let stream = comm.stream();
-            if let Err(e) =
-                stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            {
+            let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+            let captured = stream
+                .begin_capture(mode)
+                .map_err(|e| e.to_string())
+                .and_then(|()| {
+                    // The capture ends whatever happened, so that the stream is usable again.
+                    let enqueued =
+                        enqueue_dtype(comm, b, dtype, count, k).map_err(|e| e.to_string());
+                    let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+                    enqueued.and(ended.map_err(|e| e.to_string()))
+                });
+            captured.unwrap_or_else(|e| {
                 eprintln!("tpcomm-bench gpu: nccl: cannot capture ({e}); timing eager calls");
-                return None;
-            }
-            let enqueued = enqueue_dtype(comm, b, dtype, count, k);
-            let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-            match (enqueued, ended) {
-                (Ok(()), Ok(Some(graph))) => Some(graph),
-                (Err(e), _) => {
-                    eprintln!("tpcomm-bench gpu: nccl: capture failed ({e}); timing eager calls");
-                    None
-                }
-                (Ok(()), Err(e)) => {
-                    eprintln!("tpcomm-bench gpu: nccl: capture failed ({e}); timing eager calls");
-                    None
-                }
-                (Ok(()), Ok(None)) => None,
-            }
+                None
+            })
         }
 
         /// The NCCL rows, one per type and size, and the library's description; no rows (and
@@ -1417,14 +1408,8 @@ mod imp {
                     comm.synchronize()?;
                     let mut raw = vec![0u8; bytes];
                     b.memory.read(&b.recv, 0, &mut raw)?;
-                    if let Some(problem) = check_bytes(dtype, &raw, &expected(1, count, salt)) {
-                        return Err(BenchError::WrongData {
-                            what: format!("nccl all_reduce of {bytes} B"),
-                            rank: 0,
-                            detail: problem,
-                            bad_ranks: vec![0],
-                        });
-                    }
+                    let problem = check_bytes(dtype, &raw, &expected(1, count, salt));
+                    agree(&host, problem, || format!("nccl all_reduce of {bytes} B"))?;
                     for _ in 0..args.warmup {
                         launch()?;
                     }

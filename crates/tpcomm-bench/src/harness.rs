@@ -385,11 +385,7 @@ pub(crate) fn time_variants<C: Communicator, S>(
         round(i, &mut warm)?;
         progress.tick(0, 0);
     }
-    let mut estimate = 0;
-    for w in &warm {
-        estimate = estimate.max(median(&slowest(comm, w)?));
-    }
-    let iters = iter.iters_for(Duration::from_nanos(estimate));
+    let iters = iteration_count(comm, iter, &warm)?;
     let mut times = vec![Vec::with_capacity(iters); n];
     for i in 0..iters {
         round(i, &mut times)?;
@@ -400,6 +396,21 @@ pub(crate) fn time_variants<C: Communicator, S>(
         samples.push(slowest(comm, t)?);
     }
     Ok(Timed { warmup, samples })
+}
+
+/// Collective: the timed iterations the policy picks after the warm-up times `warm` (one list
+/// per variant, this rank's): from the slowest variant's median of the slowest rank's times,
+/// the same count on every rank.
+pub(crate) fn iteration_count<C: Communicator>(
+    comm: &C,
+    iter: &IterArgs,
+    warm: &[Vec<u64>],
+) -> Result<usize, BenchError> {
+    let mut estimate = 0;
+    for w in warm {
+        estimate = estimate.max(median(&slowest(comm, w)?));
+    }
+    Ok(iter.iters_for(Duration::from_nanos(estimate)))
 }
 
 /// Collective: the ranks whose `problem` is set, the same list on every rank; fails on every

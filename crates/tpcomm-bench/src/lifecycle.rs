@@ -37,7 +37,8 @@ use crate::allreduce::{
 };
 use crate::error::BenchError;
 use crate::harness::{
-    agree, elapsed_ns, link_peers, median, slowest, time_once, within, Order, Row, Spec, Target,
+    agree, elapsed_ns, iteration_count, link_peers, slowest, time_once, within, Order, Row, Spec,
+    Target,
 };
 use crate::launch::{Bench, RunArgs, Session};
 use crate::sweep::{format_bytes, parse_bytes, BufferArgs, IterArgs};
@@ -248,9 +249,7 @@ fn latency<C: Communicator>(
     for _ in 0..warmup {
         warm.push(timed(ar, &mut out)?);
     }
-    let estimate = median(&slowest(comm, &warm)?);
-    let block = iter
-        .iters_for(Duration::from_nanos(estimate))
+    let block = iteration_count(comm, iter, &[warm])?
         .div_ceil(LATENCY_ROUNDS)
         .max(1);
     let (mut before, mut after) = (Vec::new(), Vec::new());

@@ -1225,11 +1225,9 @@ mod imp {
             let mut rows = Vec::new();
             for world in worlds {
                 let group = tpcomm::transport::LocalGroup::new(world as usize);
-                let results = match dtype {
-                    DType::F32 => group.run(|comm| run_world::<_, f32>(&comm, args)),
-                    DType::F16 => group.run(|comm| run_world::<_, half::f16>(&comm, args)),
-                    DType::Bf16 => group.run(|comm| run_world::<_, half::bf16>(&comm, args)),
-                };
+                let results = crate::with_element!(dtype, T => {
+                    group.run(|comm| run_world::<_, T>(&comm, args))
+                });
                 let found = crate::launch::first_rank_output(results)?;
                 if s.prints() {
                     table::print_rows(&COLUMNS, &found, &[]);

@@ -32,7 +32,6 @@
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
-use half::{bf16, f16};
 use serde::Serialize;
 use tpcomm::allreduce::dispatch::ONE_STAGE_MAX_BYTES;
 use tpcomm::allreduce::{
@@ -42,10 +41,12 @@ use tpcomm::ipc::{HostBuffer, HostMemory, PeerMemory};
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{elapsed_ns, geomean, time_once, Bus, RatioLine, Row, Spec, Target};
+use crate::harness::{
+    elapsed_ns, geomean, per_size, time_once, within, Bus, RatioLine, Row, Spec, Target,
+};
 use crate::launch::{Bench, RunArgs, Session};
-use crate::mpi_peer::{MpiCall, MpiWorld};
-use crate::sweep::{format_bytes, SweepArgs};
+use crate::mpi_peer::MpiWorld;
+use crate::sweep::{format_bytes, short_bytes, SweepArgs};
 use crate::table::{col, Column};
 use crate::transport::splitmix64;
 
@@ -206,6 +207,27 @@ fn columns(with_mpi: bool) -> Vec<Column> {
         c.push(col::vs_peer("vs MPI", "cust/MPI", 8));
     }
     c
+}
+
+/// Evaluates `$body` with `$t` naming the Rust element type of the [`DType`] `$dtype`.
+#[macro_export]
+macro_rules! with_element {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            ::tpcomm::allreduce::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            ::tpcomm::allreduce::DType::F16 => {
+                type $t = ::half::f16;
+                $body
+            }
+            ::tpcomm::allreduce::DType::Bf16 => {
+                type $t = ::half::bf16;
+                $body
+            }
+        }
+    };
 }
 
 /// Element `i` of rank `rank`'s input for verification `salt`: an integer in -8..=7, so
@@ -382,10 +404,7 @@ impl Runner<'_, '_> {
                 let mpi = self
                     .mpi
                     .ok_or_else(|| BenchError::Usage("MPI path outside MPI mode".into()))?;
-                mpi.run(MpiCall::AllReduceSum {
-                    input: &case.mpi_input,
-                    output: &mut case.mpi_output,
-                });
+                mpi.all_reduce_sum(&case.mpi_input, &mut case.mpi_output);
                 Ok(None)
             }
         }
@@ -528,11 +547,7 @@ impl Bench for AllReduceArgs {
         for (di, &d) in args.dtypes.iter().enumerate() {
             t.dtype_index = di;
             t.with_mpi = mpi.is_some() && d == DTypeArg::F32;
-            match d {
-                DTypeArg::F32 => t.bench::<f32, C>(s, comm, args),
-                DTypeArg::F16 => t.bench::<f16, C>(s, comm, args),
-                DTypeArg::Bf16 => t.bench::<bf16, C>(s, comm, args),
-            }?;
+            with_element!(d.dtype(), T => t.bench::<T, C>(s, comm, args))?;
             summarize(s, d.dtype().name(), comm.size());
         }
         Ok(())
@@ -662,15 +677,6 @@ impl Table<'_, '_> {
     }
 }
 
-/// `1024` -> `1K`, `8 << 20` -> `8M`: compact sizes for summary lines.
-fn short_bytes(b: usize) -> String {
-    match b {
-        b if b >= 1 << 20 && b.is_multiple_of(1 << 20) => format!("{}M", b >> 20),
-        b if b >= 1 << 10 && b.is_multiple_of(1 << 10) => format!("{}K", b >> 10),
-        b => b.to_string(),
-    }
-}
-
 /// `(size, one-stage median, two-stage median)` -> the crossover sizes: from which size on
 /// two-stage stays faster, and the first size where it is faster.
 fn crossover(points: &[(usize, f64, f64)]) -> (Option<usize>, Option<usize>) {
@@ -713,14 +719,13 @@ fn summarize(s: &mut Session<'_>, dtype: &str, ranks: usize) {
     if points.is_empty() {
         return;
     }
-    let ratios: Vec<String> = points
-        .iter()
-        .map(|&(b, one, two)| format!("{} {:.2}", short_bytes(b), two / one))
-        .collect();
-    s.summary(format!(
-        "{dtype}: 2stage/1stage time per size: {}",
-        ratios.join(", ")
-    ));
+    let two = rows.iter().filter(|r| r.is("2stage"));
+    let (ratios, _) = per_size(
+        two,
+        |r| Some(r.stats.median_us / median_of("1stage", r.bytes)?),
+        2,
+    );
+    s.summary(format!("{dtype}: 2stage/1stage time per size: {ratios}"));
     let measured = match crossover(&points) {
         (Some(f), Some(g)) if f == g => format!("two-stage faster from {} up", format_bytes(f)),
         (Some(f), Some(g)) => format!(
@@ -857,21 +862,11 @@ fn targets() -> Vec<Target> {
             why: "small all-reduces are latency-bound; the custom path must not lose there what \
                   it gains on larger sizes",
             line: None,
-            judge: Box::new(move |rows: &[Row]| {
-                let find = |p: &str| {
-                    rows.iter()
-                        .find(|r| r.table == "f32" && r.is(p) && r.bytes == SMALL_SIZE)
-                };
-                let (custom, mpi) = (find(path)?, find(MPI)?);
-                let ratio = custom.vs_peer?;
-                Some((
-                    ratio <= SMALL_RATIO_TARGET,
-                    format!(
-                        "{:.2} us vs MPI_Allreduce {:.2} us: {ratio:.2}x",
-                        custom.stats.median_us, mpi.stats.median_us
-                    ),
-                ))
-            }),
+            judge: within(
+                move |r| r.table == "f32" && r.is(path) && r.bytes == SMALL_SIZE,
+                |x| x,
+                SMALL_RATIO_TARGET,
+            ),
         });
     }
     out
@@ -879,6 +874,8 @@ fn targets() -> Vec<Target> {
 
 #[cfg(test)]
 mod tests {
+    use half::bf16;
+
     use super::*;
     use clap::Parser;
 

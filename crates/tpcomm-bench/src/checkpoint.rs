@@ -9,14 +9,24 @@
 //! Each rank captures one CUDA graph of `--graph-len` all-reduces of `--bytes` (f32) and
 //! holds `--ballast-mib` of device memory, so that the checkpoint has something to move.
 //! Every repeat replays the graph before and after and checks the outputs are bit-identical.
-//! One table row and one JSON row per repeat and step.
+//!
+//! The checkpoint is one call, so the harness does not time it iteration by iteration: each
+//! repeat is one sample of every step (the slowest rank's own part), and [`rows`] turns the
+//! samples into the harness's rows (one per step, the first replay compared with the replay
+//! before), printed and written like every other subcommand's.
 
 use std::path::PathBuf;
 
 use clap::Args;
 use serde::Serialize;
 
+use tpcomm_checkpoint::Step;
+
 use crate::error::BenchError;
+use crate::harness::{link_peers, Row, Spec};
+use crate::launch::{self, RunInfo, Session};
+use crate::sweep::format_bytes;
+use crate::table::{col, Column};
 
 /// Options of `tpcomm-bench checkpoint`.
 #[derive(Debug, Clone, Args, Serialize)]
@@ -36,20 +46,117 @@ pub(crate) struct CheckpointArgs {
     /// Checkpoints timed.
     #[arg(long, default_value_t = 3)]
     pub(crate) repeat: u32,
-    /// Writes every row as JSON to this file.
+    /// Also write every figure (and every repeat's time) to this JSON file (schema in
+    /// docs/benchmarks.md).
     #[arg(long, value_name = "FILE")]
     pub(crate) json: Option<PathBuf>,
 }
 
-/// One measured figure.
-#[derive(Debug, Clone, Serialize)]
-struct Row {
-    repeat: u32,
-    /// `prepare`, `lock`, `checkpoint`, `restore`, `unlock`, `reinit`, `first_replay`,
-    /// `replay_before`, `released_mib`, `process_mib_before`, `process_mib_during`.
-    what: String,
-    /// Milliseconds (slowest rank's local part), or MiB for the memory rows.
-    value: f64,
+/// The table of the steps.
+const TABLE: &str = "checkpoint";
+/// The timed steps, in running order: the replay before the checkpoint, the sequence's
+/// steps (`tpcomm_checkpoint::Step::name`), the first replay after it.
+pub(crate) const STEPS: [&str; 8] = [
+    "replay_before",
+    "prepare",
+    "lock",
+    "checkpoint",
+    "restore",
+    "unlock",
+    "reinit",
+    "first_replay",
+];
+
+/// The steps of the checkpoint sequence that are timed, [`STEPS`] `1..7`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const SEQUENCE: [Step; 6] = [
+    Step::Prepare,
+    Step::Lock,
+    Step::Checkpoint,
+    Step::Restore,
+    Step::Unlock,
+    Step::Reinit,
+];
+
+/// What every rank measured: per step of [`STEPS`], one time per repeat (nanoseconds, the
+/// slowest rank's own part; `None` where no rank timed the step), and rank 0's GPU memory
+/// figures per repeat (MiB).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Measured {
+    pub(crate) steps: Vec<Vec<Option<u64>>>,
+    pub(crate) memory: Vec<Memory>,
+}
+
+/// The GPU memory of one repeat, MiB: what the checkpoint released on the device, and this
+/// process's use before and during it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Memory {
+    pub(crate) released_mib: f64,
+    pub(crate) process_mib_before: f64,
+    pub(crate) process_mib_during: f64,
+}
+
+const COLUMNS: [Column; 6] = [
+    col::variant("step", 14),
+    Column::new("repeats", "", 7, |r, _| r.iters.to_string()),
+    Column::new("median", "(ms)", 10, |r, _| ms(r.stats.median_us)),
+    Column::new("min", "(ms)", 10, |r, _| ms(r.stats.min_us)),
+    Column::new("max", "(ms)", 10, |r, _| ms(r.stats.max_us)),
+    Column::new("ratio", "vs before", 10, |r, _| col::ratio(r.vs_peer)),
+];
+
+fn ms(us: f64) -> String {
+    format!("{:.3}", us / 1e3)
+}
+
+/// The rows of `measured` over `ranks` ranks: one per step that some rank timed (its
+/// repeats as samples), the first replay compared with the replay before the checkpoint,
+/// the case being the all-reduce size; the memory figures as facts of the `checkpoint` row.
+pub(crate) fn rows(args: &CheckpointArgs, measured: &Measured) -> Vec<Row> {
+    let samples = measured
+        .steps
+        .iter()
+        .map(|repeats| repeats.iter().flatten().copied().collect())
+        .collect();
+    let spec = Spec::new(TABLE, args.bytes.to_string(), args.bytes, &STEPS)
+        .with("ranks", args.ranks)
+        .with("graph_len", args.graph_len)
+        .with("ballast_mib", args.ballast_mib);
+    let mut rows = spec.rows(args.ranks as usize, 0, samples);
+    link_peers(&mut rows, |r| {
+        r.is("first_replay").then(|| "replay_before".into())
+    });
+    if !measured.memory.is_empty() {
+        let per = |f: fn(&Memory) -> f64| measured.memory.iter().map(f).collect::<Vec<_>>();
+        if let Some(row) = rows.iter_mut().find(|r| r.is("checkpoint")) {
+            row.info.extend([
+                ("released_mib".into(), per(|m| m.released_mib).into()),
+                (
+                    "process_mib_before".into(),
+                    per(|m| m.process_mib_before).into(),
+                ),
+                (
+                    "process_mib_during".into(),
+                    per(|m| m.process_mib_during).into(),
+                ),
+            ]);
+        }
+    }
+    rows
+}
+
+/// The summary line of the memory figures, one entry per repeat.
+fn memory_line(memory: &[Memory]) -> Option<String> {
+    let per: Vec<String> = memory
+        .iter()
+        .map(|m| {
+            format!(
+                "{:.0} MiB (process {:.0} -> {:.0} MiB)",
+                m.released_mib, m.process_mib_before, m.process_mib_during
+            )
+        })
+        .collect();
+    (!per.is_empty()).then(|| format!("GPU memory released by the checkpoint: {}", per.join(", ")))
 }
 
 pub(crate) fn run(args: &CheckpointArgs) -> Result<(), BenchError> {
@@ -58,42 +165,46 @@ pub(crate) fn run(args: &CheckpointArgs) -> Result<(), BenchError> {
             "--bytes must be a positive multiple of 16 and --graph-len positive".into(),
         ));
     }
-    let rows = imp::run(args)?;
-    println!("{:>6}  {:<18} {:>12}", "repeat", "what", "value");
-    for r in &rows {
-        let unit = if r.what.ends_with("_mib") {
-            "MiB"
-        } else {
-            "ms"
-        };
-        println!("{:>6}  {:<18} {:>9.3} {unit}", r.repeat, r.what, r.value);
+    if !cfg!(feature = "cuda") {
+        return imp::run(args).map(drop);
     }
-    if let Some(path) = &args.json {
-        #[derive(Serialize)]
-        struct Report<'a> {
-            args: &'a CheckpointArgs,
-            rows: &'a [Row],
-        }
-        let text = serde_json::to_string_pretty(&Report { args, rows: &rows })
-            .map_err(|e| BenchError::Usage(format!("cannot encode the report: {e}")))?;
-        std::fs::write(path, text)
-            .map_err(|e| BenchError::Usage(format!("cannot write {}: {e}", path.display())))?;
+    launch::warn_if_under_mpirun();
+    let info = RunInfo::local("local (ranks as threads of this process, all on one GPU)");
+    let json = args.json.as_deref();
+    let lines = [
+        format!(
+            "each rank: a CUDA graph of {} f32 all-reduces of {}, {} MiB of ballast; {} \
+             checkpoints (checkpoint_group), the graph replayed and checked bit for bit before \
+             and after each",
+            args.graph_len,
+            format_bytes(args.bytes),
+            args.ballast_mib,
+            args.repeat
+        ),
+        "time: per step, the slowest rank's own part (the driver calls run on one rank); \
+         median, min and max over the repeats; ratio: first replay / replay before"
+            .into(),
+    ];
+    let ranks = args.ranks as usize;
+    let mut s = Session::start(&info, "checkpoint", 0, ranks, json, &lines)?;
+    let measured = imp::run(args)?;
+    s.header("process checkpoint through the CUDA driver", &COLUMNS);
+    s.rows(&COLUMNS, rows(args, &measured), |_| true);
+    if let Some(line) = memory_line(&measured.memory) {
+        s.summary(line);
+    } else {
+        s.summary("no GPU memory figures (nvidia-smi gave none)".into());
     }
-    Ok(())
+    s.finish("checkpoint", json, args, &[], (true, "any run"))
 }
 
 #[cfg(not(feature = "cuda"))]
 mod imp {
-    use super::{CheckpointArgs, Row};
+    use super::{CheckpointArgs, Measured};
     use crate::error::BenchError;
 
-    pub(super) fn run(_: &CheckpointArgs) -> Result<Vec<Row>, BenchError> {
-        Err(BenchError::Usage(
-            "this tpcomm-bench was built without `cuda`: rebuild with \
-             `cargo build --release -p tpcomm-bench --features cuda,nccl`, or run \
-             `cargo xtask gpu-check`"
-                .into(),
-        ))
+    pub(super) fn run(_: &CheckpointArgs) -> Result<Measured, BenchError> {
+        Err(BenchError::WithoutCuda)
     }
 }
 
@@ -106,12 +217,14 @@ mod imp {
     use tpcomm::transport::{LocalCommunicator, LocalGroup};
     use tpcomm::Communicator;
     use tpcomm_checkpoint::{
-        checkpoint_group, CheckpointDriver, CheckpointOptions, CudaCheckpoint, GpuMemory, Step,
+        checkpoint_group, CheckpointDriver, CheckpointOptions, CudaCheckpoint, GpuMemory,
         Suspendable,
     };
 
-    use super::{CheckpointArgs, Row};
+    use super::{CheckpointArgs, Measured, Memory, SEQUENCE, STEPS};
     use crate::error::BenchError;
+    use crate::harness::{agree, slowest};
+    use crate::launch;
 
     fn failed(call: &'static str) -> impl Fn(String) -> BenchError {
         move |detail| BenchError::Cuda { call, detail }
@@ -121,9 +234,13 @@ mod imp {
         bytes as f64 / (1u64 << 20) as f64
     }
 
-    /// One rank: the all-reduce, its graph, the ballast; `repeat` checkpoints. Returns the
-    /// rows this rank measured (every rank's step times, rank 0's memory figures).
-    fn rank(comm: LocalCommunicator, args: &CheckpointArgs) -> Result<Vec<Row>, BenchError> {
+    fn ns(d: Duration) -> u64 {
+        u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// One rank: the all-reduce, its graph, the ballast; `repeat` checkpoints (collective).
+    /// Every rank returns the steps' slowest-rank times; rank 0 adds its memory figures.
+    fn rank(comm: LocalCommunicator, args: &CheckpointArgs) -> Result<Measured, BenchError> {
         let memory = CudaMemory::same_process(0)?;
         let options = CudaOptions {
             ranks_per_device: comm.size(),
@@ -171,9 +288,11 @@ mod imp {
         driver
             .support()
             .map_err(|e| failed("cuCheckpointProcess*")(e.to_string()))?;
-        let mut rows = Vec::new();
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        for repeat in 0..args.repeat {
+        // Per step and repeat: this rank's time plus one, 0 where it did not time the step
+        // (so that the largest over the ranks is the slowest rank's, or 0 for nobody's).
+        let mut local = vec![vec![0u64; args.repeat as usize]; STEPS.len()];
+        let mut measured = Measured::default();
+        for repeat in 0..args.repeat as usize {
             let (before, replay_before) = replay(&mut ar)?;
             let memory_before = (comm.rank() == 0).then(GpuMemory::probe);
             let mut during = None;
@@ -194,43 +313,24 @@ mod imp {
             }
             .map_err(|e| failed("checkpoint_group")(crate::error::chain(&e)))?;
             let (after, first_replay) = replay(&mut ar)?;
-            if after != before {
-                return Err(BenchError::WrongData {
-                    what: "the graph replayed after the checkpoint".into(),
-                    rank: comm.rank(),
-                    detail: "the output differs from the replay before it".into(),
-                    bad_ranks: vec![comm.rank()],
-                });
+            let differs = (after != before)
+                .then(|| "the output differs from the replay before it".to_string());
+            agree(&comm, differs, || {
+                "the graph replayed after the checkpoint".into()
+            })?;
+            let times = std::iter::once(Some(replay_before))
+                .chain(SEQUENCE.map(|step| report.timing(step).map(|t| t.local)))
+                .chain([Some(first_replay)]);
+            for (step, took) in local.iter_mut().zip(times) {
+                step[repeat] = took.map_or(0, |d| ns(d).saturating_add(1));
             }
-            let mut push = |what: &str, value: f64| {
-                rows.push(Row {
-                    repeat,
-                    what: what.into(),
-                    value,
-                })
-            };
-            push("replay_before", ms(replay_before));
-            for step in [
-                Step::Prepare,
-                Step::Lock,
-                Step::Checkpoint,
-                Step::Restore,
-                Step::Unlock,
-                Step::Reinit,
-            ] {
-                if let Some(t) = report.timing(step) {
-                    push(step.name(), ms(t.local));
-                }
-            }
-            push("first_replay", ms(first_replay));
             if let (Some(Ok(b)), Some(Ok(d))) = (&memory_before, &during) {
                 let pid = std::process::id();
-                push(
-                    "released_mib",
-                    mib(b.device_used.saturating_sub(d.device_used)),
-                );
-                push("process_mib_before", mib(b.of_process(pid)));
-                push("process_mib_during", mib(d.of_process(pid)));
+                measured.memory.push(Memory {
+                    released_mib: mib(b.device_used.saturating_sub(d.device_used)),
+                    process_mib_before: mib(b.of_process(pid)),
+                    process_mib_during: mib(d.of_process(pid)),
+                });
             } else if comm.rank() == 0 {
                 eprintln!(
                     "tpcomm-bench checkpoint: no GPU memory figures: {memory_before:?} / {during:?}"
@@ -238,26 +338,87 @@ mod imp {
             }
         }
         ar.close_with(&comm)?;
-        Ok(rows)
+        for step in &local {
+            let worst = slowest(&comm, step)?;
+            measured
+                .steps
+                .push(worst.iter().map(|&t| t.checked_sub(1)).collect());
+        }
+        Ok(measured)
     }
 
-    pub(super) fn run(args: &CheckpointArgs) -> Result<Vec<Row>, BenchError> {
+    pub(super) fn run(args: &CheckpointArgs) -> Result<Measured, BenchError> {
         let results = LocalGroup::new(args.ranks as usize)
             .timeout(Duration::from_secs(120))
             .run(|comm| rank(comm, args));
-        // Per repeat and step: the slowest rank; memory rows come from rank 0 only.
-        let mut merged: Vec<Row> = Vec::new();
-        for result in results {
-            for row in result?? {
-                match merged
-                    .iter_mut()
-                    .find(|m| m.repeat == row.repeat && m.what == row.what)
-                {
-                    Some(m) => m.value = m.value.max(row.value),
-                    None => merged.push(row),
-                }
-            }
+        launch::first_rank_output(results)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    use crate::{Cli, Command};
+
+    fn args() -> CheckpointArgs {
+        match Cli::try_parse_from(["tpcomm-bench", "checkpoint", "--repeat", "2"])
+            .unwrap()
+            .command
+        {
+            Command::Checkpoint(args) => args,
+            _ => panic!("not the checkpoint subcommand"),
         }
-        Ok(merged)
+    }
+
+    #[test]
+    fn the_timed_steps_are_the_sequences_between_the_two_replays() {
+        let names: Vec<&str> = SEQUENCE.iter().map(|s| s.name()).collect();
+        assert_eq!(names, STEPS[1..7]);
+    }
+
+    #[test]
+    fn a_row_per_timed_step_with_the_first_replay_against_the_one_before() {
+        let mut steps = vec![vec![Some(2_000_000), Some(4_000_000)]; STEPS.len()];
+        steps[2] = vec![None, None]; // `lock`: timed by no rank
+        steps[7] = vec![Some(3_000_000), Some(3_000_000)];
+        let memory = [measured_memory(), measured_memory()].concat();
+        let rows = rows(&args(), &Measured { steps, memory });
+        let names: Vec<&str> = rows.iter().map(|r| r.variant.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "replay_before",
+                "prepare",
+                "checkpoint",
+                "restore",
+                "unlock",
+                "reinit",
+                "first_replay"
+            ]
+        );
+        assert!(rows.iter().all(|r| r.iters == 2 && r.case == "1048576"));
+        assert_eq!(rows[0].stats.median_us, 3000.0, "2 and 4 ms");
+        let first = rows.last().unwrap();
+        assert_eq!(first.peer.as_deref(), Some("replay_before"));
+        assert_eq!(first.vs_peer, Some(1.0));
+        assert_eq!(
+            rows[2].info["released_mib"],
+            serde_json::json!([1024.0, 1024.0])
+        );
+        assert_eq!(
+            memory_line(&measured_memory()).unwrap(),
+            "GPU memory released by the checkpoint: 1024 MiB (process 1100 -> 76 MiB)"
+        );
+        assert!(memory_line(&[]).is_none());
+    }
+
+    fn measured_memory() -> Vec<Memory> {
+        vec![Memory {
+            released_mib: 1024.0,
+            process_mib_before: 1100.0,
+            process_mib_during: 76.0,
+        }]
     }
 }

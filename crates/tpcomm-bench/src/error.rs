@@ -79,6 +79,14 @@ pub(crate) enum BenchError {
         /// The driver's error.
         detail: String,
     },
+    /// A GPU subcommand in a bench built without the `cuda` feature.
+    #[cfg(not(feature = "cuda"))]
+    #[error(
+        "this tpcomm-bench was built without `cuda`: rebuild with `cargo build --release -p \
+         tpcomm-bench --features cuda,nccl` (nvcc from `cargo xtask setup-cuda`), or run \
+         `cargo xtask gpu-check`"
+    )]
+    WithoutCuda,
     /// Serializing the JSON report failed.
     #[error("cannot serialize the JSON report")]
     Json(#[from] serde_json::Error),

@@ -41,10 +41,14 @@ use serde::Serialize;
 
 use crate::allreduce::DTypeArg;
 use crate::error::BenchError;
-use crate::sweep::{format_bytes, parse_bytes};
+use crate::harness::distinct;
+use crate::sweep::{parse_bytes, SweepArgs};
 
 /// Options of `tpcomm-bench gpu`.
 #[derive(Debug, Clone, Args, Serialize)]
+#[command(mut_arg("min_bytes", |a| a.default_value("1KiB")))]
+#[command(mut_arg("max_bytes", |a| a.default_value("8MiB")))]
+#[command(mut_arg("factor", |a| a.default_value("4")))]
 pub(crate) struct GpuArgs {
     /// World sizes (ranks as threads on one GPU), comma-separated; the kernels serve 2, 4,
     /// 6 and 8.
@@ -81,18 +85,11 @@ pub(crate) struct GpuArgs {
     )]
     pub(crate) algorithms: Vec<AlgorithmArg>,
 
-    /// Smallest size in bytes (a multiple of 16); suffixes K/KiB, M/MiB.
-    #[arg(long, default_value = "1KiB", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) min_bytes: usize,
-
-    /// Largest size in bytes (a multiple of 16; always measured, even off the factor's
-    /// steps).
-    #[arg(long, default_value = "8MiB", value_parser = parse_bytes, value_name = "BYTES")]
-    pub(crate) max_bytes: usize,
-
-    /// Each size is the previous one times this factor.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..))]
-    pub(crate) factor: u32,
+    /// Sizes (here 1 KiB to 8 MiB by 4 by default, multiples of 16: the kernels move
+    /// 16-byte packs; the largest size is always measured, even off the factor's steps).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub(crate) sweep: SweepArgs,
 
     /// All-reduces captured in each graph (K).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=256), value_name = "K")]
@@ -170,54 +167,38 @@ pub(crate) enum AlgorithmArg {
 }
 
 impl GpuArgs {
-    /// The sizes: `min_bytes` times powers of `factor` up to `max_bytes`, and `max_bytes`.
+    /// The sweep's sizes, and `--max-bytes` when off the factor's steps.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn sizes(&self) -> Vec<usize> {
-        let mut sizes = Vec::new();
-        let mut size = self.min_bytes;
-        while size < self.max_bytes {
-            sizes.push(size);
-            match size.checked_mul(self.factor as usize) {
-                Some(next) => size = next,
-                None => break,
-            }
+        let mut sizes = self.sweep.sizes();
+        if sizes.last() != Some(&self.sweep.max_bytes) {
+            sizes.push(self.sweep.max_bytes);
         }
-        sizes.push(self.max_bytes);
         sizes
     }
 
     /// The element types timed at `world` ranks, in order, without repeats.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn dtypes_for(&self, world: u32) -> Vec<DTypeArg> {
-        let mut out = Vec::new();
-        for &d in &self.dtypes {
-            if !out.contains(&d) {
-                out.push(d);
-            }
-        }
-        if self.f32_worlds.contains(&Some(world)) && !out.contains(&DTypeArg::F32) {
-            out.push(DTypeArg::F32);
-        }
-        out
+        let f32_too = self
+            .f32_worlds
+            .contains(&Some(world))
+            .then_some(DTypeArg::F32);
+        distinct(self.dtypes.iter().copied().chain(f32_too))
     }
 
     /// The world sizes of the engine-path rows, in order, without repeats.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn engine_worlds(&self) -> Vec<u32> {
-        let mut out = Vec::new();
-        for w in self.engine_worlds.iter().flatten() {
-            if !out.contains(w) {
-                out.push(*w);
-            }
-        }
-        out
+        distinct(self.engine_worlds.iter().flatten().copied())
     }
 
     fn validate(&self) -> Result<(), BenchError> {
+        self.sweep.validate()?;
         let engine_sizes = self.engine_sizes.iter().map(|&v| ("--engine-sizes", v));
         for (name, v) in [
-            ("--min-bytes", self.min_bytes),
-            ("--max-bytes", self.max_bytes),
+            ("--min-bytes", self.sweep.min_bytes),
+            ("--max-bytes", self.sweep.max_bytes),
         ]
         .into_iter()
         .chain(engine_sizes)
@@ -228,13 +209,6 @@ impl GpuArgs {
                      16-byte packs"
                 )));
             }
-        }
-        if self.min_bytes > self.max_bytes {
-            return Err(BenchError::Usage(format!(
-                "--min-bytes ({}) is above --max-bytes ({})",
-                format_bytes(self.min_bytes),
-                format_bytes(self.max_bytes)
-            )));
         }
         if let Some(w) = self
             .worlds
@@ -275,12 +249,7 @@ mod imp {
     use crate::error::BenchError;
 
     pub(super) fn run(_: &GpuArgs) -> Result<(), BenchError> {
-        Err(BenchError::Usage(
-            "this tpcomm-bench was built without `cuda`: rebuild with \
-             `cargo build --release -p tpcomm-bench --features cuda,nccl` (nvcc from \
-             `cargo xtask setup-cuda`), or run `cargo xtask gpu-check`"
-                .into(),
-        ))
+        Err(BenchError::WithoutCuda)
     }
 }
 
@@ -302,10 +271,13 @@ mod imp {
     use super::{AlgorithmArg, GpuArgs};
     use crate::allreduce::{check, expected, input, DTypeArg};
     use crate::error::BenchError;
-    use crate::harness::{agree, elapsed_ns, geomean, slowest, Bus, Row, Spec};
+    use crate::harness::{
+        agree, distinct, elapsed_ns, per_size, slowest, Bus, Order, Row, Spec, Stats,
+    };
     use crate::launch::{self, RunInfo, Session};
     use crate::sweep::format_bytes;
     use crate::table::{self, col, Column};
+    use crate::with_element;
 
     type CudaAllReduce = CustomAllReduce<CudaBackend>;
 
@@ -383,11 +355,20 @@ mod imp {
             Ok(Self { events })
         }
 
-        /// Records event `i` (0 before the first launch, `i` after launch `i`).
-        fn mark(&self, i: usize, stream: &CudaStream) -> Result<(), BenchError> {
-            self.events[i]
-                .record(stream)
-                .map_err(cuda_error("cuEventRecord"))
+        /// Records an event before the first launch and after each of `launch`'s calls (as
+        /// many as there are events after the first).
+        fn record(
+            &self,
+            stream: &CudaStream,
+            mut launch: impl FnMut() -> Result<(), BenchError>,
+        ) -> Result<(), BenchError> {
+            let record = |e: &CudaEvent| e.record(stream).map_err(cuda_error("cuEventRecord"));
+            record(&self.events[0])?;
+            for event in &self.events[1..] {
+                launch()?;
+                record(event)?;
+            }
+            Ok(())
         }
 
         /// After the stream drained: each launch's time divided by `per`, nanoseconds.
@@ -406,93 +387,121 @@ mod imp {
 
     /// Bytes of this rank's input for `salt` (small integers: exact sums in every type).
     fn input_bytes(dtype: DType, rank: usize, count: usize, salt: u64) -> Vec<u8> {
-        fn typed<T: Element>(rank: usize, count: usize, salt: u64) -> Vec<u8> {
-            bytemuck::cast_slice(&input::<T>(rank, count, salt)).to_vec()
-        }
-        match dtype {
-            DType::F32 => typed::<f32>(rank, count, salt),
-            DType::F16 => typed::<half::f16>(rank, count, salt),
-            DType::Bf16 => typed::<half::bf16>(rank, count, salt),
-        }
+        with_element!(dtype, T => bytemuck::cast_slice(&input::<T>(rank, count, salt)).to_vec())
     }
 
     /// `count` NaNs of `dtype`.
     fn poison_bytes(dtype: DType, count: usize) -> Vec<u8> {
-        fn typed<T: Element>(count: usize) -> Vec<u8> {
+        with_element!(dtype, T => {
             bytemuck::cast_slice(&vec![T::from_f32(f32::NAN); count]).to_vec()
-        }
-        match dtype {
-            DType::F32 => typed::<f32>(count),
-            DType::F16 => typed::<half::f16>(count),
-            DType::Bf16 => typed::<half::bf16>(count),
-        }
+        })
     }
 
     /// What is wrong with `raw` (elements of `dtype`) against `want`, if anything.
     fn check_bytes(dtype: DType, raw: &[u8], want: &[f32]) -> Option<String> {
-        fn typed<T: Element>(raw: &[u8], want: &[f32]) -> Option<String> {
+        with_element!(dtype, T => {
             let mut got =
                 vec![<T as bytemuck::Zeroable>::zeroed(); raw.len() / std::mem::size_of::<T>()];
             bytemuck::cast_slice_mut::<T, u8>(&mut got).copy_from_slice(raw);
             check(&got, want)
-        }
-        match dtype {
-            DType::F32 => typed::<f32>(raw, want),
-            DType::F16 => typed::<half::f16>(raw, want),
-            DType::Bf16 => typed::<half::bf16>(raw, want),
+        })
+    }
+
+    /// The launch options of `world` ranks sharing the device.
+    fn options(args: &GpuArgs, world: usize) -> CudaOptions {
+        CudaOptions {
+            max_blocks: args.max_blocks.unwrap_or(CudaOptions::default().max_blocks),
+            ranks_per_device: world,
         }
     }
 
-    /// One captured graph of a rank.
-    struct Case {
+    /// The all-reduce's configuration: `slots` RankData slots at least (every captured call
+    /// takes its own, plus slot 0).
+    fn config(args: &GpuArgs, max_bytes: usize, slots: usize) -> Config {
+        let config = Config {
+            max_bytes,
+            timeout: Duration::from_secs(args.kernel_timeout_s),
+            ..Config::default()
+        };
+        Config {
+            slots: config.slots.max(slots),
+            ..config
+        }
+    }
+
+    /// One captured graph of a case, as [`verify_and_time`] runs it.
+    struct Replayed<'a> {
+        /// The variant's name (the row's, and in a verification failure).
+        name: &'a str,
+        /// Which of the all-reduces replays it.
+        ar: usize,
+        graph: &'a DeviceGraph,
+        /// Where it writes the sum.
+        output: &'a CudaBuffer,
+        /// Writes this rank's input for a salt.
+        fill: Box<dyn FnMut(u64) -> Result<(), BenchError> + 'a>,
+    }
+
+    /// The `fill` of a graph that reads `buffer`: this rank's input of `count` `dtype`s.
+    fn write_input<'a>(
+        memory: &'a CudaMemory,
+        buffer: &'a CudaBuffer,
+        (dtype, rank, count): (DType, usize, usize),
+    ) -> Box<dyn FnMut(u64) -> Result<(), BenchError> + 'a> {
+        Box::new(move |salt| Ok(memory.write(buffer, 0, &input_bytes(dtype, rank, count, salt))?))
+    }
+
+    /// How the graphs of a case are checked and timed.
+    #[derive(Debug, Clone, Copy)]
+    struct Plan<'a> {
         dtype: DType,
-        bytes: usize,
         count: usize,
-        graph: DeviceGraph,
-    }
-
-    /// The buffers and communicator of one rank for one algorithm.
-    struct Rank<'c, C> {
-        comm: &'c C,
-        ar: CudaAllReduce,
-        memory: CudaMemory,
-        input: CudaBuffer,
-        output: CudaBuffer,
+        salt: u64,
+        /// Said in a verification failure after the variant's name.
+        phase: &'a str,
+        /// All-reduces per graph.
         k: usize,
         iters: usize,
         warmup: usize,
+        /// Timing rounds, each running every graph `iters` times, rotating which runs first.
+        rounds: usize,
     }
 
-    impl<C: Communicator> Rank<'_, C> {
-        /// Collective: fills every rank's input for `salt`, replays `case` once and checks
-        /// the output on every rank; fails on every rank when any rank saw a wrong value.
-        fn verify(
-            &mut self,
-            case: &Case,
-            salt: u64,
-            phase: &'static str,
-        ) -> Result<(), BenchError> {
-            let (rank, world) = (self.comm.rank(), self.comm.size());
-            let data = input_bytes(case.dtype, rank, case.count, salt);
-            self.memory.write(&self.input, 0, &data)?;
-            self.memory
-                .write(&self.output, 0, &poison_bytes(case.dtype, case.count))?;
-            self.comm.barrier()?;
-            self.ar.replay_graph(&case.graph)?;
-            self.ar.synchronize()?;
-            let mut raw = vec![0u8; case.bytes];
-            self.memory.read(&self.output, 0, &mut raw)?;
-            let problem = check_bytes(case.dtype, &raw, &expected(world, case.count, salt));
-            agree(self.comm, problem, || {
-                format!("cuda {phase} of {} B", case.bytes)
-            })
+    /// Collective: every graph of `runs` verified once (this rank's input written for its
+    /// salt, the output poisoned, one replay, the output compared bit for bit with the exact
+    /// sum on every rank, agreed across ranks), then timed in `plan.rounds` rounds
+    /// ([`time_replays`]). Per graph, every replay's slowest-rank time per all-reduce.
+    fn verify_and_time<C: Communicator>(
+        comm: &C,
+        memory: &CudaMemory,
+        ars: &mut [&mut CudaAllReduce],
+        runs: &mut [Replayed<'_>],
+        plan: Plan<'_>,
+    ) -> Result<Vec<Vec<u64>>, BenchError> {
+        let Plan { dtype, count, .. } = plan;
+        for (v, run) in runs.iter_mut().enumerate() {
+            let salt = plan.salt ^ ((v as u64) << 56);
+            (run.fill)(salt)?;
+            memory.write(run.output, 0, &poison_bytes(dtype, count))?;
+            comm.barrier()?;
+            ars[run.ar].replay_graph(run.graph)?;
+            ars[run.ar].synchronize()?;
+            let mut raw = vec![0u8; count * dtype.size()];
+            memory.read(run.output, 0, &mut raw)?;
+            let problem = check_bytes(dtype, &raw, &expected(comm.size(), count, salt));
+            agree(comm, problem, || {
+                format!("cuda {} {} of {} B", run.name, plan.phase, raw.len())
+            })?;
         }
-
-        /// Collective: [`time_replays`] of `case`.
-        fn time(&mut self, case: &Case) -> Result<Vec<u64>, BenchError> {
-            let (k, iters, warmup) = (self.k, self.iters, self.warmup);
-            time_replays(self.comm, &mut self.ar, &case.graph, k, iters, warmup)
+        let mut samples = vec![Vec::new(); runs.len()];
+        for round in 0..plan.rounds {
+            for v in Order::Rotate.of(runs.len(), round) {
+                let ar = &mut *ars[runs[v].ar];
+                let graph = runs[v].graph;
+                samples[v].extend(time_replays(comm, ar, graph, plan)?);
+            }
         }
+        Ok(samples)
     }
 
     /// Collective: `warmup` replays of `graph`, then `iters` timed replays on every rank at
@@ -503,38 +512,52 @@ mod imp {
         comm: &C,
         ar: &mut CudaAllReduce,
         graph: &DeviceGraph,
-        k: usize,
-        iters: usize,
-        warmup: usize,
+        plan: Plan<'_>,
     ) -> Result<Vec<u64>, BenchError> {
-        for _ in 0..warmup {
+        for _ in 0..plan.warmup {
             ar.replay_graph(graph)?;
         }
         ar.synchronize()?;
         let stream = ar.backend().stream().clone();
         // Events of the stream's own context handle (cudarc records only on those).
-        let timer = Timer::new(stream.context(), iters)?;
+        let timer = Timer::new(stream.context(), plan.iters)?;
         comm.barrier()?;
-        timer.mark(0, &stream)?;
-        for i in 1..=iters {
-            ar.replay_graph(graph)?;
-            timer.mark(i, &stream)?;
-        }
+        timer.record(&stream, || Ok(ar.replay_graph(graph)?))?;
         ar.synchronize()?;
-        let local = timer.per_launch_ns(k)?;
+        let local = timer.per_launch_ns(plan.k)?;
         slowest(comm, &local)
     }
 
-    /// What one world size's run found (rank 0's rows; empty on other ranks).
-    struct WorldOutcome {
-        rows: Vec<Row>,
+    /// Collective teardown with every stream drained (frees and module unloads may wait for
+    /// the whole device): the graphs go first, then the all-reduces close, then the buffers
+    /// and the all-reduces go.
+    fn teardown<C: Communicator, G, B>(
+        comm: &C,
+        mut ars: Vec<CudaAllReduce>,
+        graphs: G,
+        buffers: B,
+    ) -> Result<(), BenchError> {
+        for ar in &mut ars {
+            ar.synchronize()?;
+        }
+        comm.barrier()?;
+        drop(graphs);
+        for ar in &mut ars {
+            ar.close()?;
+        }
+        comm.barrier()?;
+        drop(buffers);
+        drop(ars);
+        comm.barrier()?;
+        Ok(())
     }
 
-    /// Every algorithm at one world size, on this rank.
-    fn run_world<C: Communicator>(comm: &C, args: &GpuArgs) -> Result<WorldOutcome, BenchError> {
-        let world = comm.size();
+    /// Every algorithm at one world size, on this rank: rank 0's rows (printed as soon as
+    /// measured, so that a run cut short keeps what it measured), empty on the others.
+    fn run_world<C: Communicator>(comm: &C, args: &GpuArgs) -> Result<Vec<Row>, BenchError> {
+        let (rank, world) = (comm.rank(), comm.size());
         let sizes = args.sizes();
-        let max_bytes = args.max_bytes;
+        let max_bytes = args.sweep.max_bytes;
         let k = args.graph_launches as usize;
         let dtypes: Vec<DType> = args
             .dtypes_for(world as u32)
@@ -545,34 +568,14 @@ mod imp {
         let mut rows = Vec::new();
         for (a, &alg) in args.algorithms.iter().enumerate() {
             let algorithm = algorithm_of(alg);
-            let defaults = CudaOptions::default();
-            let options = CudaOptions {
-                max_blocks: args.max_blocks.unwrap_or(defaults.max_blocks),
-                ranks_per_device: world,
-            };
-            let backend = CudaBackend::new(comm, &memory, options)?;
+            let backend = CudaBackend::new(comm, &memory, options(args, world))?;
             let blocks = backend.max_blocks();
-            let mut config = Config {
-                max_bytes,
-                timeout: Duration::from_secs(args.kernel_timeout_s),
+            let config = Config {
                 algorithm: Some(algorithm),
-                ..Config::default()
+                ..config(args, max_bytes, 1 + k * dtypes.len() * sizes.len())
             };
-            // Every captured call takes its own RankData slot (K per case), plus slot 0.
-            config.slots = config.slots.max(1 + k * dtypes.len() * sizes.len());
-            let ar = CustomAllReduce::new(backend, memory.clone(), comm, config)?;
-            let input_buf = memory.allocate(max_bytes)?;
-            let output_buf = memory.allocate(max_bytes)?;
-            let mut r = Rank {
-                comm,
-                ar,
-                memory: memory.clone(),
-                input: input_buf,
-                output: output_buf,
-                k,
-                iters: args.iters as usize,
-                warmup: args.warmup as usize,
-            };
+            let mut ar = CustomAllReduce::new(backend, memory.clone(), comm, config)?;
+            let (input, output) = (memory.allocate(max_bytes)?, memory.allocate(max_bytes)?);
             comm.barrier()?;
 
             // Capture every graph first, register the captured inputs in one call.
@@ -580,8 +583,8 @@ mod imp {
             for &dtype in &dtypes {
                 for &bytes in &sizes {
                     let count = bytes / dtype.size();
-                    if let Err(reason) = r.ar.backend().supports(world, dtype, bytes, algorithm) {
-                        if comm.rank() == 0 {
+                    if let Err(reason) = ar.backend().supports(world, dtype, bytes, algorithm) {
+                        if rank == 0 {
                             eprintln!(
                                 "tpcomm-bench gpu: {world} ranks {} {} {}: no kernel ({reason}), \
                                  skipped",
@@ -592,65 +595,72 @@ mod imp {
                         }
                         continue;
                     }
-                    let (input_ref, output_ref) = (&r.input, &r.output);
-                    let graph = r.ar.capture_graph(|ar| {
+                    let graph = ar.capture_graph(|ar| {
                         for _ in 0..k {
-                            ar.all_reduce_buffer(input_ref, output_ref, dtype, count)?;
+                            ar.all_reduce_buffer(&input, &output, dtype, count)?;
                         }
                         Ok(())
                     })?;
-                    cases.push(Case {
-                        dtype,
-                        bytes,
-                        count,
-                        graph,
-                    });
+                    cases.push((dtype, bytes, graph));
                 }
             }
-            r.ar.register_graph_buffers(comm)?;
+            ar.register_graph_buffers(comm)?;
 
-            let salt = |phase: u64, i: usize| {
-                ((world as u64) << 40) ^ ((a as u64) << 32) ^ (phase << 24) ^ i as u64
+            // Every graph verified and timed, before (phase 1) or after (2) the resume.
+            let replay_all = |ar: &mut CudaAllReduce, phase: u64, what| {
+                let mut samples = Vec::with_capacity(cases.len());
+                for (i, (dtype, bytes, graph)) in cases.iter().enumerate() {
+                    let (dtype, count) = (*dtype, bytes / dtype.size());
+                    let mut runs = [Replayed {
+                        name: algorithm.name(),
+                        ar: 0,
+                        graph,
+                        output: &output,
+                        fill: write_input(&memory, &input, (dtype, rank, count)),
+                    }];
+                    let plan = Plan {
+                        dtype,
+                        count,
+                        salt: ((world as u64) << 40)
+                            ^ ((a as u64) << 32)
+                            ^ (phase << 24)
+                            ^ i as u64,
+                        phase: what,
+                        k,
+                        iters: args.iters as usize,
+                        warmup: args.warmup as usize,
+                        rounds: 1,
+                    };
+                    let mut timed = verify_and_time(comm, &memory, &mut [ar], &mut runs, plan)?;
+                    samples.push(timed.remove(0));
+                }
+                Ok::<_, BenchError>(samples)
             };
-            let mut before = Vec::with_capacity(cases.len());
-            for (i, case) in cases.iter().enumerate() {
-                r.verify(case, salt(1, i), "graph replay")?;
-                before.push(r.time(case)?);
-            }
-
-            r.ar.synchronize()?;
+            let before = replay_all(&mut ar, 1, "graph replay")?;
+            ar.synchronize()?;
             comm.barrier()?;
             let started = Instant::now();
-            r.ar.prepare_for_suspend(comm)?;
-            r.ar.reinit_after_resume(comm)?;
+            ar.prepare_for_suspend(comm)?;
+            ar.reinit_after_resume(comm)?;
             let suspend_resume_ns = slowest(comm, &[elapsed_ns(started)])?[0];
+            let after = replay_all(&mut ar, 2, "graph replay after resume")?;
 
-            let mut after = Vec::with_capacity(cases.len());
-            for (i, case) in cases.iter().enumerate() {
-                r.verify(case, salt(2, i), "graph replay after resume")?;
-                after.push(r.time(case)?);
-            }
-
-            // Teardown with every stream drained: frees and module unloads may wait for the
-            // whole device.
-            r.ar.synchronize()?;
-            comm.barrier()?;
-            if comm.rank() == 0 {
+            if rank == 0 {
                 let first = rows.len();
-                for ((case, before), after) in cases.iter().zip(&before).zip(&after) {
-                    let table = format!("{world} ranks {}", case.dtype.name());
+                for (((dtype, bytes, _), before), after) in cases.iter().zip(before).zip(after) {
+                    let table = format!("{world} ranks {}", dtype.name());
                     let variants = [algorithm.name()];
                     let spec = Spec {
                         bus: Some(Bus::AllReduce),
-                        ..Spec::new(&table, case.bytes.to_string(), case.bytes, &variants)
+                        ..Spec::new(&table, bytes.to_string(), *bytes, &variants)
                             .with("ranks", world)
-                            .with("type", case.dtype.name())
-                            .with("count", case.count)
+                            .with("type", dtype.name())
+                            .with("count", bytes / dtype.size())
                             .with("blocks", blocks)
                             .with("graph_launches", k)
                     };
-                    for row in spec.rows(world, args.warmup as usize, vec![before.clone()]) {
-                        let after_median = crate::harness::Stats::of(after).map(|s| s.median_us);
+                    for row in spec.rows(world, args.warmup as usize, vec![before]) {
+                        let after_median = Stats::of(&after).map(|s| s.median_us);
                         let ratio =
                             after_median.map(|a| a / row.stats.median_us.max(f64::MIN_POSITIVE));
                         rows.push(
@@ -661,27 +671,11 @@ mod imp {
                         );
                     }
                 }
-                // Printed as soon as measured: a run cut short keeps what it measured.
-                let lines: Vec<String> = rows[first..]
-                    .iter()
-                    .map(|r| table::row_line(&COLUMNS, r, None))
-                    .collect();
-                table::print(&lines);
+                table::print_rows(&COLUMNS, &rows[first..], &[]);
             }
-            drop(cases);
-            let Rank {
-                mut ar,
-                input,
-                output,
-                ..
-            } = r;
-            ar.close()?;
-            comm.barrier()?;
-            drop((input, output));
-            drop(ar);
-            comm.barrier()?;
+            teardown(comm, vec![ar], cases, (input, output))?;
         }
-        Ok(WorldOutcome { rows })
+        Ok(rows)
     }
 
     /// The device's name, compute capability and multiprocessors; the driver's versions.
@@ -782,7 +776,7 @@ mod imp {
         let mut rows: Vec<Row> = Vec::new();
         for &world in &args.worlds {
             let results = LocalGroup::new(world as usize).run(|comm| run_world(&comm, args));
-            rows.extend(launch::first_rank_output(results)?.rows);
+            rows.extend(launch::first_rank_output(results)?);
         }
         let settings = |nccl_library: Option<String>, complete: bool| Settings {
             args,
@@ -813,15 +807,11 @@ mod imp {
         s.keep(engine_rows.clone());
         s.write_json("gpu", json, &settings(None, false), &[])?;
 
-        let mut dtypes: Vec<DType> = Vec::new();
-        for r in &rows {
-            let d = [DType::F32, DType::F16, DType::Bf16]
+        let dtypes = distinct(rows.iter().filter_map(|r| {
+            [DType::F32, DType::F16, DType::Bf16]
                 .into_iter()
-                .find(|d| d.name() == r.text("type"));
-            if let Some(d) = d.filter(|d| !dtypes.contains(d)) {
-                dtypes.push(d);
-            }
-        }
+                .find(|d| d.name() == r.text("type"))
+        }));
         s.note("");
         let (nccl_rows, nccl_library) = if args.no_nccl {
             s.note("nccl: skipped (--no-nccl)");
@@ -871,20 +861,12 @@ mod imp {
     /// custom / NCCL ratio per size with its geometric mean.
     fn summarize(s: &mut Session<'_>, rows: &[Row]) {
         s.note("");
-        let mut groups: Vec<(String, String)> = Vec::new();
-        for r in rows {
-            let key = (r.table.clone(), r.variant.clone());
-            if !groups.contains(&key) {
-                groups.push(key);
-            }
-        }
-        for (table, algorithm) in groups {
-            let group: Vec<&Row> = rows
+        for (table, algorithm) in distinct(rows.iter().map(|r| (&r.table, &r.variant))) {
+            let group = rows
                 .iter()
-                .filter(|r| r.table == table && r.variant == algorithm)
-                .collect();
+                .filter(|r| &r.table == table && &r.variant == algorithm);
             let spread: Vec<f64> = group
-                .iter()
+                .clone()
                 .filter_map(|r| r.number("after_over_before"))
                 .collect();
             let worst = spread.iter().copied().fold(0.0f64, f64::max);
@@ -892,19 +874,9 @@ mod imp {
             s.summary(format!(
                 "{table} {algorithm}: after/before resume {best:.3}..{worst:.3}"
             ));
-            let ratios: Vec<(usize, f64)> = group
-                .iter()
-                .filter_map(|r| r.vs_peer.map(|v| (r.bytes, v)))
-                .collect();
-            let values: Vec<f64> = ratios.iter().map(|r| r.1).collect();
-            if let Some(g) = geomean(&values) {
-                let per: Vec<String> = ratios
-                    .iter()
-                    .map(|&(b, v)| format!("{} {v:.2}", format_bytes(b)))
-                    .collect();
+            if let (per, Some(g)) = per_size(group, |r| r.vs_peer, 2) {
                 s.summary(format!(
-                    "{table} {algorithm}: time / nccl(1 rank) per size: {}; geomean {g:.2}x",
-                    per.join(", ")
+                    "{table} {algorithm}: time / nccl(1 rank) per size: {per}; geomean {g:.2}x"
                 ));
             }
         }
@@ -930,25 +902,24 @@ mod imp {
     /// target: within 2%), `caller+stage` with `caller` (the staging copy's cost).
     mod engine {
         use std::sync::Arc;
-        use std::time::Duration;
 
         use cudarc::driver::{
             sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
         };
         use tpcomm::allreduce::{
-            Algorithm, Config, CudaBackend, CudaOptions, CustomAllReduce, DType, DeviceGraph,
-            Element,
+            Algorithm, CudaBackend, CustomAllReduce, DType, DeviceGraph, Element,
         };
-        use tpcomm::ipc::{BufferView, CudaBuffer, CudaMemory, PeerMemory};
+        use tpcomm::ipc::{BufferView, CudaMemory, PeerMemory};
         use tpcomm::Communicator;
 
         use super::{
-            check_bytes, cuda_error, f2, input_bytes, poison_bytes, time_replays, CudaAllReduce,
+            config, cuda_error, f2, options, teardown, verify_and_time, write_input, CudaAllReduce,
+            Plan, Replayed,
         };
-        use crate::allreduce::{expected, input};
+        use crate::allreduce::input;
         use crate::error::BenchError;
         use crate::gpu::GpuArgs;
-        use crate::harness::{agree, geomean, Bus, Row, Spec, Target};
+        use crate::harness::{distinct, per_size, Bus, Row, Spec, Target};
         use crate::launch::Session;
         use crate::sweep::format_bytes;
         use crate::table::{self, col, Column};
@@ -1019,32 +990,6 @@ mod imp {
             Ok((graph, algorithm))
         }
 
-        /// Collective: one replay of `graph` after `fill` wrote this rank's input and the
-        /// output was poisoned; the output checked exactly on every rank.
-        #[allow(clippy::too_many_arguments)]
-        fn verify<C: Communicator>(
-            comm: &C,
-            memory: &CudaMemory,
-            ar: &mut CudaAllReduce,
-            graph: &DeviceGraph,
-            output: &CudaBuffer,
-            dtype: DType,
-            count: usize,
-            salt: u64,
-            fill: impl FnOnce() -> Result<(), BenchError>,
-            what: String,
-        ) -> Result<(), BenchError> {
-            fill()?;
-            memory.write(output, 0, &poison_bytes(dtype, count))?;
-            comm.barrier()?;
-            ar.replay_graph(graph)?;
-            ar.synchronize()?;
-            let mut raw = vec![0u8; count * dtype.size()];
-            memory.read(output, 0, &mut raw)?;
-            let problem = check_bytes(dtype, &raw, &expected(comm.size(), count, salt));
-            agree(comm, problem, || what)
-        }
-
         /// Every size at one world size, on this rank: rank 0's rows (empty on the others).
         pub(super) fn run_world<C: Communicator, T: Element + DeviceRepr + ValidAsZeroBits>(
             comm: &C,
@@ -1053,23 +998,11 @@ mod imp {
             let (rank, world) = (comm.rank(), comm.size());
             let dtype = T::DTYPE;
             let k = args.graph_launches as usize;
-            let (iters, warmup) = (args.iters as usize, args.warmup as usize);
             let sizes = &args.engine_sizes;
             let max_bytes = sizes.iter().copied().max().unwrap_or(16);
             let memory = CudaMemory::same_process(args.device)?;
-            let defaults = CudaOptions::default();
-            let options = CudaOptions {
-                max_blocks: args.max_blocks.unwrap_or(defaults.max_blocks),
-                ranks_per_device: world,
-            };
-            let mut config = Config {
-                max_bytes,
-                timeout: Duration::from_secs(args.kernel_timeout_s),
-                ..Config::default()
-            };
-            // Every captured call takes its own RankData slot, plus slot 0.
-            config.slots = config.slots.max(1 + 2 * k * sizes.len());
-            let backend = CudaBackend::new(comm, &memory, options.clone())?;
+            let config = config(args, max_bytes, 1 + 2 * k * sizes.len());
+            let backend = CudaBackend::new(comm, &memory, options(args, world))?;
             let blocks = backend.max_blocks();
             let mut private = CustomAllReduce::new(backend, memory.clone(), comm, config.clone())?;
             // The engine's stream, on a context handle without event tracking, as an engine
@@ -1080,7 +1013,8 @@ mod imp {
             // `stream` only, which orders its uses.
             unsafe { ctx.disable_event_tracking() };
             let stream = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
-            let backend = CudaBackend::with_stream(comm, &memory, options, stream.clone())?;
+            let backend =
+                CudaBackend::with_stream(comm, &memory, options(args, world), stream.clone())?;
             let mut engine = CustomAllReduce::new(backend, memory.clone(), comm, config)?;
             // Separate buffers for the two communicators: each registers its own inputs.
             let (p_in, p_out) = (memory.allocate(max_bytes)?, memory.allocate(max_bytes)?);
@@ -1096,22 +1030,17 @@ mod imp {
             let mut cases = Vec::with_capacity(sizes.len());
             for &bytes in sizes {
                 let count = bytes / dtype.size();
-                let (p_in_ref, p_out_ref) = (&p_in, &p_out);
                 let mut algorithm = None;
                 let private_graph = private.capture_graph(|ar| {
                     for _ in 0..k {
-                        algorithm = Some(ar.all_reduce_buffer(p_in_ref, p_out_ref, dtype, count)?);
+                        algorithm = Some(ar.all_reduce_buffer(&p_in, &p_out, dtype, count)?);
                     }
                     Ok(())
                 })?;
                 let mut out = e_out.view::<T>(count, &stream)?;
-                let (caller_graph, _) = capture_on_stream(
-                    &mut engine,
-                    &stream,
-                    &e_in.view::<T>(count, &stream)?,
-                    &mut out,
-                    k,
-                )?;
+                let e_view = e_in.view::<T>(count, &stream)?;
+                let (caller_graph, _) =
+                    capture_on_stream(&mut engine, &stream, &e_view, &mut out, k)?;
                 let (staged_graph, alg) =
                     capture_on_stream(&mut engine, &stream, &pool_in.slice(..count), &mut out, k)?;
                 cases.push(Case {
@@ -1136,86 +1065,65 @@ mod imp {
             let mut rows = Vec::new();
             for (c, case) in cases.iter().enumerate() {
                 let count = case.count;
-                let salt =
-                    |v: usize| ((world as u64) << 40) ^ (0xe9 << 32) ^ ((c as u64) << 8) ^ v as u64;
-                let what = |v: &str| format!("cuda {v} path of {} B", case.bytes);
+                let shape = (dtype, rank, count);
+                let (stream, pool_in) = (&stream, &mut pool_in);
+                let stage = move |salt| {
+                    stream
+                        .memcpy_htod(&input::<T>(rank, count, salt), pool_in)
+                        .map_err(cuda_error("cuMemcpyHtoDAsync"))?;
+                    stream
+                        .synchronize()
+                        .map_err(cuda_error("cuStreamSynchronize"))
+                };
                 let [pg, cg, sg] = &case.graphs;
-                verify(
-                    comm,
-                    &memory,
-                    &mut private,
-                    pg,
-                    &p_out,
-                    dtype,
-                    count,
-                    salt(0),
-                    || Ok(memory.write(&p_in, 0, &input_bytes(dtype, rank, count, salt(0)))?),
-                    what(PRIVATE),
-                )?;
-                verify(
-                    comm,
-                    &memory,
-                    &mut engine,
-                    cg,
-                    &e_out,
-                    dtype,
-                    count,
-                    salt(1),
-                    || Ok(memory.write(&e_in, 0, &input_bytes(dtype, rank, count, salt(1)))?),
-                    what(CALLER),
-                )?;
-                verify(
-                    comm,
-                    &memory,
-                    &mut engine,
-                    sg,
-                    &e_out,
-                    dtype,
-                    count,
-                    salt(2),
-                    || {
-                        stream
-                            .memcpy_htod(&input::<T>(rank, count, salt(2)), &mut pool_in)
-                            .map_err(cuda_error("cuMemcpyHtoDAsync"))?;
-                        stream
-                            .synchronize()
-                            .map_err(cuda_error("cuStreamSynchronize"))
+                let mut runs = [
+                    Replayed {
+                        name: PRIVATE,
+                        ar: 0,
+                        graph: pg,
+                        output: &p_out,
+                        fill: write_input(&memory, &p_in, shape),
                     },
-                    what(STAGED),
-                )?;
-
-                // Rounds of the three variants, rotating which runs first.
-                let mut samples: [Vec<u64>; 3] = Default::default();
-                for round in 0..ROUNDS {
-                    for v in (0..3).map(|i| (i + round) % 3) {
-                        let ar = if v == 0 { &mut private } else { &mut engine };
-                        let timed = time_replays(comm, ar, &case.graphs[v], k, iters, warmup)?;
-                        samples[v].extend(timed);
-                    }
-                }
+                    Replayed {
+                        name: CALLER,
+                        ar: 1,
+                        graph: cg,
+                        output: &e_out,
+                        fill: write_input(&memory, &e_in, shape),
+                    },
+                    Replayed {
+                        name: STAGED,
+                        ar: 1,
+                        graph: sg,
+                        output: &e_out,
+                        fill: Box::new(stage),
+                    },
+                ];
+                let plan = Plan {
+                    dtype,
+                    count,
+                    salt: ((world as u64) << 40) ^ (0xe9 << 32) ^ ((c as u64) << 8),
+                    phase: "path",
+                    k,
+                    iters: args.iters as usize,
+                    warmup: args.warmup as usize,
+                    rounds: ROUNDS,
+                };
+                let ars = &mut [&mut private, &mut engine];
+                let samples = verify_and_time(comm, &memory, ars, &mut runs, plan)?;
                 if rank == 0 {
-                    rows.extend(rows_of(case, samples, world, dtype, blocks, k, warmup));
+                    rows.extend(rows_of(case, samples, world, dtype, blocks, k, plan.warmup));
                 }
             }
-
-            // Teardown with every stream drained, as in the custom rows.
-            private.synchronize()?;
-            engine.synchronize()?;
-            comm.barrier()?;
-            drop(cases);
-            private.close()?;
-            engine.close()?;
-            comm.barrier()?;
-            drop((p_in, p_out, e_in, e_out, pool_in));
-            drop((private, engine));
-            comm.barrier()?;
+            let buffers = (p_in, p_out, e_in, e_out, pool_in);
+            teardown(comm, vec![private, engine], cases, buffers)?;
             Ok(rows)
         }
 
         /// The three rows of one case, each compared with its peer variant.
         fn rows_of(
             case: &Case,
-            samples: [Vec<u64>; 3],
+            samples: Vec<Vec<u64>>,
             world: usize,
             dtype: DType,
             blocks: u32,
@@ -1238,7 +1146,7 @@ mod imp {
                 .with("blocks", blocks)
                 .with("graph_launches", k)
             };
-            let mut rows = spec.rows(world, warmup, samples.into());
+            let mut rows = spec.rows(world, warmup, samples);
             crate::harness::link_peers(&mut rows, |r| match r.variant.as_str() {
                 CALLER => Some(PRIVATE.into()),
                 STAGED => Some(CALLER.into()),
@@ -1267,32 +1175,23 @@ mod imp {
                 why: "an engine that hands the all-reduce its own stream and tensors must not \
                       pay for it; 2% is about the noise of these replays",
                 line: crate::harness::RatioLine::new(PRIVATE, 1.02),
-                judge: Box::new(|rows: &[Row]| {
-                    let caller: Vec<&Row> = rows.iter().filter(|r| r.is(CALLER)).collect();
-                    let worst = caller.iter().filter_map(|r| r.vs_peer).reduce(f64::max)?;
-                    let over = caller
-                        .iter()
-                        .filter(|r| r.vs_peer.is_some_and(|v| v > 1.02));
-                    let over = over.count();
-                    let detail =
-                        format!("worst {worst:.3}x; {over} of {} rows above", caller.len());
-                    Some((over == 0, detail))
-                }),
+                judge: crate::harness::within(|r| r.is(CALLER), |x| x, 1.02),
             }]
         }
 
         #[test]
         fn the_engine_target_is_the_caller_path_within_2_percent_of_the_private_one() {
-            let row = |variant: &str, vs: f64| {
-                let mut r = Row::new("engine 2 ranks bf16", "32768", variant, 32768, 0, vec![1]);
-                r.as_mut().unwrap().vs_peer = Some(vs);
-                r.unwrap()
-            };
+            let row =
+                |variant, vs| crate::harness::row_vs("engine 2 ranks bf16", "32768", variant, vs);
             let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(), rows, true);
             assert!(judge(&[row(CALLER, 1.019), row(STAGED, 1.4)])[0].met);
             let v = judge(&[row(CALLER, 1.019), row(CALLER, 1.021)]);
             assert!(!v[0].met);
-            assert_eq!(v[0].detail, "worst 1.021x; 1 of 2 rows above");
+            assert_eq!(
+                v[0].detail,
+                "1 of 2 rows within; outside, farthest first: engine 2 ranks bf16 32768 caller \
+                 1.021x"
+            );
             assert!(judge(&[row(STAGED, 1.0)]).is_empty());
         }
 
@@ -1326,18 +1225,12 @@ mod imp {
             let mut rows = Vec::new();
             for world in worlds {
                 let group = tpcomm::transport::LocalGroup::new(world as usize);
-                let results = match dtype {
-                    DType::F32 => group.run(|comm| run_world::<_, f32>(&comm, args)),
-                    DType::F16 => group.run(|comm| run_world::<_, half::f16>(&comm, args)),
-                    DType::Bf16 => group.run(|comm| run_world::<_, half::bf16>(&comm, args)),
-                };
+                let results = crate::with_element!(dtype, T => {
+                    group.run(|comm| run_world::<_, T>(&comm, args))
+                });
                 let found = crate::launch::first_rank_output(results)?;
                 if s.prints() {
-                    let lines: Vec<String> = found
-                        .iter()
-                        .map(|r| table::row_line(&COLUMNS, r, None))
-                        .collect();
-                    table::print(&lines);
+                    table::print_rows(&COLUMNS, &found, &[]);
                 }
                 rows.extend(found);
             }
@@ -1348,59 +1241,27 @@ mod imp {
         /// Per table: caller / private per size with the geometric mean (target within 2%),
         /// and the staging copy's ratio and microseconds per size.
         fn summarize(s: &mut Session<'_>, rows: &[Row]) {
-            let mut tables: Vec<&str> = Vec::new();
-            for r in rows {
-                if !tables.contains(&r.table.as_str()) {
-                    tables.push(&r.table);
-                }
-            }
-            for table in tables {
-                let of = |variant: &str| -> Vec<&Row> {
+            let geo = |g: Option<f64>| g.map_or_else(|| "-".into(), |g| format!("{g:.3}"));
+            for table in distinct(rows.iter().map(|r| &r.table)) {
+                let of = |variant| {
                     rows.iter()
-                        .filter(|r| r.table == table && r.is(variant))
-                        .collect()
+                        .filter(move |r| &r.table == table && r.is(variant))
                 };
-                let per = |rs: &[&Row], extra: bool| -> String {
-                    rs.iter()
-                        .filter_map(|r| {
-                            let ratio = r.vs_peer?;
-                            let us = r
-                                .number("staging_copy_us")
-                                .filter(|_| extra)
-                                .map_or_else(String::new, |us| format!(" ({us:+.2} us)"));
-                            Some(format!("{} {ratio:.3}{us}", format_bytes(r.bytes)))
-                        })
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                };
-                let geo = |rs: &[&Row]| {
-                    let v: Vec<f64> = rs.iter().filter_map(|r| r.vs_peer).collect();
-                    geomean(&v).map_or_else(|| "-".into(), |g| format!("{g:.3}"))
-                };
-                let (caller, staged) = (of(CALLER), of(STAGED));
-                let worst = caller
-                    .iter()
-                    .filter_map(|r| r.vs_peer)
-                    .fold(0.0f64, f64::max);
-                let verdict = if caller.iter().all(|r| r.vs_peer.is_some_and(|v| v <= 1.02)) {
-                    "met"
-                } else {
-                    "NOT met"
-                };
+                let (per, g) = per_size(of(CALLER), |r| r.vs_peer, 3);
+                let worst = of(CALLER).filter_map(|r| r.vs_peer).fold(0.0f64, f64::max);
                 s.summary(format!(
-                    "{table}: caller/private per size: {}; geomean {}; worst {worst:.3} \
-                     (target <= 1.02: {verdict})",
-                    per(&caller, false),
-                    geo(&caller)
+                    "{table}: caller/private per size: {per}; geomean {}; worst {worst:.3} \
+                     (target <= 1.02)",
+                    geo(g)
                 ));
-                let unstaged = staged
-                    .iter()
-                    .any(|r| r.info.get("staging_in_graph") == Some(&false.into()));
+                let (per, g) = per_size(of(STAGED), |r| r.vs_peer, 3);
+                let (us, _) = per_size(of(STAGED), |r| r.number("staging_copy_us"), 2);
+                let unstaged =
+                    of(STAGED).any(|r| r.info.get("staging_in_graph") == Some(&false.into()));
                 s.summary(format!(
-                    "{table}: caller+stage/caller (the staging copy in the graph) per size: {}; \
-                     geomean {}{}",
-                    per(&staged, true),
-                    geo(&staged),
+                    "{table}: caller+stage/caller (the staging copy in the graph) per size: {per}; \
+                     geomean {}; the copy's us per size: {us}{}",
+                    geo(g),
                     if unstaged {
                         " (NOT a staging cost: cudarc's memory was exportable here, shared \
                          zero-copy)"
@@ -1426,7 +1287,7 @@ mod imp {
         use crate::allreduce::expected;
         use crate::error::BenchError;
         use crate::gpu::GpuArgs;
-        use crate::harness::Row;
+        use crate::harness::{agree, Row};
         use crate::launch::Session;
         use crate::sweep::format_bytes;
 
@@ -1459,11 +1320,7 @@ mod imp {
             count: usize,
             k: usize,
         ) -> Result<(), BenchError> {
-            match dtype {
-                DType::F32 => enqueue::<f32>(comm, b, count, k),
-                DType::F16 => enqueue::<half::f16>(comm, b, count, k),
-                DType::Bf16 => enqueue::<half::bf16>(comm, b, count, k),
-            }
+            crate::with_element!(dtype, T => enqueue::<T>(comm, b, count, k))
         }
 
         /// A graph of `k` all-reduces, or `None` when the capture failed (the reason on
@@ -1476,26 +1333,21 @@ mod imp {
             k: usize,
         ) -> Option<CudaGraph> {
             let stream = comm.stream();
-            if let Err(e) =
-                stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            {
+            let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+            let captured = stream
+                .begin_capture(mode)
+                .map_err(|e| e.to_string())
+                .and_then(|()| {
+                    // The capture ends whatever happened, so that the stream is usable again.
+                    let enqueued =
+                        enqueue_dtype(comm, b, dtype, count, k).map_err(|e| e.to_string());
+                    let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+                    enqueued.and(ended.map_err(|e| e.to_string()))
+                });
+            captured.unwrap_or_else(|e| {
                 eprintln!("tpcomm-bench gpu: nccl: cannot capture ({e}); timing eager calls");
-                return None;
-            }
-            let enqueued = enqueue_dtype(comm, b, dtype, count, k);
-            let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-            match (enqueued, ended) {
-                (Ok(()), Ok(Some(graph))) => Some(graph),
-                (Err(e), _) => {
-                    eprintln!("tpcomm-bench gpu: nccl: capture failed ({e}); timing eager calls");
-                    None
-                }
-                (Ok(()), Err(e)) => {
-                    eprintln!("tpcomm-bench gpu: nccl: capture failed ({e}); timing eager calls");
-                    None
-                }
-                (Ok(()), Ok(None)) => None,
-            }
+                None
+            })
         }
 
         /// The NCCL rows, one per type and size, and the library's description; no rows (and
@@ -1554,24 +1406,14 @@ mod imp {
                     comm.synchronize()?;
                     let mut raw = vec![0u8; bytes];
                     b.memory.read(&b.recv, 0, &mut raw)?;
-                    if let Some(problem) = check_bytes(dtype, &raw, &expected(1, count, salt)) {
-                        return Err(BenchError::WrongData {
-                            what: format!("nccl all_reduce of {bytes} B"),
-                            rank: 0,
-                            detail: problem,
-                            bad_ranks: vec![0],
-                        });
-                    }
+                    let problem = check_bytes(dtype, &raw, &expected(1, count, salt));
+                    agree(&host, problem, || format!("nccl all_reduce of {bytes} B"))?;
                     for _ in 0..args.warmup {
                         launch()?;
                     }
                     comm.synchronize()?;
                     let timer = Timer::new(stream.context(), iters)?;
-                    timer.mark(0, &stream)?;
-                    for i in 1..=iters {
-                        launch()?;
-                        timer.mark(i, &stream)?;
-                    }
+                    timer.record(&stream, launch)?;
                     comm.synchronize()?;
                     let samples = timer.per_launch_ns(k)?;
                     let mode = if graph.is_some() { "graph" } else { "eager" };

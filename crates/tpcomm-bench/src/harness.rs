@@ -385,11 +385,7 @@ pub(crate) fn time_variants<C: Communicator, S>(
         round(i, &mut warm)?;
         progress.tick(0, 0);
     }
-    let mut estimate = 0;
-    for w in &warm {
-        estimate = estimate.max(median(&slowest(comm, w)?));
-    }
-    let iters = iter.iters_for(Duration::from_nanos(estimate));
+    let iters = iteration_count(comm, iter, &warm)?;
     let mut times = vec![Vec::with_capacity(iters); n];
     for i in 0..iters {
         round(i, &mut times)?;
@@ -400,6 +396,21 @@ pub(crate) fn time_variants<C: Communicator, S>(
         samples.push(slowest(comm, t)?);
     }
     Ok(Timed { warmup, samples })
+}
+
+/// Collective: the timed iterations the policy picks after the warm-up times `warm` (one list
+/// per variant, this rank's): from the slowest variant's median of the slowest rank's times,
+/// the same count on every rank.
+pub(crate) fn iteration_count<C: Communicator>(
+    comm: &C,
+    iter: &IterArgs,
+    warm: &[Vec<u64>],
+) -> Result<usize, BenchError> {
+    let mut estimate = 0;
+    for w in warm {
+        estimate = estimate.max(median(&slowest(comm, w)?));
+    }
+    Ok(iter.iters_for(Duration::from_nanos(estimate)))
 }
 
 /// Collective: the ranks whose `problem` is set, the same list on every rank; fails on every
@@ -431,6 +442,49 @@ pub(crate) fn agree<C: Communicator>(
 /// How a [`Target`] judges the rows: met, and the figures it was decided from; `None` when
 /// the rows hold nothing to judge.
 pub(crate) type Judge = Box<dyn Fn(&[Row]) -> Option<(bool, String)>>;
+
+/// The most rows outside a target that its detail names.
+const MAX_LISTED: usize = 5;
+
+/// The judge of "every row that `pick` chooses within `limit` of its peer", `distance`
+/// telling how far a ratio is (`|x| x` for "at most", `|x| (x - 1.0).abs()` for "either
+/// way"): met when no ratio is farther than `limit`; the detail counts the rows within and
+/// names those outside, farthest first (or the farthest, when none is). `None` when no
+/// chosen row has a peer.
+pub(crate) fn within(
+    pick: impl Fn(&Row) -> bool + 'static,
+    distance: fn(f64) -> f64,
+    limit: f64,
+) -> Judge {
+    Box::new(move |rows: &[Row]| {
+        let ratios: Vec<(f64, &Row)> = rows
+            .iter()
+            .filter(|r| pick(r))
+            .filter_map(|r| Some((r.vs_peer?, r)))
+            .collect();
+        let far = |(x, r): &(f64, &Row)| format!("{} {} {} {x:.3}x", r.table, r.case, r.variant);
+        let mut outside: Vec<&(f64, &Row)> = ratios
+            .iter()
+            .filter(|(x, _)| distance(*x) > limit)
+            .collect();
+        outside.sort_by(|a, b| distance(b.0).total_cmp(&distance(a.0)));
+        let within = ratios.len() - outside.len();
+        let mut detail = format!("{within} of {} rows within", ratios.len());
+        if outside.is_empty() {
+            let farthest = ratios
+                .iter()
+                .max_by(|a, b| distance(a.0).total_cmp(&distance(b.0)))?;
+            detail.push_str(&format!(", farthest {}", far(farthest)));
+        } else {
+            let listed: Vec<String> = outside.iter().take(MAX_LISTED).map(|r| far(r)).collect();
+            detail.push_str(&format!("; outside, farthest first: {}", listed.join(", ")));
+            if outside.len() > MAX_LISTED {
+                detail.push_str(&format!(" and {} more", outside.len() - MAX_LISTED));
+            }
+        }
+        Some((outside.is_empty(), detail))
+    })
+}
 
 /// A target drawn on the time charts: `ratio` times the median of `peer`, case by case.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -518,12 +572,52 @@ impl Verdict {
     }
 }
 
+/// `items` without repeats, in the order they first come.
+pub(crate) fn distinct<T: PartialEq>(items: impl IntoIterator<Item = T>) -> Vec<T> {
+    let mut out = Vec::new();
+    for item in items {
+        if !out.contains(&item) {
+            out.push(item);
+        }
+    }
+    out
+}
+
+/// `"1K 1.02, 4K 0.98"`: each row's size and `value` (rows without one are left out),
+/// `decimals` after the point, and the geometric mean of the values.
+pub(crate) fn per_size<'r>(
+    rows: impl IntoIterator<Item = &'r Row>,
+    value: impl Fn(&Row) -> Option<f64>,
+    decimals: usize,
+) -> (String, Option<f64>) {
+    let (mut text, mut values) = (Vec::new(), Vec::new());
+    for r in rows {
+        if let Some(v) = value(r) {
+            text.push(format!(
+                "{} {v:.decimals$}",
+                crate::sweep::short_bytes(r.bytes)
+            ));
+            values.push(v);
+        }
+    }
+    (text.join(", "), geomean(&values))
+}
+
 /// Geometric mean of `values` (`None` when empty or any is not positive).
 pub(crate) fn geomean(values: &[f64]) -> Option<f64> {
     if values.is_empty() || values.iter().any(|&v| v <= 0.0) {
         return None;
     }
     Some((values.iter().map(|v| v.ln()).sum::<f64>() / values.len() as f64).exp())
+}
+
+/// A row of one iteration of 1 us compared with its peer by `vs_peer` (for tests).
+#[cfg(test)]
+pub(crate) fn row_vs(table: &str, case: &str, variant: &str, vs_peer: f64) -> Row {
+    Row {
+        vs_peer: Some(vs_peer),
+        ..Row::new(table, case, variant, 0, 0, vec![1000]).expect("one sample")
+    }
 }
 
 #[cfg(test)]
@@ -634,6 +728,23 @@ mod tests {
     }
 
     #[test]
+    fn within_counts_the_rows_inside_and_names_the_farthest_and_those_outside() {
+        let row = |case: &str, vs| row_vs("t", case, "v", vs);
+        let judge = within(|r| r.is("v"), |x| (x - 1.0).abs(), 0.05);
+        let (met, detail) = judge(&[row("8", 1.04), row("16", 0.94)]).unwrap();
+        assert!(!met);
+        assert_eq!(
+            detail,
+            "1 of 2 rows within; outside, farthest first: t 16 v 0.940x"
+        );
+        assert_eq!(
+            judge(&[row("8", 0.96)]),
+            Some((true, "1 of 1 rows within, farthest t 8 v 0.960x".into()))
+        );
+        assert_eq!(judge(&[]), None);
+    }
+
+    #[test]
     fn targets_judge_the_rows_and_keep_their_reason() {
         let targets = [Target {
             what: "fast".into(),
@@ -660,5 +771,9 @@ mod tests {
         );
         assert!(Verdict::judge_all(&targets, &[], true).is_empty());
         assert_eq!(geomean(&[2.0, 8.0]), Some(4.0));
+        assert_eq!(distinct([3, 1, 3, 2, 1]), [3, 1, 2]);
+        let rows = [row_vs("t", "a", "v", 2.0), row_vs("t", "b", "v", 8.0)];
+        let (text, g) = per_size(&rows, |r| r.vs_peer, 1);
+        assert_eq!((text.as_str(), g), ("0 2.0, 0 8.0", Some(4.0)));
     }
 }

@@ -232,18 +232,8 @@ impl<'a> Session<'a> {
         if !self.prints() {
             return;
         }
-        let peer = |r: &Row| {
-            let p = r.peer.as_deref()?;
-            all.iter()
-                .find(|x| x.table == r.table && x.case == r.case && x.variant == p)
-        };
-        let lines: Vec<String> = all
-            .iter()
-            .filter(|r| printed(r))
-            .map(|r| table::row_line(columns, r, peer(r)))
-            .collect();
         self.progress.finish();
-        table::print(&lines);
+        table::print_rows(columns, all.iter().filter(|r| printed(r)), &all);
         self.rows.extend(all);
     }
 

@@ -28,7 +28,9 @@ use tpcomm::transport::dense_displacements;
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{elapsed_ns, link_peers, slowest, time_once, RatioLine, Row, Spec, Target};
+use crate::harness::{
+    elapsed_ns, link_peers, slowest, time_once, within, RatioLine, Row, Spec, Target,
+};
 use crate::launch::{self, Bench, RunArgs, Session, Transport};
 use crate::sweep::{format_bytes, parse_bytes};
 use crate::table::{col, Column};
@@ -219,58 +221,21 @@ fn mpi4py_lines(rows: &[Row]) -> Vec<String> {
 
 /// The targets, judged on the tpcomm rows.
 fn targets() -> Vec<Target> {
-    let tpcomm = |rows: &[Row]| -> Vec<Row> {
-        rows.iter()
-            .filter(|r| r.variant.starts_with("tpcomm") && r.vs_peer.is_some())
-            .cloned()
-            .collect()
-    };
-    let list = |rows: &[Row]| {
-        rows.iter()
-            .map(|r| format!("{} {} {:.2}x", r.case, r.variant, r.vs_peer.unwrap_or(0.0)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let tpcomm = |r: &Row| r.variant.starts_with("tpcomm");
     vec![
         Target {
             what: "tpcomm within 1.3x of the floor on every payload".into(),
             why: "the failure agreement, the length cap and the round path must not cost more \
                   than a third of the least work an all-gather of objects takes",
             line: RatioLine::new(VARIANTS[2], 1.3),
-            judge: Box::new(move |rows: &[Row]| {
-                let rows = tpcomm(rows);
-                let worst = rows.iter().max_by(|a, b| {
-                    a.vs_peer
-                        .unwrap_or(0.0)
-                        .total_cmp(&b.vs_peer.unwrap_or(0.0))
-                })?;
-                let over: Vec<Row> = rows
-                    .iter()
-                    .filter(|r| r.vs_peer.unwrap_or(0.0) > 1.3)
-                    .cloned()
-                    .collect();
-                Some(if over.is_empty() {
-                    (true, format!("worst {}", list(std::slice::from_ref(worst))))
-                } else {
-                    (false, format!("over: {}", list(&over)))
-                })
-            }),
+            judge: within(tpcomm, |x| x, 1.3),
         },
         Target {
             what: "tpcomm at most 0.8x the floor on blob:64".into(),
             why: "small values take one collective (lengths and bytes together) where the \
                   floor takes two, which should show as at least a 20% gain",
             line: None,
-            judge: Box::new(move |rows: &[Row]| {
-                let small: Vec<Row> = tpcomm(rows)
-                    .into_iter()
-                    .filter(|r| r.case == "blob:64")
-                    .collect();
-                (!small.is_empty()).then(|| {
-                    let met = small.iter().all(|r| r.vs_peer.unwrap_or(f64::MAX) <= 0.8);
-                    (met, list(&small))
-                })
-            }),
+            judge: within(move |r| tpcomm(r) && r.case == "blob:64", |x| x, 0.8),
         },
         Target {
             what: "tpcomm at least 25x faster than mpi4py on records:100000".into(),
@@ -706,11 +671,7 @@ mod tests {
 
     #[test]
     fn targets_are_checked_on_every_tpcomm_row() {
-        let row = |case: &str, variant: &str, ratio| {
-            let mut r = Row::new(TABLE, case, variant, 1, 0, vec![1000]).unwrap();
-            r.vs_peer = Some(ratio);
-            r
-        };
+        let row = |case, variant, ratio| crate::harness::row_vs(TABLE, case, variant, ratio);
         let rows = [
             row("blob:64", "tpcomm owned", 0.7),
             row("blob:64", "tpcomm borrowed", 0.9),
@@ -721,7 +682,8 @@ mod tests {
         assert_eq!(v.len(), 2);
         assert!(!v[0].met);
         assert!(
-            v[0].detail.contains("records:100000 tpcomm owned 1.31x"),
+            v[0].detail
+                .contains("farthest first: object all_gather records:100000 tpcomm owned 1.310x"),
             "{}",
             v[0].detail
         );

@@ -20,7 +20,7 @@ use serde::Serialize;
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
-use crate::harness::{elapsed_ns, time_once, RatioLine, Row, Spec, Target};
+use crate::harness::{elapsed_ns, time_once, within, RatioLine, Spec, Target};
 use crate::launch::{self, Bench, RunArgs, Session, Transport};
 use crate::sweep::SweepArgs;
 use crate::table::{col, Column};
@@ -172,36 +172,7 @@ fn targets(tol: f64) -> Vec<Target> {
         why: "the peer stands for what MPI itself costs; a binding or a harness that adds \
               or hides time would make every comparison with it wrong",
         line: RatioLine::new(VARIANTS[1], 1.0 + tol / 100.0),
-        judge: Box::new(move |rows: &[Row]| {
-            let ratios: Vec<(f64, &Row)> = rows
-                .iter()
-                .filter(|r| r.is(VARIANTS[0]))
-                .filter_map(|r| Some((r.vs_peer?, r)))
-                .collect();
-            let outside: Vec<String> = ratios
-                .iter()
-                .filter(|(x, _)| (x - 1.0).abs() * 100.0 > tol)
-                .map(|(x, r)| format!("{} {} B {x:.3}x", r.table, r.bytes))
-                .collect();
-            let worst = ratios.iter().map(|r| r.0).reduce(|a, b| {
-                if (a - 1.0).abs() > (b - 1.0).abs() {
-                    a
-                } else {
-                    b
-                }
-            })?;
-            let detail = format!(
-                "{} of {} sizes within, farthest {worst:.3}x{}",
-                ratios.len() - outside.len(),
-                ratios.len(),
-                if outside.is_empty() {
-                    String::new()
-                } else {
-                    format!("; outside: {}", outside.join(", "))
-                }
-            );
-            Some((outside.is_empty(), detail))
-        }),
+        judge: within(|r| r.is(VARIANTS[0]), |x| (x - 1.0).abs(), tol / 100.0),
     }]
 }
 
@@ -295,30 +266,25 @@ impl Bench for PeerCheck<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::harness::{row_vs, Row};
 
     #[test]
     fn the_target_judges_the_rsmpi_rows_either_way_within_the_tolerance() {
-        let row = |variant: &str, bytes: usize, vs: f64| {
-            let mut r = Row::new(
-                "all_gather",
-                &bytes.to_string(),
-                variant,
-                bytes,
-                0,
-                vec![1000],
-            );
-            r.as_mut().unwrap().vs_peer = Some(vs);
-            r.unwrap()
-        };
+        let row =
+            |variant: &str, bytes: usize, vs| row_vs("all_gather", &bytes.to_string(), variant, vs);
         let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(5.0), rows, true);
         // C call rows (the harness's own cost) are not what the target is about.
         let v = judge(&[row("rsmpi", 64, 1.04), row("C call", 64, 1.2)]);
         assert!(v[0].met, "{v:?}");
-        assert_eq!(v[0].detail, "1 of 1 sizes within, farthest 1.040x");
+        assert_eq!(
+            v[0].detail,
+            "1 of 1 rows within, farthest all_gather 64 rsmpi 1.040x"
+        );
         let v = judge(&[row("rsmpi", 64, 1.01), row("rsmpi", 256, 0.94)]);
         assert!(!v[0].met);
         assert!(
-            v[0].detail.ends_with("outside: all_gather 256 B 0.940x"),
+            v[0].detail
+                .ends_with("farthest first: all_gather 256 rsmpi 0.940x"),
             "{v:?}"
         );
         assert_eq!(v[0].line, RatioLine::new("C loop", 1.05));

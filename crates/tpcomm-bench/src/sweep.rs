@@ -212,6 +212,15 @@ pub(crate) fn format_bytes(bytes: usize) -> String {
     format!("{bytes} B")
 }
 
+/// `1024` -> `1K`, `8 << 20` -> `8M`: compact sizes for summary lines.
+pub(crate) fn short_bytes(b: usize) -> String {
+    match b {
+        b if b >= 1 << 20 && b.is_multiple_of(1 << 20) => format!("{}M", b >> 20),
+        b if b >= 1 << 10 && b.is_multiple_of(1 << 10) => format!("{}K", b >> 10),
+        b => b.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -117,6 +117,25 @@ pub(crate) fn row_line(columns: &[Column], row: &Row, peer: Option<&Row>) -> Str
     line(columns, &cells, false)
 }
 
+/// Prints `rows`, each next to its peer (the row of its table and case that its `peer`
+/// names), looked up among `all`.
+pub(crate) fn print_rows<'r>(
+    columns: &[Column],
+    rows: impl IntoIterator<Item = &'r Row>,
+    all: &[Row],
+) {
+    let peer = |r: &Row| {
+        let p = r.peer.as_deref()?;
+        all.iter()
+            .find(|x| x.table == r.table && x.case == r.case && x.variant == p)
+    };
+    let lines: Vec<String> = rows
+        .into_iter()
+        .map(|r| row_line(columns, r, peer(r)))
+        .collect();
+    print(&lines);
+}
+
 /// Prints lines on stdout at once (a closed stdout, `| head`, does not stop the run).
 pub(crate) fn print(lines: &[String]) {
     let mut out = std::io::stdout().lock();

@@ -20,15 +20,16 @@ use tpcomm::transport::ReduceOp;
 use tpcomm::transport::{dense_displacements, GatherRecv, Layout};
 use tpcomm::Communicator;
 
+use crate::allreduce::{check, expected, input};
 use crate::error::BenchError;
-use crate::harness::{elapsed_ns, time_once, Bus, RatioLine, Row, Spec, Target};
+use crate::harness::{elapsed_ns, time_once, within, Bus, RatioLine, Row, Spec, Target};
 use crate::launch::{Bench, RunArgs, Session};
-use crate::mpi_peer::{MpiCall, MpiWorld};
+use crate::mpi_peer::MpiWorld;
 use crate::sweep::SweepArgs;
 use crate::table::{col, Column};
 
 /// Root of broadcast and gather.
-const ROOT: usize = 0;
+pub(crate) const ROOT: usize = 0;
 /// The wrapper's target: median within this factor of the direct MPI call at every size.
 const RATIO_TARGET: f64 = 1.1;
 /// The variants: tpcomm, and the MPI peer in MPI mode.
@@ -172,21 +173,7 @@ fn targets() -> Vec<Target> {
         why: "a safe wrapper is worth its checks only if it costs next to nothing over calling \
               MPI directly; 10% is about the run-to-run noise of these figures",
         line: RatioLine::new(VARIANTS[1], RATIO_TARGET),
-        judge: Box::new(|rows: &[Row]| {
-            let ratios: Vec<(f64, &Row)> =
-                rows.iter().filter_map(|r| Some((r.vs_peer?, r))).collect();
-            let &(worst, row) = ratios.iter().max_by(|a, b| a.0.total_cmp(&b.0))?;
-            let over = ratios.iter().filter(|r| r.0 > RATIO_TARGET).count();
-            Some((
-                over == 0,
-                format!(
-                    "max {worst:.2}x ({} {} B); {over} of {} rows above",
-                    row.table,
-                    row.bytes,
-                    ratios.len()
-                ),
-            ))
-        }),
+        judge: within(|_| true, |x| x, RATIO_TARGET),
     }]
 }
 
@@ -400,38 +387,7 @@ impl Case {
         path: usize,
     ) -> Result<u64, BenchError> {
         if let (1, Some(mpi)) = (path, mpi) {
-            let [counts, displs] = &self.mpi_counts;
-            let (send, recv) = (&self.send[..], &mut self.recv[..]);
-            return Ok(mpi.run(match self.op {
-                TransportOp::AllGather => MpiCall::AllGather { send, recv },
-                TransportOp::AllGatherVarcount => MpiCall::AllGatherV {
-                    send,
-                    recv,
-                    counts,
-                    displs,
-                },
-                TransportOp::GatherVarcount => MpiCall::GatherV {
-                    root: ROOT,
-                    send,
-                    recv: (self.rank == ROOT).then_some((recv, &counts[..], &displs[..])),
-                },
-                TransportOp::Broadcast => MpiCall::Broadcast {
-                    root: ROOT,
-                    buf: recv,
-                },
-                TransportOp::AllToAllVarcount => MpiCall::AllToAllV {
-                    send,
-                    send_counts: counts,
-                    send_displs: displs,
-                    recv,
-                    counts,
-                    displs,
-                },
-                TransportOp::AllReduce => MpiCall::AllReduceSum {
-                    input: &self.send_f32,
-                    output: &mut self.recv_f32,
-                },
-            }));
+            return Ok(mpi.run(self));
         }
         let start = Instant::now();
         match self.op {
@@ -471,9 +427,7 @@ impl Case {
     /// root's broadcast buffer) with this rank's pattern, the rest with garbage.
     pub(crate) fn fill(&mut self, salt: u64) {
         if self.op == TransportOp::AllReduce {
-            for (i, x) in self.send_f32.iter_mut().enumerate() {
-                *x = small_integer(self.rank, salt, i);
-            }
+            self.send_f32 = input(self.rank, self.send_f32.len(), salt);
             self.recv_f32.fill(f32::NAN);
             return;
         }
@@ -507,20 +461,10 @@ impl Case {
                 .then(|| format!("receive buffer of {} bytes, need {len}", self.recv.len()))
         };
         match self.op {
-            TransportOp::AllReduce => {
-                if self.recv_f32.len() != self.send_f32.len() {
-                    return Some(format!(
-                        "{} elements received, {} sent",
-                        self.recv_f32.len(),
-                        self.send_f32.len()
-                    ));
-                }
-                self.recv_f32.iter().enumerate().find_map(|(i, &got)| {
-                    let want: f32 = (0..self.size).map(|r| small_integer(r, salt, i)).sum();
-                    (got.to_bits() != want.to_bits())
-                        .then(|| format!("element {i} is {got}, expected {want}"))
-                })
-            }
+            TransportOp::AllReduce => check(
+                &self.recv_f32,
+                &expected(self.size, self.send_f32.len(), salt),
+            ),
             TransportOp::GatherVarcount if self.rank != ROOT => None,
             TransportOp::Broadcast => region(ROOT, 0, 0, self.recv.len()),
             TransportOp::AllGather
@@ -537,12 +481,6 @@ impl Case {
             }),
         }
     }
-}
-
-/// Element `i` of rank `rank`'s all-reduce input: an integer below 1024, so that sums over
-/// up to 2^14 ranks are exact in f32 whatever the order.
-fn small_integer(rank: usize, salt: u64, i: usize) -> f32 {
-    (splitmix64(salt ^ ((rank as u64) << 48) ^ i as u64) % 1024) as f32
 }
 
 /// Splits `total` into `parts` counts differing by at most one, larger ones first.

@@ -210,3 +210,43 @@ fn freed_chunks_give_their_memory_back() {
     assert_eq!(mem.chunks(), 0);
     assert_eq!(segment_maps(), maps_before, "every chunk unmapped");
 }
+
+/// Whether the page at `addr` is mapped in this process's page tables now (`/proc/self/
+/// pagemap`, bit 63; readable unprivileged).
+fn page_present(addr: u64) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open("/proc/self/pagemap").unwrap();
+    f.seek(SeekFrom::Start(addr / 4096 * 8)).unwrap();
+    let mut entry = [0u8; 8];
+    f.read_exact(&mut entry).unwrap();
+    u64::from_le_bytes(entry) >> 63 == 1
+}
+
+#[test]
+fn small_mappings_are_prefaulted_and_large_ones_fault_in_at_use() {
+    let _serial = serial();
+    let owner = HostMemory::new();
+    let small: Vec<_> = (0..10).map(|_| owner.allocate(8192).unwrap()).collect();
+    let large = owner.allocate(HostMemory::CARVE_MAX_BYTES * 2).unwrap();
+    for b in small.iter().chain([&large]) {
+        owner.write(b, 0, &[1; 64]).unwrap();
+    }
+    let handles: Vec<_> = small
+        .iter()
+        .chain([&large])
+        .map(|b| owner.export(b.addr(), b.len()).unwrap())
+        .collect();
+    let peer = HostMemory::new();
+    let refs: Vec<_> = handles.iter().collect();
+    let mappings = peer.open_all(&refs).unwrap();
+    for m in &mappings[..10] {
+        assert!(page_present(m.addr()) && page_present(m.addr() + 4096));
+    }
+    let big = &mappings[10];
+    assert!(
+        !page_present(big.addr()),
+        "a large mapping is not populated"
+    );
+    assert_eq!(read(&peer, big, 64), vec![1; 64]);
+    assert!(page_present(big.addr()), "it faults in when read");
+}

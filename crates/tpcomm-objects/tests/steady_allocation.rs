@@ -98,7 +98,11 @@ fn steady_state_all_gathers_allocate_only_the_values_they_return() {
         let values = 2 * BLOB + 2 * std::mem::size_of::<ByteBuf>();
         let slack = 8 << 10;
         let within = |calls: &[usize], bound: usize| {
-            calls.iter().skip(2).filter(|&&bytes| bytes <= bound).count()
+            calls
+                .iter()
+                .skip(2)
+                .filter(|&&bytes| bytes <= bound)
+                .count()
         };
         assert!(
             within(&owned, values + slack) >= STEADY_WITHIN,

@@ -877,50 +877,36 @@ mod tests {
     use half::bf16;
 
     use super::*;
-    use clap::Parser;
-
-    use crate::{Cli, Command};
+    use crate::harness::judge;
 
     #[test]
     fn defaults_are_f32_every_path_1_kib_to_8_mib_locally() {
-        let Command::AllReduce(args) = Cli::try_parse_from(["tpcomm-bench", "allreduce"])
-            .unwrap()
-            .command
-        else {
-            panic!("not the allreduce subcommand")
-        };
+        let args = parse!(AllReduce, ["allreduce"]);
         assert_eq!(args.dtypes, vec![DTypeArg::F32]);
         assert_eq!(args.paths.len(), 4);
         assert_eq!(args.sweep.sizes().len(), 14);
         assert!(args.check_options().is_ok());
-        let nine = Cli::try_parse_from(["tpcomm-bench", "allreduce", "--ranks", "9"]).unwrap();
-        let Command::AllReduce(nine) = nine.command else {
-            panic!("not the allreduce subcommand")
-        };
+        let nine = parse!(AllReduce, ["allreduce", "--ranks", "9"]);
         assert!(nine.check_options().is_err());
-        assert!(Cli::try_parse_from(["tpcomm-bench", "allreduce", "--dtypes", "f64"]).is_err());
     }
 
     #[test]
     fn every_path_and_dtype_verifies_and_times_on_three_local_ranks() {
-        let Command::AllReduce(mut args) = Cli::try_parse_from([
-            "tpcomm-bench",
-            "allreduce",
-            "--dtypes",
-            "f32,bf16",
-            "--max-bytes",
-            "256KiB",
-            "--factor",
-            "4",
-            "--iters",
-            "2",
-            "--warmup",
-            "1",
-        ])
-        .unwrap()
-        .command
-        else {
-            panic!("not the allreduce subcommand")
+        let mut args = parse!(
+            AllReduce,
+            [
+                "allreduce",
+                "--dtypes",
+                "f32,bf16",
+                "--max-bytes",
+                "256KiB",
+                "--factor",
+                "4"
+            ]
+        );
+        args.run.iter = crate::sweep::IterArgs {
+            iters: Some(2),
+            warmup: Some(1),
         };
         args.run.ranks = Some(3);
         crate::launch::run(&args).unwrap();
@@ -943,15 +929,14 @@ mod tests {
 
     #[test]
     fn the_floor_line_quotes_memcpy_at_8_mib_or_says_why_not() {
-        let row = |path: &str, bytes: usize, us: u64| {
-            let r = Row::new("f32", &bytes.to_string(), path, bytes, 0, vec![us * 1000]);
-            r.unwrap().bus(Bus::AllReduce, 2)
+        let row = |path, bytes: usize, us| {
+            Row::of_us("f32", &bytes.to_string(), path, us).bus(Bus::AllReduce, 2)
         };
         let big = 8 << 20;
         let rows = [
-            row(MEMCPY, 1 << 20, 50),
-            row(MEMCPY, big, 1000),
-            row("auto", big, 2500).with("vs_memcpy", 2.5),
+            row(MEMCPY, 1 << 20, 50.0),
+            row(MEMCPY, big, 1000.0),
+            row("auto", big, 2500.0).with("vs_memcpy", 2.5),
         ];
         let line = floor_line("f32", &rows).unwrap();
         assert!(line.contains("memcpy of 8 MiB"), "{line}");
@@ -982,22 +967,17 @@ mod tests {
 
     #[test]
     fn targets_use_auto_against_mpi() {
-        let row = |path: &str, bytes: usize, us: u64, vs| {
-            let mut r = Row::new("f32", &bytes.to_string(), path, bytes, 0, vec![us]).unwrap();
-            r.vs_peer = vs;
-            r
-        };
+        let row = |path, bytes: usize| Row::of_us("f32", &bytes.to_string(), path, 1.0);
         let rows = [
-            row("auto", 1 << 10, 1100, Some(1.1)),
-            row(MPI, 1 << 10, 1000, None),
-            row("auto", 8 << 10, 1000, Some(0.5)),
-            row("auto", 16 << 10, 1000, Some(0.8)),
+            row("auto", 1 << 10).vs(1.1),
+            row(MPI, 1 << 10),
+            row("auto", 8 << 10).vs(0.5),
+            row("auto", 16 << 10).vs(0.8),
         ];
-        let v = crate::harness::Verdict::judge_all(&targets(), &rows, true);
+        let v = judge(&targets(), &rows);
         assert_eq!(v.len(), 2);
         // sqrt(2 * 1.25) = 1.58
         assert!(v[0].met && v[1].met, "{v:?}");
-        let v = crate::harness::Verdict::judge_all(&targets(), &rows[3..], true);
-        assert!(!v[0].met);
+        assert!(!judge(&targets(), &rows[3..])[0].met);
     }
 }

@@ -271,14 +271,10 @@ mod tests {
 
     #[test]
     fn the_target_is_judged_on_reopen_all_of_1000() {
-        let row = |op: &str, us: u64| {
-            Row::new(TABLE, "1000", op, 0, 0, vec![us * 1000])
-                .unwrap()
-                .with("mappings", 1000)
-        };
-        let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(), rows, true);
-        assert!(judge(&[row("reopen_all", 4_999)])[0].met);
-        assert!(!judge(&[row("reopen_all", 5_000)])[0].met);
-        assert!(judge(&[row("exchange", 1)]).is_empty());
+        let row = |op, us| Row::of_us(TABLE, "1000", op, us).with("mappings", 1000);
+        let judge = |rows: &[Row]| crate::harness::judge(&targets(), rows);
+        assert!(judge(&[row("reopen_all", 4_999.0)])[0].met);
+        assert!(!judge(&[row("reopen_all", 5_000.0)])[0].met);
+        assert!(judge(&[row("exchange", 1.0)]).is_empty());
     }
 }

@@ -15,7 +15,7 @@ use tpcomm::transport::LocalGroup;
 use tpcomm::{Communicator, TransportError};
 
 use crate::error::BenchError;
-use crate::harness::{time_variants, Plan, Row, Spec, Target, Verdict};
+use crate::harness::{time_variants, Row, Spec, Target, Verdict};
 use crate::mpi_peer::MpiWorld;
 use crate::report::{self, Machine, Report};
 use crate::sweep::IterArgs;
@@ -185,14 +185,8 @@ impl<'a> Session<'a> {
         once: impl FnMut(&mut S, usize) -> Result<u64, BenchError>,
     ) -> Result<Vec<Row>, BenchError> {
         self.progress.case(format!("{} {}", spec.table, spec.case));
-        let plan = Plan {
-            iter: &self.iter,
-            bytes: spec.bytes,
-            variants: spec.variants.len(),
-            order: spec.order,
-        };
-        let timed = time_variants(comm, plan, &self.progress, state, once)?;
-        Ok(spec.rows(comm.size(), timed.warmup, timed.samples))
+        let (warmup, samples) = time_variants(comm, &self.iter, spec, &self.progress, state, once)?;
+        Ok(spec.rows(comm.size(), warmup, samples))
     }
 
     /// Whether this rank prints (rank 0).

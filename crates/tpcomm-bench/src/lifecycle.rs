@@ -466,16 +466,10 @@ impl Bench for LifecycleArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    use crate::{Cli, Command};
+    use crate::harness::judge;
 
     fn parse(extra: &[&str]) -> LifecycleArgs {
-        let argv = ["tpcomm-bench", "lifecycle"].iter().chain(extra);
-        match Cli::try_parse_from(argv).unwrap().command {
-            Command::Lifecycle(args) => args,
-            _ => panic!("not the lifecycle subcommand"),
-        }
+        parse!(Lifecycle, [&["lifecycle"], extra].concat())
     }
 
     #[test]
@@ -517,43 +511,24 @@ mod tests {
 
     #[test]
     fn the_targets_judge_suspend_plus_resume_of_1000_and_latency_either_way() {
-        let both = |us: u64| {
-            Row::new(
-                TRANSITION_TABLE,
-                "1000",
-                "suspend+resume",
-                0,
-                0,
-                vec![us * 1000],
-            )
-            .unwrap()
-        };
-        let after = |ratio| {
-            let mut r = Row::new(LATENCY_TABLE, "1", "after", 64, 0, vec![1000]).unwrap();
-            r.vs_peer = Some(ratio);
-            r
-        };
-        let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(), rows, true);
-        assert!(judge(&[both(999)])[0].met);
-        assert!(!judge(&[both(1_000)])[0].met);
-        assert!(judge(&[after(1.05), after(0.95)])[0].met);
-        assert!(!judge(&[after(1.05), after(0.5)])[0].met);
+        let both = |us| Row::of_us(TRANSITION_TABLE, "1000", "suspend+resume", us);
+        let after = |ratio| Row::of_us(LATENCY_TABLE, "1", "after", 1.0).vs(ratio);
+        assert!(judge(&targets(), &[both(999.0)])[0].met);
+        assert!(!judge(&targets(), &[both(1_000.0)])[0].met);
+        assert!(judge(&targets(), &[after(1.05), after(0.95)])[0].met);
+        assert!(!judge(&targets(), &[after(1.05), after(0.5)])[0].met);
     }
 
     #[test]
     fn the_first_replay_of_1000_buffers_is_judged_from_its_ratio_to_the_steady_replay() {
-        let first = |case: &str, ratio| {
-            let mut r = Row::new(TRANSITION_TABLE, case, "first replay", 0, 0, vec![1000]).unwrap();
-            r.vs_peer = Some(ratio);
-            r
-        };
-        let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(), rows, true);
-        let met = judge(&[first("1000", 1.2)]);
+        let first =
+            |case, ratio| crate::harness::row_vs(TRANSITION_TABLE, case, "first replay", ratio);
+        let met = judge(&targets(), &[first("1000", 1.2)]);
         assert_eq!(met.len(), 1);
         assert!(met[0].met && met[0].target.starts_with("first replay"));
-        assert!(!judge(&[first("1000", 1.21)])[0].met);
+        assert!(!judge(&targets(), &[first("1000", 1.21)])[0].met);
         assert!(
-            judge(&[first("100", 3.0)]).is_empty(),
+            judge(&targets(), &[first("100", 3.0)]).is_empty(),
             "only the 1000-buffer case is judged"
         );
     }

@@ -27,6 +27,22 @@
 //!
 //! Logging goes to stderr through `tracing`, off unless `RUST_LOG` asks for it.
 
+/// `tpcomm-bench ARGV...` parsed into the options of subcommand `$variant` (tests).
+#[cfg(test)]
+macro_rules! parse {
+    ($variant:ident, $argv:expr) => {{
+        let given = $argv;
+        let argv = std::iter::once("tpcomm-bench").chain(given.iter().copied());
+        match <crate::Cli as clap::Parser>::try_parse_from(argv)
+            .unwrap()
+            .command
+        {
+            crate::Command::$variant(args) => args,
+            other => panic!("not {}: {other:?}", stringify!($variant)),
+        }
+    }};
+}
+
 mod allreduce;
 mod charts;
 mod checkpoint;
@@ -153,7 +169,7 @@ fn init_tracing() {
 mod tests {
     use clap::{CommandFactory, Parser};
 
-    use super::{Cli, Command};
+    use super::Cli;
     use crate::launch::Transport;
     use crate::transport::TransportOp;
 
@@ -176,12 +192,7 @@ mod tests {
 
     #[test]
     fn transport_defaults_measure_every_op_from_8_bytes_to_64_mib_locally() {
-        let Command::Transport(args) = Cli::try_parse_from(["tpcomm-bench", "transport"])
-            .unwrap()
-            .command
-        else {
-            panic!("not the transport subcommand")
-        };
+        let args = parse!(Transport, ["transport"]);
         assert_eq!(args.ops, TransportOp::ALL.to_vec());
         assert_eq!(
             (args.run.transport, args.run.ranks),
@@ -197,31 +208,38 @@ mod tests {
 
     #[test]
     fn transport_options_parse() {
-        let cli = Cli::try_parse_from([
-            "tpcomm-bench",
-            "transport",
-            "--ranks",
-            "4",
-            "--ops",
-            "broadcast,all_gather",
-            "--max-bytes",
-            "1KiB",
-            "--json",
-            "/tmp/x.json",
-        ])
-        .unwrap();
-        let Command::Transport(args) = cli.command else {
-            panic!("not the transport subcommand")
-        };
+        let args = parse!(
+            Transport,
+            [
+                "transport",
+                "--ranks",
+                "4",
+                "--ops",
+                "broadcast,all_gather",
+                "--max-bytes",
+                "1KiB"
+            ]
+        );
         assert_eq!(args.run.ranks, Some(4));
         assert_eq!(
             args.ops,
             vec![TransportOp::Broadcast, TransportOp::AllGather]
         );
         assert_eq!(args.sweep.max_bytes, 1024);
-        assert!(Cli::try_parse_from(["tpcomm-bench", "transport", "--ops", "all_reduce"]).is_ok());
-        assert!(Cli::try_parse_from(["tpcomm-bench", "transport", "--ops", "reduce"]).is_err());
-        assert!(Cli::try_parse_from(["tpcomm-bench", "transport", "--ranks", "0"]).is_err());
-        assert!(Cli::try_parse_from(["tpcomm-bench", "transport", "--factor", "1"]).is_err());
+    }
+
+    #[test]
+    fn options_out_of_range_are_refused_by_the_parser() {
+        for argv in [
+            &["transport", "--ops", "reduce"][..],
+            &["transport", "--ranks", "0"],
+            &["transport", "--factor", "1"],
+            &["allreduce", "--dtypes", "f64"],
+            &["gpu", "--worlds", "9"],
+            &["gpu", "--f32-worlds", "1"],
+        ] {
+            let argv = std::iter::once("tpcomm-bench").chain(argv.iter().copied());
+            assert!(Cli::try_parse_from(argv).is_err());
+        }
     }
 }

@@ -678,7 +678,7 @@ mod tests {
             row("blob:64", "floor", 1.0),
             row("records:100000", "tpcomm owned", 1.31),
         ];
-        let v = crate::harness::Verdict::judge_all(&targets(), &rows, true);
+        let v = crate::harness::judge(&targets(), &rows);
         assert_eq!(v.len(), 2);
         assert!(!v[0].met);
         assert!(
@@ -692,19 +692,17 @@ mod tests {
 
     #[test]
     fn the_mpi4py_target_needs_a_measured_mpi4py_row() {
-        let row = |variant: &str, us: u64| {
-            Row::new(TABLE, "records:100000", variant, 1, 0, vec![us * 1000]).unwrap()
-        };
-        let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets()[2..], rows, true);
-        assert!(judge(&[row("tpcomm owned", 10)]).is_empty());
+        let row = |variant, us| Row::of_us(TABLE, "records:100000", variant, us);
+        let judge = |rows: &[Row]| crate::harness::judge(&targets()[2..], rows);
+        assert!(judge(&[row("tpcomm owned", 10.0)]).is_empty());
         let v = judge(&[
-            row("tpcomm owned", 10),
-            row("tpcomm borrowed", 30),
-            row(MPI4PY, 500),
+            row("tpcomm owned", 10.0),
+            row("tpcomm borrowed", 30.0),
+            row(MPI4PY, 500.0),
         ]);
         assert!(!v[0].met, "{v:?}");
         assert_eq!(v[0].detail, "tpcomm owned 50.0x, tpcomm borrowed 16.7x");
-        let lines = mpi4py_lines(&[row("tpcomm owned", 10), row(MPI4PY, 500)]);
+        let lines = mpi4py_lines(&[row("tpcomm owned", 10.0), row(MPI4PY, 500.0)]);
         assert_eq!(
             lines,
             ["records:100000: mpi4py time / tpcomm time: 50.00x tpcomm owned"]

@@ -577,22 +577,10 @@ mod tests {
 
     #[test]
     fn the_summary_line_averages_busbw_and_counts_ratios_above_the_target() {
-        let row = |bytes: usize, ns: u64, vs: f64| {
-            let mut r = Row::new(
-                "all_gather",
-                &bytes.to_string(),
-                "tpcomm",
-                bytes,
-                0,
-                vec![ns],
-            )
-            .unwrap()
-            .bus(Bus::Same, 2);
-            r.vs_peer = Some(vs);
-            r
-        };
+        let row = |bytes: usize| Row::of_us("all_gather", &bytes.to_string(), "tpcomm", 1.0);
         // 1000 B in 1 us and 2000 B in 1 us: 1 and 2 GB/s.
-        let rows = [row(1000, 1000, 1.0), row(2000, 1000, 1.2)];
+        let rows = [1000, 2000].map(|b| row(b).bus(Bus::Same, 2));
+        let rows = [rows[0].clone().vs(1.0), rows[1].clone().vs(1.2)];
         assert_eq!(
             summary("all_gather", &rows).unwrap(),
             "all_gather: avg busbw 1.500 GB/s; ratio max 1.20x, 1 sizes above 1.10x"

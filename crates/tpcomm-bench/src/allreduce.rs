@@ -103,7 +103,7 @@ pub(crate) struct AllReduceArgs {
         default_value = "1stage,2stage,auto,replay",
         value_name = "PATHS"
     )]
-    pub(crate) paths: Vec<PathArg>,
+    pub(crate) paths: Vec<Variant>,
 
     /// Sizes (here 1 KiB to 8 MiB by default, multiples of 16: the custom all-reduce moves
     /// 16-byte packs; the largest sizes the staging buffers).
@@ -151,35 +151,44 @@ impl DTypeArg {
     }
 }
 
-/// A custom all-reduce row on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-pub(crate) enum PathArg {
+/// What one row of a table times: a custom all-reduce path (`--paths`), or one of the two
+/// rows the bench adds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Variant {
     /// Eager, forced one-stage.
     #[value(name = "1stage")]
-    #[serde(rename = "1stage")]
     OneStage,
     /// Eager, forced two-stage.
     #[value(name = "2stage")]
-    #[serde(rename = "2stage")]
     TwoStage,
     /// Eager, the dispatcher's choice.
-    #[value(name = "auto")]
-    #[serde(rename = "auto")]
     Auto,
     /// A captured plan (registered graph buffers) replayed; the dispatcher's choice.
-    #[value(name = "replay")]
-    #[serde(rename = "replay")]
     Replay,
+    /// One plain copy of the message on every rank at once: the memory-bandwidth floor.
+    #[value(skip)]
+    Memcpy,
+    /// `MPI_Allreduce`, the peer (f32 in MPI mode).
+    #[value(skip)]
+    Mpi,
 }
 
-impl PathArg {
+impl Variant {
     fn name(self) -> &'static str {
         match self {
-            PathArg::OneStage => "1stage",
-            PathArg::TwoStage => "2stage",
-            PathArg::Auto => "auto",
-            PathArg::Replay => "replay",
+            Variant::OneStage => "1stage",
+            Variant::TwoStage => "2stage",
+            Variant::Auto => "auto",
+            Variant::Replay => "replay",
+            Variant::Memcpy => MEMCPY,
+            Variant::Mpi => MPI,
         }
+    }
+}
+
+impl Serialize for Variant {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
     }
 }
 
@@ -315,29 +324,8 @@ struct Replay<'b> {
     memory: HostMemory,
     input: &'b HostBuffer,
     output: &'b HostBuffer,
-    /// `plans[dtype index][size index]`: the plan and the algorithm it recorded.
-    plans: Vec<Vec<(CapturedPlan<'b, HostBackend>, Algorithm)>>,
-}
-
-/// What one row of a table times.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Variant {
-    /// A custom all-reduce path.
-    Path(PathArg),
-    /// One plain copy of the message on every rank at once: the memory-bandwidth floor.
-    Memcpy,
-    /// `MPI_Allreduce`, the peer (f32 in MPI mode).
-    Mpi,
-}
-
-impl Variant {
-    fn name(self) -> &'static str {
-        match self {
-            Variant::Path(p) => p.name(),
-            Variant::Memcpy => MEMCPY,
-            Variant::Mpi => MPI,
-        }
-    }
+    /// Per element type of `--dtypes`, per size: the plan and the algorithm it recorded.
+    plans: Vec<(CapturedPlan<'b, HostBackend>, Algorithm)>,
 }
 
 /// What a rank runs the variants with.
@@ -348,64 +336,52 @@ struct Runner<'r, 'b> {
     mpi: Option<&'r MpiWorld>,
 }
 
-/// The buffers of one size and element type on one rank.
+/// The buffers of one size and element type on one rank (`MPI_Allreduce`, f32 only, uses
+/// the same).
 struct Case<T> {
-    count: usize,
     input: Vec<T>,
     output: Vec<T>,
     /// The memcpy variant's destination.
     copy: Vec<T>,
-    /// The same input as f32 for `MPI_Allreduce` (empty unless f32 in MPI mode).
-    mpi_input: Vec<f32>,
-    mpi_output: Vec<f32>,
-    /// Indices of the replayed plan in [`Replay::plans`].
-    plan: (usize, usize),
+    /// The index of the replayed plan in [`Replay::plans`].
+    plan: usize,
 }
 
 impl Runner<'_, '_> {
-    fn instance(&mut self, path: PathArg) -> Result<&mut HostAllReduce, BenchError> {
-        let i = match path {
-            PathArg::OneStage => 0,
-            PathArg::TwoStage => 1,
-            PathArg::Auto | PathArg::Replay => 2,
-        };
-        self.instances[i]
-            .as_mut()
-            .ok_or_else(|| BenchError::Usage(format!("no instance for {}", path.name())))
-    }
-
     /// Runs `variant` once; returns the algorithm it used.
     fn run<T: Element>(
         &mut self,
         variant: Variant,
         case: &mut Case<T>,
     ) -> Result<Option<Algorithm>, BenchError> {
+        let missing = || BenchError::Usage(format!("nothing runs {}", variant.name()));
+        let slot = match variant {
+            Variant::OneStage => 0,
+            Variant::TwoStage => 1,
+            _ => 2,
+        };
         match variant {
-            Variant::Path(PathArg::Replay) => {
-                let replay = self.replay.as_ref().ok_or_else(|| {
-                    BenchError::Usage("replay path without captured plans".into())
-                })?;
-                let (plan, algorithm) = &replay.plans[case.plan.0][case.plan.1];
-                let ar = self.instances[2]
-                    .as_mut()
-                    .ok_or_else(|| BenchError::Usage("no auto instance".into()))?;
-                plan.replay(ar)?;
+            Variant::Replay => {
+                let (plan, algorithm) = &self.replay.as_ref().ok_or_else(missing)?.plans[case.plan];
+                plan.replay(self.instances[2].as_mut().ok_or_else(missing)?)?;
                 Ok(Some(*algorithm))
             }
-            Variant::Path(p) => Ok(Some(
-                self.instance(p)?
-                    .all_reduce(&case.input, &mut case.output)?,
-            )),
             Variant::Memcpy => {
                 case.copy.copy_from_slice(&case.input);
                 Ok(None)
             }
             Variant::Mpi => {
-                let mpi = self
-                    .mpi
-                    .ok_or_else(|| BenchError::Usage("MPI path outside MPI mode".into()))?;
-                mpi.all_reduce_sum(&case.mpi_input, &mut case.mpi_output);
+                let (input, output) = (&case.input, &mut case.output);
+                let mpi = self.mpi.ok_or_else(missing)?;
+                mpi.all_reduce_sum(
+                    bytemuck::cast_slice(input),
+                    bytemuck::cast_slice_mut(output),
+                );
                 Ok(None)
+            }
+            _ => {
+                let ar = self.instances[slot].as_mut().ok_or_else(missing)?;
+                Ok(Some(ar.all_reduce(&case.input, &mut case.output)?))
             }
         }
     }
@@ -418,36 +394,103 @@ impl Runner<'_, '_> {
         case: &mut Case<T>,
         salt: u64,
     ) -> Result<(Option<Algorithm>, Option<String>), BenchError> {
-        let want = expected(ranks, case.count, salt);
-        let garbage = T::from_f32(f32::NAN);
-        case.input = input(rank, case.count, salt);
-        case.output.fill(garbage);
-        case.copy.fill(garbage);
-        if !case.mpi_input.is_empty() {
-            case.mpi_input = input(rank, case.count, salt);
-            case.mpi_output.fill(f32::NAN);
-        }
-        if let (Variant::Path(PathArg::Replay), Some(r)) = (variant, &self.replay) {
+        let count = case.input.len();
+        case.input = input(rank, count, salt);
+        case.output.fill(T::from_f32(f32::NAN));
+        case.copy.fill(T::from_f32(f32::NAN));
+        let replayed = variant == Variant::Replay;
+        if let (true, Some(r)) = (replayed, &self.replay) {
             r.memory
                 .write(r.input, 0, bytemuck::cast_slice(&case.input))?;
-            let nan = vec![garbage; case.count];
-            r.memory.write(r.output, 0, bytemuck::cast_slice(&nan))?;
+            r.memory
+                .write(r.output, 0, bytemuck::cast_slice(&case.output))?;
         }
         let algorithm = self.run(variant, case)?;
-        let bytes = |v: &[T]| bytemuck::cast_slice::<T, u8>(v).to_vec();
-        let problem = match (variant, &self.replay) {
-            (Variant::Mpi, _) => check(&case.mpi_output, &want),
-            (Variant::Memcpy, _) => (bytes(&case.copy) != bytes(&case.input))
-                .then(|| "the copy differs from its source".to_string()),
-            (Variant::Path(PathArg::Replay), Some(r)) => {
-                let mut got = vec![garbage; case.count];
-                r.memory
-                    .read(r.output, 0, bytemuck::cast_slice_mut(&mut got))?;
-                check(&got, &want)
-            }
-            (Variant::Path(_), _) => check(&case.output, &want),
+        if let (true, Some(r)) = (replayed, &self.replay) {
+            r.memory
+                .read(r.output, 0, bytemuck::cast_slice_mut(&mut case.output))?;
+        }
+        let problem = match variant {
+            Variant::Memcpy => (bytemuck::cast_slice::<T, u8>(&case.copy)
+                != bytemuck::cast_slice::<T, u8>(&case.input))
+            .then(|| "the copy differs from its source".to_string()),
+            _ => check(&case.output, &expected(ranks, count, salt)),
         };
         Ok((algorithm, problem))
+    }
+
+    /// Verifies and times every variant at every size for `T`, the element type of table
+    /// `dtype_index`, each iteration lined up by `sync`; rank 0 prints.
+    fn bench<T: Element, C: Communicator>(
+        &mut self,
+        s: &mut Session<'_>,
+        comm: &C,
+        args: &AllReduceArgs,
+        dtype_index: usize,
+        sync: &mut HostAllReduce,
+    ) -> Result<(), BenchError> {
+        let (rank, ranks) = (comm.rank(), comm.size());
+        let name = T::DTYPE.name();
+        let with_mpi = self.mpi.is_some() && T::DTYPE == DType::F32;
+        let columns = columns(with_mpi);
+        s.header(
+            &format!(
+                "all_reduce sum, {name}, {ranks} ranks: size = bytes per rank; busbw = algbw * \
+                 2(n-1)/n"
+            ),
+            &columns,
+        );
+        let mut variants = args.paths.clone();
+        variants.push(Variant::Memcpy);
+        if with_mpi {
+            variants.push(Variant::Mpi);
+        }
+        let names: Vec<&str> = variants.iter().map(|v| v.name()).collect();
+        let sizes = args.sweep.sizes();
+        for (size_index, &bytes) in sizes.iter().enumerate() {
+            let count = bytes / T::DTYPE.size();
+            let zeros = || vec![T::from_f32(0.0); count];
+            let mut case = Case {
+                input: zeros(),
+                output: zeros(),
+                copy: zeros(),
+                plan: dtype_index * sizes.len() + size_index,
+            };
+            let spec = Spec {
+                peer: with_mpi.then_some(MPI),
+                bus: Some(Bus::AllReduce),
+                ..Spec::new(name, bytes.to_string(), bytes, &names)
+                    .with("count", count)
+                    .with("type", name)
+            };
+            let salt = ((dtype_index as u64) << 40) ^ ((size_index as u64) << 20) ^ 0x5eed;
+            let mut algorithms = Vec::with_capacity(variants.len());
+            s.verify(comm, &spec, &mut case, |case, k| {
+                let salt = salt ^ ((k as u64) << 56);
+                let (algorithm, problem) = self.verify((rank, ranks), variants[k], case, salt)?;
+                algorithms.push(algorithm);
+                Ok(problem)
+            })?;
+            let rows = s.measure(comm, &spec, &mut case, |case, k| {
+                time_synced(comm, sync, || self.run(variants[k], case).map(drop))
+            })?;
+            let copy = rows
+                .iter()
+                .find(|r| r.is(MEMCPY))
+                .map(|r| r.stats.median_us);
+            let rows = rows
+                .into_iter()
+                .zip(&algorithms)
+                .map(|(row, a)| {
+                    let vs_copy = copy.filter(|&c| c > 0.0 && !row.is(MEMCPY));
+                    let vs_copy = vs_copy.map(|c| row.stats.median_us / c);
+                    row.with("algorithm", a.map(Algorithm::name))
+                        .with("vs_memcpy", vs_copy)
+                })
+                .collect();
+            s.rows(&columns, rows, |_| true);
+        }
+        Ok(())
     }
 }
 
@@ -473,81 +516,67 @@ impl Bench for AllReduceArgs {
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
-        let args = self;
         let mpi = s.mpi.take();
-        let sizes = args.sweep.sizes();
-        let max_bytes = sizes.last().copied().unwrap_or(args.sweep.max_bytes);
-        let config = |algorithm| Config {
-            max_bytes,
-            algorithm,
-            ..Config::default()
-        };
-        let wants = |p: &[PathArg]| p.iter().any(|x| args.paths.contains(x));
+        let sizes = self.sweep.sizes();
+        let max_bytes = sizes.last().copied().unwrap_or(self.sweep.max_bytes);
+        let wants = |p: &[Variant]| p.iter().any(|x| self.paths.contains(x));
         let build = |wanted: bool, algorithm| -> Result<Option<HostAllReduce>, BenchError> {
-            wanted
-                .then(|| new_all_reduce(comm, config(algorithm)))
-                .transpose()
+            let config = Config {
+                max_bytes,
+                algorithm,
+                ..Config::default()
+            };
+            wanted.then(|| new_all_reduce(comm, config)).transpose()
         };
         let mut instances = [
-            build(wants(&[PathArg::OneStage]), Some(Algorithm::OneStage))?,
-            build(wants(&[PathArg::TwoStage]), Some(Algorithm::TwoStage))?,
-            build(wants(&[PathArg::Auto, PathArg::Replay]), None)?,
+            build(wants(&[Variant::OneStage]), Some(Algorithm::OneStage))?,
+            build(wants(&[Variant::TwoStage]), Some(Algorithm::TwoStage))?,
+            build(wants(&[Variant::Auto, Variant::Replay]), None)?,
         ];
         // Replay: one plan per (element type, size), captured up front on the auto
         // instance, registered in one collective call.
-        let memory = match (&instances[2], args.paths.contains(&PathArg::Replay)) {
-            (Some(ar), true) => Some(ar.memory()?.clone()),
+        let memory = match &instances[2] {
+            Some(ar) if wants(&[Variant::Replay]) => Some(ar.memory()?.clone()),
             _ => None,
         };
         let buffers = match &memory {
             Some(m) => Some((m.allocate(max_bytes)?, m.allocate(max_bytes)?)),
             None => None,
         };
-        let replay = match (&memory, &buffers, &mut instances[2]) {
-            (Some(memory), Some((rin, rout)), Some(ar)) => {
-                let mut plans = Vec::with_capacity(args.dtypes.len());
-                for d in &args.dtypes {
-                    let dtype = d.dtype();
-                    let mut row = Vec::with_capacity(sizes.len());
+        let replay = match (memory, &buffers, &mut instances[2]) {
+            (Some(memory), Some((input, output)), Some(ar)) => {
+                let mut plans = Vec::with_capacity(self.dtypes.len() * sizes.len());
+                for dtype in self.dtypes.iter().map(|d| d.dtype()) {
                     for &bytes in &sizes {
                         let mut algorithm = None;
                         let plan = ar.capture(|cap| {
-                            algorithm =
-                                Some(cap.all_reduce(rin, rout, dtype, bytes / dtype.size())?);
+                            let count = bytes / dtype.size();
+                            algorithm = Some(cap.all_reduce(input, output, dtype, count)?);
                             Ok(())
                         })?;
-                        let algorithm = algorithm.ok_or_else(|| {
-                            BenchError::Usage("the capture recorded nothing".into())
-                        })?;
-                        row.push((plan, algorithm));
+                        let recorded = || BenchError::Usage("the capture recorded nothing".into());
+                        plans.push((plan, algorithm.ok_or_else(recorded)?));
                     }
-                    plans.push(row);
                 }
                 ar.register_graph_buffers(comm)?;
                 Some(Replay {
-                    memory: memory.clone(),
-                    input: rin,
-                    output: rout,
+                    memory,
+                    input,
+                    output,
                     plans,
                 })
             }
             _ => None,
         };
-        let mut t = Table {
-            runner: Runner {
-                instances,
-                replay,
-                mpi: mpi.as_ref(),
-            },
-            sync: new_sync(comm)?,
-            dtype_index: 0,
-            with_mpi: false,
+        let mut runner = Runner {
+            instances,
+            replay,
+            mpi: mpi.as_ref(),
         };
-        s.progress.plan(args.dtypes.len() * sizes.len());
-        for (di, &d) in args.dtypes.iter().enumerate() {
-            t.dtype_index = di;
-            t.with_mpi = mpi.is_some() && d == DTypeArg::F32;
-            with_element!(d.dtype(), T => t.bench::<T, C>(s, comm, args))?;
+        let mut sync = new_sync(comm)?;
+        s.progress.plan(self.dtypes.len() * sizes.len());
+        for (di, &d) in self.dtypes.iter().enumerate() {
+            with_element!(d.dtype(), T => runner.bench::<T, C>(s, comm, self, di, &mut sync))?;
             summarize(s, d.dtype().name(), comm.size());
         }
         Ok(())
@@ -567,7 +596,7 @@ fn preamble(args: &AllReduceArgs, mpi: bool) -> Vec<String> {
          Config.algorithm; auto: the dispatcher's choice (in parentheses)"
             .into(),
     ];
-    if args.paths.contains(&PathArg::Replay) {
+    if args.paths.contains(&Variant::Replay) {
         lines.push(
             "replay: a captured plan replayed (input and output in registered peer memory, \
              no staging copy), the dispatcher's choice"
@@ -588,93 +617,6 @@ fn preamble(args: &AllReduceArgs, mpi: bool) -> Vec<String> {
     }
     lines.push("every path verified once per size (exact integer data) before timing".into());
     lines
-}
-
-/// What one rank measures the tables with.
-struct Table<'r, 'b> {
-    runner: Runner<'r, 'b>,
-    sync: HostAllReduce,
-    dtype_index: usize,
-    with_mpi: bool,
-}
-
-impl Table<'_, '_> {
-    /// Verifies and times every variant at every size for one element type; rank 0 prints.
-    fn bench<T: Element, C: Communicator>(
-        &mut self,
-        s: &mut Session<'_>,
-        comm: &C,
-        args: &AllReduceArgs,
-    ) -> Result<(), BenchError> {
-        let ranks = comm.size();
-        let name = T::DTYPE.name();
-        let columns = columns(self.with_mpi);
-        s.header(
-            &format!(
-                "all_reduce sum, {name}, {ranks} ranks: size = bytes per rank; busbw = algbw * \
-                 2(n-1)/n"
-            ),
-            &columns,
-        );
-        let mut variants: Vec<Variant> = args.paths.iter().map(|&p| Variant::Path(p)).collect();
-        variants.push(Variant::Memcpy);
-        if self.with_mpi {
-            variants.push(Variant::Mpi);
-        }
-        let names: Vec<&str> = variants.iter().map(|v| v.name()).collect();
-        for (size_index, &bytes) in args.sweep.sizes().iter().enumerate() {
-            let count = bytes / T::DTYPE.size();
-            let mpi_len = if self.with_mpi { count } else { 0 };
-            let zeros = || vec![T::from_f32(0.0); count];
-            let mut case = Case {
-                count,
-                input: zeros(),
-                output: zeros(),
-                copy: zeros(),
-                mpi_input: vec![0.0; mpi_len],
-                mpi_output: vec![0.0; mpi_len],
-                plan: (self.dtype_index, size_index),
-            };
-            let spec = Spec {
-                peer: self.with_mpi.then_some(MPI),
-                bus: Some(Bus::AllReduce),
-                ..Spec::new(name, bytes.to_string(), bytes, &names)
-                    .with("count", count)
-                    .with("type", name)
-            };
-            let salt = ((self.dtype_index as u64) << 40) ^ ((size_index as u64) << 20) ^ 0x5eed;
-            let mut algorithms = Vec::with_capacity(variants.len());
-            let ranks = (comm.rank(), comm.size());
-            s.verify(comm, &spec, &mut case, |case, k| {
-                let salt = salt ^ ((k as u64) << 56);
-                let (algorithm, problem) = self.runner.verify(ranks, variants[k], case, salt)?;
-                algorithms.push(algorithm);
-                Ok(problem)
-            })?;
-            let rows = s.measure(comm, &spec, &mut case, |case, k| {
-                let runner = &mut self.runner;
-                time_synced(comm, &mut self.sync, || {
-                    runner.run(variants[k], case).map(drop)
-                })
-            })?;
-            let copy = rows
-                .iter()
-                .find(|r| r.is(MEMCPY))
-                .map(|r| r.stats.median_us);
-            let rows = rows
-                .into_iter()
-                .zip(&algorithms)
-                .map(|(row, a)| {
-                    let vs_copy = copy.filter(|&c| c > 0.0 && !row.is(MEMCPY));
-                    let vs_copy = vs_copy.map(|c| row.stats.median_us / c);
-                    row.with("algorithm", a.map(Algorithm::name))
-                        .with("vs_memcpy", vs_copy)
-                })
-                .collect();
-            s.rows(&columns, rows, |_| true);
-        }
-        Ok(())
-    }
 }
 
 /// `(size, one-stage median, two-stage median)` -> the crossover sizes: from which size on

@@ -240,17 +240,10 @@ impl GpuArgs {
 /// Runs the subcommand.
 pub(crate) fn run(args: &GpuArgs) -> Result<(), BenchError> {
     args.validate()?;
+    #[cfg(not(feature = "cuda"))]
+    return Err(BenchError::WithoutCuda);
+    #[cfg(feature = "cuda")]
     imp::run(args)
-}
-
-#[cfg(not(feature = "cuda"))]
-mod imp {
-    use super::GpuArgs;
-    use crate::error::BenchError;
-
-    pub(super) fn run(_: &GpuArgs) -> Result<(), BenchError> {
-        Err(BenchError::WithoutCuda)
-    }
 }
 
 #[cfg(feature = "cuda")]
@@ -807,17 +800,26 @@ mod imp {
         s.keep(engine_rows.clone());
         s.write_json("gpu", json, &settings(None, false), &[])?;
 
-        let dtypes = distinct(rows.iter().filter_map(|r| {
-            [DType::F32, DType::F16, DType::Bf16]
-                .into_iter()
-                .find(|d| d.name() == r.text("type"))
-        }));
         s.note("");
-        let (nccl_rows, nccl_library) = if args.no_nccl {
+        let (nccl_rows, nccl_library): (Vec<Row>, _) = if args.no_nccl {
             s.note("nccl: skipped (--no-nccl)");
             (Vec::new(), None)
         } else {
-            match nccl::reference(&s, args, &dtypes, &sizes) {
+            #[cfg(not(feature = "nccl"))]
+            let reference = {
+                s.note("nccl: reference skipped (built without the `nccl` feature)");
+                Ok::<_, BenchError>((Vec::new(), None))
+            };
+            #[cfg(feature = "nccl")]
+            let reference = {
+                let dtypes = distinct(rows.iter().filter_map(|r| {
+                    [DType::F32, DType::F16, DType::Bf16]
+                        .into_iter()
+                        .find(|d| d.name() == r.text("type"))
+                }));
+                nccl::reference(&s, args, &dtypes, &sizes)
+            };
+            match reference {
                 Ok(found) => found,
                 Err(e) => {
                     let e = crate::error::chain(&e);
@@ -1447,26 +1449,6 @@ mod imp {
                 ));
             }
             Ok((rows, Some(library)))
-        }
-    }
-
-    #[cfg(not(feature = "nccl"))]
-    mod nccl {
-        use tpcomm::allreduce::DType;
-
-        use crate::error::BenchError;
-        use crate::gpu::GpuArgs;
-        use crate::harness::Row;
-        use crate::launch::Session;
-
-        pub(super) fn reference(
-            t: &Session<'_>,
-            _: &GpuArgs,
-            _: &[DType],
-            _: &[usize],
-        ) -> Result<(Vec<Row>, Option<String>), BenchError> {
-            t.note("nccl: reference skipped (built without the `nccl` feature)");
-            Ok((Vec::new(), None))
         }
     }
 }

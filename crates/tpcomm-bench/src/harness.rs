@@ -730,31 +730,7 @@ mod tests {
     }
 
     #[test]
-    fn targets_judge_the_rows_and_keep_their_reason() {
-        let targets = [Target {
-            what: "fast".into(),
-            why: "because",
-            judge: Box::new(|rows: &[Row]| {
-                let r = rows.first()?;
-                Some((
-                    r.stats.median_us < 2.0,
-                    format!("{:.1} us", r.stats.median_us),
-                ))
-            }),
-            line: None,
-        }];
-        let rows = [Row::new("t", "c", "v", 8, 0, vec![1000]).unwrap()];
-        let v = Verdict::judge_all(&targets, &rows, false);
-        assert_eq!(v.len(), 1);
-        assert!(v[0].met);
-        assert_eq!(
-            v[0].lines(),
-            [
-                "target fast: MET [indicative only] (1.0 us)".to_string(),
-                "  why: because".to_string()
-            ]
-        );
-        assert!(Verdict::judge_all(&targets, &[], true).is_empty());
+    fn summary_helpers_take_geometric_means_and_keep_first_occurrences() {
         assert_eq!(geomean(&[2.0, 8.0]), Some(4.0));
         assert_eq!(distinct([3, 1, 3, 2, 1]), [3, 1, 2]);
         let rows = [row_vs("t", "a", "v", 2.0), row_vs("t", "b", "v", 8.0)];

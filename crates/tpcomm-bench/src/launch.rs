@@ -594,16 +594,18 @@ mod tests {
             }),
             line: None,
         };
-        let rows: Vec<Row> = Row::new("t", "c", "v", 8, 0, vec![1000])
-            .into_iter()
-            .collect();
+        let rows = [Row::of_us("t", "c", "v", 1.0)];
         let lines = |rows: &[Row], binding| {
             let verdicts = Verdict::judge_all(std::slice::from_ref(&target), rows, binding);
             verdict_lines(1, &verdicts, (binding, "2 ranks"))
         };
         assert_eq!(
-            lines(&rows, false)[1],
-            "the targets are stated for 2 ranks: the verdicts below are indicative only"
+            lines(&rows, false)[1..],
+            [
+                "the targets are stated for 2 ranks: the verdicts below are indicative only",
+                "target fast: MET [indicative only] (1 us)",
+                "  why: because"
+            ]
         );
         assert_eq!(lines(&rows, true)[1], "target fast: MET (1 us)");
         assert_eq!(

@@ -202,10 +202,8 @@ fn columns(with_mpi: bool) -> Vec<Column> {
             _ => r.variant.clone(),
         }),
         col::iters(),
-        Column::new("time", "(us)", 10, |r, _| {
-            format!("{:.2}", r.stats.median_us)
-        }),
-        Column::new("min", "(us)", 10, |r, _| format!("{:.2}", r.stats.min_us)),
+        col::time::<2>("time", 10),
+        col::min::<2>(10),
         col::algbw(7),
         col::busbw(7),
     ];

@@ -321,8 +321,8 @@ mod imp {
         col::variant("alg", 6),
         Column::new("blk", "", 4, |r, _| r.text("blocks")),
         Column::new("iters", "", 5, |r, _| r.iters.to_string()),
-        Column::new("time", "(us)", 9, |r, _| f2(Some(r.stats.median_us))),
-        Column::new("min", "(us)", 9, |r, _| f2(Some(r.stats.min_us))),
+        col::time::<2>("time", 9),
+        col::min::<2>(9),
         Column::new("busbw", "(GB/s)", 8, |r, _| f2(r.busbw_gbps)),
         Column::new("after", "(us)", 9, |r, _| f2(r.number("after_median_us"))),
         Column::new("aft/bef", "", 7, |r, _| {
@@ -915,7 +915,7 @@ mod imp {
         use tpcomm::Communicator;
 
         use super::{
-            config, cuda_error, f2, options, teardown, verify_and_time, write_input, CudaAllReduce,
+            config, cuda_error, options, teardown, verify_and_time, write_input, CudaAllReduce,
             Plan, Replayed,
         };
         use crate::allreduce::input;
@@ -942,8 +942,8 @@ mod imp {
             col::variant("path", 12),
             Column::new("alg", "", 6, |r, _| r.text("algorithm")),
             Column::new("iters", "", 5, |r, _| r.iters.to_string()),
-            Column::new("time", "(us)", 9, |r, _| f2(Some(r.stats.median_us))),
-            Column::new("min", "(us)", 9, |r, _| f2(Some(r.stats.min_us))),
+            col::time::<2>("time", 9),
+            col::min::<2>(9),
             Column::new("vs", "", 8, |r, _| {
                 r.peer.clone().unwrap_or_else(|| "-".into())
             }),

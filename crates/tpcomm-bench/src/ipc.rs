@@ -58,8 +58,8 @@ const COLUMNS: [Column; 7] = [
     Column::new("mappings", "(per rank)", 11, |r, _| r.text("mappings")),
     col::variant("op", 21),
     col::iters(),
-    col::time("median", 12),
-    col::min(12),
+    col::time::<3>("median", 12),
+    col::min::<3>(12),
     Column::new("per map", "(us)", 9, |r, _| {
         col::f3(r.number("mappings").map(|m| r.stats.median_us / m.max(1.0)))
     }),

@@ -364,10 +364,9 @@ pub(crate) trait Bench: Serialize + Sync {
         Vec::new()
     }
 
-    /// Whether a run of `ranks` ranks over `transport` is the configuration of the targets.
-    fn binding(&self, _transport: &str, ranks: usize) -> bool {
-        ranks == 2
-    }
+    /// Whether the targets are stated for 2 MPI ranks (otherwise for 2 ranks of either
+    /// transport).
+    const MPI_TARGETS: bool = false;
 
     /// Verifies, times and prints every case on this rank (collective).
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError>;
@@ -394,7 +393,8 @@ fn run_rank<B: Bench, C: Communicator>(
     let mut s = Session::start(info, B::NAME, rank, ranks, json, &lines)?;
     s.iter = bench.run_args().iter.clone();
     bench.measure(comm, &mut s)?;
-    let binding = (bench.binding(info.transport, ranks), B::STATED_FOR);
+    let binding = ranks == 2 && (info.transport == "mpi" || !B::MPI_TARGETS);
+    let binding = (binding, B::STATED_FOR);
     s.finish(B::NAME, json, bench, &bench.targets(), binding)?;
     Ok((rank == 0).then_some(()))
 }

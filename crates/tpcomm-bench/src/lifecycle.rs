@@ -86,18 +86,19 @@ pub(crate) struct LifecycleArgs {
     pub(crate) latency_bytes: usize,
 }
 
+/// The ratio of a row to its peer (after / before).
+const RATIO: Column = Column::new("ratio", "after/bef", 10, |r, _| {
+    r.vs_peer.map_or_else(|| "-".into(), |x| format!("{x:.3}x"))
+});
+
 const TRANSITION_COLUMNS: [Column; 7] = [
     Column::new("graph", "buffers", 8, |r, _| r.case.clone()),
     Column::new("mappings", "(per rank)", 11, |r, _| r.text("mappings")),
     col::variant("op", 20),
     col::iters(),
-    Column::new("median", "(us)", 11, |r, _| {
-        format!("{:.2}", r.stats.median_us)
-    }),
-    Column::new("min", "(us)", 11, |r, _| format!("{:.2}", r.stats.min_us)),
-    Column::new("ratio", "after/bef", 10, |r, _| {
-        r.vs_peer.map_or_else(|| "-".into(), |x| format!("{x:.3}x"))
-    }),
+    col::time::<2>("median", 11),
+    col::min::<2>(11),
+    RATIO,
 ];
 
 const LATENCY_COLUMNS: [Column; 7] = [
@@ -105,13 +106,9 @@ const LATENCY_COLUMNS: [Column; 7] = [
     col::size(9),
     col::variant("when", 7),
     col::iters(),
-    Column::new("median", "(us)", 10, |r, _| {
-        format!("{:.2}", r.stats.median_us)
-    }),
-    Column::new("min", "(us)", 10, |r, _| format!("{:.2}", r.stats.min_us)),
-    Column::new("ratio", "after/bef", 10, |r, _| {
-        r.vs_peer.map_or_else(|| "-".into(), |x| format!("{x:.3}x"))
-    }),
+    col::time::<2>("median", 10),
+    col::min::<2>(10),
+    RATIO,
 ];
 
 fn targets() -> Vec<Target> {

@@ -167,7 +167,7 @@ fn init_tracing() {
 
 #[cfg(test)]
 mod tests {
-    use clap::{CommandFactory, Parser};
+    use clap::{CommandFactory, Parser, ValueEnum};
 
     use super::Cli;
     use crate::launch::Transport;
@@ -193,7 +193,7 @@ mod tests {
     #[test]
     fn transport_defaults_measure_every_op_from_8_bytes_to_64_mib_locally() {
         let args = parse!(Transport, ["transport"]);
-        assert_eq!(args.ops, TransportOp::ALL.to_vec());
+        assert_eq!(args.ops, TransportOp::value_variants());
         assert_eq!(
             (args.run.transport, args.run.ranks),
             (Transport::Local, None)

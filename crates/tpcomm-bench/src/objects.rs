@@ -189,8 +189,8 @@ const COLUMNS: [Column; 7] = [
     Column::new("bytes/rank", "(B)", 11, |r, _| r.bytes.to_string()),
     col::variant("variant", 16),
     col::iters(),
-    col::time("median", 12),
-    col::min(12),
+    col::time::<3>("median", 12),
+    col::min::<3>(12),
     col::vs_peer("ratio", "to floor", 9),
 ];
 
@@ -550,6 +550,7 @@ struct ObjectsBench<'a> {
 
 impl Bench for ObjectsBench<'_> {
     const NAME: &'static str = "objects";
+    const MPI_TARGETS: bool = true;
     const STATED_FOR: &'static str = "2 MPI ranks (mpirun -np 2 ... --transport mpi)";
 
     fn run_args(&self) -> &RunArgs {
@@ -582,10 +583,6 @@ impl Bench for ObjectsBench<'_> {
 
     fn targets(&self) -> Vec<Target> {
         targets()
-    }
-
-    fn binding(&self, transport: &str, ranks: usize) -> bool {
-        transport == "mpi" && ranks == 2
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {

@@ -181,12 +181,13 @@ const COLUMNS: [Column; 6] = [
     col::size(10),
     col::variant("variant", 7),
     col::iters(),
-    col::time("median", 10),
+    col::time::<3>("median", 10),
     col::vs_peer("ratio", "to C loop", 9),
 ];
 
 impl Bench for PeerCheck<'_> {
     const NAME: &'static str = "peer-check";
+    const MPI_TARGETS: bool = true;
     const STATED_FOR: &'static str = "2 MPI ranks";
 
     fn run_args(&self) -> &RunArgs {
@@ -215,10 +216,6 @@ impl Bench for PeerCheck<'_> {
 
     fn targets(&self) -> Vec<Target> {
         targets(self.args.tolerance)
-    }
-
-    fn binding(&self, transport: &str, ranks: usize) -> bool {
-        transport == "mpi" && ranks == 2
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {

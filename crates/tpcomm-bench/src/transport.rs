@@ -38,39 +38,23 @@ const VARIANTS: [&str; 2] = ["tpcomm", "rsmpi"];
 /// The collectives this subcommand measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
 pub(crate) enum TransportOp {
     /// Fixed-size all-gather.
-    #[value(name = "all_gather")]
     AllGather,
     /// Varcount all-gather (allgatherv), near-equal counts.
-    #[value(name = "all_gather_varcount")]
     AllGatherVarcount,
     /// Varcount gather to rank 0 (gatherv), near-equal counts.
-    #[value(name = "gather_varcount")]
     GatherVarcount,
     /// Broadcast from rank 0.
-    #[value(name = "broadcast")]
     Broadcast,
     /// Varcount all-to-all (alltoallv), equal blocks.
-    #[value(name = "all_to_all_varcount")]
     AllToAllVarcount,
     /// Numeric all-reduce of f32, summed (`Communicator::all_reduce`).
-    #[value(name = "all_reduce")]
     AllReduce,
 }
 
 impl TransportOp {
-    /// Every operation, in the default order of `--ops`.
-    #[cfg(test)]
-    pub(crate) const ALL: [TransportOp; 6] = [
-        TransportOp::AllGather,
-        TransportOp::AllGatherVarcount,
-        TransportOp::GatherVarcount,
-        TransportOp::Broadcast,
-        TransportOp::AllToAllVarcount,
-        TransportOp::AllReduce,
-    ];
-
     pub(crate) fn name(self) -> &'static str {
         match self {
             TransportOp::AllGather => "all_gather",
@@ -147,8 +131,8 @@ pub(crate) fn columns(with_peer: bool) -> Vec<Column> {
         Column::new("type", "", 6, |r, _| r.text("type")),
         Column::new("root", "", 5, |r, _| r.text("root")),
         col::iters(),
-        col::time("time", 10),
-        col::min(10),
+        col::time::<3>("time", 10),
+        col::min::<3>(10),
         col::algbw(8),
         col::busbw(8),
     ];
@@ -179,6 +163,7 @@ fn targets() -> Vec<Target> {
 
 impl Bench for TransportArgs {
     const NAME: &'static str = "transport";
+    const MPI_TARGETS: bool = true;
     const STATED_FOR: &'static str = "2 MPI ranks (mpirun -np 2 ... --transport mpi)";
 
     fn run_args(&self) -> &RunArgs {
@@ -209,10 +194,6 @@ impl Bench for TransportArgs {
 
     fn targets(&self) -> Vec<Target> {
         targets()
-    }
-
-    fn binding(&self, transport: &str, ranks: usize) -> bool {
-        transport == "mpi" && ranks == 2
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {

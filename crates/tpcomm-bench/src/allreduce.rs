@@ -831,28 +831,6 @@ mod tests {
     }
 
     #[test]
-    fn every_path_and_dtype_verifies_and_times_on_three_local_ranks() {
-        let mut args = parse!(
-            AllReduce,
-            [
-                "allreduce",
-                "--dtypes",
-                "f32,bf16",
-                "--max-bytes",
-                "256KiB",
-                "--factor",
-                "4"
-            ]
-        );
-        args.run.iter = crate::sweep::IterArgs {
-            iters: Some(2),
-            warmup: Some(1),
-        };
-        args.run.ranks = Some(3);
-        crate::launch::run(&args).unwrap();
-    }
-
-    #[test]
     fn crossover_is_where_two_stage_stays_faster() {
         let p = |b, one, two| (b, one, two);
         assert_eq!(

@@ -252,24 +252,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_op_verifies_and_times_on_three_local_ranks() {
-        let rows = crate::launch::test_rank_rows(3, |s, comm| bench_regions(s, comm, 4, 100));
-        let ops: Vec<&str> = rows.iter().map(|r| r.variant.as_str()).collect();
-        assert_eq!(
-            ops,
-            [
-                "exchange",
-                "close_all",
-                "reopen_all",
-                "close_all+reopen_all"
-            ]
-        );
-        assert!(rows
-            .iter()
-            .all(|r| r.text("mappings") == "8" && r.iters == 2));
-    }
-
-    #[test]
     fn the_target_is_judged_on_reopen_all_of_1000() {
         let row = |op, us| Row::of_us(TABLE, "1000", op, us).with("mappings", 1000);
         let judge = |rows: &[Row]| crate::harness::judge(&targets(), rows);

@@ -133,8 +133,18 @@ enum Command {
 
 fn main() -> ExitCode {
     init_tracing();
-    let cli = Cli::parse();
-    let result: Result<(), BenchError> = match cli.command {
+    match run(Cli::parse().command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tpcomm-bench: error: {}", error::chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs one subcommand.
+fn run(command: Command) -> Result<(), BenchError> {
+    match command {
         Command::Transport(args) => launch::run(&args),
         Command::Objects(args) => objects::run(&args),
         Command::Ipc(args) => launch::run(&args),
@@ -145,13 +155,6 @@ fn main() -> ExitCode {
         Command::Compare(args) => compare::run(&args),
         Command::PeerCheck(args) => peer_check::run(&args),
         Command::Plot(args) => charts::run(&args),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("tpcomm-bench: error: {}", error::chain(&e));
-            ExitCode::FAILURE
-        }
     }
 }
 
@@ -170,7 +173,9 @@ mod tests {
     use clap::{CommandFactory, Parser, ValueEnum};
 
     use super::Cli;
+    use crate::harness::Row;
     use crate::launch::Transport;
+    use crate::lifecycle::STEPS;
     use crate::transport::TransportOp;
 
     #[test]
@@ -187,6 +192,100 @@ mod tests {
         }
         for text in texts {
             assert!(!text.to_lowercase().contains("issue"), "{text}");
+        }
+    }
+
+    /// Every subcommand that runs without a GPU or mpirun, end to end on 3 local ranks (2
+    /// iterations after 1 warm-up): the variants of its first case in order, one of their
+    /// facts, a summary line, every row timed and compared with its peer where it has one,
+    /// and the JSON report read back.
+    #[test]
+    fn every_local_subcommand_verifies_and_times_on_three_ranks_and_writes_its_report() {
+        let dir = std::env::temp_dir().join(format!("tpcomm-bench-{}-runs", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let transitions = [STEPS.as_slice(), &["suspend+resume"]].concat();
+        // The arguments, the variants of the first case, one of their facts, a summary line.
+        type Run<'a> = (&'a [&'a str], &'a [&'a str], (&'a str, &'a str), &'a str);
+        let runs: [Run<'_>; 5] = [
+            (
+                &["transport", "--max-bytes", "64"],
+                &["tpcomm"],
+                ("type", "uint8"),
+                "all_gather: avg busbw",
+            ),
+            (
+                &[
+                    "objects",
+                    "--payloads",
+                    "blob:300,records:10",
+                    "--no-mpi4py",
+                ],
+                &["tpcomm owned", "tpcomm borrowed", "floor"],
+                ("values_per_rank", "1"),
+                "",
+            ),
+            (
+                &["ipc", "--regions", "4", "--buffer-bytes", "100"],
+                &[
+                    "exchange",
+                    "close_all",
+                    "reopen_all",
+                    "close_all+reopen_all",
+                ],
+                ("mappings", "8"),
+                "",
+            ),
+            (
+                &[
+                    "allreduce",
+                    "--dtypes",
+                    "f32,bf16",
+                    "--max-bytes",
+                    "256KiB",
+                    "--factor",
+                    "4",
+                ],
+                &["1stage", "2stage", "auto", "replay", "memcpy"],
+                ("algorithm", "1stage"),
+                "bf16: 2stage/1stage time per size",
+            ),
+            (
+                &[
+                    "lifecycle",
+                    "--graph-buffers",
+                    "3",
+                    "--latency-bytes",
+                    "1KiB",
+                ],
+                &transitions,
+                // Signal, staging, temp and 3 graph buffers of each of 2 peers.
+                ("mappings", "12"),
+                "first replay after a resume / steady-state replay: N=3 ",
+            ),
+        ];
+        for (argv, variants, (key, value), summary) in runs {
+            let json = dir.join(format!("{}.json", argv[0]));
+            let common = ["--ranks", "3", "--iters", "2", "--warmup", "1", "--json"];
+            let argv = [argv, &common, &[json.to_str().unwrap()]].concat();
+            let command = Cli::try_parse_from([&["tpcomm-bench"], argv.as_slice()].concat());
+            super::run(command.unwrap().command).unwrap();
+            let report = crate::report::read(&json).unwrap();
+            let first = &report.rows[0];
+            let case: Vec<&Row> = report
+                .rows
+                .iter()
+                .filter(|r| r.table == first.table && r.case == first.case)
+                .collect();
+            let names: Vec<&str> = case.iter().map(|r| r.variant.as_str()).collect();
+            assert_eq!(names, variants, "{argv:?}");
+            assert!(case.iter().all(|r| r.iters == 2), "{argv:?}");
+            assert_eq!(first.text(key), value, "{argv:?}");
+            let summarized = report.summary.iter().any(|l| l.starts_with(summary));
+            assert!(summary.is_empty() || summarized, "{argv:?}");
+            for r in &report.rows {
+                assert!(r.stats.median_us > 0.0, "{r:?}");
+                assert_eq!(r.peer.is_some(), r.vs_peer.is_some(), "{r:?}");
+            }
         }
     }
 

@@ -642,31 +642,6 @@ mod tests {
     }
 
     #[test]
-    fn every_variant_verifies_and_times_on_three_local_ranks() {
-        let rows = launch::test_rank_rows(3, |s, comm| {
-            let mut rows = bench_payload(s, comm, &BlobShape(300), Payload::Blob(300), 1, None)?;
-            let records = RecordsShape(10);
-            rows.extend(bench_payload(
-                s,
-                comm,
-                &records,
-                Payload::Records(10),
-                10,
-                None,
-            )?);
-            Ok(rows)
-        });
-        assert_eq!(rows.len(), 6);
-        assert!(rows.iter().all(|r| r.iters == 2 && r.stats.median_us > 0.0));
-        let floor = rows.iter().find(|r| r.is("floor")).unwrap();
-        assert_eq!((floor.vs_peer, floor.bytes), (None, 302));
-        assert!(rows
-            .iter()
-            .filter(|r| !r.is("floor"))
-            .all(|r| r.vs_peer.is_some()));
-    }
-
-    #[test]
     fn targets_are_checked_on_every_tpcomm_row() {
         let row = |case, variant, ratio| crate::harness::row_vs(TABLE, case, variant, ratio);
         let rows = [

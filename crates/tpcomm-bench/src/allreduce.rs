@@ -112,26 +112,6 @@ pub(crate) struct AllReduceArgs {
     pub(crate) sweep: SweepArgs,
 }
 
-impl AllReduceArgs {
-    fn check_options(&self) -> Result<(), BenchError> {
-        self.sweep.validate()?;
-        self.run.at_most(8)?;
-        if !self.sweep.min_bytes.is_multiple_of(16) {
-            return Err(BenchError::Usage(format!(
-                "--min-bytes ({}) must be a multiple of 16 bytes: the custom all-reduce moves \
-                 16-byte packs",
-                self.sweep.min_bytes
-            )));
-        }
-        if self.dtypes.is_empty() || self.paths.is_empty() {
-            return Err(BenchError::Usage(
-                "--dtypes and --paths need at least one value".into(),
-            ));
-        }
-        Ok(())
-    }
-}
-
 /// An element type on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -502,11 +482,57 @@ impl Bench for AllReduceArgs {
     }
 
     fn validate(&self) -> Result<(), BenchError> {
-        self.check_options()
+        self.sweep.validate()?;
+        self.run.at_most(8)?;
+        if !self.sweep.min_bytes.is_multiple_of(16) {
+            return Err(BenchError::Usage(format!(
+                "--min-bytes ({}) must be a multiple of 16 bytes: the custom all-reduce moves \
+                 16-byte packs",
+                self.sweep.min_bytes
+            )));
+        }
+        if self.dtypes.is_empty() || self.paths.is_empty() {
+            return Err(BenchError::Usage(
+                "--dtypes and --paths need at least one value".into(),
+            ));
+        }
+        Ok(())
     }
 
     fn preamble(&self, mpi: bool) -> Vec<String> {
-        preamble(self, mpi)
+        let mut lines = vec![
+            format!(
+                "tpcomm-allreduce host backend (shared memory); {}",
+                self.sweep.describe()
+            ),
+            "time: median over iterations of the slowest rank; before each iteration a barrier, \
+             then an untimed 16-byte custom all-reduce (spinning flags) to line the ranks up"
+                .into(),
+            "1stage / 2stage: eager all_reduce (slice in, slice out), algorithm forced by \
+             Config.algorithm; auto: the dispatcher's choice (in parentheses)"
+                .into(),
+        ];
+        if self.paths.contains(&Variant::Replay) {
+            lines.push(
+                "replay: a captured plan replayed (input and output in registered peer memory, \
+                 no staging copy), the dispatcher's choice"
+                    .into(),
+            );
+        }
+        lines.push(
+            "memcpy: one plain copy of the message (its size, per rank, every rank at once), \
+             timed like the paths: the memory-bandwidth floor; vs copy = median / memcpy median"
+                .into(),
+        );
+        if mpi {
+            lines.push(
+                "MPI_Allreduce: the plain MPI call (rsmpi all_reduce_into, sum, on MPI_COMM_WORLD), \
+                 the same f32 data; vs MPI = custom median / MPI median (below 1 = faster)"
+                    .into(),
+            );
+        }
+        lines.push("every path verified once per size (exact integer data) before timing".into());
+        lines
     }
 
     fn targets(&self) -> Vec<Target> {
@@ -579,42 +605,6 @@ impl Bench for AllReduceArgs {
         }
         Ok(())
     }
-}
-
-fn preamble(args: &AllReduceArgs, mpi: bool) -> Vec<String> {
-    let mut lines = vec![
-        format!(
-            "tpcomm-allreduce host backend (shared memory); {}",
-            args.sweep.describe()
-        ),
-        "time: median over iterations of the slowest rank; before each iteration a barrier, \
-         then an untimed 16-byte custom all-reduce (spinning flags) to line the ranks up"
-            .into(),
-        "1stage / 2stage: eager all_reduce (slice in, slice out), algorithm forced by \
-         Config.algorithm; auto: the dispatcher's choice (in parentheses)"
-            .into(),
-    ];
-    if args.paths.contains(&Variant::Replay) {
-        lines.push(
-            "replay: a captured plan replayed (input and output in registered peer memory, \
-             no staging copy), the dispatcher's choice"
-                .into(),
-        );
-    }
-    lines.push(
-        "memcpy: one plain copy of the message (its size, per rank, every rank at once), \
-         timed like the paths: the memory-bandwidth floor; vs copy = median / memcpy median"
-            .into(),
-    );
-    if mpi {
-        lines.push(
-            "MPI_Allreduce: the plain MPI call (rsmpi all_reduce_into, sum, on MPI_COMM_WORLD), \
-             the same f32 data; vs MPI = custom median / MPI median (below 1 = faster)"
-                .into(),
-        );
-    }
-    lines.push("every path verified once per size (exact integer data) before timing".into());
-    lines
 }
 
 /// `(size, one-stage median, two-stage median)` -> the crossover sizes: from which size on
@@ -825,9 +815,9 @@ mod tests {
         assert_eq!(args.dtypes, vec![DTypeArg::F32]);
         assert_eq!(args.paths.len(), 4);
         assert_eq!(args.sweep.sizes().len(), 14);
-        assert!(args.check_options().is_ok());
+        assert!(args.validate().is_ok());
         let nine = parse!(AllReduce, ["allreduce", "--ranks", "9"]);
-        assert!(nine.check_options().is_err());
+        assert!(nine.validate().is_err());
     }
 
     #[test]

@@ -261,20 +261,12 @@ fn latency<C: Communicator>(
         }
     }
     verify(ar, &mut out, "after resume")?;
-    let mut rows = Vec::with_capacity(2);
-    for (when, local) in [("before", before), ("after", after)] {
-        let samples = slowest(comm, &local)?;
-        rows.extend(Row::new(
-            LATENCY_TABLE,
-            &n.to_string(),
-            when,
-            bytes,
-            warmup,
-            samples,
-        ));
-    }
-    link_peers(&mut rows, |r| r.is("after").then(|| "before".into()));
-    Ok(rows)
+    let spec = Spec {
+        peer: Some("before"),
+        ..Spec::new(LATENCY_TABLE, n.to_string(), bytes, &["before", "after"])
+    };
+    let samples = vec![slowest(comm, &before)?, slowest(comm, &after)?];
+    Ok(spec.rows(comm.size(), warmup, samples))
 }
 
 /// The whole measurement for `n` graph buffers: transition rows, then latency rows.

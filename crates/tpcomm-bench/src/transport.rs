@@ -150,17 +150,6 @@ pub(crate) fn columns(with_peer: bool) -> Vec<Column> {
     c
 }
 
-/// The wrapper's target, judged on every tpcomm row with a peer.
-fn targets() -> Vec<Target> {
-    vec![Target {
-        what: format!("tpcomm within {RATIO_TARGET:.2}x of the direct MPI call at every size"),
-        why: "a safe wrapper is worth its checks only if it costs next to nothing over calling \
-              MPI directly; 10% is about the run-to-run noise of these figures",
-        line: RatioLine::new(VARIANTS[1], RATIO_TARGET),
-        judge: within(|_| true, |x| x, RATIO_TARGET),
-    }]
-}
-
 impl Bench for TransportArgs {
     const NAME: &'static str = "transport";
     const MPI_TARGETS: bool = true;
@@ -192,8 +181,15 @@ impl Bench for TransportArgs {
         lines
     }
 
+    /// The wrapper's target, judged on every tpcomm row with a peer.
     fn targets(&self) -> Vec<Target> {
-        targets()
+        vec![Target {
+            what: format!("tpcomm within {RATIO_TARGET:.2}x of the direct MPI call at every size"),
+            why: "a safe wrapper is worth its checks only if it costs next to nothing over \
+                  calling MPI directly; 10% is about the run-to-run noise of these figures",
+            line: RatioLine::new(VARIANTS[1], RATIO_TARGET),
+            judge: within(|_| true, |x| x, RATIO_TARGET),
+        }]
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {

@@ -103,33 +103,13 @@ pub(crate) struct AllReduceArgs {
         default_value = "1stage,2stage,auto,replay",
         value_name = "PATHS"
     )]
-    pub(crate) paths: Vec<PathArg>,
+    pub(crate) paths: Vec<Variant>,
 
     /// Sizes (here 1 KiB to 8 MiB by default, multiples of 16: the custom all-reduce moves
     /// 16-byte packs; the largest sizes the staging buffers).
     #[command(flatten)]
     #[serde(flatten)]
     pub(crate) sweep: SweepArgs,
-}
-
-impl AllReduceArgs {
-    fn check_options(&self) -> Result<(), BenchError> {
-        self.sweep.validate()?;
-        self.run.at_most(8)?;
-        if !self.sweep.min_bytes.is_multiple_of(16) {
-            return Err(BenchError::Usage(format!(
-                "--min-bytes ({}) must be a multiple of 16 bytes: the custom all-reduce moves \
-                 16-byte packs",
-                self.sweep.min_bytes
-            )));
-        }
-        if self.dtypes.is_empty() || self.paths.is_empty() {
-            return Err(BenchError::Usage(
-                "--dtypes and --paths need at least one value".into(),
-            ));
-        }
-        Ok(())
-    }
 }
 
 /// An element type on the command line.
@@ -151,35 +131,44 @@ impl DTypeArg {
     }
 }
 
-/// A custom all-reduce row on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-pub(crate) enum PathArg {
+/// What one row of a table times: a custom all-reduce path (`--paths`), or one of the two
+/// rows the bench adds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Variant {
     /// Eager, forced one-stage.
     #[value(name = "1stage")]
-    #[serde(rename = "1stage")]
     OneStage,
     /// Eager, forced two-stage.
     #[value(name = "2stage")]
-    #[serde(rename = "2stage")]
     TwoStage,
     /// Eager, the dispatcher's choice.
-    #[value(name = "auto")]
-    #[serde(rename = "auto")]
     Auto,
     /// A captured plan (registered graph buffers) replayed; the dispatcher's choice.
-    #[value(name = "replay")]
-    #[serde(rename = "replay")]
     Replay,
+    /// One plain copy of the message on every rank at once: the memory-bandwidth floor.
+    #[value(skip)]
+    Memcpy,
+    /// `MPI_Allreduce`, the peer (f32 in MPI mode).
+    #[value(skip)]
+    Mpi,
 }
 
-impl PathArg {
+impl Variant {
     fn name(self) -> &'static str {
         match self {
-            PathArg::OneStage => "1stage",
-            PathArg::TwoStage => "2stage",
-            PathArg::Auto => "auto",
-            PathArg::Replay => "replay",
+            Variant::OneStage => "1stage",
+            Variant::TwoStage => "2stage",
+            Variant::Auto => "auto",
+            Variant::Replay => "replay",
+            Variant::Memcpy => MEMCPY,
+            Variant::Mpi => MPI,
         }
+    }
+}
+
+impl Serialize for Variant {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
     }
 }
 
@@ -193,10 +182,8 @@ fn columns(with_mpi: bool) -> Vec<Column> {
             _ => r.variant.clone(),
         }),
         col::iters(),
-        Column::new("time", "(us)", 10, |r, _| {
-            format!("{:.2}", r.stats.median_us)
-        }),
-        Column::new("min", "(us)", 10, |r, _| format!("{:.2}", r.stats.min_us)),
+        col::time::<2>("time", 10),
+        col::min::<2>(10),
         col::algbw(7),
         col::busbw(7),
     ];
@@ -315,29 +302,8 @@ struct Replay<'b> {
     memory: HostMemory,
     input: &'b HostBuffer,
     output: &'b HostBuffer,
-    /// `plans[dtype index][size index]`: the plan and the algorithm it recorded.
-    plans: Vec<Vec<(CapturedPlan<'b, HostBackend>, Algorithm)>>,
-}
-
-/// What one row of a table times.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Variant {
-    /// A custom all-reduce path.
-    Path(PathArg),
-    /// One plain copy of the message on every rank at once: the memory-bandwidth floor.
-    Memcpy,
-    /// `MPI_Allreduce`, the peer (f32 in MPI mode).
-    Mpi,
-}
-
-impl Variant {
-    fn name(self) -> &'static str {
-        match self {
-            Variant::Path(p) => p.name(),
-            Variant::Memcpy => MEMCPY,
-            Variant::Mpi => MPI,
-        }
-    }
+    /// Per element type of `--dtypes`, per size: the plan and the algorithm it recorded.
+    plans: Vec<(CapturedPlan<'b, HostBackend>, Algorithm)>,
 }
 
 /// What a rank runs the variants with.
@@ -348,64 +314,52 @@ struct Runner<'r, 'b> {
     mpi: Option<&'r MpiWorld>,
 }
 
-/// The buffers of one size and element type on one rank.
+/// The buffers of one size and element type on one rank (`MPI_Allreduce`, f32 only, uses
+/// the same).
 struct Case<T> {
-    count: usize,
     input: Vec<T>,
     output: Vec<T>,
     /// The memcpy variant's destination.
     copy: Vec<T>,
-    /// The same input as f32 for `MPI_Allreduce` (empty unless f32 in MPI mode).
-    mpi_input: Vec<f32>,
-    mpi_output: Vec<f32>,
-    /// Indices of the replayed plan in [`Replay::plans`].
-    plan: (usize, usize),
+    /// The index of the replayed plan in [`Replay::plans`].
+    plan: usize,
 }
 
 impl Runner<'_, '_> {
-    fn instance(&mut self, path: PathArg) -> Result<&mut HostAllReduce, BenchError> {
-        let i = match path {
-            PathArg::OneStage => 0,
-            PathArg::TwoStage => 1,
-            PathArg::Auto | PathArg::Replay => 2,
-        };
-        self.instances[i]
-            .as_mut()
-            .ok_or_else(|| BenchError::Usage(format!("no instance for {}", path.name())))
-    }
-
     /// Runs `variant` once; returns the algorithm it used.
     fn run<T: Element>(
         &mut self,
         variant: Variant,
         case: &mut Case<T>,
     ) -> Result<Option<Algorithm>, BenchError> {
+        let missing = || BenchError::Usage(format!("nothing runs {}", variant.name()));
+        let slot = match variant {
+            Variant::OneStage => 0,
+            Variant::TwoStage => 1,
+            _ => 2,
+        };
         match variant {
-            Variant::Path(PathArg::Replay) => {
-                let replay = self.replay.as_ref().ok_or_else(|| {
-                    BenchError::Usage("replay path without captured plans".into())
-                })?;
-                let (plan, algorithm) = &replay.plans[case.plan.0][case.plan.1];
-                let ar = self.instances[2]
-                    .as_mut()
-                    .ok_or_else(|| BenchError::Usage("no auto instance".into()))?;
-                plan.replay(ar)?;
+            Variant::Replay => {
+                let (plan, algorithm) = &self.replay.as_ref().ok_or_else(missing)?.plans[case.plan];
+                plan.replay(self.instances[2].as_mut().ok_or_else(missing)?)?;
                 Ok(Some(*algorithm))
             }
-            Variant::Path(p) => Ok(Some(
-                self.instance(p)?
-                    .all_reduce(&case.input, &mut case.output)?,
-            )),
             Variant::Memcpy => {
                 case.copy.copy_from_slice(&case.input);
                 Ok(None)
             }
             Variant::Mpi => {
-                let mpi = self
-                    .mpi
-                    .ok_or_else(|| BenchError::Usage("MPI path outside MPI mode".into()))?;
-                mpi.all_reduce_sum(&case.mpi_input, &mut case.mpi_output);
+                let (input, output) = (&case.input, &mut case.output);
+                let mpi = self.mpi.ok_or_else(missing)?;
+                mpi.all_reduce_sum(
+                    bytemuck::cast_slice(input),
+                    bytemuck::cast_slice_mut(output),
+                );
                 Ok(None)
+            }
+            _ => {
+                let ar = self.instances[slot].as_mut().ok_or_else(missing)?;
+                Ok(Some(ar.all_reduce(&case.input, &mut case.output)?))
             }
         }
     }
@@ -418,197 +372,45 @@ impl Runner<'_, '_> {
         case: &mut Case<T>,
         salt: u64,
     ) -> Result<(Option<Algorithm>, Option<String>), BenchError> {
-        let want = expected(ranks, case.count, salt);
-        let garbage = T::from_f32(f32::NAN);
-        case.input = input(rank, case.count, salt);
-        case.output.fill(garbage);
-        case.copy.fill(garbage);
-        if !case.mpi_input.is_empty() {
-            case.mpi_input = input(rank, case.count, salt);
-            case.mpi_output.fill(f32::NAN);
-        }
-        if let (Variant::Path(PathArg::Replay), Some(r)) = (variant, &self.replay) {
+        let count = case.input.len();
+        case.input = input(rank, count, salt);
+        case.output.fill(T::from_f32(f32::NAN));
+        case.copy.fill(T::from_f32(f32::NAN));
+        let replayed = variant == Variant::Replay;
+        if let (true, Some(r)) = (replayed, &self.replay) {
             r.memory
                 .write(r.input, 0, bytemuck::cast_slice(&case.input))?;
-            let nan = vec![garbage; case.count];
-            r.memory.write(r.output, 0, bytemuck::cast_slice(&nan))?;
+            r.memory
+                .write(r.output, 0, bytemuck::cast_slice(&case.output))?;
         }
         let algorithm = self.run(variant, case)?;
-        let bytes = |v: &[T]| bytemuck::cast_slice::<T, u8>(v).to_vec();
-        let problem = match (variant, &self.replay) {
-            (Variant::Mpi, _) => check(&case.mpi_output, &want),
-            (Variant::Memcpy, _) => (bytes(&case.copy) != bytes(&case.input))
-                .then(|| "the copy differs from its source".to_string()),
-            (Variant::Path(PathArg::Replay), Some(r)) => {
-                let mut got = vec![garbage; case.count];
-                r.memory
-                    .read(r.output, 0, bytemuck::cast_slice_mut(&mut got))?;
-                check(&got, &want)
-            }
-            (Variant::Path(_), _) => check(&case.output, &want),
+        if let (true, Some(r)) = (replayed, &self.replay) {
+            r.memory
+                .read(r.output, 0, bytemuck::cast_slice_mut(&mut case.output))?;
+        }
+        let problem = match variant {
+            Variant::Memcpy => (bytemuck::cast_slice::<T, u8>(&case.copy)
+                != bytemuck::cast_slice::<T, u8>(&case.input))
+            .then(|| "the copy differs from its source".to_string()),
+            _ => check(&case.output, &expected(ranks, count, salt)),
         };
         Ok((algorithm, problem))
     }
-}
 
-impl Bench for AllReduceArgs {
-    const NAME: &'static str = "allreduce";
-    const STATED_FOR: &'static str =
-        "2 MPI ranks (mpirun -np 2 ... --transport mpi): they compare with MPI_Allreduce";
-
-    fn run_args(&self) -> &RunArgs {
-        &self.run
-    }
-
-    fn validate(&self) -> Result<(), BenchError> {
-        self.check_options()
-    }
-
-    fn preamble(&self, mpi: bool) -> Vec<String> {
-        preamble(self, mpi)
-    }
-
-    fn targets(&self) -> Vec<Target> {
-        targets()
-    }
-
-    fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
-        let args = self;
-        let mpi = s.mpi.take();
-        let sizes = args.sweep.sizes();
-        let max_bytes = sizes.last().copied().unwrap_or(args.sweep.max_bytes);
-        let config = |algorithm| Config {
-            max_bytes,
-            algorithm,
-            ..Config::default()
-        };
-        let wants = |p: &[PathArg]| p.iter().any(|x| args.paths.contains(x));
-        let build = |wanted: bool, algorithm| -> Result<Option<HostAllReduce>, BenchError> {
-            wanted
-                .then(|| new_all_reduce(comm, config(algorithm)))
-                .transpose()
-        };
-        let mut instances = [
-            build(wants(&[PathArg::OneStage]), Some(Algorithm::OneStage))?,
-            build(wants(&[PathArg::TwoStage]), Some(Algorithm::TwoStage))?,
-            build(wants(&[PathArg::Auto, PathArg::Replay]), None)?,
-        ];
-        // Replay: one plan per (element type, size), captured up front on the auto
-        // instance, registered in one collective call.
-        let memory = match (&instances[2], args.paths.contains(&PathArg::Replay)) {
-            (Some(ar), true) => Some(ar.memory()?.clone()),
-            _ => None,
-        };
-        let buffers = match &memory {
-            Some(m) => Some((m.allocate(max_bytes)?, m.allocate(max_bytes)?)),
-            None => None,
-        };
-        let replay = match (&memory, &buffers, &mut instances[2]) {
-            (Some(memory), Some((rin, rout)), Some(ar)) => {
-                let mut plans = Vec::with_capacity(args.dtypes.len());
-                for d in &args.dtypes {
-                    let dtype = d.dtype();
-                    let mut row = Vec::with_capacity(sizes.len());
-                    for &bytes in &sizes {
-                        let mut algorithm = None;
-                        let plan = ar.capture(|cap| {
-                            algorithm =
-                                Some(cap.all_reduce(rin, rout, dtype, bytes / dtype.size())?);
-                            Ok(())
-                        })?;
-                        let algorithm = algorithm.ok_or_else(|| {
-                            BenchError::Usage("the capture recorded nothing".into())
-                        })?;
-                        row.push((plan, algorithm));
-                    }
-                    plans.push(row);
-                }
-                ar.register_graph_buffers(comm)?;
-                Some(Replay {
-                    memory: memory.clone(),
-                    input: rin,
-                    output: rout,
-                    plans,
-                })
-            }
-            _ => None,
-        };
-        let mut t = Table {
-            runner: Runner {
-                instances,
-                replay,
-                mpi: mpi.as_ref(),
-            },
-            sync: new_sync(comm)?,
-            dtype_index: 0,
-            with_mpi: false,
-        };
-        s.progress.plan(args.dtypes.len() * sizes.len());
-        for (di, &d) in args.dtypes.iter().enumerate() {
-            t.dtype_index = di;
-            t.with_mpi = mpi.is_some() && d == DTypeArg::F32;
-            with_element!(d.dtype(), T => t.bench::<T, C>(s, comm, args))?;
-            summarize(s, d.dtype().name(), comm.size());
-        }
-        Ok(())
-    }
-}
-
-fn preamble(args: &AllReduceArgs, mpi: bool) -> Vec<String> {
-    let mut lines = vec![
-        format!(
-            "tpcomm-allreduce host backend (shared memory); {}",
-            args.sweep.describe()
-        ),
-        "time: median over iterations of the slowest rank; before each iteration a barrier, \
-         then an untimed 16-byte custom all-reduce (spinning flags) to line the ranks up"
-            .into(),
-        "1stage / 2stage: eager all_reduce (slice in, slice out), algorithm forced by \
-         Config.algorithm; auto: the dispatcher's choice (in parentheses)"
-            .into(),
-    ];
-    if args.paths.contains(&PathArg::Replay) {
-        lines.push(
-            "replay: a captured plan replayed (input and output in registered peer memory, \
-             no staging copy), the dispatcher's choice"
-                .into(),
-        );
-    }
-    lines.push(
-        "memcpy: one plain copy of the message (its size, per rank, every rank at once), \
-         timed like the paths: the memory-bandwidth floor; vs copy = median / memcpy median"
-            .into(),
-    );
-    if mpi {
-        lines.push(
-            "MPI_Allreduce: the plain MPI call (rsmpi all_reduce_into, sum, on MPI_COMM_WORLD), \
-             the same f32 data; vs MPI = custom median / MPI median (below 1 = faster)"
-                .into(),
-        );
-    }
-    lines.push("every path verified once per size (exact integer data) before timing".into());
-    lines
-}
-
-/// What one rank measures the tables with.
-struct Table<'r, 'b> {
-    runner: Runner<'r, 'b>,
-    sync: HostAllReduce,
-    dtype_index: usize,
-    with_mpi: bool,
-}
-
-impl Table<'_, '_> {
-    /// Verifies and times every variant at every size for one element type; rank 0 prints.
+    /// Verifies and times every variant at every size for `T`, the element type of table
+    /// `dtype_index`, each iteration lined up by `sync`; rank 0 prints.
     fn bench<T: Element, C: Communicator>(
         &mut self,
         s: &mut Session<'_>,
         comm: &C,
         args: &AllReduceArgs,
+        dtype_index: usize,
+        sync: &mut HostAllReduce,
     ) -> Result<(), BenchError> {
-        let ranks = comm.size();
+        let (rank, ranks) = (comm.rank(), comm.size());
         let name = T::DTYPE.name();
-        let columns = columns(self.with_mpi);
+        let with_mpi = self.mpi.is_some() && T::DTYPE == DType::F32;
+        let columns = columns(with_mpi);
         s.header(
             &format!(
                 "all_reduce sum, {name}, {ranks} ranks: size = bytes per rank; busbw = algbw * \
@@ -616,46 +418,39 @@ impl Table<'_, '_> {
             ),
             &columns,
         );
-        let mut variants: Vec<Variant> = args.paths.iter().map(|&p| Variant::Path(p)).collect();
+        let mut variants = args.paths.clone();
         variants.push(Variant::Memcpy);
-        if self.with_mpi {
+        if with_mpi {
             variants.push(Variant::Mpi);
         }
         let names: Vec<&str> = variants.iter().map(|v| v.name()).collect();
-        for (size_index, &bytes) in args.sweep.sizes().iter().enumerate() {
+        let sizes = args.sweep.sizes();
+        for (size_index, &bytes) in sizes.iter().enumerate() {
             let count = bytes / T::DTYPE.size();
-            let mpi_len = if self.with_mpi { count } else { 0 };
             let zeros = || vec![T::from_f32(0.0); count];
             let mut case = Case {
-                count,
                 input: zeros(),
                 output: zeros(),
                 copy: zeros(),
-                mpi_input: vec![0.0; mpi_len],
-                mpi_output: vec![0.0; mpi_len],
-                plan: (self.dtype_index, size_index),
+                plan: dtype_index * sizes.len() + size_index,
             };
             let spec = Spec {
-                peer: self.with_mpi.then_some(MPI),
+                peer: with_mpi.then_some(MPI),
                 bus: Some(Bus::AllReduce),
                 ..Spec::new(name, bytes.to_string(), bytes, &names)
                     .with("count", count)
                     .with("type", name)
             };
-            let salt = ((self.dtype_index as u64) << 40) ^ ((size_index as u64) << 20) ^ 0x5eed;
+            let salt = ((dtype_index as u64) << 40) ^ ((size_index as u64) << 20) ^ 0x5eed;
             let mut algorithms = Vec::with_capacity(variants.len());
-            let ranks = (comm.rank(), comm.size());
             s.verify(comm, &spec, &mut case, |case, k| {
                 let salt = salt ^ ((k as u64) << 56);
-                let (algorithm, problem) = self.runner.verify(ranks, variants[k], case, salt)?;
+                let (algorithm, problem) = self.verify((rank, ranks), variants[k], case, salt)?;
                 algorithms.push(algorithm);
                 Ok(problem)
             })?;
             let rows = s.measure(comm, &spec, &mut case, |case, k| {
-                let runner = &mut self.runner;
-                time_synced(comm, &mut self.sync, || {
-                    runner.run(variants[k], case).map(drop)
-                })
+                time_synced(comm, sync, || self.run(variants[k], case).map(drop))
             })?;
             let copy = rows
                 .iter()
@@ -672,6 +467,141 @@ impl Table<'_, '_> {
                 })
                 .collect();
             s.rows(&columns, rows, |_| true);
+        }
+        Ok(())
+    }
+}
+
+impl Bench for AllReduceArgs {
+    const NAME: &'static str = "allreduce";
+    const STATED_FOR: &'static str =
+        "2 MPI ranks (mpirun -np 2 ... --transport mpi): they compare with MPI_Allreduce";
+
+    fn run_args(&self) -> &RunArgs {
+        &self.run
+    }
+
+    fn validate(&self) -> Result<(), BenchError> {
+        self.sweep.validate()?;
+        self.run.at_most(8)?;
+        if !self.sweep.min_bytes.is_multiple_of(16) {
+            return Err(BenchError::Usage(format!(
+                "--min-bytes ({}) must be a multiple of 16 bytes: the custom all-reduce moves \
+                 16-byte packs",
+                self.sweep.min_bytes
+            )));
+        }
+        if self.dtypes.is_empty() || self.paths.is_empty() {
+            return Err(BenchError::Usage(
+                "--dtypes and --paths need at least one value".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn preamble(&self, mpi: bool) -> Vec<String> {
+        let mut lines = vec![
+            format!(
+                "tpcomm-allreduce host backend (shared memory); {}",
+                self.sweep.describe()
+            ),
+            "time: median over iterations of the slowest rank; before each iteration a barrier, \
+             then an untimed 16-byte custom all-reduce (spinning flags) to line the ranks up"
+                .into(),
+            "1stage / 2stage: eager all_reduce (slice in, slice out), algorithm forced by \
+             Config.algorithm; auto: the dispatcher's choice (in parentheses)"
+                .into(),
+        ];
+        if self.paths.contains(&Variant::Replay) {
+            lines.push(
+                "replay: a captured plan replayed (input and output in registered peer memory, \
+                 no staging copy), the dispatcher's choice"
+                    .into(),
+            );
+        }
+        lines.push(
+            "memcpy: one plain copy of the message (its size, per rank, every rank at once), \
+             timed like the paths: the memory-bandwidth floor; vs copy = median / memcpy median"
+                .into(),
+        );
+        if mpi {
+            lines.push(
+                "MPI_Allreduce: the plain MPI call (rsmpi all_reduce_into, sum, on MPI_COMM_WORLD), \
+                 the same f32 data; vs MPI = custom median / MPI median (below 1 = faster)"
+                    .into(),
+            );
+        }
+        lines.push("every path verified once per size (exact integer data) before timing".into());
+        lines
+    }
+
+    fn targets(&self) -> Vec<Target> {
+        targets()
+    }
+
+    fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
+        let mpi = s.mpi.take();
+        let sizes = self.sweep.sizes();
+        let max_bytes = sizes.last().copied().unwrap_or(self.sweep.max_bytes);
+        let wants = |p: &[Variant]| p.iter().any(|x| self.paths.contains(x));
+        let build = |wanted: bool, algorithm| -> Result<Option<HostAllReduce>, BenchError> {
+            let config = Config {
+                max_bytes,
+                algorithm,
+                ..Config::default()
+            };
+            wanted.then(|| new_all_reduce(comm, config)).transpose()
+        };
+        let mut instances = [
+            build(wants(&[Variant::OneStage]), Some(Algorithm::OneStage))?,
+            build(wants(&[Variant::TwoStage]), Some(Algorithm::TwoStage))?,
+            build(wants(&[Variant::Auto, Variant::Replay]), None)?,
+        ];
+        // Replay: one plan per (element type, size), captured up front on the auto
+        // instance, registered in one collective call.
+        let memory = match &instances[2] {
+            Some(ar) if wants(&[Variant::Replay]) => Some(ar.memory()?.clone()),
+            _ => None,
+        };
+        let buffers = match &memory {
+            Some(m) => Some((m.allocate(max_bytes)?, m.allocate(max_bytes)?)),
+            None => None,
+        };
+        let replay = match (memory, &buffers, &mut instances[2]) {
+            (Some(memory), Some((input, output)), Some(ar)) => {
+                let mut plans = Vec::with_capacity(self.dtypes.len() * sizes.len());
+                for dtype in self.dtypes.iter().map(|d| d.dtype()) {
+                    for &bytes in &sizes {
+                        let mut algorithm = None;
+                        let plan = ar.capture(|cap| {
+                            let count = bytes / dtype.size();
+                            algorithm = Some(cap.all_reduce(input, output, dtype, count)?);
+                            Ok(())
+                        })?;
+                        let recorded = || BenchError::Usage("the capture recorded nothing".into());
+                        plans.push((plan, algorithm.ok_or_else(recorded)?));
+                    }
+                }
+                ar.register_graph_buffers(comm)?;
+                Some(Replay {
+                    memory,
+                    input,
+                    output,
+                    plans,
+                })
+            }
+            _ => None,
+        };
+        let mut runner = Runner {
+            instances,
+            replay,
+            mpi: mpi.as_ref(),
+        };
+        let mut sync = new_sync(comm)?;
+        s.progress.plan(self.dtypes.len() * sizes.len());
+        for (di, &d) in self.dtypes.iter().enumerate() {
+            with_element!(d.dtype(), T => runner.bench::<T, C>(s, comm, self, di, &mut sync))?;
+            summarize(s, d.dtype().name(), comm.size());
         }
         Ok(())
     }
@@ -877,53 +807,17 @@ mod tests {
     use half::bf16;
 
     use super::*;
-    use clap::Parser;
-
-    use crate::{Cli, Command};
+    use crate::harness::judge;
 
     #[test]
     fn defaults_are_f32_every_path_1_kib_to_8_mib_locally() {
-        let Command::AllReduce(args) = Cli::try_parse_from(["tpcomm-bench", "allreduce"])
-            .unwrap()
-            .command
-        else {
-            panic!("not the allreduce subcommand")
-        };
+        let args = parse!(AllReduce, ["allreduce"]);
         assert_eq!(args.dtypes, vec![DTypeArg::F32]);
         assert_eq!(args.paths.len(), 4);
         assert_eq!(args.sweep.sizes().len(), 14);
-        assert!(args.check_options().is_ok());
-        let nine = Cli::try_parse_from(["tpcomm-bench", "allreduce", "--ranks", "9"]).unwrap();
-        let Command::AllReduce(nine) = nine.command else {
-            panic!("not the allreduce subcommand")
-        };
-        assert!(nine.check_options().is_err());
-        assert!(Cli::try_parse_from(["tpcomm-bench", "allreduce", "--dtypes", "f64"]).is_err());
-    }
-
-    #[test]
-    fn every_path_and_dtype_verifies_and_times_on_three_local_ranks() {
-        let Command::AllReduce(mut args) = Cli::try_parse_from([
-            "tpcomm-bench",
-            "allreduce",
-            "--dtypes",
-            "f32,bf16",
-            "--max-bytes",
-            "256KiB",
-            "--factor",
-            "4",
-            "--iters",
-            "2",
-            "--warmup",
-            "1",
-        ])
-        .unwrap()
-        .command
-        else {
-            panic!("not the allreduce subcommand")
-        };
-        args.run.ranks = Some(3);
-        crate::launch::run(&args).unwrap();
+        assert!(args.validate().is_ok());
+        let nine = parse!(AllReduce, ["allreduce", "--ranks", "9"]);
+        assert!(nine.validate().is_err());
     }
 
     #[test]
@@ -943,15 +837,14 @@ mod tests {
 
     #[test]
     fn the_floor_line_quotes_memcpy_at_8_mib_or_says_why_not() {
-        let row = |path: &str, bytes: usize, us: u64| {
-            let r = Row::new("f32", &bytes.to_string(), path, bytes, 0, vec![us * 1000]);
-            r.unwrap().bus(Bus::AllReduce, 2)
+        let row = |path, bytes: usize, us| {
+            Row::of_us("f32", &bytes.to_string(), path, us).bus(Bus::AllReduce, 2)
         };
         let big = 8 << 20;
         let rows = [
-            row(MEMCPY, 1 << 20, 50),
-            row(MEMCPY, big, 1000),
-            row("auto", big, 2500).with("vs_memcpy", 2.5),
+            row(MEMCPY, 1 << 20, 50.0),
+            row(MEMCPY, big, 1000.0),
+            row("auto", big, 2500.0).with("vs_memcpy", 2.5),
         ];
         let line = floor_line("f32", &rows).unwrap();
         assert!(line.contains("memcpy of 8 MiB"), "{line}");
@@ -982,22 +875,17 @@ mod tests {
 
     #[test]
     fn targets_use_auto_against_mpi() {
-        let row = |path: &str, bytes: usize, us: u64, vs| {
-            let mut r = Row::new("f32", &bytes.to_string(), path, bytes, 0, vec![us]).unwrap();
-            r.vs_peer = vs;
-            r
-        };
+        let row = |path, bytes: usize| Row::of_us("f32", &bytes.to_string(), path, 1.0);
         let rows = [
-            row("auto", 1 << 10, 1100, Some(1.1)),
-            row(MPI, 1 << 10, 1000, None),
-            row("auto", 8 << 10, 1000, Some(0.5)),
-            row("auto", 16 << 10, 1000, Some(0.8)),
+            row("auto", 1 << 10).vs(1.1),
+            row(MPI, 1 << 10),
+            row("auto", 8 << 10).vs(0.5),
+            row("auto", 16 << 10).vs(0.8),
         ];
-        let v = crate::harness::Verdict::judge_all(&targets(), &rows, true);
+        let v = judge(&targets(), &rows);
         assert_eq!(v.len(), 2);
         // sqrt(2 * 1.25) = 1.58
         assert!(v[0].met && v[1].met, "{v:?}");
-        let v = crate::harness::Verdict::judge_all(&targets(), &rows[3..], true);
-        assert!(!v[0].met);
+        assert!(!judge(&targets(), &rows[3..])[0].met);
     }
 }

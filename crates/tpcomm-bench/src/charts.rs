@@ -41,21 +41,33 @@ pub(crate) fn run(args: &PlotArgs) -> Result<(), BenchError> {
     Ok(())
 }
 
-/// What a chart's y axis shows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Measure {
-    Time,
-    BusBw,
+/// What a chart's y axis shows: the file name's suffix, the title's word, the axis's name,
+/// a row's figure, and whether the ratio targets are drawn.
+struct Measure {
+    file: &'static str,
+    title: &'static str,
+    axis: &'static str,
+    of: fn(&Row) -> Option<f64>,
+    targets: bool,
 }
 
-impl Measure {
-    fn of(self, r: &Row) -> Option<f64> {
-        match self {
-            Measure::Time => Some(r.stats.median_us),
-            Measure::BusBw => r.busbw_gbps,
-        }
-    }
-}
+/// The charts of every table: time, and bus bandwidth where the rows have one.
+const MEASURES: [Measure; 2] = [
+    Measure {
+        file: "time",
+        title: "time",
+        axis: "median time (us)",
+        of: |r| Some(r.stats.median_us),
+        targets: true,
+    },
+    Measure {
+        file: "busbw",
+        title: "bus bandwidth",
+        axis: "bus bandwidth (GB/s)",
+        of: |r| r.busbw_gbps,
+        targets: false,
+    },
+];
 
 /// The x of a row: its case where that is a number (a size, a count of buffers), otherwise
 /// its bytes (a payload's).
@@ -134,18 +146,14 @@ pub(crate) fn plot_report(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, B
     let mut written = Vec::new();
     for table in tables {
         let rows: Vec<&Row> = report.rows.iter().filter(|r| r.table == table).collect();
-        for measure in [Measure::Time, Measure::BusBw] {
+        for measure in &MEASURES {
             let name = format!(
                 "{}-{}{}-{}-{}.svg",
                 report.subcommand,
                 report.transport,
                 report.ranks,
                 slug(table),
-                if measure == Measure::Time {
-                    "time"
-                } else {
-                    "busbw"
-                }
+                measure.file
             );
             let path = dir.join(name);
             if chart(report, table, &rows, measure, &path)? {
@@ -161,12 +169,12 @@ fn chart(
     report: &Report,
     table: &str,
     rows: &[&Row],
-    measure: Measure,
+    measure: &Measure,
     path: &Path,
 ) -> Result<bool, BenchError> {
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     for r in rows {
-        let (Some(x), Some(y)) = (x_of(r), measure.of(r).filter(|&y| y > 0.0)) else {
+        let (Some(x), Some(y)) = (x_of(r), (measure.of)(r).filter(|&y| y > 0.0)) else {
             continue;
         };
         match series.iter_mut().find(|(v, _)| *v == r.variant) {
@@ -174,10 +182,9 @@ fn chart(
             None => series.push((r.variant.clone(), vec![(x, y)])),
         }
     }
-    let targets = if measure == Measure::Time {
-        target_lines(report, &series)
-    } else {
-        Vec::new()
+    let targets = match measure.targets {
+        true => target_lines(report, &series),
+        false => Vec::new(),
     };
     let points = || {
         series
@@ -202,14 +209,7 @@ fn chart(
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let title = format!(
         "{} {table}: {} ({}, {} ranks)",
-        report.subcommand,
-        if measure == Measure::Time {
-            "time"
-        } else {
-            "bus bandwidth"
-        },
-        report.transport,
-        report.ranks
+        report.subcommand, measure.title, report.transport, report.ranks
     );
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
@@ -218,14 +218,10 @@ fn chart(
         .y_label_area_size(70)
         .build_cartesian_2d(range(|p| p.0).log_scale(), range(|p| p.1).log_scale())
         .map_err(|e| err(&e))?;
-    let y_desc = match measure {
-        Measure::Time => "median time (us)",
-        Measure::BusBw => "bus bandwidth (GB/s)",
-    };
     chart
         .configure_mesh()
         .x_desc(x_desc(rows))
-        .y_desc(y_desc)
+        .y_desc(measure.axis)
         .x_label_formatter(&|x| short(*x, 1000.0, &["", "k", "M", "G"]))
         .y_label_formatter(&|y| short(*y, 1000.0, &["", "k", "M", "G"]))
         .draw()

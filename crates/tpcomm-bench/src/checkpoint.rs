@@ -358,19 +358,6 @@ mod imp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    use crate::{Cli, Command};
-
-    fn args() -> CheckpointArgs {
-        match Cli::try_parse_from(["tpcomm-bench", "checkpoint", "--repeat", "2"])
-            .unwrap()
-            .command
-        {
-            Command::Checkpoint(args) => args,
-            _ => panic!("not the checkpoint subcommand"),
-        }
-    }
 
     #[test]
     fn the_timed_steps_are_the_sequences_between_the_two_replays() {
@@ -384,7 +371,8 @@ mod tests {
         steps[2] = vec![None, None]; // `lock`: timed by no rank
         steps[7] = vec![Some(3_000_000), Some(3_000_000)];
         let memory = [measured_memory(), measured_memory()].concat();
-        let rows = rows(&args(), &Measured { steps, memory });
+        let args = parse!(Checkpoint, ["checkpoint", "--repeat", "2"]);
+        let rows = rows(&args, &Measured { steps, memory });
         let names: Vec<&str> = rows.iter().map(|r| r.variant.as_str()).collect();
         assert_eq!(
             names,

@@ -240,17 +240,10 @@ impl GpuArgs {
 /// Runs the subcommand.
 pub(crate) fn run(args: &GpuArgs) -> Result<(), BenchError> {
     args.validate()?;
+    #[cfg(not(feature = "cuda"))]
+    return Err(BenchError::WithoutCuda);
+    #[cfg(feature = "cuda")]
     imp::run(args)
-}
-
-#[cfg(not(feature = "cuda"))]
-mod imp {
-    use super::GpuArgs;
-    use crate::error::BenchError;
-
-    pub(super) fn run(_: &GpuArgs) -> Result<(), BenchError> {
-        Err(BenchError::WithoutCuda)
-    }
 }
 
 #[cfg(feature = "cuda")]
@@ -328,8 +321,8 @@ mod imp {
         col::variant("alg", 6),
         Column::new("blk", "", 4, |r, _| r.text("blocks")),
         Column::new("iters", "", 5, |r, _| r.iters.to_string()),
-        Column::new("time", "(us)", 9, |r, _| f2(Some(r.stats.median_us))),
-        Column::new("min", "(us)", 9, |r, _| f2(Some(r.stats.min_us))),
+        col::time::<2>("time", 9),
+        col::min::<2>(9),
         Column::new("busbw", "(GB/s)", 8, |r, _| f2(r.busbw_gbps)),
         Column::new("after", "(us)", 9, |r, _| f2(r.number("after_median_us"))),
         Column::new("aft/bef", "", 7, |r, _| {
@@ -807,17 +800,26 @@ mod imp {
         s.keep(engine_rows.clone());
         s.write_json("gpu", json, &settings(None, false), &[])?;
 
-        let dtypes = distinct(rows.iter().filter_map(|r| {
-            [DType::F32, DType::F16, DType::Bf16]
-                .into_iter()
-                .find(|d| d.name() == r.text("type"))
-        }));
         s.note("");
-        let (nccl_rows, nccl_library) = if args.no_nccl {
+        let (nccl_rows, nccl_library): (Vec<Row>, _) = if args.no_nccl {
             s.note("nccl: skipped (--no-nccl)");
             (Vec::new(), None)
         } else {
-            match nccl::reference(&s, args, &dtypes, &sizes) {
+            #[cfg(not(feature = "nccl"))]
+            let reference = {
+                s.note("nccl: reference skipped (built without the `nccl` feature)");
+                Ok::<_, BenchError>((Vec::new(), None))
+            };
+            #[cfg(feature = "nccl")]
+            let reference = {
+                let dtypes = distinct(rows.iter().filter_map(|r| {
+                    [DType::F32, DType::F16, DType::Bf16]
+                        .into_iter()
+                        .find(|d| d.name() == r.text("type"))
+                }));
+                nccl::reference(&s, args, &dtypes, &sizes)
+            };
+            match reference {
                 Ok(found) => found,
                 Err(e) => {
                     let e = crate::error::chain(&e);
@@ -913,7 +915,7 @@ mod imp {
         use tpcomm::Communicator;
 
         use super::{
-            config, cuda_error, f2, options, teardown, verify_and_time, write_input, CudaAllReduce,
+            config, cuda_error, options, teardown, verify_and_time, write_input, CudaAllReduce,
             Plan, Replayed,
         };
         use crate::allreduce::input;
@@ -940,8 +942,8 @@ mod imp {
             col::variant("path", 12),
             Column::new("alg", "", 6, |r, _| r.text("algorithm")),
             Column::new("iters", "", 5, |r, _| r.iters.to_string()),
-            Column::new("time", "(us)", 9, |r, _| f2(Some(r.stats.median_us))),
-            Column::new("min", "(us)", 9, |r, _| f2(Some(r.stats.min_us))),
+            col::time::<2>("time", 9),
+            col::min::<2>(9),
             Column::new("vs", "", 8, |r, _| {
                 r.peer.clone().unwrap_or_else(|| "-".into())
             }),
@@ -1183,7 +1185,7 @@ mod imp {
         fn the_engine_target_is_the_caller_path_within_2_percent_of_the_private_one() {
             let row =
                 |variant, vs| crate::harness::row_vs("engine 2 ranks bf16", "32768", variant, vs);
-            let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(), rows, true);
+            let judge = |rows: &[Row]| crate::harness::judge(&targets(), rows);
             assert!(judge(&[row(CALLER, 1.019), row(STAGED, 1.4)])[0].met);
             let v = judge(&[row(CALLER, 1.019), row(CALLER, 1.021)]);
             assert!(!v[0].met);
@@ -1449,42 +1451,14 @@ mod imp {
             Ok((rows, Some(library)))
         }
     }
-
-    #[cfg(not(feature = "nccl"))]
-    mod nccl {
-        use tpcomm::allreduce::DType;
-
-        use crate::error::BenchError;
-        use crate::gpu::GpuArgs;
-        use crate::harness::Row;
-        use crate::launch::Session;
-
-        pub(super) fn reference(
-            t: &Session<'_>,
-            _: &GpuArgs,
-            _: &[DType],
-            _: &[usize],
-        ) -> Result<(Vec<Row>, Option<String>), BenchError> {
-            t.note("nccl: reference skipped (built without the `nccl` feature)");
-            Ok((Vec::new(), None))
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
-    use crate::{Cli, Command};
 
     fn parse(extra: &[&str]) -> GpuArgs {
-        let mut argv = vec!["tpcomm-bench", "gpu"];
-        argv.extend_from_slice(extra);
-        match Cli::try_parse_from(argv).unwrap().command {
-            Command::Gpu(args) => args,
-            _ => panic!("not the gpu subcommand"),
-        }
+        parse!(Gpu, [&["gpu"], extra].concat())
     }
 
     #[test]
@@ -1515,8 +1489,6 @@ mod tests {
 
     #[test]
     fn bad_options_are_refused() {
-        assert!(Cli::try_parse_from(["tpcomm-bench", "gpu", "--worlds", "9"]).is_err());
-        assert!(Cli::try_parse_from(["tpcomm-bench", "gpu", "--f32-worlds", "1"]).is_err());
         assert!(parse(&["--worlds", "3"]).validate().is_err());
         assert!(parse(&["--min-bytes", "1000"]).validate().is_err());
         assert!(parse(&["--min-bytes", "16MiB"]).validate().is_err());

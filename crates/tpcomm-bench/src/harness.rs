@@ -337,45 +337,22 @@ impl<'a> Spec<'a> {
     }
 }
 
-/// What [`time_variants`] measured: per variant, every iteration's slowest-rank time.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Timed {
-    pub(crate) warmup: usize,
-    pub(crate) samples: Vec<Vec<u64>>,
-}
-
-/// How one case is timed.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Plan<'a> {
-    /// The iteration policy.
-    pub(crate) iter: &'a IterArgs,
-    /// Bytes the case moves (the warm-up count depends on it).
-    pub(crate) bytes: usize,
-    /// How many variants run per iteration.
-    pub(crate) variants: usize,
-    pub(crate) order: Order,
-}
-
-/// Times the variants of one case, interleaved (collective): `warmup_for(bytes)` warm-up
-/// rounds, an iteration count chosen from them (the same on every rank, from gathered
-/// figures), then the timed rounds. `once(state, v)` runs variant `v` once, as one timed
-/// iteration ([`time_once`]), and returns its time on this rank.
+/// Times the variants of `spec`, interleaved in its order (collective): `warmup_for(bytes)`
+/// warm-up rounds, an iteration count chosen from them (the same on every rank, from
+/// gathered figures), then the timed rounds. `once(state, v)` runs variant `v` once, as one
+/// timed iteration ([`time_once`]), and returns its time on this rank. Returns the warm-up
+/// count and, per variant, every iteration's slowest-rank time.
 pub(crate) fn time_variants<C: Communicator, S>(
     comm: &C,
-    plan: Plan<'_>,
+    iter: &IterArgs,
+    spec: &Spec<'_>,
     progress: &Progress,
     state: &mut S,
     mut once: impl FnMut(&mut S, usize) -> Result<u64, BenchError>,
-) -> Result<Timed, BenchError> {
-    let Plan {
-        iter,
-        bytes,
-        variants: n,
-        order,
-    } = plan;
-    let warmup = iter.warmup_for(bytes);
+) -> Result<(usize, Vec<Vec<u64>>), BenchError> {
+    let (n, warmup) = (spec.variants.len(), iter.warmup_for(spec.bytes));
     let mut round = |i: usize, out: &mut Vec<Vec<u64>>| -> Result<(), BenchError> {
-        for v in order.of(n, i) {
+        for v in spec.order.of(n, i) {
             out[v].push(once(state, v)?);
         }
         Ok(())
@@ -391,11 +368,8 @@ pub(crate) fn time_variants<C: Communicator, S>(
         round(i, &mut times)?;
         progress.tick(i + 1, iters);
     }
-    let mut samples = Vec::with_capacity(n);
-    for t in &times {
-        samples.push(slowest(comm, t)?);
-    }
-    Ok(Timed { warmup, samples })
+    let samples = times.iter().map(|t| slowest(comm, t));
+    Ok((warmup, samples.collect::<Result<_, _>>()?))
 }
 
 /// Collective: the timed iterations the policy picks after the warm-up times `warm` (one list
@@ -611,13 +585,34 @@ pub(crate) fn geomean(values: &[f64]) -> Option<f64> {
     Some((values.iter().map(|v| v.ln()).sum::<f64>() / values.len() as f64).exp())
 }
 
+#[cfg(test)]
+impl Row {
+    /// A row of one iteration of `us` microseconds, its bytes the case where that is a
+    /// number (for tests).
+    pub(crate) fn of_us(table: &str, case: &str, variant: &str, us: f64) -> Row {
+        let bytes = case.parse().unwrap_or(0);
+        Row::new(table, case, variant, bytes, 0, vec![(us * 1e3) as u64]).expect("one sample")
+    }
+
+    /// The row compared with its peer by `vs_peer` (for tests).
+    pub(crate) fn vs(self, vs_peer: f64) -> Row {
+        Row {
+            vs_peer: Some(vs_peer),
+            ..self
+        }
+    }
+}
+
 /// A row of one iteration of 1 us compared with its peer by `vs_peer` (for tests).
 #[cfg(test)]
 pub(crate) fn row_vs(table: &str, case: &str, variant: &str, vs_peer: f64) -> Row {
-    Row {
-        vs_peer: Some(vs_peer),
-        ..Row::new(table, case, variant, 0, 0, vec![1000]).expect("one sample")
-    }
+    Row::of_us(table, case, variant, 1.0).vs(vs_peer)
+}
+
+/// The verdicts of `targets` on `rows`, binding (for tests).
+#[cfg(test)]
+pub(crate) fn judge(targets: &[Target], rows: &[Row]) -> Vec<Verdict> {
+    Verdict::judge_all(targets, rows, true)
 }
 
 #[cfg(test)]
@@ -663,30 +658,20 @@ mod tests {
         };
         let results = LocalGroup::new(2).run(|comm| {
             let mut log = Vec::new();
-            let timed = time_variants(
-                &comm,
-                Plan {
-                    iter: &iter,
-                    bytes: 8,
-                    variants: 2,
-                    order: Order::Rotate,
-                },
-                &Progress::off(),
-                &mut log,
-                |log, v| {
+            let spec = Spec::new("t", "8".into(), 8, &["a", "b"]);
+            let timed =
+                time_variants(&comm, &iter, &spec, &Progress::off(), &mut log, |log, v| {
                     log.push(v);
                     Ok(comm.rank() as u64 * 10 + v as u64)
-                },
-            )?;
+                })?;
             Ok::<_, BenchError>((log, timed))
         });
         for r in results {
             let (log, timed) = r.unwrap().unwrap();
             // 1 warm-up round, then 4 timed rounds, the order rotated each round.
             assert_eq!(log, vec![0, 1, 0, 1, 1, 0, 0, 1, 1, 0]);
-            assert_eq!(timed.warmup, 1);
-            // The slowest rank (rank 1) of every iteration.
-            assert_eq!(timed.samples, vec![vec![10; 4], vec![11; 4]]);
+            // 1 warm-up; the slowest rank (rank 1) of every iteration.
+            assert_eq!(timed, (1, vec![vec![10; 4], vec![11; 4]]));
         }
     }
 
@@ -745,31 +730,7 @@ mod tests {
     }
 
     #[test]
-    fn targets_judge_the_rows_and_keep_their_reason() {
-        let targets = [Target {
-            what: "fast".into(),
-            why: "because",
-            judge: Box::new(|rows: &[Row]| {
-                let r = rows.first()?;
-                Some((
-                    r.stats.median_us < 2.0,
-                    format!("{:.1} us", r.stats.median_us),
-                ))
-            }),
-            line: None,
-        }];
-        let rows = [Row::new("t", "c", "v", 8, 0, vec![1000]).unwrap()];
-        let v = Verdict::judge_all(&targets, &rows, false);
-        assert_eq!(v.len(), 1);
-        assert!(v[0].met);
-        assert_eq!(
-            v[0].lines(),
-            [
-                "target fast: MET [indicative only] (1.0 us)".to_string(),
-                "  why: because".to_string()
-            ]
-        );
-        assert!(Verdict::judge_all(&targets, &[], true).is_empty());
+    fn summary_helpers_take_geometric_means_and_keep_first_occurrences() {
         assert_eq!(geomean(&[2.0, 8.0]), Some(4.0));
         assert_eq!(distinct([3, 1, 3, 2, 1]), [3, 1, 2]);
         let rows = [row_vs("t", "a", "v", 2.0), row_vs("t", "b", "v", 8.0)];

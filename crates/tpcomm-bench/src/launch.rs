@@ -15,7 +15,7 @@ use tpcomm::transport::LocalGroup;
 use tpcomm::{Communicator, TransportError};
 
 use crate::error::BenchError;
-use crate::harness::{time_variants, Plan, Row, Spec, Target, Verdict};
+use crate::harness::{time_variants, Row, Spec, Target, Verdict};
 use crate::mpi_peer::MpiWorld;
 use crate::report::{self, Machine, Report};
 use crate::sweep::IterArgs;
@@ -185,14 +185,8 @@ impl<'a> Session<'a> {
         once: impl FnMut(&mut S, usize) -> Result<u64, BenchError>,
     ) -> Result<Vec<Row>, BenchError> {
         self.progress.case(format!("{} {}", spec.table, spec.case));
-        let plan = Plan {
-            iter: &self.iter,
-            bytes: spec.bytes,
-            variants: spec.variants.len(),
-            order: spec.order,
-        };
-        let timed = time_variants(comm, plan, &self.progress, state, once)?;
-        Ok(spec.rows(comm.size(), timed.warmup, timed.samples))
+        let (warmup, samples) = time_variants(comm, &self.iter, spec, &self.progress, state, once)?;
+        Ok(spec.rows(comm.size(), warmup, samples))
     }
 
     /// Whether this rank prints (rank 0).
@@ -370,10 +364,9 @@ pub(crate) trait Bench: Serialize + Sync {
         Vec::new()
     }
 
-    /// Whether a run of `ranks` ranks over `transport` is the configuration of the targets.
-    fn binding(&self, _transport: &str, ranks: usize) -> bool {
-        ranks == 2
-    }
+    /// Whether the targets are stated for 2 MPI ranks (otherwise for 2 ranks of either
+    /// transport).
+    const MPI_TARGETS: bool = false;
 
     /// Verifies, times and prints every case on this rank (collective).
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError>;
@@ -400,7 +393,8 @@ fn run_rank<B: Bench, C: Communicator>(
     let mut s = Session::start(info, B::NAME, rank, ranks, json, &lines)?;
     s.iter = bench.run_args().iter.clone();
     bench.measure(comm, &mut s)?;
-    let binding = (bench.binding(info.transport, ranks), B::STATED_FOR);
+    let binding = ranks == 2 && (info.transport == "mpi" || !B::MPI_TARGETS);
+    let binding = (binding, B::STATED_FOR);
     s.finish(B::NAME, json, bench, &bench.targets(), binding)?;
     Ok((rank == 0).then_some(()))
 }
@@ -600,16 +594,18 @@ mod tests {
             }),
             line: None,
         };
-        let rows: Vec<Row> = Row::new("t", "c", "v", 8, 0, vec![1000])
-            .into_iter()
-            .collect();
+        let rows = [Row::of_us("t", "c", "v", 1.0)];
         let lines = |rows: &[Row], binding| {
             let verdicts = Verdict::judge_all(std::slice::from_ref(&target), rows, binding);
             verdict_lines(1, &verdicts, (binding, "2 ranks"))
         };
         assert_eq!(
-            lines(&rows, false)[1],
-            "the targets are stated for 2 ranks: the verdicts below are indicative only"
+            lines(&rows, false)[1..],
+            [
+                "the targets are stated for 2 ranks: the verdicts below are indicative only",
+                "target fast: MET [indicative only] (1 us)",
+                "  why: because"
+            ]
         );
         assert_eq!(lines(&rows, true)[1], "target fast: MET (1 us)");
         assert_eq!(

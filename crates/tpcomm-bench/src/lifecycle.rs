@@ -57,7 +57,7 @@ const LATENCY_TOLERANCE: f64 = 1.10;
 /// Rounds of the before/after latency comparison (one untimed suspend + resume each).
 const LATENCY_ROUNDS: usize = 5;
 /// The timed steps of a cycle, in running order; the sum of the transitions is a row too.
-const STEPS: [&str; 4] = [
+pub(crate) const STEPS: [&str; 4] = [
     "replay",
     "prepare_for_suspend",
     "reinit_after_resume",
@@ -86,18 +86,19 @@ pub(crate) struct LifecycleArgs {
     pub(crate) latency_bytes: usize,
 }
 
+/// The ratio of a row to its peer (after / before).
+const RATIO: Column = Column::new("ratio", "after/bef", 10, |r, _| {
+    r.vs_peer.map_or_else(|| "-".into(), |x| format!("{x:.3}x"))
+});
+
 const TRANSITION_COLUMNS: [Column; 7] = [
     Column::new("graph", "buffers", 8, |r, _| r.case.clone()),
     Column::new("mappings", "(per rank)", 11, |r, _| r.text("mappings")),
     col::variant("op", 20),
     col::iters(),
-    Column::new("median", "(us)", 11, |r, _| {
-        format!("{:.2}", r.stats.median_us)
-    }),
-    Column::new("min", "(us)", 11, |r, _| format!("{:.2}", r.stats.min_us)),
-    Column::new("ratio", "after/bef", 10, |r, _| {
-        r.vs_peer.map_or_else(|| "-".into(), |x| format!("{x:.3}x"))
-    }),
+    col::time::<2>("median", 11),
+    col::min::<2>(11),
+    RATIO,
 ];
 
 const LATENCY_COLUMNS: [Column; 7] = [
@@ -105,13 +106,9 @@ const LATENCY_COLUMNS: [Column; 7] = [
     col::size(9),
     col::variant("when", 7),
     col::iters(),
-    Column::new("median", "(us)", 10, |r, _| {
-        format!("{:.2}", r.stats.median_us)
-    }),
-    Column::new("min", "(us)", 10, |r, _| format!("{:.2}", r.stats.min_us)),
-    Column::new("ratio", "after/bef", 10, |r, _| {
-        r.vs_peer.map_or_else(|| "-".into(), |x| format!("{x:.3}x"))
-    }),
+    col::time::<2>("median", 10),
+    col::min::<2>(10),
+    RATIO,
 ];
 
 fn targets() -> Vec<Target> {
@@ -264,20 +261,12 @@ fn latency<C: Communicator>(
         }
     }
     verify(ar, &mut out, "after resume")?;
-    let mut rows = Vec::with_capacity(2);
-    for (when, local) in [("before", before), ("after", after)] {
-        let samples = slowest(comm, &local)?;
-        rows.extend(Row::new(
-            LATENCY_TABLE,
-            &n.to_string(),
-            when,
-            bytes,
-            warmup,
-            samples,
-        ));
-    }
-    link_peers(&mut rows, |r| r.is("after").then(|| "before".into()));
-    Ok(rows)
+    let spec = Spec {
+        peer: Some("before"),
+        ..Spec::new(LATENCY_TABLE, n.to_string(), bytes, &["before", "after"])
+    };
+    let samples = vec![slowest(comm, &before)?, slowest(comm, &after)?];
+    Ok(spec.rows(comm.size(), warmup, samples))
 }
 
 /// The whole measurement for `n` graph buffers: transition rows, then latency rows.
@@ -466,16 +455,10 @@ impl Bench for LifecycleArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    use crate::{Cli, Command};
+    use crate::harness::judge;
 
     fn parse(extra: &[&str]) -> LifecycleArgs {
-        let argv = ["tpcomm-bench", "lifecycle"].iter().chain(extra);
-        match Cli::try_parse_from(argv).unwrap().command {
-            Command::Lifecycle(args) => args,
-            _ => panic!("not the lifecycle subcommand"),
-        }
+        parse!(Lifecycle, [&["lifecycle"], extra].concat())
     }
 
     #[test]
@@ -491,69 +474,25 @@ mod tests {
     }
 
     #[test]
-    fn cycles_verify_and_time_on_three_local_ranks() {
-        let args = parse(&[
-            "--graph-buffers",
-            "3",
-            "--buffer-bytes",
-            "256",
-            "--latency-bytes",
-            "1024",
-        ]);
-        let (transitions, latencies) =
-            crate::launch::test_rank_rows(3, |s, comm| bench_buffers(s, comm, 3, &args));
-        // Signal, staging, temp and 3 graph buffers of each of 2 peers.
-        let ops: Vec<&str> = transitions.iter().map(|r| r.variant.as_str()).collect();
-        assert_eq!(ops, [&STEPS[..], &["suspend+resume"]].concat());
-        assert!(transitions
-            .iter()
-            .all(|r| r.text("mappings") == "12" && r.iters == 2));
-        let first = &transitions[3];
-        assert_eq!(first.peer.as_deref(), Some("replay"));
-        assert!(first.vs_peer.is_some());
-        assert!(first_replay_line(&transitions).unwrap().contains("N=3 "));
-        assert!(latencies[1].is("after") && latencies[1].vs_peer.is_some());
-    }
-
-    #[test]
     fn the_targets_judge_suspend_plus_resume_of_1000_and_latency_either_way() {
-        let both = |us: u64| {
-            Row::new(
-                TRANSITION_TABLE,
-                "1000",
-                "suspend+resume",
-                0,
-                0,
-                vec![us * 1000],
-            )
-            .unwrap()
-        };
-        let after = |ratio| {
-            let mut r = Row::new(LATENCY_TABLE, "1", "after", 64, 0, vec![1000]).unwrap();
-            r.vs_peer = Some(ratio);
-            r
-        };
-        let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(), rows, true);
-        assert!(judge(&[both(999)])[0].met);
-        assert!(!judge(&[both(1_000)])[0].met);
-        assert!(judge(&[after(1.05), after(0.95)])[0].met);
-        assert!(!judge(&[after(1.05), after(0.5)])[0].met);
+        let both = |us| Row::of_us(TRANSITION_TABLE, "1000", "suspend+resume", us);
+        let after = |ratio| Row::of_us(LATENCY_TABLE, "1", "after", 1.0).vs(ratio);
+        assert!(judge(&targets(), &[both(999.0)])[0].met);
+        assert!(!judge(&targets(), &[both(1_000.0)])[0].met);
+        assert!(judge(&targets(), &[after(1.05), after(0.95)])[0].met);
+        assert!(!judge(&targets(), &[after(1.05), after(0.5)])[0].met);
     }
 
     #[test]
     fn the_first_replay_of_1000_buffers_is_judged_from_its_ratio_to_the_steady_replay() {
-        let first = |case: &str, ratio| {
-            let mut r = Row::new(TRANSITION_TABLE, case, "first replay", 0, 0, vec![1000]).unwrap();
-            r.vs_peer = Some(ratio);
-            r
-        };
-        let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(), rows, true);
-        let met = judge(&[first("1000", 1.2)]);
+        let first =
+            |case, ratio| crate::harness::row_vs(TRANSITION_TABLE, case, "first replay", ratio);
+        let met = judge(&targets(), &[first("1000", 1.2)]);
         assert_eq!(met.len(), 1);
         assert!(met[0].met && met[0].target.starts_with("first replay"));
-        assert!(!judge(&[first("1000", 1.21)])[0].met);
+        assert!(!judge(&targets(), &[first("1000", 1.21)])[0].met);
         assert!(
-            judge(&[first("100", 3.0)]).is_empty(),
+            judge(&targets(), &[first("100", 3.0)]).is_empty(),
             "only the 1000-buffer case is judged"
         );
     }

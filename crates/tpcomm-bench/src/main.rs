@@ -27,6 +27,22 @@
 //!
 //! Logging goes to stderr through `tracing`, off unless `RUST_LOG` asks for it.
 
+/// `tpcomm-bench ARGV...` parsed into the options of subcommand `$variant` (tests).
+#[cfg(test)]
+macro_rules! parse {
+    ($variant:ident, $argv:expr) => {{
+        let given = $argv;
+        let argv = std::iter::once("tpcomm-bench").chain(given.iter().copied());
+        match <crate::Cli as clap::Parser>::try_parse_from(argv)
+            .unwrap()
+            .command
+        {
+            crate::Command::$variant(args) => args,
+            other => panic!("not {}: {other:?}", stringify!($variant)),
+        }
+    }};
+}
+
 mod allreduce;
 mod charts;
 mod checkpoint;
@@ -117,8 +133,18 @@ enum Command {
 
 fn main() -> ExitCode {
     init_tracing();
-    let cli = Cli::parse();
-    let result: Result<(), BenchError> = match cli.command {
+    match run(Cli::parse().command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tpcomm-bench: error: {}", error::chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs one subcommand.
+fn run(command: Command) -> Result<(), BenchError> {
+    match command {
         Command::Transport(args) => launch::run(&args),
         Command::Objects(args) => objects::run(&args),
         Command::Ipc(args) => launch::run(&args),
@@ -129,13 +155,6 @@ fn main() -> ExitCode {
         Command::Compare(args) => compare::run(&args),
         Command::PeerCheck(args) => peer_check::run(&args),
         Command::Plot(args) => charts::run(&args),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("tpcomm-bench: error: {}", error::chain(&e));
-            ExitCode::FAILURE
-        }
     }
 }
 
@@ -151,10 +170,12 @@ fn init_tracing() {
 
 #[cfg(test)]
 mod tests {
-    use clap::{CommandFactory, Parser};
+    use clap::{CommandFactory, Parser, ValueEnum};
 
-    use super::{Cli, Command};
+    use super::Cli;
+    use crate::harness::Row;
     use crate::launch::Transport;
+    use crate::lifecycle::STEPS;
     use crate::transport::TransportOp;
 
     #[test]
@@ -174,15 +195,104 @@ mod tests {
         }
     }
 
+    /// Every subcommand that runs without a GPU or mpirun, end to end on 3 local ranks (2
+    /// iterations after 1 warm-up): the variants of its first case in order, one of their
+    /// facts, a summary line, every row timed and compared with its peer where it has one,
+    /// and the JSON report read back.
+    #[test]
+    fn every_local_subcommand_verifies_and_times_on_three_ranks_and_writes_its_report() {
+        let dir = std::env::temp_dir().join(format!("tpcomm-bench-{}-runs", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let transitions = [STEPS.as_slice(), &["suspend+resume"]].concat();
+        // The arguments, the variants of the first case, one of their facts, a summary line.
+        type Run<'a> = (&'a [&'a str], &'a [&'a str], (&'a str, &'a str), &'a str);
+        let runs: [Run<'_>; 5] = [
+            (
+                &["transport", "--max-bytes", "64"],
+                &["tpcomm"],
+                ("type", "uint8"),
+                "all_gather: avg busbw",
+            ),
+            (
+                &[
+                    "objects",
+                    "--payloads",
+                    "blob:300,records:10",
+                    "--no-mpi4py",
+                ],
+                &["tpcomm owned", "tpcomm borrowed", "floor"],
+                ("values_per_rank", "1"),
+                "",
+            ),
+            (
+                &["ipc", "--regions", "4", "--buffer-bytes", "100"],
+                &[
+                    "exchange",
+                    "close_all",
+                    "reopen_all",
+                    "close_all+reopen_all",
+                ],
+                ("mappings", "8"),
+                "",
+            ),
+            (
+                &[
+                    "allreduce",
+                    "--dtypes",
+                    "f32,bf16",
+                    "--max-bytes",
+                    "256KiB",
+                    "--factor",
+                    "4",
+                ],
+                &["1stage", "2stage", "auto", "replay", "memcpy"],
+                ("algorithm", "1stage"),
+                "bf16: 2stage/1stage time per size",
+            ),
+            (
+                &[
+                    "lifecycle",
+                    "--graph-buffers",
+                    "3",
+                    "--latency-bytes",
+                    "1KiB",
+                ],
+                &transitions,
+                // Signal, staging, temp and 3 graph buffers of each of 2 peers.
+                ("mappings", "12"),
+                "first replay after a resume / steady-state replay: N=3 ",
+            ),
+        ];
+        for (argv, variants, (key, value), summary) in runs {
+            let json = dir.join(format!("{}.json", argv[0]));
+            let common = ["--ranks", "3", "--iters", "2", "--warmup", "1", "--json"];
+            let argv = [argv, &common, &[json.to_str().unwrap()]].concat();
+            let command = Cli::try_parse_from([&["tpcomm-bench"], argv.as_slice()].concat());
+            super::run(command.unwrap().command).unwrap();
+            let report = crate::report::read(&json).unwrap();
+            let first = &report.rows[0];
+            let case: Vec<&Row> = report
+                .rows
+                .iter()
+                .filter(|r| r.table == first.table && r.case == first.case)
+                .collect();
+            let names: Vec<&str> = case.iter().map(|r| r.variant.as_str()).collect();
+            assert_eq!(names, variants, "{argv:?}");
+            assert!(case.iter().all(|r| r.iters == 2), "{argv:?}");
+            assert_eq!(first.text(key), value, "{argv:?}");
+            let summarized = report.summary.iter().any(|l| l.starts_with(summary));
+            assert!(summary.is_empty() || summarized, "{argv:?}");
+            for r in &report.rows {
+                assert!(r.stats.median_us > 0.0, "{r:?}");
+                assert_eq!(r.peer.is_some(), r.vs_peer.is_some(), "{r:?}");
+            }
+        }
+    }
+
     #[test]
     fn transport_defaults_measure_every_op_from_8_bytes_to_64_mib_locally() {
-        let Command::Transport(args) = Cli::try_parse_from(["tpcomm-bench", "transport"])
-            .unwrap()
-            .command
-        else {
-            panic!("not the transport subcommand")
-        };
-        assert_eq!(args.ops, TransportOp::ALL.to_vec());
+        let args = parse!(Transport, ["transport"]);
+        assert_eq!(args.ops, TransportOp::value_variants());
         assert_eq!(
             (args.run.transport, args.run.ranks),
             (Transport::Local, None)
@@ -197,31 +307,38 @@ mod tests {
 
     #[test]
     fn transport_options_parse() {
-        let cli = Cli::try_parse_from([
-            "tpcomm-bench",
-            "transport",
-            "--ranks",
-            "4",
-            "--ops",
-            "broadcast,all_gather",
-            "--max-bytes",
-            "1KiB",
-            "--json",
-            "/tmp/x.json",
-        ])
-        .unwrap();
-        let Command::Transport(args) = cli.command else {
-            panic!("not the transport subcommand")
-        };
+        let args = parse!(
+            Transport,
+            [
+                "transport",
+                "--ranks",
+                "4",
+                "--ops",
+                "broadcast,all_gather",
+                "--max-bytes",
+                "1KiB"
+            ]
+        );
         assert_eq!(args.run.ranks, Some(4));
         assert_eq!(
             args.ops,
             vec![TransportOp::Broadcast, TransportOp::AllGather]
         );
         assert_eq!(args.sweep.max_bytes, 1024);
-        assert!(Cli::try_parse_from(["tpcomm-bench", "transport", "--ops", "all_reduce"]).is_ok());
-        assert!(Cli::try_parse_from(["tpcomm-bench", "transport", "--ops", "reduce"]).is_err());
-        assert!(Cli::try_parse_from(["tpcomm-bench", "transport", "--ranks", "0"]).is_err());
-        assert!(Cli::try_parse_from(["tpcomm-bench", "transport", "--factor", "1"]).is_err());
+    }
+
+    #[test]
+    fn options_out_of_range_are_refused_by_the_parser() {
+        for argv in [
+            &["transport", "--ops", "reduce"][..],
+            &["transport", "--ranks", "0"],
+            &["transport", "--factor", "1"],
+            &["allreduce", "--dtypes", "f64"],
+            &["gpu", "--worlds", "9"],
+            &["gpu", "--f32-worlds", "1"],
+        ] {
+            let argv = std::iter::once("tpcomm-bench").chain(argv.iter().copied());
+            assert!(Cli::try_parse_from(argv).is_err());
+        }
     }
 }

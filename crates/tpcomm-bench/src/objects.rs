@@ -189,8 +189,8 @@ const COLUMNS: [Column; 7] = [
     Column::new("bytes/rank", "(B)", 11, |r, _| r.bytes.to_string()),
     col::variant("variant", 16),
     col::iters(),
-    col::time("median", 12),
-    col::min(12),
+    col::time::<3>("median", 12),
+    col::min::<3>(12),
     col::vs_peer("ratio", "to floor", 9),
 ];
 
@@ -550,6 +550,7 @@ struct ObjectsBench<'a> {
 
 impl Bench for ObjectsBench<'_> {
     const NAME: &'static str = "objects";
+    const MPI_TARGETS: bool = true;
     const STATED_FOR: &'static str = "2 MPI ranks (mpirun -np 2 ... --transport mpi)";
 
     fn run_args(&self) -> &RunArgs {
@@ -582,10 +583,6 @@ impl Bench for ObjectsBench<'_> {
 
     fn targets(&self) -> Vec<Target> {
         targets()
-    }
-
-    fn binding(&self, transport: &str, ranks: usize) -> bool {
-        transport == "mpi" && ranks == 2
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
@@ -645,31 +642,6 @@ mod tests {
     }
 
     #[test]
-    fn every_variant_verifies_and_times_on_three_local_ranks() {
-        let rows = launch::test_rank_rows(3, |s, comm| {
-            let mut rows = bench_payload(s, comm, &BlobShape(300), Payload::Blob(300), 1, None)?;
-            let records = RecordsShape(10);
-            rows.extend(bench_payload(
-                s,
-                comm,
-                &records,
-                Payload::Records(10),
-                10,
-                None,
-            )?);
-            Ok(rows)
-        });
-        assert_eq!(rows.len(), 6);
-        assert!(rows.iter().all(|r| r.iters == 2 && r.stats.median_us > 0.0));
-        let floor = rows.iter().find(|r| r.is("floor")).unwrap();
-        assert_eq!((floor.vs_peer, floor.bytes), (None, 302));
-        assert!(rows
-            .iter()
-            .filter(|r| !r.is("floor"))
-            .all(|r| r.vs_peer.is_some()));
-    }
-
-    #[test]
     fn targets_are_checked_on_every_tpcomm_row() {
         let row = |case, variant, ratio| crate::harness::row_vs(TABLE, case, variant, ratio);
         let rows = [
@@ -678,7 +650,7 @@ mod tests {
             row("blob:64", "floor", 1.0),
             row("records:100000", "tpcomm owned", 1.31),
         ];
-        let v = crate::harness::Verdict::judge_all(&targets(), &rows, true);
+        let v = crate::harness::judge(&targets(), &rows);
         assert_eq!(v.len(), 2);
         assert!(!v[0].met);
         assert!(
@@ -692,19 +664,17 @@ mod tests {
 
     #[test]
     fn the_mpi4py_target_needs_a_measured_mpi4py_row() {
-        let row = |variant: &str, us: u64| {
-            Row::new(TABLE, "records:100000", variant, 1, 0, vec![us * 1000]).unwrap()
-        };
-        let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets()[2..], rows, true);
-        assert!(judge(&[row("tpcomm owned", 10)]).is_empty());
+        let row = |variant, us| Row::of_us(TABLE, "records:100000", variant, us);
+        let judge = |rows: &[Row]| crate::harness::judge(&targets()[2..], rows);
+        assert!(judge(&[row("tpcomm owned", 10.0)]).is_empty());
         let v = judge(&[
-            row("tpcomm owned", 10),
-            row("tpcomm borrowed", 30),
-            row(MPI4PY, 500),
+            row("tpcomm owned", 10.0),
+            row("tpcomm borrowed", 30.0),
+            row(MPI4PY, 500.0),
         ]);
         assert!(!v[0].met, "{v:?}");
         assert_eq!(v[0].detail, "tpcomm owned 50.0x, tpcomm borrowed 16.7x");
-        let lines = mpi4py_lines(&[row("tpcomm owned", 10), row(MPI4PY, 500)]);
+        let lines = mpi4py_lines(&[row("tpcomm owned", 10.0), row(MPI4PY, 500.0)]);
         assert_eq!(
             lines,
             ["records:100000: mpi4py time / tpcomm time: 50.00x tpcomm owned"]

@@ -181,12 +181,13 @@ const COLUMNS: [Column; 6] = [
     col::size(10),
     col::variant("variant", 7),
     col::iters(),
-    col::time("median", 10),
+    col::time::<3>("median", 10),
     col::vs_peer("ratio", "to C loop", 9),
 ];
 
 impl Bench for PeerCheck<'_> {
     const NAME: &'static str = "peer-check";
+    const MPI_TARGETS: bool = true;
     const STATED_FOR: &'static str = "2 MPI ranks";
 
     fn run_args(&self) -> &RunArgs {
@@ -215,10 +216,6 @@ impl Bench for PeerCheck<'_> {
 
     fn targets(&self) -> Vec<Target> {
         targets(self.args.tolerance)
-    }
-
-    fn binding(&self, transport: &str, ranks: usize) -> bool {
-        transport == "mpi" && ranks == 2
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
@@ -272,7 +269,7 @@ mod tests {
     fn the_target_judges_the_rsmpi_rows_either_way_within_the_tolerance() {
         let row =
             |variant: &str, bytes: usize, vs| row_vs("all_gather", &bytes.to_string(), variant, vs);
-        let judge = |rows: &[Row]| crate::harness::Verdict::judge_all(&targets(5.0), rows, true);
+        let judge = |rows: &[Row]| crate::harness::judge(&targets(5.0), rows);
         // C call rows (the harness's own cost) are not what the target is about.
         let v = judge(&[row("rsmpi", 64, 1.04), row("C call", 64, 1.2)]);
         assert!(v[0].met, "{v:?}");

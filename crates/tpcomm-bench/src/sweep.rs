@@ -234,36 +234,28 @@ mod tests {
     }
 
     #[test]
-    fn byte_suffixes_are_powers_of_1024() {
-        assert_eq!(parse_bytes("8"), Ok(8));
-        assert_eq!(parse_bytes("8B"), Ok(8));
-        assert_eq!(parse_bytes("4K"), Ok(4096));
-        assert_eq!(parse_bytes("4KiB"), Ok(4096));
-        assert_eq!(parse_bytes("64MiB"), Ok(64 << 20));
+    fn byte_suffixes_are_powers_of_1024_and_bad_counts_are_rejected() {
+        for (text, bytes) in [("8", 8), ("8B", 8), ("4K", 4096), ("4KiB", 4096)] {
+            assert_eq!(parse_bytes(text), Ok(bytes));
+        }
         assert_eq!(parse_bytes("64 mib"), Ok(64 << 20));
         assert_eq!(parse_bytes("1G"), Ok(1 << 30));
+        for bad in [
+            "",
+            "MiB",
+            "8MB",
+            "-1",
+            "99999999999999999999",
+            "99999999999999G",
+        ] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
-    fn bad_byte_counts_are_rejected() {
-        assert!(parse_bytes("").is_err());
-        assert!(parse_bytes("MiB").is_err());
-        assert!(parse_bytes("8MB").is_err());
-        assert!(parse_bytes("-1").is_err());
-        assert!(parse_bytes("99999999999999999999").is_err());
-        assert!(parse_bytes("99999999999999G").is_err());
-    }
-
-    #[test]
-    fn default_sweep_is_8_bytes_to_64_mib_in_doublings() {
+    fn the_sweep_multiplies_from_min_to_the_last_size_not_above_max() {
         let sizes = sweep(8, 64 << 20, 2).sizes();
-        assert_eq!(sizes.len(), 24);
-        assert_eq!(sizes.first(), Some(&8));
-        assert_eq!(sizes.last(), Some(&(64 << 20)));
-    }
-
-    #[test]
-    fn sweep_stops_at_the_last_size_not_above_max() {
+        assert_eq!((sizes.len(), sizes[0], sizes[23]), (24, 8, 64 << 20));
         assert_eq!(sweep(3, 100, 4).sizes(), vec![3, 12, 48]);
         assert_eq!(sweep(5, 5, 2).sizes(), vec![5]);
     }

@@ -60,14 +60,16 @@ pub(crate) mod col {
     pub(crate) const fn iters() -> Column {
         Column::new("iters", "", 6, |r, _| r.iters.to_string())
     }
-    pub(crate) const fn time(name: &'static str, width: usize) -> Column {
+    /// The median, `D` decimals.
+    pub(crate) const fn time<const D: usize>(name: &'static str, width: usize) -> Column {
         Column::new(name, "(us)", width, |r, _| {
-            format!("{:.3}", r.stats.median_us)
+            format!("{:.*}", D, r.stats.median_us)
         })
     }
-    pub(crate) const fn min(width: usize) -> Column {
+    /// The fastest iteration, `D` decimals.
+    pub(crate) const fn min<const D: usize>(width: usize) -> Column {
         Column::new("min", "(us)", width, |r, _| {
-            format!("{:.3}", r.stats.min_us)
+            format!("{:.*}", D, r.stats.min_us)
         })
     }
     pub(crate) const fn algbw(width: usize) -> Column {
@@ -268,7 +270,7 @@ mod tests {
 
     #[test]
     fn header_lines_start_with_a_hash_inside_the_first_column() {
-        let columns = [col::size(6), col::time("t", 5)];
+        let columns = [col::size(6), col::time::<3>("t", 5)];
         let h = header("x", &columns);
         assert_eq!(h[2], "# size     t");
         let row = Row::new("t", "c", "v", 64, 0, vec![1500]).unwrap();

@@ -38,39 +38,23 @@ const VARIANTS: [&str; 2] = ["tpcomm", "rsmpi"];
 /// The collectives this subcommand measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
 pub(crate) enum TransportOp {
     /// Fixed-size all-gather.
-    #[value(name = "all_gather")]
     AllGather,
     /// Varcount all-gather (allgatherv), near-equal counts.
-    #[value(name = "all_gather_varcount")]
     AllGatherVarcount,
     /// Varcount gather to rank 0 (gatherv), near-equal counts.
-    #[value(name = "gather_varcount")]
     GatherVarcount,
     /// Broadcast from rank 0.
-    #[value(name = "broadcast")]
     Broadcast,
     /// Varcount all-to-all (alltoallv), equal blocks.
-    #[value(name = "all_to_all_varcount")]
     AllToAllVarcount,
     /// Numeric all-reduce of f32, summed (`Communicator::all_reduce`).
-    #[value(name = "all_reduce")]
     AllReduce,
 }
 
 impl TransportOp {
-    /// Every operation, in the default order of `--ops`.
-    #[cfg(test)]
-    pub(crate) const ALL: [TransportOp; 6] = [
-        TransportOp::AllGather,
-        TransportOp::AllGatherVarcount,
-        TransportOp::GatherVarcount,
-        TransportOp::Broadcast,
-        TransportOp::AllToAllVarcount,
-        TransportOp::AllReduce,
-    ];
-
     pub(crate) fn name(self) -> &'static str {
         match self {
             TransportOp::AllGather => "all_gather",
@@ -147,8 +131,8 @@ pub(crate) fn columns(with_peer: bool) -> Vec<Column> {
         Column::new("type", "", 6, |r, _| r.text("type")),
         Column::new("root", "", 5, |r, _| r.text("root")),
         col::iters(),
-        col::time("time", 10),
-        col::min(10),
+        col::time::<3>("time", 10),
+        col::min::<3>(10),
         col::algbw(8),
         col::busbw(8),
     ];
@@ -166,19 +150,9 @@ pub(crate) fn columns(with_peer: bool) -> Vec<Column> {
     c
 }
 
-/// The wrapper's target, judged on every tpcomm row with a peer.
-fn targets() -> Vec<Target> {
-    vec![Target {
-        what: format!("tpcomm within {RATIO_TARGET:.2}x of the direct MPI call at every size"),
-        why: "a safe wrapper is worth its checks only if it costs next to nothing over calling \
-              MPI directly; 10% is about the run-to-run noise of these figures",
-        line: RatioLine::new(VARIANTS[1], RATIO_TARGET),
-        judge: within(|_| true, |x| x, RATIO_TARGET),
-    }]
-}
-
 impl Bench for TransportArgs {
     const NAME: &'static str = "transport";
+    const MPI_TARGETS: bool = true;
     const STATED_FOR: &'static str = "2 MPI ranks (mpirun -np 2 ... --transport mpi)";
 
     fn run_args(&self) -> &RunArgs {
@@ -207,12 +181,15 @@ impl Bench for TransportArgs {
         lines
     }
 
+    /// The wrapper's target, judged on every tpcomm row with a peer.
     fn targets(&self) -> Vec<Target> {
-        targets()
-    }
-
-    fn binding(&self, transport: &str, ranks: usize) -> bool {
-        transport == "mpi" && ranks == 2
+        vec![Target {
+            what: format!("tpcomm within {RATIO_TARGET:.2}x of the direct MPI call at every size"),
+            why: "a safe wrapper is worth its checks only if it costs next to nothing over \
+                  calling MPI directly; 10% is about the run-to-run noise of these figures",
+            line: RatioLine::new(VARIANTS[1], RATIO_TARGET),
+            judge: within(|_| true, |x| x, RATIO_TARGET),
+        }]
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
@@ -577,22 +554,10 @@ mod tests {
 
     #[test]
     fn the_summary_line_averages_busbw_and_counts_ratios_above_the_target() {
-        let row = |bytes: usize, ns: u64, vs: f64| {
-            let mut r = Row::new(
-                "all_gather",
-                &bytes.to_string(),
-                "tpcomm",
-                bytes,
-                0,
-                vec![ns],
-            )
-            .unwrap()
-            .bus(Bus::Same, 2);
-            r.vs_peer = Some(vs);
-            r
-        };
+        let row = |bytes: usize| Row::of_us("all_gather", &bytes.to_string(), "tpcomm", 1.0);
         // 1000 B in 1 us and 2000 B in 1 us: 1 and 2 GB/s.
-        let rows = [row(1000, 1000, 1.0), row(2000, 1000, 1.2)];
+        let rows = [1000, 2000].map(|b| row(b).bus(Bus::Same, 2));
+        let rows = [rows[0].clone().vs(1.0), rows[1].clone().vs(1.2)];
         assert_eq!(
             summary("all_gather", &rows).unwrap(),
             "all_gather: avg busbw 1.500 GB/s; ratio max 1.20x, 1 sizes above 1.10x"

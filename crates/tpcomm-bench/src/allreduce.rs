@@ -1110,8 +1110,10 @@ mod tests {
             floor.fill(rank, salt);
             {
                 let (own, peers) = floor.windows();
-                assert_eq!(own.as_ptr() as usize % Floor::PAGE, 0);
-                assert!(peers.iter().all(|p| p.as_ptr() as usize % Floor::PAGE == 0));
+                assert!((own.as_ptr() as usize).is_multiple_of(Floor::PAGE));
+                assert!(peers
+                    .iter()
+                    .all(|p| (p.as_ptr() as usize).is_multiple_of(Floor::PAGE)));
             }
             let mut out = vec![f32::NAN; count];
             floor.run(false, &[], &mut out);

@@ -752,7 +752,10 @@ mod tests {
         ]);
         assert!(slower[0].met, "{slower:?}");
         assert!(!slower[1].met);
-        assert_eq!(slower[1].detail, "not faster: blob:65536 tpcomm owned 0.75x");
+        assert_eq!(
+            slower[1].detail,
+            "not faster: blob:65536 tpcomm owned 0.75x"
+        );
         let lines = mpi4py_lines(&[row("tpcomm owned", 10.0), row(MPI4PY, 500.0)]);
         assert_eq!(
             lines,

@@ -370,14 +370,7 @@ impl<B: PeerMemory> PeerMappings<B> {
         let mappings = self.backend.open_all(&to_open)?;
         let first = self.slab.len();
         for (handle, mapping) in to_open.into_iter().zip(mappings) {
-            self.memo.insert(handle.clone(), self.slab.len());
-            self.slab.push(Some(Slot {
-                handle: handle.clone(),
-                mapping: Some(mapping),
-                exchanged: true,
-            }));
-            self.counters.open += 1;
-            self.counters.opens += 1;
+            self.add_slot(handle.clone(), mapping, true);
         }
         let mut seen = vec![false; self.slab.len() - first];
         Ok(plan
@@ -421,16 +414,22 @@ impl<B: PeerMemory> PeerMappings<B> {
             return Ok((slot, false));
         }
         let mapping = self.backend.open(&env.handle)?;
+        Ok((self.add_slot(env.handle.clone(), mapping, false), true))
+    }
+
+    /// Records a mapping just opened from `handle` in a new slot (memoized, counted);
+    /// returns its index.
+    fn add_slot(&mut self, handle: B::Handle, mapping: B::Mapping, exchanged: bool) -> usize {
+        let slot = self.slab.len();
+        self.memo.insert(handle.clone(), slot);
         self.slab.push(Some(Slot {
-            handle: env.handle.clone(),
+            handle,
             mapping: Some(mapping),
-            exchanged: false,
+            exchanged,
         }));
-        let slot = self.slab.len() - 1;
-        self.memo.insert(env.handle.clone(), slot);
         self.counters.open += 1;
         self.counters.opens += 1;
-        Ok((slot, true))
+        slot
     }
 
     /// An envelope of this group, from rank `from`, or the error that says which it is not.

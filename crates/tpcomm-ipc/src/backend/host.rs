@@ -138,6 +138,17 @@ struct SegmentTable {
 }
 
 impl SegmentTable {
+    /// `fd` is the descriptor of a segment of this process, `inode`, that holds a live
+    /// buffer; otherwise the handle naming them is stale.
+    fn check_live(&self, fd: i32, inode: u64) -> Result<()> {
+        if self.fds.get(&fd).map(|&(i, _)| i) != Some(inode) {
+            return Err(IpcError::StaleHandle(format!(
+                "no live segment of this process has descriptor {fd} and inode {inode}"
+            )));
+        }
+        Ok(())
+    }
+
     fn insert(&mut self, base: usize, buffer: Exportable) {
         self.fds.entry(buffer.fd).or_insert((buffer.inode, 0)).1 += 1;
         self.by_addr.insert(base, buffer);
@@ -157,8 +168,7 @@ impl SegmentTable {
 }
 
 fn segments() -> std::sync::MutexGuard<'static, SegmentTable> {
-    // Nothing panics while holding the lock.
-    SEGMENTS.lock().unwrap_or_else(PoisonError::into_inner)
+    lock(&SEGMENTS)
 }
 
 /// The host (CPU) peer-memory backend. Cheap to clone; clones share the chunks small
@@ -401,11 +411,7 @@ impl HostMemory {
 /// Duplicates this process's descriptor `fd`, which must belong to the live segment `inode`.
 fn dup_own(fd: i32, inode: u64) -> Result<OwnedFd> {
     let table = segments();
-    if table.fds.get(&fd).map(|&(i, _)| i) != Some(inode) {
-        return Err(IpcError::StaleHandle(format!(
-            "no live segment of this process has descriptor {fd} and inode {inode}"
-        )));
-    }
+    table.check_live(fd, inode)?;
     // SAFETY: the table lists `fd` as the segment descriptor of live HostBuffers; each holds
     // its segment (and so the descriptor) and removes its entry under this lock, which we
     // hold, before letting go of it, and the entry goes with the segment's last buffer, so
@@ -476,13 +482,7 @@ fn process_exited(pid: u32) -> bool {
 /// and inode name it and no other file.
 fn check_alive(map: &PeerMap, h: &HostHandle, own_pid: u32) -> Result<()> {
     if h.pid == own_pid {
-        if segments().fds.get(&h.fd).map(|&(inode, _)| inode) != Some(h.inode) {
-            return Err(IpcError::StaleHandle(format!(
-                "no live segment of this process has descriptor {} and inode {}",
-                h.fd, h.inode
-            )));
-        }
-        return Ok(());
+        return segments().check_live(h.fd, h.inode);
     }
     let exited = match &map.pidfd {
         Some(pidfd) => has_exited(pidfd),
@@ -1076,15 +1076,10 @@ impl PeerMemory for HostMemory {
     }
 
     fn open(&self, h: &HostHandle) -> Result<HostMapping> {
-        let mut views = lock(&self.views);
-        let map = self.segment_map(&mut views, h, std::process::id())?;
-        let mapping = HostMapping {
-            map,
-            offset: h.offset as usize,
-            len: h.len as usize,
-        };
-        prefault(std::slice::from_ref(&mapping));
-        Ok(mapping)
+        let mut mappings = self.open_all(&[h])?;
+        mappings
+            .pop()
+            .ok_or_else(|| IpcError::InvalidHandle("a batch of one handle opened nothing".into()))
     }
 
     fn open_all(&self, handles: &[&HostHandle]) -> Result<Vec<HostMapping>> {

@@ -484,7 +484,7 @@ impl Runner<'_, '_> {
         case.input = input(rank, count, salt);
         case.output.fill(T::from_f32(f32::NAN));
         case.copy.fill(T::from_f32(f32::NAN));
-        if let Some(floor) = case.floor.as_mut() {
+        if let (Variant::FloorEager | Variant::FloorSum, Some(floor)) = (variant, &mut case.floor) {
             floor.fill(rank, salt);
         }
         let replayed = variant == Variant::Replay;

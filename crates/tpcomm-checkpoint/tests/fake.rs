@@ -55,21 +55,26 @@ impl<C: Communicator + ?Sized> Suspendable<C> for Probe {
         }
     }
     fn prepare_for_suspend(&mut self, comm: &C) -> Result<(), BoxError> {
-        comm.barrier()?;
-        self.prepared += 1;
-        if self.fail_prepare {
-            return Err("injected prepare failure".into());
-        }
-        Ok(())
+        probe_step(comm, &mut self.prepared, self.fail_prepare, "prepare")
     }
     fn reinit_after_resume(&mut self, comm: &C) -> Result<(), BoxError> {
-        comm.barrier()?;
-        self.resumed += 1;
-        if self.fail_reinit {
-            return Err("injected reinit failure".into());
-        }
-        Ok(())
+        probe_step(comm, &mut self.resumed, self.fail_reinit, "reinit")
     }
+}
+
+/// One collective step of a probe: a barrier, counted, failing after it when told to.
+fn probe_step<C: Communicator + ?Sized>(
+    comm: &C,
+    count: &mut usize,
+    fail: bool,
+    what: &str,
+) -> Result<(), BoxError> {
+    comm.barrier()?;
+    *count += 1;
+    if fail {
+        return Err(format!("injected {what} failure").into());
+    }
+    Ok(())
 }
 
 fn host_ar(comm: &LocalCommunicator) -> CustomAllReduce<HostBackend> {

@@ -23,7 +23,10 @@
 //!   inputs are registered: no copy). No algorithm can beat them on this machine, so they
 //!   bound the speedups the targets ask for;
 //! - `MPI_Allreduce` (the peer; `--transport mpi`, f32 only): the plain MPI call
-//!   ([`MpiWorld`]) on the same input.
+//!   ([`MpiWorld`]) on the same input;
+//! - `C loop` (with the peer, where `mpicc` builds it): the same call from a C benchmark
+//!   loop ([`CLoop`]: an `MPI_Barrier`, then the call timed in C) on the same buffers, the
+//!   check in the same run that the peer costs what MPI costs a C program.
 //!
 //! Per size: every path is verified once on fresh data (exact small integers, so every
 //! algorithm and element type must match the reference bit for bit), then the harness times
@@ -52,7 +55,7 @@ use crate::harness::{
     elapsed_ns, geomean, per_size, time_once, within, Bus, RatioLine, Row, Spec, Target,
 };
 use crate::launch::{Bench, RunArgs, Session};
-use crate::mpi_peer::MpiWorld;
+use crate::mpi_peer::{CLoop, MpiWorld};
 use crate::sweep::{format_bytes, short_bytes, SweepArgs};
 use crate::table::{col, Column};
 use crate::transport::splitmix64;
@@ -62,6 +65,10 @@ pub(crate) type HostAllReduce = CustomAllReduce<HostBackend>;
 
 /// The peer's variant name.
 const MPI: &str = "MPI_Allreduce";
+/// The C loop's variant name.
+const C_LOOP: &str = "C loop";
+/// The peer (through rsmpi, timed by the harness) is the C loop's within this fraction.
+const PEER_TOLERANCE: f64 = 0.05;
 /// The memory-bandwidth floor's variant name.
 const MEMCPY: &str = "memcpy";
 /// The eager floor's variant name: copy in, then sum.
@@ -175,6 +182,9 @@ pub(crate) enum Variant {
     /// `MPI_Allreduce`, the peer (f32 in MPI mode).
     #[value(skip)]
     Mpi,
+    /// `MPI_Allreduce` from the C loop (with the peer, where `mpicc` builds it).
+    #[value(skip)]
+    CLoop,
 }
 
 impl Variant {
@@ -188,6 +198,7 @@ impl Variant {
             Variant::FloorEager => FLOOR_EAGER,
             Variant::FloorSum => FLOOR_SUM,
             Variant::Mpi => MPI,
+            Variant::CLoop => C_LOOP,
         }
     }
 }
@@ -409,6 +420,7 @@ struct Runner<'r, 'b> {
     instances: [Option<HostAllReduce>; 3],
     replay: Option<Replay<'b>>,
     mpi: Option<&'r MpiWorld>,
+    c_loop: Option<&'r CLoop>,
 }
 
 /// The buffers of one size and element type on one rank (`MPI_Allreduce`, f32 only, uses
@@ -422,6 +434,15 @@ struct Case<T> {
     floor: Option<Floor>,
     /// The index of the replayed plan in [`Replay::plans`].
     plan: usize,
+}
+
+impl<T: Element> Case<T> {
+    /// `MPI_Allreduce` of the input into the output from the C loop (f32 tables only), timed
+    /// in C with `timed` (see [`CLoop::all_reduce_sum`]).
+    fn c_loop(&mut self, c_loop: &CLoop, timed: bool) -> Result<u64, BenchError> {
+        let input = bytemuck::cast_slice(&self.input);
+        c_loop.all_reduce_sum(input, bytemuck::cast_slice_mut(&mut self.output), timed)
+    }
 }
 
 impl Runner<'_, '_> {
@@ -463,6 +484,10 @@ impl Runner<'_, '_> {
                     bytemuck::cast_slice(input),
                     bytemuck::cast_slice_mut(output),
                 );
+                Ok(None)
+            }
+            Variant::CLoop => {
+                case.c_loop(self.c_loop.ok_or_else(missing)?, false)?;
                 Ok(None)
             }
             _ => {
@@ -537,6 +562,9 @@ impl Runner<'_, '_> {
         }
         if with_mpi {
             variants.push(Variant::Mpi);
+            if self.c_loop.is_some() {
+                variants.push(Variant::CLoop);
+            }
         }
         let names: Vec<&str> = variants.iter().map(|v| v.name()).collect();
         let sizes = args.sweep.sizes();
@@ -566,7 +594,16 @@ impl Runner<'_, '_> {
                 Ok(problem)
             })?;
             let rows = s.measure(comm, &spec, &mut case, |case, k| {
-                time_synced(comm, sync, || self.run(variants[k], case).map(drop))
+                let (Variant::CLoop, Some(c_loop)) = (variants[k], self.c_loop) else {
+                    return time_synced(comm, sync, || self.run(variants[k], case).map(drop));
+                };
+                // The C loop times itself (its barrier, then the call).
+                let mut ns = 0;
+                time_synced(comm, sync, || {
+                    ns = case.c_loop(c_loop, true)?;
+                    Ok(())
+                })?;
+                Ok(ns)
             })?;
             let copy = rows
                 .iter()
@@ -655,6 +692,12 @@ impl Bench for AllReduceArgs {
                  the same f32 data; vs MPI = custom median / MPI median (below 1 = faster)"
                     .into(),
             );
+            lines.push(
+                "C loop: the same MPI_Allreduce from a C benchmark loop (src/peer_loop.c built \
+                 with mpicc -O2: MPI_Barrier, then the call timed with CLOCK_MONOTONIC) on the \
+                 same buffers, where mpicc builds it: what the call costs a C program now"
+                    .into(),
+            );
         }
         lines.push("every path verified once per size (exact integer data) before timing".into());
         lines
@@ -717,10 +760,15 @@ impl Bench for AllReduceArgs {
             }
             _ => None,
         };
+        let c_loop = match mpi {
+            Some(_) => load_c_loop(comm, s)?,
+            None => None,
+        };
         let mut runner = Runner {
             instances,
             replay,
             mpi: mpi.as_ref(),
+            c_loop: c_loop.as_ref(),
         };
         let mut sync = new_sync(comm)?;
         s.progress.plan(self.dtypes.len() * sizes.len());
@@ -729,6 +777,27 @@ impl Bench for AllReduceArgs {
             summarize(s, d.dtype().name(), comm.size());
         }
         Ok(())
+    }
+}
+
+/// Collective: the C loop, when every rank built and loaded it (otherwise a note says why
+/// the row is left out).
+fn load_c_loop<C: Communicator>(comm: &C, s: &Session<'_>) -> Result<Option<CLoop>, BenchError> {
+    let loaded = CLoop::load();
+    let mut all = vec![0u8; comm.size()];
+    comm.all_gather(&[u8::from(loaded.is_ok())], &mut all)?;
+    match (loaded, all.iter().position(|&ok| ok == 0)) {
+        (Ok(c_loop), None) => Ok(Some(c_loop)),
+        (Err(e), _) => {
+            s.note(&format!("C loop row left out: {e}"));
+            Ok(None)
+        }
+        (Ok(_), Some(rank)) => {
+            s.note(&format!(
+                "C loop row left out: rank {rank} could not build it"
+            ));
+            Ok(None)
+        }
     }
 }
 
@@ -947,6 +1016,21 @@ fn targets() -> Vec<Target> {
         });
     }
     out.push(Target {
+        what: format!(
+            "the peer, f32: MPI_Allreduce timed in the run within {:.0}% of the C loop's, at \
+             every size (2 ranks)",
+            PEER_TOLERANCE * 100.0
+        ),
+        why: "the targets above compare with the peer: it must cost what the call costs a C \
+              program calling it in a loop at the same moment, no more",
+        line: None,
+        judge: within(
+            |r| r.table == "f32" && r.is(C_LOOP),
+            |x| (1.0 / x - 1.0).abs(),
+            PEER_TOLERANCE,
+        ),
+    });
+    out.push(Target {
         what: "auto (eager all_reduce), f32: never slower than MPI_Allreduce, at every size \
                (2 ranks)"
             .into(),
@@ -1086,6 +1170,29 @@ mod tests {
             !missed[0].met && missed[0].detail.contains("out of reach"),
             "{missed:?}"
         );
+    }
+
+    #[test]
+    fn the_peer_is_judged_against_the_c_loop_within_five_percent_either_way() {
+        let row = |bytes: usize, vs| Row::of_us("f32", &bytes.to_string(), C_LOOP, 1.0).vs(vs);
+        let peer = |rows: &[Row]| {
+            let v = judge(&targets(), rows);
+            v.into_iter()
+                .find(|v| v.target.starts_with("the peer"))
+                .unwrap()
+        };
+        // C loop / MPI_Allreduce: the peer 1/0.96 = 4.2% slower, 1/1.04 = 3.8% faster.
+        assert!(peer(&[row(1 << 10, 0.96), row(8 << 20, 1.04)]).met);
+        // The peer 1/0.94 = 6.4% slower than the C loop at 4 KiB: a handicapped peer.
+        let v = peer(&[row(1 << 10, 0.99), row(4 << 10, 0.94)]);
+        assert!(!v.met);
+        assert!(v.detail.contains("f32 4096 C loop 0.940x"), "{v:?}");
+        // Without C loop rows (no mpicc) the target is not judged.
+        let v = judge(
+            &targets(),
+            &[Row::of_us("f32", "1024", "auto", 1.0).vs(0.5)],
+        );
+        assert!(v.iter().all(|v| !v.target.starts_with("the peer")), "{v:?}");
     }
 
     #[test]

@@ -4,9 +4,10 @@
 //! A subcommand declares each case as a [`Spec`] (the table, a size or a payload, the
 //! variants it times, the peer they are compared with, sums and facts), its columns and its
 //! targets; [`time_variants`] runs one case: warm-up iterations, an iteration count chosen
-//! from them, then timed iterations with the variants interleaved, each iteration's time
-//! being its slowest rank's; [`Spec::rows`] turns the samples into rows. [`Row`] is the one
-//! row type of every table and of the JSON report.
+//! from them, then timed iterations with the variants interleaved (each timed run right after
+//! an untimed one of the same variant), each iteration's time being its slowest rank's;
+//! [`Spec::rows`] turns the samples into rows. [`Row`] is the one row type of every table and
+//! of the JSON report.
 //!
 //! Conventions (nccl-tests, `doc/PERFORMANCE.md`): `time` is the median over iterations of
 //! the slowest rank's time; `algbw = bytes / time`; `busbw = algbw * factor` ([`Bus`]).
@@ -342,6 +343,12 @@ impl<'a> Spec<'a> {
 /// gathered figures), then the timed rounds. `once(state, v)` runs variant `v` once, as one
 /// timed iteration ([`time_once`]), and returns its time on this rank. Returns the warm-up
 /// count and, per variant, every iteration's slowest-rank time.
+///
+/// In rotated order (unless `--cold`), each variant runs twice in a row within a round and
+/// only the second run counts: it finds its buffers and caches as its own previous call left
+/// them, as in a loop of the call. Interleaving single runs would time every variant just
+/// after the others evicted its data: `MPI_Allreduce` of 2-4 MiB then took 1.3-1.7x as long
+/// as the same call in a C loop (docs/benchmarks.md, "Warm iterations").
 pub(crate) fn time_variants<C: Communicator, S>(
     comm: &C,
     iter: &IterArgs,
@@ -351,8 +358,12 @@ pub(crate) fn time_variants<C: Communicator, S>(
     mut once: impl FnMut(&mut S, usize) -> Result<u64, BenchError>,
 ) -> Result<(usize, Vec<Vec<u64>>), BenchError> {
     let (n, warmup) = (spec.variants.len(), iter.warmup_for(spec.bytes));
+    let twice = spec.order == Order::Rotate && !iter.cold;
     let mut round = |i: usize, out: &mut Vec<Vec<u64>>| -> Result<(), BenchError> {
         for v in spec.order.of(n, i) {
+            if twice {
+                once(state, v)?;
+            }
             out[v].push(once(state, v)?);
         }
         Ok(())
@@ -650,27 +661,50 @@ mod tests {
         assert_eq!(Order::Fixed.of(3, 2), vec![0, 1, 2]);
     }
 
-    #[test]
-    fn variants_run_interleaved_with_their_peer_in_rotated_order() {
+    /// What `time_variants` returns: the warm-up count and every variant's times.
+    type Timed = (usize, Vec<Vec<u64>>);
+
+    /// Every rank's calls of `once` (the variants, in running order) and what
+    /// `time_variants` returned: 1 warm-up round and 4 timed rounds of variants `a` and `b`,
+    /// where a variant's first run of a pair takes 1000 ns more than its second.
+    fn timed_rounds(cold: bool) -> Vec<(Vec<usize>, Timed)> {
         let iter = IterArgs {
             iters: Some(4),
             warmup: Some(1),
+            cold,
         };
         let results = LocalGroup::new(2).run(|comm| {
             let mut log = Vec::new();
             let spec = Spec::new("t", "8".into(), 8, &["a", "b"]);
             let timed =
                 time_variants(&comm, &iter, &spec, &Progress::off(), &mut log, |log, v| {
+                    let first_of_pair = !cold && log.len() % 2 == 0;
                     log.push(v);
-                    Ok(comm.rank() as u64 * 10 + v as u64)
+                    Ok(comm.rank() as u64 * 10 + v as u64 + 1000 * u64::from(first_of_pair))
                 })?;
             Ok::<_, BenchError>((log, timed))
         });
-        for r in results {
-            let (log, timed) = r.unwrap().unwrap();
-            // 1 warm-up round, then 4 timed rounds, the order rotated each round.
-            assert_eq!(log, vec![0, 1, 0, 1, 1, 0, 0, 1, 1, 0]);
-            // 1 warm-up; the slowest rank (rank 1) of every iteration.
+        results.into_iter().map(|r| r.unwrap().unwrap()).collect()
+    }
+
+    /// The variants of the warm-up round and the 4 timed rounds, rotated each round.
+    const ROUNDS: [[usize; 2]; 5] = [[0, 1], [0, 1], [1, 0], [0, 1], [1, 0]];
+
+    #[test]
+    fn variants_run_interleaved_with_their_peer_in_rotated_order_twice_in_a_row() {
+        for (log, timed) in timed_rounds(false) {
+            let twice: Vec<usize> = ROUNDS.iter().flatten().flat_map(|&v| [v, v]).collect();
+            assert_eq!(log, twice);
+            // 1 warm-up; the slowest rank (rank 1) of every iteration, from the second run
+            // of each pair.
+            assert_eq!(timed, (1, vec![vec![10; 4], vec![11; 4]]));
+        }
+    }
+
+    #[test]
+    fn cold_rounds_run_each_variant_once() {
+        for (log, timed) in timed_rounds(true) {
+            assert_eq!(log, ROUNDS.concat());
             assert_eq!(timed, (1, vec![vec![10; 4], vec![11; 4]]));
         }
     }

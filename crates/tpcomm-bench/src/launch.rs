@@ -501,6 +501,7 @@ pub(crate) fn test_rank_rows<T: Send>(
         s.iter = IterArgs {
             iters: Some(2),
             warmup: Some(1),
+            cold: false,
         };
         f(&s, &comm)
     });

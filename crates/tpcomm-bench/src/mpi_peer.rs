@@ -1,11 +1,147 @@
 //! The MPI peer: the same collective called through rsmpi on `MPI_COMM_WORLD`, the way a C
 //! program calls MPI: one plain call on buffers allocated (and counts converted to 32-bit
 //! MPI counts) once per case, before timing, so that each timed iteration is the MPI call
-//! and nothing else. `tpcomm-bench peer-check` compares it with a standalone C loop of the
-//! same calls (`src/peer_loop.c`).
+//! and nothing else. [`CLoop`] is the reference it is checked against: the same calls made
+//! from a C loop (`src/peer_loop.c`), in `tpcomm-bench peer-check` and in `allreduce`.
 
+use std::ffi::c_void;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::error::BenchError;
 use crate::launch::RunInfo;
 use crate::transport::Case;
+
+/// The C source of the C loop, compiled by each rank into its own temporary directory.
+const C_SOURCE: &str = include_str!("peer_loop.c");
+
+/// One iteration of the C loop: `peer_iteration` of `peer_loop.c`.
+type Iteration =
+    unsafe extern "C" fn(i32, *const c_void, i32, *mut c_void, *const i32, *const i32, i32) -> i64;
+
+/// The MPI calls of a C benchmark loop (`src/peer_loop.c`), compiled with `mpicc -O2` into a
+/// shared library by this rank and loaded: the reference the in-run peer is checked against
+/// (`peer-check`, and the `C loop` row of `allreduce`).
+pub(crate) struct CLoop {
+    /// The library, kept loaded while `iteration` may be called.
+    _library: libloading::Library,
+    iteration: Iteration,
+}
+
+impl std::fmt::Debug for CLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CLoop")
+    }
+}
+
+impl CLoop {
+    /// The op code of `MPI_Allreduce` (sum of floats) in `peer_loop.c`.
+    pub(crate) const ALL_REDUCE: i32 = 2;
+
+    /// Compiles the C loop in a temporary directory of this process and loads it.
+    pub(crate) fn load() -> Result<Self, BenchError> {
+        let dir = std::env::temp_dir().join(format!("tpcomm-bench-peer-{}", std::process::id()));
+        let built = build(&dir);
+        let loaded = built.and_then(|path| {
+            let load = |e: libloading::Error| BenchError::Usage(format!("{}: {e}", path.display()));
+            // SAFETY: the library is ours, just compiled from `peer_loop.c`, with no
+            // initializers.
+            let library = unsafe { libloading::Library::new(&path) }.map_err(load)?;
+            // SAFETY: `peer_iteration` in `peer_loop.c` has the signature of `Iteration`.
+            let symbol = unsafe { library.get::<Iteration>(b"peer_iteration\0") };
+            let iteration = *symbol.map_err(load)?;
+            Ok(Self {
+                _library: library,
+                iteration,
+            })
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        loaded
+    }
+
+    /// One iteration of the C loop: call `op` on the buffers; with `timed`, an
+    /// `MPI_Barrier` first and the call timed in C (its nanoseconds on this rank), otherwise
+    /// the call alone (0).
+    ///
+    /// # Safety
+    /// `send` must hold `send_count` elements of the op's type and `recv`, `counts` and
+    /// `displs` what the op needs for the communicator's ranks (see `peer_loop.c`); every
+    /// rank makes the same call.
+    pub(crate) unsafe fn call(
+        &self,
+        op: i32,
+        (send, send_count): (*const c_void, usize),
+        recv: *mut c_void,
+        [counts, displs]: [&[i32]; 2],
+        timed: bool,
+    ) -> Result<u64, BenchError> {
+        let send_count = i32::try_from(send_count)
+            .map_err(|_| BenchError::Usage("a count beyond MPI's 32 bits".into()))?;
+        // SAFETY: per this function's contract; MPI is initialized (the ranks are MPI ranks).
+        let ns = unsafe {
+            (self.iteration)(
+                op,
+                send,
+                send_count,
+                recv,
+                counts.as_ptr(),
+                displs.as_ptr(),
+                i32::from(timed),
+            )
+        };
+        u64::try_from(ns).map_err(|_| BenchError::Usage(format!("C loop: MPI call {op} failed")))
+    }
+
+    /// `MPI_Allreduce` (sum) of `input` into `output` from C: with `timed`, as the C loop
+    /// times it (a barrier, then the call, its nanoseconds); otherwise the call alone.
+    pub(crate) fn all_reduce_sum(
+        &self,
+        input: &[f32],
+        output: &mut [f32],
+        timed: bool,
+    ) -> Result<u64, BenchError> {
+        if input.len() != output.len() {
+            return Err(BenchError::Usage(format!(
+                "C loop: {} elements in, {} out",
+                input.len(),
+                output.len()
+            )));
+        }
+        let send = (input.as_ptr().cast(), input.len());
+        // SAFETY: `input` holds `input.len()` floats and `output` as many (checked above),
+        // all that MPI_Allreduce reads and writes; it takes no counts or displacements.
+        unsafe {
+            self.call(
+                Self::ALL_REDUCE,
+                send,
+                output.as_mut_ptr().cast(),
+                [&[]; 2],
+                timed,
+            )
+        }
+    }
+}
+
+/// Compiles the C loop into a shared library in `dir`; its path.
+fn build(dir: &Path) -> Result<PathBuf, BenchError> {
+    let write = |path: &Path, source| BenchError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| write(dir, e))?;
+    let (src, lib) = (dir.join("peer_loop.c"), dir.join("libpeer_loop.so"));
+    std::fs::write(&src, C_SOURCE).map_err(|e| write(&src, e))?;
+    let status = Command::new("mpicc")
+        .args(["-O2", "-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status()
+        .map_err(|e| BenchError::Usage(format!("mpicc not found ({e}): install Open MPI")))?;
+    if !status.success() {
+        return Err(BenchError::Usage(format!("mpicc failed ({status})")));
+    }
+    Ok(lib)
+}
 
 /// `MPI_COMM_WORLD` through rsmpi, in MPI mode.
 #[cfg(feature = "mpi")]

@@ -11,8 +11,6 @@
 //! not the Rust binding or the harness around it. Run it under `mpirun -np 2` with
 //! `--transport mpi`.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
 use clap::Args;
@@ -22,17 +20,16 @@ use tpcomm::Communicator;
 use crate::error::BenchError;
 use crate::harness::{elapsed_ns, time_once, within, RatioLine, Spec, Target};
 use crate::launch::{self, Bench, RunArgs, Session, Transport};
+use crate::mpi_peer::CLoop;
 use crate::sweep::SweepArgs;
 use crate::table::{col, Column};
 use crate::transport::{Case, TransportOp};
 
-/// The C source, compiled by each rank into its own temporary directory.
-const SOURCE: &str = include_str!("peer_loop.c");
 /// The calls checked: the transport operation whose peer is the call, the C loop's op code.
 const CALLS: [(TransportOp, i32); 3] = [
     (TransportOp::AllGather, 0),
     (TransportOp::AllGatherVarcount, 1),
-    (TransportOp::AllReduce, 2),
+    (TransportOp::AllReduce, CLoop::ALL_REDUCE),
 ];
 const VARIANTS: [&str; 3] = ["rsmpi", "C loop", "C call"];
 
@@ -55,48 +52,13 @@ pub(crate) struct PeerCheckArgs {
     pub(crate) tolerance: f64,
 }
 
-/// One iteration of the C loop: `peer_iteration` of `peer_loop.c`.
-type Iteration = unsafe extern "C" fn(
-    i32,
-    *const std::ffi::c_void,
-    i32,
-    *mut std::ffi::c_void,
-    *const i32,
-    *const i32,
-    i32,
-) -> i64;
-
 /// `peer-check` with the C loop loaded.
 #[derive(Serialize)]
 struct PeerCheck<'a> {
     #[serde(flatten)]
     args: &'a PeerCheckArgs,
-    /// The library, kept loaded while `iteration` may be called.
     #[serde(skip)]
-    _library: libloading::Library,
-    #[serde(skip)]
-    iteration: Iteration,
-}
-
-/// Compiles the C loop into a shared library in `dir`; its path.
-fn build(dir: &Path) -> Result<PathBuf, BenchError> {
-    let write = |path: &Path, source| BenchError::Write {
-        path: path.to_path_buf(),
-        source,
-    };
-    std::fs::create_dir_all(dir).map_err(|e| write(dir, e))?;
-    let (src, lib) = (dir.join("peer_loop.c"), dir.join("libpeer_loop.so"));
-    std::fs::write(&src, SOURCE).map_err(|e| write(&src, e))?;
-    let status = Command::new("mpicc")
-        .args(["-O2", "-shared", "-fPIC", "-o"])
-        .arg(&lib)
-        .arg(&src)
-        .status()
-        .map_err(|e| BenchError::Usage(format!("mpicc not found ({e}): install Open MPI")))?;
-    if !status.success() {
-        return Err(BenchError::Usage(format!("mpicc failed ({status})")));
-    }
-    Ok(lib)
+    c_loop: CLoop,
 }
 
 /// Runs the subcommand: builds and loads the C loop, then the ranks.
@@ -113,19 +75,9 @@ pub(crate) fn run(args: &PeerCheckArgs) -> Result<(), BenchError> {
             "--min-bytes must be a multiple of 16 (the all-reduce moves f32)".into(),
         ));
     }
-    let dir = std::env::temp_dir().join(format!("tpcomm-bench-peer-{}", std::process::id()));
-    let path = build(&dir)?;
-    let load = |e: libloading::Error| BenchError::Usage(format!("{}: {e}", path.display()));
-    // SAFETY: the library is ours, just compiled from `peer_loop.c`, with no initializers.
-    let library = unsafe { libloading::Library::new(&path) }.map_err(load)?;
-    // SAFETY: `peer_iteration` in `peer_loop.c` has the signature of `Iteration`.
-    let symbol = unsafe { library.get::<Iteration>(b"peer_iteration\0") };
-    let iteration = *symbol.map_err(load)?;
-    let _ = std::fs::remove_dir_all(&dir);
     launch::run(&PeerCheck {
         args,
-        _library: library,
-        iteration,
+        c_loop: CLoop::load()?,
     })
 }
 
@@ -134,34 +86,19 @@ impl PeerCheck<'_> {
     /// (its nanoseconds on this rank), otherwise the call alone (0).
     fn c_iteration(&self, op: i32, case: &mut Case, timed: bool) -> Result<u64, BenchError> {
         let [counts, displs] = &case.mpi_counts;
-        let (send, send_count, recv) = match case.op {
+        let (send, recv) = match case.op {
             TransportOp::AllReduce => (
-                case.send_f32.as_ptr().cast(),
-                case.send_f32.len(),
+                (case.send_f32.as_ptr().cast(), case.send_f32.len()),
                 case.recv_f32.as_mut_ptr().cast(),
             ),
             _ => (
-                case.send.as_ptr().cast(),
-                case.send.len(),
+                (case.send.as_ptr().cast(), case.send.len()),
                 case.recv.as_mut_ptr().cast(),
             ),
         };
-        let send_count = i32::try_from(send_count)
-            .map_err(|_| BenchError::Usage("a count beyond MPI's 32 bits".into()))?;
-        // SAFETY: the buffers are the case's, as large as the counts say (`Case::new`);
-        // MPI is initialized (the ranks are MPI ranks) and every rank makes the same call.
-        let ns = unsafe {
-            (self.iteration)(
-                op,
-                send,
-                send_count,
-                recv,
-                counts.as_ptr(),
-                displs.as_ptr(),
-                i32::from(timed),
-            )
-        };
-        u64::try_from(ns).map_err(|_| BenchError::Usage(format!("C loop: MPI call {op} failed")))
+        // SAFETY: the buffers are the case's, as large as the counts say (`Case::new`), and
+        // every rank makes the same call.
+        unsafe { self.c_loop.call(op, send, recv, [counts, displs], timed) }
     }
 }
 

@@ -74,6 +74,15 @@ pub(crate) struct IterArgs {
     /// 1 MiB].
     #[arg(long, value_name = "N")]
     pub(crate) warmup: Option<u32>,
+
+    /// Time each iteration of a variant right after the other variants' iterations, without
+    /// the untimed iteration of its own that otherwise runs just before it. By default a
+    /// variant runs twice in a row and the second run is timed, so that it finds its buffers
+    /// as its previous call left them (as a loop of the call does: a C benchmark loop, an
+    /// engine's steps); `--cold` times it after other variants have evicted them instead,
+    /// in half the run time.
+    #[arg(long)]
+    pub(crate) cold: bool,
 }
 
 impl IterArgs {
@@ -122,7 +131,12 @@ impl IterArgs {
             Some(n) => format!("{n}"),
             None => format!("{WARMUP_SMALL} (<1 MiB), {WARMUP_LARGE} (>=1 MiB)"),
         };
-        format!("iters {iters}; warmup {warmup}")
+        let order = if self.cold {
+            "cold: rotated variants run once per round"
+        } else {
+            "rotated variants run twice in a row per round, the second run timed"
+        };
+        format!("iters {iters}; warmup {warmup}; {order}")
     }
 }
 
@@ -281,6 +295,7 @@ mod tests {
         let no_warmup = IterArgs {
             iters: None,
             warmup: Some(0),
+            cold: false,
         };
         assert!(no_warmup.validate().is_err());
         assert!(sweep(8, 64 << 20, 2).validate().is_ok());

@@ -113,14 +113,15 @@ pub const MAX_RANKS: usize = 8;
 
 /// Sizes up to this many bytes use one-stage, for each world size (index = world size).
 ///
-/// Measured with `tpcomm-bench allreduce` on the host backend (2-core machine, f32, medians
-/// of 3 to 8 runs; docs/benchmarks.md): two-stage is 10-20% faster than one-stage from
-/// 128 KiB on 2 ranks and from 64-128 KiB on 4 ranks, within a few percent of it below.
-/// Larger worlds read more peers per element in one-stage, so they switch no later.
+/// Measured with `tpcomm-bench allreduce` on the host backend (2-core machine, f32;
+/// docs/benchmarks.md): on 2 ranks two-stage is 5-25% faster than one-stage from 8 KiB
+/// (over MPI and threads, 4 runs) since it stages and gathers no copy of a rank's own part,
+/// and 1-35% slower below; on 4 ranks it wins from 64 KiB. Larger worlds read more peers
+/// per element in one-stage, so they switch no later.
 pub const ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
     0,
     usize::MAX,
-    64 << 10,
+    4 << 10,
     64 << 10,
     64 << 10,
     32 << 10,

@@ -750,11 +750,12 @@ impl<B: Backend> CustomAllReduce<B> {
         algorithm: Algorithm,
         out: u64,
     ) -> Result<()> {
-        self.launch_slot(call, slot, dtype, count, algorithm, out, false)
+        self.launch_slot(call, slot, dtype, count, algorithm, out, false, None)
     }
 
     /// [`launch`](Self::launch); `recording` (a device graph capture) may name a slot still
     /// waiting for `register_graph_buffers`, since nothing runs until the graph is replayed.
+    /// `own_input`: [`Launch::own_input`].
     #[allow(clippy::too_many_arguments)]
     fn launch_slot(
         &mut self,
@@ -765,6 +766,7 @@ impl<B: Backend> CustomAllReduce<B> {
         algorithm: Algorithm,
         out: u64,
         recording: bool,
+        own_input: Option<u64>,
     ) -> Result<()> {
         self.lifecycle.check_operation(call)?;
         let source = self.slots.get(slot).copied().flatten();
@@ -814,6 +816,7 @@ impl<B: Backend> CustomAllReduce<B> {
             slot,
             own_signal: &res.signal,
             out,
+            own_input,
             timeout: self.config.timeout,
         };
         let _span = tracing::trace_span!(
@@ -853,11 +856,41 @@ impl<B: Backend> CustomAllReduce<B> {
         let bytes = std::mem::size_of_val(input);
         let algorithm = self.choose(T::DTYPE, bytes)?;
         let res = self.resources("all_reduce")?;
-        res.peers
-            .backend()
-            .write(&res.staging, 0, bytemuck::cast_slice(input))?;
+        let memory = res.peers.backend();
+        let raw: &[u8] = bytemuck::cast_slice(input);
+        // Peers read the staging copy; a part that none of them reads (this rank's own part
+        // of a two-stage reduction) is read from `input` itself instead, and not copied.
+        let private =
+            self.backend
+                .private_part(algorithm, T::DTYPE, input.len(), self.rank, self.world);
+        let own_input = match private {
+            Some(part) => {
+                let (start, end) = (part.start * T::DTYPE.size(), part.end * T::DTYPE.size());
+                if start > end || end > bytes {
+                    return Err(AllReduceError::InvalidArgument(format!(
+                        "the backend named bytes {start}..{end} of a {bytes}-byte input as private"
+                    )));
+                }
+                memory.write(&res.staging, 0, &raw[..start])?;
+                memory.write(&res.staging, end, &raw[end..])?;
+                Some(input.as_ptr() as u64)
+            }
+            None => {
+                memory.write(&res.staging, 0, raw)?;
+                None
+            }
+        };
         let out = output.as_mut_ptr() as u64;
-        self.launch("all_reduce", 0, T::DTYPE, input.len(), algorithm, out)?;
+        self.launch_slot(
+            "all_reduce",
+            0,
+            T::DTYPE,
+            input.len(),
+            algorithm,
+            out,
+            false,
+            own_input,
+        )?;
         Ok(algorithm)
     }
 
@@ -1212,7 +1245,7 @@ impl<B: Backend> CustomAllReduce<B> {
             recording,
             "all-reduce of caller memory"
         );
-        self.launch_slot(call, slot, dtype, count, algorithm, out, recording)?;
+        self.launch_slot(call, slot, dtype, count, algorithm, out, recording, None)?;
         Ok(algorithm)
     }
 
@@ -1258,6 +1291,7 @@ impl<B: Backend> CustomAllReduce<B> {
                     algorithm,
                     output.addr(),
                     recording,
+                    None,
                 )?;
             }
             None => {

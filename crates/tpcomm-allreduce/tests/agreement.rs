@@ -167,6 +167,7 @@ impl Backend for Renamed {
                 slot: l.slot,
                 own_signal: l.own_signal,
                 out: l.out,
+                own_input: l.own_input,
                 timeout: l.timeout,
             },
         )

@@ -62,6 +62,7 @@ impl Backend for Recording {
                 slot: l.slot,
                 own_signal: l.own_signal,
                 out: l.out,
+                own_input: l.own_input,
                 timeout: l.timeout,
             },
         )

@@ -19,8 +19,12 @@
 //!   accumulation into the output; end barrier (peers may still read this rank's input
 //!   until then);
 //! - two-stage: start barrier; reduce this rank's n-th of the elements into its temp
-//!   buffer; a release/acquire barrier (peers' temp writes visible); copy every rank's
-//!   reduced n-th from its temp buffer into the output; end barrier.
+//!   buffer (and into the output, when that is apart from this rank's input or is the input
+//!   itself); a release/acquire barrier (peers' temp writes visible); copy the other
+//!   ranks' reduced n-ths (and this rank's, when it did not go to the output directly) from
+//!   their temp buffers into the output; end barrier. An eager launch
+//!   reads this rank's own n-th from the caller's input ([`Launch::own_input`]): only the
+//!   parts peers read were staged.
 //!
 //! Barrier: this rank's epoch (its Signal counter + 1) is stored with *release* into every
 //! peer's slot for this rank, then this rank waits with *acquire* loads until every peer's
@@ -259,12 +263,15 @@ type Barrier<'a> = flags::FlagBarrier<'a, SignalBlocks<'a>>;
 /// Elements per accumulation chunk.
 const CHUNK: usize = 1024;
 
-/// `out[i] = sum over r in rank order of inputs[r][i]` for `i` in `range`, f32 accumulation.
+/// `out[i] = sum over r in rank order of inputs[r][i]` for `i` in `range`, f32 accumulation;
+/// also into `also[i]` when given (each chunk copied there after it is written to `out`).
 ///
 /// # Safety
 /// Every `inputs[r]` must point to at least `range.end` readable elements of `T` and
-/// `out` to at least `range.end` writable ones, none written concurrently.
-unsafe fn reduce<T: Element>(inputs: &[u64], out: u64, range: Range<usize>) {
+/// `out` (and `also`) to at least `range.end` writable ones, none written concurrently;
+/// `also` overlaps neither `out` nor any input, or is exactly one of the inputs (each chunk
+/// is read before it is written).
+unsafe fn reduce<T: Element>(inputs: &[u64], out: u64, also: Option<u64>, range: Range<usize>) {
     let mut acc = [0f32; CHUNK];
     let mut start = range.start;
     while start < range.end {
@@ -278,6 +285,18 @@ unsafe fn reduce<T: Element>(inputs: &[u64], out: u64, range: Range<usize>) {
         // SAFETY: per the function contract.
         let dst = unsafe { std::slice::from_raw_parts_mut((out as *mut T).add(start), n) };
         T::narrow(&acc[..n], dst);
+        if let Some(also) = also {
+            // SAFETY: per the function contract, `also` holds `range.end` writable elements,
+            // apart from `out`, and no input is read at this chunk again; `copy_bytes` keeps
+            // the speed of a destination 16 bytes into a page (a large `Vec`).
+            unsafe {
+                tpcomm_ipc::backend::copy::copy_bytes(
+                    (also as *mut T).add(start) as *mut u8,
+                    dst.as_ptr() as *const u8,
+                    n * std::mem::size_of::<T>(),
+                )
+            };
+        }
         start += n;
     }
 }
@@ -309,27 +328,46 @@ fn run<T: Element, M: HostLike>(
                 // `count` elements and that the output does, `verify` that every rank
                 // launched `count` elements; no rank writes an input before the end
                 // barrier.
-                unsafe { reduce::<T>(inputs, l.out, 0..l.count) };
+                unsafe { reduce::<T>(inputs, l.out, None, 0..l.count) };
             },
             || {},
         ),
-        Algorithm::TwoStage => barrier.launch::<flags::Backoff>(
-            true,
-            verify,
-            || {
-                let mine = part(l.count, T::DTYPE.size(), l.world, l.rank);
-                // SAFETY: as above; the driver checked that every rank's temp buffer holds
-                // `count` elements; only this rank writes its own, before the mid barrier.
-                unsafe { reduce::<T>(inputs, temps[l.rank], mine) };
-            },
-            || gather::<T, M>(l, temps),
-        ),
+        Algorithm::TwoStage => {
+            // This rank's own part goes into the output as it is reduced (no copy back from
+            // the temp buffer after the mid barrier) when the output is apart from this
+            // rank's input or is the input itself: each chunk is read before it is written,
+            // and peers read only their own parts of this input. An output shifted against
+            // the input would overwrite what a peer reads until the mid barrier.
+            let bytes = (l.count * T::DTYPE.size()) as u64;
+            let own = inputs[l.rank];
+            let direct = l.out == own
+                || l.out.saturating_add(bytes) <= own
+                || own.saturating_add(bytes) <= l.out;
+            barrier.launch::<flags::Backoff>(
+                true,
+                verify,
+                || {
+                    let mine = part(l.count, T::DTYPE.size(), l.world, l.rank);
+                    // SAFETY: as above; the driver checked that every rank's temp buffer
+                    // holds `count` elements; only this rank writes its own, before the mid
+                    // barrier. The output is the caller's (never a temp buffer or a peer's
+                    // input); with `direct` it is this rank's input or apart from it.
+                    unsafe { reduce::<T>(inputs, temps[l.rank], direct.then_some(l.out), mine) };
+                },
+                || gather::<T, M>(l, temps, direct),
+            )
+        }
     }
 }
 
-/// Two-stage, after the mid barrier: every rank's part from its owner's temp buffer.
-fn gather<T: Element, M: HostLike>(l: &Launch<'_, HostBackend<M>>, temps: &[u64; 8]) {
-    for r in 0..l.world {
+/// Two-stage, after the mid barrier: every rank's part from its owner's temp buffer (but
+/// this rank's own when `own_done`: written to the output by the reduction already).
+fn gather<T: Element, M: HostLike>(
+    l: &Launch<'_, HostBackend<M>>,
+    temps: &[u64; 8],
+    own_done: bool,
+) {
+    for r in (0..l.world).filter(|&r| !(own_done && r == l.rank)) {
         let p = part(l.count, T::DTYPE.size(), l.world, r);
         let bytes = p.len() * T::DTYPE.size();
         let offset = p.start * T::DTYPE.size();
@@ -370,6 +408,17 @@ impl<M: HostLike> Backend for HostBackend<M> {
         Ok(memory.write(signal, 0, &[0u8; NONCE])?)
     }
 
+    fn private_part(
+        &self,
+        algorithm: Algorithm,
+        dtype: DType,
+        count: usize,
+        rank: usize,
+        world: usize,
+    ) -> Option<Range<usize>> {
+        (algorithm == Algorithm::TwoStage).then(|| part(count, dtype.size(), world, rank))
+    }
+
     fn stage(
         &self,
         memory: &M,
@@ -392,7 +441,12 @@ impl<M: HostLike> Backend for HostBackend<M> {
     fn launch(&self, memory: &M, l: &Launch<'_, Self>) -> Result<()> {
         let signals = read_table(memory, l.rank_signals, 0)?;
         let temps = read_table(memory, l.rank_signals, 64)?;
-        let inputs = read_table(memory, l.rank_data, l.slot * super::RANK_DATA_BYTES)?;
+        let mut inputs = read_table(memory, l.rank_data, l.slot * super::RANK_DATA_BYTES)?;
+        if let Some(own_input) = l.own_input {
+            // The eager path staged everything but `private_part`, which only this rank
+            // reads: from the caller's input (valid for the launch, per `Launch::own_input`).
+            inputs[l.rank] = own_input;
+        }
         let own = l.own_signal.addr();
         // Flag and shape words are accessed as atomics: every block must be 8-byte aligned
         // (a block is the start of its own allocation, so a misaligned one is a forged or

@@ -55,6 +55,11 @@ pub struct Launch<'a, B: Backend + ?Sized> {
     /// Where the result goes: an address of `count * dtype.size()` writable bytes that the
     /// driver guarantees valid for the launch.
     pub out: u64,
+    /// This rank's input when the launch reads it from the caller's memory instead of from
+    /// its slot: set by the eager path only when [`Backend::private_part`] named a part that
+    /// peers never read (that part was not staged), `count * dtype.size()` readable bytes
+    /// valid for the launch. `None`: every rank's input is read from the slot.
+    pub own_input: Option<u64>,
     /// Bound on every barrier wait.
     pub timeout: Duration,
 }
@@ -149,6 +154,23 @@ pub trait Backend: Send + Sync + Debug + 'static {
         bytes: &[u8],
     ) -> Result<()> {
         Ok(memory.write(table, offset, bytes)?)
+    }
+
+    /// The elements of this rank's input that no peer reads in a launch of `algorithm` (its
+    /// own part of a two-stage reduction), or `None` when peers read all of it (the
+    /// default). The eager path stages only the rest and passes the caller's input as
+    /// [`Launch::own_input`]; a backend that returns `Some` must read this rank's input from
+    /// there when it is set.
+    fn private_part(
+        &self,
+        algorithm: Algorithm,
+        dtype: DType,
+        count: usize,
+        rank: usize,
+        world: usize,
+    ) -> Option<std::ops::Range<usize>> {
+        let _ = (algorithm, dtype, count, rank, world);
+        None
     }
 
     /// Copies the first `bytes` of `input` into `staging` (the eager path), ordered like a

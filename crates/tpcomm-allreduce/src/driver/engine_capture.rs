@@ -107,6 +107,7 @@ impl Backend for GraphSim {
             slot: l.slot,
             own_signal: l.own_signal,
             out: l.out,
+            own_input: l.own_input,
             timeout: l.timeout,
         };
         self.inner.launch(memory, &host)

@@ -111,14 +111,36 @@ impl fmt::Display for FallbackReason {
 /// Largest world size the tables hold.
 pub const MAX_RANKS: usize = 8;
 
-/// Sizes up to this many bytes use one-stage, for each world size (index = world size).
+/// Sizes up to this many bytes use one-stage, for each world size (index = world size), in
+/// launches that read their inputs where they are (registered inputs, captured plans).
 ///
-/// Measured with `tpcomm-bench allreduce` on the host backend (2-core machine, f32;
-/// docs/benchmarks.md): on 2 ranks two-stage is 5-25% faster than one-stage from 8 KiB
-/// (over MPI and threads, 4 runs) since it stages and gathers no copy of a rank's own part,
-/// and 1-35% slower below; on 4 ranks it wins from 64 KiB. Larger worlds read more peers
-/// per element in one-stage, so they switch no later.
+/// Measured with `tpcomm-bench allreduce` on the host backend (2-core machine, f32, medians
+/// of 3 to 8 runs; docs/benchmarks.md): two-stage is 10-20% faster than one-stage from
+/// 128 KiB on 2 ranks and from 64-128 KiB on 4 ranks, within a few percent of it below,
+/// and a replayed one-stage plan is 1.5-2x faster than two-stage from 8 to 64 KiB on 2 ranks.
+/// Larger worlds read more peers per element in one-stage, so they switch no later.
 pub const ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
+    0,
+    usize::MAX,
+    64 << 10,
+    64 << 10,
+    64 << 10,
+    32 << 10,
+    32 << 10,
+    32 << 10,
+    32 << 10,
+];
+
+/// [`ONE_STAGE_MAX_BYTES`] for the host backend's eager launches, which copy the caller's
+/// input into the staging buffer (RankData slot 0) first: one-stage copies all of it (peers
+/// read all of it), two-stage only the parts peers read, so two-stage wins earlier. Measured
+/// like the table above: on 2 ranks two-stage is 5-25% faster from 8 KiB (over MPI and
+/// threads, 4 runs each) and 1-35% slower below; 4 ranks: faster from 64 KiB, as above.
+///
+/// Ranks pick their table by slot, and the host launch's shape includes the slot, so ranks
+/// that would pick different algorithms (one launching from the staging slot, one from a
+/// registered slot) are refused with a `LaunchMismatch` before their barriers differ.
+pub const STAGED_ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
     0,
     usize::MAX,
     4 << 10,
@@ -198,6 +220,26 @@ mod tests {
             assert_eq!(choose(t, world, 8 << 20), Ok(Algorithm::OneStage));
             assert_eq!(choose(t + 16, world, 8 << 20), Ok(Algorithm::TwoStage));
         }
+    }
+
+    #[test]
+    fn eager_launches_from_the_staging_slot_switch_to_two_stage_no_later() {
+        for world in 1..=MAX_RANKS {
+            assert!(STAGED_ONE_STAGE_MAX_BYTES[world] <= ONE_STAGE_MAX_BYTES[world]);
+        }
+        let (staged, zero_copy) = (&STAGED_ONE_STAGE_MAX_BYTES, &ONE_STAGE_MAX_BYTES);
+        assert_eq!(
+            choose_with(staged, 8 << 10, 2, 8 << 20),
+            Ok(Algorithm::TwoStage)
+        );
+        assert_eq!(
+            choose_with(zero_copy, 8 << 10, 2, 8 << 20),
+            Ok(Algorithm::OneStage)
+        );
+        assert_eq!(
+            choose_with(staged, 4 << 10, 2, 8 << 20),
+            Ok(Algorithm::OneStage)
+        );
     }
 
     #[test]

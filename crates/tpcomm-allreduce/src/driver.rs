@@ -69,15 +69,22 @@ impl Config {
     }
 
     /// The algorithm for `bytes` of `dtype` on `world` ranks, if `backend` has a launch for
-    /// it; the fallback reason otherwise.
+    /// it; the fallback reason otherwise. `staged`: an eager launch from the staging slot
+    /// ([`Backend::staged_one_stage_table`]).
     fn choose<B: Backend>(
         &self,
         backend: &B,
         dtype: DType,
         bytes: usize,
         world: usize,
+        staged: bool,
     ) -> Result<Algorithm> {
-        let chosen = dispatch::choose_with(backend.one_stage_table(), bytes, world, self.max_bytes)
+        let table = if staged {
+            backend.staged_one_stage_table()
+        } else {
+            backend.one_stage_table()
+        };
+        let chosen = dispatch::choose_with(table, bytes, world, self.max_bytes)
             .map_err(AllReduceError::Fallback)?;
         let algorithm = self.algorithm.unwrap_or(chosen);
         backend
@@ -325,7 +332,7 @@ impl<'b, B: Backend> Capture<'_, 'b, B> {
         let bytes = self
             .ar
             .checked_bytes(dtype, count, input.len(), output.len())?;
-        let algorithm = self.ar.choose(dtype, bytes)?;
+        let algorithm = self.ar.choose(dtype, bytes, false)?;
         check_no_alias(algorithm, input.addr(), output.addr(), bytes)?;
         let slot = self.ar.graph_slot(input.addr(), bytes)?;
         self.launches.push(Recorded {
@@ -854,7 +861,7 @@ impl<B: Backend> CustomAllReduce<B> {
             )));
         }
         let bytes = std::mem::size_of_val(input);
-        let algorithm = self.choose(T::DTYPE, bytes)?;
+        let algorithm = self.choose(T::DTYPE, bytes, true)?;
         let res = self.resources("all_reduce")?;
         let memory = res.peers.backend();
         let raw: &[u8] = bytemuck::cast_slice(input);
@@ -1089,7 +1096,7 @@ impl<B: Backend> CustomAllReduce<B> {
             input.buffer.len(),
             std::mem::size_of_val(output),
         )?;
-        let algorithm = self.choose(T::DTYPE, bytes)?;
+        let algorithm = self.choose(T::DTYPE, bytes, false)?;
         let out = output.as_mut_ptr() as u64;
         check_no_alias(algorithm, input.buffer.addr(), out, bytes)?;
         self.launch(
@@ -1129,8 +1136,10 @@ impl<B: Backend> CustomAllReduce<B> {
     }
 
     /// The algorithm for `bytes` of `dtype`, or the reason the fallback must serve it.
-    fn choose(&self, dtype: DType, bytes: usize) -> Result<Algorithm> {
-        self.config.choose(&self.backend, dtype, bytes, self.world)
+    /// The algorithm of a launch; `staged`: from the staging slot (slot 0).
+    fn choose(&self, dtype: DType, bytes: usize, staged: bool) -> Result<Algorithm> {
+        self.config
+            .choose(&self.backend, dtype, bytes, self.world, staged)
     }
 
     /// The slot of a registered buffer at `addr` holding at least `bytes`, if any. Sound by
@@ -1196,9 +1205,11 @@ impl<B: Backend> CustomAllReduce<B> {
         let bytes = count
             .checked_mul(dtype.size())
             .ok_or_else(|| AllReduceError::InvalidArgument(format!("{count} elements overflow")))?;
-        let algorithm = self.choose(dtype, bytes)?;
         let recording = self.backend.capturing()?;
-        let (slot, staged) = match self.slot_of(input_addr, bytes) {
+        let registered = self.slot_of(input_addr, bytes);
+        // Slot 0 (the staging slot) exactly when neither registered nor recording.
+        let algorithm = self.choose(dtype, bytes, registered.is_none() && !recording)?;
+        let (slot, staged) = match registered {
             Some(slot) => {
                 if recording {
                     self.captured[slot] = true;
@@ -1273,9 +1284,11 @@ impl<B: Backend> CustomAllReduce<B> {
     ) -> Result<Algorithm> {
         self.lifecycle.check_operation("all_reduce_buffer")?;
         let bytes = self.checked_bytes(dtype, count, input.len(), output.len())?;
-        let algorithm = self.choose(dtype, bytes)?;
         let recording = self.backend.capturing()?;
-        let slot = match self.slot_of(input.addr(), bytes) {
+        let registered = self.slot_of(input.addr(), bytes);
+        // Slot 0 (the staging slot) exactly when neither registered nor recording.
+        let algorithm = self.choose(dtype, bytes, registered.is_none() && !recording)?;
+        let slot = match registered {
             Some(slot) => Some(slot),
             None if recording => Some(self.graph_slot(input.addr(), bytes)?),
             None => None,

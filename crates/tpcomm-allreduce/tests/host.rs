@@ -186,6 +186,37 @@ fn registered_inputs_are_reduced_without_staging() {
     }
 }
 
+/// The dispatcher picks by where the launch reads its input: an eager call (staged: two-stage
+/// copies less of it) switches to two-stage at a smaller size than a registered input.
+#[test]
+fn eager_calls_switch_to_two_stage_before_registered_inputs_do() {
+    let results = group(2).run(|comm| -> R<Vec<Algorithm>> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let mem = ar.memory()?.clone();
+        let input = ar.register_buffer(&comm, mem.allocate(8 << 10)?)?;
+        let mut used = Vec::new();
+        for count in [1024, 2048] {
+            let data = vec![1.0f32; count];
+            let mut out = vec![0f32; count];
+            used.push(ar.all_reduce(&data, &mut out)?);
+            assert_eq!(out, vec![2.0f32; count]);
+            used.push(ar.all_reduce_registered(&input, &mut out)?);
+        }
+        Ok(used)
+    });
+    for r in results {
+        assert_eq!(
+            r.unwrap().unwrap(),
+            [
+                Algorithm::OneStage,
+                Algorithm::OneStage,
+                Algorithm::TwoStage,
+                Algorithm::OneStage
+            ]
+        );
+    }
+}
+
 fn read_f32(mem: &HostMemory, buf: &impl MemoryRegion, count: usize) -> Vec<f32> {
     let mut raw = vec![0u8; count * 4];
     mem.read(buf, 0, &mut raw).unwrap();

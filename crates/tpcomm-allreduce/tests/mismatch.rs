@@ -197,6 +197,37 @@ fn ranks_whose_sizes_choose_different_algorithms_all_fail_without_waiting_out_th
 }
 
 #[test]
+fn an_eager_call_against_a_peers_registered_input_fails_on_both_ranks_without_a_timeout() {
+    // 8 KiB on 2 ranks: the eager call (staging slot) takes two-stage, the registered input
+    // one-stage. The slots differ, so the shape check refuses both before their barriers
+    // differ: no rank waits in a mid barrier its peer never crosses (that would end in a
+    // `Timeout` after 30 s, not a `LaunchMismatch`).
+    let results = group(2).run(|comm| -> R<()> {
+        let config = Config {
+            timeout: Duration::from_secs(30),
+            ..Config::default()
+        };
+        let mut ar = new_ar(&comm, config)?;
+        let memory = ar.memory()?.clone();
+        let input = ar.register_buffer(&comm, memory.allocate(8 << 10)?)?;
+        let mut out = vec![0f32; 2048];
+        let outcome = if comm.rank() == 0 {
+            ar.all_reduce(&[1.0f32; 2048], &mut out)
+        } else {
+            ar.all_reduce_registered(&input, &mut out)
+        };
+        match outcome.as_ref().map_err(cause) {
+            Err(AllReduceError::LaunchMismatch {
+                slot, peer_slot, ..
+            }) if (*slot == Some(0)) != (*peer_slot == Some(0)) => {}
+            other => panic!("expected a LaunchMismatch naming both slots, got {other:?}"),
+        }
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
 fn a_plan_or_registered_input_used_on_another_communicator_is_refused() {
     // Before: the other communicator's slot is free (zero addresses): null dereference.
     let results = group(2).run(|comm| -> R<()> {

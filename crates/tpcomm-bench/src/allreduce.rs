@@ -16,10 +16,11 @@
 //!   is every row's time over it, and the summary quotes it at the largest size (at least
 //!   8 MiB, so that it is memory and not caches);
 //! - `floor copy+sum`, `floor sum` (f32): the least data movement of an all-reduce on each
-//!   rank, with no synchronisation at all: the input copied into a page-aligned staging
-//!   buffer, then the staging buffer and one buffer per peer (standing for the peers'
-//!   staging buffers) summed into the output — what any eager all-reduce of unregistered
-//!   buffers between processes must do at least — and the sum alone, a replay's share (its
+//!   rank, with no synchronisation at all: the parts of the input that peers read (all but
+//!   one n-th) copied into a page-aligned staging buffer, then the input and one buffer per
+//!   peer (standing for the peers' staging buffers) summed into the output — what any eager
+//!   all-reduce of unregistered buffers between processes must do at least — and the sum
+//!   alone, a replay's share (its
 //!   inputs are registered: no copy). No algorithm can beat them on this machine, so they
 //!   bound the speedups the targets ask for;
 //! - `MPI_Allreduce` (the peer; `--transport mpi`, f32 only): the plain MPI call
@@ -35,15 +36,16 @@
 //! threads, tens of microseconds apart on a busy machine), then one timed all-reduce.
 //! `busbw = algbw * 2(n-1)/n` (nccl-tests' all-reduce factor).
 //!
-//! After each table: where two-stage becomes faster than one-stage (next to the
-//! dispatcher's threshold, `dispatch::ONE_STAGE_MAX_BYTES`); under `mpirun`, the targets
+//! After each table: where eager two-stage becomes faster than one-stage (next to the
+//! dispatcher's thresholds, `dispatch::STAGED_ONE_STAGE_MAX_BYTES` for eager calls and
+//! `dispatch::ONE_STAGE_MAX_BYTES` for replays); under `mpirun`, the targets
 //! against `MPI_Allreduce` (2 ranks, f32).
 
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use serde::Serialize;
-use tpcomm::allreduce::dispatch::ONE_STAGE_MAX_BYTES;
+use tpcomm::allreduce::dispatch::{ONE_STAGE_MAX_BYTES, STAGED_ONE_STAGE_MAX_BYTES};
 use tpcomm::allreduce::{
     Algorithm, CapturedPlan, Config, CustomAllReduce, DType, Element, HostBackend,
 };
@@ -253,23 +255,32 @@ impl Floor {
         }
     }
 
-    /// `copy`: the input into the staging window first; then the sum of every window into
-    /// `out`.
+    /// `copy`: the parts of the input that peers read (all but the first n-th) into the
+    /// staging window first, and the first n-th read from `input` itself, as an eager
+    /// two-stage call does; then the sum of every window into `out`.
     fn run(&mut self, copy: bool, input: &[f32], out: &mut [f32]) {
+        let private = if copy { self.count / self.ranks } else { 0 };
         let (own, peers) = self.windows();
         if copy {
-            own.copy_from_slice(input);
+            own[private..].copy_from_slice(&input[private..]);
         }
-        let mut rest = peers.iter();
-        match rest.next() {
+        let (head, tail) = out.split_at_mut(private);
+        let peer_head = peers.iter().map(|p| &p[..private]);
+        Self::sum(head, &input[..private], peer_head);
+        Self::sum(tail, &own[private..], peers.iter().map(|p| &p[private..]));
+    }
+
+    /// `out = own + every peer`.
+    fn sum<'a>(out: &mut [f32], own: &[f32], mut peers: impl Iterator<Item = &'a [f32]>) {
+        match peers.next() {
             Some(first) => out
                 .iter_mut()
-                .zip(own.iter().zip(*first))
+                .zip(own.iter().zip(first))
                 .for_each(|(o, (a, b))| *o = a + b),
             None => out.copy_from_slice(own),
         }
-        for peer in rest {
-            out.iter_mut().zip(*peer).for_each(|(o, b)| *o += b);
+        for peer in peers {
+            out.iter_mut().zip(peer).for_each(|(o, b)| *o += b);
         }
     }
 }
@@ -679,9 +690,9 @@ impl Bench for AllReduceArgs {
         );
         if self.dtypes.contains(&DTypeArg::F32) {
             lines.push(
-                "floor copy+sum / floor sum (f32): every rank copies its input into a \
-                 page-aligned buffer and sums it with one buffer per peer into the output, or \
-                 only sums: the least data movement of an eager all-reduce of unregistered \
+                "floor copy+sum / floor sum (f32): every rank copies the parts of its input \
+                 that peers read ((n-1)/n of it) into a page-aligned buffer and sums its input \
+                 with one buffer per peer into the output, or only sums: the least data movement of an eager all-reduce of unregistered \
                  buffers and of a replay, with no synchronisation (no algorithm beats them here)"
                     .into(),
             );
@@ -863,14 +874,17 @@ fn summarize(s: &mut Session<'_>, dtype: &str, ranks: usize) {
         ),
         _ => "one-stage faster at every size".to_string(),
     };
-    let threshold = match ONE_STAGE_MAX_BYTES.get(ranks).copied() {
+    let threshold = |table: &[usize]| match table.get(ranks).copied() {
         Some(usize::MAX) => "one-stage at every size".to_string(),
         Some(t) => format!("one-stage up to {}, two-stage above", format_bytes(t)),
         None => "no threshold for this world size".to_string(),
     };
     s.summary(format!(
-        "{dtype} crossover, {ranks} ranks: measured {measured}; dispatcher \
-         (ONE_STAGE_MAX_BYTES[{ranks}]): {threshold}"
+        "{dtype} crossover, {ranks} ranks: measured {measured}; dispatcher for eager calls \
+         (STAGED_ONE_STAGE_MAX_BYTES[{ranks}]): {}; for registered inputs and replays \
+         (ONE_STAGE_MAX_BYTES[{ranks}]): {}",
+        threshold(&STAGED_ONE_STAGE_MAX_BYTES),
+        threshold(&ONE_STAGE_MAX_BYTES)
     ));
     let auto_wrong: Vec<String> = points
         .iter()

@@ -117,6 +117,15 @@ pub trait Backend: Send + Sync + Debug + 'static {
         &crate::dispatch::ONE_STAGE_MAX_BYTES
     }
 
+    /// The table for eager launches from the staging slot (RankData slot 0, the input copied
+    /// there by the call): [`one_stage_table`](Self::one_stage_table) by default; the host
+    /// backend's [`dispatch::STAGED_ONE_STAGE_MAX_BYTES`](crate::dispatch::STAGED_ONE_STAGE_MAX_BYTES).
+    /// A backend whose launch shapes leave out the slot must keep the default: ranks picking
+    /// by slot must see a mismatch when their slots differ.
+    fn staged_one_stage_table(&self) -> &'static [usize; crate::dispatch::MAX_RANKS + 1] {
+        self.one_stage_table()
+    }
+
     /// Applies [`Config::topology`](crate::Config::topology) (called once by
     /// `CustomAllReduce::new`, before anything is decided): a backend that probes the
     /// topology decides again from its probe with `check`. The host backend has nothing to

@@ -134,23 +134,19 @@ pub const ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
 /// [`ONE_STAGE_MAX_BYTES`] for the host backend's eager launches, which copy the caller's
 /// input into the staging buffer (RankData slot 0) first: one-stage copies all of it (peers
 /// read all of it), two-stage only the parts peers read, so two-stage wins earlier. Measured
-/// like the table above: on 2 ranks two-stage is 5-25% faster from 8 KiB (over MPI and
-/// threads, 4 runs each) and 1-35% slower below; 4 ranks: faster from 64 KiB, as above.
+/// like the table above: on 2 ranks two-stage is 5-25% faster from 8 KiB (two MPI runs and
+/// two local-thread runs) and 1-35% slower below. Other world sizes: as
+/// [`ONE_STAGE_MAX_BYTES`] (4 MPI ranks, oversubscribed on 2 cores, still switch at 64 KiB;
+/// 5-8 ranks not measured).
 ///
 /// Ranks pick their table by slot, and the host launch's shape includes the slot, so ranks
 /// that would pick different algorithms (one launching from the staging slot, one from a
 /// registered slot) are refused with a `LaunchMismatch` before their barriers differ.
-pub const STAGED_ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
-    0,
-    usize::MAX,
-    4 << 10,
-    64 << 10,
-    64 << 10,
-    32 << 10,
-    32 << 10,
-    32 << 10,
-    32 << 10,
-];
+pub const STAGED_ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = {
+    let mut table = ONE_STAGE_MAX_BYTES;
+    table[2] = 4 << 10;
+    table
+};
 
 /// Sizes up to this many bytes use one-stage on CUDA GPUs, for each world size (index =
 /// world size): vLLM's cut-offs, measured on NVLink-connected GPUs (its

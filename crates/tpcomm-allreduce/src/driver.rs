@@ -1135,8 +1135,8 @@ impl<B: Backend> CustomAllReduce<B> {
         }
     }
 
-    /// The algorithm for `bytes` of `dtype`, or the reason the fallback must serve it.
-    /// The algorithm of a launch; `staged`: from the staging slot (slot 0).
+    /// The algorithm for `bytes` of `dtype`, or the reason the fallback must serve it;
+    /// `staged`: a launch from the staging slot (slot 0).
     fn choose(&self, dtype: DType, bytes: usize, staged: bool) -> Result<Algorithm> {
         self.config
             .choose(&self.backend, dtype, bytes, self.world, staged)

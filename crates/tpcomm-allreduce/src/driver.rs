@@ -347,8 +347,7 @@ impl<'b, B: Backend> Capture<'_, 'b, B> {
 }
 
 fn check_no_alias(algorithm: Algorithm, input: u64, output: u64, bytes: usize) -> Result<()> {
-    let overlap = input < output + bytes as u64 && output < input + bytes as u64;
-    if algorithm == Algorithm::OneStage && overlap {
+    if algorithm == Algorithm::OneStage && crate::backend::overlap(input, output, bytes) {
         return Err(AllReduceError::InvalidArgument(
             "the one-stage output must not overlap its input (peers read the input until the end barrier)".into(),
         ));

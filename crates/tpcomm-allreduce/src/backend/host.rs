@@ -338,11 +338,8 @@ fn run<T: Element, M: HostLike>(
             // rank's input or is the input itself: each chunk is read before it is written,
             // and peers read only their own parts of this input. An output shifted against
             // the input would overwrite what a peer reads until the mid barrier.
-            let bytes = (l.count * T::DTYPE.size()) as u64;
             let own = inputs[l.rank];
-            let direct = l.out == own
-                || l.out.saturating_add(bytes) <= own
-                || own.saturating_add(bytes) <= l.out;
+            let direct = l.out == own || !super::overlap(l.out, own, l.count * T::DTYPE.size());
             barrier.launch::<flags::Backoff>(
                 true,
                 verify,

@@ -209,6 +209,12 @@ pub trait Backend: Send + Sync + Debug + 'static {
     }
 }
 
+/// Whether the `bytes`-byte ranges at `a` and `b` overlap.
+pub(crate) fn overlap(a: u64, b: u64, bytes: usize) -> bool {
+    let bytes = bytes as u64;
+    a < b.saturating_add(bytes) && b < a.saturating_add(bytes)
+}
+
 /// The splitmix64 finalizer: spreads every input bit over the whole word (nonces, shape
 /// digests).
 pub(crate) fn mix64(mut z: u64) -> u64 {

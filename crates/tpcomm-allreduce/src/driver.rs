@@ -355,6 +355,30 @@ fn check_no_alias(algorithm: Algorithm, input: u64, output: u64, bytes: usize) -
     Ok(())
 }
 
+/// The byte ranges of a `bytes`-byte input that an eager call stages: all of it, or what is
+/// left around `private` (elements, from [`Backend::private_part`]), which only this rank
+/// reads and the launch takes from the caller's input. Empty ranges are left out.
+fn staged_ranges(
+    private: Option<std::ops::Range<usize>>,
+    dtype: DType,
+    bytes: usize,
+) -> Result<impl Iterator<Item = std::ops::Range<usize>>> {
+    let ranges = match private {
+        None => [0..bytes, bytes..bytes],
+        Some(part) => {
+            let start = part.start.saturating_mul(dtype.size());
+            let end = part.end.saturating_mul(dtype.size());
+            if start > end || end > bytes {
+                return Err(AllReduceError::InvalidArgument(format!(
+                    "the backend named bytes {start}..{end} of a {bytes}-byte input as private"
+                )));
+            }
+            [0..start, end..bytes]
+        }
+    };
+    Ok(ranges.into_iter().filter(|r| !r.is_empty()))
+}
+
 /// The graph-safe custom all-reduce of one group of ranks.
 ///
 /// Per rank it owns a Signal block, a staging buffer for eager inputs and a temp buffer for
@@ -869,23 +893,10 @@ impl<B: Backend> CustomAllReduce<B> {
         let private =
             self.backend
                 .private_part(algorithm, T::DTYPE, input.len(), self.rank, self.world);
-        let own_input = match private {
-            Some(part) => {
-                let (start, end) = (part.start * T::DTYPE.size(), part.end * T::DTYPE.size());
-                if start > end || end > bytes {
-                    return Err(AllReduceError::InvalidArgument(format!(
-                        "the backend named bytes {start}..{end} of a {bytes}-byte input as private"
-                    )));
-                }
-                memory.write(&res.staging, 0, &raw[..start])?;
-                memory.write(&res.staging, end, &raw[end..])?;
-                Some(input.as_ptr() as u64)
-            }
-            None => {
-                memory.write(&res.staging, 0, raw)?;
-                None
-            }
-        };
+        for range in staged_ranges(private.clone(), T::DTYPE, bytes)? {
+            memory.write(&res.staging, range.start, &raw[range])?;
+        }
+        let own_input = private.map(|_| input.as_ptr() as u64);
         let out = output.as_mut_ptr() as u64;
         self.launch_slot(
             "all_reduce",
@@ -1270,7 +1281,8 @@ impl<B: Backend> CustomAllReduce<B> {
     ///   [`register_graph_buffers`](Self::register_graph_buffers) (collective) after the
     ///   capture, before the first replay. Nothing is copied between host and device.
     /// - Otherwise (eager, also for an input captured before): `input` is copied into the
-    ///   staging buffer first.
+    ///   staging buffer first; on the host backend, all but this rank's own part of a
+    ///   two-stage reduction ([`Backend::private_part`]), which the launch reads from `input`.
     ///
     /// Returns the algorithm, or [`AllReduceError::Fallback`] with the reason when the
     /// custom path cannot serve it (nothing ran; the communicator stays usable).
@@ -1307,20 +1319,30 @@ impl<B: Backend> CustomAllReduce<B> {
                 )?;
             }
             None => {
-                let res = self.resources("all_reduce_buffer")?;
-                if let Err(e) = self
+                // As `all_reduce`: peers read the staging copy, but not this rank's own
+                // part of a two-stage reduction, which the launch reads from `input`.
+                let private = self
                     .backend
-                    .stage(res.peers.backend(), input, &res.staging, bytes)
-                {
-                    return Err(self.lifecycle.fail("all_reduce_buffer", e));
+                    .private_part(algorithm, dtype, count, self.rank, self.world);
+                let ranges = staged_ranges(private.clone(), dtype, bytes)?;
+                let res = self.resources("all_reduce_buffer")?;
+                for range in ranges {
+                    if let Err(e) =
+                        self.backend
+                            .stage(res.peers.backend(), input, &res.staging, range)
+                    {
+                        return Err(self.lifecycle.fail("all_reduce_buffer", e));
+                    }
                 }
-                self.launch(
+                self.launch_slot(
                     "all_reduce_buffer",
                     0,
                     dtype,
                     count,
                     algorithm,
                     output.addr(),
+                    false,
+                    private.map(|_| input.addr()),
                 )?;
             }
         }

@@ -186,9 +186,9 @@ impl Backend for Renamed {
         memory: &HostMemory,
         input: &Buffer<Self>,
         staging: &Buffer<Self>,
-        bytes: usize,
+        range: std::ops::Range<usize>,
     ) -> R<()> {
-        self.inner.stage(memory, input, staging, bytes)
+        self.inner.stage(memory, input, staging, range)
     }
 }
 

@@ -72,13 +72,13 @@ impl Backend for Recording {
         memory: &HostMemory,
         input: &HostBuffer,
         staging: &HostBuffer,
-        bytes: usize,
+        range: std::ops::Range<usize>,
     ) -> R<()> {
         assert!(
             !self.capturing.load(Ordering::SeqCst),
             "the driver staged (copied) an input during a capture"
         );
-        self.inner.stage(memory, input, staging, bytes)
+        self.inner.stage(memory, input, staging, range)
     }
     fn capturing(&self) -> R<bool> {
         Ok(self.capturing.load(Ordering::SeqCst))

@@ -224,32 +224,54 @@ fn read_f32(mem: &HostMemory, buf: &impl MemoryRegion, count: usize) -> Vec<f32>
 }
 
 /// Eager two-stage stages only the parts that peers read and takes this rank's own part
-/// straight from the caller's input: calls with the same size and other data must each see
-/// their own values, never the previous call's left in the staging buffer.
+/// straight from the caller's input, through both eager entry points (host slices, and
+/// unregistered buffers of the backend's memory, apart and in place): calls with the same
+/// size and other data must each see their own values, never the previous call's left in
+/// the staging buffer.
 #[test]
 fn eager_two_stage_reads_its_own_part_from_the_input_never_a_stale_staging_copy() {
     let seed = run_seed() + 1000;
     const COUNT: usize = 16_384 + 12;
+    const CALLS: u64 = 3;
     for world in [2, 3] {
-        let results = group(world).run(|comm| -> R<Vec<Vec<f32>>> {
+        let results = group(world).run(|comm| -> R<Vec<(&'static str, Vec<f32>)>> {
             let config = Config {
                 algorithm: Some(Algorithm::TwoStage),
                 ..Config::default()
             };
             let mut ar = new_ar(&comm, config)?;
+            let mem = ar.memory()?.clone();
+            let input_buf = mem.allocate(COUNT * 4)?;
+            let output_buf = mem.allocate(COUNT * 4)?;
             let mut outs = Vec::new();
-            for k in 0..3 {
+            for k in 0..CALLS {
                 let input = inputs::<f32>(seed + k, comm.rank(), COUNT);
                 let mut out = vec![f32::NAN; COUNT];
                 ar.all_reduce(&input, &mut out)?;
-                outs.push(out);
+                outs.push(("all_reduce", out));
+            }
+            for k in 0..CALLS {
+                let input = inputs::<f32>(seed + k, comm.rank(), COUNT);
+                mem.write(&input_buf, 0, bytemuck::cast_slice(&input))?;
+                ar.all_reduce_buffer(&input_buf, &output_buf, DType::F32, COUNT)?;
+                outs.push(("all_reduce_buffer", read_f32(&mem, &output_buf, COUNT)));
+            }
+            for k in 0..CALLS {
+                let input = inputs::<f32>(seed + k, comm.rank(), COUNT);
+                mem.write(&input_buf, 0, bytemuck::cast_slice(&input))?;
+                ar.all_reduce_buffer(&input_buf, &input_buf, DType::F32, COUNT)?;
+                outs.push((
+                    "all_reduce_buffer in place",
+                    read_f32(&mem, &input_buf, COUNT),
+                ));
             }
             Ok(outs)
         });
         for (rank, r) in results.into_iter().enumerate() {
-            for (k, out) in r.unwrap().unwrap().iter().enumerate() {
-                check::<f32>(seed + k as u64, world, out)
-                    .unwrap_or_else(|e| panic!("world {world}, rank {rank}, call {k}: {e}"));
+            for (i, (call, out)) in r.unwrap().unwrap().iter().enumerate() {
+                let k = i as u64 % CALLS;
+                check::<f32>(seed + k, world, out)
+                    .unwrap_or_else(|e| panic!("world {world}, rank {rank}, {call} call {k}: {e}"));
             }
         }
     }

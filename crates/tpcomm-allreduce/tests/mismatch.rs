@@ -531,9 +531,9 @@ impl tpcomm_allreduce::Backend for LargerSignal {
         memory: &HostMemory,
         input: &HostBuffer,
         staging: &HostBuffer,
-        bytes: usize,
+        range: std::ops::Range<usize>,
     ) -> R<()> {
-        self.inner.stage(memory, input, staging, bytes)
+        self.inner.stage(memory, input, staging, range)
     }
 }
 

@@ -456,14 +456,24 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Copies `bytes` from device address `src` into the staging buffer on the backend's
-    /// stream (recorded into the graph while the stream is being captured). The caller
-    /// guarantees that `src` holds `bytes` readable bytes until the copy has run (a live
-    /// buffer, or a cudarc view whose `device_ptr` guard is held, ordered on this stream).
-    fn stage_from(&self, src: u64, staging: &CudaBuffer, bytes: usize) -> Result<()> {
-        if bytes > staging.len() {
+    /// Copies `bytes` from device address `src` to `offset` of the staging buffer on the
+    /// backend's stream (recorded into the graph while the stream is being captured). The
+    /// caller guarantees that `src` holds `bytes` readable bytes until the copy has run (a
+    /// live buffer, or a cudarc view whose `device_ptr` guard is held, ordered on this
+    /// stream).
+    fn stage_from(
+        &self,
+        src: u64,
+        staging: &CudaBuffer,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        if offset
+            .checked_add(bytes)
+            .is_none_or(|end| end > staging.len())
+        {
             return Err(AllReduceError::InvalidArgument(format!(
-                "{bytes} bytes do not fit the {}-byte staging buffer",
+                "{bytes} bytes at offset {offset} do not fit the {}-byte staging buffer",
                 staging.len()
             )));
         }
@@ -473,7 +483,12 @@ impl CudaBackend {
         // the call, both checked against the element count); the copy is ordered on this
         // backend's stream with the launch that reads the staging buffer.
         check("cuMemcpyDtoDAsync_v2", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(staging.device_ptr(), src, bytes, self.stream.cu_stream())
+            sys::cuMemcpyDtoDAsync_v2(
+                staging.device_ptr() + offset as u64,
+                src,
+                bytes,
+                self.stream.cu_stream(),
+            )
         })
     }
 }
@@ -868,16 +883,21 @@ impl Backend for CudaBackend {
         _memory: &CudaMemory,
         input: &CudaBuffer,
         staging: &CudaBuffer,
-        bytes: usize,
+        range: std::ops::Range<usize>,
     ) -> Result<()> {
-        if bytes > input.len() {
+        if range.start > range.end || range.end > input.len() {
             return Err(AllReduceError::InvalidArgument(format!(
-                "{bytes} bytes do not fit the {}-byte input",
+                "bytes {range:?} do not fit the {}-byte input",
                 input.len(),
             )));
         }
-        // The input is a live CudaBuffer holding `bytes` (checked above).
-        self.stage_from(input.device_ptr(), staging, bytes)
+        // The input is a live CudaBuffer holding `range` (checked above).
+        self.stage_from(
+            input.device_ptr() + range.start as u64,
+            staging,
+            range.start,
+            range.len(),
+        )
     }
 
     fn capturing(&self) -> Result<bool> {
@@ -1090,7 +1110,7 @@ impl CustomAllReduce<CudaBackend> {
         let stage = |backend: &CudaBackend, staging: &CudaBuffer, bytes: usize| {
             // The input view holds `count` elements, `bytes` bytes, and its guard is held
             // until the copy is issued.
-            backend.stage_from(input_addr, staging, bytes)
+            backend.stage_from(input_addr, staging, 0, bytes)
         };
         self.all_reduce_external(
             "all_reduce_device",

@@ -426,18 +426,21 @@ impl<M: HostLike> Backend for HostBackend<M> {
         memory: &M,
         input: &HostBuffer,
         staging: &HostBuffer,
-        bytes: usize,
+        range: Range<usize>,
     ) -> Result<()> {
-        if bytes > input.len() {
+        if range.start > range.end || range.end > input.len() {
             return Err(crate::AllReduceError::InvalidArgument(format!(
-                "{bytes} bytes do not fit the {}-byte input",
+                "bytes {range:?} do not fit the {}-byte input",
                 input.len()
             )));
         }
-        // SAFETY: a live host buffer of at least `bytes` bytes (checked above), borrowed
-        // for the call; only this rank writes its own buffers.
-        let src = unsafe { std::slice::from_raw_parts(input.addr() as *const u8, bytes) };
-        Ok(memory.write(staging, 0, src)?)
+        // SAFETY: `range` lies inside a live host buffer (checked above), borrowed for the
+        // call; only this rank writes its own buffers.
+        let src = unsafe {
+            std::slice::from_raw_parts((input.addr() as *const u8).add(range.start), range.len())
+        };
+        // `write` checks the range against the staging buffer.
+        Ok(memory.write(staging, range.start, src)?)
     }
 
     fn launch(&self, memory: &M, l: &Launch<'_, Self>) -> Result<()> {

@@ -182,14 +182,15 @@ pub trait Backend: Send + Sync + Debug + 'static {
         None
     }
 
-    /// Copies the first `bytes` of `input` into `staging` (the eager path), ordered like a
-    /// launch.
+    /// Copies the bytes `range` of `input` to the same bytes of `staging` (the eager path:
+    /// all of the input, or what is left of it around [`private_part`](Self::private_part)),
+    /// ordered like a launch.
     fn stage(
         &self,
         memory: &Self::Memory,
         input: &Buffer<Self>,
         staging: &Buffer<Self>,
-        bytes: usize,
+        range: std::ops::Range<usize>,
     ) -> Result<()>;
 
     /// True while this backend's launches are being recorded into a device graph (CUDA

@@ -20,8 +20,13 @@ use crate::dispatch::FallbackReason;
 /// One recorded operation of the simulated graph.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Op {
-    /// Copy `bytes` from the caller's buffer at `src` into the staging buffer.
-    Stage { src: u64, bytes: usize },
+    /// Copy `bytes` at `offset` of the caller's buffer at `src` to the same bytes of the
+    /// staging buffer.
+    Stage {
+        src: u64,
+        offset: usize,
+        bytes: usize,
+    },
     /// A launch reading RankData slot `slot`.
     Launch {
         slot: usize,
@@ -56,16 +61,17 @@ impl GraphSim {
         memory: &HostMemory,
         input: &HostBuffer,
         staging: &HostBuffer,
-        bytes: usize,
+        range: std::ops::Range<usize>,
     ) -> Result<()> {
         if self.capturing.load(Ordering::SeqCst) {
             self.graph.lock().unwrap().push(Op::Stage {
                 src: input.addr(),
-                bytes,
+                offset: range.start,
+                bytes: range.len(),
             });
             Ok(())
         } else {
-            self.inner.stage(memory, input, staging, bytes)
+            self.inner.stage(memory, input, staging, range)
         }
     }
 }
@@ -117,9 +123,9 @@ impl Backend for GraphSim {
         memory: &HostMemory,
         input: &HostBuffer,
         staging: &HostBuffer,
-        bytes: usize,
+        range: std::ops::Range<usize>,
     ) -> Result<()> {
-        self.stage_caller(memory, input, staging, bytes)
+        self.stage_caller(memory, input, staging, range)
     }
     fn capturing(&self) -> Result<bool> {
         Ok(self.capturing.load(Ordering::SeqCst))
@@ -157,7 +163,7 @@ fn reduce(
         input.addr(),
         || Ok(shareable),
         |backend: &GraphSim, staging: &HostBuffer, bytes: usize| {
-            backend.stage_caller(&memory, input, staging, bytes)
+            backend.stage_caller(&memory, input, staging, 0..bytes)
         },
         out.addr(),
         DType::F32,
@@ -171,15 +177,15 @@ fn replay(ar: &mut Ar, graph: &[Op], inputs: &[&HostBuffer]) -> Result<()> {
     ar.check_replay()?;
     for op in graph {
         match *op {
-            Op::Stage { src, bytes } => {
+            Op::Stage { src, offset, bytes } => {
                 let input = inputs
                     .iter()
                     .find(|b| b.addr() == src)
                     .expect("a recorded input");
                 let res = ar.resources("replay")?;
                 let mut raw = vec![0u8; bytes];
-                res.peers.backend().read(*input, 0, &mut raw)?;
-                res.peers.backend().write(&res.staging, 0, &raw)?;
+                res.peers.backend().read(*input, offset, &mut raw)?;
+                res.peers.backend().write(&res.staging, offset, &raw)?;
             }
             Op::Launch {
                 slot,

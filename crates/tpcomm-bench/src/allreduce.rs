@@ -137,6 +137,14 @@ pub(crate) struct AllReduceArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub(crate) sweep: SweepArgs,
+
+    /// Write each rank's input again (the same values, untimed) before every timed
+    /// iteration of every row, as a model's step leaves it: then what peers read is what
+    /// another core has just written, for `MPI_Allreduce` and the C loop as for tpcomm.
+    /// By default inputs stay as the previous call left them (a loop of the call on one
+    /// buffer, what the targets are stated for).
+    #[arg(long)]
+    pub(crate) rewrite: bool,
 }
 
 /// An element type on the command line.
@@ -397,6 +405,13 @@ pub(crate) fn new_sync<C: Communicator>(comm: &C) -> Result<HostAllReduce, Bench
     )
 }
 
+/// Stores every element of `values` again, unchanged (`black_box` keeps the stores).
+fn rewrite_in_place<T: Copy>(values: &mut [T]) {
+    for v in values {
+        *v = std::hint::black_box(*v);
+    }
+}
+
 /// One timed iteration, its ranks lined up more tightly than by [`time_once`]'s barrier
 /// alone: the transport's barrier, then an untimed 16-byte all-reduce on `sync` (whose
 /// flag barrier spins, so the ranks leave it within about a microsecond), then `work`,
@@ -508,6 +523,20 @@ impl Runner<'_, '_> {
         }
     }
 
+    /// `--rewrite`: writes this rank's input for `variant` again, with the values it holds,
+    /// so that its lines are freshly written by this core.
+    fn rewrite<T: Element>(&self, variant: Variant, case: &mut Case<T>) -> Result<(), BenchError> {
+        match (variant, &self.replay) {
+            (Variant::Replay, Some(r)) => {
+                let mut raw = vec![0u8; std::mem::size_of_val(case.input.as_slice())];
+                r.memory.read(r.input, 0, &mut raw)?;
+                r.memory.write(r.input, 0, &raw)?;
+            }
+            _ => rewrite_in_place(&mut case.input),
+        }
+        Ok(())
+    }
+
     /// Runs `variant` on fresh data; the algorithm it used and what is wrong, if anything.
     fn verify<T: Element>(
         &mut self,
@@ -605,6 +634,9 @@ impl Runner<'_, '_> {
                 Ok(problem)
             })?;
             let rows = s.measure(comm, &spec, &mut case, |case, k| {
+                if args.rewrite {
+                    self.rewrite(variants[k], case)?;
+                }
                 let (Variant::CLoop, Some(c_loop)) = (variants[k], self.c_loop) else {
                     return time_synced(comm, sync, || self.run(variants[k], case).map(drop));
                 };
@@ -638,8 +670,8 @@ impl Runner<'_, '_> {
 
 impl Bench for AllReduceArgs {
     const NAME: &'static str = "allreduce";
-    const STATED_FOR: &'static str =
-        "2 MPI ranks (mpirun -np 2 ... --transport mpi): they compare with MPI_Allreduce";
+    const STATED_FOR: &'static str = "2 MPI ranks (mpirun -np 2 ... --transport mpi), inputs \
+        unchanged between calls (no --rewrite): they compare with a loop of MPI_Allreduce";
 
     fn run_args(&self) -> &RunArgs {
         &self.run
@@ -710,12 +742,24 @@ impl Bench for AllReduceArgs {
                     .into(),
             );
         }
+        if self.rewrite {
+            lines.push(
+                "--rewrite: before every timed iteration each rank writes its input again \
+                 (untimed; the registered input for replay), so peers read lines another core \
+                 has just written; the floors' peer buffers stay local"
+                    .into(),
+            );
+        }
         lines.push("every path verified once per size (exact integer data) before timing".into());
         lines
     }
 
     fn targets(&self) -> Vec<Target> {
         targets()
+    }
+
+    fn judged(&self) -> bool {
+        !self.rewrite
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
@@ -1101,6 +1145,16 @@ mod tests {
         assert!(args.validate().is_ok());
         let nine = parse!(AllReduce, ["allreduce", "--ranks", "9"]);
         assert!(nine.validate().is_err());
+    }
+
+    #[test]
+    fn rewrite_keeps_the_values_and_makes_the_verdicts_indicative() {
+        let mut values = input::<f32>(1, 1000, 7);
+        let before = values.clone();
+        rewrite_in_place(&mut values);
+        assert_eq!(values, before);
+        assert!(parse!(AllReduce, ["allreduce"]).judged());
+        assert!(!parse!(AllReduce, ["allreduce", "--rewrite"]).judged());
     }
 
     #[test]

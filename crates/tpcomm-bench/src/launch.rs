@@ -359,6 +359,12 @@ pub(crate) trait Bench: Serialize + Sync {
     /// Lines printed below the common preamble: what is timed and how.
     fn preamble(&self, mpi: bool) -> Vec<String>;
 
+    /// False when an option times something other than what the targets are stated for
+    /// (their verdicts are then indicative only, as on another rank count).
+    fn judged(&self) -> bool {
+        true
+    }
+
     /// The targets the rows are judged against.
     fn targets(&self) -> Vec<Target> {
         Vec::new()
@@ -393,7 +399,7 @@ fn run_rank<B: Bench, C: Communicator>(
     let mut s = Session::start(info, B::NAME, rank, ranks, json, &lines)?;
     s.iter = bench.run_args().iter.clone();
     bench.measure(comm, &mut s)?;
-    let binding = ranks == 2 && (info.transport == "mpi" || !B::MPI_TARGETS);
+    let binding = ranks == 2 && (info.transport == "mpi" || !B::MPI_TARGETS) && bench.judged();
     let binding = (binding, B::STATED_FOR);
     s.finish(B::NAME, json, bench, &bench.targets(), binding)?;
     Ok((rank == 0).then_some(()))

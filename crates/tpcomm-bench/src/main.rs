@@ -195,8 +195,8 @@ mod tests {
         }
     }
 
-    /// Every subcommand that runs without a GPU or mpirun, end to end on 3 local ranks (2
-    /// iterations after 1 warm-up): the variants of its first case in order, one of their
+    /// Every subcommand that runs without a GPU or mpirun (`allreduce` also with
+    /// `--rewrite`), end to end on 3 local ranks (2 iterations after 1 warm-up): the variants of its first case in order, one of their
     /// facts, a summary line, every row timed and compared with its peer where it has one,
     /// and the JSON report read back.
     #[test]
@@ -206,7 +206,7 @@ mod tests {
         let transitions = [STEPS.as_slice(), &["suspend+resume"]].concat();
         // The arguments, the variants of the first case, one of their facts, a summary line.
         type Run<'a> = (&'a [&'a str], &'a [&'a str], (&'a str, &'a str), &'a str);
-        let runs: [Run<'_>; 5] = [
+        let runs: [Run<'_>; 6] = [
             (
                 &["transport", "--max-bytes", "64"],
                 &["tpcomm"],
@@ -256,6 +256,20 @@ mod tests {
                 ],
                 ("algorithm", "1stage"),
                 "bf16: 2stage/1stage time per size",
+            ),
+            (
+                &["allreduce", "--rewrite", "--max-bytes", "4KiB"],
+                &[
+                    "1stage",
+                    "2stage",
+                    "auto",
+                    "replay",
+                    "memcpy",
+                    "floor copy+sum",
+                    "floor sum",
+                ],
+                ("algorithm", "1stage"),
+                "",
             ),
             (
                 &[

@@ -204,6 +204,15 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tpcomm-bench-{}-runs", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let transitions = [STEPS.as_slice(), &["suspend+resume"]].concat();
+        let allreduce_rows = [
+            "1stage",
+            "2stage",
+            "auto",
+            "replay",
+            "memcpy",
+            "floor copy+sum",
+            "floor sum",
+        ];
         // The arguments, the variants of the first case, one of their facts, a summary line.
         type Run<'a> = (&'a [&'a str], &'a [&'a str], (&'a str, &'a str), &'a str);
         let runs: [Run<'_>; 6] = [
@@ -245,29 +254,13 @@ mod tests {
                     "--factor",
                     "4",
                 ],
-                &[
-                    "1stage",
-                    "2stage",
-                    "auto",
-                    "replay",
-                    "memcpy",
-                    "floor copy+sum",
-                    "floor sum",
-                ],
+                &allreduce_rows,
                 ("algorithm", "1stage"),
                 "bf16: 2stage/1stage time per size",
             ),
             (
                 &["allreduce", "--rewrite", "--max-bytes", "4KiB"],
-                &[
-                    "1stage",
-                    "2stage",
-                    "auto",
-                    "replay",
-                    "memcpy",
-                    "floor copy+sum",
-                    "floor sum",
-                ],
+                &allreduce_rows,
                 ("algorithm", "1stage"),
                 "",
             ),

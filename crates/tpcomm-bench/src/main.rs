@@ -196,9 +196,9 @@ mod tests {
     }
 
     /// Every subcommand that runs without a GPU or mpirun (`allreduce` also with
-    /// `--rewrite`), end to end on 3 local ranks (2 iterations after 1 warm-up): the variants of its first case in order, one of their
-    /// facts, a summary line, every row timed and compared with its peer where it has one,
-    /// and the JSON report read back.
+    /// `--rewrite`), end to end on 3 local ranks (2 iterations after 1 warm-up): the
+    /// variants of its first case in order, one of their facts, a summary line, every row
+    /// timed and compared with its peer where it has one, and the JSON report read back.
     #[test]
     fn every_local_subcommand_verifies_and_times_on_three_ranks_and_writes_its_report() {
         let dir = std::env::temp_dir().join(format!("tpcomm-bench-{}-runs", std::process::id()));

@@ -25,11 +25,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     if mpi {
         build.args(["--features", "mpi"]);
     }
-    util::run(build)?;
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| util::root().join("target"));
-    let exe = target.join("release/tpcomm-bench");
+    let exe = util::build_executable(build, "tpcomm-bench")?;
 
     for ranks in ["2", "4"] {
         let mut local = Command::new(&exe);

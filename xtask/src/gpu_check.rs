@@ -16,7 +16,7 @@
 //! (a developer machine with a GPU). `run.sh`: see [`RUN_SH`].
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use crate::{cuda, util};
 
@@ -202,68 +202,9 @@ fn build(target: &Target) -> Result<PathBuf, String> {
     for c in PROFILE_CONFIG {
         cmd.args(["--config", c]);
     }
-    cmd.args([
-        "--profile",
-        PROFILE,
-        "--message-format=json-render-diagnostics",
-    ]);
+    cmd.args(["--profile", PROFILE]);
     cmd.args(target.cargo_args);
-    eprintln!("$ {}", util::show(&cmd));
-    let output = cmd
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("cannot start `{}`: {e}", util::show(&cmd)))?;
-    if !output.status.success() {
-        return Err(format!(
-            "building {} failed ({})",
-            target.name, output.status
-        ));
-    }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let exes: Vec<String> = stdout
-        .lines()
-        .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
-        .filter_map(|l| json_string_field(l, "executable"))
-        .collect();
-    match exes.as_slice() {
-        [one] => Ok(PathBuf::from(one)),
-        [] => Err(format!(
-            "building {}: cargo reported no executable",
-            target.name
-        )),
-        many => Err(format!(
-            "building {}: cargo reported several executables: {many:?}",
-            target.name
-        )),
-    }
-}
-
-/// The string value of `"field":"..."` in one line of cargo's JSON messages (`None` when the
-/// field is absent or `null`). Handles the escapes JSON strings may carry.
-fn json_string_field(line: &str, field: &str) -> Option<String> {
-    let key = format!("\"{field}\":\"");
-    let start = line.find(&key)? + key.len();
-    let mut out = String::new();
-    let mut chars = line[start..].chars();
-    while let Some(c) = chars.next() {
-        match c {
-            '"' => return Some(out),
-            '\\' => match chars.next()? {
-                'n' => out.push('\n'),
-                't' => out.push('\t'),
-                'r' => out.push('\r'),
-                'b' => out.push('\u{8}'),
-                'f' => out.push('\u{c}'),
-                'u' => {
-                    let hex: String = chars.by_ref().take(4).collect();
-                    out.push(char::from_u32(u32::from_str_radix(&hex, 16).ok()?)?);
-                }
-                other => out.push(other),
-            },
-            c => out.push(c),
-        }
-    }
-    None
+    util::build_executable(cmd, target.name)
 }
 
 /// Writes `bin/`, `run.sh` and `BUNDLE.txt` into `dir`, replacing an earlier bundle's.
@@ -586,22 +527,6 @@ exit "$RC"
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn executables_are_read_from_cargo_messages() {
-        let line = r#"{"reason":"compiler-artifact","target":{"name":"cuda"},"executable":"/w/target/gpu-check/deps/cuda-0123","fresh":true}"#;
-        assert_eq!(
-            json_string_field(line, "executable").as_deref(),
-            Some("/w/target/gpu-check/deps/cuda-0123")
-        );
-        let null = r#"{"reason":"compiler-artifact","executable":null}"#;
-        assert_eq!(json_string_field(null, "executable"), None);
-        let escaped = r#"{"executable":"/a \"b\"\\c\u0041"}"#;
-        assert_eq!(
-            json_string_field(escaped, "executable").as_deref(),
-            Some("/a \"b\"\\cA")
-        );
-    }
 
     #[test]
     fn the_script_runs_every_test_step_and_the_bench() {

@@ -76,8 +76,6 @@ pub(crate) fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-/// The `mpirun` command line for `np` ranks (Open MPI needs flags to run as root and to
-/// place more ranks than cores).
 /// Builds the MPI program `bin` of `tpcomm-conformance` (`tests/src/bin/`) with the `mpi`
 /// feature and returns its path.
 pub(crate) fn mpi_program(bin: &str, release: bool) -> Result<PathBuf, String> {
@@ -94,11 +92,67 @@ pub(crate) fn mpi_program(bin: &str, release: bool) -> Result<PathBuf, String> {
         "--bin",
         bin,
     ]);
-    run(build)?;
-    let profile = if release { "release" } else { "debug" };
-    Ok(root().join("target").join(profile).join(bin))
+    build_executable(build, bin)
 }
 
+/// Runs `cmd` (a `cargo build` or `cargo test --no-run` of one executable) and returns the
+/// path of the executable cargo reports, wherever the target directory is
+/// (`CARGO_TARGET_DIR`, `build.target-dir`). Diagnostics go to stderr.
+pub(crate) fn build_executable(mut cmd: Command, what: &str) -> Result<PathBuf, String> {
+    cmd.arg("--message-format=json-render-diagnostics");
+    eprintln!("$ {}", show(&cmd));
+    let output = cmd
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot start `{}`: {e}", show(&cmd)))?;
+    if !output.status.success() {
+        return Err(format!("building {what} failed ({})", output.status));
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let exes: Vec<String> = stdout
+        .lines()
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
+        .filter_map(|l| json_string_field(l, "executable"))
+        .collect();
+    match exes.as_slice() {
+        [one] => Ok(PathBuf::from(one)),
+        [] => Err(format!("building {what}: cargo reported no executable")),
+        many => Err(format!(
+            "building {what}: cargo reported several executables: {many:?}"
+        )),
+    }
+}
+
+/// The string value of `"field":"..."` in one line of cargo's JSON messages (`None` when the
+/// field is absent or `null`). Handles the escapes JSON strings may carry.
+fn json_string_field(line: &str, field: &str) -> Option<String> {
+    let key = format!("\"{field}\":\"");
+    let start = line.find(&key)? + key.len();
+    let mut out = String::new();
+    let mut chars = line[start..].chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(out),
+            '\\' => match chars.next()? {
+                'n' => out.push('\n'),
+                't' => out.push('\t'),
+                'r' => out.push('\r'),
+                'b' => out.push('\u{8}'),
+                'f' => out.push('\u{c}'),
+                'u' => {
+                    let hex: String = chars.by_ref().take(4).collect();
+                    out.push(char::from_u32(u32::from_str_radix(&hex, 16).ok()?)?);
+                }
+                other => out.push(other),
+            },
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// The `mpirun` command line for `np` ranks (Open MPI needs flags to run as root and to
+/// place more ranks than cores).
 pub(crate) fn mpirun(np: usize) -> Command {
     let mut cmd = Command::new("mpirun");
     let version = Command::new("mpirun")
@@ -117,4 +171,25 @@ pub(crate) fn mpirun(np: usize) -> Command {
     cmd.arg("-np").arg(np.to_string());
     cmd.current_dir(root());
     cmd
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn executables_are_read_from_cargo_messages() {
+        let line = r#"{"reason":"compiler-artifact","target":{"name":"cuda"},"executable":"/w/target/gpu-check/deps/cuda-0123","fresh":true}"#;
+        assert_eq!(
+            json_string_field(line, "executable").as_deref(),
+            Some("/w/target/gpu-check/deps/cuda-0123")
+        );
+        let null = r#"{"reason":"compiler-artifact","executable":null}"#;
+        assert_eq!(json_string_field(null, "executable"), None);
+        let escaped = r#"{"executable":"/a \"b\"\\c\u0041"}"#;
+        assert_eq!(
+            json_string_field(escaped, "executable").as_deref(),
+            Some("/a \"b\"\\cA")
+        );
+    }
 }

@@ -12,10 +12,11 @@ use tpcomm_allreduce::backend::{Backend, Launch};
 use tpcomm_allreduce::{
     AllReduceError, Config, CustomAllReduce, DType, Element, HostBackend, Phase,
 };
-use tpcomm_ipc::{AddressHold, HostBuffer, HostMemory, MemoryRegion, PeerMemory};
+use tpcomm_ipc::{HostBuffer, HostMemory, MemoryRegion, PeerMemory};
 use tpcomm_transport::{Communicator, LocalGroup};
 
 mod common;
+mod holds;
 use common::{check, inputs, run_seed};
 
 type R<T> = tpcomm_allreduce::Result<T>;
@@ -160,7 +161,7 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
 
             assert_eq!(ar.register_graph_buffers(&comm)?, 3);
             ar.check_replay()?;
-            let slot_a = ar.rank_data_slot(1)?;
+            let mut slot_a = ar.rank_data_slot(1)?;
             assert_eq!(
                 slot_a[comm.rank()],
                 a.addr(),
@@ -172,16 +173,24 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
 
             // Suspend, hold every old peer address so the reopen must move, resume: the
             // slot's peer entries are rewritten in place, the own entry never moves.
-            ar.prepare_for_suspend(&comm)?;
-            let holds: Vec<AddressHold> = slot_a
-                .iter()
-                .enumerate()
-                .filter(|&(r, _)| r != comm.rank())
-                .map(|(_, &p)| AddressHold::at(p & !4095, 4096))
-                .collect::<Result<_, _>>()?;
-            // Ranks are threads of one process: nobody reopens (maps) before every rank
-            // holds its old addresses, or a peer's new mapping could take one first.
-            comm.barrier()?;
+            let mut attempt = 1;
+            let holds = loop {
+                ar.prepare_for_suspend(&comm)?;
+                let peers: Vec<u64> = (slot_a.iter().enumerate())
+                    .filter(|&(r, _)| r != comm.rank())
+                    .map(|(_, &p)| p)
+                    .collect();
+                if let Some(holds) = holds::hold_pages(&comm, &peers)? {
+                    break holds;
+                }
+                assert!(
+                    attempt < holds::ATTEMPTS,
+                    "old addresses taken {attempt} times"
+                );
+                attempt += 1;
+                ar.reinit_after_resume(&comm)?;
+                slot_a = ar.rank_data_slot(1)?;
+            };
             ar.reinit_after_resume(&comm)?;
             drop(holds);
             let moved = ar.rank_data_slot(1)?;

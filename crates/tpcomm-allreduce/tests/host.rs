@@ -8,12 +8,11 @@ use tpcomm_allreduce::{
     Algorithm, AllReduceError, Config, CustomAllReduce, DType, Element, FallbackReason,
     HostBackend, Phase,
 };
-use tpcomm_ipc::{
-    AddressHold, FaultInjection, FaultPoint, HostMemory, IpcError, MemoryRegion, PeerMemory,
-};
+use tpcomm_ipc::{FaultInjection, FaultPoint, HostMemory, IpcError, MemoryRegion, PeerMemory};
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
 mod common;
+mod holds;
 use common::{check, inputs, run_seed};
 
 type Ar = CustomAllReduce<HostBackend>;
@@ -362,18 +361,23 @@ fn a_plan_captured_before_suspend_replays_correctly_after_resume_at_new_addresse
                 .all(|&v| v == expected(1.0)));
 
             let peer = (me + 1) % world;
-            let old: Vec<u64> = (0..3).map(|i| ar.base_address(peer, i)).collect::<R<_>>()?;
             let table = ar.rank_signals_address()?;
-            ar.prepare_for_suspend(&comm)?;
-            assert_eq!(ar.phase(), Phase::Suspended);
             // Hold the old addresses so the reopened mappings must land elsewhere.
-            let holds: Vec<AddressHold> = old
-                .iter()
-                .map(|&a| AddressHold::at(a & !4095, 4096).map_err(AllReduceError::from))
-                .collect::<R<_>>()?;
-            // Ranks are threads of one process: nobody reopens (maps) before every rank
-            // holds its old addresses, or a peer's new mapping could take one first.
-            comm.barrier()?;
+            let mut attempt = 1;
+            let (old, holds) = loop {
+                let old: Vec<u64> = (0..3).map(|i| ar.base_address(peer, i)).collect::<R<_>>()?;
+                ar.prepare_for_suspend(&comm)?;
+                assert_eq!(ar.phase(), Phase::Suspended);
+                if let Some(holds) = holds::hold_pages(&comm, &old)? {
+                    break (old, holds);
+                }
+                assert!(
+                    attempt < holds::ATTEMPTS,
+                    "old addresses taken {attempt} times"
+                );
+                attempt += 1;
+                ar.reinit_after_resume(&comm)?;
+            };
             ar.reinit_after_resume(&comm)?;
             for (i, &a) in old.iter().enumerate() {
                 assert_ne!(

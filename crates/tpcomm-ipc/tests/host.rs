@@ -156,12 +156,28 @@ fn a_reopened_mapping_moves_when_its_old_address_is_taken() {
             }],
         )?;
         let other = 1 - comm.rank();
-        let old = peers.address(id, other, 0)?;
-        peers.close_all()?;
-        let hold = AddressHold::at(old, 1 << 20)?; // nothing may be mapped there now
-                                                   // Ranks are threads of one process: nobody reopens (maps) before every rank holds
-                                                   // its old address, or a peer's new mapping could take it first.
-        comm.barrier()?;
+        // Hold the old address. Other tests' threads map memory too, and may take the range
+        // that `close_all` just freed: then every rank reopens and tries again. The
+        // agreement is also the barrier the test needs: nobody reopens (maps) before every
+        // rank holds its old address, or a peer's new mapping could take it first.
+        let mut attempt = 1;
+        let (old, hold) = loop {
+            let old = peers.address(id, other, 0)?;
+            peers.close_all()?;
+            let hold = match AddressHold::at(old, 1 << 20) {
+                Ok(hold) => Some(hold),
+                Err(IpcError::Os { source, .. }) if source == Errno::EXIST => None,
+                Err(e) => return Err(e),
+            };
+            let mut held = [0u8; 2];
+            comm.all_gather(&[hold.is_some() as u8], &mut held)?;
+            if let (Some(hold), [1, 1]) = (hold, held) {
+                break (old, hold);
+            }
+            assert!(attempt < 5, "the old address was taken {attempt} times");
+            attempt += 1;
+            peers.reopen_all(&comm)?;
+        };
         peers.reopen_all(&comm)?;
         let new = peers.address(id, other, 0)?;
         assert_ne!(new, old, "the reopened mapping must be at a new address");

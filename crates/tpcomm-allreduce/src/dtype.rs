@@ -43,6 +43,7 @@ pub trait Element: Copy + Send + Sync + 'static + bytemuck::Pod + sealed::Sealed
     fn from_f32(v: f32) -> Self;
 
     /// Adds every element of `src`, widened, to `acc` (same lengths).
+    #[inline(always)]
     fn accumulate(src: &[Self], acc: &mut [f32]) {
         for (a, v) in acc.iter_mut().zip(src) {
             *a += v.to_f32();
@@ -50,6 +51,7 @@ pub trait Element: Copy + Send + Sync + 'static + bytemuck::Pod + sealed::Sealed
     }
 
     /// Narrows every element of `acc` into `dst` (same lengths).
+    #[inline(always)]
     fn narrow(acc: &[f32], dst: &mut [Self]) {
         for (d, a) in dst.iter_mut().zip(acc) {
             *d = Self::from_f32(*a);
@@ -57,30 +59,9 @@ pub trait Element: Copy + Send + Sync + 'static + bytemuck::Pod + sealed::Sealed
     }
 }
 
-/// Elements widened per batch by the half-precision slice conversions, which use SIMD where
-/// the CPU has it (F16C, detected at run time) instead of one call per element.
+/// Elements widened per batch by the f16 slice conversions, which use SIMD where the CPU
+/// has it (F16C, detected at run time) instead of one call per element.
 const BATCH: usize = 256;
-
-macro_rules! half_slices {
-    () => {
-        fn accumulate(src: &[Self], acc: &mut [f32]) {
-            let mut wide = [0f32; BATCH];
-            for (s, a) in src.chunks(BATCH).zip(acc.chunks_mut(BATCH)) {
-                let w = &mut wide[..s.len()];
-                s.convert_to_f32_slice(w);
-                for (x, y) in a.iter_mut().zip(w.iter()) {
-                    *x += *y;
-                }
-            }
-        }
-
-        fn narrow(acc: &[f32], dst: &mut [Self]) {
-            for (a, d) in acc.chunks(BATCH).zip(dst.chunks_mut(BATCH)) {
-                d.convert_from_f32_slice(a);
-            }
-        }
-    };
-}
 
 mod sealed {
     pub trait Sealed {}
@@ -107,7 +88,25 @@ impl Element for f16 {
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
-    half_slices!();
+
+    #[inline(always)]
+    fn accumulate(src: &[Self], acc: &mut [f32]) {
+        let mut wide = [0f32; BATCH];
+        for (s, a) in src.chunks(BATCH).zip(acc.chunks_mut(BATCH)) {
+            let w = &mut wide[..s.len()];
+            s.convert_to_f32_slice(w);
+            for (x, y) in a.iter_mut().zip(w.iter()) {
+                *x += *y;
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn narrow(acc: &[f32], dst: &mut [Self]) {
+        for (a, d) in acc.chunks(BATCH).zip(dst.chunks_mut(BATCH)) {
+            d.convert_from_f32_slice(a);
+        }
+    }
 }
 
 impl Element for bf16 {
@@ -118,7 +117,36 @@ impl Element for bf16 {
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
     }
-    half_slices!();
+
+    /// A bf16 is the upper half of an f32: widening is a shift, in a loop the compiler
+    /// vectorizes.
+    #[inline(always)]
+    fn accumulate(src: &[Self], acc: &mut [f32]) {
+        for (a, v) in acc.iter_mut().zip(src) {
+            *a += f32::from_bits(u32::from(v.to_bits()) << 16);
+        }
+    }
+
+    #[inline(always)]
+    fn narrow(acc: &[f32], dst: &mut [Self]) {
+        for (d, a) in dst.iter_mut().zip(acc) {
+            *d = bf16::from_bits(bf16_bits(a.to_bits()));
+        }
+    }
+}
+
+/// The bits of `bf16::from_f32` of the f32 with bits `b`, without branches (so that loops
+/// of it vectorize): round to nearest, ties to even (an f32 above bf16's largest finite
+/// value rounds to infinity), and a NaN stays a NaN with its quiet bit set.
+#[inline(always)]
+fn bf16_bits(b: u32) -> u16 {
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let quiet_nan = ((b >> 16) as u16) | 0x40;
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        quiet_nan
+    } else {
+        rounded
+    }
 }
 
 #[cfg(test)]
@@ -144,6 +172,22 @@ mod tests {
         T::narrow(&batched, &mut narrowed);
         for (d, a) in narrowed.iter().zip(&batched) {
             assert_eq!(d.to_f32().to_bits(), T::from_f32(*a).to_f32().to_bits());
+        }
+    }
+
+    /// Every f32 bit pattern whose lower 16 bits are 0, 1, 0x7fff, 0x8000 (the ties), 0x8001
+    /// or 0xffff: every sign and exponent, NaNs and infinities, and the rounding cases.
+    #[test]
+    fn bf16_narrowing_is_bf16_from_f32_bit_for_bit() {
+        for high in 0..=u16::MAX {
+            for low in [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff] {
+                let b = (u32::from(high) << 16) | low;
+                assert_eq!(
+                    bf16_bits(b),
+                    bf16::from_f32(f32::from_bits(b)).to_bits(),
+                    "{b:#010x}"
+                );
+            }
         }
     }
 

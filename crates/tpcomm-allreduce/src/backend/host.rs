@@ -272,6 +272,44 @@ const CHUNK: usize = 1024;
 /// `also` overlaps neither `out` nor any input, or is exactly one of the inputs (each chunk
 /// is read before it is written).
 unsafe fn reduce<T: Element>(inputs: &[u64], out: u64, also: Option<u64>, range: Range<usize>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the caller's contract; the CPU has AVX2 (checked just above).
+        unsafe { reduce_avx2::<T>(inputs, out, also, range) };
+        return;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { reduce_chunks::<T>(inputs, out, also, range) };
+}
+
+/// [`reduce_chunks`] compiled for AVX2 (the conversions and sums of a chunk are loops the
+/// compiler vectorizes: 8 lanes instead of the baseline's 4).
+///
+/// # Safety
+/// As [`reduce`], and the CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn reduce_avx2<T: Element>(
+    inputs: &[u64],
+    out: u64,
+    also: Option<u64>,
+    range: Range<usize>,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { reduce_chunks::<T>(inputs, out, also, range) };
+}
+
+/// The body of [`reduce`], inlined into each build of it.
+///
+/// # Safety
+/// As [`reduce`].
+#[inline(always)]
+unsafe fn reduce_chunks<T: Element>(
+    inputs: &[u64],
+    out: u64,
+    also: Option<u64>,
+    range: Range<usize>,
+) {
     let mut acc = [0f32; CHUNK];
     let mut start = range.start;
     while start < range.end {
@@ -492,8 +530,61 @@ impl<M: HostLike> Backend for HostBackend<M> {
 
 #[cfg(test)]
 mod tests {
-    use super::{decode_shape, part, shape_tag, shape_word};
-    use crate::dtype::DType;
+    use super::{decode_shape, part, reduce, reduce_chunks, shape_tag, shape_word, CHUNK};
+    use crate::dtype::{DType, Element};
+    use half::{bf16, f16};
+
+    /// `reduce` (the AVX2 build where the CPU has it) and the portable build both give what
+    /// one f32 sum per element in rank order gives, bit for bit, and write only `range`.
+    fn reductions_match_the_scalar_sum<T: Element>() {
+        let n = 3 * CHUNK + 37;
+        let range = 5..n - 3;
+        let inputs: Vec<Vec<T>> = (0..3)
+            .map(|r| {
+                (0..n)
+                    .map(|i| T::from_f32(((i * 7 + r * 13) % 97) as f32 * 0.37 - 17.0))
+                    .collect()
+            })
+            .collect();
+        let addresses: Vec<u64> = inputs.iter().map(|v| v.as_ptr() as u64).collect();
+        let zero = T::from_f32(0.0);
+        let want: Vec<T> = (0..n)
+            .map(|i| match range.contains(&i) {
+                true => T::from_f32(inputs.iter().fold(0.0, |acc, v| acc + v[i].to_f32())),
+                false => zero,
+            })
+            .collect();
+        let bits = |v: &[T]| v.iter().map(|x| x.to_f32().to_bits()).collect::<Vec<_>>();
+        let mut portable = vec![zero; n];
+        let mut dispatched = vec![zero; n];
+        let mut also = vec![zero; n];
+        // SAFETY: every input holds `n` elements; the outputs hold `n` each and are three
+        // separate vectors, apart from the inputs.
+        unsafe {
+            reduce_chunks::<T>(
+                &addresses,
+                portable.as_mut_ptr() as u64,
+                None,
+                range.clone(),
+            );
+            reduce::<T>(
+                &addresses,
+                dispatched.as_mut_ptr() as u64,
+                Some(also.as_mut_ptr() as u64),
+                range.clone(),
+            );
+        }
+        assert_eq!(bits(&portable), bits(&want), "{:?} portable", T::DTYPE);
+        assert_eq!(bits(&dispatched), bits(&want), "{:?} dispatched", T::DTYPE);
+        assert_eq!(bits(&also), bits(&want), "{:?} also", T::DTYPE);
+    }
+
+    #[test]
+    fn every_build_of_the_reduction_sums_like_the_scalar_loop() {
+        reductions_match_the_scalar_sum::<f32>();
+        reductions_match_the_scalar_sum::<f16>();
+        reductions_match_the_scalar_sum::<bf16>();
+    }
 
     #[test]
     fn shape_tags_are_exact_for_ordinary_launches_and_flagged_digests_beyond() {

@@ -173,24 +173,13 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
 
             // Suspend, hold every old peer address so the reopen must move, resume: the
             // slot's peer entries are rewritten in place, the own entry never moves.
-            let mut attempt = 1;
-            let holds = loop {
-                ar.prepare_for_suspend(&comm)?;
-                let peers: Vec<u64> = (slot_a.iter().enumerate())
+            let holds = holds::suspend_holding(&comm, &mut ar, |ar| {
+                slot_a = ar.rank_data_slot(1)?;
+                Ok((slot_a.iter().enumerate())
                     .filter(|&(r, _)| r != comm.rank())
                     .map(|(_, &p)| p)
-                    .collect();
-                if let Some(holds) = holds::hold_pages(&comm, &peers)? {
-                    break holds;
-                }
-                assert!(
-                    attempt < holds::ATTEMPTS,
-                    "old addresses taken {attempt} times"
-                );
-                attempt += 1;
-                ar.reinit_after_resume(&comm)?;
-                slot_a = ar.rank_data_slot(1)?;
-            };
+                    .collect())
+            })?;
             ar.reinit_after_resume(&comm)?;
             drop(holds);
             let moved = ar.rank_data_slot(1)?;

@@ -363,21 +363,12 @@ fn a_plan_captured_before_suspend_replays_correctly_after_resume_at_new_addresse
             let peer = (me + 1) % world;
             let table = ar.rank_signals_address()?;
             // Hold the old addresses so the reopened mappings must land elsewhere.
-            let mut attempt = 1;
-            let (old, holds) = loop {
-                let old: Vec<u64> = (0..3).map(|i| ar.base_address(peer, i)).collect::<R<_>>()?;
-                ar.prepare_for_suspend(&comm)?;
-                assert_eq!(ar.phase(), Phase::Suspended);
-                if let Some(holds) = holds::hold_pages(&comm, &old)? {
-                    break (old, holds);
-                }
-                assert!(
-                    attempt < holds::ATTEMPTS,
-                    "old addresses taken {attempt} times"
-                );
-                attempt += 1;
-                ar.reinit_after_resume(&comm)?;
-            };
+            let mut old = Vec::new();
+            let holds = holds::suspend_holding(&comm, &mut ar, |ar| {
+                old = (0..3).map(|i| ar.base_address(peer, i)).collect::<R<_>>()?;
+                Ok(old.clone())
+            })?;
+            assert_eq!(ar.phase(), Phase::Suspended);
             ar.reinit_after_resume(&comm)?;
             for (i, &a) in old.iter().enumerate() {
                 assert_ne!(

@@ -1,12 +1,34 @@
 //! Holding the addresses of closed peer mappings over a resume, so that the reopened
 //! mappings must land elsewhere (shared by the host and capture tests).
 
-use tpcomm_allreduce::{AllReduceError, Result};
+use tpcomm_allreduce::backend::Backend;
+use tpcomm_allreduce::{AllReduceError, CustomAllReduce, Result};
 use tpcomm_ipc::{AddressHold, IpcError};
 use tpcomm_transport::Communicator;
 
 /// Suspend / hold / resume rounds a test tries before it gives up on holding every page.
-pub(crate) const ATTEMPTS: usize = 5;
+const ATTEMPTS: usize = 5;
+
+/// Suspends `ar` holding the pages of the addresses `old` reads just before the suspend,
+/// and returns the holds; the caller resumes. When a page was taken before it could be
+/// held ([`hold_pages`]), resumes and tries again, at most [`ATTEMPTS`] times.
+pub(crate) fn suspend_holding<B: Backend, C: Communicator>(
+    comm: &C,
+    ar: &mut CustomAllReduce<B>,
+    mut old: impl FnMut(&CustomAllReduce<B>) -> Result<Vec<u64>>,
+) -> Result<Vec<AddressHold>> {
+    for attempt in 1..=ATTEMPTS {
+        let addresses = old(ar)?;
+        ar.prepare_for_suspend(comm)?;
+        if let Some(holds) = hold_pages(comm, &addresses)? {
+            return Ok(holds);
+        }
+        if attempt < ATTEMPTS {
+            ar.reinit_after_resume(comm)?;
+        }
+    }
+    panic!("old addresses taken in each of {ATTEMPTS} attempts");
+}
 
 /// Reserves the page of each of `addresses` (just unmapped by a suspend) on this rank, and
 /// agrees with every rank whether all of them hold all of their pages. The agreement is
@@ -15,12 +37,8 @@ pub(crate) const ATTEMPTS: usize = 5;
 ///
 /// `None`, with nothing held, when a page of some rank was already mapped again: other
 /// tests of the binary run in threads beside this one, and an allocation of theirs can take
-/// a page a suspend has just freed. The caller then resumes without holds and tries again
-/// from the new addresses. Any other failure to hold is an error on every rank.
-pub(crate) fn hold_pages<C: Communicator>(
-    comm: &C,
-    addresses: &[u64],
-) -> Result<Option<Vec<AddressHold>>> {
+/// a page a suspend has just freed. Any other failure to hold is an error on every rank.
+fn hold_pages<C: Communicator>(comm: &C, addresses: &[u64]) -> Result<Option<Vec<AddressHold>>> {
     const HELD: u8 = 0;
     const TAKEN: u8 = 1;
     const FAILED: u8 = 2;

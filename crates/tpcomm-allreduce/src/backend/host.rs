@@ -27,8 +27,9 @@
 //!   parts peers read were staged.
 //!
 //! The reduction accumulates in f32, a chunk of 1024 elements at a time, in loops the
-//! compiler vectorizes; it is built twice, for the baseline CPU and for AVX2, and the AVX2
-//! build runs where the CPU has it (detected at run time).
+//! compiler vectorizes; it is built twice, for the baseline CPU and for AVX2 with F16C, and
+//! the AVX2 build runs where the CPU has both (detected at run time). That build converts
+//! f16 and bf16 with intrinsics in the loop (`wide`), bit for bit as `half` does.
 //!
 //! Barrier: this rank's epoch (its Signal counter + 1) is stored with *release* into every
 //! peer's slot for this rank, then this rank waits with *acquire* loads until every peer's
@@ -39,6 +40,7 @@
 //! (`cargo xtask loom`); this module supplies the shared-memory slots.
 
 mod flags;
+mod wide;
 
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -51,6 +53,7 @@ use super::{Backend, Buffer, Launch};
 use crate::dispatch::Algorithm;
 use crate::dtype::{DType, Element};
 use crate::error::Result;
+use wide::Wide;
 
 /// Host Signal block: three flag arrays (one 64-byte line each; the start line also holds
 /// the shape tags, one 32-bit word per writer, after its 8 flags), the epoch counter, the
@@ -275,40 +278,37 @@ const CHUNK: usize = 1024;
 /// `out` (and `also`) to at least `range.end` writable ones, none written concurrently;
 /// `also` overlaps neither `out` nor any input, or is exactly one of the inputs (each chunk
 /// is read before it is written).
-unsafe fn reduce<T: Element>(inputs: &[u64], out: u64, also: Option<u64>, range: Range<usize>) {
+unsafe fn reduce<T: Wide>(inputs: &[u64], out: u64, also: Option<u64>, range: Range<usize>) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the caller's contract; the CPU has AVX2 (checked just above).
+    if wide::avx2_build() {
+        // SAFETY: the caller's contract; the CPU has AVX2 and F16C (checked just above).
         unsafe { reduce_avx2::<T>(inputs, out, also, range) };
         return;
     }
     // SAFETY: the caller's contract.
-    unsafe { reduce_chunks::<T>(inputs, out, also, range) };
+    unsafe { reduce_chunks::<T, false>(inputs, out, also, range) };
 }
 
-/// [`reduce_chunks`] compiled for AVX2 (the conversions and sums of a chunk are loops the
-/// compiler vectorizes: 8 lanes instead of the baseline's 4).
+/// [`reduce_chunks`] compiled for AVX2 and F16C (the conversions and sums of a chunk are
+/// loops the compiler vectorizes, 8 lanes instead of the baseline's 4; f16 converts with
+/// F16C in the loop: [`Wide`]).
 ///
 /// # Safety
-/// As [`reduce`], and the CPU has AVX2.
+/// As [`reduce`], and the CPU has AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn reduce_avx2<T: Element>(
-    inputs: &[u64],
-    out: u64,
-    also: Option<u64>,
-    range: Range<usize>,
-) {
-    // SAFETY: the caller's contract.
-    unsafe { reduce_chunks::<T>(inputs, out, also, range) };
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn reduce_avx2<T: Wide>(inputs: &[u64], out: u64, also: Option<u64>, range: Range<usize>) {
+    // SAFETY: the caller's contract (AVX2 and F16C included).
+    unsafe { reduce_chunks::<T, true>(inputs, out, also, range) };
 }
 
-/// The body of [`reduce`], inlined into each build of it.
+/// The body of [`reduce`], inlined into each build of it; `AVX2` picks the element
+/// conversions of the AVX2 build ([`Wide`]).
 ///
 /// # Safety
-/// As [`reduce`].
+/// As [`reduce`], and with `AVX2` the CPU has AVX2 and F16C.
 #[inline(always)]
-unsafe fn reduce_chunks<T: Element>(
+unsafe fn reduce_chunks<T: Wide, const AVX2: bool>(
     inputs: &[u64],
     out: u64,
     also: Option<u64>,
@@ -322,11 +322,21 @@ unsafe fn reduce_chunks<T: Element>(
         for &input in inputs {
             // SAFETY: per the function contract, `start + n <= range.end` elements.
             let src = unsafe { std::slice::from_raw_parts((input as *const T).add(start), n) };
-            T::accumulate(src, &mut acc[..n]);
+            if AVX2 {
+                // SAFETY: with `AVX2`, the CPU has AVX2 and F16C (the contract).
+                unsafe { T::accumulate_avx2(src, &mut acc[..n]) };
+            } else {
+                T::accumulate(src, &mut acc[..n]);
+            }
         }
         // SAFETY: per the function contract.
         let dst = unsafe { std::slice::from_raw_parts_mut((out as *mut T).add(start), n) };
-        T::narrow(&acc[..n], dst);
+        if AVX2 {
+            // SAFETY: with `AVX2`, the CPU has AVX2 and F16C (the contract).
+            unsafe { T::narrow_avx2(&acc[..n], dst) };
+        } else {
+            T::narrow(&acc[..n], dst);
+        }
         if let Some(also) = also {
             // SAFETY: per the function contract, `also` holds `range.end` writable elements,
             // apart from `out`, and no input is read at this chunk again; `copy_bytes` keeps
@@ -353,7 +363,7 @@ pub(crate) fn part(count: usize, elem: usize, world: usize, r: usize) -> Range<u
     start..((r + 1) * each).min(count)
 }
 
-fn run<T: Element, M: HostLike>(
+fn run<T: Wide, M: HostLike>(
     l: &Launch<'_, HostBackend<M>>,
     temps: &[u64; 8],
     inputs: &[u64],
@@ -534,13 +544,14 @@ impl<M: HostLike> Backend for HostBackend<M> {
 
 #[cfg(test)]
 mod tests {
+    use super::wide::Wide;
     use super::{decode_shape, part, reduce, reduce_chunks, shape_tag, shape_word, CHUNK};
-    use crate::dtype::{DType, Element};
+    use crate::dtype::DType;
     use half::{bf16, f16};
 
     /// `reduce` (the AVX2 build where the CPU has it) and the portable build both give what
     /// one f32 sum per element in rank order gives, bit for bit, and write only `range`.
-    fn reductions_match_the_scalar_sum<T: Element>() {
+    fn reductions_match_the_scalar_sum<T: Wide>() {
         let n = 3 * CHUNK + 37;
         let range = 5..n - 3;
         let inputs: Vec<Vec<T>> = (0..3)
@@ -565,7 +576,7 @@ mod tests {
         // SAFETY: every input holds `n` elements; the outputs hold `n` each and are three
         // separate vectors, apart from the inputs.
         unsafe {
-            reduce_chunks::<T>(
+            reduce_chunks::<T, false>(
                 &addresses,
                 portable.as_mut_ptr() as u64,
                 None,

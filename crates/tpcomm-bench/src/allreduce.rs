@@ -23,6 +23,12 @@
 //!   alone, a replay's share (its
 //!   inputs are registered: no copy). No algorithm can beat them on this machine, so they
 //!   bound the speedups the targets ask for;
+//! - `floor 1stage`, `floor 2stage` (f32, with the C loop): the same staged all-reduce
+//!   across cores, doing the least it must and nothing else, in C (`src/staged_floor.c`):
+//!   copy in, flag barriers, sums (below 1 MiB with double buffers, so that no barrier
+//!   closes a call).
+//!   Unlike the floors above they move the data between cores and wait for peers, so they
+//!   bound what a staged eager all-reduce can gain over `MPI_Allreduce` here;
 //! - `MPI_Allreduce` (the peer; `--transport mpi`, f32 only): the plain MPI call
 //!   ([`MpiWorld`]) on the same input;
 //! - `C loop` (with the peer, where `mpicc` builds it): the same call from a C benchmark
@@ -57,7 +63,7 @@ use crate::harness::{
     elapsed_ns, geomean, per_size, time_once, within, Bus, RatioLine, Row, Spec, Target,
 };
 use crate::launch::{Bench, RunArgs, Session};
-use crate::mpi_peer::{CLoop, MpiWorld};
+use crate::mpi_peer::{CLoop, MpiWorld, StagedFloor};
 use crate::sweep::{format_bytes, short_bytes, SweepArgs};
 use crate::table::{col, Column};
 use crate::transport::splitmix64;
@@ -77,6 +83,8 @@ const MEMCPY: &str = "memcpy";
 const FLOOR_EAGER: &str = "floor copy+sum";
 /// The replay floor's variant name: the sum alone.
 const FLOOR_SUM: &str = "floor sum";
+/// The staged floors' variant names (one-stage, two-stage).
+const FLOOR_STAGED: [&str; 2] = ["floor 1stage", "floor 2stage"];
 /// The memory-bandwidth floor is quoted from sizes of at least this many bytes (caches
 /// hold less).
 const FLOOR_MIN_BYTES: usize = 8 << 20;
@@ -189,6 +197,12 @@ pub(crate) enum Variant {
     /// The replay floor: the sum (f32).
     #[value(skip)]
     FloorSum,
+    /// The staged floor, one-stage, in C (f32 in MPI mode, with the C loop).
+    #[value(skip)]
+    FloorStaged1,
+    /// The staged floor, two-stage, in C (f32 in MPI mode, with the C loop).
+    #[value(skip)]
+    FloorStaged2,
     /// `MPI_Allreduce`, the peer (f32 in MPI mode).
     #[value(skip)]
     Mpi,
@@ -207,6 +221,8 @@ impl Variant {
             Variant::Memcpy => MEMCPY,
             Variant::FloorEager => FLOOR_EAGER,
             Variant::FloorSum => FLOOR_SUM,
+            Variant::FloorStaged1 => FLOOR_STAGED[0],
+            Variant::FloorStaged2 => FLOOR_STAGED[1],
             Variant::Mpi => MPI,
             Variant::CLoop => C_LOOP,
         }
@@ -469,6 +485,25 @@ impl<T: Element> Case<T> {
         let input = bytemuck::cast_slice(&self.input);
         c_loop.all_reduce_sum(input, bytemuck::cast_slice_mut(&mut self.output), timed)
     }
+
+    /// What `variant` runs from the C library, if anything: the C loop's `MPI_Allreduce` or
+    /// a staged floor, timed in C with `timed`.
+    fn in_c(
+        &mut self,
+        variant: Variant,
+        c_loop: &CLoop,
+        timed: bool,
+    ) -> Option<Result<u64, BenchError>> {
+        let floor = match variant {
+            Variant::CLoop => return Some(self.c_loop(c_loop, timed)),
+            Variant::FloorStaged1 => StagedFloor::OneStage,
+            Variant::FloorStaged2 => StagedFloor::TwoStage,
+            _ => return None,
+        };
+        let input = bytemuck::cast_slice(&self.input);
+        let output = bytemuck::cast_slice_mut(&mut self.output);
+        Some(c_loop.staged_floor(floor, input, output, timed))
+    }
 }
 
 impl Runner<'_, '_> {
@@ -512,8 +547,9 @@ impl Runner<'_, '_> {
                 );
                 Ok(None)
             }
-            Variant::CLoop => {
-                case.c_loop(self.c_loop.ok_or_else(missing)?, false)?;
+            Variant::CLoop | Variant::FloorStaged1 | Variant::FloorStaged2 => {
+                let c_loop = self.c_loop.ok_or_else(missing)?;
+                case.in_c(variant, c_loop, false).ok_or_else(missing)??;
                 Ok(None)
             }
             _ => {
@@ -603,7 +639,7 @@ impl Runner<'_, '_> {
         if with_mpi {
             variants.push(Variant::Mpi);
             if self.c_loop.is_some() {
-                variants.push(Variant::CLoop);
+                variants.extend([Variant::FloorStaged1, Variant::FloorStaged2, Variant::CLoop]);
             }
         }
         let names: Vec<&str> = variants.iter().map(|v| v.name()).collect();
@@ -637,13 +673,18 @@ impl Runner<'_, '_> {
                 if args.rewrite {
                     self.rewrite(variants[k], case)?;
                 }
-                let (Variant::CLoop, Some(c_loop)) = (variants[k], self.c_loop) else {
+                let in_c = matches!(
+                    variants[k],
+                    Variant::CLoop | Variant::FloorStaged1 | Variant::FloorStaged2
+                );
+                let (true, Some(c_loop)) = (in_c, self.c_loop) else {
                     return time_synced(comm, sync, || self.run(variants[k], case).map(drop));
                 };
-                // The C loop times itself (its barrier, then the call).
+                // The C library times its calls itself (a barrier, then the call).
                 let mut ns = 0;
                 time_synced(comm, sync, || {
-                    ns = case.c_loop(c_loop, true)?;
+                    let missing = || BenchError::Usage("nothing runs in C".into());
+                    ns = case.in_c(variants[k], c_loop, true).ok_or_else(missing)??;
                     Ok(())
                 })?;
                 Ok(ns)
@@ -664,7 +705,11 @@ impl Runner<'_, '_> {
                 .collect();
             s.rows(&columns, rows, |_| true);
         }
-        Ok(())
+        match (with_mpi, self.c_loop) {
+            // Every rank ran the staged floors of this table: their window goes together.
+            (true, Some(c_loop)) => c_loop.release_staged_floors(),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -739,6 +784,14 @@ impl Bench for AllReduceArgs {
                 "C loop: the same MPI_Allreduce from a C benchmark loop (src/peer_loop.c built \
                  with mpicc -O2: MPI_Barrier, then the call timed with CLOCK_MONOTONIC) on the \
                  same buffers, where mpicc builds it: what the call costs a C program now"
+                    .into(),
+            );
+            lines.push(
+                "floor 1stage / floor 2stage (f32, with the C loop): a staged all-reduce doing \
+                 only what it must, in C (src/staged_floor.c, timed like the C loop): copy in, \
+                 flag barriers, sums between cores (below 1 MiB double buffers: no barrier closes \
+                 a call); the eager targets quote the faster of the two at each size as their \
+                 bound"
                     .into(),
             );
         }
@@ -1003,6 +1056,21 @@ fn speedup(rows: &[Row], variant: &str) -> Option<f64> {
     geomean(&s)
 }
 
+/// The geometric mean over [`GEOMEAN_SIZES`] of the speedup over `MPI_Allreduce` of the
+/// fastest of `variants` at each size (f32; sizes where none of them ran are left out).
+fn best_speedup(rows: &[Row], variants: &[&str]) -> Option<f64> {
+    let mut best = std::collections::BTreeMap::<usize, f64>::new();
+    for r in rows.iter().filter(|r| r.table == "f32") {
+        let sized = (GEOMEAN_SIZES.0..=GEOMEAN_SIZES.1).contains(&r.bytes);
+        let x = r.vs_peer.filter(|&x| x > 0.0);
+        if let (true, true, Some(x)) = (sized, variants.iter().any(|v| r.is(v)), x) {
+            let e = best.entry(r.bytes).or_insert(0.0);
+            *e = e.max(1.0 / x);
+        }
+    }
+    geomean(&best.into_values().collect::<Vec<_>>())
+}
+
 /// What a floor row allows a target: "; the floor bounds it at X" (out of reach when below
 /// `target`, with `better` telling which side of it is good).
 fn bound(floor: &str, value: Option<f64>, target: f64, better: fn(f64, f64) -> bool) -> String {
@@ -1054,6 +1122,11 @@ fn targets() -> Vec<Target> {
                     detail.push_str(&format!(" (forced: {})", forced.join(", ")));
                 }
                 detail.push_str(&bound(floor, speedup(rows, floor), target, more));
+                if path == "auto" {
+                    let staged = best_speedup(rows, &FLOOR_STAGED);
+                    let name = "floor 1stage|2stage";
+                    detail.push_str(&bound(name, staged, target, more));
+                }
                 Some((g >= target, detail))
             }),
         });
@@ -1119,9 +1192,11 @@ fn targets() -> Vec<Target> {
             };
             let x = at("auto")?;
             let less = |v: f64, t: f64| v <= t;
+            let staged = FLOOR_STAGED.iter().filter_map(|f| at(f)).reduce(f64::min);
             let detail = format!(
-                "auto / memcpy {x:.3}x{}",
-                bound(FLOOR_EAGER, at(FLOOR_EAGER), MEMCPY_RATIO_TARGET, less)
+                "auto / memcpy {x:.3}x{}{}",
+                bound(FLOOR_EAGER, at(FLOOR_EAGER), MEMCPY_RATIO_TARGET, less),
+                bound("floor 1stage|2stage", staged, MEMCPY_RATIO_TARGET, less)
             );
             Some((x <= MEMCPY_RATIO_TARGET, detail))
         }),
@@ -1241,6 +1316,56 @@ mod tests {
     }
 
     #[test]
+    fn the_staged_floors_bound_the_eager_target_with_the_faster_of_the_two_at_each_size() {
+        let row = |path, bytes: usize, vs| Row::of_us("f32", &bytes.to_string(), path, 1.0).vs(vs);
+        let [one, two] = FLOOR_STAGED;
+        let rows = [
+            row("auto", 8 << 10, 0.5),
+            row("auto", 16 << 10, 0.8),
+            // 8 KiB: one-stage is the faster floor (1/0.4 = 2.5x), 16 KiB two-stage (1/0.5).
+            row(one, 8 << 10, 0.4),
+            row(two, 8 << 10, 0.8),
+            row(one, 16 << 10, 0.9),
+            row(two, 16 << 10, 0.5),
+            // Outside the geomean's sizes: ignored.
+            row(one, 1 << 10, 0.01),
+        ];
+        assert!((best_speedup(&rows, &FLOOR_STAGED).unwrap() - 5f64.sqrt()).abs() < 1e-9);
+        let v = judge(&targets(), &rows);
+        let eager = v
+            .iter()
+            .find(|v| {
+                v.target
+                    .starts_with("auto (eager all_reduce), f32: at least 2x")
+            })
+            .unwrap();
+        // sqrt(2 * 1.25) = 1.58 < 2; the staged floors allow sqrt(2.5 * 2) = 2.24.
+        assert!(!eager.met);
+        assert!(
+            eager
+                .detail
+                .contains("`floor 1stage|2stage` bounds it at 2.236x")
+                && !eager.detail.contains("out of reach"),
+            "{eager:?}"
+        );
+        // Both floors at 0.6x of MPI's time: 1.67x, below the target.
+        let slow = [
+            row("auto", 8 << 10, 0.9),
+            row(one, 8 << 10, 0.6),
+            row(two, 8 << 10, 0.7),
+        ];
+        let v = judge(&targets(), &slow);
+        assert!(
+            v[0].detail.contains("bounds it at 1.667x: out of reach"),
+            "{v:?}"
+        );
+        assert_eq!(
+            best_speedup(&[row("auto", 8 << 10, 0.5)], &FLOOR_STAGED),
+            None
+        );
+    }
+
+    #[test]
     fn the_peer_is_judged_against_the_c_loop_within_five_percent_either_way() {
         let row = |bytes: usize, vs| Row::of_us("f32", &bytes.to_string(), C_LOOP, 1.0).vs(vs);
         let peer = |rows: &[Row]| {
@@ -1275,6 +1400,17 @@ mod tests {
             v[0].detail.contains("auto / memcpy 2.500x") && v[0].detail.contains("out of reach")
         );
         assert!(judge(&targets(), &[row("auto", 1.9)])[0].met);
+        // The staged floors: the faster of the two at 8 MiB.
+        let [one, two] = FLOOR_STAGED;
+        let v = judge(
+            &targets(),
+            &[row("auto", 2.5), row(one, 2.4), row(two, 2.1)],
+        );
+        assert!(
+            v[0].detail
+                .contains("`floor 1stage|2stage` bounds it at 2.100x: out of reach"),
+            "{v:?}"
+        );
     }
 
     #[test]

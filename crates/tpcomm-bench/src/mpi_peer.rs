@@ -14,10 +14,23 @@ use crate::transport::Case;
 
 /// The C source of the C loop, compiled by each rank into its own temporary directory.
 const C_SOURCE: &str = include_str!("peer_loop.c");
+/// The C source of the staged floors, built into the same library.
+const FLOOR_SOURCE: &str = include_str!("staged_floor.c");
 
 /// One iteration of the C loop: `peer_iteration` of `peer_loop.c`.
 type Iteration =
     unsafe extern "C" fn(i32, *const c_void, i32, *mut c_void, *const i32, *const i32, i32) -> i64;
+/// One call of a staged floor: `staged_floor` of `staged_floor.c`.
+type FloorCall = unsafe extern "C" fn(i32, *const c_void, i32, *mut c_void, i32) -> i64;
+
+/// The staged all-reduce floors of `staged_floor.c` (op codes there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StagedFloor {
+    /// Copy in, one barrier, sum every rank's buffer.
+    OneStage = 1,
+    /// Copy in the parts peers reduce, barrier, reduce a part, barrier, gather the parts.
+    TwoStage = 2,
+}
 
 /// The MPI calls of a C benchmark loop (`src/peer_loop.c`), compiled with `mpicc -O2` into a
 /// shared library by this rank and loaded: the reference the in-run peer is checked against
@@ -26,6 +39,7 @@ pub(crate) struct CLoop {
     /// The library, kept loaded while `iteration` may be called.
     _library: libloading::Library,
     iteration: Iteration,
+    floor: FloorCall,
 }
 
 impl std::fmt::Debug for CLoop {
@@ -50,9 +64,13 @@ impl CLoop {
             // SAFETY: `peer_iteration` in `peer_loop.c` has the signature of `Iteration`.
             let symbol = unsafe { library.get::<Iteration>(b"peer_iteration\0") };
             let iteration = *symbol.map_err(load)?;
+            // SAFETY: `staged_floor` in `staged_floor.c` has the signature of `FloorCall`.
+            let symbol = unsafe { library.get::<FloorCall>(b"staged_floor\0") };
+            let floor = *symbol.map_err(load)?;
             Ok(Self {
                 _library: library,
                 iteration,
+                floor,
             })
         });
         let _ = std::fs::remove_dir_all(&dir);
@@ -122,7 +140,62 @@ impl CLoop {
     }
 }
 
-/// Compiles the C loop into a shared library in `dir`; its path.
+impl CLoop {
+    /// The staged floor `floor` of `input` into `output` (`staged_floor.c`): with `timed`,
+    /// an `MPI_Barrier`, then the call timed in C (its nanoseconds); otherwise the call
+    /// alone. Every rank makes the same calls; the first (and any larger than before)
+    /// allocates a shared window on every rank.
+    pub(crate) fn staged_floor(
+        &self,
+        floor: StagedFloor,
+        input: &[f32],
+        output: &mut [f32],
+        timed: bool,
+    ) -> Result<u64, BenchError> {
+        if input.len() != output.len() {
+            return Err(BenchError::Usage(format!(
+                "staged floor: {} elements in, {} out",
+                input.len(),
+                output.len()
+            )));
+        }
+        let count = i32::try_from(input.len())
+            .map_err(|_| BenchError::Usage("staged floor: a count beyond 32 bits".into()))?;
+        // SAFETY: `input` holds `count` floats and `output` as many (checked above), all
+        // that the floor reads and writes of them; MPI is initialized, and every rank makes
+        // the same call (this function's contract).
+        let ns = unsafe {
+            (self.floor)(
+                floor as i32,
+                input.as_ptr().cast(),
+                count,
+                output.as_mut_ptr().cast(),
+                i32::from(timed),
+            )
+        };
+        u64::try_from(ns).map_err(|_| {
+            BenchError::Usage(format!(
+                "staged floor {floor:?} failed (MPI, a peer absent for 10 s, or ranks not all \
+                 on one node)"
+            ))
+        })
+    }
+
+    /// Frees the staged floors' shared window on every rank (collective; a no-op when none
+    /// is allocated).
+    pub(crate) fn release_staged_floors(&self) -> Result<(), BenchError> {
+        // SAFETY: op 0 reads and writes no buffer; every rank makes the same call.
+        let rc = unsafe { (self.floor)(0, std::ptr::null(), 0, std::ptr::null_mut(), 0) };
+        match rc {
+            0 => Ok(()),
+            _ => Err(BenchError::Usage(
+                "staged floors: MPI_Win_free failed".into(),
+            )),
+        }
+    }
+}
+
+/// Compiles the C loop and the staged floors into a shared library in `dir`; its path.
 fn build(dir: &Path) -> Result<PathBuf, BenchError> {
     let write = |path: &Path, source| BenchError::Write {
         path: path.to_path_buf(),
@@ -130,11 +203,14 @@ fn build(dir: &Path) -> Result<PathBuf, BenchError> {
     };
     std::fs::create_dir_all(dir).map_err(|e| write(dir, e))?;
     let (src, lib) = (dir.join("peer_loop.c"), dir.join("libpeer_loop.so"));
+    let floor = dir.join("staged_floor.c");
     std::fs::write(&src, C_SOURCE).map_err(|e| write(&src, e))?;
+    std::fs::write(&floor, FLOOR_SOURCE).map_err(|e| write(&floor, e))?;
     let status = Command::new("mpicc")
         .args(["-O2", "-shared", "-fPIC", "-o"])
         .arg(&lib)
         .arg(&src)
+        .arg(&floor)
         .status()
         .map_err(|e| BenchError::Usage(format!("mpicc not found ({e}): install Open MPI")))?;
     if !status.success() {

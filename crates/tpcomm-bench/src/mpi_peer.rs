@@ -118,13 +118,7 @@ impl CLoop {
         output: &mut [f32],
         timed: bool,
     ) -> Result<u64, BenchError> {
-        if input.len() != output.len() {
-            return Err(BenchError::Usage(format!(
-                "C loop: {} elements in, {} out",
-                input.len(),
-                output.len()
-            )));
-        }
+        same_length("C loop", input, output)?;
         let send = (input.as_ptr().cast(), input.len());
         // SAFETY: `input` holds `input.len()` floats and `output` as many (checked above),
         // all that MPI_Allreduce reads and writes; it takes no counts or displacements.
@@ -138,9 +132,7 @@ impl CLoop {
             )
         }
     }
-}
 
-impl CLoop {
     /// The staged floor `floor` of `input` into `output` (`staged_floor.c`): with `timed`,
     /// an `MPI_Barrier`, then the call timed in C (its nanoseconds); otherwise the call
     /// alone. Every rank makes the same calls; the first (and any larger than before)
@@ -152,13 +144,7 @@ impl CLoop {
         output: &mut [f32],
         timed: bool,
     ) -> Result<u64, BenchError> {
-        if input.len() != output.len() {
-            return Err(BenchError::Usage(format!(
-                "staged floor: {} elements in, {} out",
-                input.len(),
-                output.len()
-            )));
-        }
+        same_length("staged floor", input, output)?;
         let count = i32::try_from(input.len())
             .map_err(|_| BenchError::Usage("staged floor: a count beyond 32 bits".into()))?;
         // SAFETY: `input` holds `count` floats and `output` as many (checked above), all
@@ -192,6 +178,18 @@ impl CLoop {
                 "staged floors: MPI_Win_free failed".into(),
             )),
         }
+    }
+}
+
+/// An error naming `what` unless `input` and `output` have the same length.
+fn same_length(what: &str, input: &[f32], output: &[f32]) -> Result<(), BenchError> {
+    match input.len() == output.len() {
+        true => Ok(()),
+        false => Err(BenchError::Usage(format!(
+            "{what}: {} elements in, {} out",
+            input.len(),
+            output.len()
+        ))),
     }
 }
 

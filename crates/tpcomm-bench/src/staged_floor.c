@@ -203,16 +203,22 @@ static void part(size_t count, int r, size_t *lo, size_t *hi) {
     *hi = *lo + each < count ? *lo + each : count;
 }
 
+/* Every peer's staging buffer of `call`, from element `at`, in rank order; how many. */
+static int peer_staging(unsigned long long call, size_t at, const float **peers) {
+    int n = 0;
+    for (int r = 0; r < world; r++)
+        if (r != rank)
+            peers[n++] = staging(r, call) + at;
+    return n;
+}
+
 static int one_stage(const float *send, size_t count, float *recv) {
     unsigned long long call = ++calls;
     memcpy(staging(rank, call), send, count * sizeof(float));
     if (barrier(0, call))
         return -1;
     const float *peers[MAX_RANKS];
-    int n = 0;
-    for (int r = 0; r < world; r++)
-        if (r != rank)
-            peers[n++] = staging(r, call);
+    int n = peer_staging(call, 0, peers);
     sum(recv, send, peers, n, count);
     if (single_set && barrier(2, call))
         return -1;
@@ -229,10 +235,7 @@ static int two_stage(const float *send, size_t count, float *recv) {
     if (barrier(0, call))
         return -1;
     const float *peers[MAX_RANKS];
-    int n = 0;
-    for (int r = 0; r < world; r++)
-        if (r != rank)
-            peers[n++] = staging(r, call) + lo;
+    int n = peer_staging(call, lo, peers);
     float *mine_temp = temp(rank, call);
     for (size_t c = lo; c < hi; c += CHUNK) {
         size_t len = hi - c < CHUNK ? hi - c : CHUNK;

@@ -211,7 +211,26 @@ pub(crate) enum Variant {
     CLoop,
 }
 
+/// What a variant runs from the C library (`peer_loop.c`, `staged_floor.c`).
+#[derive(Debug, Clone, Copy)]
+enum InC {
+    /// The C loop's `MPI_Allreduce`.
+    Loop,
+    /// A staged floor.
+    Floor(StagedFloor),
+}
+
 impl Variant {
+    /// What this variant runs from the C library, if it runs there.
+    fn in_c(self) -> Option<InC> {
+        match self {
+            Variant::CLoop => Some(InC::Loop),
+            Variant::FloorStaged1 => Some(InC::Floor(StagedFloor::OneStage)),
+            Variant::FloorStaged2 => Some(InC::Floor(StagedFloor::TwoStage)),
+            _ => None,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Variant::OneStage => "1stage",
@@ -479,30 +498,15 @@ struct Case<T> {
 }
 
 impl<T: Element> Case<T> {
-    /// `MPI_Allreduce` of the input into the output from the C loop (f32 tables only), timed
-    /// in C with `timed` (see [`CLoop::all_reduce_sum`]).
-    fn c_loop(&mut self, c_loop: &CLoop, timed: bool) -> Result<u64, BenchError> {
-        let input = bytemuck::cast_slice(&self.input);
-        c_loop.all_reduce_sum(input, bytemuck::cast_slice_mut(&mut self.output), timed)
-    }
-
-    /// What `variant` runs from the C library, if anything: the C loop's `MPI_Allreduce` or
-    /// a staged floor, timed in C with `timed`.
-    fn in_c(
-        &mut self,
-        variant: Variant,
-        c_loop: &CLoop,
-        timed: bool,
-    ) -> Option<Result<u64, BenchError>> {
-        let floor = match variant {
-            Variant::CLoop => return Some(self.c_loop(c_loop, timed)),
-            Variant::FloorStaged1 => StagedFloor::OneStage,
-            Variant::FloorStaged2 => StagedFloor::TwoStage,
-            _ => return None,
-        };
+    /// `what` from the C library, of the input into the output (f32 tables only), timed in
+    /// C with `timed` (see [`CLoop::all_reduce_sum`], [`CLoop::staged_floor`]).
+    fn in_c(&mut self, what: InC, c_loop: &CLoop, timed: bool) -> Result<u64, BenchError> {
         let input = bytemuck::cast_slice(&self.input);
         let output = bytemuck::cast_slice_mut(&mut self.output);
-        Some(c_loop.staged_floor(floor, input, output, timed))
+        match what {
+            InC::Loop => c_loop.all_reduce_sum(input, output, timed),
+            InC::Floor(floor) => c_loop.staged_floor(floor, input, output, timed),
+        }
     }
 }
 
@@ -514,6 +518,10 @@ impl Runner<'_, '_> {
         case: &mut Case<T>,
     ) -> Result<Option<Algorithm>, BenchError> {
         let missing = || BenchError::Usage(format!("nothing runs {}", variant.name()));
+        if let Some(what) = variant.in_c() {
+            case.in_c(what, self.c_loop.ok_or_else(missing)?, false)?;
+            return Ok(None);
+        }
         let slot = match variant {
             Variant::OneStage => 0,
             Variant::TwoStage => 1,
@@ -545,11 +553,6 @@ impl Runner<'_, '_> {
                     bytemuck::cast_slice(input),
                     bytemuck::cast_slice_mut(output),
                 );
-                Ok(None)
-            }
-            Variant::CLoop | Variant::FloorStaged1 | Variant::FloorStaged2 => {
-                let c_loop = self.c_loop.ok_or_else(missing)?;
-                case.in_c(variant, c_loop, false).ok_or_else(missing)??;
                 Ok(None)
             }
             _ => {
@@ -673,18 +676,13 @@ impl Runner<'_, '_> {
                 if args.rewrite {
                     self.rewrite(variants[k], case)?;
                 }
-                let in_c = matches!(
-                    variants[k],
-                    Variant::CLoop | Variant::FloorStaged1 | Variant::FloorStaged2
-                );
-                let (true, Some(c_loop)) = (in_c, self.c_loop) else {
+                let (Some(what), Some(c_loop)) = (variants[k].in_c(), self.c_loop) else {
                     return time_synced(comm, sync, || self.run(variants[k], case).map(drop));
                 };
                 // The C library times its calls itself (a barrier, then the call).
                 let mut ns = 0;
                 time_synced(comm, sync, || {
-                    let missing = || BenchError::Usage("nothing runs in C".into());
-                    ns = case.in_c(variants[k], c_loop, true).ok_or_else(missing)??;
+                    ns = case.in_c(what, c_loop, true)?;
                     Ok(())
                 })?;
                 Ok(ns)

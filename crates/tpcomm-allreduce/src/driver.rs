@@ -1615,10 +1615,13 @@ impl<B: Backend> CustomAllReduce<B> {
     /// releasing everything anyway.
     ///
     /// What a peer may see after a non-collective close (or a drop) of this rank: every
-    /// launch this rank issued has finished (it drains them first), and a launch ends with a
-    /// barrier that every peer passed, so no peer is still reading for a launch this rank
-    /// joined. A peer that starts a launch this rank never joins writes into this rank's
-    /// Signal block and reads its staging or temp buffer through its own mapping:
+    /// launch this rank issued has finished (it drains them first), and its last barrier
+    /// proves that every peer has read this rank's input. A peer may still be copying its
+    /// share of a two-stage result from this rank's temp buffer (that launch has no end
+    /// barrier): on the host backend its mapping keeps those pages and their values; on
+    /// CUDA this is the case of the second item below. A peer that starts a launch this rank
+    /// never joins writes into this rank's Signal block and reads its staging or temp buffer
+    /// through its own mapping:
     /// - host backend: the peer's mapping keeps the memfd pages alive until the peer unmaps
     ///   them, so it reads stale but valid memory and its barrier times out naming this rank
     ///   ([`AllReduceError::Timeout`]);

@@ -22,9 +22,12 @@
 //!   buffer (and into the output, when that is apart from this rank's input or is the input
 //!   itself); a release/acquire barrier (peers' temp writes visible); copy the other
 //!   ranks' reduced n-ths (and this rank's, when it did not go to the output directly) from
-//!   their temp buffers into the output; end barrier. An eager launch
-//!   reads this rank's own n-th from the caller's input ([`Launch::own_input`]): only the
-//!   parts peers read were staged.
+//!   their temp buffers into the output; no end barrier (as the CUDA kernel: peers read
+//!   this rank's input only before the mid barrier, and a peer still copying from this
+//!   rank's temp buffer finishes before it joins the next launch's start barrier, after
+//!   which alone this rank writes that buffer again; `flags`). An eager launch reads this
+//!   rank's own n-th from the caller's input ([`Launch::own_input`]): only the parts peers
+//!   read were staged.
 //!
 //! The reduction accumulates in f32, a block of 32 elements at a time whose sums stay in
 //! registers across the inputs (one load per input element, one store per output element),

@@ -186,9 +186,16 @@ impl<B: Blocks> FlagBarrier<'_, B> {
 
     /// A launch: start barrier; `verify` (that every rank launched the same thing: what
     /// the peers published before their start flags is visible now); `reduce` (one-stage:
-    /// the whole output; two-stage: this rank's part into its temp buffer); two-stage only:
-    /// mid barrier, then `gather` (every rank's part from its owner's temp buffer); end
-    /// barrier.
+    /// the whole output; two-stage: this rank's part into its temp buffer); then
+    /// - one-stage: end barrier (peers read this rank's input until they pass it);
+    /// - two-stage: mid barrier, then `gather` (every rank's part from its owner's temp
+    ///   buffer), and no end barrier. The mid barrier already proves that every peer has
+    ///   read all it reads of this rank's input and of the Signal words published before the
+    ///   start barrier; a peer still gathering from this rank's temp buffer is done before it
+    ///   arrives at the next launch's start barrier, which this rank crosses before it writes
+    ///   that buffer again. Each flag array is still never written twice by a rank before
+    ///   every peer has seen the first value: consecutive start flags are separated by a
+    ///   mid or end barrier, consecutive mid and end flags by a start barrier.
     ///
     /// When `verify` fails the work is skipped and only the end barrier is crossed before
     /// the error is returned. `verify` must fail on every rank when it fails on one (it
@@ -212,6 +219,7 @@ impl<B: Blocks> FlagBarrier<'_, B> {
         if two_stage {
             self.cross::<W>(Kind::Mid)?;
             gather();
+            return Ok(());
         }
         self.cross::<W>(Kind::End)
     }
@@ -431,7 +439,8 @@ mod loom_tests {
         let view = View { group, rank };
         for n in 0..launches {
             // The staging copy of this launch's input, before the start barrier (the
-            // previous launch's end barrier keeps it from racing peers' reads).
+            // previous launch's end barrier, or mid barrier for two-stage, keeps it from
+            // racing peers' reads).
             // SAFETY: loom checks this access against every other (a race panics).
             group.inputs[rank].with_mut(|p| unsafe { *p = input(n, rank) });
             let barrier = FlagBarrier {
@@ -547,6 +556,13 @@ mod loom_tests {
     fn loom_two_ranks_consecutive_launches() {
         // Two-stage, one-stage, two-stage: epochs 1..=3, every barrier kind reused.
         assert!(model::<Good>(2, 3, 0, alternate, 3, None) > 1);
+    }
+
+    #[test]
+    fn loom_two_ranks_two_stage_launches_in_a_row() {
+        // Two-stage has no end barrier: a rank's next staging write and temp write must
+        // still come after every peer's reads of them (loom reports a race otherwise).
+        assert!(model::<Good>(2, 3, 0, always, 3, None) > 1);
     }
 
     /// Three ranks exceed minutes even at preemption bound 1 (every load may read any

@@ -291,7 +291,64 @@ impl Drop for Encoded {
 /// has the capacity).
 fn serialize<T: Serialize + ?Sized>(value: &T) -> std::result::Result<Encoded, postcard::Error> {
     let buf = Kept::Send.take(0).unwrap_or_default();
-    postcard::to_extend(value, buf).map(Encoded)
+    append(value, buf).map(Encoded)
+}
+
+/// Appends `value`'s postcard encoding to `buf` (the same bytes as `postcard::to_extend`).
+fn append<T: Serialize + ?Sized>(
+    value: &T,
+    buf: Vec<u8>,
+) -> std::result::Result<Vec<u8>, postcard::Error> {
+    postcard::serialize_with_flavor(value, Append(buf))
+}
+
+/// postcard's output into a `Vec`. postcard writes a value in small pieces (a varint, a
+/// short string); `Extend`, which `postcard::to_extend` uses, appends each through a call to
+/// `memcpy` of a length known only at run time, which took about 70% of the encoding time of
+/// a `Vec` of small structs (perf, `tpcomm-bench objects` on `records:100000`). Pieces of up
+/// to [`FIXED_PIECES`] bytes are appended as arrays of their length instead, copies the
+/// compiler writes out inline: encoding 100,000 such records took 1.7 ms instead of 5.4 ms
+/// (a standalone loop on an AMD EPYC VM).
+struct Append(Vec<u8>);
+
+/// The longest piece appended as a fixed-size array: every varint up to a u64's (10 bytes)
+/// and short strings; longer pieces go through one `memcpy` each.
+const FIXED_PIECES: usize = 16;
+
+impl postcard::ser_flavors::Flavor for Append {
+    type Output = Vec<u8>;
+
+    #[inline(always)]
+    fn try_push(&mut self, byte: u8) -> postcard::Result<()> {
+        self.0.push(byte);
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn try_extend(&mut self, piece: &[u8]) -> postcard::Result<()> {
+        macro_rules! by_length {
+            ($($n:literal)*) => {
+                match piece.len() {
+                    $($n => {
+                        if let Ok(fixed) = <&[u8; $n]>::try_from(piece) {
+                            self.0.extend_from_slice(fixed);
+                        }
+                    })*
+                    _ => {
+                        // The list above is every length from 1 to FIXED_PIECES.
+                        debug_assert!(piece.is_empty() || piece.len() > FIXED_PIECES);
+                        self.0.extend_from_slice(piece);
+                    }
+                }
+            };
+        }
+        by_length!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<Vec<u8>> {
+        Ok(self.0)
+    }
 }
 
 fn mine_of(serialized: &std::result::Result<Encoded, postcard::Error>) -> Mine<'_> {
@@ -543,7 +600,7 @@ fn serialize_all<T: Serialize>(values: &[T]) -> Packed {
     let mut lens = Vec::with_capacity(values.len());
     for v in values {
         let before = buf.len();
-        buf = postcard::to_extend(v, buf)?;
+        buf = append(v, buf)?;
         lens.push(buf.len() - before);
     }
     Ok((buf, lens))
@@ -1068,4 +1125,58 @@ pub fn decode_from_with<'a, T: Deserialize<'a>>(
 ) -> Result<T> {
     opts.validate()?;
     decode_exact(rank, bytes, opts.max_depth)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    #[derive(Serialize)]
+    struct Mixed {
+        id: u64,
+        name: String,
+        tokens: Vec<u32>,
+        bytes: serde_bytes::ByteBuf,
+        score: f64,
+        tag: Option<i128>,
+        map: BTreeMap<String, Vec<i16>>,
+    }
+
+    proptest! {
+        /// Appending gives exactly postcard's bytes after whatever the buffer held, for
+        /// pieces on both sides of `FIXED_PIECES` (strings and byte strings of every length
+        /// up to 100, varints of every width).
+        #[test]
+        fn append_writes_postcards_bytes_after_the_prefix(
+            prefix in proptest::collection::vec(any::<u8>(), 0..40),
+            id in any::<u64>(),
+            name in "\\PC{0,100}",
+            tokens in proptest::collection::vec(any::<u32>(), 0..40),
+            bytes in proptest::collection::vec(any::<u8>(), 0..100),
+            score in any::<f64>(),
+            tag in any::<Option<i128>>(),
+            map in proptest::collection::btree_map("[a-z]{0,40}", proptest::collection::vec(any::<i16>(), 0..8), 0..4),
+        ) {
+            let value = Mixed { id, name, tokens, bytes: serde_bytes::ByteBuf::from(bytes), score, tag, map };
+            let got = append(&value, prefix.clone()).unwrap();
+            let mut want = prefix;
+            want.extend(postcard::to_stdvec(&value).unwrap());
+            prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn append_handles_pieces_of_every_length_around_the_fixed_ones() {
+        for len in 0..=4 * FIXED_PIECES {
+            let s: String = "é".repeat(len / 2) + &"x".repeat(len % 2);
+            assert_eq!(s.len(), len);
+            assert_eq!(
+                append(&s, vec![7]).unwrap(),
+                [vec![7], postcard::to_stdvec(&s).unwrap()].concat(),
+                "string of {len} bytes"
+            );
+        }
+    }
 }

@@ -507,10 +507,10 @@ fn export_from(table: &SegmentTable, pid: u32, addr: u64, len: usize) -> Result<
 
 /// Exports every region of `regions` (in their order) from `table`. Regions are looked at
 /// in address order, walking up the table from the buffer of the region before: a region
-/// within [`WALK`] buffers of it is found without a search (a registry's regions are mostly
-/// buffers allocated one after the other; 1000 graph buffers in a table of 2000 buffers:
-/// 48-56 us against 66-72 us with a search each). The first region, in `regions`' order, that
-/// is not exportable is the error.
+/// within `WALK` (8) buffers of it is found without a search (a registry's regions are
+/// mostly buffers allocated one after the other; 1000 graph buffers in a table of 2000
+/// buffers: 48-56 us against 66-72 us with a search each). The first region, in `regions`'
+/// order, that is not exportable is the error.
 fn export_many(table: &SegmentTable, pid: u32, regions: &[Region]) -> Result<Vec<HostHandle>> {
     /// Buffers a region's search walks up before it searches the table instead.
     const WALK: usize = 8;

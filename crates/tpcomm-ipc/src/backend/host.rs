@@ -516,44 +516,37 @@ fn export_many(table: &SegmentTable, pid: u32, regions: &[Region]) -> Result<Vec
     const WALK: usize = 8;
     let mut order: Vec<usize> = (0..regions.len()).collect();
     order.sort_unstable_by_key(|&i| regions[i].addr);
-    let mut exported: Vec<Option<Result<HostHandle>>> = Vec::with_capacity(regions.len());
-    exported.resize_with(regions.len(), || None);
-    // The buffer with the highest base not above the previous region (if any), and the
-    // buffers above it.
-    let mut held: Option<(&usize, &Exportable)> = None;
+    // Each region's buffer: the one with the highest base not above it (if any).
+    let mut below: Vec<Option<(&usize, &Exportable)>> = vec![None; regions.len()];
+    // The buffer of the previous region in address order, and the buffers above it.
+    let mut held = None;
     let mut above = table.by_addr.range(..);
     for i in order {
-        let Region { addr, len } = regions[i];
-        if let Ok(a) = usize::try_from(addr) {
-            let mut walked = None;
-            let mut walk = above.clone();
-            for _ in 0..=WALK {
-                let mut ahead = walk.clone();
-                match ahead.next() {
-                    Some(next) if *next.0 <= a => {
-                        held = Some(next);
-                        walk = ahead;
-                    }
-                    // Sorted regions: `held` is now the highest base not above `a`.
-                    _ => {
-                        walked = Some(walk);
-                        break;
-                    }
+        let Ok(a) = usize::try_from(regions[i].addr) else {
+            // Not an address of this process: `handle_in` refuses it.
+            continue;
+        };
+        for steps in 0..=WALK {
+            let mut ahead = above.clone();
+            match ahead.next() {
+                Some(next) if *next.0 <= a && steps < WALK => {
+                    held = Some(next);
+                    above = ahead;
                 }
-            }
-            above = match walked {
-                Some(walk) => walk,
-                None => {
+                Some(next) if *next.0 <= a => {
                     held = table.by_addr.range(..=a).next_back();
-                    table.by_addr.range((Excluded(a), Unbounded))
+                    above = table.by_addr.range((Excluded(a), Unbounded));
                 }
-            };
+                // Regions in address order: `held` is the highest base not above `a`.
+                _ => break,
+            }
         }
-        exported[i] = Some(handle_in(held, pid, addr, len));
+        below[i] = held;
     }
-    exported
-        .into_iter()
-        .map(|e| e.expect("every region is exported in the loop above"))
+    regions
+        .iter()
+        .zip(below)
+        .map(|(r, below)| handle_in(below, pid, r.addr, r.len))
         .collect()
 }
 

@@ -622,7 +622,7 @@ fn check_len(map: &PeerMap, h: &HostHandle) -> Result<()> {
 /// (at about the same cost, paid by `reinit_after_resume`). A read fault on a shared
 /// mapping maps the page writable, and with it the neighbours already in the file (the
 /// kernel's fault-around, 16 pages), so the flag writes do not fault and a run of pages
-/// takes one fault per 16. Touching was measured 30-45% faster than `MADV_POPULATE_READ`,
+/// takes one fault per 16. Touching was measured 25-50% faster than `MADV_POPULATE_READ`,
 /// which walks every page through `get_user_pages` (1000 pages of a memfd: 240-420 against
 /// 405-720 us on a 2-vCPU VM). Large buffers (staging, temp) are left to fault in when used:
 /// mapping them would cost every resume, and allocate memory for peers' pages never touched.

@@ -4,6 +4,7 @@
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use tpcomm_transport::backend::copy::{copy_slice, extend_from_slice};
 use tpcomm_transport::{dense_displacements, Communicator, GatherRecv, Layout};
 use tracing::field::Empty;
 
@@ -111,7 +112,7 @@ fn all_gather_fixed<C: Communicator + ?Sized>(
         comm.all_gather(chunk, part)?;
         for (r, got) in part.chunks_exact(chunk.len()).enumerate() {
             let at = r * entry + c * max;
-            recv[at..at + chunk.len()].copy_from_slice(got);
+            copy_slice(&mut recv[at..at + chunk.len()], got);
         }
     }
     Ok(())
@@ -312,7 +313,9 @@ fn append<T: Serialize + ?Sized>(
 struct Append(Vec<u8>);
 
 /// The longest piece appended as a fixed-size array: every varint up to a u64's (10 bytes)
-/// and short strings; longer pieces go through one `memcpy` each.
+/// and short strings; longer pieces go through one `memcpy` each (through
+/// [`extend_from_slice`], which avoids the pairs of addresses that `memcpy` copies slowly:
+/// a user's blob and the kept send buffer can form one).
 const FIXED_PIECES: usize = 16;
 
 impl postcard::ser_flavors::Flavor for Append {
@@ -337,7 +340,7 @@ impl postcard::ser_flavors::Flavor for Append {
                     _ => {
                         // The list above is every length from 1 to FIXED_PIECES.
                         debug_assert!(piece.is_empty() || piece.len() > FIXED_PIECES);
-                        self.0.extend_from_slice(piece);
+                        extend_from_slice(&mut self.0, piece);
                     }
                 }
             };
@@ -1089,7 +1092,7 @@ where
                 .collect();
             let mut packed = Vec::with_capacity(lens.iter().sum());
             for _ in lens.iter().filter(|&&l| l > 0) {
-                packed.extend_from_slice(&bytes);
+                extend_from_slice(&mut packed, &bytes);
             }
             (packed, lens)
         })

@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use super::copy::{copy_slice, extend_from_slice};
 use crate::check::{
     AllGatherArgs, AllReduceArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
 };
@@ -587,7 +588,7 @@ impl LocalCommunicator {
     /// This rank's post of `bytes` and `meta`.
     fn post(&self, bytes: &[u8], meta: &[usize]) -> Arc<Post> {
         self.post_with(|p| {
-            p.bytes.extend_from_slice(bytes);
+            extend_from_slice(&mut p.bytes, bytes);
             p.meta.extend_from_slice(meta);
         })
     }
@@ -908,7 +909,7 @@ impl Communicator for LocalCommunicator {
             .enumerate()
             .take(self.size())
         {
-            chunk.copy_from_slice(&posted(&posts, r).bytes);
+            copy_slice(chunk, &posted(&posts, r).bytes);
         }
         Ok(())
     }
@@ -930,7 +931,10 @@ impl Communicator for LocalCommunicator {
             }
         }
         for r in 0..self.size() {
-            recv[displs[r]..displs[r] + counts[r]].copy_from_slice(&posted(&posts, r).bytes);
+            copy_slice(
+                &mut recv[displs[r]..displs[r] + counts[r]],
+                &posted(&posts, r).bytes,
+            );
         }
         Ok(())
     }
@@ -961,7 +965,10 @@ impl Communicator for LocalCommunicator {
             }
             for r in 0..self.size() {
                 let d = layout.displs[r];
-                layout.recv[d..d + layout.counts[r]].copy_from_slice(&posted(&posts, r).bytes);
+                copy_slice(
+                    &mut layout.recv[d..d + layout.counts[r]],
+                    &posted(&posts, r).bytes,
+                );
             }
         }
         Ok(())
@@ -989,7 +996,7 @@ impl Communicator for LocalCommunicator {
                 ),
             ));
         }
-        buf.copy_from_slice(data);
+        copy_slice(buf, data);
         Ok(())
     }
 
@@ -1047,7 +1054,7 @@ impl Communicator for LocalCommunicator {
         let (_, recv) = args.parts();
         for r in 0..self.size() {
             let (lo, hi) = slice_of(count, self.size(), r);
-            recv[lo * elem..hi * elem].copy_from_slice(&posted(&slices, r).bytes);
+            copy_slice(&mut recv[lo * elem..hi * elem], &posted(&slices, r).bytes);
         }
         Ok(())
     }
@@ -1056,7 +1063,7 @@ impl Communicator for LocalCommunicator {
         let op = Op::AllToAllVarcount;
         let send = args.send();
         let post = self.post_with(|p| {
-            p.bytes.extend_from_slice(send.buf);
+            extend_from_slice(&mut p.bytes, send.buf);
             p.meta.extend_from_slice(send.counts);
             p.meta.extend_from_slice(send.displs);
         });
@@ -1080,7 +1087,7 @@ impl Communicator for LocalCommunicator {
             let p = posted(&posts, r);
             let (count, displ) = (p.meta[me], p.meta[size + me]);
             let d = recv.displs[r];
-            recv.buf[d..d + count].copy_from_slice(&p.bytes[displ..displ + count]);
+            copy_slice(&mut recv.buf[d..d + count], &p.bytes[displ..displ + count]);
         }
         Ok(())
     }

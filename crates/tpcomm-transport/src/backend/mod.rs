@@ -1,5 +1,6 @@
 //! Transport backends. `unsafe` code of this crate lives here only.
 
+pub mod copy;
 #[cfg(feature = "cuda-driver")]
 pub mod cuda_driver;
 pub mod local;

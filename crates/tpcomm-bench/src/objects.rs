@@ -9,8 +9,9 @@
 //!   blob, records whose `name` is a `&str`);
 //! - `floor` (the peer): what a careful program would write by hand over the same
 //!   [`Communicator`]: postcard encode, a fixed all-gather of the 64-bit lengths, one
-//!   `all_gather_varcount` of the bytes, postcard decode into owned values. No failure
-//!   agreement, no cap, no round path: the least work there is.
+//!   `all_gather_varcount` of the bytes, postcard decode into owned values, its send and
+//!   receive buffers kept between calls. No failure agreement, no cap, no round path: the
+//!   least work there is.
 //!
 //! `--variants` times a subset (the others' allocations and waits then run in no other
 //! variant's iterations); without `floor` there is no ratio to it.
@@ -19,6 +20,7 @@
 //! is not timed, for any variant). Every variant is checked once per payload, before timing,
 //! against the values every rank sent.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::hint::black_box;
 use std::process::Command;
@@ -471,38 +473,51 @@ impl Shape for RecordsShape {
     }
 }
 
-/// The floor: postcard encode, lengths then bytes through `comm`, postcard decode.
+/// The floor: postcard encode, lengths then bytes through `comm`, postcard decode. Its send
+/// and receive buffers are kept between calls (per thread), as a loop of the call keeps
+/// them warm: fresh ones would sit next to the values decoded from them, where glibc's
+/// `memcpy` can take its slow path (`docs/benchmarks.md`, "Copies that dodge `memcpy`'s slow
+/// path").
 fn floor_all_gather<C: Communicator, T: Serialize + DeserializeOwned>(
     comm: &C,
     value: &T,
 ) -> Result<Vec<T>, BenchError> {
-    let bytes = postcard::to_allocvec(value)?;
-    let mut words = vec![0u8; 8 * comm.size()];
-    comm.all_gather(&(bytes.len() as u64).to_le_bytes(), &mut words)?;
-    let counts = words
-        .chunks_exact(8)
-        .map(|w| {
-            let mut word = [0u8; 8];
-            word.copy_from_slice(w);
-            usize::try_from(u64::from_le_bytes(word))
-        })
-        .collect::<Result<Vec<usize>, _>>()
-        .map_err(|_| BenchError::Usage("floor: a length does not fit usize".into()))?;
-    let (displs, total) = dense_displacements(&counts)
-        .filter(|&(_, total)| total <= comm.max_count())
-        .ok_or_else(|| {
-            BenchError::Usage(format!(
-                "floor: the payload exceeds one varcount call ({} bytes)",
-                comm.max_count()
-            ))
-        })?;
-    let mut recv = vec![0u8; total];
-    comm.all_gather_varcount(&bytes, &mut recv, &counts, &displs)?;
-    counts
-        .iter()
-        .zip(&displs)
-        .map(|(&c, &d)| Ok(postcard::from_bytes(&recv[d..d + c])?))
-        .collect()
+    FLOOR_BUFFERS.with_borrow_mut(|(send, recv)| {
+        send.clear();
+        *send = postcard::to_extend(value, std::mem::take(send))?;
+        let mut words = vec![0u8; 8 * comm.size()];
+        comm.all_gather(&(send.len() as u64).to_le_bytes(), &mut words)?;
+        let counts = words
+            .chunks_exact(8)
+            .map(|w| {
+                let mut word = [0u8; 8];
+                word.copy_from_slice(w);
+                usize::try_from(u64::from_le_bytes(word))
+            })
+            .collect::<Result<Vec<usize>, _>>()
+            .map_err(|_| BenchError::Usage("floor: a length does not fit usize".into()))?;
+        let (displs, total) = dense_displacements(&counts)
+            .filter(|&(_, total)| total <= comm.max_count())
+            .ok_or_else(|| {
+                BenchError::Usage(format!(
+                    "floor: the payload exceeds one varcount call ({} bytes)",
+                    comm.max_count()
+                ))
+            })?;
+        recv.clear();
+        recv.resize(total, 0);
+        comm.all_gather_varcount(send, recv, &counts, &displs)?;
+        counts
+            .iter()
+            .zip(&displs)
+            .map(|(&c, &d)| Ok(postcard::from_bytes(&recv[d..d + c])?))
+            .collect()
+    })
+}
+
+thread_local! {
+    /// The floor's send and receive buffers, kept between calls.
+    static FLOOR_BUFFERS: RefCell<(Vec<u8>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Runs variant `v` once on this rank's `value` as one timed iteration (the clock stops
@@ -629,7 +644,7 @@ impl Bench for ObjectsBench<'_> {
              name: &str"
                 .into(),
             "floor: postcard encode + all_gather of u64 lengths + one all_gather_varcount + \
-             postcard decode (owned), same communicator"
+             postcard decode (owned), same communicator, buffers kept between calls"
                 .into(),
             "bytes/rank: postcard bytes of one rank's value (largest over ranks)".into(),
             match &self.mpi4py {

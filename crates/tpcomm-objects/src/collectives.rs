@@ -8,7 +8,7 @@ use tpcomm_transport::backend::copy::{copy_slice, extend_from_slice};
 use tpcomm_transport::{dense_displacements, Communicator, GatherRecv, Layout};
 use tracing::field::Empty;
 
-use crate::buffers::Kept;
+use crate::buffers::{receive_offset, Kept};
 use crate::error::{ObjectError, Result};
 use crate::gathered::{decode_exact, Gathered};
 use crate::header::{
@@ -118,20 +118,22 @@ fn all_gather_fixed<C: Communicator + ?Sized>(
     Ok(())
 }
 
-/// Broadcast of the root's `len` bytes into `buf` in calls of at most `limit` bytes (one
-/// call when it fits). On the root `buf` holds the bytes; elsewhere it is an empty buffer
-/// of capacity `len`, grown one round at a time.
+/// Broadcast of the root's `len` bytes into `buf` from byte `base` on, in calls of at most
+/// `limit` bytes (one call when it fits). On the root `buf` holds the bytes (`base` is 0);
+/// elsewhere it is a buffer of length `base` and capacity `base + len`, grown one round at
+/// a time.
 fn broadcast_payload<C: Communicator + ?Sized>(
     comm: &C,
     root: usize,
     buf: &mut Vec<u8>,
+    base: usize,
     len: usize,
     limit: usize,
 ) -> Result<usize> {
     let rounds = round_count(len, limit);
     for k in 0..rounds {
-        let start = k * limit;
-        let end = start.saturating_add(limit).min(len);
+        let start = base + k * limit;
+        let end = start.saturating_add(limit).min(base + len);
         if buf.len() < end {
             buf.resize(end, 0);
         }
@@ -141,15 +143,16 @@ fn broadcast_payload<C: Communicator + ?Sized>(
 }
 
 /// Moves every rank's payload (`lens` agreed) to `root`, or to every rank when `root` is
-/// `None`, in the windowed round schedule, straight into `buf` (on receivers only: an empty
-/// buffer of capacity `sum(lens)`, grown one window at a time, so that only what arrived is
-/// ever written).
+/// `None`, in the windowed round schedule, straight into `buf` from byte `base` on (on
+/// receivers only: a buffer of length `base` and capacity `base + sum(lens)`, grown one
+/// window at a time, so that only what arrived is ever written).
 fn payload_rounds<C: Communicator + ?Sized>(
     comm: &C,
     root: Option<usize>,
     payload: &[u8],
     lens: &[usize],
     mut buf: Option<&mut Vec<u8>>,
+    base: usize,
     limit: usize,
 ) -> Result<usize> {
     let me = comm.rank();
@@ -160,10 +163,10 @@ fn payload_rounds<C: Communicator + ?Sized>(
         let rd = round(lens, &offsets, limit, k);
         let chunk = &payload[rd.sources[me].clone()];
         let window = buf.as_deref_mut().map(|b| {
-            if b.len() < rd.window.end {
-                b.resize(rd.window.end, 0);
+            if b.len() < base + rd.window.end {
+                b.resize(base + rd.window.end, 0);
             }
-            &mut b[rd.window.clone()]
+            &mut b[base + rd.window.start..base + rd.window.end]
         });
         match root {
             None => comm.all_gather_varcount(
@@ -231,11 +234,12 @@ fn gather_bytes<C: Communicator + ?Sized>(
         let ranges = (0..size)
             .map(|r| r * ENTRY + SLOT_AT..r * ENTRY + SLOT_AT + lens[r])
             .collect();
-        return Ok(Some(Gathered::new(header, ranges, opts.max_depth)));
+        return Ok(Some(Gathered::new(header, 0, ranges, opts.max_depth)));
     }
     let limit = opts.round_limit(comm.max_count());
+    let base = if receives { receive_offset() } else { 0 };
     let mut buf = if receives {
-        Kept::Recv.take(total)?
+        Kept::Recv.take_at(base, total)?
     } else {
         Vec::new()
     };
@@ -245,6 +249,7 @@ fn gather_bytes<C: Communicator + ?Sized>(
         payload,
         &lens,
         receives.then_some(&mut buf),
+        base,
         limit,
     )?;
     record(
@@ -258,9 +263,9 @@ fn gather_bytes<C: Communicator + ?Sized>(
     }
     let offsets = dense_offsets(&lens);
     let ranges = (0..size)
-        .map(|r| offsets[r]..offsets[r] + lens[r])
+        .map(|r| base + offsets[r]..base + offsets[r] + lens[r])
         .collect();
-    Ok(Some(Gathered::new(buf, ranges, opts.max_depth)))
+    Ok(Some(Gathered::new(buf, base, ranges, opts.max_depth)))
 }
 
 /// A value serialized into the thread's kept send buffer (see `buffers.rs`), which it gives
@@ -570,19 +575,26 @@ where
         return decode_exact(root, entry_inline(&header, root, len), opts.max_depth);
     }
     drop(header);
-    let mut buf = match serialized.take() {
+    let root_bytes = serialized.take();
+    let base = if root_bytes.is_none() {
+        receive_offset()
+    } else {
+        0
+    };
+    let mut buf = match root_bytes {
         Some(Ok(bytes)) if bytes.len() == len => bytes.into_vec(),
         Some(_) => {
             return Err(ObjectError::Corrupt(format!(
                 "root {root}: the broadcast header lost its own length"
             )))
         }
-        None => Kept::Recv.take(len)?,
+        None => Kept::Recv.take_at(base, len)?,
     };
     let rounds = broadcast_payload(
         comm,
         root,
         &mut buf,
+        base,
         len,
         opts.round_limit(comm.max_count()),
     )?;
@@ -592,7 +604,7 @@ where
         len,
         rounds,
     );
-    let value = decode_exact(root, &buf, opts.max_depth);
+    let value = decode_exact(root, &buf[base..], opts.max_depth);
     Kept::Recv.give_back(buf);
     value
 }
@@ -857,10 +869,12 @@ fn all_to_all_bytes<C: Communicator + ?Sized>(
         let received: usize = (0..size).map(|s| lens[s * size + r]).sum();
         sent <= limit && received <= limit
     });
-    let mut buf = reserve(recv_total)?;
+    let base = receive_offset();
+    let mut buf = reserve(recv_total.saturating_add(base))?;
+    buf.resize(base, 0);
     let recv_offsets = dense_offsets(&recv_lens);
     if fits {
-        buf.resize(recv_total, 0);
+        buf.resize(base + recv_total, 0);
         let (send_displs, _) =
             dense_displacements(&send_lens).expect("checked by within_cap on the sender");
         comm.all_to_all_varcount(
@@ -870,7 +884,7 @@ fn all_to_all_bytes<C: Communicator + ?Sized>(
                 displs: &send_displs,
             },
             Layout {
-                buf: &mut buf,
+                buf: &mut buf[base..],
                 counts: &recv_lens,
                 displs: &recv_offsets,
             },
@@ -884,12 +898,12 @@ fn all_to_all_bytes<C: Communicator + ?Sized>(
             let column: Vec<usize> = (0..size).map(|s| lens[s * size + d]).collect();
             let payload = &send[send_offsets[d]..send_offsets[d] + send_lens[d]];
             let target = (d == me).then_some(&mut buf);
-            rounds += payload_rounds(comm, Some(d), payload, &column, target, limit)?;
+            rounds += payload_rounds(comm, Some(d), payload, &column, target, base, limit)?;
         }
         record(span, "rounds", recv_total, rounds);
     }
     let ranges = (0..size)
-        .map(|s| recv_offsets[s]..recv_offsets[s] + recv_lens[s])
+        .map(|s| base + recv_offsets[s]..base + recv_offsets[s] + recv_lens[s])
         .collect();
     Ok((buf, ranges))
 }

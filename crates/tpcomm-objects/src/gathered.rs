@@ -30,16 +30,26 @@ use crate::error::{DecodeError, ObjectError, Result};
 #[derive(Debug, Clone)]
 pub struct Gathered {
     buf: Vec<u8>,
+    /// Where the received bytes start in `buf` (see `buffers::receive_offset`).
+    start: usize,
     ranges: Vec<Range<usize>>,
     /// The nesting bound of the options the collective ran with.
     max_depth: usize,
 }
 
 impl Gathered {
-    pub(crate) fn new(buf: Vec<u8>, ranges: Vec<Range<usize>>, max_depth: usize) -> Self {
-        debug_assert!(ranges.iter().all(|r| r.end <= buf.len()));
+    pub(crate) fn new(
+        buf: Vec<u8>,
+        start: usize,
+        ranges: Vec<Range<usize>>,
+        max_depth: usize,
+    ) -> Self {
+        debug_assert!(ranges
+            .iter()
+            .all(|r| start <= r.start && r.end <= buf.len()));
         Self {
             buf,
+            start,
             ranges,
             max_depth,
         }
@@ -67,7 +77,7 @@ impl Gathered {
 
     /// The whole receive buffer (views may not cover all of it).
     pub fn buffer(&self) -> &[u8] {
-        &self.buf
+        &self.buf[self.start..]
     }
 
     /// Decodes the value of every rank; values may borrow from `self`.

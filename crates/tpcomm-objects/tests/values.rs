@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use tpcomm_objects::{
-    all_gather, all_gather_borrowed, all_gather_bytes_with, all_gather_with, all_reduce_with,
-    all_to_all_with, broadcast_with, gather, gather_with, scatter_with, ObjectError, Options,
+    all_gather, all_gather_borrowed, all_gather_bytes, all_gather_bytes_with, all_gather_with,
+    all_reduce_with, all_to_all_with, broadcast_with, gather, gather_with, scatter_with,
+    ObjectError, Options,
 };
 use tpcomm_transport::{Communicator, LocalGroup, TransportError};
 
@@ -65,6 +66,29 @@ fn borrowed_values_point_into_the_receive_buffer() {
         out.into_iter().all(|b| b),
         "decoded &str values borrow from the Gathered buffer"
     );
+}
+
+/// The received bytes start 64 bytes further into the (kept) receive buffer at each call,
+/// modulo 4 KiB, so that no destination the values are copied to stays in `memcpy`'s slow
+/// relation with them call after call (`buffers::receive_offset`).
+#[test]
+fn received_bytes_move_by_64_from_one_call_to_the_next() {
+    let out = unwrap_all(group(2).run(|comm| -> R<Vec<usize>> {
+        let mine = vec![comm.rank() as u8 + 1; 10_000];
+        let mut starts = Vec::new();
+        for _ in 0..70 {
+            let g = all_gather_bytes(&comm, &mine)?;
+            assert_eq!(g.bytes(1).unwrap(), &[2u8; 10_000][..]);
+            assert_eq!(g.buffer().len(), 20_000, "the buffer's prefix is not shown");
+            starts.push(g.bytes(0).unwrap().as_ptr() as usize);
+        }
+        Ok(starts)
+    }));
+    for starts in out {
+        for pair in starts.windows(2) {
+            assert_eq!(pair[1].wrapping_sub(pair[0]) % 4096, 64, "{starts:?}");
+        }
+    }
 }
 
 #[test]

@@ -15,7 +15,8 @@
 //! peer did not send are zeros, never another collective's data).
 //!
 //! What it costs: each thread that ran a collective holds up to two buffers of at most
-//! [`KEEP_MAX_BYTES`] each (the largest it used recently); a larger one is freed as before.
+//! [`KEEP_MAX_BYTES`] each, plus a receive window's largest offset (the largest it used
+//! recently); a larger one is freed as before.
 //! [`release_buffers`](crate::release_buffers) frees the calling thread's at once.
 
 use std::cell::{Cell, RefCell};

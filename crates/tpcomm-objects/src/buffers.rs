@@ -21,6 +21,8 @@
 
 use std::cell::{Cell, RefCell};
 
+use tpcomm_transport::backend::copy::SMALL;
+
 use crate::error::{ObjectError, Result};
 
 /// The largest buffer a thread keeps (64 MiB): the receive buffer of an all-gather of a few
@@ -39,8 +41,10 @@ thread_local! {
     static RECEIVES: Cell<usize> = const { Cell::new(0) };
 }
 
-/// Where the next receive buffer's bytes start: 0, 64, ..., 4032 bytes into it, then 0
-/// again, one step per call on the thread.
+/// Where the next receive buffer's bytes start, for a collective whose largest value is
+/// `largest` bytes: 0, 64, ..., 4032 bytes into it, then 0 again, one step per such call on
+/// the thread; always 0 when no value is long enough for `memcpy` to copy it slowly
+/// ([`SMALL`] bytes), which spares small collectives the prefix.
 ///
 /// Why: the values decoded from a receive buffer are copied out of it by the user's types
 /// (`Vec<u8>`, `String`) with glibc's `memcpy`, into memory that the allocator hands out at
@@ -50,7 +54,10 @@ thread_local! {
 /// a run slow in some heap layouts (`examples/layouts.rs`: 14 of 64 layouts, 60-69 us
 /// against 18-22 us for two 64 KiB byte strings). Moved by 64 bytes at each call, the bytes
 /// are in that relation with a given destination in at most one call in 64.
-pub(crate) fn receive_offset() -> usize {
+pub(crate) fn receive_offset(largest: usize) -> usize {
+    if largest < SMALL {
+        return 0;
+    }
     RECEIVES.with(|n| {
         let k = n.get();
         n.set(k.wrapping_add(1));
@@ -165,7 +172,12 @@ mod tests {
     #[test]
     fn receive_offsets_step_by_64_through_a_page_and_share_one_kept_buffer() {
         release_buffers();
-        let offsets: Vec<usize> = (0..128).map(|_| receive_offset()).collect();
+        assert_eq!(
+            receive_offset(SMALL - 1),
+            0,
+            "values too short to be copied slowly"
+        );
+        let offsets: Vec<usize> = (0..128).map(|_| receive_offset(SMALL)).collect();
         let mut page = offsets[..64].to_vec();
         page.sort_unstable();
         assert_eq!(page, (0..64).map(|k| k * 64).collect::<Vec<_>>());

@@ -237,7 +237,8 @@ fn gather_bytes<C: Communicator + ?Sized>(
         return Ok(Some(Gathered::new(header, 0, ranges, opts.max_depth)));
     }
     let limit = opts.round_limit(comm.max_count());
-    let base = if receives { receive_offset() } else { 0 };
+    let largest = lens.iter().copied().max().unwrap_or(0);
+    let base = if receives { receive_offset(largest) } else { 0 };
     let mut buf = if receives {
         Kept::Recv.take_at(base, total)?
     } else {
@@ -577,7 +578,7 @@ where
     drop(header);
     let root_bytes = serialized.take();
     let base = if root_bytes.is_none() {
-        receive_offset()
+        receive_offset(len)
     } else {
         0
     };
@@ -869,7 +870,7 @@ fn all_to_all_bytes<C: Communicator + ?Sized>(
         let received: usize = (0..size).map(|s| lens[s * size + r]).sum();
         sent <= limit && received <= limit
     });
-    let base = receive_offset();
+    let base = receive_offset(recv_lens.iter().copied().max().unwrap_or(0));
     let mut buf = reserve(recv_total.saturating_add(base))?;
     buf.resize(base, 0);
     let recv_offsets = dense_offsets(&recv_lens);

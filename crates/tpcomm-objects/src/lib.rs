@@ -27,8 +27,8 @@
 //!
 //! 7. **Buffers**: each thread keeps its last send and receive buffer (up to 64 MiB each)
 //!    for its next collective, so that steady-state collectives allocate only the values
-//!    they return; [`release_buffers`] frees them. The received bytes start 64 bytes
-//!    further into the receive buffer at each call (modulo 4 KiB), so that the copies of
+//!    they return; [`release_buffers`] frees them. Values of 2 KiB and more are received 64
+//!    bytes further into the receive buffer at each call (modulo 4 KiB), so that the copies of
 //!    owned values out of it never stay in a relation that glibc's `memcpy` copies slowly
 //!    (`docs/protocol.md`, "A receive window that moves").
 //!

@@ -297,7 +297,9 @@ impl Drop for Encoded {
 /// Serializes `value` straight into the thread's kept send buffer (no allocation once it
 /// has the capacity).
 fn serialize<T: Serialize + ?Sized>(value: &T) -> std::result::Result<Encoded, postcard::Error> {
-    let buf = Kept::Send.take(0).unwrap_or_default();
+    // Room for any value that travels in the header's inline slot, so that a small value
+    // (whose buffer is too small to be kept) costs one allocation, not a growing series.
+    let buf = Kept::Send.take(ENTRY).unwrap_or_default();
     append(value, buf).map(Encoded)
 }
 

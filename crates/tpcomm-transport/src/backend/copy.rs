@@ -1,8 +1,8 @@
 //! Byte copies that stay fast whatever the two addresses are: [`copy_bytes`], and its safe
-//! forms [`copy_slice`] and [`extend_from_slice`]. tpcomm copies bulk bytes through them: the
-//! threads transport's posts and deliveries, the objects layer's encoding and round copies,
-//! the host peer-memory backend's reads and writes, and the host all-reduce's copy into its
-//! output.
+//! forms [`copy_slice`], [`extend_from_slice`] and [`to_vec`]. tpcomm copies bulk bytes
+//! through them: the threads transport's posts and deliveries, the MPI transport's staging
+//! copies, the objects layer's encoding and round copies, the host peer-memory backend's
+//! reads and writes, and the host all-reduce's copy into its output.
 //!
 //! glibc's `memcpy` (2.36, x86-64, CPUs with fast short `rep movsb`) moves copies between
 //! about 2 KiB and its non-temporal threshold with `rep movsb`, and on the AMD EPYC machines
@@ -82,6 +82,14 @@ pub fn extend_from_slice(v: &mut Vec<u8>, src: &[u8]) {
         copy_bytes(v.as_mut_ptr().add(len), src.as_ptr(), src.len());
         v.set_len(len + src.len());
     }
+}
+
+/// A new `Vec` holding `src`, as `<[u8]>::to_vec` makes it, without `memcpy`'s slow case
+/// described in the [module docs](self).
+pub fn to_vec(src: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(src.len());
+    extend_from_slice(&mut v, src);
+    v
 }
 
 /// The backward copy with 16-byte aligned stores.
@@ -265,6 +273,7 @@ mod tests {
                 let mut dst = vec![0u8; len];
                 copy_slice(&mut dst, piece);
                 assert_eq!(dst, piece, "delta {delta} len {len}");
+                assert_eq!(to_vec(piece), piece, "delta {delta} len {len}");
             }
         }
     }

@@ -109,6 +109,8 @@ use crate::communicator::Communicator;
 use crate::error::{ArgumentError, Op, Result, TransportError};
 use crate::reduce::{narrow_half, widen_half, DataType, ReduceOp};
 
+use super::copy::{copy_slice, to_vec};
+
 /// The MPI standard fixes `MPI_SUCCESS` to 0; its binding's integer type differs between
 /// implementations, so compare against a `c_int` constant checked here at compile time.
 const MPI_SUCCESS: c_int = 0;
@@ -703,7 +705,7 @@ impl Communicator for MpiCommunicator {
         let send = match send {
             Some(send) => send,
             None => {
-                copied = recv.to_vec();
+                copied = to_vec(recv);
                 &copied
             }
         };
@@ -972,7 +974,7 @@ impl MpiCommunicator {
         let op = Op::AllGather;
         let count = self.int(op, "send count", self.rank, args.block_len())?;
         let (send, recv) = args.parts();
-        let job = InFlight::new(op, send.to_vec(), recv, Vec::new())?;
+        let job = InFlight::new(op, to_vec(send), recv, Vec::new())?;
         let job = self.run_timed(op, "MPI_Iallgather", timeout, job, |job, comm| {
             let byte = byte_type();
             // SAFETY: `job.send` holds `count` bytes (at least one: never MPI_IN_PLACE's
@@ -1011,7 +1013,7 @@ impl MpiCommunicator {
         let mut tables = self.ints(op, "counts", counts, &mut counts_table)?.to_vec();
         tables.extend_from_slice(self.ints(op, "displacements", displs, &mut displs_table)?);
         let size = self.size;
-        let job = InFlight::new(op, send.to_vec(), recv, tables)?;
+        let job = InFlight::new(op, to_vec(send), recv, tables)?;
         let job = self.run_timed(op, "MPI_Iallgatherv", timeout, job, |job, comm| {
             let byte = byte_type();
             let (counts, displs) = job.ints.split_at(size);
@@ -1061,7 +1063,7 @@ impl MpiCommunicator {
         };
         let at_root = layout.is_some();
         let size = self.size;
-        let job = InFlight::new(op, send.to_vec(), recv_init, tables)?;
+        let job = InFlight::new(op, to_vec(send), recv_init, tables)?;
         let job = self.run_timed(op, "MPI_Igatherv", timeout, job, |job, comm| {
             let byte = byte_type();
             let (recv, counts, displs) = if at_root {
@@ -1132,7 +1134,7 @@ impl MpiCommunicator {
         let wide = widen_half(dtype, args.input());
         let (send, datatype) = match &wide {
             Some(wide) => (bytemuck::cast_slice::<f32, u8>(wide).to_vec(), float_type()),
-            None => (args.input().to_vec(), mpi_type(dtype)),
+            None => (to_vec(args.input()), mpi_type(dtype)),
         };
         let recv_init = send.clone();
         let job = InFlight::new(op, send, &recv_init, Vec::new())?;
@@ -1181,7 +1183,7 @@ impl MpiCommunicator {
         tables.extend_from_slice(self.ints(op, "counts", recv.counts, c)?);
         tables.extend_from_slice(self.ints(op, "displacements", recv.displs, d)?);
         let size = self.size;
-        let job = InFlight::new(op, send.buf.to_vec(), recv.buf, tables)?;
+        let job = InFlight::new(op, to_vec(send.buf), recv.buf, tables)?;
         let job = self.run_timed(op, "MPI_Ialltoallv", timeout, job, |job, comm| {
             let byte = byte_type();
             let t = &job.ints;
@@ -1248,7 +1250,7 @@ impl InFlight {
     /// Copies the received bytes into the caller's buffer (of the length `new` was given).
     fn copy_out(&self, out: &mut [u8]) {
         let n = out.len();
-        out.copy_from_slice(&self.recv.as_slice()[..n]);
+        copy_slice(out, &self.recv.as_slice()[..n]);
     }
 }
 
@@ -1329,7 +1331,7 @@ impl GuardedBuf {
         // SAFETY: `start + len == data_len`: the data lies inside the readable and writable
         // pages of the mapping, which nothing else refers to yet.
         let data = unsafe { std::slice::from_raw_parts_mut(this.data(), len) };
-        data[..init.len()].copy_from_slice(init);
+        copy_slice(&mut data[..init.len()], init);
         Ok(this)
     }
 

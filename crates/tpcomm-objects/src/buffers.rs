@@ -51,9 +51,10 @@ thread_local! {
 /// the same place call after call. Where `memcpy` runs about 20 times slower for a
 /// destination 1 to 63 bytes after its source modulo 4 KiB (AMD EPYC with glibc 2.36; see
 /// `tpcomm_transport::backend::copy`), a receive buffer that never moves makes every call of
-/// a run slow in some heap layouts (`examples/layouts.rs`: 14 of 64 layouts, 60-69 us
-/// against 18-22 us for two 64 KiB byte strings). Moved by 64 bytes at each call, the bytes
-/// are in that relation with a given destination in at most one call in 64.
+/// a run slow for some destinations (`examples/layouts.rs`, two 64 KiB byte strings copied
+/// to every 16-byte offset of a page: 2-3 of 256 offsets at 60-108 us against 18-21 us).
+/// Moved by 64 bytes at each call, the bytes are in that relation with a given destination
+/// in at most one call in 64.
 pub(crate) fn receive_offset(largest: usize) -> usize {
     if largest < SMALL {
         return 0;

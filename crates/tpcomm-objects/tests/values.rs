@@ -68,9 +68,9 @@ fn borrowed_values_point_into_the_receive_buffer() {
     );
 }
 
-/// The received bytes start 64 bytes further into the (kept) receive buffer at each call,
-/// modulo 4 KiB, so that no destination the values are copied to stays in `memcpy`'s slow
-/// relation with them call after call (`buffers::receive_offset`).
+/// Values of 2 KiB and more are received 64 bytes further into the (kept) receive buffer at
+/// each call, modulo 4 KiB, so that no destination the values are copied to stays in
+/// `memcpy`'s slow relation with them call after call (`buffers::receive_offset`).
 #[test]
 fn received_bytes_move_by_64_from_one_call_to_the_next() {
     let out = unwrap_all(group(2).run(|comm| -> R<Vec<usize>> {

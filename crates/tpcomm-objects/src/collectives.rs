@@ -12,8 +12,8 @@ use crate::buffers::{receive_offset, Kept};
 use crate::error::{ObjectError, Result};
 use crate::gathered::{decode_exact, Gathered};
 use crate::header::{
-    agree, alloc, entry_field, entry_inline, read_entry, read_word, reserve, within_cap,
-    write_entry, Announce, ENTRY, SLOT_AT, WORD,
+    agree, agree_words, alloc, entry_field, entry_inline, read_entry, read_word, reserve,
+    within_cap, write_entry, Announce, ENTRY, SLOT_AT, WORD,
 };
 use crate::options::{Checked, Options, FIELD};
 use crate::rounds::{dense_offsets, round, round_count};
@@ -213,9 +213,14 @@ fn gather_bytes<C: Communicator + ?Sized>(
     all_gather_fixed(comm, &own, &mut header)?;
     checked.agree(size, |r| entry_field(&header, r))?;
 
-    let announced: Vec<Announce> = (0..size).map(|r| read_entry(&header, r)).collect();
     let payload = mine.payload();
-    let lens = agree(&announced, |i| i, opts.max_total_bytes, mine.into_cause())?;
+    let lens = agree_words(
+        size,
+        |r| read_entry(&header, r),
+        |i| i,
+        opts.max_total_bytes,
+        mine.into_cause(),
+    )?;
     let total = within_cap(lens.iter().copied(), |i| i, opts.max_total_bytes)?;
     let payload = payload.expect("a rank without bytes announced a sentinel and returned above");
     if lens[me] != payload.len() {
@@ -677,11 +682,14 @@ where
         }
     }
     let (header, block) = exchange_blocks(comm, checked, &words)?;
-    let announced: Vec<Announce> = (0..size)
-        .map(|d| read_word(&header, root * block + FIELD + d * WORD))
-        .collect();
+    let lens = agree_words(
+        size,
+        |d| read_word(&header, root * block + FIELD + d * WORD),
+        |_| root,
+        opts.max_total_bytes,
+        own_cause,
+    )?;
     drop(header);
-    let lens = agree(&announced, |_| root, opts.max_total_bytes, own_cause)?;
     // Each rank allocates only its own value: the cap applies per destination, and the
     // root announced every length.
     for &l in &lens {
@@ -842,12 +850,15 @@ fn all_to_all_bytes<C: Communicator + ?Sized>(
             ),
         };
     let (header, block) = exchange_blocks(comm, checked, &announce)?;
-    let announced: Vec<Announce> = (0..size * size)
-        .map(|i| read_word(&header, (i / size) * block + FIELD + (i % size) * WORD))
-        .collect();
-    drop(header);
     // lens[s * size + d]: bytes rank s sends to rank d.
-    let lens = agree(&announced, |i| i / size, opts.max_total_bytes, own_cause)?;
+    let lens = agree_words(
+        size * size,
+        |i| read_word(&header, (i / size) * block + FIELD + (i % size) * WORD),
+        |i| i / size,
+        opts.max_total_bytes,
+        own_cause,
+    )?;
+    drop(header);
     let mut recv_total = 0;
     for d in 0..size {
         // Every rank checks every receiver's total, so all ranks agree on a violation.

@@ -136,6 +136,33 @@ pub(crate) fn agree(
         .collect()
 }
 
+/// [`agree`] over `n` announcements read by `word(i)` (from the header in place): the usual
+/// case, every announcement a length, allocates only the lengths; any other goes through
+/// [`agree`] for its error.
+pub(crate) fn agree_words(
+    n: usize,
+    word: impl Fn(usize) -> Announce,
+    owners: impl Fn(usize) -> usize,
+    cap: usize,
+    own_cause: Option<postcard::Error>,
+) -> Result<Vec<usize>> {
+    let mut lens = Vec::with_capacity(n);
+    for i in 0..n {
+        match word(i) {
+            Announce::Len(len) => match usize::try_from(len) {
+                Ok(len) => lens.push(len),
+                Err(_) => break,
+            },
+            Announce::Failed | Announce::Missing => break,
+        }
+    }
+    if lens.len() == n {
+        return Ok(lens);
+    }
+    let announced: Vec<Announce> = (0..n).map(word).collect();
+    agree(&announced, owners, cap, own_cause)
+}
+
 /// Checks that the bytes one rank would receive, `lens` (entry `i` from rank `owners(i)`),
 /// sum to at most `cap` without overflowing; returns the sum.
 pub(crate) fn within_cap(
@@ -197,6 +224,28 @@ mod tests {
         let lens = agree(&[Announce::Len(0), Announce::Len(0)], |i| i, 10, None).unwrap();
         assert_eq!(lens, vec![0, 0]);
         assert_eq!(within_cap(lens, |i| i, 0).unwrap(), 0);
+    }
+
+    /// `agree_words` decides as `agree` does, whatever the announcements.
+    #[test]
+    fn agreeing_in_place_gives_agrees_lengths_and_errors() {
+        let kinds = [
+            Announce::Len(0),
+            Announce::Len(7),
+            Announce::Len(u64::MAX - 2),
+            Announce::Failed,
+            Announce::Missing,
+        ];
+        for a in kinds {
+            for b in kinds {
+                for c in kinds {
+                    let announced = [a, b, c];
+                    let want = agree(&announced, |i| i, 10, None);
+                    let got = agree_words(3, |i| announced[i], |i| i, 10, None);
+                    assert_eq!(format!("{got:?}"), format!("{want:?}"), "{announced:?}");
+                }
+            }
+        }
     }
 
     #[test]

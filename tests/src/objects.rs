@@ -72,6 +72,8 @@ fn obj<T>(what: &str, r: Result<T, ObjectError>) -> Result<T, String> {
 
 pub(crate) fn classic_values_everywhere<C: Communicator>(comm: &C) -> CaseResult {
     let (me, n) = (comm.rank(), comm.size());
+    // Kept across the values, so that each `_into` call decodes over a value of another kind.
+    let (mut into_all, mut into_one) = (Vec::new(), Value::Unit);
     for (i, v) in classic_values(me).into_iter().enumerate() {
         let expected: Vec<Value> = (0..n).map(|r| classic_values(r)[i].clone()).collect();
         same(
@@ -79,6 +81,11 @@ pub(crate) fn classic_values_everywhere<C: Communicator>(comm: &C) -> CaseResult
             obj("all_gather", objects::all_gather(comm, &v))?,
             expected.clone(),
         )?;
+        obj(
+            "all_gather_into",
+            objects::all_gather_into(comm, &v, &mut into_all),
+        )?;
+        same("all_gather_into", &into_all, &expected)?;
         for root in 0..n {
             let got = obj("gather", objects::gather(comm, root, &v))?;
             same("gather", got, (me == root).then(|| expected.clone()))?;
@@ -87,6 +94,11 @@ pub(crate) fn classic_values_everywhere<C: Communicator>(comm: &C) -> CaseResult
                 objects::broadcast(comm, root, (me == root).then_some(&v)),
             )?;
             same("broadcast", b, classic_values(root)[i].clone())?;
+            obj(
+                "broadcast_into",
+                objects::broadcast_into(comm, root, (me == root).then_some(&v), &mut into_one),
+            )?;
+            same("broadcast_into", &into_one, &classic_values(root)[i])?;
             let s = obj(
                 "scatter",
                 objects::scatter(comm, root, (me == root).then_some(&expected[..])),
@@ -136,6 +148,12 @@ pub(crate) fn round_path_with_random_sizes<C: Communicator>(comm: &C) -> CaseRes
             )?,
             all.clone(),
         )?;
+        let mut into = vec![blob(me, tag + 100, 300); tag];
+        obj(
+            "all_gather_into",
+            objects::all_gather_into_with(comm, &all[me], &mut into, &opts),
+        )?;
+        same("all_gather_into (rounds)", &into, &all)?;
         let root = rng.below(n);
         let got = obj("gather", objects::gather_with(comm, root, &all[me], &opts))?;
         same("gather (rounds)", got, (me == root).then(|| all.clone()))?;
@@ -144,6 +162,18 @@ pub(crate) fn round_path_with_random_sizes<C: Communicator>(comm: &C) -> CaseRes
             objects::broadcast_with(comm, root, (me == root).then_some(&all[root]), &opts),
         )?;
         same("broadcast (rounds)", b, all[root].clone())?;
+        let mut one = blob(me, tag + 200, 500);
+        obj(
+            "broadcast_into",
+            objects::broadcast_into_with(
+                comm,
+                root,
+                (me == root).then_some(&all[root]),
+                &mut one,
+                &opts,
+            ),
+        )?;
+        same("broadcast_into (rounds)", &one, &all[root])?;
         let s = obj(
             "scatter",
             objects::scatter_with(comm, root, (me == root).then_some(&all[..]), &opts),

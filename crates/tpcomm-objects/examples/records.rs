@@ -9,9 +9,10 @@
 //! The records are those of `tpcomm-bench objects` (`records:N`): `{ id: u64, name: String
 //! (16 chars), tokens: Vec<u32> (8), score: f64 }`. Single-thread figures (median of
 //! `--iters`): `postcard::to_allocvec` of one rank's value, `decode_from` of it (one
-//! rank's block), and the same decode of every rank's block one after the other (what each
-//! rank of an all-gather does). Then the median over iterations of the slowest rank's
-//! `all_gather` on a local group, as the bench counts it.
+//! rank's block), postcard's decode of it over the values decoded before (what
+//! `all_gather_into` does), and the same decode of every rank's block one after the other
+//! (what each rank of an all-gather does). Then the median over iterations of the slowest
+//! rank's `all_gather` on a local group, as the bench counts it.
 
 use std::time::Instant;
 
@@ -98,6 +99,13 @@ fn main() {
     let plain = time(iters, || {
         postcard::from_bytes::<Vec<Record>>(&blocks[0]).unwrap()
     });
+    // Over the values of the last iteration, as `all_gather_into` decodes (`Record` is
+    // replaced whole unless serde_derive's `deserialize_in_place` feature is on).
+    let mut place: Vec<Record> = postcard::from_bytes(&blocks[1]).unwrap();
+    let in_place = time(iters, || {
+        let mut de = postcard::Deserializer::from_bytes(&blocks[0]);
+        Vec::<Record>::deserialize_in_place(&mut de, &mut place).unwrap();
+    });
     let every = time(iters, || {
         blocks
             .iter()
@@ -108,6 +116,7 @@ fn main() {
     println!("  serialize one rank's value     {ser:10.3} ms");
     println!("  decode one rank's block        {one:10.3} ms");
     println!("  postcard::from_bytes, one block {plain:9.3} ms (no depth bound)");
+    println!("  postcard in place, one block {in_place:11.3} ms (over the last values)");
     println!("  decode every rank's block      {every:10.3} ms");
     let results = LocalGroup::new(ranks).run(|comm| {
         let mine = &values[comm.rank()];

@@ -10,7 +10,7 @@ use tracing::field::Empty;
 
 use crate::buffers::{receive_offset, Kept};
 use crate::error::{ObjectError, Result};
-use crate::gathered::{decode_exact, Gathered};
+use crate::gathered::{decode_exact, decode_exact_in_place, Gathered};
 use crate::header::{
     agree, agree_words, alloc, entry_field, entry_inline, read_entry, read_word, reserve,
     within_cap, write_entry, Announce, ENTRY, SLOT_AT, WORD,
@@ -472,6 +472,65 @@ where
     values
 }
 
+/// [`all_gather`] into the values of the last call: `out` ends with one value per rank, in
+/// rank order, each decoded over the value that was there (see [`Gathered::decode_into`]).
+///
+/// For a loop that gathers the same kind of value at every step (an engine's per-step
+/// state): strings and vectors keep their allocations from one step to the next, so the
+/// steady state allocates little or nothing, and `out`'s memory stays warm (a fresh `Vec<T>`
+/// per call makes the allocator fetch and fault in new pages for large results, which can
+/// take as long as the decode itself). Derived structs are replaced whole unless
+/// `serde_derive`'s `deserialize_in_place` feature is on, which makes them reuse their
+/// fields too (`docs/protocol.md`, "Decoding into the last call's values").
+///
+/// Errors as [`all_gather`]. An error decided before decoding (a peer's failure, the cap,
+/// the transport) leaves `out` as it was; a decode error leaves it empty.
+///
+/// ```
+/// use tpcomm_objects::all_gather_into;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(3).run(|comm| {
+///     let mut all: Vec<Vec<u32>> = Vec::new();
+///     for step in 0..4u32 {
+///         let mine = vec![step; comm.rank() + 1];
+///         all_gather_into(&comm, &mine, &mut all)?; // reuses last step's vectors
+///     }
+///     Ok::<_, tpcomm_objects::ObjectError>(all)
+/// });
+/// for r in results {
+///     assert_eq!(r.unwrap().unwrap(), vec![vec![3], vec![3, 3], vec![3, 3, 3]]);
+/// }
+/// ```
+pub fn all_gather_into<C, T>(comm: &C, value: &T, out: &mut Vec<T>) -> Result<()>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    all_gather_into_with(comm, value, out, &Options::default())
+}
+
+/// [`all_gather_into`] with options.
+pub fn all_gather_into_with<C, T>(
+    comm: &C,
+    value: &T,
+    out: &mut Vec<T>,
+    opts: &Options,
+) -> Result<()>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    let span = span(comm, "all_gather");
+    let _g = span.enter();
+    let serialized = serialize(value);
+    let gathered =
+        gather_bytes(comm, None, mine_of(&serialized), opts, &span)?.expect("every rank receives");
+    let decoded = gathered.decode_into(out);
+    drop(serialized);
+    decoded
+}
+
 /// Gather to `root`: `Some(values)` on the root (rank order), `None` elsewhere.
 ///
 /// ```
@@ -538,6 +597,73 @@ where
     C: Communicator + ?Sized,
     T: Serialize + DeserializeOwned,
 {
+    broadcast_decode(comm, root, value, opts, |bytes| {
+        decode_exact(root, bytes, opts.max_depth)
+    })
+}
+
+/// [`broadcast`] into the value of the last call: every rank's `out` ends equal to the root's
+/// value, decoded over what `out` held (serde's `Deserialize::deserialize_in_place`: strings
+/// and vectors keep their allocations), as [`all_gather_into`] does for an all-gather. The
+/// root's `out` is decoded from its own bytes like every other rank's, so that all ranks hold
+/// the same value however `T` serializes.
+///
+/// Errors as [`broadcast`]. An error decided before decoding leaves `out` as it was; after a
+/// decode error `out` holds some valid `T` that must not be used as the root's value.
+///
+/// ```
+/// use tpcomm_objects::broadcast_into;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(3).run(|comm| {
+///     let mut schedule: Vec<u64> = Vec::new();
+///     for step in 0..3u64 {
+///         let root_has = (comm.rank() == 0).then(|| vec![step; 4]);
+///         broadcast_into(&comm, 0, root_has.as_ref(), &mut schedule)?;
+///     }
+///     Ok::<_, tpcomm_objects::ObjectError>(schedule)
+/// });
+/// for r in results {
+///     assert_eq!(r.unwrap().unwrap(), vec![2; 4]);
+/// }
+/// ```
+pub fn broadcast_into<C, T>(comm: &C, root: usize, value: Option<&T>, out: &mut T) -> Result<()>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    broadcast_into_with(comm, root, value, out, &Options::default())
+}
+
+/// [`broadcast_into`] with options.
+pub fn broadcast_into_with<C, T>(
+    comm: &C,
+    root: usize,
+    value: Option<&T>,
+    out: &mut T,
+    opts: &Options,
+) -> Result<()>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    broadcast_decode(comm, root, value, opts, |bytes| {
+        decode_exact_in_place(root, bytes, opts.max_depth, out)
+    })
+}
+
+/// The broadcast of `root`'s value, its bytes handed to `decode` on every rank.
+fn broadcast_decode<C, T, R>(
+    comm: &C,
+    root: usize,
+    value: Option<&T>,
+    opts: &Options,
+    decode: impl FnOnce(&[u8]) -> Result<R>,
+) -> Result<R>
+where
+    C: Communicator + ?Sized,
+    T: Serialize,
+{
     check_root(comm, root)?;
     let span = span(comm, "broadcast");
     let _g = span.enter();
@@ -580,14 +706,15 @@ where
     let len = within_cap(lens, |_| root, opts.max_total_bytes)?;
     if len <= slot {
         record(&span, "small", len, 0);
-        return decode_exact(root, entry_inline(&header, root, len), opts.max_depth);
+        return decode(entry_inline(&header, root, len));
     }
     drop(header);
     let root_bytes = serialized.take();
-    let base = if root_bytes.is_none() {
-        receive_offset(len)
+    // The root decodes from its send buffer, which goes back to where it came from.
+    let (base, kept) = if root_bytes.is_none() {
+        (receive_offset(len), Kept::Recv)
     } else {
-        0
+        (0, Kept::Send)
     };
     let mut buf = match root_bytes {
         Some(Ok(bytes)) if bytes.len() == len => bytes.into_vec(),
@@ -596,7 +723,7 @@ where
                 "root {root}: the broadcast header lost its own length"
             )))
         }
-        None => Kept::Recv.take_at(base, len)?,
+        None => kept.take_at(base, len)?,
     };
     let rounds = broadcast_payload(
         comm,
@@ -612,8 +739,8 @@ where
         len,
         rounds,
     );
-    let value = decode_exact(root, &buf[base..], opts.max_depth);
-    Kept::Recv.give_back(buf);
+    let value = decode(&buf[base..]);
+    kept.give_back(buf);
     value
 }
 

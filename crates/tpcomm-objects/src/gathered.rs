@@ -89,6 +89,52 @@ impl Gathered {
         (0..self.len()).map(|rank| self.decode_rank(rank)).collect()
     }
 
+    /// Decodes the value of every rank into `out`, reusing the values already there: the
+    /// steady-state form of [`decode`](Self::decode) for a loop that gathers the same kind of
+    /// value at every step.
+    ///
+    /// Rank `r`'s value is decoded over `out[r]` with serde's `Deserialize::deserialize_in_place`
+    /// (a `String` or `Vec` keeps its allocation; a struct without in-place support is
+    /// replaced, its old fields freed just before the new ones are allocated, so the
+    /// allocator hands back warm memory); `out` is truncated or extended to one value per
+    /// rank. After it, `out` holds exactly what [`decode`](Self::decode) would return.
+    ///
+    /// Fails as [`decode`](Self::decode) does; on failure `out` is left empty (values
+    /// already overwritten cannot be given back, and a half-written vector must not pass
+    /// for a result), its capacity kept.
+    ///
+    /// ```
+    /// use tpcomm_objects::all_gather_borrowed;
+    /// use tpcomm_transport::{Communicator, LocalGroup};
+    ///
+    /// let results = LocalGroup::new(2).run(|comm| {
+    ///     let mut names: Vec<String> = Vec::new();
+    ///     for step in 0..3 {
+    ///         let gathered = all_gather_borrowed(&comm, &format!("step {step} rank {}", comm.rank()))?;
+    ///         gathered.decode_into(&mut names)?; // the strings of the last step are reused
+    ///     }
+    ///     Ok::<_, tpcomm_objects::ObjectError>(names)
+    /// });
+    /// for r in results {
+    ///     assert_eq!(r.unwrap().unwrap(), ["step 2 rank 0", "step 2 rank 1"]);
+    /// }
+    /// ```
+    pub fn decode_into<'a, T: Deserialize<'a>>(&'a self, out: &mut Vec<T>) -> Result<()> {
+        out.truncate(self.len());
+        for (rank, range) in self.ranges.iter().enumerate() {
+            let bytes = &self.buf[range.clone()];
+            let decoded = match out.get_mut(rank) {
+                Some(place) => decode_exact_in_place(rank, bytes, self.max_depth, place),
+                None => decode_exact(rank, bytes, self.max_depth).map(|v| out.push(v)),
+            };
+            if let Err(e) = decoded {
+                out.clear();
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
     /// Decodes the value of one rank.
     pub fn decode_rank<'a, T: Deserialize<'a>>(&'a self, rank: usize) -> Result<T> {
         let bytes = self.bytes(rank).ok_or_else(|| {
@@ -113,9 +159,36 @@ pub(crate) fn decode_exact<'a, T: Deserialize<'a>>(
     bytes: &'a [u8],
     max_depth: usize,
 ) -> Result<T> {
+    decode_with(rank, bytes, max_depth, |de| T::deserialize(de))
+}
+
+/// [`decode_exact`] over `place` (`Deserialize::deserialize_in_place`): on success `place`
+/// holds the decoded value; on failure it holds some valid `T` the caller must not use as
+/// the result.
+pub(crate) fn decode_exact_in_place<'a, T: Deserialize<'a>>(
+    rank: usize,
+    bytes: &'a [u8],
+    max_depth: usize,
+    place: &mut T,
+) -> Result<()> {
+    decode_with(rank, bytes, max_depth, |de| {
+        T::deserialize_in_place(de, place)
+    })
+}
+
+/// The checks around one decode of `bytes` (from `rank`) by `decode`: the depth budget,
+/// then exactly the bytes consumed.
+fn decode_with<'a, R>(
+    rank: usize,
+    bytes: &'a [u8],
+    max_depth: usize,
+    decode: impl FnOnce(
+        Bounded<'_, &mut postcard::Deserializer<'a, postcard::de_flavors::Slice<'a>>>,
+    ) -> postcard::Result<R>,
+) -> Result<R> {
     let budget = Budget::new(max_depth);
     let mut de = postcard::Deserializer::from_bytes(bytes);
-    let decoded = T::deserialize(Bounded {
+    let decoded = decode(Bounded {
         inner: &mut de,
         budget: &budget,
     });

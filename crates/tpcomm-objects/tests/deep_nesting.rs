@@ -11,8 +11,9 @@ use std::time::Duration;
 use serde::ser::SerializeTuple;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tpcomm_objects::{
-    all_gather, all_gather_borrowed, all_reduce_with, all_to_all, broadcast, decode_from,
-    decode_from_with, gather, scatter, DecodeError, ObjectError, Options,
+    all_gather, all_gather_borrowed, all_gather_into, all_reduce_with, all_to_all, broadcast,
+    broadcast_into, decode_from, decode_from_with, gather, scatter, DecodeError, ObjectError,
+    Options,
 };
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
@@ -160,6 +161,38 @@ fn deep_nesting_from_a_peer_is_a_decode_error_in_borrowed_decode() {
         |c, bytes| drop(all_gather_borrowed(c, bytes)),
         |c| all_gather_borrowed(c, &Tree::Leaf)?.decode::<Tree>(),
         |c| all_gather_borrowed(c, &Chain::End)?.decode::<Chain>(),
+    );
+}
+
+#[test]
+fn deep_nesting_from_a_peer_is_a_decode_error_in_all_gather_into() {
+    attack(
+        "all_gather_into",
+        |c, bytes| drop(all_gather(c, bytes)),
+        |c| {
+            let mut out: Vec<Tree> = (0..5).map(|_| Tree::Node(vec![Tree::Leaf])).collect();
+            all_gather_into(c, &Tree::Leaf, &mut out).map(|()| out)
+        },
+        |c| {
+            let mut out: Vec<Chain> = (0..5).map(|_| Chain::Link(Box::new(Chain::End))).collect();
+            all_gather_into(c, &Chain::End, &mut out).map(|()| out)
+        },
+    );
+}
+
+#[test]
+fn deep_nesting_from_a_peer_is_a_decode_error_in_broadcast_into() {
+    attack(
+        "broadcast_into",
+        |c, bytes| drop(broadcast(c, HOSTILE, Some(bytes))),
+        |c| {
+            let mut out = Tree::Node(vec![Tree::Leaf]);
+            broadcast_into(c, HOSTILE, None, &mut out).map(|()| out)
+        },
+        |c| {
+            let mut out = Chain::Link(Box::new(Chain::End));
+            broadcast_into(c, HOSTILE, None, &mut out).map(|()| out)
+        },
     );
 }
 

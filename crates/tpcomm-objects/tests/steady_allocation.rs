@@ -3,14 +3,14 @@
 //! buffer past glibc's mmap threshold costs a page fault per 4 KiB page, more than the
 //! transfer itself).
 //!
-//! A dedicated test binary with one test, so that the per-thread allocation counter of its
-//! global allocator sees nothing else.
+//! A dedicated test binary, so that its global allocator counts nothing but these tests (per
+//! thread: each rank is a thread of its own).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 use serde_bytes::ByteBuf;
-use tpcomm_objects::{all_gather, all_gather_borrowed};
+use tpcomm_objects::{all_gather, all_gather_borrowed, all_gather_into, broadcast_into};
 use tpcomm_transport::{Communicator, LocalGroup};
 
 /// Counts the bytes each thread allocates (realloc growth included).
@@ -113,6 +113,45 @@ fn steady_state_all_gathers_allocate_only_the_values_they_return() {
             within(&borrowed, slack) >= STEADY_WITHIN,
             "rank {rank}: fewer than {STEADY_WITHIN} steady all_gather_borrowed calls \
              allocated at most {slack} bytes; calls: {borrowed:?}"
+        );
+    }
+}
+
+/// The `_into` forms decode over the values of the last call: once `out` has room for every
+/// rank's strings, a steady call allocates nothing for them (only the bookkeeping slack).
+#[test]
+fn steady_state_into_forms_allocate_nothing_for_strings_they_can_reuse() {
+    let results = LocalGroup::new(2).run(|comm| {
+        let mine: Vec<String> = (0..64).map(|i| format!("{i:01000}")).collect();
+        let mut all: Vec<Vec<String>> = Vec::new();
+        let mut one: Vec<String> = Vec::new();
+        let mut calls = Vec::new();
+        for _ in 0..CALLS {
+            let before = allocated();
+            all_gather_into(&comm, &mine, &mut all).unwrap();
+            let root_has = (comm.rank() == 1).then_some(&mine);
+            broadcast_into(&comm, 1, root_has, &mut one).unwrap();
+            calls.push(allocated() - before);
+            assert_eq!(all[1 - comm.rank()], mine);
+            assert_eq!(one, mine);
+            comm.barrier().unwrap();
+        }
+        calls
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let calls = r.unwrap();
+        // Three times 64 strings of 1000 bytes arrive per call: 192 KB a fresh decode would
+        // allocate. The slack is that of the test above.
+        let slack = 8 << 10;
+        let steady = calls.iter().skip(2).filter(|&&b| b <= slack).count();
+        assert!(
+            steady >= STEADY_WITHIN,
+            "rank {rank}: fewer than {STEADY_WITHIN} steady all_gather_into + broadcast_into \
+             calls allocated at most {slack} bytes; calls: {calls:?}"
+        );
+        assert!(
+            calls[0] >= 3 * 64 * 1000,
+            "the first call fills `out`: {calls:?}"
         );
     }
 }

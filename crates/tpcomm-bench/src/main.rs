@@ -229,7 +229,7 @@ mod tests {
                     "blob:300,records:10",
                     "--no-mpi4py",
                 ],
-                &["tpcomm owned", "tpcomm borrowed", "floor"],
+                &["tpcomm owned", "tpcomm borrowed", "tpcomm into", "floor"],
                 ("values_per_rank", "1"),
                 "",
             ),

@@ -460,16 +460,9 @@ where
     C: Communicator + ?Sized,
     T: Serialize + DeserializeOwned,
 {
-    let span = span(comm, "all_gather");
-    let _g = span.enter();
-    let serialized = serialize(value);
-    let gathered =
-        gather_bytes(comm, None, mine_of(&serialized), opts, &span)?.expect("every rank receives");
-    let values = gathered.decode();
-    // Freed only after decoding: releasing the send buffer first hands its memory back to
-    // the allocator in the middle of the decode's many small allocations (measured slower).
-    drop(serialized);
-    values
+    let mut values = Vec::with_capacity(comm.size());
+    all_gather_into_with(comm, value, &mut values, opts)?;
+    Ok(values)
 }
 
 /// [`all_gather`] into the values of the last call: `out` ends with one value per rank, in
@@ -527,6 +520,8 @@ where
     let gathered =
         gather_bytes(comm, None, mine_of(&serialized), opts, &span)?.expect("every rank receives");
     let decoded = gathered.decode_into(out);
+    // Freed only after decoding: releasing the send buffer first hands its memory back to
+    // the allocator in the middle of the decode's many small allocations (measured slower).
     drop(serialized);
     decoded
 }

@@ -31,6 +31,7 @@ use clap::{Args, ValueEnum};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_bytes::{ByteBuf, Bytes};
+use tpcomm::transport::backend::copy::SMALL;
 use tpcomm::transport::dense_displacements;
 use tpcomm::Communicator;
 
@@ -488,9 +489,9 @@ impl Shape for RecordsShape {
 /// `memcpy` can take its slow path (`docs/benchmarks.md`, "Copies that dodge `memcpy`'s slow
 /// path"). For the same reason the received bytes start 64 bytes further into the receive
 /// buffer at each call when a value is 2 KiB or longer, as tpcomm's do: with both buffers
-/// fixed, the copy of a rank's own
-/// part from the send to the receive buffer (inside `MPI_Allgatherv`) could stay in the slow
-/// relation for a whole run (seen: 63-103 us against 25-30 us on blob:65536 under MPI).
+/// fixed, the copy of a rank's own part from the send to the receive buffer (inside
+/// `MPI_Allgatherv`) could stay in the slow relation for a whole run (seen: 63-103 us
+/// against 25-30 us on blob:65536 under MPI).
 fn floor_all_gather<C: Communicator, T: Serialize + DeserializeOwned>(
     comm: &C,
     value: &T,
@@ -517,8 +518,8 @@ fn floor_all_gather<C: Communicator, T: Serialize + DeserializeOwned>(
                     comm.max_count()
                 ))
             })?;
-        // As tpcomm: only values of 2 KiB and more, which glibc copies with `rep movsb`.
-        let at = if counts.iter().any(|&c| c >= 2048) {
+        // As tpcomm: only values that glibc copies with `rep movsb` (2 KiB and more).
+        let at = if counts.iter().any(|&c| c >= SMALL) {
             *calls = calls.wrapping_add(1);
             (*calls % 64) * 64
         } else {

@@ -94,10 +94,10 @@ impl Gathered {
     /// value at every step.
     ///
     /// Rank `r`'s value is decoded over `out[r]` with serde's `Deserialize::deserialize_in_place`
-    /// (a `String` or `Vec` keeps its allocation; a struct without in-place support is
-    /// replaced, its old fields freed just before the new ones are allocated, so the
-    /// allocator hands back warm memory); `out` is truncated or extended to one value per
-    /// rank. After it, `out` holds exactly what [`decode`](Self::decode) would return.
+    /// (a `String` or `Vec` keeps its allocation; a type without in-place support is
+    /// replaced: the new value is decoded, then the old one dropped, whose freed blocks the
+    /// allocator hands to the next value's allocations, warm); `out` is truncated or extended
+    /// to one value per rank. After it, `out` holds exactly what [`decode`](Self::decode) would return.
     ///
     /// Fails as [`decode`](Self::decode) does; on failure `out` is left empty (values
     /// already overwritten cannot be given back, and a half-written vector must not pass

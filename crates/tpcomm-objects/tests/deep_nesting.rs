@@ -8,14 +8,16 @@
 
 use std::time::Duration;
 
-use serde::ser::SerializeTuple;
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 use tpcomm_objects::{
     all_gather, all_gather_borrowed, all_gather_into, all_reduce_with, all_to_all, broadcast,
     broadcast_into, decode_from, decode_from_with, gather, scatter, DecodeError, ObjectError,
     Options,
 };
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
+
+mod common;
+use common::Crafted;
 
 /// An enum holding `Vec<Self>`: postcard writes a node as `[1, 1]` (variant, one child).
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
@@ -29,27 +31,6 @@ enum Tree {
 enum Chain {
     End,
     Link(Box<Chain>),
-}
-
-/// Bytes that serialize verbatim (a tuple of `u8`: postcard writes no length), so that the
-/// hostile rank sends exactly the crafted encoding through the ordinary collectives.
-#[derive(Debug, Clone)]
-struct Crafted(Vec<u8>);
-
-impl Serialize for Crafted {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut t = s.serialize_tuple(self.0.len())?;
-        for b in &self.0 {
-            t.serialize_element(b)?;
-        }
-        t.end()
-    }
-}
-
-impl<'de> Deserialize<'de> for Crafted {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        u8::deserialize(d).map(|b| Crafted(vec![b]))
-    }
 }
 
 /// `levels` nested nodes of `T` ending in its leaf, as postcard encodes them.

@@ -12,6 +12,9 @@ use tpcomm_objects::{
 };
 use tpcomm_transport::{Communicator, LocalGroup};
 
+mod common;
+use common::Crafted;
+
 fn group(n: usize) -> LocalGroup {
     LocalGroup::new(n).timeout(Duration::from_secs(30))
 }
@@ -104,31 +107,9 @@ fn into_forms_reuse_the_strings_out_already_holds() {
     }
 }
 
-/// Bytes sent verbatim (a tuple of `u8`: postcard writes no length).
-struct Verbatim(Vec<u8>);
-
-impl Serialize for Verbatim {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeTuple;
-        let mut t = s.serialize_tuple(self.0.len())?;
-        for b in &self.0 {
-            t.serialize_element(b)?;
-        }
-        t.end()
-    }
-}
-
-/// Only so that the hostile rank can take part in the collectives; what it decodes is not
-/// looked at.
-impl<'de> Deserialize<'de> for Verbatim {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        u8::deserialize(d).map(|b| Verbatim(vec![b]))
-    }
-}
-
 /// A string of 5 bytes that are not UTF-8, as postcard frames a string.
-fn not_utf8() -> Verbatim {
-    Verbatim(vec![5, 0xff, 0xfe, 0xfd, 0xfc, 0xfb])
+fn not_utf8() -> Crafted {
+    Crafted(vec![5, 0xff, 0xfe, 0xfd, 0xfc, 0xfb])
 }
 
 const HOSTILE: usize = 1;

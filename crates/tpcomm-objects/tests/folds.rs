@@ -1,12 +1,14 @@
 //! mpi4py's fold collectives over serde values: `reduce` to a root, inclusive `scan` and
 //! exclusive `exscan`, folded in rank order, with failures agreed by every rank.
 
-use serde::{Deserialize, Serialize, Serializer};
 use tpcomm_objects::{
     exscan_with, exscan_with_options, reduce_with, reduce_with_options, scan_with,
     scan_with_options, ObjectError, Options,
 };
 use tpcomm_transport::{Communicator, LocalGroup};
+
+mod common;
+use common::FailOn;
 
 /// Concatenation: not commutative, so a result shows the order of the fold.
 fn concat(a: String, b: String) -> String {
@@ -88,32 +90,15 @@ fn large_values_take_the_round_path_and_fold_correctly() {
     }
 }
 
-/// A value whose serialization fails when `fail` is set.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-struct Item {
-    fail: bool,
-    text: String,
-}
-
-impl Serialize for Item {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        if self.fail {
-            Err(serde::ser::Error::custom("refusing to serialize"))
-        } else {
-            (false, &self.text).serialize(s)
-        }
-    }
-}
-
-fn item(comm: &impl Communicator, failing: usize) -> Item {
-    Item {
+fn item(comm: &impl Communicator, failing: usize) -> FailOn {
+    FailOn {
         fail: comm.rank() == failing,
         text: format!("r{}", comm.rank()),
     }
 }
 
-fn fold_items(a: Item, b: Item) -> Item {
-    Item {
+fn fold_items(a: FailOn, b: FailOn) -> FailOn {
+    FailOn {
         fail: false,
         text: a.text + &b.text,
     }

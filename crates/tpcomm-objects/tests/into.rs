@@ -5,7 +5,6 @@
 use std::time::Duration;
 
 use proptest::prelude::*;
-use serde::{Deserialize, Serialize, Serializer};
 use tpcomm_objects::{
     all_gather, all_gather_borrowed, all_gather_into, all_gather_into_with, broadcast,
     broadcast_into, broadcast_into_with, DecodeError, ObjectError, Options,
@@ -13,7 +12,7 @@ use tpcomm_objects::{
 use tpcomm_transport::{Communicator, LocalGroup};
 
 mod common;
-use common::Crafted;
+use common::{Crafted, FailOn};
 
 fn group(n: usize) -> LocalGroup {
     LocalGroup::new(n).timeout(Duration::from_secs(30))
@@ -158,22 +157,6 @@ fn a_decode_error_leaves_out_empty_and_names_the_rank() {
     }
 }
 
-/// A value whose serialization fails on the ranks that ask for it.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-struct FailOn {
-    fail: bool,
-    tag: String,
-}
-
-impl Serialize for FailOn {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        if self.fail {
-            return Err(serde::ser::Error::custom("refusing to serialize"));
-        }
-        (self.fail, &self.tag).serialize(s)
-    }
-}
-
 /// Errors decided before anything is decoded (a peer's serialization failure, a root
 /// without input, a bad root) leave `out` exactly as it was.
 #[test]
@@ -181,13 +164,13 @@ fn an_error_before_decoding_leaves_out_as_it_was() {
     let results = group(3).run(|comm| -> Vec<(R<()>, bool)> {
         let held = |tag: &str| FailOn {
             fail: false,
-            tag: tag.into(),
+            text: tag.into(),
         };
         let mut out = vec![held("a"), held("b")];
         let kept = out.clone();
         let mine = FailOn {
             fail: comm.rank() == 2,
-            tag: "new".into(),
+            text: "new".into(),
         };
         let failed = all_gather_into(&comm, &mine, &mut out);
         let mut results = vec![(failed, out == kept)];

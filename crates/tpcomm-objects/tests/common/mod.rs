@@ -1,5 +1,8 @@
 //! What more than one test binary of this crate uses.
 
+// Each test binary compiles this module and uses only part of it.
+#![allow(dead_code)]
+
 use serde::ser::SerializeTuple;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -23,5 +26,22 @@ impl Serialize for Crafted {
 impl<'de> Deserialize<'de> for Crafted {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         u8::deserialize(d).map(|b| Crafted(vec![b]))
+    }
+}
+
+/// A value whose serialization fails when `fail` is set (as `(false, text)` otherwise).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub(crate) struct FailOn {
+    pub(crate) fail: bool,
+    pub(crate) text: String,
+}
+
+impl Serialize for FailOn {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.fail {
+            Err(serde::ser::Error::custom("refusing to serialize"))
+        } else {
+            (false, &self.text).serialize(s)
+        }
     }
 }

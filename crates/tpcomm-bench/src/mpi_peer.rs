@@ -263,14 +263,18 @@ impl MpiWorld {
                 &Partition::new(send, &counts[..], &displs[..]),
                 &mut PartitionMut::new(recv, &counts[..], &displs[..]),
             ),
-            Op::AllReduce => return self.all_reduce_sum(&case.send_f32, &mut case.recv_f32),
+            Op::AllReduce => return self.all_reduce_sum(&case.send_f32, &mut case.recv_f32, false),
         }
         crate::harness::elapsed_ns(start)
     }
 
-    /// `MPI_Allreduce` (sum) of `input` into `output`, timed as [`MpiWorld::run`] times.
-    pub(crate) fn all_reduce_sum(&self, input: &[f32], output: &mut [f32]) -> u64 {
+    /// `MPI_Allreduce` (sum) of `input` into `output`, timed as [`MpiWorld::run`] times;
+    /// with `barrier`, after an `MPI_Barrier` (untimed), as the C loop calls it.
+    pub(crate) fn all_reduce_sum(&self, input: &[f32], output: &mut [f32], barrier: bool) -> u64 {
         use mpi::collective::{CommunicatorCollectives as _, SystemOperation};
+        if barrier {
+            self.0.barrier();
+        }
         let start = std::time::Instant::now();
         self.0
             .all_reduce_into(input, output, SystemOperation::sum());
@@ -293,7 +297,7 @@ impl MpiWorld {
         match *self {}
     }
 
-    pub(crate) fn all_reduce_sum(&self, _: &[f32], _: &mut [f32]) -> u64 {
+    pub(crate) fn all_reduce_sum(&self, _: &[f32], _: &mut [f32], _: bool) -> u64 {
         match *self {}
     }
 }

@@ -74,6 +74,7 @@ pub(crate) fn classic_values_everywhere<C: Communicator>(comm: &C) -> CaseResult
     let (me, n) = (comm.rank(), comm.size());
     // Kept across the values, so that each `_into` call decodes over a value of another kind.
     let (mut into_all, mut into_one) = (Vec::new(), Value::Unit);
+    let mut into_gathered = Vec::new();
     for (i, v) in classic_values(me).into_iter().enumerate() {
         let expected: Vec<Value> = (0..n).map(|r| classic_values(r)[i].clone()).collect();
         same(
@@ -89,6 +90,17 @@ pub(crate) fn classic_values_everywhere<C: Communicator>(comm: &C) -> CaseResult
         for root in 0..n {
             let got = obj("gather", objects::gather(comm, root, &v))?;
             same("gather", got, (me == root).then(|| expected.clone()))?;
+            let before = into_gathered.clone();
+            let filled = obj(
+                "gather_into",
+                objects::gather_into(comm, root, &v, &mut into_gathered),
+            )?;
+            same("gather_into (filled)", filled, me == root)?;
+            same(
+                "gather_into",
+                &into_gathered,
+                if me == root { &expected } else { &before },
+            )?;
             let b = obj(
                 "broadcast",
                 objects::broadcast(comm, root, (me == root).then_some(&v)),
@@ -157,6 +169,18 @@ pub(crate) fn round_path_with_random_sizes<C: Communicator>(comm: &C) -> CaseRes
         let root = rng.below(n);
         let got = obj("gather", objects::gather_with(comm, root, &all[me], &opts))?;
         same("gather (rounds)", got, (me == root).then(|| all.clone()))?;
+        let mut gathered = vec![blob(me, tag + 300, 200); tag];
+        let before = gathered.clone();
+        let filled = obj(
+            "gather_into",
+            objects::gather_into_with(comm, root, &all[me], &mut gathered, &opts),
+        )?;
+        same("gather_into (rounds, filled)", filled, me == root)?;
+        same(
+            "gather_into (rounds)",
+            &gathered,
+            if me == root { &all } else { &before },
+        )?;
         let b = obj(
             "broadcast",
             objects::broadcast_with(comm, root, (me == root).then_some(&all[root]), &opts),

@@ -560,6 +560,63 @@ where
     }
 }
 
+/// [`gather`] into the values of the last call: on the root, `out` ends with one value per
+/// rank, in rank order, each decoded over the value that was there (as [`all_gather_into`]
+/// does); returns `true` there. Elsewhere `out` is not touched and the call returns `false`.
+///
+/// Errors as [`gather`]. On the root, an error decided before decoding leaves `out` as it
+/// was; a decode error leaves it empty.
+///
+/// ```
+/// use tpcomm_objects::gather_into;
+/// use tpcomm_transport::{Communicator, LocalGroup};
+///
+/// let results = LocalGroup::new(3).run(|comm| {
+///     let mut reports: Vec<String> = Vec::new();
+///     let mut filled = false;
+///     for step in 0..3 {
+///         let mine = format!("rank {} step {step}", comm.rank());
+///         filled = gather_into(&comm, 0, &mine, &mut reports)?; // reuses last step's strings
+///     }
+///     Ok::<_, tpcomm_objects::ObjectError>((filled, reports))
+/// });
+/// let (filled, reports) = results[0].as_ref().unwrap().as_ref().unwrap();
+/// assert!(filled);
+/// assert_eq!(reports[2], "rank 2 step 2");
+/// assert_eq!(results[1].as_ref().unwrap().as_ref().unwrap(), &(false, vec![]));
+/// ```
+pub fn gather_into<C, T>(comm: &C, root: usize, value: &T, out: &mut Vec<T>) -> Result<bool>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    gather_into_with(comm, root, value, out, &Options::default())
+}
+
+/// [`gather_into`] with options.
+pub fn gather_into_with<C, T>(
+    comm: &C,
+    root: usize,
+    value: &T,
+    out: &mut Vec<T>,
+    opts: &Options,
+) -> Result<bool>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + DeserializeOwned,
+{
+    check_root(comm, root)?;
+    let span = span(comm, "gather");
+    let _g = span.enter();
+    let serialized = serialize(value);
+    let Some(gathered) = gather_bytes(comm, Some(root), mine_of(&serialized), opts, &span)? else {
+        return Ok(false);
+    };
+    let decoded = gathered.decode_into(out);
+    drop(serialized);
+    decoded.map(|()| true)
+}
+
 /// Broadcast from `root`: the root passes `Some(value)`, the others `None` (ignored when
 /// given); every rank returns the root's value.
 ///

@@ -31,7 +31,7 @@
 //!    bytes further into the receive buffer at each call (modulo 4 KiB), so that the copies of
 //!    owned values out of it never stay in a relation that glibc's `memcpy` copies slowly
 //!    (`docs/protocol.md`, "A receive window that moves").
-//! 8. **Values reused**: [`all_gather_into`], [`broadcast_into`] and
+//! 8. **Values reused**: [`all_gather_into`], [`gather_into`], [`broadcast_into`] and
 //!    [`Gathered::decode_into`] decode over the values of the caller's last call (serde's
 //!    `deserialize_in_place`: strings and vectors keep their allocations), so that a loop
 //!    gathering per-step state allocates little or nothing once warm (`docs/protocol.md`,
@@ -55,8 +55,8 @@ pub use collectives::{
     all_gather_bytes_with, all_gather_into, all_gather_into_with, all_gather_with, all_reduce_with,
     all_reduce_with_options, all_to_all, all_to_all_with, broadcast, broadcast_into,
     broadcast_into_with, broadcast_with, decode_from, decode_from_with, exscan_with,
-    exscan_with_options, gather, gather_with, reduce_with, reduce_with_options, scan_with,
-    scan_with_options, scatter, scatter_with,
+    exscan_with_options, gather, gather_into, gather_into_with, gather_with, reduce_with,
+    reduce_with_options, scan_with, scan_with_options, scatter, scatter_with,
 };
 pub use error::{DecodeError, ObjectError, Result};
 pub use gathered::Gathered;

@@ -11,8 +11,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tpcomm_objects::{
     all_gather, all_gather_borrowed, all_gather_into, all_reduce_with, all_to_all, broadcast,
-    broadcast_into, decode_from, decode_from_with, gather, scatter, DecodeError, ObjectError,
-    Options,
+    broadcast_into, decode_from, decode_from_with, gather, gather_into, scatter, DecodeError,
+    ObjectError, Options,
 };
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
@@ -191,6 +191,28 @@ fn deep_nesting_from_a_peer_is_a_decode_error_in_gather() {
         });
         assert_too_deep("gather", 0, &results[0]);
         assert!(matches!(results[2], Ok(None)), "{:?}", results[2]);
+    }
+}
+
+#[test]
+fn deep_nesting_from_a_peer_is_a_decode_error_in_gather_into() {
+    // As for `gather`: rank 0, the root, decodes over its values; rank 2 returns `false`.
+    for levels in [10_000, 30_000] {
+        let bytes = crafted(Kind::VecOfSelf, levels);
+        let results = run_on_small_stacks(3, |comm| {
+            if comm.rank() == HOSTILE {
+                return gather(&comm, 0, &bytes).map(|_| None);
+            }
+            let mut out: Vec<Tree> = (0..5).map(|_| Tree::Node(vec![Tree::Leaf])).collect();
+            let filled = gather_into(&comm, 0, &Tree::Leaf, &mut out)?;
+            Ok(Some((filled, out.len())))
+        });
+        assert_too_deep("gather_into", 0, &results[0]);
+        assert!(
+            matches!(results[2], Ok(Some((false, 5)))),
+            "{:?}",
+            results[2]
+        );
     }
 }
 

@@ -10,7 +10,9 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 use serde_bytes::ByteBuf;
-use tpcomm_objects::{all_gather, all_gather_borrowed, all_gather_into, broadcast_into};
+use tpcomm_objects::{
+    all_gather, all_gather_borrowed, all_gather_into, broadcast_into, gather_into,
+};
 use tpcomm_transport::{Communicator, LocalGroup};
 
 /// Counts the bytes each thread allocates (realloc growth included).
@@ -125,29 +127,35 @@ fn steady_state_into_forms_allocate_nothing_for_strings_they_can_reuse() {
         let mine: Vec<String> = (0..64).map(|i| format!("{i:01000}")).collect();
         let mut all: Vec<Vec<String>> = Vec::new();
         let mut one: Vec<String> = Vec::new();
+        let mut at_root: Vec<Vec<String>> = Vec::new();
         let mut calls = Vec::new();
         for _ in 0..CALLS {
             let before = allocated();
             all_gather_into(&comm, &mine, &mut all).unwrap();
             let root_has = (comm.rank() == 1).then_some(&mine);
             broadcast_into(&comm, 1, root_has, &mut one).unwrap();
+            let filled = gather_into(&comm, 0, &mine, &mut at_root).unwrap();
             calls.push(allocated() - before);
             assert_eq!(all[1 - comm.rank()], mine);
             assert_eq!(one, mine);
+            assert_eq!(filled, comm.rank() == 0);
+            if filled {
+                assert_eq!(at_root[1], mine);
+            }
             comm.barrier().unwrap();
         }
         calls
     });
     for (rank, r) in results.into_iter().enumerate() {
         let calls = r.unwrap();
-        // Three times 64 strings of 1000 bytes arrive per call: 192 KB a fresh decode would
-        // allocate. The slack is that of the test above.
+        // Three times 64 strings of 1000 bytes arrive per call (and twice more at the gather's
+        // root): 192 KB a fresh decode would allocate. The slack is that of the test above.
         let slack = 8 << 10;
         let steady = calls.iter().skip(2).filter(|&&b| b <= slack).count();
         assert!(
             steady >= STEADY_WITHIN,
-            "rank {rank}: fewer than {STEADY_WITHIN} steady all_gather_into + broadcast_into \
-             calls allocated at most {slack} bytes; calls: {calls:?}"
+            "rank {rank}: fewer than {STEADY_WITHIN} steady all_gather_into + broadcast_into + \
+             gather_into calls allocated at most {slack} bytes; calls: {calls:?}"
         );
         assert!(
             calls[0] >= 3 * 64 * 1000,

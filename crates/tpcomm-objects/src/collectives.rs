@@ -550,14 +550,10 @@ where
     C: Communicator + ?Sized,
     T: Serialize + DeserializeOwned,
 {
-    check_root(comm, root)?;
-    let span = span(comm, "gather");
-    let _g = span.enter();
-    let serialized = serialize(value);
-    match gather_bytes(comm, Some(root), mine_of(&serialized), opts, &span)? {
-        Some(g) => Ok(Some(g.decode()?)),
-        None => Ok(None),
-    }
+    // Only the root fills it.
+    let mut values = Vec::with_capacity(if comm.rank() == root { comm.size() } else { 0 });
+    let filled = gather_into_with(comm, root, value, &mut values, opts)?;
+    Ok(filled.then_some(values))
 }
 
 /// [`gather`] into the values of the last call: on the root, `out` ends with one value per

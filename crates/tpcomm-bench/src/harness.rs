@@ -671,7 +671,7 @@ mod tests {
     }
 
     #[test]
-    fn rotation_interleaves_every_variant_in_every_position() {
+    fn rotation_is_a_permutation_that_starts_at_each_variant_equally_often() {
         assert_eq!(Order::Rotate.of(3, 0), vec![0, 1, 2]);
         assert_eq!(Order::Rotate.of(3, 1), vec![1, 0, 2]);
         assert_eq!(Order::Rotate.of(3, 2), vec![2, 0, 1]);

@@ -609,6 +609,7 @@ where
         return Ok(false);
     };
     let decoded = gathered.decode_into(out);
+    // Freed after decoding, as in `all_gather_into_with`.
     drop(serialized);
     decoded.map(|()| true)
 }

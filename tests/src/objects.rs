@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize, Serializer};
 use tpcomm::objects::{self, ObjectError, Options};
 use tpcomm::transport::Communicator;
@@ -70,6 +71,31 @@ fn obj<T>(what: &str, r: Result<T, ObjectError>) -> Result<T, String> {
     r.map_err(|e| format!("{what}: unexpected error: {e}"))
 }
 
+/// `gather_into` of `value` to `root` over `out`: only the root reports `out` filled, its `out`
+/// becomes `expected`, and every other rank's stays as it was.
+fn gather_into_case<C, T>(
+    what: &str,
+    comm: &C,
+    root: usize,
+    value: &T,
+    out: &mut Vec<T>,
+    opts: &Options,
+    expected: &[T],
+) -> CaseResult
+where
+    C: Communicator,
+    T: Serialize + DeserializeOwned + PartialEq + Clone + std::fmt::Debug,
+{
+    let is_root = comm.rank() == root;
+    let before = out.clone();
+    let filled = obj(
+        what,
+        objects::gather_into_with(comm, root, value, out, opts),
+    )?;
+    same(&format!("{what} (filled)"), filled, is_root)?;
+    same(what, &out[..], if is_root { expected } else { &before[..] })
+}
+
 pub(crate) fn classic_values_everywhere<C: Communicator>(comm: &C) -> CaseResult {
     let (me, n) = (comm.rank(), comm.size());
     // Kept across the values, so that each `_into` call decodes over a value of another kind.
@@ -90,16 +116,14 @@ pub(crate) fn classic_values_everywhere<C: Communicator>(comm: &C) -> CaseResult
         for root in 0..n {
             let got = obj("gather", objects::gather(comm, root, &v))?;
             same("gather", got, (me == root).then(|| expected.clone()))?;
-            let before = into_gathered.clone();
-            let filled = obj(
+            gather_into_case(
                 "gather_into",
-                objects::gather_into(comm, root, &v, &mut into_gathered),
-            )?;
-            same("gather_into (filled)", filled, me == root)?;
-            same(
-                "gather_into",
-                &into_gathered,
-                if me == root { &expected } else { &before },
+                comm,
+                root,
+                &v,
+                &mut into_gathered,
+                &Options::default(),
+                &expected,
             )?;
             let b = obj(
                 "broadcast",
@@ -170,16 +194,14 @@ pub(crate) fn round_path_with_random_sizes<C: Communicator>(comm: &C) -> CaseRes
         let got = obj("gather", objects::gather_with(comm, root, &all[me], &opts))?;
         same("gather (rounds)", got, (me == root).then(|| all.clone()))?;
         let mut gathered = vec![blob(me, tag + 300, 200); tag];
-        let before = gathered.clone();
-        let filled = obj(
-            "gather_into",
-            objects::gather_into_with(comm, root, &all[me], &mut gathered, &opts),
-        )?;
-        same("gather_into (rounds, filled)", filled, me == root)?;
-        same(
+        gather_into_case(
             "gather_into (rounds)",
-            &gathered,
-            if me == root { &all } else { &before },
+            comm,
+            root,
+            &all[me],
+            &mut gathered,
+            &opts,
+            &all,
         )?;
         let b = obj(
             "broadcast",

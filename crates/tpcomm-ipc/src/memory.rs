@@ -75,6 +75,16 @@ pub trait PeerMemory: Send + Sync + Debug + 'static {
         regions.iter().map(|r| self.export(r.addr, r.len)).collect()
     }
 
+    /// A value that stays the same only while [`export_all`](Self::export_all) of any
+    /// regions returns the same handles (or fails the same way): every allocation and every
+    /// free of this process changes it. [`PeerMappings`](crate::PeerMappings) compares it
+    /// with the one read before its last export so that a resume after which nothing was
+    /// allocated or freed skips exporting every region again. `None` (the default) when the
+    /// backend cannot tell; the registry then exports again and compares the handles.
+    fn export_stamp(&self) -> Option<u64> {
+        None
+    }
+
     /// [`open`](Self::open) of every handle (distinct ones), in order; the first failure
     /// fails the batch, and the mappings opened before it are closed. Backends override it
     /// where a batch is cheaper than its parts (the host backend checks each peer segment

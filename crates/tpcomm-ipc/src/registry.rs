@@ -47,6 +47,10 @@ pub struct Counters {
     /// Reopens in which no rank's handles had changed, so that every rank reopened the
     /// handles it kept (see [`PeerMappings::reopen_all`]).
     pub reopens_in_place: u64,
+    /// Reopens in which this rank did not export its regions again: the backend's
+    /// [`export_stamp`](crate::PeerMemory::export_stamp) had not changed since they were
+    /// last exported (nothing allocated or freed), so its handles were the ones it shared.
+    pub exports_skipped: u64,
 }
 
 #[derive(Debug)]
@@ -58,6 +62,9 @@ struct Exchange<H> {
     sent: Vec<H>,
     /// `slots[rank][index]`: the mapping slab index for each peer region (`None` for own).
     slots: Vec<Vec<Option<usize>>>,
+    /// The backend's export stamp read before `sent` was last exported or found equal to a
+    /// fresh export: while the stamp stays so, exporting `local` again gives `sent`.
+    stamp: Option<u64>,
 }
 
 /// One opened handle. Slots of exchanges keep their handle while closed, so that a reopen
@@ -246,12 +253,14 @@ impl<B: PeerMemory> PeerMappings<B> {
         let _span =
             tracing::debug_span!("peer_exchange", rank = self.rank, regions = regions.len())
                 .entered();
+        let stamp = self.backend.export_stamp();
         let (sent, all) = self.share(comm, regions)?;
         let slots = self.open_shared(comm, &all, Step::ExchangeVerdict)?;
         self.exchanges.push(Exchange {
             local: regions.to_vec(),
             sent,
             slots,
+            stamp,
         });
         Ok(ExchangeId(self.exchanges.len() - 1))
     }
@@ -549,8 +558,11 @@ impl<B: PeerMemory> PeerMappings<B> {
     /// One step carries every exchange's handles. A rank whose fresh handles are all the
     /// ones it shared before (host memory: always; CUDA: unless the process was
     /// checkpointed) says so in a byte instead; when every rank does, each reopens the
-    /// handles it kept, in one batch of the backend. A failure leaves the registry closed,
-    /// on every rank.
+    /// handles it kept, in one batch of the backend. A rank whose backend's
+    /// [`export_stamp`](PeerMemory::export_stamp) has not changed since its handles were
+    /// last exported knows them unchanged without exporting again (host memory with nothing
+    /// allocated or freed since: [`Counters::exports_skipped`]). A failure leaves the
+    /// registry closed, on every rank.
     pub fn reopen_all<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
         if !self.closed {
             return Ok(());
@@ -561,12 +573,23 @@ impl<B: PeerMemory> PeerMappings<B> {
             exchanges = self.exchanges.len()
         )
         .entered();
-        let fresh: Result<Vec<Vec<B::Handle>>> = self
-            .exchanges
-            .iter()
-            .map(|x| self.backend.export_all(&x.local))
-            .collect();
+        // Read before exporting: a change made during the export makes the next reopen
+        // export again.
+        let stamp = self.backend.export_stamp();
+        let exported = stamp.is_some() && self.exchanges.iter().all(|x| x.stamp == stamp);
+        let fresh: Result<Vec<Vec<B::Handle>>> = if exported {
+            // Nothing allocated or freed since every `sent` was exported: an export now
+            // would give the same handles.
+            self.counters.exports_skipped += 1;
+            Ok(Vec::new())
+        } else {
+            self.exchanges
+                .iter()
+                .map(|x| self.backend.export_all(&x.local))
+                .collect()
+        };
         let (mine, export_error) = match fresh {
+            Ok(_) if exported => (Reshare::Unchanged, None),
             Ok(fresh) if fresh.iter().zip(&self.exchanges).all(|(f, x)| *f == x.sent) => {
                 (Reshare::Unchanged, None)
             }
@@ -594,6 +617,10 @@ impl<B: PeerMemory> PeerMappings<B> {
         match result {
             Ok(()) => {
                 self.closed = false;
+                // Every `sent` is what an export at `stamp` gave (or the same handles).
+                for x in &mut self.exchanges {
+                    x.stamp = stamp;
+                }
                 Ok(())
             }
             Err(e) => {

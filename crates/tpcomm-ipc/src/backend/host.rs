@@ -126,10 +126,7 @@ struct Exportable {
 /// Live buffers of this process by base address: every `HostMemory` of the process shares
 /// it, so that a handle exported by one thread can be opened by another without going
 /// through `/proc`.
-static SEGMENTS: Mutex<SegmentTable> = Mutex::new(SegmentTable {
-    by_addr: BTreeMap::new(),
-    fds: BTreeMap::new(),
-});
+static SEGMENTS: Mutex<SegmentTable> = Mutex::new(SegmentTable::new());
 
 /// The live buffers of this process, by base address (for `export`), and the descriptors of
 /// their segments with the number of buffers in each (for same-process opens).
@@ -137,9 +134,23 @@ struct SegmentTable {
     by_addr: BTreeMap<usize, Exportable>,
     /// Descriptor -> (inode, live buffers in the segment).
     fds: BTreeMap<i32, (u64, usize)>,
+    /// Changes of the table so far (the export stamp).
+    generation: u64,
+    /// The process that made the last change: a child forked since has its own pid in its
+    /// handles, so the stamp means nothing there until it changes the table itself.
+    pid: u32,
 }
 
 impl SegmentTable {
+    const fn new() -> Self {
+        Self {
+            by_addr: BTreeMap::new(),
+            fds: BTreeMap::new(),
+            generation: 0,
+            pid: 0,
+        }
+    }
+
     /// `fd` is the descriptor of a segment of this process, `inode`, that holds a live
     /// buffer; otherwise the handle naming them is stale.
     fn check_live(&self, fd: i32, inode: u64) -> Result<()> {
@@ -151,7 +162,18 @@ impl SegmentTable {
         Ok(())
     }
 
+    fn changed(&mut self) {
+        self.generation += 1;
+        self.pid = std::process::id();
+    }
+
+    /// The export stamp: the generation, in the process that made it.
+    fn stamp(&self) -> Option<u64> {
+        (self.pid == std::process::id()).then_some(self.generation)
+    }
+
     fn insert(&mut self, base: usize, buffer: Exportable) {
+        self.changed();
         self.fds.entry(buffer.fd).or_insert((buffer.inode, 0)).1 += 1;
         self.by_addr.insert(base, buffer);
     }
@@ -160,6 +182,7 @@ impl SegmentTable {
         let Some(buffer) = self.by_addr.remove(&base) else {
             return;
         };
+        self.changed();
         if let std::collections::btree_map::Entry::Occupied(mut e) = self.fds.entry(buffer.fd) {
             e.get_mut().1 -= 1;
             if e.get().1 == 0 {
@@ -1119,6 +1142,12 @@ impl PeerMemory for HostMemory {
         export_many(&table, pid, regions)
     }
 
+    /// Changes with every allocation and free of any `HostMemory` of the process: an
+    /// export reads nothing but the table of live buffers and the process id.
+    fn export_stamp(&self) -> Option<u64> {
+        segments().stamp()
+    }
+
     fn open(&self, h: &HostHandle) -> Result<HostMapping> {
         let mut mappings = self.open_all(&[h])?;
         mappings
@@ -1302,10 +1331,7 @@ mod export_tests {
     /// A table of disjoint buffers: each `(gap, len)` starts `gap` bytes after the end of
     /// the one before (from address 4096).
     fn table(buffers: &[(usize, usize)]) -> SegmentTable {
-        let mut table = SegmentTable {
-            by_addr: BTreeMap::new(),
-            fds: BTreeMap::new(),
-        };
+        let mut table = SegmentTable::new();
         let mut at = 4096;
         for (i, &(gap, len)) in buffers.iter().enumerate() {
             at += gap;

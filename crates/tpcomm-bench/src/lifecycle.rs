@@ -20,6 +20,10 @@
 //!    `prepare_for_suspend`, `reinit_after_resume`, and the `first replay` after the resume
 //!    (reopened mappings touched for the first time); `suspend+resume` is the sum of the
 //!    two transitions, and the first replay is compared with the steady one (after/before);
+//!    then the kernel's floor of the transition ([`crate::page_floor`]): `floor munmap` and
+//!    `floor mmap+touch` of as many pages as this rank maps from its peers, right after a
+//!    replay as the transition is, their sum `floor suspend+resume` the peer of
+//!    `suspend+resume`;
 //! 4. the plan is replayed on fresh data and all N outputs checked again.
 //!
 //! [`CustomAllReduce`]: tpcomm::allreduce::CustomAllReduce
@@ -41,6 +45,7 @@ use crate::harness::{
     Target,
 };
 use crate::launch::{Bench, RunArgs, Session};
+use crate::page_floor::{resident_pages, PageFloor};
 use crate::sweep::{format_bytes, parse_bytes, BufferArgs, IterArgs};
 use crate::table::{col, Column};
 
@@ -56,13 +61,20 @@ const FIRST_REPLAY_RATIO: f64 = 1.2;
 const LATENCY_TOLERANCE: f64 = 1.10;
 /// Rounds of the before/after latency comparison (one untimed suspend + resume each).
 const LATENCY_ROUNDS: usize = 5;
-/// The timed steps of a cycle, in running order; the sum of the transitions is a row too.
-pub(crate) const STEPS: [&str; 4] = [
+/// The timed steps of a cycle, in running order; the sums of the transitions and of the
+/// floor's two steps are rows too.
+pub(crate) const STEPS: [&str; 6] = [
     "replay",
     "prepare_for_suspend",
     "reinit_after_resume",
     "first replay",
+    "floor munmap",
+    "floor mmap+touch",
 ];
+/// The rows that are sums of two steps: the transition, and its floor
+/// ([`crate::page_floor`]), which the transition is compared with.
+const SUMS: [(&str, usize, usize); 2] = [("suspend+resume", 1, 2), (FLOOR, 4, 5)];
+const FLOOR: &str = "floor suspend+resume";
 const TRANSITION_TABLE: &str = "suspend/resume";
 const LATENCY_TABLE: &str = "latency";
 
@@ -86,8 +98,8 @@ pub(crate) struct LifecycleArgs {
     pub(crate) latency_bytes: usize,
 }
 
-/// The ratio of a row to its peer (after / before).
-const RATIO: Column = Column::new("ratio", "after/bef", 10, |r, _| {
+/// The ratio of a row to its peer: after / before, suspend+resume / its floor.
+const RATIO: Column = Column::new("ratio", "vs peer", 10, |r, _| {
     r.vs_peer.map_or_else(|| "-".into(), |x| format!("{x:.3}x"))
 });
 
@@ -127,10 +139,26 @@ fn targets() -> Vec<Target> {
                         && r.case == TARGET_BUFFERS.to_string()
                         && r.is("suspend+resume")
                 })?;
-                Some((
-                    both.stats.median_us < TARGET_TIME.as_secs_f64() * 1e6,
+                let target_us = TARGET_TIME.as_secs_f64() * 1e6;
+                let floor = rows
+                    .iter()
+                    .find(|r| r.table == TRANSITION_TABLE && r.case == both.case && r.is(FLOOR));
+                let bound = floor.map_or_else(String::new, |f| {
+                    let reach = if f.stats.median_us < target_us {
+                        ""
+                    } else {
+                        ": out of reach on this machine"
+                    };
                     format!(
-                        "median {:.3} ms, {} peer mappings per rank",
+                        "; the kernel's floor for its {} pages bounds it at {:.3} ms{reach}",
+                        f.text("floor_pages"),
+                        f.stats.median_us / 1e3
+                    )
+                });
+                Some((
+                    both.stats.median_us < target_us,
+                    format!(
+                        "median {:.3} ms, {} peer mappings per rank{bound}",
                         both.stats.median_us / 1e3,
                         both.text("mappings")
                     ),
@@ -269,6 +297,28 @@ fn latency<C: Communicator>(
     Ok(spec.rows(comm.size(), warmup, samples))
 }
 
+/// Pages this rank maps from its peers now (steady state, after replays): the resident
+/// pages of every mapping that holds a peer's Signal, staging or temp region or one of its
+/// graph buffers (RankData slots `0..=n`). Each rank counts its own.
+fn peer_pages<C: Communicator>(
+    comm: &C,
+    ar: &HostAllReduce,
+    n: usize,
+) -> Result<usize, BenchError> {
+    let peers = || (0..comm.size()).filter(|&r| r != comm.rank());
+    let mut addresses = Vec::new();
+    for r in peers() {
+        for region in 0..3 {
+            addresses.push(ar.base_address(r, region)?);
+        }
+    }
+    for slot in 0..=n {
+        let held = ar.rank_data_slot(slot)?;
+        addresses.extend(peers().map(|r| held[r]).filter(|&a| a != 0));
+    }
+    resident_pages(&addresses)
+}
+
 /// The whole measurement for `n` graph buffers: transition rows, then latency rows.
 fn bench_buffers<C: Communicator>(
     s: &Session<'_>,
@@ -317,23 +367,30 @@ fn bench_buffers<C: Communicator>(
     let mappings = ar.peer_mappings()?.counters().open;
 
     let latency_rows = latency(comm, &mut sync, &mut ar, n, args.latency_bytes, &s.iter)?;
+    let mut floor = PageFloor::new(peer_pages(comm, &ar, n)?)?;
     let spec = Spec {
         order: Order::Fixed,
-        sums: &[("suspend+resume", 1, 2)],
-        ..Spec::new(TRANSITION_TABLE, n.to_string(), 0, &STEPS).with("mappings", mappings)
+        sums: &SUMS,
+        ..Spec::new(TRANSITION_TABLE, n.to_string(), 0, &STEPS)
+            .with("mappings", mappings)
+            .with("floor_pages", floor.pages())
     };
     let mut transitions = s.measure(comm, &spec, &mut ar, |ar, v| {
         time_once(comm, |start| {
             match v {
                 1 => ar.prepare_for_suspend(comm)?,
                 2 => ar.reinit_after_resume(comm)?,
+                4 => floor.unmap()?,
+                5 => floor.map()?,
                 _ => plan.replay(ar)?,
             };
             Ok(elapsed_ns(start))
         })
     })?;
     link_peers(&mut transitions, |r| {
-        r.is("first replay").then(|| "replay".into())
+        (r.is("first replay").then_some("replay"))
+            .or(r.is("suspend+resume").then_some(FLOOR))
+            .map(Into::into)
     });
     verify_plan(&mut ar, 0x22fe ^ n as u64, "replay after resume")?;
     let reopened = ar.peer_mappings()?.counters().open;
@@ -412,6 +469,10 @@ impl Bench for LifecycleArgs {
              reinit_after_resume, first replay after it; suspend+resume: the sum of the two \
              transitions per iteration; ratio: first replay / steady replay"
                 .into(),
+            "floor: the kernel's work alone, on a memfd of as many pages as the rank maps from \
+             its peers (resident pages of those mappings): munmap, then mmap and a read of a \
+             byte per page; ratio of suspend+resume: over its floor"
+                .into(),
             "the plan is replayed and every output checked before the first suspend and after \
              the last resume"
                 .into(),
@@ -425,7 +486,7 @@ impl Bench for LifecycleArgs {
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
         s.header(
             "suspend/resume cycles: steady replay, prepare_for_suspend, reinit_after_resume, \
-             first replay",
+             first replay, and the kernel's floor of the transition",
             &TRANSITION_COLUMNS,
         );
         s.progress.plan(self.buffers.buffers.len());
@@ -479,6 +540,20 @@ mod tests {
         let after = |ratio| Row::of_us(LATENCY_TABLE, "1", "after", 1.0).vs(ratio);
         assert!(judge(&targets(), &[both(999.0)])[0].met);
         assert!(!judge(&targets(), &[both(1_000.0)])[0].met);
+        let floor = |us| Row::of_us(TRANSITION_TABLE, "1000", FLOOR, us).with("floor_pages", 1056);
+        let within_reach = &judge(&targets(), &[both(1_500.0), floor(450.0)])[0];
+        assert!(!within_reach.met);
+        assert!(
+            within_reach
+                .detail
+                .ends_with("1056 pages bounds it at 0.450 ms"),
+            "{}",
+            within_reach.detail
+        );
+        let beyond = &judge(&targets(), &[both(1_500.0), floor(1_200.0)])[0];
+        assert!(beyond
+            .detail
+            .ends_with("1.200 ms: out of reach on this machine"));
         assert!(judge(&targets(), &[after(1.05), after(0.95)])[0].met);
         assert!(!judge(&targets(), &[after(1.05), after(0.5)])[0].met);
     }

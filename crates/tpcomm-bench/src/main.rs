@@ -55,6 +55,7 @@ mod launch;
 mod lifecycle;
 mod mpi_peer;
 mod objects;
+mod page_floor;
 mod peer_check;
 mod report;
 mod sweep;
@@ -203,7 +204,11 @@ mod tests {
     fn every_local_subcommand_verifies_and_times_on_three_ranks_and_writes_its_report() {
         let dir = std::env::temp_dir().join(format!("tpcomm-bench-{}-runs", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let transitions = [STEPS.as_slice(), &["suspend+resume"]].concat();
+        let transitions = [
+            STEPS.as_slice(),
+            &["suspend+resume", "floor suspend+resume"],
+        ]
+        .concat();
         let allreduce_rows = [
             "1stage",
             "2stage",

@@ -576,8 +576,8 @@ impl<B: PeerMemory> PeerMappings<B> {
         // Read before exporting: a change made during the export makes the next reopen
         // export again.
         let stamp = self.backend.export_stamp();
-        let exported = stamp.is_some() && self.exchanges.iter().all(|x| x.stamp == stamp);
-        let fresh: Result<Vec<Vec<B::Handle>>> = if exported {
+        let known_unchanged = stamp.is_some() && self.exchanges.iter().all(|x| x.stamp == stamp);
+        let fresh: Result<Vec<Vec<B::Handle>>> = if known_unchanged {
             // Nothing allocated or freed since every `sent` was exported: an export now
             // would give the same handles.
             self.counters.exports_skipped += 1;
@@ -589,7 +589,7 @@ impl<B: PeerMemory> PeerMappings<B> {
                 .collect()
         };
         let (mine, export_error) = match fresh {
-            Ok(_) if exported => (Reshare::Unchanged, None),
+            Ok(_) if known_unchanged => (Reshare::Unchanged, None),
             Ok(fresh) if fresh.iter().zip(&self.exchanges).all(|(f, x)| *f == x.sent) => {
                 (Reshare::Unchanged, None)
             }

@@ -577,27 +577,27 @@ impl<B: PeerMemory> PeerMappings<B> {
         // export again.
         let stamp = self.backend.export_stamp();
         let known_unchanged = stamp.is_some() && self.exchanges.iter().all(|x| x.stamp == stamp);
-        let fresh: Result<Vec<Vec<B::Handle>>> = if known_unchanged {
+        let (mine, export_error) = if known_unchanged {
             // Nothing allocated or freed since every `sent` was exported: an export now
             // would give the same handles.
             self.counters.exports_skipped += 1;
-            Ok(Vec::new())
+            (Reshare::Unchanged, None)
         } else {
-            self.exchanges
+            let fresh: Result<Vec<Vec<B::Handle>>> = self
+                .exchanges
                 .iter()
                 .map(|x| self.backend.export_all(&x.local))
-                .collect()
-        };
-        let (mine, export_error) = match fresh {
-            Ok(_) if known_unchanged => (Reshare::Unchanged, None),
-            Ok(fresh) if fresh.iter().zip(&self.exchanges).all(|(f, x)| *f == x.sent) => {
-                (Reshare::Unchanged, None)
+                .collect();
+            match fresh {
+                Ok(fresh) if fresh.iter().zip(&self.exchanges).all(|(f, x)| *f == x.sent) => {
+                    (Reshare::Unchanged, None)
+                }
+                Ok(fresh) => (
+                    Reshare::Fresh(fresh.iter().map(|f| self.envelopes(f)).collect()),
+                    None,
+                ),
+                Err(e) => (Reshare::ExportFailed, Some(e)),
             }
-            Ok(fresh) => (
-                Reshare::Fresh(fresh.iter().map(|f| self.envelopes(f)).collect()),
-                None,
-            ),
-            Err(e) => (Reshare::ExportFailed, Some(e)),
         };
         let all: Vec<Reshare<B::Handle>> = self.agree(comm, Step::Reopen, &mine)?;
         let failed_export: Vec<usize> = (0..self.size)

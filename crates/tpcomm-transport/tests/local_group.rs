@@ -440,3 +440,43 @@ fn the_default_stack_size_is_two_mebibytes() {
         2 << 20
     );
 }
+
+/// One rank's communicator used by two threads at once is a usage error (as with MPI, calls
+/// on one communicator must be ordered), but it must not panic, hang or read another call's
+/// bytes as its own: every call either succeeds with its peers' data or fails with an error.
+#[test]
+fn overlapping_calls_on_one_communicator_fail_cleanly_or_succeed() {
+    let results = LocalGroup::new(2)
+        .timeout(Duration::from_secs(10))
+        .run(|comm| {
+            let calls = 2000;
+            let run = |n: usize| -> Result<usize, TransportError> {
+                let mut ok = 0;
+                for _ in 0..n {
+                    let mut all = [0u8; 2];
+                    comm.all_gather(&[comm.rank() as u8 + 1], &mut all)?;
+                    assert_eq!(all, [1, 2], "an all-gather returned bytes of no rank");
+                    ok += 1;
+                }
+                Ok(ok)
+            };
+            if comm.rank() == 1 {
+                return vec![run(calls)];
+            }
+            std::thread::scope(|s| {
+                let a = s.spawn(|| run(calls / 2));
+                let b = s.spawn(|| run(calls / 2));
+                vec![a.join().unwrap(), b.join().unwrap()]
+            })
+        });
+    for (rank, r) in results.into_iter().enumerate() {
+        for outcome in r.unwrap() {
+            if let Err(e) = outcome {
+                assert!(
+                    matches!(e, TransportError::Aborted { .. }),
+                    "rank {rank}: {e:?}"
+                );
+            }
+        }
+    }
+}

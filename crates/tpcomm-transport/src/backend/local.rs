@@ -376,7 +376,7 @@ struct Shared {
     /// One per rank.
     progress: Box<[Progress]>,
     /// Rank `r`'s post of round `seq` is `cells[r * RING + seq % RING]`.
-    cells: Box<[Mutex<Cell>]>,
+    cells: Box<[Padded<Mutex<Cell>>]>,
 }
 
 #[derive(Debug, Default)]
@@ -520,7 +520,7 @@ impl Shared {
             flags: Padded(Flags::default()),
             progress: (0..size).map(|_| Progress::default()).collect(),
             cells: (0..size as u64 * RING)
-                .map(|_| Mutex::new(Cell::default()))
+                .map(|_| Padded(Mutex::new(Cell::default())))
                 .collect(),
         })
     }

@@ -838,10 +838,9 @@ impl LocalCommunicator {
             // Aborts and departures are published under the lock: the epoch read here is
             // the one the state above was seen at.
             let seen = shared.epoch.load(Ordering::Relaxed);
-            let budget = self.spin.get();
             let spin_until = *w
                 .spin_until
-                .get_or_insert_with(|| (now + budget).min(w.deadline));
+                .get_or_insert_with(|| (now + self.spin.get()).min(w.deadline));
             if now < spin_until {
                 w.spun = true;
                 drop(state);

@@ -4,7 +4,7 @@
 //! call collectives in the same order, so the n-th call of every rank meets in round n).
 //! A rank joins a round by writing its contribution (a copy of its send bytes plus the
 //! counts it was called with, and the operation it called) into a *cell* of its own, one of
-//! a ring of [`RING`] per rank, and bumping its `posted` count; it waits until the ranks it
+//! a ring of 64 per rank, and bumping its `posted` count; it waits until the ranks it
 //! depends on have posted, takes a reference to each of their posts, checks that they
 //! called the same operation, bumps its `done` count and reads the posts. No lock is
 //! shared by all ranks on this path: each rank writes only its own cells and counts. A
@@ -260,6 +260,11 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 ///
 /// Dropping it tells the group this rank is gone: peers blocked waiting for it fail with
 /// [`TransportError::Aborted`] naming it instead of waiting for the timeout.
+///
+/// Calls on one communicator must not overlap (as with MPI): two threads calling on it at
+/// once abort the group. A rank whose calls need no peer's data (a broadcast root, a
+/// gather's non-root ranks) runs at most 64 calls ahead of its slowest peer; its next call
+/// waits, within the group's timeout, until that peer catches up.
 #[derive(Debug)]
 pub struct LocalCommunicator {
     shared: Arc<Shared>,

@@ -16,8 +16,8 @@
 //! Waiting: a waiting rank first spins without any lock, watching the counts it waits for
 //! and an *epoch* that aborts and departures bump, and parks on a condition variable only
 //! when its spin budget runs out; a post or a change wakes parked ranks only when some are
-//! parked (no system call on the common path). Ranks of one group usually arrive within a microsecond
-//! or two of each other, so most waits end while spinning, at the cost of a cache line
+//! parked (no system call on the common path). Ranks of one group usually arrive within a
+//! microsecond or two of each other, so most waits end while spinning, at the cost of a cache line
 //! moving between cores instead of a futex wake and a context switch (tens of
 //! microseconds). The budget adapts per rank, as an adaptive mutex's does:
 //! [`LocalGroupConfig::spin`] (default 50 us) after a wait a spin ended, halved by each wait
@@ -773,26 +773,19 @@ impl LocalCommunicator {
         missing: impl Fn() -> Vec<usize>,
     ) -> Result<()> {
         let shared = &*self.shared;
+        let mut w = Wait::new(Instant::now(), &shared.config);
         // The first spin takes no lock: its peers usually come within it.
-        let seen = shared.epoch.load(Ordering::Acquire);
-        let mut wait: Option<Wait> = None;
         if !shared.flags.aborted.load(Ordering::Acquire) {
-            let w = wait.get_or_insert_with(|| Wait::new(Instant::now(), &shared.config));
+            let seen = shared.epoch.load(Ordering::Acquire);
             let until = (w.started + self.spin.get()).min(w.deadline);
             w.spin_until = Some(until);
-            if until > w.started {
-                w.spun = true;
-                shared.spin(&ready, seen, until);
-                if ready() {
-                    self.spin.learn(w);
-                    return Ok(());
-                }
+            if until > w.started && self.spin_until_ready(&mut w, &ready, seen, until) {
+                return Ok(());
             }
         }
         let mut state = shared.lock();
         loop {
             let now = Instant::now();
-            let w = wait.get_or_insert_with(|| Wait::new(now, &shared.config));
             if let Some(abort) = &state.abort {
                 return Err(if abort.timed_out {
                     TransportError::Timeout {
@@ -807,7 +800,7 @@ impl LocalCommunicator {
             }
             if ready() {
                 drop(state);
-                self.spin.learn(w);
+                self.spin.learn(&w);
                 return Ok(());
             }
             if let Some(&gone) = missing().iter().find(|&&r| state.left[r]) {
@@ -847,11 +840,8 @@ impl LocalCommunicator {
                 .spin_until
                 .get_or_insert_with(|| (now + self.spin.get()).min(w.deadline));
             if now < spin_until {
-                w.spun = true;
                 drop(state);
-                shared.spin(&ready, seen, spin_until);
-                if ready() {
-                    self.spin.learn(w);
+                if self.spin_until_ready(&mut w, &ready, seen, spin_until) {
                     return Ok(());
                 }
                 state = shared.lock();
@@ -878,6 +868,25 @@ impl LocalCommunicator {
             // Woken by a change: the next wait spins afresh.
             w.spin_until = None;
         }
+    }
+
+    /// Spins (without the lock) until `ready()`, the epoch moves from `seen`, or `until`;
+    /// returns whether `ready()` holds, and then tells the spin budget this wait's spin
+    /// ended it.
+    fn spin_until_ready(
+        &self,
+        w: &mut Wait,
+        ready: &impl Fn() -> bool,
+        seen: u64,
+        until: Instant,
+    ) -> bool {
+        w.spun = true;
+        self.shared.spin(ready, seen, until);
+        let done = ready();
+        if done {
+            self.spin.learn(w);
+        }
+        done
     }
 
     fn abort_group(&self, state: &mut State, op: Op, reason: String) -> TransportError {

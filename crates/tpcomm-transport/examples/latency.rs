@@ -11,7 +11,10 @@
 //! 8) per rank, each timed iteration is a barrier then one call; the figure is the median
 //! (and the fastest, and the 90th percentile) over iterations of the *slowest* rank's time,
 //! as `tpcomm-bench` counts. The three operations are interleaved iteration by iteration, so
-//! that a change of machine load hits all of them alike.
+//! that a change of machine load hits all of them alike. A last line says where the ranks
+//! ran: in how many timed calls every rank was on one CPU (read after each call), and each
+//! rank's voluntary context switches over the run (its waits that parked). Ranks that share
+//! a CPU, or park, cost microseconds a call, whatever the transport does on its way.
 //!
 //! Idle: `N - 1` ranks enter a barrier that the last rank never joins (it sleeps past the
 //! timeout), with the group's timeout set to `SECONDS`; prints the process CPU time
@@ -66,18 +69,30 @@ fn parse() -> Args {
     args
 }
 
-/// Per operation, the slowest rank's time of every timed iteration (ns).
+/// Where the ranks ran over the timed calls.
+struct Placement {
+    calls: usize,
+    /// Timed calls after which every rank was on the same CPU.
+    same_cpu: usize,
+    /// Each rank's voluntary context switches over the run.
+    switches: Vec<u64>,
+}
+
+/// Per operation, the slowest rank's time of every timed iteration (ns), and where the ranks
+/// ran.
 fn measure<C: Communicator>(
     comm: &C,
     iters: usize,
     bytes: usize,
-) -> Result<Vec<Vec<u64>>, TransportError> {
+) -> Result<(Vec<Vec<u64>>, Placement), TransportError> {
     let size = comm.size();
     let send = vec![comm.rank() as u8; bytes];
     let mut recv = vec![0u8; bytes * size];
     let mut buf = vec![0u8; bytes];
     let warmup = 200;
     let mut local = vec![Vec::with_capacity(iters); OPS.len()];
+    let mut cpus = Vec::with_capacity(iters * OPS.len() * 4);
+    let switches_before = voluntary_switches();
     for i in 0..warmup + iters {
         for op in 0..OPS.len() {
             comm.barrier()?;
@@ -90,9 +105,30 @@ fn measure<C: Communicator>(
             let ns = start.elapsed().as_nanos() as u64;
             if i >= warmup {
                 local[op].push(ns);
+                cpus.extend_from_slice(&(rustix::thread::sched_getcpu() as u32).to_le_bytes());
             }
         }
     }
+    let switches = voluntary_switches().saturating_sub(switches_before);
+    let mut all_cpus = vec![0u8; cpus.len() * size];
+    comm.all_gather(&cpus, &mut all_cpus)?;
+    let mut all_switches = vec![0u8; 8 * size];
+    comm.all_gather(&switches.to_le_bytes(), &mut all_switches)?;
+    let per_rank: Vec<&[u8]> = all_cpus.chunks_exact(cpus.len().max(1)).collect();
+    let calls = cpus.len() / 4;
+    let placement = Placement {
+        calls,
+        same_cpu: (0..calls)
+            .filter(|&k| {
+                let cpu = |r: usize| &per_rank[r][4 * k..4 * k + 4];
+                (1..size).all(|r| cpu(r) == cpu(0))
+            })
+            .count(),
+        switches: all_switches
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+            .collect(),
+    };
     let mut slowest = Vec::with_capacity(OPS.len());
     for times in &local {
         let send: Vec<u8> = times.iter().flat_map(|t| t.to_le_bytes()).collect();
@@ -106,10 +142,15 @@ fn measure<C: Communicator>(
         }
         slowest.push(max);
     }
-    Ok(slowest)
+    Ok((slowest, placement))
 }
 
-fn report(what: &str, ranks: usize, bytes: usize, slowest: &[Vec<u64>]) {
+fn report(
+    what: &str,
+    ranks: usize,
+    bytes: usize,
+    (slowest, placement): &(Vec<Vec<u64>>, Placement),
+) {
     println!(
         "# {what}, {ranks} ranks, {bytes} B per rank; slowest rank per iteration, {} iterations",
         slowest[0].len()
@@ -129,6 +170,24 @@ fn report(what: &str, ranks: usize, bytes: usize, slowest: &[Vec<u64>]) {
             at(0.9)
         );
     }
+    println!(
+        "# every rank on one CPU after {} of {} timed calls; voluntary context switches per \
+         rank: {:?}",
+        placement.same_cpu, placement.calls, placement.switches
+    );
+}
+
+/// This thread's voluntary context switches so far (0 where `/proc` does not say).
+fn voluntary_switches() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                .and_then(|n| n.trim().parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 fn cpu_time() -> Duration {

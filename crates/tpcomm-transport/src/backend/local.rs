@@ -2,18 +2,21 @@
 //!
 //! Every collective is a *round* identified by a per-communicator sequence number (all ranks
 //! call collectives in the same order, so the n-th call of every rank meets in round n).
-//! A rank joins a round by writing its contribution (a copy of its send bytes plus the
-//! counts it was called with, and the operation it called) into a *cell* of its own, one of
-//! a ring of 64 per rank, and bumping its `posted` count; it waits until the ranks it
-//! depends on have posted, takes a reference to each of their posts, checks that they
-//! called the same operation, bumps its `done` count and reads the posts. No lock is
-//! shared by all ranks on this path: each rank writes only its own cells and counts. A
-//! rank uses a cell again `RING` rounds later, after every rank is done with it (a rank
-//! that needs nobody's post, such as a broadcast root, waits there for slow readers), and
-//! at each call it empties its cells of the rounds every rank is done with, so that their
-//! buffers are reused or freed.
+//! A rank joins a round by writing its contribution (its send bytes plus the counts it was
+//! called with, and the operation it called) into a *slot* of its own, one of a ring of 64
+//! per rank, and marking the slot with the round; it waits until the slots of the ranks it
+//! depends on carry the round, reads their posts, checks that they called the same
+//! operation, and bumps its `done` count. A small post (up to 48 bytes and three counts: a
+//! barrier, a few bytes, an object collective's header) travels in the slot's own words, so
+//! a reader takes it with the cache line it waited on; a larger one is a shared buffer the
+//! reader takes a reference to. No lock is shared by all ranks on this path: each rank
+//! writes only its own slots and count, and reads the others' counts only when it is about
+//! to use a slot again. A rank uses a slot again `RING` rounds later, after every rank is
+//! done with it (a rank that needs nobody's post, such as a broadcast root, waits there for
+//! slow readers), and frees its shared posts of the rounds every rank is done with at its
+//! next call, so that their buffers are reused or freed.
 //!
-//! Waiting: a waiting rank first spins without any lock, watching the counts it waits for
+//! Waiting: a waiting rank first spins without any lock, watching the slots it waits for
 //! and an *epoch* that aborts and departures bump, and parks on a condition variable only
 //! when its spin budget runs out; a post or a change wakes parked ranks only when some are
 //! parked (no system call on the common path). Ranks of one group usually arrive within a
@@ -33,7 +36,7 @@
 //! blocked in it wakes up at once with an error naming the culprit, and every later call
 //! fails the same way (a rank that reads no post in that round, such as a broadcast root,
 //! learns of it at its next call). Calls that overlap on one communicator (one rank used by
-//! two threads at once) abort it too, when a peer's cell shows it. No rank is left blocked.
+//! two threads at once) abort it too, when a peer's slot shows it. No rank is left blocked.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -273,14 +276,17 @@ pub struct LocalCommunicator {
     seq: AtomicU64,
     /// How long this rank's waits spin before parking.
     spin: SpinBudget,
-    /// The rounds before this one have had their cell of this rank emptied (see
+    /// Rounds every rank is done with, as last read from their progress (a lower bound:
+    /// re-read only when this rank is about to reuse a slot or has shared posts to free).
+    known_done: AtomicU64,
+    /// Bit `i`: this rank's slot `i` holds a shared post (see
     /// [`LocalCommunicator::reclaim`]).
-    reclaimed: AtomicU64,
-    /// This rank's last posts, reused for the next ones when the peers have let go of them
-    /// (see [`LocalCommunicator::post_with`]).
+    holding: AtomicU64,
+    /// This rank's last shared posts, reused for the next ones when the peers have let go
+    /// of them (see [`LocalCommunicator::post_with`]).
     spares: Mutex<Vec<Arc<Post>>>,
-    /// The vector a [`Joined`] holds the posts it read in, kept between calls.
-    held: Mutex<Vec<Option<Arc<Post>>>>,
+    /// The vectors a [`Joined`] holds the posts it read in, kept between calls.
+    held: Mutex<(Vec<Got>, Vec<Post>)>,
 }
 
 /// How many posts a communicator keeps for reuse: a post may still be held by a slow peer
@@ -296,12 +302,21 @@ const SPARES: usize = 4;
 /// recent posts, up to this size.
 const SPARE_MAX_BYTES: usize = 64 << 20;
 
-/// How many rounds a rank may run ahead of the slowest reader of its posts: the cells of
-/// one rank in [`Shared::cells`]. A rank that needs no peer's post (a broadcast root) waits,
+/// How many rounds a rank may run ahead of the slowest reader of its posts: the slots of
+/// one rank in [`Shared::slots`]. A rank that needs no peer's post (a broadcast root) waits,
 /// at its `RING + 1`-th round ahead, until every rank is done with the round `RING` before.
 const RING: u64 = 64;
 
-/// What a rank contributes to a round.
+/// The most bytes a post carries in its slot itself (six words), and the most counts.
+/// Larger posts go through a shared [`Post`].
+const INLINE_BYTES: usize = 48;
+const INLINE_WORDS: usize = INLINE_BYTES / 8;
+const INLINE_META: usize = 3;
+
+/// [`Slot::shape`] of a post held in [`Slot::post`] rather than inline.
+const SHARED_POST: u64 = 1 << 63;
+
+/// What a rank contributes to a round, when it does not fit in a [`Slot`].
 #[derive(Debug, Default)]
 struct Post {
     bytes: Vec<u8>,
@@ -309,42 +324,88 @@ struct Post {
     meta: Vec<usize>,
 }
 
-/// A rank's post in one round: what it called, and what it contributed. Only its rank
-/// writes it, once per round, and only when every rank is done with the round `RING`
-/// before that used the cell.
+/// A rank's post in one round: what it called, and what it contributed, on cache lines of
+/// its own. Only its rank writes it, once per round, and only when every rank is done with
+/// the round `RING` before that used the slot. A small post (the common case: a barrier, a
+/// few bytes, a header) travels in the slot's words, so a reader takes it with the line it
+/// waited on; a larger one is a reference to a shared [`Post`].
+///
+/// Written as a sequence lock: `round` is cleared, the rest written, then `round` set to the
+/// round's sequence number plus one (release); a reader loads `round` (acquire), reads the
+/// rest, and loads `round` again after an acquire fence. Both loads equal to its round mean
+/// it read that round's post whole. Ranks that call in order never see anything else; calls
+/// overlapping on one communicator can, and abort the group.
 #[derive(Debug, Default)]
-struct Cell {
-    seq: u64,
-    op: Option<Op>,
-    root: Option<usize>,
-    post: Option<Arc<Post>>,
+#[repr(align(128))]
+struct Slot {
+    /// The round's sequence number plus one; 0 while the slot is (re)written.
+    round: AtomicU64,
+    /// [`op_code`] of the operation called.
+    op: AtomicU64,
+    /// The root plus one, 0 for none.
+    root: AtomicU64,
+    /// Inline: the byte length, and the count of `meta` shifted left by 8. [`SHARED_POST`]:
+    /// the post is in `post`.
+    shape: AtomicU64,
+    meta: [AtomicU64; INLINE_META],
+    bytes: [AtomicU64; INLINE_WORDS],
+    /// The post of the round, when it is not inline; emptied by its rank once every rank is
+    /// done with the round.
+    post: Mutex<Option<Arc<Post>>>,
 }
 
-/// A rank's progress, on a cache line of its own (written by its rank, read by the others).
+/// A post on its way into this rank's slot.
+#[derive(Debug)]
+enum Outgoing {
+    Inline {
+        words: [u64; INLINE_WORDS],
+        len: usize,
+        meta: [u64; INLINE_META],
+        count: usize,
+    },
+    Shared(Arc<Post>),
+}
+
+/// A rank's progress, on a cache line of its own (written by its rank at every call, read
+/// by the others only when they are about to use a slot again or to free posts).
 #[derive(Debug, Default)]
 #[repr(align(128))]
 struct Progress {
-    /// Rounds this rank has posted in (the sequence number of its next one).
-    posted: AtomicU64,
-    /// Rounds this rank is done reading (it holds its own references to the posts it read):
-    /// the cells of these rounds may be used again.
+    /// Rounds this rank is done reading (it holds its own copies of or references to the
+    /// posts it read): the slots of these rounds may be used again.
     done: AtomicU64,
 }
 
-/// The posts a rank read in one round (`posts[r]` for each rank `r` it needed), returned by
-/// [`LocalCommunicator::exchange`] and read through [`posted`]. Dropping it gives the vector
-/// back to the communicator.
+/// How a rank read a peer's post in one round.
+#[derive(Debug, Default)]
+enum Got {
+    /// Not read (a rank this round did not need).
+    #[default]
+    No,
+    /// A reference to the peer's shared post.
+    Shared(Arc<Post>),
+    /// Copied out of the peer's slot into [`Joined::copies`].
+    Copied,
+}
+
+/// The posts a rank read in one round (for each rank `r` it needed), returned by
+/// [`LocalCommunicator::exchange`] and read through [`posted`]. Dropping it gives its
+/// vectors back to the communicator.
 #[derive(Debug)]
 struct Joined<'a> {
     comm: &'a LocalCommunicator,
-    posts: Vec<Option<Arc<Post>>>,
+    got: Vec<Got>,
+    /// `copies[r]`: rank `r`'s inline post, when `got[r]` is [`Got::Copied`] (buffers kept
+    /// between calls).
+    copies: Vec<Post>,
 }
 
 impl Drop for Joined<'_> {
     fn drop(&mut self) {
-        let mut posts = std::mem::take(&mut self.posts);
-        posts.clear();
-        *self.comm.held.lock().unwrap_or_else(|e| e.into_inner()) = posts;
+        let mut got = std::mem::take(&mut self.got);
+        got.clear();
+        let copies = std::mem::take(&mut self.copies);
+        *self.comm.held.lock().unwrap_or_else(|e| e.into_inner()) = (got, copies);
     }
 }
 
@@ -380,8 +441,8 @@ struct Shared {
     flags: Padded<Flags>,
     /// One per rank.
     progress: Box<[Progress]>,
-    /// Rank `r`'s post of round `seq` is `cells[r * RING + seq % RING]`.
-    cells: Box<[Padded<Mutex<Cell>>]>,
+    /// Rank `r`'s post of round `seq` is `slots[r * RING + seq % RING]`.
+    slots: Box<[Slot]>,
 }
 
 #[derive(Debug, Default)]
@@ -524,9 +585,7 @@ impl Shared {
             epoch: Padded(AtomicU64::new(0)),
             flags: Padded(Flags::default()),
             progress: (0..size).map(|_| Progress::default()).collect(),
-            cells: (0..size as u64 * RING)
-                .map(|_| Padded(Mutex::new(Cell::default())))
-                .collect(),
+            slots: (0..size as u64 * RING).map(|_| Slot::default()).collect(),
         })
     }
 
@@ -542,11 +601,10 @@ impl Shared {
         }
     }
 
-    /// Rank `rank`'s cell of round `seq`.
-    fn cell(&self, rank: usize, seq: u64) -> MutexGuard<'_, Cell> {
-        // `seq % RING < RING`, and `rank < size`: within `cells`.
-        let index = rank * RING as usize + (seq % RING) as usize;
-        self.cells[index].lock().unwrap_or_else(|e| e.into_inner())
+    /// Rank `rank`'s slot of round `seq`.
+    fn slot(&self, rank: usize, seq: u64) -> &Slot {
+        // `seq % RING < RING`, and `rank < size`: within `slots`.
+        &self.slots[rank * RING as usize + (seq % RING) as usize]
     }
 
     /// The fewest rounds any rank is done with.
@@ -595,21 +653,53 @@ impl LocalCommunicator {
             } else {
                 shared.config.spin
             }),
-            held: Mutex::new(Vec::with_capacity(shared.size)),
+            held: Mutex::new((Vec::with_capacity(shared.size), Vec::new())),
             shared,
             rank,
             seq: AtomicU64::new(0),
-            reclaimed: AtomicU64::new(0),
+            known_done: AtomicU64::new(0),
+            holding: AtomicU64::new(0),
             spares: Mutex::new(Vec::with_capacity(SPARES)),
         }
     }
 
-    /// This rank's post of `bytes` and `meta`.
-    fn post(&self, bytes: &[u8], meta: &[usize]) -> Arc<Post> {
-        self.post_with(|p| {
-            extend_from_slice(&mut p.bytes, bytes);
-            p.meta.extend_from_slice(meta);
-        })
+    /// This rank's post of `bytes` and `meta`: inline when they fit in a slot, a shared
+    /// [`Post`] otherwise.
+    fn post(&self, bytes: &[u8], meta: &[usize]) -> Outgoing {
+        if bytes.len() > INLINE_BYTES || meta.len() > INLINE_META {
+            return Outgoing::Shared(self.post_with(|p| {
+                extend_from_slice(&mut p.bytes, bytes);
+                p.meta.extend_from_slice(meta);
+            }));
+        }
+        let mut words = [0u64; INLINE_WORDS];
+        for (word, chunk) in words.iter_mut().zip(bytes.chunks(8)) {
+            let mut le = [0u8; 8];
+            le[..chunk.len()].copy_from_slice(chunk);
+            *word = u64::from_le_bytes(le);
+        }
+        let mut packed = [0u64; INLINE_META];
+        for (word, &m) in packed.iter_mut().zip(meta) {
+            *word = m as u64;
+        }
+        Outgoing::Inline {
+            words,
+            len: bytes.len(),
+            meta: packed,
+            count: meta.len(),
+        }
+    }
+
+    /// This rank's post of `bytes` it owns (no counts): inline when they fit, `bytes` itself
+    /// shared otherwise.
+    fn post_owned(&self, bytes: Vec<u8>) -> Outgoing {
+        if bytes.len() <= INLINE_BYTES {
+            return self.post(&bytes, &[]);
+        }
+        Outgoing::Shared(Arc::new(Post {
+            bytes,
+            meta: Vec::new(),
+        }))
     }
 
     /// A post filled by `fill`: a kept post that no peer holds any more (its buffers keep
@@ -639,24 +729,133 @@ impl LocalCommunicator {
         post
     }
 
-    /// Empties this rank's cells of the rounds every rank is done with (up to `done`), so
-    /// that their posts go back to [`Self::post_with`]'s spares or are freed.
+    /// Empties this rank's slots that hold a shared post of a round every rank is done with
+    /// (before `done`), so that the posts go back to [`Self::post_with`]'s spares or are
+    /// freed.
     fn reclaim(&self, done: u64) {
-        let from = self
-            .reclaimed
-            .load(Ordering::Relaxed)
-            .max(done.saturating_sub(RING));
-        for seq in from..done {
-            let mut cell = self.shared.cell(self.rank, seq);
-            // The cell holds this round's post, or none: a later round's cannot be there yet
-            // (every rank was done with the round `RING` before this call's).
-            if cell.seq == seq {
-                let post = cell.post.take();
-                drop(cell);
+        let mut holding = self.holding.load(Ordering::Relaxed);
+        let mut left = holding;
+        while left != 0 {
+            let i = u64::from(left.trailing_zeros());
+            left &= left - 1;
+            let slot = self.shared.slot(self.rank, i);
+            // Only this rank writes its slots: `round` is the round whose post it holds.
+            if slot.round.load(Ordering::Relaxed) <= done {
+                let post = lock(&slot.post).take();
                 drop(post);
+                holding &= !(1 << i);
             }
         }
-        self.reclaimed.fetch_max(done, Ordering::Relaxed);
+        self.holding.store(holding, Ordering::Relaxed);
+    }
+
+    /// Writes `post` into this rank's slot of round `seq` (see [`Slot`]).
+    fn publish_post(&self, seq: u64, op: Op, root: Option<usize>, post: Outgoing) {
+        let slot = self.shared.slot(self.rank, seq);
+        let bit = 1u64 << (seq % RING);
+        slot.round.store(0, Ordering::Relaxed);
+        fence(Ordering::Release);
+        slot.op.store(op_code(op), Ordering::Relaxed);
+        slot.root
+            .store(root.map_or(0, |r| r as u64 + 1), Ordering::Relaxed);
+        let old = match post {
+            Outgoing::Inline {
+                words,
+                len,
+                meta,
+                count,
+            } => {
+                for (cell, w) in slot.bytes.iter().zip(words) {
+                    cell.store(w, Ordering::Relaxed);
+                }
+                for (cell, m) in slot.meta.iter().zip(meta) {
+                    cell.store(m, Ordering::Relaxed);
+                }
+                slot.shape
+                    .store(len as u64 | (count as u64) << 8, Ordering::Relaxed);
+                // A shared post of the round `RING` before, not freed yet.
+                if self.holding.load(Ordering::Relaxed) & bit != 0 {
+                    self.holding.fetch_and(!bit, Ordering::Relaxed);
+                    lock(&slot.post).take()
+                } else {
+                    None
+                }
+            }
+            Outgoing::Shared(post) => {
+                slot.shape.store(SHARED_POST, Ordering::Relaxed);
+                self.holding.fetch_or(bit, Ordering::Relaxed);
+                lock(&slot.post).replace(post)
+            }
+        };
+        // Pairs with the fence after a parking rank's increment, before its last look:
+        // either it sees this post, or this sees it parked and wakes it.
+        slot.round.store(seq + 1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        drop(old);
+    }
+
+    /// Reads rank `r`'s post of round `seq` into `got` (and `copy`, when inline); checks it
+    /// was made by `op` with `root`.
+    fn read_post(
+        &self,
+        r: usize,
+        seq: u64,
+        op: Op,
+        root: Option<usize>,
+        copy: &mut Post,
+    ) -> Result<Got> {
+        let slot = self.shared.slot(r, seq);
+        let first = slot.round.load(Ordering::Acquire);
+        let (their_op, their_root) = (
+            slot.op.load(Ordering::Relaxed),
+            slot.root.load(Ordering::Relaxed),
+        );
+        let shape = slot.shape.load(Ordering::Relaxed);
+        let got = if shape == SHARED_POST {
+            lock(&slot.post).clone().map(Got::Shared)
+        } else {
+            // Bounded: a torn read of an overlapping call may hold anything.
+            let len = (shape & 0xff) as usize;
+            let count = ((shape >> 8) & 0xff) as usize;
+            copy.bytes.clear();
+            for w in &slot.bytes {
+                copy.bytes
+                    .extend_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+            }
+            copy.bytes.truncate(len);
+            copy.meta.clear();
+            copy.meta.extend(
+                slot.meta
+                    .iter()
+                    .take(count)
+                    .map(|m| m.load(Ordering::Relaxed) as usize),
+            );
+            Some(Got::Copied)
+        };
+        fence(Ordering::Acquire);
+        let second = slot.round.load(Ordering::Relaxed);
+        let (Some(got), true) = (got, first == seq + 1 && second == seq + 1) else {
+            // Only when calls on one communicator overlap (two threads at once): the ranks'
+            // done counts ran ahead of a call still reading, and the peer has used the slot
+            // again. The group cannot go on.
+            let reason = format!(
+                "call #{seq}: rank {} overlapped another call on the same communicator",
+                self.rank
+            );
+            return Err(self.abort_group(&mut self.shared.lock(), op, reason));
+        };
+        let root_code = root.map_or(0, |r| r as u64 + 1);
+        if their_op != op_code(op) || their_root != root_code {
+            let reason = format!(
+                "call #{seq}: rank {} called {op} (root {root:?}) while rank {r} called {} \
+                 (root {:?})",
+                self.rank,
+                op_of(their_op).map_or("nothing".into(), |o| o.to_string()),
+                their_root.checked_sub(1)
+            );
+            return Err(self.abort_group(&mut self.shared.lock(), op, reason));
+        }
+        Ok(got)
     }
 
     fn aborted(&self, op: Op, abort: &Abort) -> TransportError {
@@ -671,17 +870,18 @@ impl LocalCommunicator {
     /// Joins the next round with `post`, waits until `needs` have posted, and returns their
     /// posts ([`posted`]).
     ///
-    /// No lock is shared by all ranks on this path: the rank writes its post into a cell of
-    /// its own and bumps its `posted` count; a rank that waits watches the counts of the
-    /// ranks it needs (spinning, then parked on the group's condition variable, which a
-    /// post signals only when a rank is parked), then takes a reference to each post it
-    /// needs from its cell, checks it was made by the same operation, and bumps its `done`
-    /// count. A rank uses a cell again `RING` rounds later, once every rank is done with it.
+    /// No lock is shared by all ranks on this path: the rank writes its post into a slot of
+    /// its own ([`Slot`]); a rank that waits watches the slots of the ranks it needs
+    /// (spinning, then parked on the group's condition variable, which a post signals only
+    /// when a rank is parked), then copies each small post out of its slot or takes a
+    /// reference to a large one, checks it was made by the same operation, and bumps its
+    /// `done` count. A rank uses a slot again `RING` rounds later, once every rank is done
+    /// with it.
     fn exchange(
         &self,
         op: Op,
         root: Option<usize>,
-        post: Arc<Post>,
+        post: Outgoing,
         needs: Needs,
     ) -> Result<Joined<'_>> {
         let shared = &*self.shared;
@@ -692,72 +892,51 @@ impl LocalCommunicator {
             }
         }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        // The cell of this round was last used by round `seq - RING`: every rank must be
+        // The slot of this round was last used by round `seq - RING`: every rank must be
         // done with it.
-        let mut done = shared.all_done();
-        if seq >= RING && done <= seq - RING {
-            let need = seq - RING + 1;
-            let behind = |r: usize| shared.progress[r].done.load(Ordering::Acquire) < need;
-            self.wait(
-                op,
-                || !(0..size).any(behind),
-                || (0..size).filter(|&r| behind(r)).collect(),
-            )?;
+        let mut done = self.known_done.load(Ordering::Relaxed);
+        if (seq >= RING && done <= seq - RING) || self.holding.load(Ordering::Relaxed) != 0 {
             done = shared.all_done();
+            if seq >= RING && done <= seq - RING {
+                let need = seq - RING + 1;
+                let behind = |r: usize| shared.progress[r].done.load(Ordering::Acquire) < need;
+                self.wait(
+                    op,
+                    || !(0..size).any(behind),
+                    || (0..size).filter(|&r| behind(r)).collect(),
+                )?;
+                done = shared.all_done();
+            }
+            self.known_done.store(done, Ordering::Relaxed);
+            self.reclaim(done);
         }
-        self.reclaim(done);
-        *shared.cell(self.rank, seq) = Cell {
-            seq,
-            op: Some(op),
-            root,
-            post: Some(post),
-        };
-        let me = &shared.progress[self.rank];
-        me.posted.store(seq + 1, Ordering::SeqCst);
-        // Pairs with the fence after a parking rank's increment, before its last look:
-        // either it sees this post, or this sees it parked and wakes it.
-        fence(Ordering::SeqCst);
+        self.publish_post(seq, op, root, post);
         if shared.flags.parked.load(Ordering::SeqCst) > 0 {
             let _state = shared.lock();
             shared.changed.notify_all();
         }
-        let arrived = |r: usize| shared.progress[r].posted.load(Ordering::Acquire) > seq;
+        let arrived = |r: usize| shared.slot(r, seq).round.load(Ordering::Acquire) > seq;
         let ready = || needed_ranks(needs, size).all(arrived);
         if !ready() {
             self.wait(op, ready, || {
                 needed_ranks(needs, size).filter(|&r| !arrived(r)).collect()
             })?;
         }
-        let mut posts = std::mem::take(&mut *self.held.lock().unwrap_or_else(|e| e.into_inner()));
-        posts.resize(size, None);
-        let mut joined = Joined { comm: self, posts };
+        let (mut got, mut copies) =
+            std::mem::take(&mut *self.held.lock().unwrap_or_else(|e| e.into_inner()));
+        got.resize_with(size, Got::default);
+        copies.resize_with(size, Post::default);
+        let mut joined = Joined {
+            comm: self,
+            got,
+            copies,
+        };
         for r in needed_ranks(needs, size) {
-            let cell = shared.cell(r, seq);
-            let Some(post) = cell.post.clone().filter(|_| cell.seq == seq) else {
-                // Only when calls on one communicator overlap (two threads at once): the
-                // ranks' done counts ran ahead of a call still reading, and the peer has
-                // emptied or used the cell again. The group cannot go on.
-                drop(cell);
-                let reason = format!(
-                    "call #{seq}: rank {} overlapped another call on the same communicator",
-                    self.rank
-                );
-                return Err(self.abort_group(&mut shared.lock(), op, reason));
-            };
-            if cell.op != Some(op) || cell.root != root {
-                let reason = format!(
-                    "call #{seq}: rank {} called {op} (root {root:?}) while rank {r} called {} \
-                     (root {:?})",
-                    self.rank,
-                    cell.op.map_or("nothing".into(), |o| o.to_string()),
-                    cell.root
-                );
-                drop(cell);
-                return Err(self.abort_group(&mut shared.lock(), op, reason));
-            }
-            joined.posts[r] = Some(post);
+            joined.got[r] = self.read_post(r, seq, op, root, &mut joined.copies[r])?;
         }
-        me.done.fetch_max(seq + 1, Ordering::Release);
+        shared.progress[self.rank]
+            .done
+            .fetch_max(seq + 1, Ordering::Release);
         Ok(joined)
     }
 
@@ -922,9 +1101,43 @@ fn needed_ranks(needs: Needs, size: usize) -> std::ops::Range<usize> {
 
 /// A post that `exchange` waited for.
 fn posted<'j>(joined: &'j Joined<'_>, rank: usize) -> &'j Post {
-    joined.posts[rank]
-        .as_deref()
-        .expect("exchange returns once every needed post is read")
+    match &joined.got[rank] {
+        Got::Shared(post) => post,
+        Got::Copied => &joined.copies[rank],
+        Got::No => unreachable!("exchange returns once every needed post is read"),
+    }
+}
+
+/// A mutex's contents; no code path panics while holding these locks, and a poisoned one
+/// still holds a consistent value.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Every operation, in the order of [`Op`]'s variants: `OPS[op_code(op)] == op`.
+const OPS: [Op; 12] = [
+    Op::Barrier,
+    Op::AllGather,
+    Op::AllGatherVarcount,
+    Op::GatherVarcount,
+    Op::Broadcast,
+    Op::AllToAllVarcount,
+    Op::Split,
+    Op::Setup,
+    Op::AllReduce,
+    Op::ReduceScatter,
+    Op::Suspend,
+    Op::Resume,
+];
+
+/// How `op` travels in a [`Slot`].
+fn op_code(op: Op) -> u64 {
+    op as u64
+}
+
+/// The operation whose [`op_code`] is `code`, if any.
+fn op_of(code: u64) -> Option<Op> {
+    OPS.get(usize::try_from(code).ok()?).copied()
 }
 
 impl Drop for LocalCommunicator {
@@ -1155,11 +1368,7 @@ impl Communicator for LocalCommunicator {
         reduce_into(dtype, reduce, &inputs, &mut mine);
         drop(inputs);
         drop(posts);
-        let post = Arc::new(Post {
-            bytes: mine,
-            meta: Vec::new(),
-        });
-        let slices = self.exchange(op, None, post, Needs::Everybody)?;
+        let slices = self.exchange(op, None, self.post_owned(mine), Needs::Everybody)?;
         let (_, recv) = args.parts();
         for r in 0..self.size() {
             let (lo, hi) = slice_of(count, self.size(), r);
@@ -1176,7 +1385,7 @@ impl Communicator for LocalCommunicator {
             p.meta.extend_from_slice(send.counts);
             p.meta.extend_from_slice(send.displs);
         });
-        let posts = self.exchange(op, None, post, Needs::Everybody)?;
+        let posts = self.exchange(op, None, Outgoing::Shared(post), Needs::Everybody)?;
         let size = self.size();
         let me = self.rank;
         let (_, recv) = args.parts();
@@ -1260,9 +1469,10 @@ mod tests {
         assert!((0..100).all(|_| b.get() == Duration::ZERO));
     }
 
-    /// The posts of rounds every rank is done with leave the ring at their rank's next call:
-    /// what the group holds stays bounded by the group, not by the number of calls (a root
-    /// running ahead included).
+    /// The shared posts of rounds every rank is done with leave the ring at their rank's
+    /// next call: what the group holds stays bounded by the group, not by the number of
+    /// calls (a root running ahead included). Small posts, inline in the slots, take turns
+    /// with large ones in the same slots.
     #[test]
     fn posts_of_finished_rounds_are_given_back() {
         let comms = LocalGroup::new(3).communicators().unwrap();
@@ -1271,12 +1481,14 @@ mod tests {
             for comm in comms {
                 s.spawn(move || {
                     for i in 0..500u32 {
-                        let mut buf = [0u8; 4];
+                        // Past the inline size every other call.
+                        let len = if i % 2 == 0 { 4 } else { 1000 };
+                        let mut buf = vec![0u8; len];
                         if comm.rank() == 0 {
-                            buf = i.to_le_bytes();
+                            buf.fill(i as u8);
                         }
                         comm.broadcast(0, &mut buf).unwrap();
-                        assert_eq!(u32::from_le_bytes(buf), i);
+                        assert!(buf.iter().all(|&b| b == i as u8));
                         let mut all = [0u8; 3];
                         comm.all_gather(&[comm.rank() as u8], &mut all).unwrap();
                         assert_eq!(all, [0, 1, 2]);
@@ -1284,13 +1496,89 @@ mod tests {
                 });
             }
         });
+        assert_eq!(shared.slots.len(), 3 * RING as usize);
         for rank in 0..3 {
             let held = (0..RING)
-                .filter(|&seq| shared.cell(rank, seq).post.is_some())
+                .filter(|&seq| lock(&shared.slot(rank, seq).post).is_some())
                 .count();
             // The last calls' posts, not yet seen done at a later call of their rank.
             assert!(held <= 3, "rank {rank} holds {held} posts after 1000 calls");
         }
+    }
+
+    /// A reader that finds the slot's round changed across its read (what a peer's reuse of
+    /// the slot under an overlapping call looks like) aborts the group instead of returning
+    /// the words it read; an inline post and a shared one read back whole.
+    #[test]
+    fn a_slot_rewritten_under_a_reader_aborts_the_group() {
+        let comms = LocalGroup::new(2).communicators().unwrap();
+        let (reader, writer) = (&comms[0], &comms[1]);
+        let mut copy = Post::default();
+        writer.publish_post(0, Op::AllGather, None, writer.post(&[7; 9], &[9]));
+        let got = reader
+            .read_post(1, 0, Op::AllGather, None, &mut copy)
+            .unwrap();
+        assert!(matches!(got, Got::Copied));
+        assert_eq!(
+            (copy.bytes.as_slice(), copy.meta.as_slice()),
+            (&[7u8; 9][..], &[9][..])
+        );
+        writer.publish_post(1, Op::Broadcast, Some(1), writer.post(&[5; 100], &[]));
+        let Got::Shared(post) = reader
+            .read_post(1, 1, Op::Broadcast, Some(1), &mut copy)
+            .unwrap()
+        else {
+            panic!("a 100-byte post is shared");
+        };
+        assert_eq!(post.bytes, vec![5; 100]);
+        // The round this slot would carry 64 calls later, or the mark of a write under way.
+        for round in [RING + 1, 0] {
+            writer
+                .shared
+                .slot(1, 0)
+                .round
+                .store(round, Ordering::Relaxed);
+            let e = reader
+                .read_post(1, 0, Op::AllGather, None, &mut copy)
+                .unwrap_err();
+            assert!(
+                matches!(&e, TransportError::Aborted { reason, .. } if reason.contains("overlapped")),
+                "{e:?}"
+            );
+        }
+        // The group stays aborted.
+        assert!(matches!(
+            reader.barrier(),
+            Err(TransportError::Aborted { .. })
+        ));
+    }
+
+    /// A peer that called another operation or root is named, with what it called.
+    #[test]
+    fn a_post_of_another_operation_or_root_aborts_naming_it() {
+        let comms = LocalGroup::new(2).communicators().unwrap();
+        let mut copy = Post::default();
+        comms[1].publish_post(0, Op::Broadcast, Some(1), comms[1].post(&[], &[]));
+        let e = comms[0]
+            .read_post(1, 0, Op::Broadcast, Some(0), &mut copy)
+            .unwrap_err();
+        let TransportError::Aborted { reason, .. } = e else {
+            panic!("{e:?}");
+        };
+        assert!(
+            reason.contains("rank 1 called broadcast (root Some(1))"),
+            "{reason}"
+        );
+    }
+
+    #[test]
+    fn op_codes_go_both_ways() {
+        for (i, &op) in OPS.iter().enumerate() {
+            assert_eq!(op_code(op), i as u64);
+            assert_eq!(op_of(i as u64), Some(op));
+        }
+        assert_eq!(op_of(OPS.len() as u64), None);
+        assert_eq!(op_of(u64::MAX), None);
     }
 
     /// A rank that needs nobody's post runs at most `RING` rounds ahead of a rank that has

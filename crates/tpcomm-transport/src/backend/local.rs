@@ -313,7 +313,7 @@ const INLINE_BYTES: usize = 48;
 const INLINE_WORDS: usize = INLINE_BYTES / 8;
 const INLINE_META: usize = 3;
 
-/// [`Slot::shape`] of a post held in [`Slot::post`] rather than inline.
+/// The bit of [`Slot::head`] that says the post is in [`Slot::post`] rather than inline.
 const SHARED_POST: u64 = 1 << 63;
 
 /// What a rank contributes to a round, when it does not fit in a [`Slot`].
@@ -335,23 +335,24 @@ struct Post {
 /// rest, and loads `round` again after an acquire fence. Both loads equal to its round mean
 /// it read that round's post whole. Ranks that call in order never see anything else; calls
 /// overlapping on one communicator can, and abort the group.
+///
+/// Laid out so that the first 64-byte line holds all but the inline bytes: a barrier, a
+/// count or a shared post is one line; inline bytes are the second line of the pair.
 #[derive(Debug, Default)]
-#[repr(align(128))]
+#[repr(C, align(128))]
 struct Slot {
     /// The round's sequence number plus one; 0 while the slot is (re)written.
     round: AtomicU64,
-    /// [`op_code`] of the operation called.
-    op: AtomicU64,
+    /// [`op_code`] of the operation called (bits 0-7); inline, the byte length (bits 8-15)
+    /// and the count of `meta` (bits 16-23); or [`SHARED_POST`].
+    head: AtomicU64,
     /// The root plus one, 0 for none.
     root: AtomicU64,
-    /// Inline: the byte length, and the count of `meta` shifted left by 8. [`SHARED_POST`]:
-    /// the post is in `post`.
-    shape: AtomicU64,
-    meta: [AtomicU64; INLINE_META],
-    bytes: [AtomicU64; INLINE_WORDS],
     /// The post of the round, when it is not inline; emptied by its rank once every rank is
     /// done with the round.
     post: Mutex<Option<Arc<Post>>>,
+    meta: [AtomicU64; INLINE_META],
+    bytes: [AtomicU64; INLINE_WORDS],
 }
 
 /// A post on its way into this rank's slot.
@@ -755,7 +756,6 @@ impl LocalCommunicator {
         let bit = 1u64 << (seq % RING);
         slot.round.store(0, Ordering::Relaxed);
         fence(Ordering::Release);
-        slot.op.store(op_code(op), Ordering::Relaxed);
         slot.root
             .store(root.map_or(0, |r| r as u64 + 1), Ordering::Relaxed);
         let old = match post {
@@ -765,14 +765,16 @@ impl LocalCommunicator {
                 meta,
                 count,
             } => {
-                for (cell, w) in slot.bytes.iter().zip(words) {
+                for (cell, &w) in slot.bytes.iter().zip(&words).take(len.div_ceil(8)) {
                     cell.store(w, Ordering::Relaxed);
                 }
-                for (cell, m) in slot.meta.iter().zip(meta) {
+                for (cell, &m) in slot.meta.iter().zip(&meta).take(count) {
                     cell.store(m, Ordering::Relaxed);
                 }
-                slot.shape
-                    .store(len as u64 | (count as u64) << 8, Ordering::Relaxed);
+                slot.head.store(
+                    op_code(op) | (len as u64) << 8 | (count as u64) << 16,
+                    Ordering::Relaxed,
+                );
                 // A shared post of the round `RING` before, not freed yet.
                 if self.holding.load(Ordering::Relaxed) & bit != 0 {
                     self.holding.fetch_and(!bit, Ordering::Relaxed);
@@ -782,7 +784,8 @@ impl LocalCommunicator {
                 }
             }
             Outgoing::Shared(post) => {
-                slot.shape.store(SHARED_POST, Ordering::Relaxed);
+                slot.head
+                    .store(op_code(op) | SHARED_POST, Ordering::Relaxed);
                 self.holding.fetch_or(bit, Ordering::Relaxed);
                 lock(&slot.post).replace(post)
             }
@@ -806,19 +809,16 @@ impl LocalCommunicator {
     ) -> Result<Got> {
         let slot = self.shared.slot(r, seq);
         let first = slot.round.load(Ordering::Acquire);
-        let (their_op, their_root) = (
-            slot.op.load(Ordering::Relaxed),
-            slot.root.load(Ordering::Relaxed),
-        );
-        let shape = slot.shape.load(Ordering::Relaxed);
-        let got = if shape == SHARED_POST {
+        let head = slot.head.load(Ordering::Relaxed);
+        let (their_op, their_root) = (head & 0xff, slot.root.load(Ordering::Relaxed));
+        let got = if head & SHARED_POST != 0 {
             lock(&slot.post).clone().map(Got::Shared)
         } else {
             // Bounded: a torn read of an overlapping call may hold anything.
-            let len = (shape & 0xff) as usize;
-            let count = ((shape >> 8) & 0xff) as usize;
+            let len = ((head >> 8) & 0xff) as usize;
+            let count = ((head >> 16) & 0xff) as usize;
             copy.bytes.clear();
-            for w in &slot.bytes {
+            for w in slot.bytes.iter().take(len.div_ceil(8)) {
                 copy.bytes
                     .extend_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
             }
@@ -1569,6 +1569,15 @@ mod tests {
             reason.contains("rank 1 called broadcast (root Some(1))"),
             "{reason}"
         );
+    }
+
+    /// Everything but the inline bytes on the slot's first 64-byte line, the bytes on the
+    /// second, and nothing past the pair.
+    #[cfg(all(target_os = "linux", target_pointer_width = "64"))]
+    #[test]
+    fn a_slot_is_two_cache_lines_with_the_bytes_on_the_second() {
+        assert_eq!(std::mem::offset_of!(Slot, bytes), 64);
+        assert_eq!(std::mem::size_of::<Slot>(), 128);
     }
 
     #[test]

@@ -406,7 +406,7 @@ impl Drop for Joined<'_> {
         let mut got = std::mem::take(&mut self.got);
         got.clear();
         let copies = std::mem::take(&mut self.copies);
-        *self.comm.held.lock().unwrap_or_else(|e| e.into_inner()) = (got, copies);
+        *lock(&self.comm.held) = (got, copies);
     }
 }
 
@@ -638,9 +638,7 @@ impl Shared {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        // No code path panics while holding the lock; a poisoned lock still holds
-        // consistent state.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 }
 
@@ -707,7 +705,7 @@ impl LocalCommunicator {
     /// their capacity; the largest such), a new one otherwise. Keeps a reference to it for
     /// the next calls, within [`SPARES`] posts and [`SPARE_MAX_BYTES`].
     fn post_with(&self, fill: impl FnOnce(&mut Post)) -> Arc<Post> {
-        let mut spares = self.spares.lock().unwrap_or_else(|e| e.into_inner());
+        let mut spares = lock(&self.spares);
         // A count of 1 is only this reference (no weak ones are made): nobody else can
         // clone it, so it stays unshared.
         let free = (0..spares.len())
@@ -893,12 +891,12 @@ impl LocalCommunicator {
         }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         // The slot of this round was last used by round `seq - RING`: every rank must be
-        // done with it.
+        // done with it, that is, have done `need` rounds.
+        let need = (seq + 1).saturating_sub(RING);
         let mut done = self.known_done.load(Ordering::Relaxed);
-        if (seq >= RING && done <= seq - RING) || self.holding.load(Ordering::Relaxed) != 0 {
+        if done < need || self.holding.load(Ordering::Relaxed) != 0 {
             done = shared.all_done();
-            if seq >= RING && done <= seq - RING {
-                let need = seq - RING + 1;
+            if done < need {
                 let behind = |r: usize| shared.progress[r].done.load(Ordering::Acquire) < need;
                 self.wait(
                     op,
@@ -922,8 +920,7 @@ impl LocalCommunicator {
                 needed_ranks(needs, size).filter(|&r| !arrived(r)).collect()
             })?;
         }
-        let (mut got, mut copies) =
-            std::mem::take(&mut *self.held.lock().unwrap_or_else(|e| e.into_inner()));
+        let (mut got, mut copies) = std::mem::take(&mut *lock(&self.held));
         got.resize_with(size, Got::default);
         copies.resize_with(size, Post::default);
         let mut joined = Joined {
@@ -1108,8 +1105,8 @@ fn posted<'j>(joined: &'j Joined<'_>, rank: usize) -> &'j Post {
     }
 }
 
-/// A mutex's contents; no code path panics while holding these locks, and a poisoned one
-/// still holds a consistent value.
+/// A mutex's contents: no code path panics while holding the transport's locks, and a
+/// poisoned one still holds a consistent value.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

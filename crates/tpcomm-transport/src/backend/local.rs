@@ -336,8 +336,10 @@ struct Post {
 /// it read that round's post whole. Ranks that call in order never see anything else; calls
 /// overlapping on one communicator can, and abort the group.
 ///
-/// Laid out so that the first 64-byte line holds all but the inline bytes: a barrier, a
-/// count or a shared post is one line; inline bytes are the second line of the pair.
+/// Laid out so that the first 64-byte line holds the round, the head, the root, the counts
+/// and the first 16 inline bytes: a barrier, a few counts or a post of up to 16 bytes is
+/// one line. The rest of the inline bytes and a shared post are on the second line of the
+/// pair.
 #[derive(Debug, Default)]
 #[repr(C, align(128))]
 struct Slot {
@@ -348,11 +350,11 @@ struct Slot {
     head: AtomicU64,
     /// The root plus one, 0 for none.
     root: AtomicU64,
+    meta: [AtomicU64; INLINE_META],
+    bytes: [AtomicU64; INLINE_WORDS],
     /// The post of the round, when it is not inline; emptied by its rank once every rank is
     /// done with the round.
     post: Mutex<Option<Arc<Post>>>,
-    meta: [AtomicU64; INLINE_META],
-    bytes: [AtomicU64; INLINE_WORDS],
 }
 
 /// A post on its way into this rank's slot.
@@ -1568,12 +1570,13 @@ mod tests {
         );
     }
 
-    /// Everything but the inline bytes on the slot's first 64-byte line, the bytes on the
-    /// second, and nothing past the pair.
+    /// The round, head, root, counts and first two words of inline bytes on the slot's
+    /// first 64-byte line, the shared post on the second, and nothing past the pair.
     #[cfg(all(target_os = "linux", target_pointer_width = "64"))]
     #[test]
-    fn a_slot_is_two_cache_lines_with_the_bytes_on_the_second() {
-        assert_eq!(std::mem::offset_of!(Slot, bytes), 64);
+    fn a_slot_is_two_cache_lines_with_small_posts_on_the_first() {
+        assert_eq!(std::mem::offset_of!(Slot, bytes), 48);
+        assert!(std::mem::offset_of!(Slot, post) >= 64);
         assert_eq!(std::mem::size_of::<Slot>(), 128);
     }
 

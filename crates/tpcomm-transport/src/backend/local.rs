@@ -312,6 +312,8 @@ const RING: u64 = 64;
 const INLINE_BYTES: usize = 48;
 const INLINE_WORDS: usize = INLINE_BYTES / 8;
 const INLINE_META: usize = 3;
+// Their sizes fit the fields of `Slot::head` (8 bits each).
+const _: () = assert!(INLINE_BYTES < 1 << 8 && INLINE_META < 1 << 8);
 
 /// The bit of [`Slot::head`] that says the post is in [`Slot::post`] rather than inline.
 const SHARED_POST: u64 = 1 << 63;
@@ -1503,6 +1505,27 @@ mod tests {
             // The last calls' posts, not yet seen done at a later call of their rank.
             assert!(held <= 3, "rank {rank} holds {held} posts after 1000 calls");
         }
+    }
+
+    /// The largest inline post (every inline byte and count in use) reads back whole, with
+    /// its operation and root; one byte more goes shared.
+    #[test]
+    fn a_post_at_the_inline_limit_reads_back_whole() {
+        let comms = LocalGroup::new(2).communicators().unwrap();
+        let (reader, writer) = (&comms[0], &comms[1]);
+        let bytes: Vec<u8> = (0..INLINE_BYTES).map(|i| i as u8 ^ 0x5a).collect();
+        let meta: Vec<usize> = (0..INLINE_META).map(|i| usize::MAX - i).collect();
+        let mut copy = Post::default();
+        writer.publish_post(0, Op::GatherVarcount, Some(1), writer.post(&bytes, &meta));
+        let got = reader
+            .read_post(1, 0, Op::GatherVarcount, Some(1), &mut copy)
+            .unwrap();
+        assert!(matches!(got, Got::Copied));
+        assert_eq!((copy.bytes, copy.meta), (bytes.clone(), meta));
+        let mut longer = bytes;
+        longer.push(1);
+        assert!(matches!(writer.post(&longer, &[]), Outgoing::Shared(_)));
+        assert!(matches!(writer.post_owned(longer), Outgoing::Shared(_)));
     }
 
     /// A reader that finds the slot's round changed across its read (what a peer's reuse of

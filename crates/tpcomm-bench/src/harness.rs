@@ -21,6 +21,7 @@ use serde_json::Value;
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
+use crate::placement::{Placement, Probe};
 use crate::sweep::IterArgs;
 use crate::table::Progress;
 
@@ -359,7 +360,8 @@ impl<'a> Spec<'a> {
 /// warm-up rounds, an iteration count chosen from them (the same on every rank, from
 /// gathered figures), then the timed rounds. `once(state, v)` runs variant `v` once, as one
 /// timed iteration ([`time_once`]), and returns its time on this rank. Returns the warm-up
-/// count and, per variant, every iteration's slowest-rank time.
+/// count, per variant every iteration's slowest-rank time, and where the ranks ran over the
+/// timed rounds (read between rounds, untimed).
 ///
 /// In rotated order (unless `--cold`), each variant runs twice in a row within a round and
 /// only the second run counts: it finds its buffers and caches as its own previous call left
@@ -373,7 +375,7 @@ pub(crate) fn time_variants<C: Communicator, S>(
     progress: &Progress,
     state: &mut S,
     mut once: impl FnMut(&mut S, usize) -> Result<u64, BenchError>,
-) -> Result<(usize, Vec<Vec<u64>>), BenchError> {
+) -> Result<(usize, Vec<Vec<u64>>, Placement), BenchError> {
     let (n, warmup) = (spec.variants.len(), iter.warmup_for(spec.bytes));
     let twice = spec.order == Order::Rotate && !iter.cold;
     let mut round = |i: usize, out: &mut Vec<Vec<u64>>| -> Result<(), BenchError> {
@@ -392,12 +394,19 @@ pub(crate) fn time_variants<C: Communicator, S>(
     }
     let iters = iteration_count(comm, iter, &warm)?;
     let mut times = vec![Vec::with_capacity(iters); n];
+    let mut probe = Probe::start(iters);
     for i in 0..iters {
         round(i, &mut times)?;
+        probe.round();
         progress.tick(i + 1, iters);
     }
-    let samples = times.iter().map(|t| slowest(comm, t));
-    Ok((warmup, samples.collect::<Result<_, _>>()?))
+    let samples: Vec<Vec<u64>> = times
+        .iter()
+        .map(|t| slowest(comm, t))
+        .collect::<Result<_, _>>()?;
+    let calls = if twice { 2 } else { 1 };
+    let round_ns = samples.iter().map(|t| calls * median(t)).sum();
+    Ok((warmup, samples, probe.finish(comm, round_ns)?))
 }
 
 /// Collective: the timed iterations the policy picks after the warm-up times `warm` (one list
@@ -722,8 +731,9 @@ mod tests {
         assert_eq!(before(4, 0), vec![1, 3]);
     }
 
-    /// What `time_variants` returns: the warm-up count and every variant's times.
-    type Timed = (usize, Vec<Vec<u64>>);
+    /// What `time_variants` returns: the warm-up count, every variant's times and where the
+    /// ranks ran.
+    type Timed = (usize, Vec<Vec<u64>>, Placement);
 
     /// Every rank's calls of `once` (the variants, in running order) and what
     /// `time_variants` returned: 1 warm-up round and 4 timed rounds of variants `a` and `b`,
@@ -757,8 +767,9 @@ mod tests {
             let twice: Vec<usize> = ROUNDS.iter().flatten().flat_map(|&v| [v, v]).collect();
             assert_eq!(log, twice);
             // 1 warm-up; the slowest rank (rank 1) of every iteration, from the second run
-            // of each pair.
-            assert_eq!(timed, (1, vec![vec![10; 4], vec![11; 4]]));
+            // of each pair; a round runs each variant twice.
+            assert_eq!((timed.0, timed.1), (1, vec![vec![10; 4], vec![11; 4]]));
+            assert_eq!(timed.2.round_us, 2.0 * (10.0 + 11.0) / 1e3);
         }
     }
 
@@ -766,7 +777,8 @@ mod tests {
     fn cold_rounds_run_each_variant_once() {
         for (log, timed) in timed_rounds(true) {
             assert_eq!(log, ROUNDS.concat());
-            assert_eq!(timed, (1, vec![vec![10; 4], vec![11; 4]]));
+            assert_eq!((timed.0, timed.1), (1, vec![vec![10; 4], vec![11; 4]]));
+            assert_eq!(timed.2.round_us, (10.0 + 11.0) / 1e3);
         }
     }
 

@@ -7,6 +7,7 @@
 //! generic over the communicator so that each backend is called directly (no dynamic
 //! dispatch in timed code); [`run`] does the rest.
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
@@ -17,6 +18,7 @@ use tpcomm::{Communicator, TransportError};
 use crate::error::BenchError;
 use crate::harness::{time_variants, Row, Spec, Target, Verdict};
 use crate::mpi_peer::MpiWorld;
+use crate::placement::{self, Placement, StealClock};
 use crate::report::{self, Machine, Report};
 use crate::sweep::IterArgs;
 use crate::table::{self, Column, Progress};
@@ -107,6 +109,10 @@ pub(crate) struct Session<'a> {
     pub(crate) mpi: Option<MpiWorld>,
     rows: Vec<Row>,
     summary: Vec<String>,
+    /// Where the ranks ran over each measured case (`table case`).
+    placements: RefCell<Vec<(String, Placement)>>,
+    /// The CPU time stolen from the machine since the session started.
+    stolen: StealClock,
 }
 
 impl<'a> Session<'a> {
@@ -130,6 +136,8 @@ impl<'a> Session<'a> {
             mpi: MpiWorld::for_run(info),
             rows: Vec::new(),
             summary: Vec::new(),
+            placements: RefCell::default(),
+            stolen: StealClock::start(),
         };
         if rank == 0 {
             if let Some(path) = json {
@@ -176,7 +184,8 @@ impl<'a> Session<'a> {
 
     /// Times the variants of `spec` interleaved (collective; `once(state, v)` runs variant
     /// `v` as one timed iteration) and returns its rows: one per variant and per declared
-    /// sum, with the bandwidths, the case's facts and the comparison with its peer.
+    /// sum, with the bandwidths, the case's facts, where the ranks ran ([`Placement`]) and
+    /// the comparison with its peer.
     pub(crate) fn measure<C: Communicator, S>(
         &self,
         comm: &C,
@@ -185,8 +194,14 @@ impl<'a> Session<'a> {
         once: impl FnMut(&mut S, usize) -> Result<u64, BenchError>,
     ) -> Result<Vec<Row>, BenchError> {
         self.progress.case(format!("{} {}", spec.table, spec.case));
-        let (warmup, samples) = time_variants(comm, &self.iter, spec, &self.progress, state, once)?;
-        Ok(spec.rows(comm.size(), warmup, samples))
+        let (warmup, samples, placement) =
+            time_variants(comm, &self.iter, spec, &self.progress, state, once)?;
+        let mut rows = spec.rows(comm.size(), warmup, samples);
+        rows.iter_mut().for_each(|r| placement.annotate(r));
+        self.placements
+            .borrow_mut()
+            .push((format!("{} {}", spec.table, spec.case), placement));
+        Ok(rows)
     }
 
     /// Whether this rank prints (rank 0).
@@ -259,11 +274,11 @@ impl<'a> Session<'a> {
         self.keep(rows);
     }
 
-    /// Ends the run on rank 0: judges `targets` on the rows (binding when this run is the
-    /// configuration they are stated for, `stated_for`), prints the verdicts and writes the
-    /// JSON report.
+    /// Ends the run on rank 0: prints where the ranks ran ([`placement::summary`]), judges
+    /// `targets` on the rows (binding when this run is the configuration they are stated
+    /// for, `stated_for`), prints the verdicts and writes the JSON report.
     pub(crate) fn finish<S: Serialize>(
-        self,
+        mut self,
         subcommand: &str,
         json: Option<&Path>,
         settings: &S,
@@ -274,6 +289,11 @@ impl<'a> Session<'a> {
             return Ok(());
         }
         self.progress.finish();
+        let placed = placement::summary(&self.placements.take(), self.stolen.share());
+        if !placed.is_empty() {
+            self.note("");
+        }
+        placed.into_iter().for_each(|line| self.summary(line));
         let verdicts = Verdict::judge_all(targets, &self.rows, binding);
         for line in verdict_lines(targets.len(), &verdicts, (binding, stated_for)) {
             self.note(&line);

@@ -57,6 +57,7 @@ mod mpi_peer;
 mod objects;
 mod page_floor;
 mod peer_check;
+mod placement;
 mod report;
 mod sweep;
 mod table;

@@ -60,7 +60,8 @@ use tpcomm::Communicator;
 
 use crate::error::BenchError;
 use crate::harness::{
-    elapsed_ns, geomean, per_size, time_once, within, Bus, RatioLine, Row, Spec, Target,
+    elapsed_ns, floor_bound, geomean, per_size, time_once, within, Bus, RatioLine, Row, Spec,
+    Target,
 };
 use crate::launch::{Bench, RunArgs, Session};
 use crate::mpi_peer::{CLoop, MpiWorld, StagedFloor};
@@ -1101,12 +1102,12 @@ fn best_speedup(rows: &[Row], variants: &[&str]) -> Option<f64> {
 /// `target`, with `better` telling which side of it is good).
 fn bound(floor: &str, value: Option<f64>, target: f64, better: fn(f64, f64) -> bool) -> String {
     value.map_or_else(String::new, |v| {
-        let reach = if better(v, target) {
-            ""
-        } else {
-            ": out of reach on this machine"
-        };
-        format!("; `{floor}` bounds it at {v:.3}x{reach}")
+        floor_bound(
+            &format!("`{floor}`"),
+            &format!("it at {v:.3}x"),
+            better(v, target),
+            "",
+        )
     })
 }
 

@@ -497,6 +497,18 @@ pub(crate) fn within(
     })
 }
 
+/// The clause a verdict adds for the floor measured beside a target: "; `subject` bounds
+/// `at`", then ": out of reach`scope` on this machine" when the floor itself misses the
+/// target (`reachable` false).
+pub(crate) fn floor_bound(subject: &str, at: &str, reachable: bool, scope: &str) -> String {
+    let reach = if reachable {
+        String::new()
+    } else {
+        format!(": out of reach{scope} on this machine")
+    };
+    format!("; {subject} bounds {at}{reach}")
+}
+
 /// A target drawn on the time charts: `ratio` times the median of `peer`, case by case.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct RatioLine {

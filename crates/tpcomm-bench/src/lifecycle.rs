@@ -41,8 +41,8 @@ use crate::allreduce::{
 };
 use crate::error::BenchError;
 use crate::harness::{
-    agree, elapsed_ns, iteration_count, link_peers, slowest, time_once, within, Order, Row, Spec,
-    Target,
+    agree, elapsed_ns, floor_bound, iteration_count, link_peers, slowest, time_once, within, Order,
+    Row, Spec, Target,
 };
 use crate::launch::{Bench, RunArgs, Session};
 use crate::page_floor::{resident_pages, PageFloor};
@@ -144,15 +144,11 @@ fn targets() -> Vec<Target> {
                     .iter()
                     .find(|r| r.table == TRANSITION_TABLE && r.case == both.case && r.is(FLOOR));
                 let bound = floor.map_or_else(String::new, |f| {
-                    let reach = if f.stats.median_us < target_us {
-                        ""
-                    } else {
-                        ": out of reach on this machine"
-                    };
-                    format!(
-                        "; the kernel's floor for its {} pages bounds it at {:.3} ms{reach}",
-                        f.text("floor_pages"),
-                        f.stats.median_us / 1e3
+                    floor_bound(
+                        &format!("the kernel's floor for its {} pages", f.text("floor_pages")),
+                        &format!("it at {:.3} ms", f.stats.median_us / 1e3),
+                        f.stats.median_us < target_us,
+                        "",
                     )
                 });
                 Some((

@@ -37,7 +37,7 @@ use tpcomm::Communicator;
 
 use crate::error::BenchError;
 use crate::harness::{
-    elapsed_ns, link_peers, slowest, time_once, within, RatioLine, Row, Spec, Target,
+    elapsed_ns, floor_bound, link_peers, slowest, time_once, within, RatioLine, Row, Spec, Target,
 };
 use crate::launch::{self, Bench, RunArgs, Session, Transport};
 use crate::sweep::{format_bytes, parse_bytes};
@@ -301,12 +301,8 @@ fn targets() -> Vec<Target> {
                         .find(|r| r.is(VARIANTS[FLOOR]))
                         .map_or_else(String::new, |f| {
                             let x = py.stats.median_us / f.stats.median_us;
-                            let reach = if x >= RECORDS_TARGET.1 {
-                                ""
-                            } else {
-                                ": out of reach for owned values on this machine"
-                            };
-                            format!("; `floor` bounds tpcomm owned at {x:.1}x{reach}")
+                            let at = format!("tpcomm owned at {x:.1}x");
+                            floor_bound("`floor`", &at, x >= RECORDS_TARGET.1, " for owned values")
                         });
                 Some((met, detail.join(", ") + &bound))
             }),

@@ -9,7 +9,6 @@
 //! (`/proc/stat`). The case's rows carry the figures (`info`), and the run ends with a line
 //! that names the cases where wake-ups or a shared CPU weigh in the times.
 
-use serde::{Deserialize, Serialize};
 use tpcomm::Communicator;
 
 use crate::error::BenchError;
@@ -89,7 +88,7 @@ impl Probe {
 }
 
 /// Where the ranks ran over a case's timed rounds.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Placement {
     /// Voluntary context switches (waits that slept) per timed round on the rank that had
     /// most; `None` where `/proc` does not say.

@@ -5,12 +5,13 @@
 //! feature), `cargo doc` with rustdoc warnings denied (every feature), every unit/property/integration/doc test (every feature), then the MPI
 //! conformance programs under `mpirun -np 2` and `-np 4`, and once more with `-np 3` and a
 //! timeout on the communicator (the nonblocking, deadline-polled path), `mpi-single-copy-off`
-//! under `-np 2` and `-np 4` (Open MPI only), the fault suite
+//! under `-np 2` and `-np 4` (Open MPI only), the bench's MPI subcommands on a few small
+//! sizes (every path verified, the MPI peer's included), the fault suite
 //! (`faults.rs`: ranks SIGKILLed at each phase), and a fuzz smoke pass (`fuzz.rs`, every
 //! target for a few seconds), and the downstream builds (`downstream.rs`: tpcomm's GPU
 //! features next to cudarc configured as engines configure it). The closing line, `total: N
-//! passed, N failed`, covers the cargo tests, the MPI cases, the fault cases, the fuzz
-//! targets and the downstream programs together.
+//! passed, N failed`, covers the cargo tests, the MPI cases, the bench runs, the fault cases,
+//! the fuzz targets and the downstream programs together.
 
 use std::process::Command;
 
@@ -138,6 +139,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         eprintln!("xtask test: MPI suite SKIPPED (--skip-mpi); these cases are not counted");
     } else {
         run_mpi_suite(&mut tally)?;
+        run_bench_smoke(&mut tally)?;
         run_fault_suite(&mut tally)?;
         if large {
             run_large(&mut tally)?;
@@ -188,6 +190,43 @@ fn run_mpi_suite(tally: &mut Tally) -> Result<(), String> {
         }
     } else {
         eprintln!("xtask test: mpi-single-copy-off SKIPPED (it needs Open MPI)");
+    }
+    Ok(())
+}
+
+/// The bench's MPI subcommands on 2 ranks, a few small sizes and iterations each: every
+/// path, the MPI peer (MPI's C API called from Rust) and the C loop included, is verified
+/// on fresh data before it is timed, and a wrong result exits with a failure. Each run
+/// counts as one test; the figures are not judged.
+const BENCH_SMOKE: [&[&str]; 3] = [
+    &["transport", "--max-bytes", "4KiB", "--factor", "8"],
+    &["peer-check", "--max-bytes", "4KiB", "--factor", "8"],
+    &["allreduce", "--max-bytes", "64KiB", "--factor", "8"],
+];
+
+/// Runs [`BENCH_SMOKE`] under `mpirun -np 2` (the bench built as the cargo tests built it).
+fn run_bench_smoke(tally: &mut Tally) -> Result<(), String> {
+    let mut build = util::cargo();
+    build.args(["build", "-p", "tpcomm-bench", "--all-features"]);
+    let exe = util::build_executable(build, "tpcomm-bench")?;
+    for args in BENCH_SMOKE {
+        let mut cmd = Command::new("timeout");
+        cmd.args(["--kill-after=10", &MPI_TIMEOUT_SECS.to_string()]);
+        let mpirun = util::mpirun(2);
+        cmd.arg(mpirun.get_program())
+            .args(mpirun.get_args())
+            .arg(&exe);
+        cmd.args(args.iter())
+            .args(["--transport", "mpi", "--iters", "3", "--warmup", "1"]);
+        cmd.current_dir(util::root());
+        let label = format!("mpirun -np 2 tpcomm-bench {}", args.join(" "));
+        if util::run_lines(cmd, |_| {})? {
+            println!("bench {label} ... ok");
+            tally.passed += 1;
+        } else {
+            println!("bench {label} ... FAILED");
+            tally.failed += 1;
+        }
     }
     Ok(())
 }

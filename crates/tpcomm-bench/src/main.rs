@@ -123,7 +123,7 @@ enum Command {
     ///
     /// Exits with status 1 when a row is slower than the threshold allows.
     Compare(compare::CompareArgs),
-    /// Checks the MPI peer of `transport` and `allreduce` (rsmpi in the run) against a C
+    /// Checks the MPI peer of `transport` and `allreduce` (MPI's C API from Rust) against a C
     /// loop of the same MPI calls (built with `mpicc`), iterations interleaved.
     ///
     /// Run it under `mpirun -np 2` with `--transport mpi`. Needs the `mpi` feature.

@@ -1,8 +1,9 @@
-//! The MPI peer: the same collective called through rsmpi on `MPI_COMM_WORLD`, the way a C
-//! program calls MPI: one plain call on buffers allocated (and counts converted to 32-bit
-//! MPI counts) once per case, before timing, so that each timed iteration is the MPI call
-//! and nothing else. [`CLoop`] is the reference it is checked against: the same calls made
-//! from a C loop (`src/peer_loop.c`), in `tpcomm-bench peer-check` and in `allreduce`.
+//! The MPI peer: the same collective called on `MPI_COMM_WORLD` through MPI's C API (rsmpi's
+//! `ffi` module), the way a C program calls MPI: one plain call on buffers allocated (and
+//! counts converted to 32-bit MPI counts) once per case, before timing, so that each timed
+//! iteration is an `MPI_Barrier` and the MPI call, and nothing else. [`CLoop`] is the
+//! reference it is checked against: the same calls made from a C loop (`src/peer_loop.c`),
+//! in `tpcomm-bench peer-check` and in `allreduce`.
 
 use std::ffi::c_void;
 use std::path::{Path, PathBuf};
@@ -235,50 +236,135 @@ impl MpiWorld {
         (info.transport == "mpi").then(|| Self(mpi::topology::SimpleCommunicator::world()))
     }
 
-    /// Runs `case`'s operation once as the plain MPI call on its buffers and 32-bit counts;
-    /// its nanoseconds, the clock started right before the call, as a C loop starts it.
-    pub(crate) fn run(&self, case: &mut Case) -> u64 {
+    /// Runs `case`'s operation once as the plain MPI call on its buffers and 32-bit counts,
+    /// through MPI's C API (`mpi::ffi`), as a C benchmark loop calls it: with `timed`, an
+    /// `MPI_Barrier` first and the call between two clock reads (its nanoseconds on this
+    /// rank); otherwise the call alone (0).
+    ///
+    /// rsmpi's safe calls are not used here: each one asks MPI for the communicator's size
+    /// and converts its buffer lengths on every call, about 10 ns that a C loop does not
+    /// spend, 2-3% of a 64-byte all-gather (docs/benchmarks.md, "The MPI peer called as a C
+    /// loop calls it").
+    pub(crate) fn run(&self, case: &mut Case, timed: bool) -> Result<u64, BenchError> {
         use crate::transport::{TransportOp as Op, ROOT};
-        use mpi::collective::{CommunicatorCollectives as _, Root as _};
-        use mpi::datatype::{Partition, PartitionMut};
-        use mpi::topology::Communicator as _;
-        let comm = &self.0;
+        use mpi::ffi;
+        use mpi::raw::AsRaw as _;
+        let comm = self.0.as_raw();
         let [counts, displs] = &case.mpi_counts;
-        let (send, recv) = (&case.send[..], &mut case.recv[..]);
-        let root = comm.process_at_rank(ROOT as i32);
-        let start = std::time::Instant::now();
-        match case.op {
-            Op::AllGather => comm.all_gather_into(send, recv),
-            Op::AllGatherVarcount => comm.all_gather_varcount_into(
-                send,
-                &mut PartitionMut::new(recv, &counts[..], &displs[..]),
-            ),
-            Op::GatherVarcount if case.rank == ROOT => root.gather_varcount_into_root(
-                send,
-                &mut PartitionMut::new(recv, &counts[..], &displs[..]),
-            ),
-            Op::GatherVarcount => root.gather_varcount_into(send),
-            Op::Broadcast => root.broadcast_into(recv),
-            Op::AllToAllVarcount => comm.all_to_all_varcount_into(
-                &Partition::new(send, &counts[..], &displs[..]),
-                &mut PartitionMut::new(recv, &counts[..], &displs[..]),
-            ),
-            Op::AllReduce => return self.all_reduce_sum(&case.send_f32, &mut case.recv_f32, false),
+        let (counts, displs) = (counts.as_ptr(), displs.as_ptr());
+        let int = |n: usize| {
+            i32::try_from(n).map_err(|_| BenchError::Usage("a count beyond MPI's 32 bits".into()))
+        };
+        let (send_len, recv_len) = (int(case.send.len())?, int(case.recv.len())?);
+        let floats = int(case.send_f32.len())?;
+        let (send, recv) = (case.send.as_ptr().cast(), case.recv.as_mut_ptr().cast());
+        let (root, is_root) = (ROOT as i32, case.rank == ROOT);
+        // SAFETY: reading immutable handle constants exported by rsmpi's C shim.
+        let (byte, float, sum) = unsafe { (ffi::RSMPI_UINT8_T, ffi::RSMPI_FLOAT, ffi::RSMPI_SUM) };
+        if timed {
+            self.barrier()?;
         }
-        crate::harness::elapsed_ns(start)
+        let start = std::time::Instant::now();
+        // SAFETY: the buffers and count tables are the case's, as large as `Case::new` made
+        // them for this operation on this communicator's ranks (the receive buffer is
+        // `send_len * size` bytes for all-gather; the tables have one entry per rank and
+        // describe the receive buffer; all-to-all's equal blocks make them the send layout
+        // too); every rank makes the same call.
+        let rc = unsafe {
+            match case.op {
+                Op::AllGather => {
+                    ffi::MPI_Allgather(send, send_len, byte, recv, send_len, byte, comm)
+                }
+                Op::AllGatherVarcount => {
+                    ffi::MPI_Allgatherv(send, send_len, byte, recv, counts, displs, byte, comm)
+                }
+                Op::GatherVarcount => ffi::MPI_Gatherv(
+                    send,
+                    send_len,
+                    byte,
+                    if is_root { recv } else { std::ptr::null_mut() },
+                    counts,
+                    displs,
+                    byte,
+                    root,
+                    comm,
+                ),
+                Op::Broadcast => ffi::MPI_Bcast(recv, recv_len, byte, root, comm),
+                Op::AllToAllVarcount => {
+                    ffi::MPI_Alltoallv(send, counts, displs, byte, recv, counts, displs, byte, comm)
+                }
+                Op::AllReduce => ffi::MPI_Allreduce(
+                    case.send_f32.as_ptr().cast(),
+                    case.recv_f32.as_mut_ptr().cast(),
+                    floats,
+                    float,
+                    sum,
+                    comm,
+                ),
+            }
+        };
+        let ns = if timed {
+            crate::harness::elapsed_ns(start)
+        } else {
+            0
+        };
+        match rc {
+            0 => Ok(ns),
+            rc => Err(BenchError::Usage(format!(
+                "MPI {} failed ({rc})",
+                case.op.name()
+            ))),
+        }
     }
 
-    /// `MPI_Allreduce` (sum) of `input` into `output`, timed as [`MpiWorld::run`] times;
-    /// with `barrier`, after an `MPI_Barrier` (untimed), as the C loop calls it.
-    pub(crate) fn all_reduce_sum(&self, input: &[f32], output: &mut [f32], barrier: bool) -> u64 {
-        use mpi::collective::{CommunicatorCollectives as _, SystemOperation};
-        if barrier {
-            self.0.barrier();
+    /// `MPI_Barrier` on the world, called as a C loop calls it.
+    pub(crate) fn barrier(&self) -> Result<(), BenchError> {
+        use mpi::raw::AsRaw as _;
+        // SAFETY: MPI is initialized (the ranks are MPI ranks) and the communicator is the
+        // world.
+        match unsafe { mpi::ffi::MPI_Barrier(self.0.as_raw()) } {
+            0 => Ok(()),
+            rc => Err(BenchError::Usage(format!("MPI_Barrier failed ({rc})"))),
         }
+    }
+
+    /// `MPI_Allreduce` (sum) of `input` into `output` through MPI's C API, timed as
+    /// [`MpiWorld::run`] times; with `barrier`, after an `MPI_Barrier` (untimed), as the C
+    /// loop calls it.
+    pub(crate) fn all_reduce_sum(
+        &self,
+        input: &[f32],
+        output: &mut [f32],
+        barrier: bool,
+    ) -> Result<u64, BenchError> {
+        use mpi::ffi;
+        use mpi::raw::AsRaw as _;
+        same_length("MPI_Allreduce", input, output)?;
+        let count = i32::try_from(input.len())
+            .map_err(|_| BenchError::Usage("a count beyond MPI's 32 bits".into()))?;
+        if barrier {
+            self.barrier()?;
+        }
+        // SAFETY: reading immutable handle constants exported by rsmpi's C shim.
+        let (float, sum) = unsafe { (ffi::RSMPI_FLOAT, ffi::RSMPI_SUM) };
         let start = std::time::Instant::now();
-        self.0
-            .all_reduce_into(input, output, SystemOperation::sum());
-        crate::harness::elapsed_ns(start)
+        // SAFETY: `input` and `output` hold `count` floats each (checked above), all that
+        // MPI_Allreduce reads and writes; MPI is initialized and every rank makes the call.
+        let rc = unsafe {
+            ffi::MPI_Allreduce(
+                input.as_ptr().cast(),
+                output.as_mut_ptr().cast(),
+                count,
+                float,
+                sum,
+                self.0.as_raw(),
+            )
+        };
+        let ns = crate::harness::elapsed_ns(start);
+        match rc {
+            0 => Ok(ns),
+            rc => Err(BenchError::Usage(format!("MPI_Allreduce failed ({rc})"))),
+        }
     }
 }
 
@@ -293,11 +379,20 @@ impl MpiWorld {
         None
     }
 
-    pub(crate) fn run(&self, _: &mut Case) -> u64 {
+    pub(crate) fn run(&self, _: &mut Case, _: bool) -> Result<u64, BenchError> {
         match *self {}
     }
 
-    pub(crate) fn all_reduce_sum(&self, _: &[f32], _: &mut [f32], _: bool) -> u64 {
+    pub(crate) fn barrier(&self) -> Result<(), BenchError> {
+        match *self {}
+    }
+
+    pub(crate) fn all_reduce_sum(
+        &self,
+        _: &[f32],
+        _: &mut [f32],
+        _: bool,
+    ) -> Result<u64, BenchError> {
         match *self {}
     }
 }

@@ -1,17 +1,16 @@
 //! `tpcomm-bench peer-check`: checks the MPI peer of the other subcommands (the plain MPI
-//! call through rsmpi, [`crate::mpi_peer`]) against the same call made from C.
+//! call from Rust through rsmpi's bindings of MPI's C API, [`crate::mpi_peer`]) against the
+//! same call made from C.
 //!
 //! `src/peer_loop.c` is one iteration of a C benchmark loop (a barrier, one MPI call timed
 //! with `CLOCK_MONOTONIC`); each rank compiles it with `mpicc` into a shared library and
 //! loads it. The harness then runs three variants on the same buffers, iterations
-//! interleaved, at every size of the sweep: `rsmpi`, timed as `transport` and `allreduce`
-//! time their peer; `C loop`, the C iteration timing itself; and `C call`, the same C call
-//! timed by the harness like `rsmpi` (so that `rsmpi / C call` is the binding's cost and
-//! `C call / C loop` the harness's). A peer within `--tolerance` of the C loop measures MPI,
-//! not the Rust binding or the harness around it. Run it under `mpirun -np 2` with
-//! `--transport mpi`.
-
-use std::time::Instant;
+//! interleaved, at every size of the sweep: `rsmpi`, the peer as `transport` and `allreduce`
+//! time it (an `MPI_Barrier`, then `Instant` around the call); `C loop`, the C iteration
+//! timing itself; and `C call`, the same C call after the harness's own barrier (tpcomm's,
+//! which times the local transport's rows), so that `C call / C loop` is what that barrier
+//! adds. A peer within `--tolerance` of the C loop measures MPI, not the Rust binding or
+//! the harness around it. Run it under `mpirun -np 2` with `--transport mpi`.
 
 use clap::Args;
 use serde::Serialize;
@@ -138,13 +137,16 @@ impl Bench for PeerCheck<'_> {
     fn preamble(&self, _mpi: bool) -> Vec<String> {
         vec![
             self.args.sweep.describe(),
-            "rsmpi: the MPI peer of transport and allreduce (rsmpi on MPI_COMM_WORLD, warm \
-             buffers), timed as transport times it (a barrier, then Instant around the call)"
+            "rsmpi: the MPI peer of transport and allreduce (MPI's C API through rsmpi's \
+             bindings on MPI_COMM_WORLD, warm buffers): MPI_Barrier, then Instant around the \
+             call"
                 .into(),
             "C loop: one iteration of a C loop (src/peer_loop.c built with mpicc -O2: \
              MPI_Barrier, then the call timed with CLOCK_MONOTONIC) on the same buffers"
                 .into(),
-            "C call: the same C call timed as rsmpi is (the harness's barrier and clock)".into(),
+            "C call: the same C call after the harness's barrier (tpcomm's), then Instant \
+             around it"
+                .into(),
             "iterations interleaved; time: median over iterations of the slowest rank; \
              ratio = median / C loop median"
                 .into(),
@@ -157,6 +159,7 @@ impl Bench for PeerCheck<'_> {
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
         let mpi = s.mpi.take();
+        let no_mpi = || BenchError::Usage("peer-check runs on MPI ranks only".into());
         let sizes = self.args.sweep.sizes();
         s.progress.plan(CALLS.len() * sizes.len());
         s.header("MPI call: rsmpi (the in-run peer) and the C loop", &COLUMNS);
@@ -173,22 +176,19 @@ impl Bench for PeerCheck<'_> {
                 s.verify(comm, &spec, &mut case, |case, v| {
                     case.fill(salt ^ v as u64);
                     if v == 0 {
-                        case.run(comm, mpi.as_ref(), 1)?;
+                        mpi.as_ref().ok_or_else(no_mpi)?.run(case, false)?;
                     } else {
                         self.c_iteration(code, case, v == 1)?;
                     }
                     Ok(case.check(salt ^ v as u64))
                 })?;
-                let rows = s.measure(comm, &spec, &mut case, |case, v| {
-                    time_once(comm, |_| match v {
-                        0 => case.run(comm, mpi.as_ref(), 1),
-                        1 => self.c_iteration(code, case, true),
-                        _ => {
-                            let start = Instant::now();
-                            self.c_iteration(code, case, false)?;
-                            Ok(elapsed_ns(start))
-                        }
-                    })
+                let rows = s.measure(comm, &spec, &mut case, |case, v| match v {
+                    0 => mpi.as_ref().ok_or_else(no_mpi)?.run(case, true),
+                    1 => self.c_iteration(code, case, true),
+                    _ => time_once(comm, |start| {
+                        self.c_iteration(code, case, false)?;
+                        Ok(elapsed_ns(start))
+                    }),
                 })?;
                 s.rows(&COLUMNS, rows, |_| true);
             }

@@ -210,15 +210,9 @@ fn run_bench_smoke(tally: &mut Tally) -> Result<(), String> {
     build.args(["build", "-p", "tpcomm-bench", "--all-features"]);
     let exe = util::build_executable(build, "tpcomm-bench")?;
     for args in BENCH_SMOKE {
-        let mut cmd = Command::new("timeout");
-        cmd.args(["--kill-after=10", &MPI_TIMEOUT_SECS.to_string()]);
-        let mpirun = util::mpirun(2);
-        cmd.arg(mpirun.get_program())
-            .args(mpirun.get_args())
-            .arg(&exe);
+        let mut cmd = bounded_mpirun(2, &exe);
         cmd.args(args.iter())
             .args(["--transport", "mpi", "--iters", "3", "--warmup", "1"]);
-        cmd.current_dir(util::root());
         let label = format!("mpirun -np 2 tpcomm-bench {}", args.join(" "));
         if util::run_lines(cmd, |_| {})? {
             println!("bench {label} ... ok");
@@ -305,13 +299,7 @@ fn run_mpi_program(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let mut cmd = Command::new("timeout");
-    cmd.args(["--kill-after=10", &MPI_TIMEOUT_SECS.to_string()]);
-    let mpirun = util::mpirun(np);
-    cmd.arg(mpirun.get_program())
-        .args(mpirun.get_args())
-        .arg(exe);
-    cmd.current_dir(util::root());
+    let mut cmd = bounded_mpirun(np, exe);
     if let Some(ms) = timeout_ms {
         cmd.env("TPCOMM_MPI_TIMEOUT_MS", ms.to_string());
     }
@@ -343,6 +331,18 @@ fn run_mpi_program(
             .push(format!("mpirun -np {np} {name} reported no case"));
     }
     Ok(())
+}
+
+/// `exe` under `mpirun -np np`, from the workspace root, killed after [`MPI_TIMEOUT_SECS`].
+fn bounded_mpirun(np: usize, exe: &std::path::Path) -> Command {
+    let mut cmd = Command::new("timeout");
+    cmd.args(["--kill-after=10", &MPI_TIMEOUT_SECS.to_string()]);
+    let mpirun = util::mpirun(np);
+    cmd.arg(mpirun.get_program())
+        .args(mpirun.get_args())
+        .arg(exe);
+    cmd.current_dir(util::root());
+    cmd
 }
 
 #[cfg(test)]

@@ -94,8 +94,7 @@ impl CLoop {
         [counts, displs]: [&[i32]; 2],
         timed: bool,
     ) -> Result<u64, BenchError> {
-        let send_count = i32::try_from(send_count)
-            .map_err(|_| BenchError::Usage("a count beyond MPI's 32 bits".into()))?;
+        let send_count = mpi_int(send_count)?;
         // SAFETY: per this function's contract; MPI is initialized (the ranks are MPI ranks).
         let ns = unsafe {
             (self.iteration)(
@@ -252,69 +251,47 @@ impl MpiWorld {
         let comm = self.0.as_raw();
         let [counts, displs] = &case.mpi_counts;
         let (counts, displs) = (counts.as_ptr(), displs.as_ptr());
-        let int = |n: usize| {
-            i32::try_from(n).map_err(|_| BenchError::Usage("a count beyond MPI's 32 bits".into()))
-        };
-        let (send_len, recv_len) = (int(case.send.len())?, int(case.recv.len())?);
-        let floats = int(case.send_f32.len())?;
+        let (send_len, recv_len) = (mpi_int(case.send.len())?, mpi_int(case.recv.len())?);
+        let floats = mpi_int(case.send_f32.len())?;
         let (send, recv) = (case.send.as_ptr().cast(), case.recv.as_mut_ptr().cast());
+        let (send_f32, recv_f32) = (case.send_f32.as_ptr(), case.recv_f32.as_mut_ptr());
         let (root, is_root) = (ROOT as i32, case.rank == ROOT);
-        // SAFETY: reading immutable handle constants exported by rsmpi's C shim.
-        let (byte, float, sum) = unsafe { (ffi::RSMPI_UINT8_T, ffi::RSMPI_FLOAT, ffi::RSMPI_SUM) };
-        if timed {
-            self.barrier()?;
-        }
-        let start = std::time::Instant::now();
-        // SAFETY: the buffers and count tables are the case's, as large as `Case::new` made
-        // them for this operation on this communicator's ranks (the receive buffer is
-        // `send_len * size` bytes for all-gather; the tables have one entry per rank and
-        // describe the receive buffer; all-to-all's equal blocks make them the send layout
-        // too); every rank makes the same call.
-        let rc = unsafe {
-            match case.op {
-                Op::AllGather => {
-                    ffi::MPI_Allgather(send, send_len, byte, recv, send_len, byte, comm)
+        // SAFETY: reading an immutable handle constant exported by rsmpi's C shim.
+        let byte = unsafe { ffi::RSMPI_UINT8_T };
+        self.iteration(timed, case.op.name(), || {
+            // SAFETY: the buffers and count tables are the case's, as large as `Case::new`
+            // made them for this operation on this communicator's ranks (the receive buffer
+            // is `send_len * size` bytes for all-gather; the tables have one entry per rank
+            // and describe the receive buffer; all-to-all's equal blocks make them the send
+            // layout too; all-reduce's vectors hold `floats` each); every rank makes the same
+            // call.
+            unsafe {
+                match case.op {
+                    Op::AllGather => {
+                        ffi::MPI_Allgather(send, send_len, byte, recv, send_len, byte, comm)
+                    }
+                    Op::AllGatherVarcount => {
+                        ffi::MPI_Allgatherv(send, send_len, byte, recv, counts, displs, byte, comm)
+                    }
+                    Op::GatherVarcount => ffi::MPI_Gatherv(
+                        send,
+                        send_len,
+                        byte,
+                        if is_root { recv } else { std::ptr::null_mut() },
+                        counts,
+                        displs,
+                        byte,
+                        root,
+                        comm,
+                    ),
+                    Op::Broadcast => ffi::MPI_Bcast(recv, recv_len, byte, root, comm),
+                    Op::AllToAllVarcount => ffi::MPI_Alltoallv(
+                        send, counts, displs, byte, recv, counts, displs, byte, comm,
+                    ),
+                    Op::AllReduce => all_reduce_floats(send_f32, recv_f32, floats, comm),
                 }
-                Op::AllGatherVarcount => {
-                    ffi::MPI_Allgatherv(send, send_len, byte, recv, counts, displs, byte, comm)
-                }
-                Op::GatherVarcount => ffi::MPI_Gatherv(
-                    send,
-                    send_len,
-                    byte,
-                    if is_root { recv } else { std::ptr::null_mut() },
-                    counts,
-                    displs,
-                    byte,
-                    root,
-                    comm,
-                ),
-                Op::Broadcast => ffi::MPI_Bcast(recv, recv_len, byte, root, comm),
-                Op::AllToAllVarcount => {
-                    ffi::MPI_Alltoallv(send, counts, displs, byte, recv, counts, displs, byte, comm)
-                }
-                Op::AllReduce => ffi::MPI_Allreduce(
-                    case.send_f32.as_ptr().cast(),
-                    case.recv_f32.as_mut_ptr().cast(),
-                    floats,
-                    float,
-                    sum,
-                    comm,
-                ),
             }
-        };
-        let ns = if timed {
-            crate::harness::elapsed_ns(start)
-        } else {
-            0
-        };
-        match rc {
-            0 => Ok(ns),
-            rc => Err(BenchError::Usage(format!(
-                "MPI {} failed ({rc})",
-                case.op.name()
-            ))),
-        }
+        })
     }
 
     /// `MPI_Barrier` on the world, called as a C loop calls it.
@@ -328,44 +305,84 @@ impl MpiWorld {
         }
     }
 
-    /// `MPI_Allreduce` (sum) of `input` into `output` through MPI's C API, timed as
-    /// [`MpiWorld::run`] times; with `barrier`, after an `MPI_Barrier` (untimed), as the C
-    /// loop calls it.
+    /// `MPI_Allreduce` (sum) of `input` into `output` through MPI's C API, as
+    /// [`MpiWorld::run`] runs it: with `timed`, after an `MPI_Barrier` and between two clock
+    /// reads (its nanoseconds), otherwise the call alone (0).
     pub(crate) fn all_reduce_sum(
         &self,
         input: &[f32],
         output: &mut [f32],
-        barrier: bool,
+        timed: bool,
     ) -> Result<u64, BenchError> {
-        use mpi::ffi;
         use mpi::raw::AsRaw as _;
         same_length("MPI_Allreduce", input, output)?;
-        let count = i32::try_from(input.len())
-            .map_err(|_| BenchError::Usage("a count beyond MPI's 32 bits".into()))?;
-        if barrier {
+        let count = mpi_int(input.len())?;
+        let comm = self.0.as_raw();
+        let (input, output) = (input.as_ptr(), output.as_mut_ptr());
+        // SAFETY: `input` and `output` hold `count` floats each (checked above); MPI is
+        // initialized and every rank makes the call.
+        self.iteration(timed, "all_reduce", || unsafe {
+            all_reduce_floats(input, output, count, comm)
+        })
+    }
+
+    /// One iteration of a C benchmark loop around `call` (an MPI call returning its code):
+    /// with `timed`, an `MPI_Barrier` first and `call` between two clock reads (its
+    /// nanoseconds on this rank), otherwise `call` alone (0); an error naming `what` unless
+    /// MPI returns success.
+    fn iteration(
+        &self,
+        timed: bool,
+        what: &str,
+        call: impl FnOnce() -> i32,
+    ) -> Result<u64, BenchError> {
+        if timed {
             self.barrier()?;
         }
-        // SAFETY: reading immutable handle constants exported by rsmpi's C shim.
-        let (float, sum) = unsafe { (ffi::RSMPI_FLOAT, ffi::RSMPI_SUM) };
         let start = std::time::Instant::now();
-        // SAFETY: `input` and `output` hold `count` floats each (checked above), all that
-        // MPI_Allreduce reads and writes; MPI is initialized and every rank makes the call.
-        let rc = unsafe {
-            ffi::MPI_Allreduce(
-                input.as_ptr().cast(),
-                output.as_mut_ptr().cast(),
-                count,
-                float,
-                sum,
-                self.0.as_raw(),
-            )
+        let rc = call();
+        let ns = if timed {
+            crate::harness::elapsed_ns(start)
+        } else {
+            0
         };
-        let ns = crate::harness::elapsed_ns(start);
         match rc {
             0 => Ok(ns),
-            rc => Err(BenchError::Usage(format!("MPI_Allreduce failed ({rc})"))),
+            rc => Err(BenchError::Usage(format!("MPI {what} failed ({rc})"))),
         }
     }
+}
+
+/// `MPI_Allreduce` (sum) of `count` floats from `input` into `output` on `comm`; MPI's code.
+///
+/// # Safety
+/// `input` and `output` hold `count` floats each; MPI is initialized and every rank of `comm`
+/// makes the same call.
+#[cfg(feature = "mpi")]
+unsafe fn all_reduce_floats(
+    input: *const f32,
+    output: *mut f32,
+    count: i32,
+    comm: mpi::ffi::MPI_Comm,
+) -> i32 {
+    use mpi::ffi;
+    // SAFETY: per this function's contract; the datatype and op are rsmpi's immutable handle
+    // constants.
+    unsafe {
+        ffi::MPI_Allreduce(
+            input.cast(),
+            output.cast(),
+            count,
+            ffi::RSMPI_FLOAT,
+            ffi::RSMPI_SUM,
+            comm,
+        )
+    }
+}
+
+/// `n` as an MPI count (a C `int`).
+fn mpi_int(n: usize) -> Result<i32, BenchError> {
+    i32::try_from(n).map_err(|_| BenchError::Usage("a count beyond MPI's 32 bits".into()))
 }
 
 /// Without the `mpi` feature there is no MPI peer.

@@ -158,8 +158,10 @@ impl Bench for PeerCheck<'_> {
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
-        let mpi = s.mpi.take();
-        let no_mpi = || BenchError::Usage("peer-check runs on MPI ranks only".into());
+        let mpi = s
+            .mpi
+            .take()
+            .ok_or_else(|| BenchError::Usage("peer-check runs on MPI ranks only".into()))?;
         let sizes = self.args.sweep.sizes();
         s.progress.plan(CALLS.len() * sizes.len());
         s.header("MPI call: rsmpi (the in-run peer) and the C loop", &COLUMNS);
@@ -176,14 +178,14 @@ impl Bench for PeerCheck<'_> {
                 s.verify(comm, &spec, &mut case, |case, v| {
                     case.fill(salt ^ v as u64);
                     if v == 0 {
-                        mpi.as_ref().ok_or_else(no_mpi)?.run(case, false)?;
+                        mpi.run(case, false)?;
                     } else {
                         self.c_iteration(code, case, v == 1)?;
                     }
                     Ok(case.check(salt ^ v as u64))
                 })?;
                 let rows = s.measure(comm, &spec, &mut case, |case, v| match v {
-                    0 => mpi.as_ref().ok_or_else(no_mpi)?.run(case, true),
+                    0 => mpi.run(case, true),
                     1 => self.c_iteration(code, case, true),
                     _ => time_once(comm, |start| {
                         self.c_iteration(code, case, false)?;

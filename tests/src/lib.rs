@@ -12,6 +12,7 @@
 pub mod agreement;
 pub mod allreduce;
 pub mod ipc;
+pub mod misreported;
 #[cfg(feature = "mpi")]
 pub mod mpi_cases;
 pub mod numeric;
@@ -210,6 +211,10 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
         (
             "argument_errors_are_typed_and_lose_nothing",
             argument_errors_are_typed,
+        ),
+        (
+            "a_wrapper_reporting_another_rank_or_size_gets_a_typed_error",
+            misreported::misreported_group_gets_a_typed_error,
         ),
         (
             "all_reduce_matches_the_reference_for_every_type_op_and_placement",

@@ -3,7 +3,10 @@
 //! The provided methods of [`Communicator`](crate::Communicator) run these checks and hand
 //! the backend a *checked* argument bundle. The bundles have private fields and no public
 //! constructor, so a backend can only ever receive arguments that went through this module:
-//! the checks live in one place and cannot be skipped by a new backend.
+//! the checks live in one place and cannot be skipped by a new backend. Each bundle also
+//! records the rank and size it was checked for (`Group`), which every backend compares
+//! with its own: a wrapper that forwards a bundle while reporting another rank or size gets
+//! an error.
 //!
 //! The checks run on every call, so their cost is part of every collective's latency. The
 //! bundle constructors are `#[inline(always)]`: the provided methods are generic, so they
@@ -25,7 +28,57 @@ pub(crate) struct Shape {
     pub(crate) max_count: usize,
 }
 
+/// The rank and size a bundle of arguments was checked for.
+///
+/// The provided methods of [`Communicator`](crate::Communicator) check arguments against the
+/// rank and size of the communicator they are called on. A communicator that wraps another
+/// and forwards the checked bundle to it reports its own rank and size, which need not be
+/// the inner one's; so every backend compares the bundle's group with its own
+/// ([`Group::expect`]) before it touches a buffer: a bundle checked for another group is an
+/// error, never a transfer sized for another group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Group {
+    rank: usize,
+    size: usize,
+}
+
+impl Group {
+    pub(crate) fn new(rank: usize, size: usize) -> Self {
+        Self { rank, size }
+    }
+
+    /// `Ok` when the bundle was checked for rank `rank` of a communicator of `size` ranks.
+    #[inline(always)]
+    pub(crate) fn expect(self, op: Op, rank: usize, size: usize) -> Result<()> {
+        if self.rank == rank && self.size == size {
+            return Ok(());
+        }
+        Err(self.mismatch(op, rank, size))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn mismatch(self, op: Op, rank: usize, size: usize) -> TransportError {
+        TransportError::InvalidArgument {
+            op,
+            rank,
+            source: ArgumentError::OtherGroup {
+                checked_rank: self.rank,
+                checked_size: self.size,
+                rank,
+                size,
+            },
+        }
+    }
+}
+
 impl Shape {
+    /// The group arguments checked with this shape were checked for.
+    #[inline(always)]
+    fn group(&self) -> Group {
+        Group::new(self.rank, self.size)
+    }
+
     fn err(&self, source: ArgumentError) -> TransportError {
         TransportError::InvalidArgument {
             op: self.op,
@@ -202,9 +255,16 @@ fn ascending_disjoint(counts: &[usize], displs: &[usize]) -> bool {
 pub struct AllGatherArgs<'a> {
     send: &'a [u8],
     recv: &'a mut [u8],
+    /// The rank and size the arguments were checked for.
+    group: Group,
 }
 
 impl<'a> AllGatherArgs<'a> {
+    /// The rank and size the arguments were checked for (see [`Group`]).
+    pub(crate) fn group(&self) -> Group {
+        self.group
+    }
+
     #[inline(always)]
     pub(crate) fn check(shape: Shape, send: &'a [u8], recv: &'a mut [u8]) -> Result<Self> {
         shape.count("send count", shape.rank, send.len())?;
@@ -219,7 +279,11 @@ impl<'a> AllGatherArgs<'a> {
                 actual: recv.len(),
             }));
         }
-        Ok(Self { send, recv })
+        Ok(Self {
+            send,
+            recv,
+            group: shape.group(),
+        })
     }
 
     /// This rank's contribution.
@@ -254,9 +318,16 @@ pub struct VarcountArgs<'a> {
     recv: &'a mut [u8],
     counts: &'a [usize],
     displs: &'a [usize],
+    /// The rank and size the arguments were checked for.
+    group: Group,
 }
 
 impl<'a> VarcountArgs<'a> {
+    /// The rank and size the arguments were checked for (see [`Group`]).
+    pub(crate) fn group(&self) -> Group {
+        self.group
+    }
+
     #[inline(always)]
     pub(crate) fn check(
         shape: Shape,
@@ -277,6 +348,7 @@ impl<'a> VarcountArgs<'a> {
             recv,
             counts,
             displs,
+            group: shape.group(),
         })
     }
 
@@ -327,9 +399,16 @@ pub struct GatherArgs<'a> {
     root: usize,
     send: &'a [u8],
     recv: Option<GatherRecv<'a>>,
+    /// The rank and size the arguments were checked for.
+    group: Group,
 }
 
 impl<'a> GatherArgs<'a> {
+    /// The rank and size the arguments were checked for (see [`Group`]).
+    pub(crate) fn group(&self) -> Group {
+        self.group
+    }
+
     #[inline(always)]
     pub(crate) fn check(
         shape: Shape,
@@ -352,7 +431,12 @@ impl<'a> GatherArgs<'a> {
         } else {
             None
         };
-        Ok(Self { root, send, recv })
+        Ok(Self {
+            root,
+            send,
+            recv,
+            group: shape.group(),
+        })
     }
 
     /// The root rank.
@@ -381,14 +465,25 @@ impl<'a> GatherArgs<'a> {
 pub struct BroadcastArgs<'a> {
     root: usize,
     buf: &'a mut [u8],
+    /// The rank and size the arguments were checked for.
+    group: Group,
 }
 
 impl<'a> BroadcastArgs<'a> {
+    /// The rank and size the arguments were checked for (see [`Group`]).
+    pub(crate) fn group(&self) -> Group {
+        self.group
+    }
+
     #[inline(always)]
     pub(crate) fn check(shape: Shape, root: usize, buf: &'a mut [u8]) -> Result<Self> {
         shape.root(root)?;
         shape.count("buffer length", shape.rank, buf.len())?;
-        Ok(Self { root, buf })
+        Ok(Self {
+            root,
+            buf,
+            group: shape.group(),
+        })
     }
 
     /// The root rank.
@@ -416,6 +511,8 @@ pub struct AllToAllArgs<'a> {
     recv: &'a mut [u8],
     recv_counts: &'a [usize],
     recv_displs: &'a [usize],
+    /// The rank and size the arguments were checked for.
+    group: Group,
 }
 
 /// One side (send or receive) of an all-to-all.
@@ -430,6 +527,11 @@ pub struct Layout<'a, B> {
 }
 
 impl<'a> AllToAllArgs<'a> {
+    /// The rank and size the arguments were checked for (see [`Group`]).
+    pub(crate) fn group(&self) -> Group {
+        self.group
+    }
+
     #[inline(always)]
     pub(crate) fn check(
         shape: Shape,
@@ -451,6 +553,7 @@ impl<'a> AllToAllArgs<'a> {
             recv: recv.buf,
             recv_counts: recv.counts,
             recv_displs: recv.displs,
+            group: shape.group(),
         })
     }
 
@@ -493,9 +596,16 @@ pub struct AllReduceArgs<'a> {
     dtype: DataType,
     op: ReduceOp,
     count: usize,
+    /// The rank and size the arguments were checked for.
+    group: Group,
 }
 
 impl<'a> AllReduceArgs<'a> {
+    /// The rank and size the arguments were checked for (see [`Group`]).
+    pub(crate) fn group(&self) -> Group {
+        self.group
+    }
+
     #[inline(always)]
     pub(crate) fn check(
         shape: Shape,
@@ -529,6 +639,7 @@ impl<'a> AllReduceArgs<'a> {
             dtype,
             op,
             count,
+            group: shape.group(),
         })
     }
 

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
-use crate::check::{device_count, DeviceCollective};
+use crate::check::{device_count, DeviceCollective, Group};
 use crate::error::{ArgumentError, Op, Result, TransportError};
 
 pub use crate::reduce::ReduceOp;
@@ -133,6 +133,8 @@ pub struct DeviceArgs<'a, T> {
     count: usize,
     reduce: ReduceOp,
     root: usize,
+    /// The rank and size the arguments were checked for.
+    group: Group,
 }
 
 impl<T> std::fmt::Debug for DeviceArgs<'_, T> {
@@ -147,6 +149,11 @@ impl<T> std::fmt::Debug for DeviceArgs<'_, T> {
 }
 
 impl<'a, T> DeviceArgs<'a, T> {
+    /// The rank and size the arguments were checked for (see [`Group`]).
+    pub(crate) fn group(&self) -> Group {
+        self.group
+    }
+
     /// The element count the library takes (see [`check::device_count`](crate::check::device_count)).
     pub fn count(&self) -> usize {
         self.count
@@ -329,6 +336,7 @@ where
         count,
         reduce,
         root: 0,
+        group: Group::new(rank, size),
     })
 }
 

@@ -145,6 +145,24 @@ pub enum ArgumentError {
         /// What was being computed.
         what: &'static str,
     },
+    /// The arguments reached a backend checked for another rank or communicator size than
+    /// the backend's own: a communicator that forwards checked arguments to another one
+    /// reported a rank or size of its own.
+    #[error(
+        "the arguments were checked for rank {checked_rank} of {checked_size}, but the \
+         communicator running the call is rank {rank} of {size}: a communicator that forwards \
+         checked arguments must report the rank and size of the one it forwards to"
+    )]
+    OtherGroup {
+        /// The rank the arguments were checked for.
+        checked_rank: usize,
+        /// The communicator size the arguments were checked for.
+        checked_size: usize,
+        /// The backend's rank.
+        rank: usize,
+        /// The backend's size.
+        size: usize,
+    },
     /// The root of a gather passed no receive layout.
     #[error("the root of a gather must pass a receive buffer with counts and displacements")]
     MissingRootReceive,

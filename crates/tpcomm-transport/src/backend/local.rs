@@ -1213,6 +1213,8 @@ impl Communicator for LocalCommunicator {
     }
 
     fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::AllGather, self.rank(), self.size())?;
         let op = Op::AllGather;
         let block = args.block_len();
         let post = self.post(args.send(), &[block]);
@@ -1238,6 +1240,8 @@ impl Communicator for LocalCommunicator {
     }
 
     fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::AllGatherVarcount, self.rank(), self.size())?;
         let op = Op::AllGatherVarcount;
         let post = self.post(args.send(), args.counts());
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
@@ -1263,6 +1267,8 @@ impl Communicator for LocalCommunicator {
     }
 
     fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::GatherVarcount, self.rank(), self.size())?;
         let op = Op::GatherVarcount;
         let root = args.root();
         let is_root = self.rank == root;
@@ -1298,6 +1304,8 @@ impl Communicator for LocalCommunicator {
     }
 
     fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::Broadcast, self.rank(), self.size())?;
         let op = Op::Broadcast;
         let root = args.root();
         if self.rank == root {
@@ -1331,6 +1339,8 @@ impl Communicator for LocalCommunicator {
     /// Each element is reduced once, by one rank, in rank order: bitwise the same result
     /// everywhere.
     fn raw_all_reduce(&self, mut args: AllReduceArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::AllReduce, self.rank(), self.size())?;
         let op = Op::AllReduce;
         let (dtype, reduce, count) = (args.dtype(), args.op(), args.count());
         let describe = |meta: &[usize]| match meta {
@@ -1379,6 +1389,8 @@ impl Communicator for LocalCommunicator {
     }
 
     fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::AllToAllVarcount, self.rank(), self.size())?;
         let op = Op::AllToAllVarcount;
         let send = args.send();
         let post = self.post_with(|p| {

@@ -553,6 +553,8 @@ impl Communicator for MpiCommunicator {
     }
 
     fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::AllGather, self.rank(), self.size())?;
         if let Some(timeout) = self.timed(Op::AllGather)? {
             return self.timed_all_gather(timeout, args);
         }
@@ -573,6 +575,8 @@ impl Communicator for MpiCommunicator {
     }
 
     fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::AllGatherVarcount, self.rank(), self.size())?;
         if let Some(timeout) = self.timed(Op::AllGatherVarcount)? {
             return self.timed_all_gather_varcount(timeout, args);
         }
@@ -613,6 +617,8 @@ impl Communicator for MpiCommunicator {
     }
 
     fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::GatherVarcount, self.rank(), self.size())?;
         if let Some(timeout) = self.timed(Op::GatherVarcount)? {
             return self.timed_gather_varcount(timeout, args);
         }
@@ -652,6 +658,8 @@ impl Communicator for MpiCommunicator {
     }
 
     fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::Broadcast, self.rank(), self.size())?;
         if let Some(timeout) = self.timed(Op::Broadcast)? {
             return self.timed_broadcast(timeout, args);
         }
@@ -675,6 +683,8 @@ impl Communicator for MpiCommunicator {
     /// exports no `MPI_IN_PLACE` handle, and this module never passes an implementation's
     /// private constant.
     fn raw_all_reduce(&self, mut args: AllReduceArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::AllReduce, self.rank(), self.size())?;
         if let Some(timeout) = self.timed(Op::AllReduce)? {
             return self.timed_all_reduce(timeout, args);
         }
@@ -723,6 +733,8 @@ impl Communicator for MpiCommunicator {
     }
 
     fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::AllToAllVarcount, self.rank(), self.size())?;
         if let Some(timeout) = self.timed(Op::AllToAllVarcount)? {
             return self.timed_all_to_all_varcount(timeout, args);
         }

@@ -690,6 +690,7 @@ impl NcclCommunicator {
         f: ReduceFn,
         mut args: DeviceArgs<'_, T>,
     ) -> Result<()> {
+        args.group().expect(op, self.rank(), self.size())?;
         let _state = self.enter(op)?;
         let (count, reduce) = (args.count(), args.reduce().nccl());
         let (send, recv) = args.buffers();
@@ -775,6 +776,8 @@ impl DeviceCommunicator for NcclCommunicator {
     }
 
     fn raw_all_gather<T: DeviceElement>(&self, mut args: DeviceArgs<'_, T>) -> Result<()> {
+        args.group()
+            .expect(Op::AllGather, self.rank(), self.size())?;
         let _state = self.enter(Op::AllGather)?;
         let count = args.count();
         let (send, recv) = args.buffers();
@@ -802,6 +805,8 @@ impl DeviceCommunicator for NcclCommunicator {
     }
 
     fn raw_broadcast<T: DeviceElement>(&self, mut args: DeviceArgs<'_, T>) -> Result<()> {
+        args.group()
+            .expect(Op::Broadcast, self.rank(), self.size())?;
         let _state = self.enter(Op::Broadcast)?;
         let (count, root) = (args.count(), args.root());
         let root = c_int::try_from(root)

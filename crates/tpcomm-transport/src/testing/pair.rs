@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::check::{AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs};
-use crate::{Communicator, TransportError};
+use crate::{Communicator, Op, TransportError};
 
 type Result<T> = std::result::Result<T, TransportError>;
 
@@ -99,6 +99,8 @@ impl Communicator for Pair {
         self.exchange(&[]).map(drop)
     }
     fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::AllGather, self.rank(), self.size())?;
         let block = args.block_len();
         let (send, recv) = args.parts();
         let theirs = self.exchange(send)?;
@@ -108,6 +110,8 @@ impl Communicator for Pair {
         Ok(())
     }
     fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::AllGatherVarcount, self.rank(), self.size())?;
         let (send, recv, counts, displs) = args.parts();
         let theirs = self.exchange(send)?;
         let peer = 1 - self.rank;
@@ -119,6 +123,8 @@ impl Communicator for Pair {
         Err(self.unsupported("gather"))
     }
     fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> Result<()> {
+        args.group()
+            .expect(Op::Broadcast, self.rank(), self.size())?;
         let root = args.root();
         let buf = args.buf();
         if root == self.rank {

@@ -871,14 +871,23 @@ where
     for &l in &lens {
         within_cap([l], |_| root, opts.max_total_bytes)?;
     }
-    if me == root && root_bytes.len() != lens.iter().sum::<usize>() {
+    // The cap bounds each length, not their sum: a root announcing several lengths near the
+    // cap could make the sum wrap. Every rank reads the same lengths, so all refuse alike.
+    let total = lens
+        .iter()
+        .try_fold(0usize, |sum, &l| sum.checked_add(l))
+        .ok_or_else(|| {
+            ObjectError::Corrupt(format!(
+                "root {root}: the scatter lengths add up past the address space"
+            ))
+        })?;
+    if me == root && root_bytes.len() != total {
         return Err(ObjectError::Corrupt(format!(
             "root {root}: the scatter header lost its own lengths"
         )));
     }
     let mut mine = reserve(lens[me])?;
     let limit = opts.round_limit(comm.max_count());
-    let total: usize = lens.iter().sum();
     let offsets = dense_offsets(&lens);
     let rounds = round_count(total, limit);
     let zeros = vec![0usize; size];
@@ -1055,7 +1064,11 @@ fn all_to_all_bytes<C: Communicator + ?Sized>(
     let recv_lens: Vec<usize> = (0..size).map(|s| lens[s * size + me]).collect();
     let limit = opts.round_limit(comm.max_count());
     let fits = (0..size).all(|r| {
-        let sent: usize = lens[r * size..(r + 1) * size].iter().sum();
+        // Saturating: the cap bounds each receiver's column, not a sender's row, which can
+        // add up past usize; a row that large does not fit either way.
+        let sent = lens[r * size..(r + 1) * size]
+            .iter()
+            .fold(0usize, |sum, &l| sum.saturating_add(l));
         let received: usize = (0..size).map(|s| lens[s * size + r]).sum();
         sent <= limit && received <= limit
     });

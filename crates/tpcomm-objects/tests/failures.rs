@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde::{Serialize, Serializer};
 use tpcomm_objects::{
-    all_gather, all_gather_with, all_to_all, broadcast, gather, scatter, DecodeError, ObjectError,
-    Options,
+    all_gather, all_gather_with, all_to_all, broadcast, gather, scatter, scatter_with, DecodeError,
+    ObjectError, Options,
 };
 use tpcomm_transport::check::{
     AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
@@ -206,6 +206,10 @@ enum Damage {
     PayloadFf,
     /// Overwrites the inline slot of rank 1 with 0xFF.
     SlotFf,
+    /// Sets the length words of rank 0's block in a block exchange (the 24-byte options
+    /// field, then one word per rank, as scatter announces its lengths): this value for
+    /// every rank but rank 1, which gets 1.
+    RootLens(u64),
 }
 
 /// A communicator that damages received bytes, applied identically on every rank.
@@ -239,6 +243,15 @@ impl Communicator for Corrupting {
         let (send, recv) = args.parts();
         self.inner.all_gather(send, recv)?;
         let entry = send.len();
+        if let Damage::RootLens(w) = self.damage {
+            if entry == 24 + 8 * self.size() {
+                for d in 0..self.size() {
+                    let word = if d == 1 { 1 } else { w };
+                    recv[24 + 8 * d..][..8].copy_from_slice(&word.to_le_bytes());
+                }
+            }
+            return Ok(());
+        }
         if self.size() > 1 && entry >= 8 {
             let rank1 = &mut recv[entry..2 * entry];
             match self.damage {
@@ -321,6 +334,28 @@ fn a_length_word_that_overflows_usize_sums_is_rejected() {
     });
     for r in results {
         assert!(matches!(r, Err(ObjectError::TooLarge { .. })), "{r:?}");
+    }
+}
+
+#[test]
+fn scatter_lengths_whose_sum_overflows_are_refused_by_every_rank_without_a_panic() {
+    // Each length is within the cap (the largest there is), but three of them add up past
+    // usize: every rank, the root included, must refuse the announcement alike.
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let opts = Options {
+        max_total_bytes: isize::MAX as usize,
+        ..Options::default()
+    };
+    let results = run_damaged(4, Damage::RootLens(isize::MAX as u64), |c| {
+        let values = [1u8, 2, 3, 4];
+        let values = (c.rank() == 0).then_some(&values[..]);
+        scatter_with(c, 0, values, &opts).map(drop)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        assert!(
+            matches!(r, Err(ObjectError::Corrupt(ref m)) if m.contains("add up past")),
+            "rank {rank}: {r:?}"
+        );
     }
 }
 

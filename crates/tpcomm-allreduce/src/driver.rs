@@ -346,6 +346,25 @@ impl<'b, B: Backend> Capture<'_, 'b, B> {
     }
 }
 
+/// Bytes every address written into the tables is aligned to: the kernels move 16-byte
+/// packs, and the host reduction reads elements where they lie. Honest ranks share
+/// page-aligned host buffers and device buffers aligned to at least this.
+const PEER_ALIGN: usize = 16;
+
+/// `addr`, when rank `rank`'s `region` lies at an address every launch can read: a forged
+/// handle could place it anywhere inside a genuine segment.
+fn peer_aligned(rank: usize, region: &'static str, addr: u64) -> Result<u64> {
+    if addr.is_multiple_of(PEER_ALIGN as u64) {
+        return Ok(addr);
+    }
+    Err(AllReduceError::PeerMisaligned {
+        rank,
+        region,
+        addr,
+        align: PEER_ALIGN,
+    })
+}
+
 fn check_no_alias(algorithm: Algorithm, input: u64, output: u64, bytes: usize) -> Result<()> {
     if algorithm == Algorithm::OneStage && crate::backend::overlap(input, output, bytes) {
         return Err(AllReduceError::InvalidArgument(
@@ -687,8 +706,8 @@ impl<B: Backend> CustomAllReduce<B> {
                     needed: self.backend.signal_bytes(),
                 });
             }
-            let signal = res.peers.address(res.base, r, SIGNAL)?;
-            let temp = res.peers.address(res.base, r, TEMP)?;
+            let signal = peer_aligned(r, "Signal block", res.peers.address(res.base, r, SIGNAL)?)?;
+            let temp = peer_aligned(r, "temp buffer", res.peers.address(res.base, r, TEMP)?)?;
             let temp_len = res.peers.region_len(res.base, r, TEMP)?;
             if temp_len < temp_limit.0 {
                 temp_limit = (temp_len, r);
@@ -716,7 +735,7 @@ impl<B: Backend> CustomAllReduce<B> {
             let entry = &mut pool[slot * RANK_DATA_BYTES..][..RANK_DATA_BYTES];
             let mut limit = (usize::MAX, self.rank);
             for r in 0..self.world {
-                let addr = res.peers.address(id, r, index)?;
+                let addr = peer_aligned(r, "input", res.peers.address(id, r, index)?)?;
                 entry[8 * r..8 * r + 8].copy_from_slice(&addr.to_le_bytes());
                 let len = res.peers.region_len(id, r, index)?;
                 if len < limit.0 {

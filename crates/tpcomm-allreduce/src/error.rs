@@ -66,6 +66,21 @@ pub enum AllReduceError {
         /// What this rank's backend needs.
         needed: usize,
     },
+    /// A rank shared a region (its Signal block, temp buffer, staging buffer or a
+    /// registered buffer) at an address not aligned as every launch reads it: honest
+    /// ranks only share page-aligned host buffers and 16-byte aligned device buffers, so
+    /// the peer sent a forged handle; nothing is launched over it.
+    #[error("rank {rank} shared its {region} at {addr:#x}, not {align}-byte aligned")]
+    PeerMisaligned {
+        /// The rank.
+        rank: usize,
+        /// `"Signal block"`, `"temp buffer"` or `"input"`.
+        region: &'static str,
+        /// The address as mapped on this rank.
+        addr: u64,
+        /// The alignment every launch needs.
+        align: usize,
+    },
     /// A captured plan or device graph reads a registered buffer that was unregistered
     /// since; nothing ran.
     #[error("the launch reads RankData slot {slot}, whose registered buffer was unregistered after it was captured")]

@@ -564,3 +564,94 @@ fn a_peer_with_another_signal_layout_is_refused_at_creation_on_every_rank() {
         }
     }
 }
+
+/// Host memory whose exports, once `shift` is set, announce the range 4 bytes further into
+/// the same genuine segment: a peer forging its handles inside memory it owns.
+#[derive(Debug, Clone, Default)]
+struct ShiftedExports {
+    inner: HostMemory,
+    shift: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl PeerMemory for ShiftedExports {
+    type Handle = tpcomm_ipc::HostHandle;
+    type Buffer = HostBuffer;
+    type Mapping = tpcomm_ipc::HostMapping;
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn allocate(&self, bytes: usize) -> tpcomm_ipc::Result<HostBuffer> {
+        self.inner.allocate(bytes)
+    }
+    fn export(&self, addr: u64, len: usize) -> tpcomm_ipc::Result<Self::Handle> {
+        let mut handle = self.inner.export(addr, len)?;
+        if self.shift.load(std::sync::atomic::Ordering::SeqCst) {
+            handle.offset += 4;
+            handle.len -= 4;
+        }
+        Ok(handle)
+    }
+    fn open(&self, handle: &Self::Handle) -> tpcomm_ipc::Result<Self::Mapping> {
+        self.inner.open(handle)
+    }
+    fn close(&self, mapping: Self::Mapping) -> tpcomm_ipc::Result<()> {
+        self.inner.close(mapping)
+    }
+    fn write<M: MemoryRegion>(
+        &self,
+        region: &M,
+        offset: usize,
+        src: &[u8],
+    ) -> tpcomm_ipc::Result<()> {
+        self.inner.write(region, offset, src)
+    }
+    fn read<M: MemoryRegion>(
+        &self,
+        region: &M,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> tpcomm_ipc::Result<()> {
+        self.inner.read(region, offset, dst)
+    }
+}
+
+#[test]
+fn a_peer_sharing_a_misaligned_input_is_refused_before_any_launch_reads_it() {
+    // Rank 1 shares its registered buffer 4 bytes into its segment: a valid range of a
+    // genuine segment, but the reduction reads elements (and the kernels 16-byte packs)
+    // where the table says. Rank 0 must refuse to write that address into its tables.
+    let results = group(2).run(|comm| -> (usize, R<()>) {
+        let memory = ShiftedExports::default();
+        let outcome = (|| {
+            let mut ar = CustomAllReduce::new(
+                HostBackend::<ShiftedExports>::new(),
+                memory.clone(),
+                &comm,
+                Config::default(),
+            )?;
+            let input = memory.allocate(4096)?;
+            if comm.rank() == 1 {
+                memory
+                    .shift
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            ar.register_buffer(&comm, input).map(drop)
+        })();
+        (comm.rank(), outcome)
+    });
+    let outcomes: Vec<(usize, R<()>)> = results
+        .into_iter()
+        .map(|r| r.expect("rank thread"))
+        .collect();
+    let (_, rank0) = &outcomes[0];
+    match rank0.as_ref().map_err(cause) {
+        Err(AllReduceError::PeerMisaligned {
+            rank: 1,
+            region: "input",
+            addr,
+            align: 16,
+        }) if addr % 16 == 4 => {}
+        other => panic!("rank 0: expected rank 1's input refused as misaligned, got {other:?}"),
+    }
+}

@@ -774,6 +774,9 @@ impl<B: PeerMemory> PeerMappings<B> {
             return Err(IpcError::NoSuchMapping(format!("exchange {}", id.0)));
         };
         x.local.clear();
+        // What a fresh export of the released exchange gives: a rank that reopens without
+        // exporting must announce the same as a peer that exported.
+        x.sent.clear();
         let slots: Vec<usize> = std::mem::take(&mut x.slots)
             .into_iter()
             .flatten()

@@ -58,3 +58,92 @@ fn releasing_an_exchange_closes_only_its_own_mappings_and_is_not_reopened() {
             .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
 }
+
+/// Host memory whose export stamp is this value's own counter, not the process's: ranks
+/// that are threads of one process, with stamps that move apart as processes' do.
+#[derive(Debug, Clone, Default)]
+struct OwnStamp {
+    inner: HostMemory,
+    stamp: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl PeerMemory for OwnStamp {
+    type Handle = tpcomm_ipc::HostHandle;
+    type Buffer = tpcomm_ipc::HostBuffer;
+    type Mapping = tpcomm_ipc::HostMapping;
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn allocate(&self, bytes: usize) -> tpcomm_ipc::Result<Self::Buffer> {
+        self.inner.allocate(bytes)
+    }
+    fn export(&self, addr: u64, len: usize) -> tpcomm_ipc::Result<Self::Handle> {
+        self.inner.export(addr, len)
+    }
+    fn export_stamp(&self) -> Option<u64> {
+        Some(self.stamp.load(std::sync::atomic::Ordering::SeqCst))
+    }
+    fn open(&self, handle: &Self::Handle) -> tpcomm_ipc::Result<Self::Mapping> {
+        self.inner.open(handle)
+    }
+    fn close(&self, mapping: Self::Mapping) -> tpcomm_ipc::Result<()> {
+        self.inner.close(mapping)
+    }
+    fn write<R: MemoryRegion>(
+        &self,
+        region: &R,
+        offset: usize,
+        src: &[u8],
+    ) -> tpcomm_ipc::Result<()> {
+        self.inner.write(region, offset, src)
+    }
+    fn read<R: MemoryRegion>(
+        &self,
+        region: &R,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> tpcomm_ipc::Result<()> {
+        self.inner.read(region, offset, dst)
+    }
+}
+
+#[test]
+fn a_reopen_after_a_release_agrees_when_only_one_rank_exports_again() {
+    // After a release, rank 1's process changed (its stamp moved) and it exports afresh,
+    // while rank 0's did not and it announces what it sent before: both must announce
+    // nothing for the released exchange, so both reopen.
+    let results = LocalGroup::new(2)
+        .timeout(std::time::Duration::from_secs(10))
+        .run(|comm| -> tpcomm_ipc::Result<()> {
+            let memory = OwnStamp::default();
+            let a = memory.allocate(4096)?;
+            let b = memory.allocate(4096)?;
+            let region = |buf: &tpcomm_ipc::HostBuffer| Region {
+                addr: buf.addr(),
+                len: buf.len(),
+            };
+            let mut peers = PeerMappings::new(memory.clone(), &comm)?;
+            let kept = peers.exchange(&comm, &[region(&a)])?;
+            let released = peers.exchange(&comm, &[region(&b)])?;
+            // Every exchange's stamp is now the one read at this reopen.
+            peers.close_all()?;
+            peers.reopen_all(&comm)?;
+            peers.release(released)?;
+            peers.close_all()?;
+            if comm.rank() == 1 {
+                memory
+                    .stamp
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            peers.reopen_all(&comm)?;
+            let other = 1 - comm.rank();
+            assert_eq!(peers.region_len(kept, other, 0)?, 4096);
+            assert!(peers.peer(released, other, 0).is_err());
+            Ok(())
+        });
+    for (rank, r) in results.into_iter().enumerate() {
+        r.expect("rank thread")
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}

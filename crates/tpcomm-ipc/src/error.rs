@@ -93,6 +93,20 @@ pub enum IpcError {
     /// Ranks disagree on an exchange (different numbers of regions).
     #[error("ranks disagree: {0}")]
     Mismatch(String),
+    /// A collective call of a registry (or of a layer built on it) was passed a
+    /// communicator other than the one it was created with: another rank or size (a
+    /// sub-communicator, another group). Refused on this rank before anything is sent.
+    #[error("this object belongs to rank {rank} of {size}, but the communicator passed is rank {comm_rank} of {comm_size}")]
+    WrongCommunicator {
+        /// This rank in the group it was created for.
+        rank: usize,
+        /// That group's size.
+        size: usize,
+        /// The rank of the communicator passed.
+        comm_rank: usize,
+        /// Its size.
+        comm_size: usize,
+    },
     /// A peer is in another collective step than this rank (it skipped a step, or runs
     /// something else on the communicator): every rank in a tagged step reads the same tags
     /// and returns this error, naming the first rank that is elsewhere. Nothing of the step

@@ -141,6 +141,19 @@ pub struct PeerMappings<B: PeerMemory> {
     sequence: u64,
 }
 
+/// Fails unless `comm` is rank `rank` of `size` ([`IpcError::WrongCommunicator`]).
+fn same_group<C: Communicator + ?Sized>(rank: usize, size: usize, comm: &C) -> Result<()> {
+    if comm.rank() == rank && comm.size() == size {
+        return Ok(());
+    }
+    Err(IpcError::WrongCommunicator {
+        rank,
+        size,
+        comm_rank: comm.rank(),
+        comm_size: comm.size(),
+    })
+}
+
 /// A per-process random-enough group id: time, pid and a stack address mixed.
 fn fresh_group_id() -> u64 {
     let t = SystemTime::now()
@@ -204,8 +217,15 @@ impl<B: PeerMemory> PeerMappings<B> {
         C: Communicator + ?Sized,
         T: Serialize + DeserializeOwned,
     {
+        self.check_communicator(comm)?;
         let tag = self.next_tag(step);
         tagged_all_gather(comm, tag, value)
+    }
+
+    /// Fails unless `comm` is rank `rank` of `size`, as the group this registry was created
+    /// for: every collective indexes its results by rank.
+    pub fn check_communicator<C: Communicator + ?Sized>(&self, comm: &C) -> Result<()> {
+        same_group(self.rank, self.size, comm)
     }
 
     /// The tag of the next step; the sequence advances whatever the step's outcome.
@@ -250,6 +270,7 @@ impl<B: PeerMemory> PeerMappings<B> {
         if self.closed {
             return Err(IpcError::Closed);
         }
+        self.check_communicator(comm)?;
         let _span =
             tracing::debug_span!("peer_exchange", rank = self.rank, regions = regions.len())
                 .entered();
@@ -567,6 +588,7 @@ impl<B: PeerMemory> PeerMappings<B> {
         if !self.closed {
             return Ok(());
         }
+        self.check_communicator(comm)?;
         let _span = tracing::debug_span!(
             "peer_reopen_all",
             rank = self.rank,

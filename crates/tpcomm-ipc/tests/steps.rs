@@ -145,3 +145,55 @@ fn an_untagged_collective_paired_with_a_registry_step_is_named_as_such() {
         r.unwrap().unwrap();
     }
 }
+
+/// A registry made for a group of 2 is passed a sub-communicator of one rank (every result
+/// would be indexed past its end) or of the same size with the ranks swapped (every rank
+/// would take a peer's handles for its own): refused on every rank before anything is sent.
+#[test]
+fn a_registry_passed_another_communicator_is_refused_without_a_panic() {
+    let results = group(2).run(|comm| -> tpcomm_ipc::Result<()> {
+        let mem = HostMemory::new();
+        let buf = mem.allocate(4096)?;
+        let regions = [Region {
+            addr: buf.addr(),
+            len: buf.len(),
+        }];
+        let mut peers = PeerMappings::new(mem, &comm)?;
+        let alone = comm.split(Some(comm.rank() as u32), 0)?.expect("a color");
+        let swapped = comm
+            .split(Some(0), -(comm.rank() as i32))?
+            .expect("a color");
+        assert_eq!((alone.size(), swapped.rank()), (1, 1 - comm.rank()));
+        for other in [&alone, &swapped] {
+            match peers.exchange(other, &regions) {
+                Err(IpcError::WrongCommunicator {
+                    rank,
+                    size: 2,
+                    comm_rank,
+                    comm_size,
+                }) => {
+                    assert_eq!(rank, comm.rank());
+                    assert_eq!((comm_rank, comm_size), (other.rank(), other.size()));
+                }
+                got => panic!("expected WrongCommunicator, got {got:?}"),
+            }
+            assert!(matches!(
+                peers.agree(other, Step::Close, &()),
+                Err(IpcError::WrongCommunicator { .. })
+            ));
+        }
+        peers.close_all()?;
+        assert!(matches!(
+            peers.reopen_all(&alone),
+            Err(IpcError::WrongCommunicator { .. })
+        ));
+        // Nothing was sent: the right communicator still pairs every rank's steps.
+        peers.reopen_all(&comm)?;
+        let id = peers.exchange(&comm, &regions)?;
+        peers.peer(id, 1 - comm.rank(), 0)?;
+        Ok(())
+    });
+    for r in results {
+        r.expect("rank thread").expect("rank");
+    }
+}

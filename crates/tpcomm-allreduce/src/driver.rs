@@ -10,7 +10,7 @@ use tpcomm_transport::Communicator;
 use crate::backend::{Backend, Buffer, Launch, RANK_DATA_BYTES, RANK_SIGNALS_BYTES};
 use crate::dispatch::{self, Algorithm, FallbackReason, MAX_RANKS};
 use crate::dtype::{DType, Element};
-use crate::error::{AllReduceError, Result};
+use crate::error::{AllReduceError, Refused, Result};
 use crate::lifecycle::{Lifecycle, Phase, Step, Transition};
 use crate::topology::TopologyCheck;
 
@@ -453,6 +453,9 @@ pub struct CustomAllReduce<B: Backend> {
     /// The slot of every launch recorded into device graphs (while the backend was
     /// capturing) so far, in order.
     recorded: Vec<usize>,
+    /// Registrations whose `unregister` failed after the ranks agreed on it: their buffers
+    /// live until the communicator is dropped, since a peer may still map them.
+    retired: Vec<Registration<B>>,
     /// Unique in the process: ties device graphs to the communicator that captured them.
     id: u64,
 }
@@ -553,6 +556,7 @@ impl<B: Backend> CustomAllReduce<B> {
             buffers: HashMap::new(),
             captured,
             recorded: Vec::new(),
+            retired: Vec::new(),
             id: {
                 use std::sync::atomic::{AtomicU64, Ordering};
                 static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -748,6 +752,16 @@ impl<B: Backend> CustomAllReduce<B> {
         self.slot_limits = limits;
         self.temp_limit = temp_limit;
         Ok(())
+    }
+
+    /// Fails unless `comm` is the group this communicator was created for (this rank, the
+    /// same size): [`IpcError::WrongCommunicator`](tpcomm_ipc::IpcError::WrongCommunicator),
+    /// before anything changes. Once closed, the calls fail as Closed instead.
+    fn check_communicator<C: Communicator + ?Sized>(&self, comm: &C) -> Result<()> {
+        match &self.res {
+            Some(res) => Ok(res.peers.check_communicator(comm)?),
+            None => Ok(()),
+        }
     }
 
     /// Fails unless a token made by communicator `owner` belongs to this one.
@@ -1006,11 +1020,50 @@ impl<B: Backend> CustomAllReduce<B> {
     /// never outlives its memory. Ranks may register buffers of different sizes; a launch
     /// reads at most the smallest, and a larger one is refused with
     /// [`AllReduceError::RegionTooSmall`].
+    ///
+    /// A refusal hands the buffer back inside the [`Refused`]: the wrong phase, a capture in
+    /// progress, no free slot, or a failed exchange (rolled back on every rank). The one
+    /// exception: peers' regions that cannot be written into the tables (a forged handle,
+    /// [`AllReduceError::PeerMisaligned`]) leave the communicator Failed, and it keeps the
+    /// buffer until it is closed, since peers that accepted the exchange may map it.
     pub fn register_buffer<C: Communicator + ?Sized>(
         &mut self,
         comm: &C,
         buffer: Buffer<B>,
-    ) -> Result<RegisteredInput<B>> {
+    ) -> Result<RegisteredInput<B>, Refused<Buffer<B>>> {
+        let exchanged = self.exchange_registration(comm, &buffer);
+        let (slot, id) = match exchanged {
+            Ok(exchanged) => exchanged,
+            Err(e) => return Err(Refused::returning(e, buffer)),
+        };
+        self.slots[slot] = Some(SlotSource::Exchanged(id, 0));
+        let buffer = Arc::new(buffer);
+        self.buffers.insert(
+            buffer.addr(),
+            Registration {
+                slot,
+                exchange: id,
+                buffer: buffer.clone(),
+            },
+        );
+        if let Err(e) = self.write_tables() {
+            return Err(Refused::keeping(self.lifecycle.fail("register_buffer", e)));
+        }
+        Ok(RegisteredInput {
+            buffer,
+            slot,
+            owner: self.id,
+        })
+    }
+
+    /// The checks of [`register_buffer`](Self::register_buffer) and its exchange: the free
+    /// slot it takes and the exchange. Changes nothing when it fails.
+    fn exchange_registration<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &C,
+        buffer: &Buffer<B>,
+    ) -> Result<(usize, ExchangeId)> {
+        self.check_communicator(comm)?;
         self.lifecycle.check_operation("register_buffer")?;
         self.refuse_while_capturing("register_buffer")?;
         let slot = self.free_slot()?;
@@ -1025,37 +1078,60 @@ impl<B: Backend> CustomAllReduce<B> {
                 len: buffer.len(),
             }],
         )?;
-        self.slots[slot] = Some(SlotSource::Exchanged(id, 0));
-        let buffer = Arc::new(buffer);
-        self.buffers.insert(
-            buffer.addr(),
-            Registration {
-                slot,
-                exchange: id,
-                buffer: buffer.clone(),
-            },
-        );
-        self.write_tables()?;
-        Ok(RegisteredInput {
-            buffer,
-            slot,
-            owner: self.id,
-        })
+        Ok((slot, id))
     }
 
     /// Collective: ends the registration of `input` on every rank (every rank passes its
     /// token of the same registration) and hands the buffer back. Every rank first drains
     /// its launches; the ranks agree on the slot (a disagreement is
-    /// [`AllReduceError::Disagreement`] on every rank and changes nothing, but the token is
-    /// spent: the buffer then stays registered until close); every rank closes its
-    /// mappings of the peers' buffers and zeroes the slot; a final barrier keeps any rank
-    /// from freeing its buffer while a peer still maps it. A later resume no longer exports
-    /// the buffer, and a new buffer at its address is not taken for it.
+    /// [`AllReduceError::Disagreement`] on every rank and changes nothing); every rank closes
+    /// its mappings of the peers' buffers and zeroes the slot; a final barrier keeps any
+    /// rank from freeing its buffer while a peer still maps it. A later resume no longer
+    /// exports the buffer, and a new buffer at its address is not taken for it.
+    ///
+    /// Every refusal hands the token back inside the [`Refused`], so the registration can
+    /// still be ended (after a disagreement, a wrong phase, a transport failure) or used.
+    /// When a step after the agreement fails (closing the mappings, zeroing the slot, the
+    /// final barrier) the communicator is Failed and keeps the buffer until it is closed:
+    /// a peer that missed the barrier may still map it.
     pub fn unregister<C: Communicator + ?Sized>(
         &mut self,
         comm: &C,
         input: RegisteredInput<B>,
-    ) -> Result<Buffer<B>> {
+    ) -> Result<Buffer<B>, Refused<RegisteredInput<B>>> {
+        let registration = match self.end_registration(comm, &input) {
+            Ok(registration) => registration,
+            Err(e) => return Err(Refused::returning(e, input)),
+        };
+        drop(registration);
+        match Arc::try_unwrap(input.buffer) {
+            Ok(buffer) => Ok(buffer),
+            // Unreachable while tokens are not `Clone`: only the token and the registration
+            // held the buffer. Kept (not freed) if that ever changes.
+            Err(buffer) => {
+                let e =
+                    AllReduceError::InvalidArgument("the registered buffer is still shared".into());
+                Err(Refused::returning(
+                    e,
+                    RegisteredInput {
+                        buffer,
+                        slot: input.slot,
+                        owner: input.owner,
+                    },
+                ))
+            }
+        }
+    }
+
+    /// Every step of [`unregister`](Self::unregister) but handing the buffer back: the
+    /// registration removed from the communicator, or why not. Past the agreement, a
+    /// failure leaves the communicator Failed and the registration kept in `retired`.
+    fn end_registration<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &C,
+        input: &RegisteredInput<B>,
+    ) -> Result<Registration<B>> {
+        self.check_communicator(comm)?;
         self.lifecycle.check_operation("unregister")?;
         self.refuse_while_capturing("unregister")?;
         self.check_owner("a registered input", input.owner)?;
@@ -1073,13 +1149,18 @@ impl<B: Backend> CustomAllReduce<B> {
                 values: slots,
             });
         }
-        let registration = self
-            .buffers
-            .remove(&input.buffer.addr())
-            .filter(|r| r.slot == input.slot)
-            .ok_or_else(|| {
-                AllReduceError::InvalidArgument("the input is not registered here".into())
-            })?;
+        let addr = input.buffer.addr();
+        let registration = match self.buffers.remove(&addr) {
+            Some(r) if r.slot == input.slot => r,
+            other => {
+                if let Some(r) = other {
+                    self.buffers.insert(addr, r);
+                }
+                return Err(AllReduceError::InvalidArgument(
+                    "the input is not registered here".into(),
+                ));
+            }
+        };
         // A slot a capture recorded is retired, never reused: a plan or graph naming it is
         // refused instead of reading whichever buffer took the slot next.
         self.slots[registration.slot] = if self.captured[registration.slot] {
@@ -1088,10 +1169,13 @@ impl<B: Backend> CustomAllReduce<B> {
             None
         };
         self.slot_limits[registration.slot] = (0, self.rank);
-        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
-            call: "unregister",
-            phase: Phase::Closed,
-        })?;
+        let Some(res) = self.res.as_mut() else {
+            self.retired.push(registration);
+            return Err(AllReduceError::WrongState {
+                call: "unregister",
+                phase: Phase::Closed,
+            });
+        };
         let released = res.peers.release(registration.exchange);
         let zeroed = self.backend.write_table(
             res.peers.backend(),
@@ -1100,14 +1184,16 @@ impl<B: Backend> CustomAllReduce<B> {
             &[0u8; RANK_DATA_BYTES],
         );
         // Every rank closed its mappings of this rank's buffer before it may be freed.
-        comm.barrier()?;
-        if let Err(e) = released.map_err(AllReduceError::from).and(zeroed) {
+        let barrier = comm.barrier().map_err(AllReduceError::from);
+        if let Err(e) = released
+            .map_err(AllReduceError::from)
+            .and(zeroed)
+            .and(barrier)
+        {
+            self.retired.push(registration);
             return Err(self.lifecycle.fail("unregister", e));
         }
-        drop(registration);
-        Arc::try_unwrap(input.buffer).map_err(|_| {
-            AllReduceError::InvalidArgument("the registered buffer is still shared".into())
-        })
+        Ok(registration)
     }
 
     /// Zero-copy all-reduce of the first `output.len()` elements of a registered input.
@@ -1401,16 +1487,28 @@ impl<B: Backend> CustomAllReduce<B> {
     /// take the next free RankData slots; call
     /// [`register_graph_buffers`](Self::register_graph_buffers) (collective) before the
     /// first replay.
+    ///
+    /// When `f` fails, its error is returned and the capture leaves nothing behind: the
+    /// slots its calls took are free again and none of its inputs is pending (so dropping
+    /// them does not break the next [`register_graph_buffers`](Self::register_graph_buffers)).
     pub fn capture<'b, F>(&mut self, f: F) -> Result<CapturedPlan<'b, B>>
     where
         F: FnOnce(&mut Capture<'_, 'b, B>) -> Result<()>,
     {
         self.lifecycle.check_operation("capture")?;
+        let pending_before = self.pending.len();
+        let captured_before = self.captured.clone();
         let mut cap = Capture {
             ar: self,
             launches: Vec::new(),
         };
-        f(&mut cap)?;
+        if let Err(e) = f(&mut cap) {
+            for (slot, _) in self.pending.drain(pending_before..) {
+                self.slots[slot] = None;
+            }
+            self.captured = captured_before;
+            return Err(e);
+        }
         Ok(CapturedPlan {
             launches: cap.launches,
             owner: self.id,
@@ -1427,6 +1525,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// sizes ([`AllReduceError::CaptureMismatch`], seen by every rank) or a failure to
     /// write the tables leave the communicator Failed: those plans can never replay.
     pub fn register_graph_buffers<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<usize> {
+        self.check_communicator(comm)?;
         self.lifecycle.check_operation("register_graph_buffers")?;
         self.refuse_while_capturing("register_graph_buffers")?;
         let regions: Vec<Region> = self.pending.iter().map(|(_, r)| *r).collect();
@@ -1458,6 +1557,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// as [`IpcError::StepMismatch`](tpcomm_ipc::IpcError::StepMismatch) naming it, never
     /// paired with this step silently.
     pub fn prepare_for_suspend<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        self.check_communicator(comm)?;
         self.refuse_while_capturing("prepare_for_suspend")?;
         if self.lifecycle.begin(Transition::Suspend)? == Step::NoOp {
             return Ok(());
@@ -1493,6 +1593,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// Failed. Every exchange is a tagged step, as in
     /// [`prepare_for_suspend`](Self::prepare_for_suspend).
     pub fn reinit_after_resume<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        self.check_communicator(comm)?;
         self.refuse_while_capturing("reinit_after_resume")?;
         if self.lifecycle.begin(Transition::Resume)? == Step::NoOp {
             return Ok(());

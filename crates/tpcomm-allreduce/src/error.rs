@@ -257,6 +257,107 @@ impl From<tpcomm_objects::ObjectError> for AllReduceError {
     }
 }
 
+/// A refused call that had taken ownership of its argument
+/// ([`CustomAllReduce::register_buffer`](crate::CustomAllReduce::register_buffer)'s buffer,
+/// [`CustomAllReduce::unregister`](crate::CustomAllReduce::unregister)'s token): the error,
+/// and the argument handed back whenever the caller may have it again, so that a refusal
+/// loses nothing. `?` turns it into its [`AllReduceError`] (dropping the argument).
+///
+/// ```
+/// use tpcomm_allreduce::{Config, CustomAllReduce, HostBackend, Phase};
+/// use tpcomm_ipc::{HostMemory, PeerMemory};
+/// use tpcomm_transport::LocalGroup;
+///
+/// let results = LocalGroup::new(2).run(|comm| -> tpcomm_allreduce::Result<()> {
+///     let mut ar = CustomAllReduce::new(HostBackend::new(), HostMemory::new(), &comm, Config::default())?;
+///     let buffer = ar.memory()?.allocate(4096)?;
+///     ar.prepare_for_suspend(&comm)?;
+///     // Refused while suspended: the buffer comes back with the error.
+///     let refused = ar.register_buffer(&comm, buffer).unwrap_err();
+///     assert_eq!(ar.phase(), Phase::Suspended);
+///     let buffer = refused.into_value().expect("handed back");
+///     ar.reinit_after_resume(&comm)?;
+///     let token = ar.register_buffer(&comm, buffer)?;
+///     drop(ar.unregister(&comm, token)?);
+///     Ok(())
+/// });
+/// for r in results {
+///     r.unwrap().unwrap();
+/// }
+/// ```
+pub struct Refused<T> {
+    error: AllReduceError,
+    value: Option<T>,
+}
+
+impl<T> Refused<T> {
+    /// The error, with `value` handed back to the caller.
+    pub(crate) fn returning(error: AllReduceError, value: T) -> Self {
+        Refused {
+            error,
+            value: Some(value),
+        }
+    }
+
+    /// The error, the communicator keeping the value (peers may still map it).
+    pub(crate) fn keeping(error: AllReduceError) -> Self {
+        Refused { error, value: None }
+    }
+
+    /// Why the call was refused.
+    pub fn error(&self) -> &AllReduceError {
+        &self.error
+    }
+
+    /// The argument, handed back; `None` where the communicator keeps it until it is
+    /// closed because peers may still map it (the call's docs say when).
+    pub fn value(&self) -> Option<&T> {
+        self.value.as_ref()
+    }
+
+    /// The error, dropping the argument.
+    pub fn into_error(self) -> AllReduceError {
+        self.error
+    }
+
+    /// The argument, handed back (see [`value`](Self::value)).
+    pub fn into_value(self) -> Option<T> {
+        self.value
+    }
+
+    /// The error and the argument.
+    pub fn into_parts(self) -> (AllReduceError, Option<T>) {
+        (self.error, self.value)
+    }
+}
+
+impl<T> std::fmt::Debug for Refused<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Refused")
+            .field("error", &self.error)
+            .field("handed_back", &self.value.is_some())
+            .finish()
+    }
+}
+
+impl<T> std::fmt::Display for Refused<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.error, f)
+    }
+}
+
+impl<T> std::error::Error for Refused<T> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&self.error)
+    }
+}
+
+impl<T> From<Refused<T>> for AllReduceError {
+    fn from(refused: Refused<T>) -> Self {
+        refused.error
+    }
+}
+
 /// " from slot N", or nothing when the backend does not carry slots.
 fn from_slot(slot: Option<usize>) -> String {
     slot.map(|s| format!(" from slot {s}")).unwrap_or_default()

@@ -31,7 +31,7 @@ pub use backend::Backend;
 pub use dispatch::{Algorithm, FallbackReason};
 pub use driver::{Capture, CapturedPlan, Config, CustomAllReduce, HostRoute, RegisteredInput};
 pub use dtype::{DType, Element};
-pub use error::{AllReduceError, Result};
+pub use error::{AllReduceError, Refused, Result};
 #[cfg(feature = "nccl")]
 pub use fallback::{DeviceAllReduce, Route};
 pub use lifecycle::{Lifecycle, Phase};

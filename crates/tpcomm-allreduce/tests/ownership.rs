@@ -1,0 +1,330 @@
+//! Calls that take what they are given (`register_buffer` a buffer, `unregister` a token) and
+//! are refused hand it back inside the error, so a refusal loses nothing; a failure past the
+//! point where peers may map the buffer keeps it alive in the communicator instead of
+//! freeing it. A failed capture leaves nothing pending. Played by rank threads of the local
+//! group.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tpcomm_allreduce::{AllReduceError, Config, CustomAllReduce, DType, HostBackend, Phase};
+use tpcomm_ipc::{HostMemory, MemoryRegion, PeerMemory};
+use tpcomm_transport::check::{
+    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
+};
+use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup, TransportError};
+
+type Ar = CustomAllReduce<HostBackend>;
+type R<T> = tpcomm_allreduce::Result<T>;
+
+fn new_ar<C: Communicator>(comm: &C, config: Config) -> R<Ar> {
+    CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, config)
+}
+
+fn unwrap_all<T>(results: Vec<tpcomm_transport::Result<R<T>>>) -> Vec<T> {
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, r)| {
+            r.expect("rank thread")
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+        })
+        .collect()
+}
+
+/// Whether `memory` still holds a live buffer at `addr` (a freed one cannot be exported).
+fn alive(memory: &HostMemory, addr: u64, len: usize) -> bool {
+    memory.export(addr, len).is_ok()
+}
+
+fn fill(memory: &HostMemory, buf: &impl MemoryRegion, value: f32, count: usize) -> R<()> {
+    Ok(memory.write(buf, 0, bytemuck::cast_slice(&vec![value; count]))?)
+}
+
+fn read(memory: &HostMemory, buf: &impl MemoryRegion, count: usize) -> R<Vec<f32>> {
+    let mut raw = vec![0u8; count * 4];
+    memory.read(buf, 0, &mut raw)?;
+    Ok(bytemuck::cast_slice(&raw).to_vec())
+}
+
+/// Unwraps the cause of a `Failed` error.
+fn cause(e: &AllReduceError) -> &AllReduceError {
+    match e {
+        AllReduceError::Failed { cause, .. } => cause,
+        other => other,
+    }
+}
+
+#[test]
+fn a_refused_registration_hands_the_buffer_back() {
+    // Slot 0 serves eager inputs: one slot is left for registrations.
+    let config = Config {
+        slots: 2,
+        ..Config::default()
+    };
+    let results = LocalGroup::new(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, config.clone())?;
+        let memory = ar.memory()?.clone();
+        let first = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+        let extra = memory.allocate(4096)?;
+        let addr = extra.addr();
+        fill(&memory, &extra, comm.rank() as f32 + 1.0, 1024)?;
+
+        let refused = ar.register_buffer(&comm, extra).unwrap_err();
+        assert!(
+            matches!(refused.error(), AllReduceError::SlotsExhausted(2)),
+            "{refused:?}"
+        );
+        let extra = refused.into_value().expect("the buffer comes back");
+        assert_eq!(extra.addr(), addr);
+
+        ar.prepare_for_suspend(&comm)?;
+        let refused = ar.register_buffer(&comm, extra).unwrap_err();
+        assert!(
+            matches!(
+                refused.error(),
+                AllReduceError::WrongState {
+                    call: "register_buffer",
+                    phase: Phase::Suspended
+                }
+            ),
+            "{refused:?}"
+        );
+        let extra = refused.into_value().expect("the buffer comes back");
+        assert_eq!(ar.phase(), Phase::Suspended);
+        ar.reinit_after_resume(&comm)?;
+
+        // Nothing was lost: with the slot free again the same buffer, contents intact,
+        // registers and reduces.
+        drop(ar.unregister(&comm, first)?);
+        let extra = ar.register_buffer(&comm, extra)?;
+        assert_eq!(extra.buffer().addr(), addr);
+        let mut out = vec![0f32; 1024];
+        ar.all_reduce_registered(&extra, &mut out)?;
+        assert_eq!(out, vec![3.0f32; 1024]);
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
+fn a_refused_unregister_hands_the_token_back_and_the_registration_can_still_end() {
+    let results = LocalGroup::new(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let mut other = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let x = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+        let y = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+        let (x_addr, y_addr) = (x.buffer().addr(), y.buffer().addr());
+
+        // Wrong phase.
+        ar.prepare_for_suspend(&comm)?;
+        let refused = ar.unregister(&comm, x).unwrap_err();
+        assert!(
+            matches!(
+                refused.error(),
+                AllReduceError::WrongState {
+                    call: "unregister",
+                    phase: Phase::Suspended
+                }
+            ),
+            "{refused:?}"
+        );
+        let x = refused.into_value().expect("the token comes back");
+        ar.reinit_after_resume(&comm)?;
+
+        // Another communicator's token.
+        let refused = other.unregister(&comm, x).unwrap_err();
+        assert!(
+            matches!(refused.error(), AllReduceError::ForeignToken { .. }),
+            "{refused:?}"
+        );
+        let x = refused.into_value().expect("the token comes back");
+
+        // Ranks naming different registrations.
+        let (mine, kept) = if comm.rank() == 0 { (x, y) } else { (y, x) };
+        let refused = ar.unregister(&comm, mine).unwrap_err();
+        assert!(
+            matches!(refused.error(), AllReduceError::Disagreement { .. }),
+            "{refused:?}"
+        );
+        let mine = refused.into_value().expect("the token comes back");
+        let (x, y) = if comm.rank() == 0 {
+            (mine, kept)
+        } else {
+            (kept, mine)
+        };
+        assert_eq!(ar.phase(), Phase::Active);
+
+        // Every token still works, and both registrations end.
+        let mut out = vec![0f32; 1024];
+        fill(&memory, x.buffer(), 1.0, 1024)?;
+        comm.barrier()?;
+        ar.all_reduce_registered(&x, &mut out)?;
+        assert_eq!(out, vec![2.0f32; 1024]);
+        assert_eq!(ar.unregister(&comm, x)?.addr(), x_addr);
+        assert_eq!(ar.unregister(&comm, y)?.addr(), y_addr);
+        other.close_with(&comm)?;
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+/// A local communicator whose barrier fails on this rank once `fail_barrier` is set.
+struct FailingBarrier {
+    inner: LocalCommunicator,
+    fail_barrier: AtomicBool,
+}
+
+impl Communicator for FailingBarrier {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn max_count(&self) -> usize {
+        self.inner.max_count()
+    }
+    fn backend_name(&self) -> &'static str {
+        "failing-barrier"
+    }
+    fn split(&self, _: Option<u32>, _: i32) -> tpcomm_transport::Result<Option<Self>> {
+        Err(TransportError::Setup("not used by these tests".into()))
+    }
+    fn raw_barrier(&self) -> tpcomm_transport::Result<()> {
+        if self.fail_barrier.load(Ordering::SeqCst) {
+            return Err(TransportError::Setup("the test failed this barrier".into()));
+        }
+        self.inner.raw_barrier()
+    }
+    fn raw_all_gather(&self, args: AllGatherArgs<'_>) -> tpcomm_transport::Result<()> {
+        self.inner.raw_all_gather(args)
+    }
+    fn raw_all_gather_varcount(&self, args: VarcountArgs<'_>) -> tpcomm_transport::Result<()> {
+        self.inner.raw_all_gather_varcount(args)
+    }
+    fn raw_gather_varcount(&self, args: GatherArgs<'_>) -> tpcomm_transport::Result<()> {
+        self.inner.raw_gather_varcount(args)
+    }
+    fn raw_broadcast(&self, args: BroadcastArgs<'_>) -> tpcomm_transport::Result<()> {
+        self.inner.raw_broadcast(args)
+    }
+    fn raw_all_to_all_varcount(&self, args: AllToAllArgs<'_>) -> tpcomm_transport::Result<()> {
+        self.inner.raw_all_to_all_varcount(args)
+    }
+}
+
+#[test]
+fn an_unregister_whose_final_barrier_fails_keeps_the_buffer_and_fails_the_communicator() {
+    // Rank 0's last barrier fails at once; rank 1 waits for it until the group's timeout.
+    let group = LocalGroup::new(2).timeout(Duration::from_secs(2));
+    let results = group.run(|comm| -> R<()> {
+        let comm = FailingBarrier {
+            inner: comm,
+            fail_barrier: AtomicBool::new(false),
+        };
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let input = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+        let addr = input.buffer().addr();
+        comm.fail_barrier.store(comm.rank() == 0, Ordering::SeqCst);
+
+        let refused = ar.unregister(&comm, input).unwrap_err();
+        assert!(
+            matches!(refused.error(), AllReduceError::Failed { .. }),
+            "{refused:?}"
+        );
+        assert!(
+            matches!(cause(refused.error()), AllReduceError::Transport(_)),
+            "{refused:?}"
+        );
+        assert_eq!(ar.phase(), Phase::Failed);
+        // The token comes back, but dropping it does not free the buffer: a peer that
+        // missed the barrier may still map it.
+        drop(refused.into_value().expect("the token comes back"));
+        assert!(
+            alive(&memory, addr, 4096),
+            "rank {}: the buffer was freed although a peer may map it",
+            comm.rank()
+        );
+        // The communicator frees it when it goes (the observation above can fail).
+        drop(ar);
+        assert!(!alive(&memory, addr, 4096), "freed with the communicator");
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
+fn a_failed_capture_leaves_no_input_pending() {
+    let results = LocalGroup::new(2).run(|comm| -> R<Vec<f32>> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let out = memory.allocate(4096)?;
+        let abandoned = memory.allocate(4096)?;
+        let failed = ar.capture(|cap| {
+            cap.all_reduce(&abandoned, &out, DType::F32, 1024)?;
+            Err(AllReduceError::InvalidArgument("the engine gave up".into()))
+        });
+        assert!(
+            matches!(failed, Err(AllReduceError::InvalidArgument(_))),
+            "{failed:?}"
+        );
+        assert_eq!(ar.pending_graph_buffers(), 0);
+        ar.check_replay()?;
+        // Its input may go: the next registration exports nothing of it.
+        drop(abandoned);
+        assert_eq!(ar.register_graph_buffers(&comm)?, 0);
+
+        let input = memory.allocate(4096)?;
+        fill(&memory, &input, comm.rank() as f32 + 1.0, 1024)?;
+        let plan = ar.capture(|cap| cap.all_reduce(&input, &out, DType::F32, 1024).map(drop))?;
+        assert_eq!(ar.register_graph_buffers(&comm)?, 1);
+        comm.barrier()?;
+        plan.replay(&mut ar)?;
+        read(&memory, &out, 1024)
+    });
+    for out in unwrap_all(results) {
+        assert_eq!(out, vec![3.0f32; 1024]);
+    }
+}
+
+#[test]
+fn a_communicator_of_another_group_is_refused_and_changes_nothing() {
+    let results = LocalGroup::new(2).run(|comm| -> R<Vec<f32>> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let alone = comm.split(Some(comm.rank() as u32), 0)?.expect("a color");
+        let wrong = |e: &AllReduceError| {
+            matches!(e, AllReduceError::Ipc(e) if matches!(**e, tpcomm_ipc::IpcError::WrongCommunicator { size: 2, comm_size: 1, .. }))
+        };
+        let refused = ar
+            .register_buffer(&alone, memory.allocate(4096)?)
+            .unwrap_err();
+        assert!(wrong(refused.error()), "{refused:?}");
+        let input = ar.register_buffer(&comm, refused.into_value().expect("handed back"))?;
+        let refused = ar.unregister(&alone, input).unwrap_err();
+        assert!(wrong(refused.error()), "{refused:?}");
+        let input = refused.into_value().expect("handed back");
+        for outcome in [
+            ar.prepare_for_suspend(&alone),
+            ar.reinit_after_resume(&alone),
+            ar.register_graph_buffers(&alone).map(drop),
+        ] {
+            assert!(matches!(&outcome, Err(e) if wrong(e)), "{outcome:?}");
+        }
+        assert_eq!(ar.phase(), Phase::Active);
+        ar.prepare_for_suspend(&comm)?;
+        ar.reinit_after_resume(&comm)?;
+        fill(&memory, input.buffer(), comm.rank() as f32 + 1.0, 1024)?;
+        comm.barrier()?;
+        let mut out = vec![0f32; 1024];
+        ar.all_reduce_registered(&input, &mut out)?;
+        drop(ar.unregister(&comm, input)?);
+        Ok(out)
+    });
+    for out in unwrap_all(results) {
+        assert_eq!(out, vec![3.0f32; 1024]);
+    }
+}

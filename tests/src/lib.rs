@@ -136,12 +136,61 @@ pub fn mpi_program(
             false
         }
     };
+    // A communicator kept past the universe (nothing in the types prevents it): once MPI is
+    // finalized its collectives must return an error, and its drop must not call MPI
+    // (Open MPI aborts the process on a call after MPI_Finalize).
+    let late = tpcomm::transport::MpiCommunicator::world(&universe);
     drop(universe);
+    let ok = ok && after_finalize(name, late);
     if ok {
         std::process::ExitCode::SUCCESS
     } else {
         std::process::ExitCode::FAILURE
     }
+}
+
+/// The case of [`mpi_program`] run after MPI is finalized: every collective of `late` is
+/// refused with an error, then it is dropped. Rank 0 prints its `case` line (counted by
+/// xtask); a failure on any rank is printed to stderr and fails the program.
+#[cfg(feature = "mpi")]
+fn after_finalize(
+    name: &str,
+    late: tpcomm::transport::Result<tpcomm::transport::MpiCommunicator>,
+) -> bool {
+    const CASE: &str = "mpi_collectives_after_finalize_return_an_error";
+    let late = match late {
+        Ok(late) => late,
+        Err(e) => {
+            eprintln!("{name}: {CASE}: cannot create the communicator: {e}");
+            return false;
+        }
+    };
+    let mut all = vec![0u8; late.size()];
+    let mut data = [1.0f32; 4];
+    let outcomes = [
+        ("barrier", late.barrier()),
+        ("all_gather", late.all_gather(&[1], &mut all)),
+        (
+            "all_reduce",
+            late.all_reduce_in_place(&mut data, tpcomm::transport::ReduceOp::Sum),
+        ),
+        ("split", late.split(Some(0), 0).map(drop)),
+    ];
+    let wrong: Vec<String> = outcomes
+        .iter()
+        .filter(|(_, r)| r.is_ok())
+        .map(|(call, _)| format!("{call} succeeded"))
+        .collect();
+    let rank = late.rank();
+    drop(late);
+    if !wrong.is_empty() {
+        eprintln!("{name}: rank {rank}: {CASE} FAILED: {}", wrong.join(", "));
+        return false;
+    }
+    if rank == 0 {
+        println!("case {CASE} ... ok");
+    }
+    true
 }
 
 /// Prints the reports of an MPI program the way xtask counts them: on rank 0 one line per

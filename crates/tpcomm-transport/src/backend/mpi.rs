@@ -31,7 +31,8 @@
 //!   there.
 //! - **Dropping panics.** rsmpi's communicator `Drop` asserts on `MPI_Comm_free`'s result.
 //!   Here `Drop` checks the code and logs a failure with `tracing::warn`, and skips the free
-//!   (with a warning) when MPI was already finalized, where freeing would be erroneous.
+//!   (with a warning) when MPI was already finalized, where freeing would be erroneous
+//!   (see **Lifetime** below).
 //!
 //! Bytes travel as `MPI_UINT8_T` (rsmpi exposes no `MPI_BYTE` handle; both are one byte
 //! and untranslated between homogeneous hosts). Ranks of a gather other than the root pass
@@ -84,7 +85,13 @@
 //!   covered by the lock.
 //! - **Lifetime.** Drop every `MpiCommunicator` before the rsmpi `Universe` (which
 //!   finalizes MPI); `MPI_Comm_free` is collective in the standard (local in Open MPI and
-//!   MPICH). Creating one ([`MpiCommunicator::world`], [`MpiCommunicator::duplicate`],
+//!   MPICH). A communicator kept longer cannot crash the process: the first one created
+//!   attaches an attribute to `MPI_COMM_SELF` whose delete callback (run first thing in
+//!   `MPI_Finalize`) marks MPI as finalizing, and from then on every collective and
+//!   `split` returns [`TransportError::Setup`] without calling MPI (Open MPI aborts the
+//!   process on a call after `MPI_Finalize`), and `Drop` skips the free. A collective in
+//!   flight on another thread when `MPI_Finalize` starts is still the program's error, as
+//!   MPI says; with MPI serialized here the callback waits for it. Creating one ([`MpiCommunicator::world`], [`MpiCommunicator::duplicate`],
 //!   [`Communicator::split`]) is collective over the parent.
 //! - **Construction errors** of `MPI_Comm_dup` go to the *parent* communicator's error
 //!   handler (by default `MPI_ERRORS_ARE_FATAL`); this module does not change the caller's
@@ -97,6 +104,7 @@
 use std::ffi::{c_int, c_void};
 use std::fmt;
 use std::ptr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -124,6 +132,81 @@ const ERROR_STRING_LEN: usize = ffi::MPI_MAX_ERROR_STRING as usize;
 
 /// Serializes this module's MPI calls when MPI does not provide `MPI_THREAD_MULTIPLE`.
 static MPI_CALLS: Mutex<()> = Mutex::new(());
+
+/// Set when `MPI_Finalize` begins, by the delete callback of an attribute that the first
+/// communicator attaches to `MPI_COMM_SELF` ([`watch_finalize`]): MPI frees `MPI_COMM_SELF`
+/// first thing in `MPI_Finalize`, running that callback. Every collective checks it holding
+/// the lock (the callback takes the lock too), so nothing calls MPI once finalizing began:
+/// rsmpi's `Universe` finalizes on drop, and nothing ties a communicator's life to it.
+static FINALIZING: AtomicBool = AtomicBool::new(false);
+
+/// Whether the attribute of [`FINALIZING`] is attached (changed holding the lock).
+static WATCHING: AtomicBool = AtomicBool::new(false);
+
+/// The delete callback of the attribute on `MPI_COMM_SELF`: records that MPI is finalizing.
+/// Takes the lock, so it waits for a serialized call in flight on another thread.
+unsafe extern "C" fn on_finalize(
+    _comm: ffi::MPI_Comm,
+    _keyval: c_int,
+    _value: *mut c_void,
+    _extra: *mut c_void,
+) -> c_int {
+    let _guard = lock_mpi();
+    FINALIZING.store(true, Ordering::Release);
+    MPI_SUCCESS
+}
+
+/// The copy callback of that attribute: duplicates do not inherit it (what
+/// `MPI_COMM_NULL_COPY_FN` does; Open MPI refuses a null callback).
+unsafe extern "C" fn no_copy(
+    _comm: ffi::MPI_Comm,
+    _keyval: c_int,
+    _extra: *mut c_void,
+    _value_in: *mut c_void,
+    _value_out: *mut c_void,
+    flag: *mut c_int,
+) -> c_int {
+    // SAFETY: MPI passes a valid place for the flag.
+    unsafe { *flag = 0 };
+    MPI_SUCCESS
+}
+
+/// Attaches the attribute whose deletion sets [`FINALIZING`], once per process. The caller
+/// holds the lock and has checked that MPI is live.
+fn watch_finalize(op: Op) -> Result<()> {
+    if WATCHING.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let mut keyval: c_int = 0;
+    // SAFETY: MPI is live (checked by the caller); `no_copy` and `on_finalize` match
+    // MPI's callback types and never unwind; `keyval` is a valid place for one int; no
+    // extra state.
+    let code = unsafe {
+        ffi::MPI_Comm_create_keyval(
+            Some(no_copy),
+            Some(on_finalize),
+            &mut keyval,
+            ptr::null_mut(),
+        )
+    };
+    check(op, "MPI_Comm_create_keyval", code)?;
+    // SAFETY: MPI is live; `keyval` was just created for communicators; the value is never
+    // read. Reading an immutable handle constant exported by rsmpi's C shim.
+    let code = unsafe { ffi::MPI_Comm_set_attr(ffi::RSMPI_COMM_SELF, keyval, ptr::null_mut()) };
+    check(op, "MPI_Comm_set_attr", code)?;
+    WATCHING.store(true, Ordering::Release);
+    Ok(())
+}
+
+/// Fails once `MPI_Finalize` began (see [`FINALIZING`]).
+fn ensure_not_finalizing(op: Op) -> Result<()> {
+    if FINALIZING.load(Ordering::Acquire) {
+        return Err(TransportError::Setup(format!(
+            "{op} after MPI_Finalize: drop every MpiCommunicator before the Universe"
+        )));
+    }
+    Ok(())
+}
 
 /// Takes the process-wide MPI lock. No code panics while holding it, so a poisoned lock is
 /// still usable.
@@ -211,6 +294,7 @@ impl MpiCommunicator {
         let op = Op::Setup;
         let _guard = lock_mpi();
         ensure_live()?;
+        watch_finalize(op)?;
         let parent = comm.as_raw();
         if parent == comm_null() {
             return Err(TransportError::Setup(
@@ -374,9 +458,12 @@ impl MpiCommunicator {
         }
     }
 
-    /// The process-wide lock, when MPI needs calls serialized.
-    fn lock(&self) -> Option<MutexGuard<'static, ()>> {
-        self.serialize.then(lock_mpi)
+    /// The process-wide lock, when MPI needs calls serialized; fails once `MPI_Finalize`
+    /// began, checked after the lock is taken.
+    fn lock(&self, op: Op) -> Result<Option<MutexGuard<'static, ()>>> {
+        let guard = self.serialize.then(lock_mpi);
+        ensure_not_finalizing(op)?;
+        Ok(guard)
     }
 
     /// Converts a count, displacement or root to MPI's `int`.
@@ -450,7 +537,12 @@ impl IntTable {
 impl Drop for MpiCommunicator {
     fn drop(&mut self) {
         let _guard = lock_mpi();
-        match finalized() {
+        let finalized = if FINALIZING.load(Ordering::Acquire) {
+            Ok(true)
+        } else {
+            finalized()
+        };
+        match finalized {
             Ok(false) => {}
             Ok(true) => {
                 tracing::warn!(
@@ -503,7 +595,7 @@ impl Communicator for MpiCommunicator {
                 },
             })?,
         };
-        let guard = self.lock();
+        let guard = self.lock(op)?;
         let mut new = comm_null();
         // SAFETY: `self.comm` is a live communicator owned by `self` (freed only in Drop),
         // MPI is initialized (a live communicator implies it), and `new` is a valid place
@@ -546,7 +638,7 @@ impl Communicator for MpiCommunicator {
         if let Some(timeout) = self.timed(Op::Barrier)? {
             return self.timed_barrier(timeout);
         }
-        let _guard = self.lock();
+        let _guard = self.lock(Op::Barrier)?;
         // SAFETY: `self.comm` is a live communicator owned by `self`.
         let code = unsafe { ffi::MPI_Barrier(self.comm) };
         check(Op::Barrier, "MPI_Barrier", code)
@@ -564,7 +656,7 @@ impl Communicator for MpiCommunicator {
         let send = send_ptr(args.send(), &scratch.send);
         let recv = recv_ptr(args.recv(), &mut scratch.recv);
         let byte = byte_type();
-        let _guard = self.lock();
+        let _guard = self.lock(op)?;
         // SAFETY: `send` is valid for `count` bytes (this rank's slice, or scratch when
         // empty); `recv` is valid for writes of `size * count` bytes (checked by
         // `AllGatherArgs`), and is a distinct, non-overlapping allocation from `send`
@@ -595,7 +687,7 @@ impl Communicator for MpiCommunicator {
         let send = send_ptr(send, &scratch.send);
         let recv = recv_ptr(recv, &mut scratch.recv);
         let byte = byte_type();
-        let _guard = self.lock();
+        let _guard = self.lock(op)?;
         // SAFETY: `VarcountArgs` guarantees one count and displacement per rank, each region
         // inside `recv` and non-overlapping, and `send.len() == counts[rank]`; `counts` and
         // `displs` hold `size` ints and outlive the call. `send` and `recv` point to
@@ -642,7 +734,7 @@ impl Communicator for MpiCommunicator {
             None => (ptr::null_mut(), ptr::null(), ptr::null()),
         };
         let byte = byte_type();
-        let _guard = self.lock();
+        let _guard = self.lock(op)?;
         // SAFETY: `send` is valid for `send_count` bytes. At the root, `GatherArgs`
         // guarantees a receive layout with one in-bounds, non-overlapping region per rank,
         // `counts_ptr`/`displs_ptr` point to `size` ints in `counts_table`/`displs_table`,
@@ -670,7 +762,7 @@ impl Communicator for MpiCommunicator {
         let mut scratch = Scratch::default();
         let buf = recv_ptr(buf, &mut scratch.recv);
         let byte = byte_type();
-        let _guard = self.lock();
+        let _guard = self.lock(op)?;
         // SAFETY: `buf` is valid for reads and writes of `count` bytes (the caller's
         // slice, or a scratch byte when `count == 0`) for the whole blocking call; `root`
         // is in range (checked); `self.comm` is live.
@@ -698,7 +790,7 @@ impl Communicator for MpiCommunicator {
             let send = send_ptr(bytemuck::cast_slice(&wide), &scratch.send);
             let recv = recv_ptr(bytemuck::cast_slice_mut(&mut out), &mut scratch.recv);
             let float = float_type();
-            let guard = self.lock();
+            let guard = self.lock(op)?;
             // SAFETY: `send` and `recv` point to `count` f32 each (two distinct vectors, or
             // distinct scratch bytes when `count == 0`), properly aligned, alive for the
             // blocking call; `float` is the predefined `MPI_FLOAT`; `self.comm` is live.
@@ -722,7 +814,7 @@ impl Communicator for MpiCommunicator {
         let mut scratch = Scratch::default();
         let send = send_ptr(send, &scratch.send);
         let recv = recv_ptr(recv, &mut scratch.recv);
-        let _guard = self.lock();
+        let _guard = self.lock(op)?;
         // SAFETY: `AllReduceArgs` checked that send and receive hold the same `count`
         // elements of `dtype`, whose predefined MPI type `datatype` has the same size;
         // `send` and `recv` are distinct memory (the caller's two slices, a copy of the
@@ -755,7 +847,7 @@ impl Communicator for MpiCommunicator {
         let send = send_ptr(send.buf, &scratch.send);
         let recv = recv_ptr(recv.buf, &mut scratch.recv);
         let byte = byte_type();
-        let _guard = self.lock();
+        let _guard = self.lock(op)?;
         // SAFETY: `AllToAllArgs` guarantees both layouts have `size` entries whose regions
         // lie inside their buffers, receive regions not overlapping; the four int tables
         // hold `size` entries and outlive the call. `send` and `recv` point to distinct
@@ -874,7 +966,7 @@ impl MpiCommunicator {
     ) -> Result<InFlight> {
         let begun = Instant::now();
         {
-            let _guard = self.lock();
+            let _guard = self.lock(op)?;
             let code = start(&mut job, self.comm);
             check(op, call, code)?;
         }
@@ -887,31 +979,38 @@ impl MpiCommunicator {
         let mut next_check = begun + check_every;
         loop {
             let mut done: c_int = 0;
-            let code = {
-                let _guard = self.lock();
-                // SAFETY: `job.request` is the active request `start` created on the live
-                // `self.comm` (get_status neither frees nor changes it); `done` is a valid
-                // place for one int; the status is ignored (`MPI_STATUS_IGNORE`, a constant
-                // read from rsmpi's C shim). The buffers and tables the request uses are
-                // owned by `job`, alive until it completes.
-                unsafe {
-                    ffi::MPI_Request_get_status(job.request, &mut done, ffi::RSMPI_STATUS_IGNORE)
+            let guard = match self.lock(op) {
+                Ok(guard) => guard,
+                Err(e) => {
+                    // MPI is finalizing with this request in flight: its buffers can never
+                    // be known free.
+                    std::mem::forget(job);
+                    let _ = self
+                        .broken
+                        .set((None, format!("MPI was finalized during an earlier {call}")));
+                    return Err(e);
                 }
+            };
+            // SAFETY: `job.request` is the active request `start` created on the live
+            // `self.comm` (get_status neither frees nor changes it); `done` is a valid place
+            // for one int; the status is ignored (`MPI_STATUS_IGNORE`, a constant read from
+            // rsmpi's C shim). The buffers and tables the request uses are owned by `job`,
+            // alive until it completes.
+            let code = unsafe {
+                ffi::MPI_Request_get_status(job.request, &mut done, ffi::RSMPI_STATUS_IGNORE)
             };
             let code = if code != MPI_SUCCESS {
                 Some((code, "MPI_Request_get_status"))
             } else if done != 0 {
-                let code = {
-                    let _guard = self.lock();
-                    complete_returning_errors(&mut job.request)
-                };
-                match code {
+                // Under the same lock as the status read: MPI has not begun finalizing.
+                match complete_returning_errors(&mut job.request) {
                     Ok(()) => return Ok(job),
                     Err(failed) => Some(failed),
                 }
             } else {
                 None
             };
+            drop(guard);
             if let Some((code, failed_call)) = code {
                 // Whether MPI still uses the buffers is unknown: never free them.
                 std::mem::forget(job);

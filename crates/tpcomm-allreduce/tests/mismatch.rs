@@ -5,8 +5,11 @@
 //! and each must end in a typed error (or the right result), never in an out-of-bounds
 //! read or a silently wrong sum.
 
+mod common;
+
 use std::time::Duration;
 
+use common::{cause, fill, read, unwrap_all};
 use tpcomm_allreduce::{AllReduceError, Config, CustomAllReduce, DType, HostBackend, Phase};
 use tpcomm_ipc::{FaultInjection, FaultPoint, HostBuffer, HostMemory, MemoryRegion, PeerMemory};
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
@@ -20,35 +23,6 @@ fn group(n: usize) -> LocalGroup {
 
 fn new_ar(comm: &LocalCommunicator, config: Config) -> R<Ar> {
     CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, config)
-}
-
-fn fill<M: PeerMemory>(memory: &M, buf: &impl MemoryRegion, value: f32, count: usize) -> R<()> {
-    Ok(memory.write(buf, 0, bytemuck::cast_slice(&vec![value; count]))?)
-}
-
-fn read<M: PeerMemory>(memory: &M, buf: &impl MemoryRegion, count: usize) -> R<Vec<f32>> {
-    let mut raw = vec![0u8; count * 4];
-    memory.read(buf, 0, &mut raw)?;
-    Ok(bytemuck::cast_slice(&raw).to_vec())
-}
-
-/// Unwraps the cause of a `Failed` error.
-fn cause(e: &AllReduceError) -> &AllReduceError {
-    match e {
-        AllReduceError::Failed { cause, .. } => cause,
-        other => other,
-    }
-}
-
-fn unwrap_all<T>(results: Vec<tpcomm_transport::Result<R<T>>>) -> Vec<T> {
-    results
-        .into_iter()
-        .enumerate()
-        .map(|(rank, r)| {
-            r.expect("rank thread")
-                .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
-        })
-        .collect()
 }
 
 #[test]

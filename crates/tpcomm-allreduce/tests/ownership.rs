@@ -4,9 +4,12 @@
 //! freeing it. A failed capture leaves nothing pending. Played by rank threads of the local
 //! group.
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use common::{cause, fill, read, unwrap_all};
 use tpcomm_allreduce::{AllReduceError, Config, CustomAllReduce, DType, HostBackend, Phase};
 use tpcomm_ipc::{HostMemory, MemoryRegion, PeerMemory};
 use tpcomm_transport::check::{
@@ -21,38 +24,9 @@ fn new_ar<C: Communicator>(comm: &C, config: Config) -> R<Ar> {
     CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, config)
 }
 
-fn unwrap_all<T>(results: Vec<tpcomm_transport::Result<R<T>>>) -> Vec<T> {
-    results
-        .into_iter()
-        .enumerate()
-        .map(|(rank, r)| {
-            r.expect("rank thread")
-                .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
-        })
-        .collect()
-}
-
 /// Whether `memory` still holds a live buffer at `addr` (a freed one cannot be exported).
 fn alive(memory: &HostMemory, addr: u64, len: usize) -> bool {
     memory.export(addr, len).is_ok()
-}
-
-fn fill(memory: &HostMemory, buf: &impl MemoryRegion, value: f32, count: usize) -> R<()> {
-    Ok(memory.write(buf, 0, bytemuck::cast_slice(&vec![value; count]))?)
-}
-
-fn read(memory: &HostMemory, buf: &impl MemoryRegion, count: usize) -> R<Vec<f32>> {
-    let mut raw = vec![0u8; count * 4];
-    memory.read(buf, 0, &mut raw)?;
-    Ok(bytemuck::cast_slice(&raw).to_vec())
-}
-
-/// Unwraps the cause of a `Failed` error.
-fn cause(e: &AllReduceError) -> &AllReduceError {
-    match e {
-        AllReduceError::Failed { cause, .. } => cause,
-        other => other,
-    }
 }
 
 #[test]

@@ -5,7 +5,8 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use tpcomm_allreduce::{DType, Element};
+use tpcomm_allreduce::{AllReduceError, DType, Element};
+use tpcomm_ipc::{MemoryRegion, PeerMemory};
 
 /// A fresh seed per run, so every run sees new data.
 pub(crate) fn run_seed() -> u64 {
@@ -46,4 +47,47 @@ pub(crate) fn check<T: Element>(seed: u64, world: usize, out: &[T]) -> Result<()
         }
     }
     Ok(())
+}
+
+/// Writes `count` copies of `value` at the start of `buf`.
+pub(crate) fn fill<M: PeerMemory>(
+    memory: &M,
+    buf: &impl MemoryRegion,
+    value: f32,
+    count: usize,
+) -> tpcomm_allreduce::Result<()> {
+    Ok(memory.write(buf, 0, bytemuck::cast_slice(&vec![value; count]))?)
+}
+
+/// The first `count` f32 of `buf`.
+pub(crate) fn read<M: PeerMemory>(
+    memory: &M,
+    buf: &impl MemoryRegion,
+    count: usize,
+) -> tpcomm_allreduce::Result<Vec<f32>> {
+    let mut raw = vec![0u8; count * 4];
+    memory.read(buf, 0, &mut raw)?;
+    Ok(bytemuck::cast_slice(&raw).to_vec())
+}
+
+/// The cause of a `Failed` error, or the error itself.
+pub(crate) fn cause(e: &AllReduceError) -> &AllReduceError {
+    match e {
+        AllReduceError::Failed { cause, .. } => cause,
+        other => other,
+    }
+}
+
+/// Every rank's value, panicking with the rank's error otherwise.
+pub(crate) fn unwrap_all<T>(
+    results: Vec<tpcomm_transport::Result<tpcomm_allreduce::Result<T>>>,
+) -> Vec<T> {
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, r)| {
+            r.expect("rank thread")
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+        })
+        .collect()
 }

@@ -1,6 +1,11 @@
 //! The collectives. Every public function here is a thin typed layer over one of four byte
 //! protocols: rank-ordered gathering (`gather_bytes`), rooted broadcast, rooted scatter and
 //! all-to-all, each a header exchange followed (when needed) by the payload in rounds.
+//!
+//! The header exchange is always an all-gather whose size depends on nothing a rank chose
+//! (not the options, not the root), so every rank joins it whatever it was passed. It carries
+//! each rank's options and root (`options.rs`), and nothing chosen by the root (the root's
+//! entry, a rooted payload call) is touched before every rank has agreed on both.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -65,16 +70,6 @@ fn record(span: &tracing::Span, path: &'static str, bytes: usize, rounds: usize)
     span.record("path", path);
     span.record("bytes", bytes);
     span.record("rounds", rounds);
-}
-
-fn check_root<C: Communicator + ?Sized>(comm: &C, root: usize) -> Result<()> {
-    if root >= comm.size() {
-        return Err(ObjectError::InvalidArgument(format!(
-            "root {root} is out of range for a communicator of size {}",
-            comm.size()
-        )));
-    }
-    Ok(())
 }
 
 fn header_len(entries: usize, entry: usize) -> Result<usize> {
@@ -199,7 +194,7 @@ fn gather_bytes<C: Communicator + ?Sized>(
     span: &tracing::Span,
 ) -> Result<Option<Gathered>> {
     let (me, size) = (comm.rank(), comm.size());
-    let checked = Checked::new(opts);
+    let checked = Checked::new(opts, root);
     let slot = slot_of(opts, &checked);
     let mut own = [0u8; ENTRY];
     write_entry(
@@ -528,6 +523,12 @@ where
 
 /// Gather to `root`: `Some(values)` on the root (rank order), `None` elsewhere.
 ///
+/// Errors are agreed as for [`all_gather`].
+/// Every rank must pass the same `root`. The roots travel in the header exchange (no extra
+/// transport call): ranks that pass different roots all return
+/// [`ObjectError::RootMismatch`] naming every rank's root, before any payload moves; a root
+/// out of range on every rank is [`ObjectError::InvalidArgument`] on every rank.
+///
 /// ```
 /// use tpcomm_objects::gather;
 /// use tpcomm_transport::{Communicator, LocalGroup};
@@ -601,7 +602,6 @@ where
     C: Communicator + ?Sized,
     T: Serialize + DeserializeOwned,
 {
-    check_root(comm, root)?;
     let span = span(comm, "gather");
     let _g = span.enter();
     let serialized = serialize(value);
@@ -619,6 +619,10 @@ where
 ///
 /// A root that passes `None` or fails to serialize makes every rank return the same error
 /// ([`ObjectError::MissingInput`] or [`ObjectError::PeerSerialization`]).
+/// Every rank must pass the same `root`. The roots travel in the header exchange (no extra
+/// transport call): ranks that pass different roots all return
+/// [`ObjectError::RootMismatch`] naming every rank's root, before any payload moves; a root
+/// out of range on every rank is [`ObjectError::InvalidArgument`] on every rank.
 ///
 /// ```
 /// use tpcomm_objects::broadcast;
@@ -713,12 +717,11 @@ where
     C: Communicator + ?Sized,
     T: Serialize,
 {
-    check_root(comm, root)?;
     let span = span(comm, "broadcast");
     let _g = span.enter();
     let (me, size) = (comm.rank(), comm.size());
     let is_root = me == root;
-    let checked = Checked::new(opts);
+    let checked = Checked::new(opts, Some(root));
     let slot = slot_of(opts, &checked);
     let mut serialized = match (is_root && checked.invalid.is_none(), value) {
         (true, Some(v)) => Some(serialize(v)),
@@ -806,7 +809,15 @@ fn serialize_all<T: Serialize>(values: &[T]) -> Packed {
 }
 
 /// Scatter from `root`: the root passes `Some(values)` with one value per rank; rank `i`
-/// returns `values[i]`.
+/// returns `values[i]` (the others' `values` are ignored).
+///
+/// A root without one value per rank makes every rank return
+/// [`ObjectError::MissingInput`]; a root that fails to serialize,
+/// [`ObjectError::PeerSerialization`].
+/// Every rank must pass the same `root`. The roots travel in the header exchange (no extra
+/// transport call): ranks that pass different roots all return
+/// [`ObjectError::RootMismatch`] naming every rank's root, before any payload moves; a root
+/// out of range on every rank is [`ObjectError::InvalidArgument`] on every rank.
 ///
 /// ```
 /// use tpcomm_objects::scatter;
@@ -832,11 +843,10 @@ where
     C: Communicator + ?Sized,
     T: Serialize + DeserializeOwned,
 {
-    check_root(comm, root)?;
     let span = span(comm, "scatter");
     let _g = span.enter();
     let (me, size) = (comm.rank(), comm.size());
-    let checked = Checked::new(opts);
+    let checked = Checked::new(opts, Some(root));
     let mut own_cause = None;
     let mut root_bytes = Vec::new();
     let mut words = vec![Announce::Len(0); size];
@@ -984,7 +994,7 @@ where
     let span = span(comm, "all_to_all");
     let _g = span.enter();
     let size = comm.size();
-    let checked = Checked::new(opts);
+    let checked = Checked::new(opts, None);
     let outgoing =
         (values.len() == size && checked.invalid.is_none()).then(|| serialize_all(values));
     let (buf, ranges) = all_to_all_bytes(comm, checked, outgoing, opts, &span)?;
@@ -1159,6 +1169,10 @@ where
 /// naming it, an announced total over the cap makes every rank return
 /// [`ObjectError::TooLarge`]; bytes the root cannot decode are a
 /// [`Decode`](ObjectError::Decode) error on the root.
+/// Every rank must pass the same `root`. The roots travel in the header exchange (no extra
+/// transport call): ranks that pass different roots all return
+/// [`ObjectError::RootMismatch`] naming every rank's root, before any payload moves; a root
+/// out of range on every rank is [`ObjectError::InvalidArgument`] on every rank.
 ///
 /// ```
 /// use tpcomm_objects::reduce_with;
@@ -1192,7 +1206,6 @@ where
     T: Serialize + DeserializeOwned,
     F: FnMut(T, T) -> T,
 {
-    check_root(comm, root)?;
     let span = span(comm, "reduce");
     let _g = span.enter();
     let serialized = serialize(value);
@@ -1301,7 +1314,7 @@ where
 {
     let (me, size) = (comm.rank(), comm.size());
     let receives_from = |d: usize, s: usize| if inclusive { s <= d } else { s < d };
-    let checked = Checked::new(opts);
+    let checked = Checked::new(opts, None);
     let outgoing = checked.invalid.is_none().then(|| {
         serialize(value).map(|bytes| {
             let lens: Vec<usize> = (0..size)

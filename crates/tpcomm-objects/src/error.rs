@@ -24,8 +24,9 @@ pub enum DecodeError {
 /// Every failure of an object collective.
 ///
 /// Errors decided from exchanged data (`PeerSerialization`, `MissingInput`, `TooLarge`,
-/// `PeerInvalidOptions`, `OptionsMismatch`) are returned by *every* rank, because every rank decides them from the same
-/// exchanged lengths. `Decode` is local to the rank that decoded the bytes.
+/// `PeerInvalidOptions`, `OptionsMismatch`, `RootMismatch`, and `InvalidArgument` for a
+/// root out of range) are returned by *every* rank, because every rank decides them from
+/// the same exchanged header. `Decode` is local to the rank that decoded the bytes.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ObjectError {
@@ -87,10 +88,13 @@ pub enum ObjectError {
         /// The size requested.
         bytes: usize,
     },
-    /// A caller argument was invalid on this rank (root out of range, options outside their
-    /// documented ranges). For options, the rank still joined the header exchange first,
+    /// A caller argument was invalid on this rank (options outside their documented ranges,
+    /// a root out of range). For options, the rank still joined the header exchange first,
     /// flagging its options invalid, so that its peers return
-    /// [`PeerInvalidOptions`](Self::PeerInvalidOptions) instead of waiting for it.
+    /// [`PeerInvalidOptions`](Self::PeerInvalidOptions) instead of waiting for it. A root is
+    /// checked after the header exchange, which carries every rank's root: a root out of
+    /// range on every rank is this error on every rank, one that differs between ranks is
+    /// [`RootMismatch`](Self::RootMismatch) on every rank.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// Some ranks passed options outside their documented ranges (they return
@@ -113,6 +117,28 @@ pub enum ObjectError {
         /// Every rank whose `option` differs from the reference's, ascending.
         ranks: Vec<usize>,
     },
+    /// Ranks passed different roots to a rooted collective (`broadcast`, `gather`,
+    /// `scatter`, `reduce_with` and their `_with` / `_into` forms), or some called a rooted
+    /// collective while others called one without a root (`all_gather`, `all_to_all`, ...).
+    /// Every rank's root travels in the header exchange (inside the options field) that
+    /// every collective makes first, whose size does not depend on the root, so every rank
+    /// returns this same error and no payload moves.
+    #[error("ranks passed different roots (root per rank: {})", roots_text(.roots))]
+    RootMismatch {
+        /// The root each rank passed, in rank order; `None` for a rank that called a
+        /// collective without a root. A root that does not fit the 32-bit field of the
+        /// header (never a valid one) reads as `u32::MAX - 1`.
+        roots: Vec<Option<usize>>,
+    },
+}
+
+/// Every rank's root, as [`ObjectError::RootMismatch`] prints it: `0, 1, none`.
+fn roots_text(roots: &[Option<usize>]) -> String {
+    let text: Vec<String> = roots
+        .iter()
+        .map(|r| r.map_or_else(|| "none".to_string(), |r| r.to_string()))
+        .collect();
+    text.join(", ")
 }
 
 /// Result of object collectives.

@@ -2,12 +2,12 @@
 //! inline slot.
 //!
 //! Each rank contributes one [`ENTRY`]-byte entry: its length as a little-endian `u64` (or a
-//! sentinel), its options field (`options::FIELD` bytes, see `WireOptions`), then its
-//! value's bytes when they fit `small_slot_bytes`. The entry size is a constant of the
-//! protocol, not an option, so ranks whose options differ still exchange equal sizes and
-//! find the difference in the options fields. The header is moved by one fixed-size
-//! transport call (in chunks only when it exceeds `max_count`, which no real MPI does).
-//! Lengths are never serialized.
+//! sentinel), its options field (`options::FIELD` bytes, see `WireOptions`: the options and
+//! the root), then its value's bytes when they fit `small_slot_bytes`. The entry size is a
+//! constant of the protocol, not an option, so ranks whose options or roots differ still
+//! exchange equal sizes and find the difference in the options fields. The header is moved
+//! by one fixed-size transport call (in chunks only when it exceeds `max_count`, which no
+//! real MPI does). Lengths are never serialized.
 
 use crate::error::{ObjectError, Result};
 use crate::options::{Options, FIELD};

@@ -10,11 +10,14 @@
 //!
 //! 1. Every rank serializes its value once.
 //! 2. **Length exchange**: one fixed-size all-gather of a 256-byte entry per rank: a 64-bit
-//!    little-endian length word (never serialized), the rank's [`Options`] (24 bytes), and
-//!    an inline slot (`small_slot_bytes`, at most 224). A rank that failed to serialize, or
-//!    whose options are out of range, still sends its entry, with a sentinel.
+//!    little-endian length word (never serialized), the rank's [`Options`] and root (24
+//!    bytes), and an inline slot (`small_slot_bytes`, at most 224). A rank that failed to
+//!    serialize, or whose options are out of range, still sends its entry, with a sentinel;
+//!    a root out of range is sent as it is and refused by every rank. (Scatter and
+//!    all-to-all send the same options field and a length word per destination.)
 //! 3. **Agreement**: every rank reads the same words, so every rank takes the same decision:
-//!    options that differ between ranks, the error naming every failing rank, the cap
+//!    options or roots that differ between ranks ([`ObjectError::OptionsMismatch`],
+//!    [`ObjectError::RootMismatch`]), the error naming every failing rank, the cap
 //!    violation, or the path.
 //! 4. **Small path**: when every value fits its slot, the values already arrived with the
 //!    lengths: the whole collective was *one* transport call.

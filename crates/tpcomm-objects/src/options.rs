@@ -7,6 +7,14 @@
 //! and every rank compares them all before deciding anything, so a difference is
 //! [`ObjectError::OptionsMismatch`] on every rank, and a rank whose options are out of range
 //! tells its peers so in the same field ([`ObjectError::PeerInvalidOptions`]).
+//!
+//! The same field carries the rank's root (or "no root" for a collective without one), for
+//! the same reason: ranks that name different roots would otherwise take different paths
+//! (each rank that takes itself for the root returns its own value on the small path; the
+//! payload call names different roots on different ranks, an erroneous MPI program). The
+//! header exchange is an all-gather whose size depends on no root, so every rank receives
+//! every rank's root and returns the same [`ObjectError::RootMismatch`] before anything else
+//! is read or sent, at no extra transport call.
 
 use crate::error::ObjectError;
 
@@ -127,20 +135,44 @@ impl Options {
 
 /// Width of the options field of a header entry.
 pub(crate) const FIELD: usize = 24;
-/// Marks a field of this protocol's version from a rank with valid options.
-const MAGIC_VALID: [u8; 4] = *b"TPO1";
+/// Marks a field of this protocol's version (2: with the root) from a rank with valid
+/// options. Version 1 fields began with `TPO1` / `TPO!`: a rank of either version reads the
+/// other's field as [`WireOptions::Unknown`], a mismatch of `"protocol"`.
+const MAGIC_VALID: u8 = 0xB2;
 /// Marks a field from a rank whose options are out of range.
-const MAGIC_INVALID: [u8; 4] = *b"TPO!";
+const MAGIC_INVALID: u8 = 0xBF;
+/// The root word of a collective without a root (all-gather, all-to-all, the scans).
+const NO_ROOT: u32 = u32::MAX;
+/// The root word of a root that does not fit below [`NO_ROOT`]: never a valid root (no
+/// communicator has 2^32 - 2 ranks; MPI's are below 2^31), refused on every rank.
+const UNREPRESENTABLE_ROOT: u32 = u32::MAX - 1;
 
-/// The options as they travel in the header: `[magic: 4][small_slot_bytes: u16]
-/// [max_depth: u16][round_bytes: u64, 0 for None][max_total_bytes: u64]`, little-endian.
-/// Every field of a valid [`Options`] fits exactly (the ranges are checked first).
+/// `root` as it travels in the options field.
+fn root_word(root: Option<usize>) -> u32 {
+    match root {
+        None => NO_ROOT,
+        Some(r) => u32::try_from(r)
+            .unwrap_or(UNREPRESENTABLE_ROOT)
+            .min(UNREPRESENTABLE_ROOT),
+    }
+}
+
+/// A root word as [`ObjectError::RootMismatch`] reports it.
+fn root_of_word(word: u32) -> Option<usize> {
+    (word != NO_ROOT).then(|| usize::try_from(word).unwrap_or(usize::MAX))
+}
+
+/// The options and the root as they travel in the header: `[magic: u8]
+/// [small_slot_bytes: u8][max_depth: u16][root: u32, u32::MAX for none][round_bytes: u64, 0
+/// for None][max_total_bytes: u64]`, little-endian. Every field of a valid [`Options`] fits
+/// exactly (the ranges are checked first: `small_slot_bytes` is at most 224).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WireOptions {
     /// A rank with valid options.
     Valid {
-        small_slot_bytes: u16,
+        small_slot_bytes: u8,
         max_depth: u16,
+        root: u32,
         round_bytes: u64,
         max_total_bytes: u64,
     },
@@ -151,18 +183,22 @@ pub(crate) enum WireOptions {
 }
 
 impl WireOptions {
-    /// Encodes `opts`, or the invalid marker when they failed validation.
-    pub(crate) fn encode(opts: &Options, valid: bool) -> [u8; FIELD] {
+    /// Encodes `opts` and `root` (`None` for a collective without one), or the invalid
+    /// marker when the options failed validation (the root does not matter then: every rank
+    /// returns an options error).
+    pub(crate) fn encode(opts: &Options, valid: bool, root: Option<usize>) -> [u8; FIELD] {
         let mut out = [0u8; FIELD];
         if !valid {
-            out[..4].copy_from_slice(&MAGIC_INVALID);
+            out[0] = MAGIC_INVALID;
             return out;
         }
+        let narrow8 = |v: usize| u8::try_from(v).unwrap_or(u8::MAX);
         let narrow16 = |v: usize| u16::try_from(v).unwrap_or(u16::MAX);
         let wide = |v: usize| u64::try_from(v).unwrap_or(u64::MAX);
-        out[..4].copy_from_slice(&MAGIC_VALID);
-        out[4..6].copy_from_slice(&narrow16(opts.small_slot_bytes).to_le_bytes());
-        out[6..8].copy_from_slice(&narrow16(opts.max_depth).to_le_bytes());
+        out[0] = MAGIC_VALID;
+        out[1] = narrow8(opts.small_slot_bytes);
+        out[2..4].copy_from_slice(&narrow16(opts.max_depth).to_le_bytes());
+        out[4..8].copy_from_slice(&root_word(root).to_le_bytes());
         out[8..16].copy_from_slice(&wide(opts.round_bytes.unwrap_or(0)).to_le_bytes());
         out[16..24].copy_from_slice(&wide(opts.max_total_bytes).to_le_bytes());
         out
@@ -170,24 +206,37 @@ impl WireOptions {
 
     pub(crate) fn decode(field: &[u8]) -> Self {
         let u16_at = |i: usize| u16::from_le_bytes([field[i], field[i + 1]]);
+        let u32_at =
+            |i: usize| u32::from_le_bytes([field[i], field[i + 1], field[i + 2], field[i + 3]]);
         let u64_at = |i: usize| {
             let mut w = [0u8; 8];
             w.copy_from_slice(&field[i..i + 8]);
             u64::from_le_bytes(w)
         };
-        match &field[..4] {
-            m if m == MAGIC_VALID => WireOptions::Valid {
-                small_slot_bytes: u16_at(4),
-                max_depth: u16_at(6),
+        match field[0] {
+            MAGIC_VALID => WireOptions::Valid {
+                small_slot_bytes: field[1],
+                max_depth: u16_at(2),
+                root: u32_at(4),
                 round_bytes: u64_at(8),
                 max_total_bytes: u64_at(16),
             },
-            m if m == MAGIC_INVALID => WireOptions::Invalid,
+            MAGIC_INVALID => WireOptions::Invalid,
             _ => WireOptions::Unknown,
         }
     }
 
-    /// The name of the first option in which `self` and `other` (both valid) differ.
+    /// The root word of a valid field.
+    fn root(&self) -> Option<u32> {
+        match self {
+            WireOptions::Valid { root, .. } => Some(*root),
+            _ => None,
+        }
+    }
+
+    /// The name of the first option in which `self` and `other` differ (`"protocol"` when
+    /// they are not both valid fields of this version). The roots are not options: they are
+    /// compared on their own, after the options.
     fn first_difference(&self, other: &Self) -> Option<&'static str> {
         match (self, other) {
             (
@@ -196,12 +245,14 @@ impl WireOptions {
                     max_depth: d1,
                     round_bytes: r1,
                     max_total_bytes: c1,
+                    root: _,
                 },
                 WireOptions::Valid {
                     small_slot_bytes: s2,
                     max_depth: d2,
                     round_bytes: r2,
                     max_total_bytes: c2,
+                    root: _,
                 },
             ) => [
                 (s1 != s2, "small_slot_bytes"),
@@ -217,27 +268,35 @@ impl WireOptions {
     }
 }
 
-/// This rank's options, validated: the field it sends, and its own error when they are
-/// invalid (returned after it has joined the header exchange, so that no peer is left
-/// waiting).
+/// This rank's options, validated, and its root: the field it sends, and its own error when
+/// the options are invalid (returned after it has joined the header exchange, so that no
+/// peer is left waiting).
 pub(crate) struct Checked {
     pub(crate) field: [u8; FIELD],
     pub(crate) invalid: Option<ObjectError>,
+    root: Option<usize>,
 }
 
 impl Checked {
-    pub(crate) fn new(opts: &Options) -> Self {
+    /// `root` is the root this rank passed to a rooted collective, `None` for a collective
+    /// without one. It is not checked against the communicator's size here: a rank whose
+    /// root is out of range still joins the header exchange, and every rank decides after it.
+    pub(crate) fn new(opts: &Options, root: Option<usize>) -> Self {
         let invalid = opts.validate().err();
         Self {
-            field: WireOptions::encode(opts, invalid.is_none()),
+            field: WireOptions::encode(opts, invalid.is_none(), root),
             invalid,
+            root,
         }
     }
 
     /// The decision every rank takes from every rank's field (`fields(r)` is rank `r`'s, for
     /// `r` in `0..size`): this rank's own `InvalidArgument` when its options are invalid,
-    /// else the ranks with invalid options, else the ranks whose options differ from rank 0's.
-    /// Every rank with valid options reads the same fields and returns the same error.
+    /// else the ranks with invalid options, else the ranks whose options differ from rank 0's,
+    /// else [`ObjectError::RootMismatch`] when the roots differ, else `InvalidArgument` when
+    /// the root (then the same on every rank) is out of range. Every rank with valid options
+    /// reads the same fields and returns the same error; only then may a collective read an
+    /// entry chosen by the root.
     pub(crate) fn agree<'h>(
         self,
         size: usize,
@@ -246,10 +305,20 @@ impl Checked {
         if let Some(own) = self.invalid {
             return Err(own);
         }
-        // The usual case, without allocating: every field equals this rank's.
-        if (0..size).all(|r| fields(r) == self.field) {
-            return Ok(());
+        // The usual case, without allocating: every field (options and root) equals this
+        // rank's.
+        if !(0..size).all(|r| fields(r) == self.field) {
+            Self::disagreement(size, &fields)?;
         }
+        self.root_in_range(size)
+    }
+
+    /// The error for fields that are not all equal: invalid options, then differing options,
+    /// then differing roots (`Ok` for fields that differ in none of them).
+    fn disagreement<'h>(
+        size: usize,
+        fields: &impl Fn(usize) -> &'h [u8],
+    ) -> Result<(), ObjectError> {
         let wire: Vec<WireOptions> = (0..size).map(|r| WireOptions::decode(fields(r))).collect();
         let invalid: Vec<usize> = (0..size)
             .filter(|&r| wire[r] == WireOptions::Invalid)
@@ -258,17 +327,44 @@ impl Checked {
             return Err(ObjectError::PeerInvalidOptions { ranks: invalid });
         }
         let reference = wire[0];
-        let Some(option) = wire.iter().find_map(|w| reference.first_difference(w)) else {
-            return Ok(());
-        };
-        let ranks = (1..size)
-            .filter(|&r| reference.first_difference(&wire[r]) == Some(option))
-            .collect();
-        Err(ObjectError::OptionsMismatch {
-            option,
-            reference: 0,
-            ranks,
-        })
+        if let Some(option) = wire.iter().find_map(|w| reference.first_difference(w)) {
+            let ranks = (1..size)
+                .filter(|&r| reference.first_difference(&wire[r]) == Some(option))
+                .collect();
+            return Err(ObjectError::OptionsMismatch {
+                option,
+                reference: 0,
+                ranks,
+            });
+        }
+        // Every field is now a valid one of this version, like this rank's.
+        let roots: Vec<Option<u32>> = wire.iter().map(WireOptions::root).collect();
+        if roots.iter().any(|r| *r != roots[0]) {
+            return Err(ObjectError::RootMismatch {
+                roots: roots
+                    .into_iter()
+                    .map(|w| w.and_then(root_of_word))
+                    .collect(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The root, agreed by every rank (so that every rank takes the same decision here), is
+    /// a rank of the communicator.
+    fn root_in_range(&self, size: usize) -> Result<(), ObjectError> {
+        match self.root {
+            Some(root) if root >= size => Err(ObjectError::InvalidArgument(format!(
+                "root {root} is out of range for a communicator of size {size}"
+            ))),
+            Some(root) if root_word(Some(root)) == UNREPRESENTABLE_ROOT => {
+                Err(ObjectError::InvalidArgument(format!(
+                    "root {root} does not fit the header's root field (at most {})",
+                    UNREPRESENTABLE_ROOT - 1
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -285,19 +381,106 @@ mod tests {
             max_depth: 500,
         };
         assert_eq!(
-            WireOptions::decode(&WireOptions::encode(&opts, true)),
+            WireOptions::decode(&WireOptions::encode(&opts, true, Some(3))),
             WireOptions::Valid {
                 small_slot_bytes: 17,
                 max_depth: 500,
+                root: 3,
                 round_bytes: 777,
                 max_total_bytes: 12345
             }
         );
         assert_eq!(
-            WireOptions::decode(&WireOptions::encode(&opts, false)),
+            WireOptions::decode(&WireOptions::encode(&opts, false, Some(3))),
             WireOptions::Invalid
         );
         assert_eq!(WireOptions::decode(&[0u8; FIELD]), WireOptions::Unknown);
+    }
+
+    /// The extremes of every valid option, with every kind of root, come back exactly.
+    #[test]
+    fn the_wire_form_holds_every_valid_extreme_and_every_root() {
+        let opts = Options {
+            max_total_bytes: isize::MAX as usize,
+            round_bytes: Some(isize::MAX as usize),
+            small_slot_bytes: Options::MAX_SMALL_SLOT_BYTES,
+            max_depth: Options::MAX_DEPTH,
+        };
+        for (root, word) in [
+            (None, NO_ROOT),
+            (Some(0), 0),
+            (Some(1 << 31), 1 << 31),
+            (Some(u32::MAX as usize - 2), u32::MAX - 2),
+            (Some(u32::MAX as usize - 1), UNREPRESENTABLE_ROOT),
+            (Some(usize::MAX), UNREPRESENTABLE_ROOT),
+        ] {
+            assert_eq!(
+                WireOptions::decode(&WireOptions::encode(&opts, true, root)),
+                WireOptions::Valid {
+                    small_slot_bytes: 224,
+                    max_depth: 512,
+                    root: word,
+                    round_bytes: isize::MAX as u64,
+                    max_total_bytes: isize::MAX as u64,
+                },
+                "{root:?}"
+            );
+        }
+    }
+
+    /// A field of the first version of the protocol (`TPO1`, no root) is a mismatch of
+    /// `"protocol"`, never read as options of this one.
+    #[test]
+    fn a_field_of_the_first_protocol_version_is_a_protocol_mismatch() {
+        let mut v1 = [0u8; FIELD];
+        v1[..4].copy_from_slice(b"TPO1");
+        assert_eq!(WireOptions::decode(&v1), WireOptions::Unknown);
+        let own = Checked::new(&Options::default(), Some(0));
+        let fields = [v1, own.field];
+        let e = own.agree(2, |r| &fields[r][..]).unwrap_err();
+        assert!(
+            matches!(e, ObjectError::OptionsMismatch { option: "protocol", ref ranks, .. } if ranks == &[1]),
+            "{e:?}"
+        );
+    }
+
+    /// Roots are compared only once the options agree, and name every rank's root.
+    #[test]
+    fn differing_roots_are_a_root_mismatch_after_the_options() {
+        let opts = Options::default();
+        let fields: Vec<[u8; FIELD]> = [Some(1), Some(0), None]
+            .into_iter()
+            .map(|root| WireOptions::encode(&opts, true, root))
+            .collect();
+        let e = Checked::new(&opts, Some(0))
+            .agree(3, |r| &fields[r][..])
+            .unwrap_err();
+        assert!(
+            matches!(e, ObjectError::RootMismatch { ref roots } if roots == &[Some(1), Some(0), None]),
+            "{e:?}"
+        );
+        let mut other = fields.clone();
+        other[2] = WireOptions::encode(
+            &Options {
+                max_depth: 3,
+                ..opts
+            },
+            true,
+            Some(0),
+        );
+        let e = Checked::new(&opts, Some(0))
+            .agree(3, |r| &other[r][..])
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ObjectError::OptionsMismatch {
+                    option: "max_depth",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -1025,7 +1025,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// progress, no free slot, or a failed exchange (rolled back on every rank). The one
     /// exception: peers' regions that cannot be written into the tables (a forged handle,
     /// [`AllReduceError::PeerMisaligned`]) leave the communicator Failed, and it keeps the
-    /// buffer until it is closed, since peers that accepted the exchange may map it.
+    /// buffer until it is dropped, since peers that accepted the exchange may map it.
     pub fn register_buffer<C: Communicator + ?Sized>(
         &mut self,
         comm: &C,
@@ -1092,7 +1092,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// Every refusal hands the token back inside the [`Refused`], so the registration can
     /// still be ended (after a disagreement, a wrong phase, a transport failure) or used.
     /// When a step after the agreement fails (closing the mappings, zeroing the slot, the
-    /// final barrier) the communicator is Failed and keeps the buffer until it is closed:
+    /// final barrier) the communicator is Failed and keeps the buffer until it is dropped:
     /// a peer that missed the barrier may still map it.
     pub fn unregister<C: Communicator + ?Sized>(
         &mut self,

@@ -310,7 +310,7 @@ impl<T> Refused<T> {
     }
 
     /// The argument, handed back; `None` where the communicator keeps it until it is
-    /// closed because peers may still map it (the call's docs say when).
+    /// dropped because peers may still map it (the call's docs say when).
     pub fn value(&self) -> Option<&T> {
         self.value.as_ref()
     }

@@ -91,8 +91,9 @@
 //!   `split` returns [`TransportError::Setup`] without calling MPI (Open MPI aborts the
 //!   process on a call after `MPI_Finalize`), and `Drop` skips the free. A collective in
 //!   flight on another thread when `MPI_Finalize` starts is still the program's error, as
-//!   MPI says; with MPI serialized here the callback waits for it. Creating one ([`MpiCommunicator::world`], [`MpiCommunicator::duplicate`],
-//!   [`Communicator::split`]) is collective over the parent.
+//!   MPI says; with MPI serialized here the callback waits for it. Creating one
+//!   ([`MpiCommunicator::world`], [`MpiCommunicator::duplicate`], [`Communicator::split`])
+//!   is collective over the parent.
 //! - **Construction errors** of `MPI_Comm_dup` go to the *parent* communicator's error
 //!   handler (by default `MPI_ERRORS_ARE_FATAL`); this module does not change the caller's
 //!   communicator, except for one call on the timed path: Open MPI 4.1 raises the error of

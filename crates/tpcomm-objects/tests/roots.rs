@@ -84,6 +84,22 @@ fn assert_root_mismatch_everywhere(what: &str, results: &[R], want: &[Option<usi
     }
 }
 
+/// Runs `f` with `roots` (see [`run_with_roots`]) and asserts that every rank returned
+/// `RootMismatch` naming each rank's root; `name` and `path` label a failure.
+fn expect_root_mismatch(
+    name: &str,
+    path: Path,
+    roots: &[usize],
+    f: impl Fn(&LocalCommunicator, usize) -> R + Sync,
+) {
+    let results = run_with_roots(roots, f);
+    assert_root_mismatch_everywhere(
+        &format!("{name} {path:?} {roots:?}"),
+        &results,
+        &some(roots),
+    );
+}
+
 /// Root patterns of 2 and 3 ranks: one rank against the others, every rank its own root,
 /// and a root only one rank names.
 const PATTERNS: [&[usize]; 4] = [&[0, 1], &[1, 0], &[0, 1, 1], &[2, 1, 0]];
@@ -97,26 +113,16 @@ fn ranks_passing_different_roots_to_broadcast_get_a_root_mismatch_on_every_rank(
     for roots in PATTERNS {
         for path in PATHS {
             let opts = path.options();
-            let results = run_with_roots(roots, |comm, root| {
+            expect_root_mismatch("broadcast_with", path, roots, |comm, root| {
                 let mine = path.value(comm.rank());
                 let value = (comm.rank() == root).then_some(&mine);
                 broadcast_with(comm, root, value, &opts).map(drop)
             });
-            assert_root_mismatch_everywhere(
-                &format!("broadcast_with {path:?} {roots:?}"),
-                &results,
-                &some(roots),
-            );
-            let results = run_with_roots(roots, |comm, root| {
+            expect_root_mismatch("broadcast_into", path, roots, |comm, root| {
                 let mine = path.value(comm.rank());
                 let mut out = ByteBuf::new();
                 broadcast_into(comm, root, (comm.rank() == root).then_some(&mine), &mut out)
             });
-            assert_root_mismatch_everywhere(
-                &format!("broadcast_into {path:?} {roots:?}"),
-                &results,
-                &some(roots),
-            );
         }
     }
 }
@@ -126,23 +132,13 @@ fn ranks_passing_different_roots_to_gather_get_a_root_mismatch_on_every_rank() {
     for roots in PATTERNS {
         for path in PATHS {
             let opts = path.options();
-            let results = run_with_roots(roots, |comm, root| {
+            expect_root_mismatch("gather_with", path, roots, |comm, root| {
                 gather_with(comm, root, &path.value(comm.rank()), &opts).map(drop)
             });
-            assert_root_mismatch_everywhere(
-                &format!("gather_with {path:?} {roots:?}"),
-                &results,
-                &some(roots),
-            );
-            let results = run_with_roots(roots, |comm, root| {
+            expect_root_mismatch("gather_into", path, roots, |comm, root| {
                 let mut out = Vec::new();
                 gather_into(comm, root, &path.value(comm.rank()), &mut out).map(drop)
             });
-            assert_root_mismatch_everywhere(
-                &format!("gather_into {path:?} {roots:?}"),
-                &results,
-                &some(roots),
-            );
         }
     }
 }
@@ -152,16 +148,11 @@ fn ranks_passing_different_roots_to_scatter_get_a_root_mismatch_on_every_rank() 
     for roots in PATTERNS {
         for path in PATHS {
             let opts = path.options();
-            let results = run_with_roots(roots, |comm, root| {
+            expect_root_mismatch("scatter_with", path, roots, |comm, root| {
                 // Every rank offers values: a rank that takes itself for the root sends them.
                 let shards: Vec<ByteBuf> = (0..comm.size()).map(|d| path.value(d)).collect();
                 scatter_with(comm, root, Some(&shards[..]), &opts).map(drop)
             });
-            assert_root_mismatch_everywhere(
-                &format!("scatter_with {path:?} {roots:?}"),
-                &results,
-                &some(roots),
-            );
         }
     }
 }
@@ -171,18 +162,13 @@ fn ranks_passing_different_roots_to_reduce_get_a_root_mismatch_on_every_rank() {
     for roots in PATTERNS {
         for path in PATHS {
             let opts = path.options();
-            let results = run_with_roots(roots, |comm, root| {
+            expect_root_mismatch("reduce_with_options", path, roots, |comm, root| {
                 reduce_with_options(comm, root, &path.value(comm.rank()), &opts, |mut a, b| {
                     a.extend_from_slice(&b);
                     a
                 })
                 .map(drop)
             });
-            assert_root_mismatch_everywhere(
-                &format!("reduce_with_options {path:?} {roots:?}"),
-                &results,
-                &some(roots),
-            );
         }
     }
 }

@@ -12,10 +12,8 @@ use std::time::Duration;
 use common::{cause, fill, read, unwrap_all};
 use tpcomm_allreduce::{AllReduceError, Config, CustomAllReduce, DType, HostBackend, Phase};
 use tpcomm_ipc::{HostMemory, MemoryRegion, PeerMemory};
-use tpcomm_transport::check::{
-    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
-};
-use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup, TransportError};
+use tpcomm_transport::testing::hooked::Hooked;
+use tpcomm_transport::{Communicator, LocalGroup, Op, TransportError};
 
 type Ar = CustomAllReduce<HostBackend>;
 type R<T> = tpcomm_allreduce::Result<T>;
@@ -144,65 +142,24 @@ fn a_refused_unregister_hands_the_token_back_and_the_registration_can_still_end(
     unwrap_all(results);
 }
 
-/// A local communicator whose barrier fails on this rank once `fail_barrier` is set.
-struct FailingBarrier {
-    inner: LocalCommunicator,
-    fail_barrier: AtomicBool,
-}
-
-impl Communicator for FailingBarrier {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn max_count(&self) -> usize {
-        self.inner.max_count()
-    }
-    fn backend_name(&self) -> &'static str {
-        "failing-barrier"
-    }
-    fn split(&self, _: Option<u32>, _: i32) -> tpcomm_transport::Result<Option<Self>> {
-        Err(TransportError::Setup("not used by these tests".into()))
-    }
-    fn raw_barrier(&self) -> tpcomm_transport::Result<()> {
-        if self.fail_barrier.load(Ordering::SeqCst) {
-            return Err(TransportError::Setup("the test failed this barrier".into()));
-        }
-        self.inner.raw_barrier()
-    }
-    fn raw_all_gather(&self, args: AllGatherArgs<'_>) -> tpcomm_transport::Result<()> {
-        self.inner.raw_all_gather(args)
-    }
-    fn raw_all_gather_varcount(&self, args: VarcountArgs<'_>) -> tpcomm_transport::Result<()> {
-        self.inner.raw_all_gather_varcount(args)
-    }
-    fn raw_gather_varcount(&self, args: GatherArgs<'_>) -> tpcomm_transport::Result<()> {
-        self.inner.raw_gather_varcount(args)
-    }
-    fn raw_broadcast(&self, args: BroadcastArgs<'_>) -> tpcomm_transport::Result<()> {
-        self.inner.raw_broadcast(args)
-    }
-    fn raw_all_to_all_varcount(&self, args: AllToAllArgs<'_>) -> tpcomm_transport::Result<()> {
-        self.inner.raw_all_to_all_varcount(args)
-    }
-}
-
 #[test]
 fn an_unregister_whose_final_barrier_fails_keeps_the_buffer_and_fails_the_communicator() {
     // Rank 0's last barrier fails at once; rank 1 waits for it until the group's timeout.
     let group = LocalGroup::new(2).timeout(Duration::from_secs(2));
-    let results = group.run(|comm| -> R<()> {
-        let comm = FailingBarrier {
-            inner: comm,
-            fail_barrier: AtomicBool::new(false),
-        };
+    let results = group.run(|inner| -> R<()> {
+        // Rank 0's barriers fail once `fail_barrier` is set.
+        let fail_barrier = AtomicBool::new(false);
+        let comm = Hooked::new(&inner, |op| match op {
+            Op::Barrier if fail_barrier.load(Ordering::SeqCst) => {
+                Err(TransportError::Setup("the test failed this barrier".into()))
+            }
+            _ => Ok(()),
+        });
         let mut ar = new_ar(&comm, Config::default())?;
         let memory = ar.memory()?.clone();
         let input = ar.register_buffer(&comm, memory.allocate(4096)?)?;
         let addr = input.buffer().addr();
-        comm.fail_barrier.store(comm.rank() == 0, Ordering::SeqCst);
+        fail_barrier.store(comm.rank() == 0, Ordering::SeqCst);
 
         let refused = ar.unregister(&comm, input).unwrap_err();
         assert!(

@@ -17,12 +17,8 @@ use tpcomm_objects::{
     all_gather, all_to_all, broadcast, broadcast_into, broadcast_with, gather, gather_into,
     gather_with, reduce_with, reduce_with_options, scatter, scatter_with, ObjectError, Options,
 };
-use tpcomm_transport::check::{
-    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
-};
-use tpcomm_transport::{
-    Communicator, GatherRecv, LocalCommunicator, LocalGroup, Result as TResult,
-};
+use tpcomm_transport::testing::hooked::Hooked;
+use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
 type R = Result<(), ObjectError>;
 
@@ -307,72 +303,6 @@ fn a_root_mismatch_names_every_ranks_root_in_its_message() {
     );
 }
 
-/// Counts the transport calls made through it.
-#[derive(Debug)]
-struct Counting<'a> {
-    inner: LocalCommunicator,
-    calls: &'a AtomicUsize,
-}
-
-impl Counting<'_> {
-    fn count(&self) {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-impl Communicator for Counting<'_> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn max_count(&self) -> usize {
-        self.inner.max_count()
-    }
-    fn backend_name(&self) -> &'static str {
-        "counting"
-    }
-    fn split(&self, _: Option<u32>, _: i32) -> TResult<Option<Self>> {
-        unimplemented!("not used by these tests")
-    }
-    fn raw_barrier(&self) -> TResult<()> {
-        self.count();
-        self.inner.barrier()
-    }
-    fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> TResult<()> {
-        self.count();
-        let (send, recv) = args.parts();
-        self.inner.all_gather(send, recv)
-    }
-    fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> TResult<()> {
-        self.count();
-        let (send, recv, counts, displs) = args.parts();
-        self.inner.all_gather_varcount(send, recv, counts, displs)
-    }
-    fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> TResult<()> {
-        self.count();
-        let root = args.root();
-        let (send, recv) = args.parts();
-        let recv = recv.map(|r| GatherRecv {
-            recv: &mut *r.recv,
-            counts: r.counts,
-            displs: r.displs,
-        });
-        self.inner.gather_varcount(root, send, recv)
-    }
-    fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> TResult<()> {
-        self.count();
-        let root = args.root();
-        self.inner.broadcast(root, args.buf())
-    }
-    fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> TResult<()> {
-        self.count();
-        let (send, recv) = args.parts();
-        self.inner.all_to_all_varcount(send, recv)
-    }
-}
-
 /// The roots ride in the header exchange: a small broadcast, gather or reduce is still one
 /// transport call (the header carries the values), a scatter (which has no inline path) and
 /// every payload one still two (header, then one payload call), on every rank.
@@ -381,10 +311,10 @@ fn agreeing_on_the_root_takes_no_extra_transport_call() {
     for (len, small) in [(8, true), (1000, false)] {
         let results = group(3).run(|inner| {
             let calls = AtomicUsize::new(0);
-            let comm = Counting {
-                inner,
-                calls: &calls,
-            };
+            let comm = Hooked::new(&inner, |_op| {
+                calls.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            });
             let me = comm.rank();
             let mine = ByteBuf::from(vec![me as u8; len]);
             let shards: Vec<ByteBuf> = (0..3).map(|_| mine.clone()).collect();

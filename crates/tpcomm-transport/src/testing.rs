@@ -1,4 +1,6 @@
-//! Test support shared by the GPU suites of every crate (not part of the API).
+//! Test support shared by the suites of every crate (not part of the API): the GPU skip
+//! rule, [`hooked::Hooked`] (a wrapper that counts or fails calls) and [`pair::Pair`] (two
+//! processes over a socket).
 //!
 //! A test that needs a GPU and finds none calls [`skip_without_gpu`]: under
 //! `TPCOMM_REQUIRE_GPU=1` that is a failure; otherwise the reason goes to stderr and, when
@@ -7,6 +9,7 @@
 
 use std::io::Write;
 
+pub mod hooked;
 pub mod pair;
 
 /// True when `TPCOMM_REQUIRE_GPU=1`.

@@ -31,10 +31,8 @@ use std::time::{Duration, Instant};
 use tpcomm::allreduce::{AllReduceError, Config, CustomAllReduce, HostBackend};
 use tpcomm::ipc::{HostMemory, IpcError};
 use tpcomm::objects;
-use tpcomm::transport::check::{
-    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
-};
-use tpcomm::transport::{Communicator, GatherRecv, MpiCommunicator, Op};
+use tpcomm::transport::testing::hooked::Hooked;
+use tpcomm::transport::{Communicator, MpiCommunicator};
 use tpcomm::{ObjectError, TransportError};
 
 /// The phases a rank can be killed at.
@@ -46,16 +44,16 @@ const PHASES: [&str; 5] = [
     "resume",
 ];
 
-/// An MPI communicator that kills this process at its `kill_at`-th transport call (1-based)
-/// once armed; 0 means never.
-struct FaultyComm<'a> {
-    inner: &'a MpiCommunicator,
+/// Kills this process at its `kill_at`-th transport call (1-based) once armed; 0 means
+/// never. The communicator the tests use is `comm` wrapped in a [`Hooked`] that counts.
+struct Fault {
+    rank: usize,
     calls: AtomicUsize,
     kill_at: AtomicUsize,
     phase: &'static str,
 }
 
-impl FaultyComm<'_> {
+impl Fault {
     /// Kills this process at the `nth` transport call from now.
     fn arm(&self, nth: usize) {
         self.calls.store(0, Ordering::SeqCst);
@@ -65,7 +63,7 @@ impl FaultyComm<'_> {
     fn count_call(&self) {
         let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
         if self.kill_at.load(Ordering::SeqCst) == call {
-            die(self.inner.rank(), self.phase);
+            die(self.rank, self.phase);
         }
     }
 }
@@ -80,62 +78,6 @@ fn die(rank: usize, phase: &str) -> ! {
     // kill(1) returns after the signal is queued; wait for it to land.
     loop {
         std::thread::sleep(Duration::from_secs(1));
-    }
-}
-
-impl Communicator for FaultyComm<'_> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn max_count(&self) -> usize {
-        self.inner.max_count()
-    }
-    fn backend_name(&self) -> &'static str {
-        "mpi-faulty"
-    }
-    fn split(&self, _color: Option<u32>, _key: i32) -> Result<Option<Self>, TransportError> {
-        Err(TransportError::Unsupported {
-            op: Op::Split,
-            reason: "the fault-injection wrapper does not split".into(),
-        })
-    }
-    fn raw_barrier(&self) -> Result<(), TransportError> {
-        self.count_call();
-        self.inner.barrier()
-    }
-    fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<(), TransportError> {
-        self.count_call();
-        let (send, recv) = args.parts();
-        self.inner.all_gather(send, recv)
-    }
-    fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<(), TransportError> {
-        self.count_call();
-        let (send, recv, counts, displs) = args.parts();
-        self.inner.all_gather_varcount(send, recv, counts, displs)
-    }
-    fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> Result<(), TransportError> {
-        self.count_call();
-        let root = args.root();
-        let (send, layout) = args.parts();
-        let layout = layout.map(|l| GatherRecv {
-            recv: &mut *l.recv,
-            counts: l.counts,
-            displs: l.displs,
-        });
-        self.inner.gather_varcount(root, send, layout)
-    }
-    fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> Result<(), TransportError> {
-        self.count_call();
-        let root = args.root();
-        self.inner.broadcast(root, args.buf())
-    }
-    fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<(), TransportError> {
-        self.count_call();
-        let (send, recv) = args.parts();
-        self.inner.all_to_all_varcount(send, recv)
     }
 }
 
@@ -261,12 +203,16 @@ fn run(comm: &MpiCommunicator, phase: &'static str, victim: usize, timeout: Dura
         eprintln!("rank {me}: victim {victim} is not a rank");
         return false;
     }
-    let faulty = FaultyComm {
-        inner: comm,
+    let fault = Fault {
+        rank: me,
         calls: AtomicUsize::new(0),
         kill_at: AtomicUsize::new(0),
         phase,
     };
+    let faulty = Hooked::new(comm, |_op| {
+        fault.count_call();
+        Ok(())
+    });
     let config = Config {
         max_bytes: 64 << 10,
         slots: 8,
@@ -307,7 +253,7 @@ fn run(comm: &MpiCommunicator, phase: &'static str, victim: usize, timeout: Dura
     let outcome: Result<(), Failure> = match phase {
         "object-lengths" | "object-payload" => {
             if is_victim {
-                faulty.arm(if phase == "object-lengths" { 1 } else { 2 });
+                fault.arm(if phase == "object-lengths" { 1 } else { 2 });
             }
             objects::all_gather(&faulty, &value)
                 .map(drop)
@@ -323,7 +269,7 @@ fn run(comm: &MpiCommunicator, phase: &'static str, victim: usize, timeout: Dura
         }
         "suspend" => {
             if is_victim {
-                faulty.arm(2);
+                fault.arm(2);
             }
             ar.prepare_for_suspend(&faulty).map_err(allreduce_failure)
         }
@@ -335,7 +281,7 @@ fn run(comm: &MpiCommunicator, phase: &'static str, victim: usize, timeout: Dura
                 return false;
             }
             if is_victim {
-                faulty.arm(1);
+                fault.arm(1);
             }
             ar.reinit_after_resume(&faulty).map_err(allreduce_failure)
         }

@@ -631,6 +631,24 @@ impl<B: Backend> CustomAllReduce<B> {
         self.lifecycle.phase()
     }
 
+    /// Whether [`prepare_for_suspend`](Self::prepare_for_suspend) would start on this rank:
+    /// the communicator is Active or Suspended and its stream is not being captured.
+    /// Otherwise that call refuses at once on this rank while its peers wait for it in the
+    /// collective steps (until their timeout), so a coordinator asks every rank first and
+    /// starts only when none refuses (as `tpcomm_checkpoint::checkpoint_group` does).
+    pub fn check_suspend(&self) -> Result<()> {
+        match self.phase() {
+            Phase::Active | Phase::Suspended => {}
+            phase => {
+                return Err(AllReduceError::WrongState {
+                    call: "prepare_for_suspend",
+                    phase,
+                })
+            }
+        }
+        self.refuse_while_capturing("prepare_for_suspend")
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank
@@ -757,7 +775,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// Fails unless `comm` is the group this communicator was created for (this rank, the
     /// same size): [`IpcError::WrongCommunicator`](tpcomm_ipc::IpcError::WrongCommunicator),
     /// before anything changes. Once closed, the calls fail as Closed instead.
-    fn check_communicator<C: Communicator + ?Sized>(&self, comm: &C) -> Result<()> {
+    pub(crate) fn check_communicator<C: Communicator + ?Sized>(&self, comm: &C) -> Result<()> {
         match &self.res {
             Some(res) => Ok(res.peers.check_communicator(comm)?),
             None => Ok(()),
@@ -1228,7 +1246,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// Refuses `call` (which writes the tables) while the backend records a graph: nothing
     /// may be copied between host and device then, and refusing before any state changes
     /// keeps captured inputs pending.
-    fn refuse_while_capturing(&self, call: &'static str) -> Result<()> {
+    pub(crate) fn refuse_while_capturing(&self, call: &'static str) -> Result<()> {
         if self.backend.capturing()? {
             return Err(AllReduceError::InvalidArgument(format!(
                 "{call} writes the tables and cannot run while the stream is being captured: \

@@ -13,7 +13,7 @@ use crate::dispatch::{Algorithm, FallbackReason};
 use crate::driver::{Config, CustomAllReduce};
 use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
-use crate::lifecycle::join_every_step;
+use crate::lifecycle::{join_every_step, Phase};
 
 /// Which path served an all-reduce.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,6 +151,18 @@ impl DeviceAllReduce {
         self.custom.replay_graph(graph)
     }
 
+    /// The custom all-reduce's lifecycle phase.
+    pub fn phase(&self) -> Phase {
+        self.custom.phase()
+    }
+
+    /// Whether [`prepare_for_suspend`](Self::prepare_for_suspend) would start on this rank
+    /// ([`CustomAllReduce::check_suspend`]). Whether NCCL can release its memory is the
+    /// library's (`NcclLibrary::supports_suspend`).
+    pub fn check_suspend(&self) -> Result<()> {
+        self.custom.check_suspend()
+    }
+
     /// The custom all-reduce (registration, capture, suspend/resume).
     pub fn custom(&mut self) -> &mut CustomAllReduce<CudaBackend> {
         &mut self.custom
@@ -204,8 +216,12 @@ impl DeviceAllReduce {
     ///
     /// A rank whose custom part fails still joins the collective `ncclCommSuspend` (its peers
     /// are in it), then reports the first failure; any failure leaves the custom all-reduce
-    /// Failed, so every later call returns it.
+    /// Failed, so every later call returns it. Refusals that change nothing (a communicator
+    /// of another group; a capture running on the stream) return before either path is
+    /// touched, as [`CustomAllReduce::prepare_for_suspend`]'s own do.
     pub fn prepare_for_suspend<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        self.custom.check_communicator(comm)?;
+        self.custom.refuse_while_capturing("prepare_for_suspend")?;
         let (custom, nccl) = (&mut self.custom, &self.nccl);
         let mut suspend_custom = || custom.prepare_for_suspend(comm);
         let mut suspend_nccl = || {
@@ -229,8 +245,11 @@ impl DeviceAllReduce {
     /// resumes (where it was suspended), then the custom all-reduce reopens every mapping and
     /// rewrites its tables ([`CustomAllReduce::reinit_after_resume`]). A rank whose NCCL
     /// resume fails still joins the custom steps, then reports the first failure (the custom
-    /// all-reduce is then Failed).
+    /// all-reduce is then Failed). Refusals that change nothing return first, as in
+    /// [`prepare_for_suspend`](Self::prepare_for_suspend).
     pub fn reinit_after_resume<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        self.custom.check_communicator(comm)?;
+        self.custom.refuse_while_capturing("reinit_after_resume")?;
         let (custom, nccl) = (&mut self.custom, &self.nccl);
         let mut resume_nccl = || {
             if nccl.is_suspended() {

@@ -4,7 +4,7 @@
 
 use std::error::Error;
 
-use tpcomm_allreduce::{Backend, CustomAllReduce, Phase};
+use tpcomm_allreduce::{Backend, CustomAllReduce};
 use tpcomm_transport::Communicator;
 
 /// A boxed error of a suspendable object.
@@ -37,17 +37,14 @@ pub trait Suspendable<C: Communicator + ?Sized> {
 /// The custom all-reduce on any backend: suspend closes every imported mapping; the
 /// resume exports fresh handles (`PeerMappings::reopen_all`) and rewrites the stable tables
 /// in place, so graphs captured before the checkpoint stay valid. It can suspend while
-/// Active or Suspended (Failed and Closed cannot).
+/// Active or Suspended (Failed and Closed cannot), and not while its stream is captured.
 impl<B: Backend, C: Communicator + ?Sized> Suspendable<C> for CustomAllReduce<B> {
     fn name(&self) -> String {
         format!("custom all-reduce ({})", self.backend().name())
     }
 
     fn suspend_support(&self) -> Result<(), String> {
-        match self.phase() {
-            Phase::Active | Phase::Suspended => Ok(()),
-            phase => Err(format!("it is {phase}")),
-        }
+        self.check_suspend().map_err(|e| e.to_string())
     }
 
     fn prepare_for_suspend(&mut self, comm: &C) -> Result<(), BoxError> {
@@ -70,6 +67,9 @@ impl<C: Communicator + ?Sized> Suspendable<C> for tpcomm_allreduce::DeviceAllRed
     }
 
     fn suspend_support(&self) -> Result<(), String> {
+        // A rank whose custom part refuses would go straight to `ncclCommSuspend` while its
+        // peers wait for it in the custom part's steps.
+        self.check_suspend().map_err(|e| e.to_string())?;
         nccl_suspend_support(
             self.nccl().library().supports_suspend(),
             self.nccl().library().version(),

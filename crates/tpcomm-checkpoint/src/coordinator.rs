@@ -1,7 +1,10 @@
 //! Runs a [`Sequence`] over a [`Communicator`]: each step's local action on this rank, one
 //! all-gather of every rank's [`StepReport`], then the next step.
 
-use std::time::{Duration, Instant};
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tpcomm_transport::Communicator;
 
@@ -20,9 +23,16 @@ pub struct CheckpointOptions {
     /// Default 10 s.
     pub lock_timeout: Duration,
     /// The process this rank runs in, as the driver knows it. Default (`None`): this
-    /// process. Ranks with the same pid share one driver rank (the lowest). Tests that
-    /// model ranks of separate processes with threads (a fake driver) set it.
+    /// process. Tests that model ranks of separate processes with threads (a fake driver)
+    /// set it.
     pub pid: Option<u32>,
+    /// An identity of the process this rank runs in, the same for every rank in it and
+    /// different for every other process, even one with the same pid (pids repeat across
+    /// PID namespaces: two containers each run their engine as pid 1; and across hosts).
+    /// Default (`None`): a random value drawn once per process. Ranks share a process,
+    /// and one driver rank (the lowest), when both this and the pid are equal. Tests that
+    /// model separate processes with equal pids set it.
+    pub process: Option<u64>,
 }
 
 impl Default for CheckpointOptions {
@@ -30,6 +40,7 @@ impl Default for CheckpointOptions {
         Self {
             lock_timeout: Duration::from_secs(10),
             pid: None,
+            process: None,
         }
     }
 }
@@ -165,6 +176,20 @@ impl<D: CheckpointDriver + ?Sized> Drop for ProcessHold<'_, D> {
     }
 }
 
+/// This process's identity for [`CheckpointOptions::process`]: 64 random bits (the
+/// standard library's per-process random hash keys, over the pid and the time), drawn once.
+fn process_identity() -> u64 {
+    static IDENTITY: OnceLock<u64> = OnceLock::new();
+    *IDENTITY.get_or_init(|| {
+        let mut hasher = RandomState::new().build_hasher();
+        hasher.write_u32(std::process::id());
+        if let Ok(now) = SystemTime::now().duration_since(UNIX_EPOCH) {
+            hasher.write_u128(now.as_nanos());
+        }
+        hasher.finish()
+    })
+}
+
 fn chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut text = e.to_string();
     let mut cause = e.source();
@@ -180,8 +205,9 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
 /// registered object suspended around it:
 ///
 /// 1. **check** (every rank): the driver supports it, the options are valid, every object
-///    can suspend, every rank registered as many objects; pids are gathered, and the lowest
-///    rank of each pid is that process's *driver rank*;
+///    can suspend, every rank registered as many objects; pids and process identities are
+///    gathered, and the lowest rank of each process is its *driver rank* (a pid alone does
+///    not name a process: two containers may both run theirs as pid 1);
 /// 2. **prepare**: `prepare_for_suspend` of every object (collective, in order);
 /// 3. **lock** (driver ranks): refused if the process still imports CUDA IPC memory,
 ///    otherwise `cuCheckpointProcessLock(pid, lock_timeout)`;
@@ -189,7 +215,7 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
 /// 5. **pause** (every rank): `pause`, while every process is checkpointed; it must not call
 ///    into the GPU driver, CUDA or NVML (this process's calls block until the unlock: an
 ///    NVML read here never returned on driver 580); read GPU figures from another process
-///    ([`GpuMemory::probe`](crate::GpuMemory::probe) does);
+///    (`GpuMemory::probe`, feature `cuda`, does);
 /// 6. **restore** (driver ranks): `cuCheckpointProcessRestore` of a checkpointed process;
 /// 7. **unlock** (driver ranks): `cuCheckpointProcessUnlock` of a locked process;
 /// 8. **reinit**: `reinit_after_resume` of every object, once every process runs.
@@ -220,6 +246,7 @@ where
 {
     let rank = comm.rank();
     let pid = options.pid.unwrap_or_else(std::process::id);
+    let process = options.process.unwrap_or_else(process_identity);
     let count = u32::try_from(objects.len()).unwrap_or(u32::MAX);
     let _span = tracing::debug_span!("checkpoint_group", rank, pid).entered();
     let mut seq = Sequence::new(comm.size());
@@ -236,6 +263,7 @@ where
     while let Some(step) = seq.step() {
         let started = Instant::now();
         let mut report = StepReport::new(step, pid, count);
+        report.process = process;
         let driver_rank = seq.is_driver_rank(rank);
         match step {
             Step::Check => {
@@ -285,17 +313,26 @@ where
                             report.state = Some(hold.state);
                         }
                         Err(e) => {
-                            let seen = driver.state(pid).unwrap_or(hold.state);
-                            if e.code != CUDA_ERROR_ILLEGAL_STATE && seen != ProcessState::Running {
+                            // ILLEGAL_STATE: the process was already locked by someone else
+                            // (another tool); that lock is not this sequence's to undo, so
+                            // it stays locked and no object is resumed.
+                            let ours = e.code != CUDA_ERROR_ILLEGAL_STATE;
+                            let seen = match driver.state(pid) {
+                                Ok(state) => state,
+                                // Unknown: a lock that failed late may hold the process. The
+                                // back half unlocks it (an unlock of a running process fails
+                                // harmlessly and leaves it reported locked, so no object is
+                                // resumed into a process that may be locked).
+                                Err(_) if ours => ProcessState::Locked,
+                                Err(_) => ProcessState::UNREADABLE,
+                            };
+                            if ours && seen != ProcessState::Running {
                                 // A lock that failed late (a timeout) may still hold the
                                 // process: it is this sequence's, undone in the back half.
                                 hold.state = seen;
                                 hold.held = true;
                                 hold.armed = true;
                             }
-                            // ILLEGAL_STATE: the process was already locked by someone else
-                            // (another tool); that lock is not this sequence's to undo, so
-                            // it stays locked and no object is resumed.
                             report.failure = Some(Reason::Driver(e));
                             report.state = Some(seen);
                         }
@@ -357,31 +394,30 @@ where
             tracing::warn!(rank, %step, %reason, "checkpoint step failed on this rank");
         }
         let agreed_at = Instant::now();
-        let reports = match exchange(comm, &report) {
-            Ok(reports) => reports,
-            Err(source) => {
-                let local = match hold.armed {
-                    true => match hold.roll_back() {
-                        Ok(state) => format!("{state} (rolled back alone)"),
-                        Err(e) => format!("in an unknown state: the rollback failed: {e}"),
-                    },
-                    false => "as it was (not locked by this sequence)".to_string(),
-                };
-                return Err(CheckpointError::Exchange {
-                    step,
-                    rank,
-                    local,
-                    source: Box::new(source),
-                });
-            }
-        };
+        let agreed = tpcomm_objects::all_gather(comm, &report)
+            .map_err(ExchangeError::from)
+            .and_then(|reports| seq.agree(&reports));
+        if let Err(source) = agreed {
+            let local = match hold.armed {
+                true => match hold.roll_back() {
+                    Ok(state) => format!("{state} (rolled back alone)"),
+                    Err(e) => format!("in an unknown state: the rollback failed: {e}"),
+                },
+                false => "as it was (not locked by this sequence)".to_string(),
+            };
+            return Err(CheckpointError::Exchange {
+                step,
+                rank,
+                local,
+                source: Box::new(source),
+            });
+        }
         timings.push(StepTiming {
             step,
             local,
             agree: agreed_at.elapsed(),
         });
         tracing::debug!(rank, %step, ?local, "checkpoint step agreed");
-        seq.agree(&reports);
     }
     hold.armed = false;
     match seq.outcome() {
@@ -402,25 +438,4 @@ where
 fn seq_pids(seq: &Sequence, size: usize, own: u32) -> Vec<u32> {
     // The pids are in the sequence once Check passed; every rank knows them.
     (0..size).map(|r| seq.pid(r).unwrap_or(own)).collect()
-}
-
-/// All-gathers this rank's report; refuses reports of another step or protocol.
-fn exchange<C: Communicator + ?Sized>(
-    comm: &C,
-    report: &StepReport,
-) -> Result<Vec<StepReport>, ExchangeError> {
-    let reports: Vec<StepReport> = tpcomm_objects::all_gather(comm, report)?;
-    if let Some((rank, other)) = reports
-        .iter()
-        .enumerate()
-        .find(|(_, r)| !r.is_tagged() || r.step != report.step)
-    {
-        let found = if other.is_tagged() {
-            format!("the checkpoint's {} step", other.step)
-        } else {
-            "another collective".to_string()
-        };
-        return Err(ExchangeError::OutOfStep { rank, found });
-    }
-    Ok(reports)
 }

@@ -35,11 +35,15 @@ pub enum ProcessState {
     Checkpointed,
     /// `CU_PROCESS_STATE_FAILED` (3): the driver gave up on the process.
     Failed,
-    /// A value this build does not know.
+    /// A value this build does not know ([`UNREADABLE`](Self::UNREADABLE): the driver
+    /// could not be asked).
     Unknown(i32),
 }
 
 impl ProcessState {
+    /// The state reported for a process whose `cuCheckpointProcessGetState` failed.
+    pub const UNREADABLE: Self = Self::Unknown(-1);
+
     /// The state of the driver's raw value.
     pub fn from_raw(raw: i32) -> Self {
         match raw {
@@ -59,6 +63,7 @@ impl fmt::Display for ProcessState {
             Self::Locked => f.write_str("locked"),
             Self::Checkpointed => f.write_str("checkpointed"),
             Self::Failed => f.write_str("failed"),
+            Self::Unknown(-1) => f.write_str("in a state that could not be read"),
             Self::Unknown(raw) => write!(f, "unknown state {raw}"),
         }
     }

@@ -202,6 +202,14 @@ pub enum ExchangeError {
         /// What its report says.
         found: String,
     },
+    /// Not one report per rank (a [`Sequence`](crate::Sequence) driven by hand).
+    #[error("{got} reports for a group of {expected} ranks")]
+    ReportCount {
+        /// The group's size.
+        expected: usize,
+        /// The reports passed.
+        got: usize,
+    },
 }
 
 impl CheckpointError {

@@ -24,7 +24,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::driver::ProcessState;
-use crate::error::{Aftermath, ObjectsLeft, Reason, StepFailure};
+use crate::error::{Aftermath, ExchangeError, ObjectsLeft, Reason, StepFailure};
 
 /// One step of a group checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -92,7 +92,7 @@ impl fmt::Display for Step {
 }
 
 /// Marks a report as one of this protocol (a peer in an unrelated collective is detected).
-pub(crate) const MAGIC: [u8; 4] = *b"tpK1";
+pub(crate) const MAGIC: [u8; 4] = *b"tpK2";
 
 /// One rank's outcome of one step, as all-gathered.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -101,8 +101,11 @@ pub struct StepReport {
     pub(crate) magic: [u8; 4],
     /// The step this report is for.
     pub step: Step,
-    /// The rank's process.
+    /// The rank's process, as its driver knows it (its own PID namespace's pid).
     pub pid: u32,
+    /// A random identity of the rank's process: with the pid it tells processes apart
+    /// where pids repeat (two containers each running their engine as pid 1, two hosts).
+    pub process: u64,
     /// The number of objects the rank registered.
     pub objects: u32,
     /// The rank's failure, if it failed.
@@ -114,12 +117,14 @@ pub struct StepReport {
 }
 
 impl StepReport {
-    /// A report of `step` with nothing failed.
+    /// A report of `step` with nothing failed, for process `pid` of identity 0 (set
+    /// [`process`](Self::process) where pids may repeat).
     pub fn new(step: Step, pid: u32, objects: u32) -> Self {
         Self {
             magic: MAGIC,
             step,
             pid,
+            process: 0,
             objects,
             failure: None,
             suspended: Vec::new(),
@@ -139,6 +144,8 @@ pub struct Sequence {
     size: usize,
     step: Option<Step>,
     pids: Vec<u32>,
+    /// Each rank's process identity ([`StepReport::process`]).
+    identities: Vec<u64>,
     objects: usize,
     failures: Vec<StepFailure>,
     /// Per object: every rank suspended it (filled by Prepare).
@@ -156,6 +163,7 @@ impl Sequence {
             size,
             step: Some(Step::Check),
             pids: Vec::new(),
+            identities: Vec::new(),
             objects: 0,
             failures: Vec::new(),
             resumable: Vec::new(),
@@ -171,11 +179,13 @@ impl Sequence {
         self.step
     }
 
-    /// Whether `rank` makes the driver calls for its process: the lowest rank with its pid
-    /// (known after [`Step::Check`]).
+    /// Whether `rank` makes the driver calls for its process: the lowest rank of its
+    /// process, the ranks with both its pid and its process identity (known after
+    /// [`Step::Check`]).
     pub fn is_driver_rank(&self, rank: usize) -> bool {
-        match self.pids.get(rank) {
-            Some(pid) => self.pids.iter().position(|p| p == pid) == Some(rank),
+        let process = |r: usize| Some((*self.pids.get(r)?, *self.identities.get(r)?));
+        match process(rank) {
+            Some(mine) => (0..self.pids.len()).position(|r| process(r) == Some(mine)) == Some(rank),
             None => false,
         }
     }
@@ -197,13 +207,29 @@ impl Sequence {
 
     /// Takes every rank's report of the current step (indexed by rank) and moves to the
     /// next step. Every rank passes the same reports, so every rank takes the same
-    /// decision. Reports of another step, or a wrong count, are a caller bug: the
-    /// exchange checks them first ([`StepReport::step`]); here they panic in debug builds
-    /// and are treated as failures of the step otherwise.
-    pub fn agree(&mut self, reports: &[StepReport]) {
-        let Some(step) = self.step else { return };
-        debug_assert_eq!(reports.len(), self.size, "one report per rank");
-        debug_assert!(reports.iter().all(|r| r.step == step), "reports of {step}");
+    /// decision. Refuses, changing nothing, reports that are not one per rank
+    /// ([`ExchangeError::ReportCount`]) or one of another step or protocol
+    /// ([`ExchangeError::OutOfStep`]). Once the sequence is over it does nothing.
+    pub fn agree(&mut self, reports: &[StepReport]) -> Result<(), ExchangeError> {
+        let Some(step) = self.step else { return Ok(()) };
+        if reports.len() != self.size {
+            return Err(ExchangeError::ReportCount {
+                expected: self.size,
+                got: reports.len(),
+            });
+        }
+        if let Some((rank, other)) = reports
+            .iter()
+            .enumerate()
+            .find(|(_, r)| !r.is_tagged() || r.step != step)
+        {
+            let found = if other.is_tagged() {
+                format!("the checkpoint's {} step", other.step)
+            } else {
+                "another collective".to_string()
+            };
+            return Err(ExchangeError::OutOfStep { rank, found });
+        }
         for (rank, report) in reports.iter().enumerate() {
             if let Some(reason) = &report.failure {
                 self.failures.push(StepFailure {
@@ -222,6 +248,7 @@ impl Sequence {
         self.step = match step {
             Step::Check => {
                 self.pids = reports.iter().map(|r| r.pid).collect();
+                self.identities = reports.iter().map(|r| r.process).collect();
                 let counts: Vec<u32> = reports.iter().map(|r| r.objects).collect();
                 if let Some(rank) = counts.iter().position(|&c| c != counts[0]) {
                     self.failures.push(StepFailure {
@@ -281,6 +308,7 @@ impl Sequence {
                 None
             }
         };
+        Ok(())
     }
 
     /// The outcome once [`step`](Self::step) is `None`: `Ok` when no rank failed any step,
@@ -361,7 +389,7 @@ mod tests {
                     report.failure = Some(driver_error(pids[rank]));
                 }
             }
-            seq.agree(&r);
+            seq.agree(&r).unwrap();
         }
         taken
     }
@@ -399,18 +427,18 @@ mod tests {
             if step == Step::Prepare {
                 r.iter_mut().for_each(|r| r.suspended = vec![true]);
             }
-            seq.agree(&r);
+            seq.agree(&r).unwrap();
         }
-        seq.agree(&reports(Step::Pause, &[1, 2]));
+        seq.agree(&reports(Step::Pause, &[1, 2])).unwrap();
         let mut r = reports(Step::Restore, &[1, 2]);
         r[1].failure = Some(driver_error(2));
         r[1].state = Some(ProcessState::Checkpointed);
         r[0].state = Some(ProcessState::Locked);
-        seq.agree(&r);
+        seq.agree(&r).unwrap();
         let mut r = reports(Step::Unlock, &[1, 2]);
         r[0].state = Some(ProcessState::Running);
         r[1].state = Some(ProcessState::Checkpointed);
-        seq.agree(&r);
+        seq.agree(&r).unwrap();
         assert_eq!(seq.step(), None);
         let (first, also, aftermath) = seq.outcome().unwrap_err();
         assert_eq!((first.step, first.rank), (Step::Restore, 1));
@@ -438,7 +466,7 @@ mod tests {
     #[test]
     fn the_lowest_rank_of_each_pid_is_its_driver_rank() {
         let mut seq = Sequence::new(4);
-        seq.agree(&reports(Step::Check, &[9, 7, 9, 7]));
+        seq.agree(&reports(Step::Check, &[9, 7, 9, 7])).unwrap();
         let driver: Vec<bool> = (0..4).map(|r| seq.is_driver_rank(r)).collect();
         assert_eq!(driver, [true, true, false, false]);
         assert_eq!(seq.pid(3), Some(7));
@@ -449,7 +477,7 @@ mod tests {
         let mut seq = Sequence::new(3);
         let mut r = reports(Step::Check, &[1, 2, 3]);
         r[2].objects = 4;
-        seq.agree(&r);
+        seq.agree(&r).unwrap();
         assert_eq!(seq.step(), None);
         let (first, _, aftermath) = seq.outcome().unwrap_err();
         assert_eq!(first.rank, 2);
@@ -460,5 +488,54 @@ mod tests {
             }
         );
         assert_eq!(aftermath.objects, ObjectsLeft::Untouched);
+    }
+
+    #[test]
+    fn reports_of_the_wrong_count_or_step_are_refused_and_change_nothing() {
+        let mut seq = Sequence::new(2);
+        let one = reports(Step::Check, &[1]);
+        assert!(matches!(
+            seq.agree(&one),
+            Err(ExchangeError::ReportCount {
+                expected: 2,
+                got: 1
+            })
+        ));
+        let three = reports(Step::Check, &[1, 2, 3]);
+        assert!(matches!(
+            seq.agree(&three),
+            Err(ExchangeError::ReportCount {
+                expected: 2,
+                got: 3
+            })
+        ));
+        let mut other = reports(Step::Check, &[1, 2]);
+        other[1].step = Step::Lock;
+        assert!(matches!(
+            seq.agree(&other),
+            Err(ExchangeError::OutOfStep { rank: 1, .. })
+        ));
+        let mut untagged = reports(Step::Check, &[1, 2]);
+        untagged[0].magic = *b"tpK1";
+        assert!(matches!(
+            seq.agree(&untagged),
+            Err(ExchangeError::OutOfStep { rank: 0, .. })
+        ));
+        assert_eq!(seq.step(), Some(Step::Check));
+        assert!(seq.failures().is_empty());
+        seq.agree(&reports(Step::Check, &[1, 2])).unwrap();
+        assert_eq!(seq.step(), Some(Step::Prepare));
+    }
+
+    #[test]
+    fn ranks_with_one_pid_in_different_processes_each_drive_their_own() {
+        let mut seq = Sequence::new(3);
+        let mut r = reports(Step::Check, &[1, 1, 1]);
+        r[0].process = 7;
+        r[1].process = 8;
+        r[2].process = 7;
+        seq.agree(&r).unwrap();
+        let driver: Vec<bool> = (0..3).map(|r| seq.is_driver_rank(r)).collect();
+        assert_eq!(driver, [true, true, false]);
     }
 }

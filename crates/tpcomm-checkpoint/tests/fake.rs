@@ -674,3 +674,159 @@ fn a_lock_that_failed_but_left_the_process_locked_is_unlocked() {
     assert_eq!(driver.state_of(pid_of(1)), ProcessState::Running);
     assert_ordering(&driver.log());
 }
+
+#[test]
+fn ranks_of_separate_processes_with_the_same_pid_each_checkpoint_their_own() {
+    // Two containers, each running its engine as pid 1 in its own PID namespace: each
+    // process has a driver of its own (its own namespace), and the pid says nothing.
+    let drivers = [FakeDriver::new(), FakeDriver::new()];
+    let outcomes: Vec<_> = group(2)
+        .run(|comm| {
+            let rank = comm.rank();
+            let opts = CheckpointOptions {
+                pid: Some(1),
+                process: Some(100 + rank as u64),
+                ..CheckpointOptions::default()
+            };
+            let mut ar = host_ar(&comm);
+            let out = checkpoint_group(&comm, &drivers[rank], &mut [&mut ar], &opts, |p| {
+                assert!(
+                    p.driver_rank,
+                    "rank {}: not its process's driver rank",
+                    p.rank
+                );
+                Ok(())
+            });
+            (out, ar.phase())
+        })
+        .into_iter()
+        .map(|r| r.expect("rank finished"))
+        .collect();
+    for (rank, (out, phase)) in outcomes.into_iter().enumerate() {
+        let report = out.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(report.driver_rank, "rank {rank}");
+        assert_eq!(report.pids, [1, 1]);
+        assert_eq!(phase, Phase::Active, "rank {rank}");
+    }
+    for (rank, driver) in drivers.iter().enumerate() {
+        let calls: Vec<(Call, u32)> = driver.log().iter().map(|e| (e.call, e.pid)).collect();
+        assert_eq!(
+            calls,
+            [
+                (Call::Lock, 1),
+                (Call::Checkpoint, 1),
+                (Call::Restore, 1),
+                (Call::Unlock, 1)
+            ],
+            "rank {rank}'s process"
+        );
+    }
+}
+
+/// The fake driver, except that `cuCheckpointProcessGetState` always fails.
+struct StateUnreadable(FakeDriver);
+
+impl tpcomm_checkpoint::CheckpointDriver for StateUnreadable {
+    fn support(&self) -> Result<tpcomm_checkpoint::DriverInfo, tpcomm_checkpoint::Unsupported> {
+        self.0.support()
+    }
+    fn lock(&self, pid: u32, timeout: Duration) -> Result<(), tpcomm_checkpoint::DriverError> {
+        self.0.lock(pid, timeout)
+    }
+    fn checkpoint(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
+        self.0.checkpoint(pid)
+    }
+    fn restore(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
+        self.0.restore(pid)
+    }
+    fn unlock(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
+        self.0.unlock(pid)
+    }
+    fn state(&self, pid: u32) -> Result<ProcessState, tpcomm_checkpoint::DriverError> {
+        Err(tpcomm_checkpoint::DriverError {
+            entry_point: "cuCheckpointProcessGetState".into(),
+            pid,
+            code: 999,
+            name: "CUDA_ERROR_UNKNOWN".into(),
+        })
+    }
+    fn imported_ipc_mappings(&self, pid: u32) -> usize {
+        self.0.imported_ipc_mappings(pid)
+    }
+}
+
+#[test]
+fn a_failed_lock_whose_state_cannot_be_read_is_unlocked_and_never_reported_running_unseen() {
+    use tpcomm_checkpoint::fake::LOCK_TIMEOUT_KEEPS_LOCK;
+    let fake = FakeDriver::new();
+    fake.fail_next(Call::Lock, pid_of(1), LOCK_TIMEOUT_KEEPS_LOCK);
+    let driver = StateUnreadable(fake.clone());
+    let outcomes: Vec<_> = group(2)
+        .run(|comm| {
+            let mut probe = Probe::default();
+            let out = checkpoint_group(
+                &comm,
+                &driver,
+                &mut [&mut probe],
+                &options(comm.rank()),
+                |_| Ok(()),
+            );
+            (out, probe)
+        })
+        .into_iter()
+        .map(|r| r.expect("rank finished"))
+        .collect();
+    for (out, probe) in &outcomes {
+        let CheckpointError::Failed {
+            first, aftermath, ..
+        } = failed(out)
+        else {
+            panic!("{out:?}")
+        };
+        assert_eq!((first.step, first.rank), (Step::Lock, 1));
+        // The sequence assumed its lock might hold and unlocked: the process runs again,
+        // which the unlock's success shows, and only then are the objects resumed.
+        assert_eq!(aftermath.processes, [Some(ProcessState::Running); 2]);
+        assert_eq!(aftermath.objects, ObjectsLeft::Resumed);
+        assert_eq!(probe.resumed, 1);
+    }
+    assert_eq!(
+        fake.state_of(pid_of(1)),
+        ProcessState::Running,
+        "left locked: {:?}",
+        fake.log()
+    );
+    assert_ordering(&fake.log());
+}
+
+#[test]
+fn a_closed_all_reduce_is_refused_at_the_check_on_every_rank() {
+    let driver = FakeDriver::new();
+    let outcomes: Vec<_> = group(2)
+        .run(|comm| {
+            let mut ar = host_ar(&comm);
+            ar.close_with(&comm).expect("close");
+            checkpoint_group(
+                &comm,
+                &driver,
+                &mut [&mut ar],
+                &options(comm.rank()),
+                |_| Ok(()),
+            )
+        })
+        .into_iter()
+        .map(|r| r.expect("rank finished"))
+        .collect();
+    for out in &outcomes {
+        let CheckpointError::Failed { first, .. } = failed(out) else {
+            panic!("{out:?}")
+        };
+        assert_eq!((first.step, first.rank), (Step::Check, 0));
+        let Reason::CannotSuspend { object, why, .. } = &first.reason else {
+            panic!("{out:?}")
+        };
+        assert_eq!(*object, 0);
+        assert!(why.contains("closed"), "{why}");
+    }
+    assert!(driver.log().is_empty(), "{:?}", driver.log());
+}

@@ -19,10 +19,13 @@
 //! - The real driver, `CudaCheckpoint` (feature `cuda`), resolves the entry points at run
 //!   time in the driver library tpcomm's probe loaded: no driver, or one older than the 570
 //!   series, is [`Unsupported`] with the versions.
-//! - Each process checkpoints itself, from one of its own threads (its lowest rank): the
+//! - Each process checkpoints itself, from one of its own threads (its lowest rank; a
+//!   process is its pid and a random identity, since pids repeat across containers): the
 //!   driver allows it (measured on driver 580), so no controller process is needed.
-//! - A process that still imports CUDA IPC memory is refused before it is locked
-//!   ([`Reason::ImportedMappings`]): the driver checkpoints it, but cannot restore it.
+//! - A process that still imports CUDA IPC memory through tpcomm is refused before it is
+//!   locked ([`Reason::ImportedMappings`]): the driver checkpoints it, but cannot restore
+//!   it. Mappings other libraries opened are not seen (the driver cannot count them): they
+//!   must be released first.
 //!
 //! Two ranks as threads, a host all-reduce suspended around the checkpoint, and the fake
 //! driver standing in for `CudaCheckpoint::load()`:

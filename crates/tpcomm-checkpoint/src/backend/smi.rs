@@ -30,8 +30,7 @@ impl GpuMemory {
         self.processes
             .iter()
             .filter(|(p, _)| *p == pid)
-            .map(|(_, b)| b)
-            .sum()
+            .fold(0u64, |sum, (_, b)| sum.saturating_add(*b))
     }
 
     /// Reads the figures now, from another process; why not, in words (no `nvidia-smi`, a
@@ -39,11 +38,14 @@ impl GpuMemory {
     /// locked or checkpointed.
     pub fn probe() -> Result<Self, String> {
         let device = query(&["--query-gpu=memory.used"])?;
-        let device_used = device
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(|l| mib(l.trim()))
-            .sum::<Result<u64, String>>()?;
+        let device_used =
+            device
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .try_fold(0u64, |sum, l| {
+                    sum.checked_add(mib(l.trim())?)
+                        .ok_or_else(|| "nvidia-smi's memory figures overflow 64 bits".to_string())
+                })?;
         // The per-process list is best effort: the device figure stands without it.
         let processes = match query(&["--query-compute-apps=pid,used_memory"]) {
             Ok(text) => parse_processes(&text),
@@ -63,8 +65,9 @@ impl GpuMemory {
 fn mib(field: &str) -> Result<u64, String> {
     field
         .parse::<u64>()
-        .map(|m| m << 20)
-        .map_err(|_| format!("nvidia-smi printed {field:?} where a MiB figure belongs"))
+        .ok()
+        .and_then(|m| m.checked_mul(1 << 20))
+        .ok_or_else(|| format!("nvidia-smi printed {field:?} where a MiB figure belongs"))
 }
 
 /// `pid, MiB` lines; lines that are not (e.g. "[N/A]") are skipped.
@@ -80,7 +83,14 @@ fn parse_processes(text: &str) -> Vec<(u32, u64)> {
 /// Runs `nvidia-smi ARGS --format=csv,noheader,nounits` with [`DEADLINE`]; its stdout.
 fn query(args: &[&str]) -> Result<String, String> {
     let program = std::env::var("TPCOMM_NVIDIA_SMI").unwrap_or_else(|_| "nvidia-smi".into());
-    let mut child = Command::new(&program)
+    run_with_deadline(&program, args, DEADLINE)
+}
+
+/// Runs `program ARGS --format=csv,noheader,nounits`, killed after `deadline`; its stdout,
+/// read while it runs (a child whose output fills the pipe would otherwise block and be
+/// taken for a late one).
+fn run_with_deadline(program: &str, args: &[&str], deadline: Duration) -> Result<String, String> {
+    let mut child = Command::new(program)
         .args(args)
         .arg("--format=csv,noheader,nounits")
         .stdin(Stdio::null())
@@ -88,27 +98,34 @@ fn query(args: &[&str]) -> Result<String, String> {
         .stderr(Stdio::null())
         .spawn()
         .map_err(|e| format!("{program} cannot be run: {e}"))?;
+    let reader = child.stdout.take().map(|mut stdout| {
+        std::thread::spawn(move || {
+            let mut out = String::new();
+            stdout.read_to_string(&mut out).map(|_| out)
+        })
+    });
     let started = Instant::now();
     let status = loop {
         match child.try_wait() {
             Ok(Some(status)) => break status,
-            Ok(None) if started.elapsed() < DEADLINE => {
+            Ok(None) if started.elapsed() < deadline => {
                 std::thread::sleep(Duration::from_millis(5))
             }
             Ok(None) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!("{program} did not answer within {DEADLINE:?}"));
+                return Err(format!("{program} did not answer within {deadline:?}"));
             }
             Err(e) => return Err(format!("waiting for {program} failed: {e}")),
         }
     };
-    let mut out = String::new();
-    if let Some(mut stdout) = child.stdout.take() {
-        stdout
-            .read_to_string(&mut out)
-            .map_err(|e| format!("reading {program}'s output failed: {e}"))?;
-    }
+    // The child has exited: its end of the pipe is closed, so the reader finishes.
+    let out = match reader.map(|r| r.join()) {
+        Some(Ok(Ok(out))) => out,
+        Some(Ok(Err(e))) => return Err(format!("reading {program}'s output failed: {e}")),
+        Some(Err(_)) => return Err(format!("reading {program}'s output panicked")),
+        None => String::new(),
+    };
     if !status.success() {
         return Err(format!("{program} {args:?} failed: {status}"));
     }
@@ -139,8 +156,28 @@ mod tests {
     }
 
     #[test]
-    fn a_device_figure_that_is_not_a_number_is_an_error() {
+    fn a_device_figure_that_is_not_a_number_or_too_large_is_an_error() {
         assert!(mib("[N/A]").unwrap_err().contains("MiB"));
+        assert!(mib(&u64::MAX.to_string()).unwrap_err().contains("MiB"));
         assert_eq!(mib("3").unwrap(), 3 << 20);
+    }
+
+    #[test]
+    fn an_answer_larger_than_a_pipe_is_read_whole_within_the_deadline() {
+        // 1 MiB of output: more than a pipe holds, so a reader that waited for the exit
+        // first would see the child block and report it late.
+        let script = "head -c 1048576 /dev/zero | tr '\\0' x";
+        let out = run_with_deadline("sh", &["-c", script], Duration::from_secs(30))
+            .expect("the query answers");
+        assert_eq!(out.len(), 1 << 20);
+    }
+
+    #[test]
+    fn a_child_that_never_answers_is_killed_at_the_deadline() {
+        let started = Instant::now();
+        let why =
+            run_with_deadline("sh", &["-c", "sleep 30"], Duration::from_millis(200)).unwrap_err();
+        assert!(why.contains("did not answer"), "{why}");
+        assert!(started.elapsed() < Duration::from_secs(20));
     }
 }

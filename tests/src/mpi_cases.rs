@@ -5,7 +5,7 @@
 //! Every case works on fresh splits of the communicator it is given, because a collective
 //! that failed leaves its communicator unusable; the given communicator stays in step.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tpcomm::transport::{Communicator, GatherRecv, MpiCommunicator, TransportError};
 
@@ -20,7 +20,7 @@ const ERR_TRUNCATE: i32 = mpi::ffi::MPI_ERR_TRUNCATE as i32;
 /// Runs every MPI-only case on `comm`; the verdicts are the same on every rank.
 pub fn run_mpi_cases(comm: &MpiCommunicator) -> Vec<CaseReport> {
     type Case = (&'static str, fn(&MpiCommunicator) -> CaseResult);
-    let cases: [Case; 2] = [
+    let cases: [Case; 3] = [
         (
             "mpi_truncation_is_returned_as_a_typed_error_on_the_blocking_and_timed_paths",
             truncation_is_returned_on_both_paths,
@@ -28,6 +28,10 @@ pub fn run_mpi_cases(comm: &MpiCommunicator) -> Vec<CaseReport> {
         (
             "mpi_a_sender_sending_more_than_agreed_gets_the_timed_root_a_typed_error_not_a_corrupt_heap",
             lying_sender_gets_the_timed_root_a_typed_error,
+        ),
+        (
+            "mpi_a_timed_split_waits_no_longer_than_the_timeout_and_a_broken_communicator_refuses_split",
+            timed_split_is_bounded_and_refused_once_broken,
         ),
     ];
     cases
@@ -168,6 +172,49 @@ fn truncation_is_returned_on_both_paths(comm: &MpiCommunicator) -> CaseResult {
         }
     }
     Ok(())
+}
+
+/// The timeout of the split that a late peer leaves waiting.
+const SHORT_TIMEOUT: Duration = Duration::from_millis(300);
+/// How late the peers come to that split.
+const LATE: Duration = Duration::from_millis(1500);
+
+/// `split` on a timed communicator: `MPI_Comm_split` has no nonblocking form, so a split
+/// meets every rank in a bounded barrier first. Rank 0 splits while its peers are
+/// [`LATE`]: it must get `Unresponsive` within about [`SHORT_TIMEOUT`] (before, it blocked
+/// in `MPI_Comm_split` until they came and returned `Ok`), and its next split must be
+/// refused at once with `Aborted`, as every collective of a broken communicator is. The
+/// peers then meet rank 0's abandoned barrier with one of their own.
+fn timed_split_is_bounded_and_refused_once_broken(comm: &MpiCommunicator) -> CaseResult {
+    if comm.size() < 2 {
+        return Ok(());
+    }
+    let sub = fresh_split(comm)?
+        .with_timeout(SHORT_TIMEOUT)
+        .map_err(|e| format!("with_timeout: {e}"))?;
+    if sub.rank() != 0 {
+        std::thread::sleep(LATE);
+        return sub
+            .barrier()
+            .map_err(|e| format!("rank {}: the late barrier failed: {e}", sub.rank()));
+    }
+    let begun = Instant::now();
+    let first = sub.split(Some(0), 0);
+    let took = begun.elapsed();
+    if !matches!(first, Err(TransportError::Unresponsive { .. })) {
+        return Err(format!(
+            "a split with its peers {LATE:?} late gave {first:?} after {took:?}"
+        ));
+    }
+    if took >= LATE {
+        return Err(format!(
+            "the split waited {took:?}, for the late peers, not {SHORT_TIMEOUT:?}"
+        ));
+    }
+    match sub.split(Some(0), 0) {
+        Err(TransportError::Aborted { .. }) => Ok(()),
+        other => Err(format!("a split of the broken communicator gave {other:?}")),
+    }
 }
 
 /// A rank that sends 8 MiB where 16 bytes were agreed: Open MPI's shared-memory single-copy

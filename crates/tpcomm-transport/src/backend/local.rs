@@ -186,7 +186,7 @@ impl LocalGroup {
         if self.config.max_count == 0 {
             return Err(TransportError::Setup("max_count must be at least 1".into()));
         }
-        let shared = Shared::new(self.size, self.config.clone());
+        let shared = Shared::new(self.size, self.config.clone())?;
         Ok((0..self.size)
             .map(|rank| LocalCommunicator::new(shared.clone(), rank))
             .collect())
@@ -205,9 +205,16 @@ impl LocalGroup {
             Ok(c) => c,
             Err(e) => {
                 let msg = e.to_string();
-                return (0..self.size.max(1))
-                    .map(|_| Err(TransportError::Setup(msg.clone())))
-                    .collect();
+                // One error per rank, unless there are too many to hold (a size too large
+                // for memory): then one.
+                let mut errors = Vec::new();
+                let ranks = if errors.try_reserve_exact(self.size.max(1)).is_ok() {
+                    self.size.max(1)
+                } else {
+                    1
+                };
+                errors.extend((0..ranks).map(|_| Err(TransportError::Setup(msg.clone()))));
+                return errors;
             }
         };
         let f = &f;
@@ -456,6 +463,9 @@ struct Flags {
     parked: AtomicUsize,
     /// Set with `State::abort`.
     aborted: AtomicBool,
+    /// Ranks waiting for the others' `done` counts before they reuse a slot (see
+    /// [`LocalCommunicator::finish_round`], which wakes them only when there are some).
+    ring_waiters: AtomicUsize,
 }
 
 /// A value alone on its cache line (128 bytes: two 64-byte lines, as adjacent-line
@@ -489,12 +499,26 @@ impl Wait {
     fn new(now: Instant, config: &LocalGroupConfig) -> Self {
         Self {
             started: now,
-            deadline: now + config.timeout,
+            deadline: later(now, config.timeout),
             spin_until: None,
             spun: false,
             parked: false,
         }
     }
+
+    /// The end of a spin of `budget` starting at `from`, never past the deadline.
+    fn spin_end(&self, from: Instant, budget: Duration) -> Instant {
+        later(from, budget).min(self.deadline)
+    }
+}
+
+/// `from + after`, saturating: a duration too long for the clock (`Duration::MAX` as "no
+/// timeout") gives an instant a century away instead of the overflow panic of `+`.
+fn later(from: Instant, after: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    from.checked_add(after)
+        .or_else(|| from.checked_add(after.min(CENTURY)))
+        .unwrap_or(from)
 }
 
 /// A rank's spin budget, adapted to how its waits end (the adaptive mutex's rule): the whole
@@ -577,21 +601,50 @@ enum Needs {
 }
 
 impl Shared {
-    fn new(size: usize, config: LocalGroupConfig) -> Arc<Self> {
-        Arc::new(Self {
+    /// The shared state of a group of `size` ranks: `RING` slots (128 bytes each) per rank.
+    /// A size whose tables overflow or cannot be allocated is a [`TransportError::Setup`],
+    /// never a capacity-overflow panic or an abort on allocation failure.
+    fn new(size: usize, config: LocalGroupConfig) -> Result<Arc<Self>> {
+        let too_large = |what: &str| {
+            TransportError::Setup(format!(
+                "a local group of {size} ranks is too large: {what}"
+            ))
+        };
+        let slot_count = size
+            .checked_mul(RING as usize)
+            .filter(|&n| {
+                n.checked_mul(std::mem::size_of::<Slot>())
+                    .is_some_and(|b| b <= isize::MAX as usize)
+            })
+            .ok_or_else(|| too_large("its slot table overflows the address space"))?;
+        let mut slots = Vec::new();
+        slots
+            .try_reserve_exact(slot_count)
+            .map_err(|e| too_large(&format!("cannot allocate its slot table ({e})")))?;
+        slots.resize_with(slot_count, Slot::default);
+        let mut progress = Vec::new();
+        progress
+            .try_reserve_exact(size)
+            .map_err(|e| too_large(&format!("cannot allocate its progress table ({e})")))?;
+        progress.resize_with(size, Progress::default);
+        let mut left = Vec::new();
+        left.try_reserve_exact(size)
+            .map_err(|e| too_large(&format!("cannot allocate its rank table ({e})")))?;
+        left.resize(size, false);
+        Ok(Arc::new(Self {
             size,
             config,
             state: Mutex::new(State {
                 abort: None,
-                left: vec![false; size],
+                left,
                 children: HashMap::new(),
             }),
             changed: Condvar::new(),
             epoch: Padded(AtomicU64::new(0)),
             flags: Padded(Flags::default()),
-            progress: (0..size).map(|_| Progress::default()).collect(),
-            slots: (0..size as u64 * RING).map(|_| Slot::default()).collect(),
-        })
+            progress: progress.into_boxed_slice(),
+            slots: slots.into_boxed_slice(),
+        }))
     }
 
     /// Publishes a change of `state` (called with the lock held): spinning waiters see the
@@ -902,11 +955,16 @@ impl LocalCommunicator {
             done = shared.all_done();
             if done < need {
                 let behind = |r: usize| shared.progress[r].done.load(Ordering::Acquire) < need;
-                self.wait(
+                // Counted before the waits' looks at the done counts: a rank that finishes a
+                // round after this sees the count and wakes this one (`finish_round`).
+                shared.flags.ring_waiters.fetch_add(1, Ordering::SeqCst);
+                let waited = self.wait(
                     op,
                     || !(0..size).any(behind),
                     || (0..size).filter(|&r| behind(r)).collect(),
-                )?;
+                );
+                shared.flags.ring_waiters.fetch_sub(1, Ordering::SeqCst);
+                waited?;
                 done = shared.all_done();
             }
             self.known_done.store(done, Ordering::Relaxed);
@@ -935,10 +993,25 @@ impl LocalCommunicator {
         for r in needed_ranks(needs, size) {
             joined.got[r] = self.read_post(r, seq, op, root, &mut joined.copies[r])?;
         }
+        self.finish_round(seq);
+        Ok(joined)
+    }
+
+    /// Marks round `seq` done on this rank (its posts read), and wakes the ranks waiting to
+    /// reuse a slot, if any: a rank a whole ring ahead (a broadcast root) may be parked
+    /// until this count moves, and nothing else would wake it before this rank's next post
+    /// (or, when there is none in time, its timeout).
+    fn finish_round(&self, seq: u64) {
+        let shared = &*self.shared;
         shared.progress[self.rank]
             .done
-            .fetch_max(seq + 1, Ordering::Release);
-        Ok(joined)
+            .fetch_max(seq + 1, Ordering::SeqCst);
+        // Pairs with the waiter's count before its looks (both SeqCst): either it sees
+        // this count, or this sees it waiting and wakes it under the lock.
+        if shared.flags.ring_waiters.load(Ordering::SeqCst) > 0 {
+            let _state = shared.lock();
+            shared.changed.notify_all();
+        }
     }
 
     /// Waits until `ready()`, bounded by the group's timeout, an abort, and the ranks that
@@ -957,7 +1030,7 @@ impl LocalCommunicator {
         // The first spin takes no lock: its peers usually come within it.
         if !shared.flags.aborted.load(Ordering::Acquire) {
             let seen = shared.epoch.load(Ordering::Acquire);
-            let until = (w.started + self.spin.get()).min(w.deadline);
+            let until = w.spin_end(w.started, self.spin.get());
             w.spin_until = Some(until);
             if until > w.started && self.spin_until_ready(&mut w, &ready, seen, until) {
                 return Ok(());
@@ -1016,9 +1089,10 @@ impl LocalCommunicator {
             // Aborts and departures are published under the lock: the epoch read here is
             // the one the state above was seen at.
             let seen = shared.epoch.load(Ordering::Relaxed);
-            let spin_until = *w
-                .spin_until
-                .get_or_insert_with(|| (now + self.spin.get()).min(w.deadline));
+            let spin_until = match w.spin_until {
+                Some(until) => until,
+                None => *w.spin_until.insert(w.spin_end(now, self.spin.get())),
+            };
             if now < spin_until {
                 drop(state);
                 if self.spin_until_ready(&mut w, &ready, seen, spin_until) {
@@ -1185,12 +1259,13 @@ impl Communicator for LocalCommunicator {
             .position(|&(_, r)| r == self.rank)
             .expect("this rank posted its own color");
         let mut state = self.shared.lock();
-        let entry = state.children.entry((seq, color)).or_insert_with(|| {
-            (
-                Shared::new(members.len(), self.shared.config.clone()),
+        let entry = match state.children.entry((seq, color)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert((
+                Shared::new(members.len(), self.shared.config.clone())?,
                 members.len(),
-            )
-        });
+            )),
+        };
         let child = entry.0.clone();
         entry.1 -= 1;
         if entry.1 == 0 {
@@ -1628,6 +1703,40 @@ mod tests {
         }
         assert_eq!(op_of(OPS.len() as u64), None);
         assert_eq!(op_of(u64::MAX), None);
+    }
+
+    /// A root parked at the ring, waiting for its reader to be done with the oldest round,
+    /// wakes when the reader finishes that round (what the end of `exchange` does), not
+    /// only at the reader's next post or its own timeout.
+    #[test]
+    fn a_reader_finishing_a_round_wakes_a_root_parked_at_the_ring() {
+        let comms = LocalGroup::new(2)
+            .timeout(Duration::from_secs(5))
+            .spin(Duration::ZERO)
+            .communicators()
+            .unwrap();
+        let (root, reader) = (&comms[0], &comms[1]);
+        for _ in 0..RING {
+            root.broadcast(0, &mut [0u8; 8]).unwrap();
+        }
+        std::thread::scope(|s| {
+            let parked = s.spawn(|| {
+                let begun = Instant::now();
+                root.broadcast(0, &mut [0u8; 8]).map(|()| begun.elapsed())
+            });
+            // The reader's first round, done by hand: its post, then (the root parked by
+            // then) its done count.
+            std::thread::sleep(Duration::from_millis(100));
+            reader.seq.store(1, Ordering::Relaxed);
+            reader.publish_post(0, Op::Broadcast, Some(0), reader.post(&[], &[8]));
+            std::thread::sleep(Duration::from_millis(100));
+            reader.finish_round(0);
+            let waited = parked.join().unwrap().unwrap();
+            assert!(
+                waited < Duration::from_secs(2),
+                "the root waited {waited:?}, past the reader's done count"
+            );
+        });
     }
 
     /// A rank that needs nobody's post runs at most `RING` rounds ahead of a rank that has

@@ -557,6 +557,18 @@ impl Drop for MpiCommunicator {
                 return;
             }
         }
+        if let Some((_, reason)) = self.broken.get() {
+            // An abandoned collective may still be in flight on it: a late peer's messages
+            // make MPI progress it later, and Open MPI 4.1 then sends on the freed
+            // communicator (a segmentation fault inside `NBC_Progress`, seen with 3 ranks).
+            // The handle is leaked with the collective's buffers.
+            tracing::warn!(
+                rank = self.rank,
+                reason,
+                "not freeing a broken MpiCommunicator: an abandoned collective may be in flight"
+            );
+            return;
+        }
         if let Err(e) = free_comm(&mut self.comm) {
             tracing::warn!(rank = self.rank, error = %e, "MPI_Comm_free failed");
         }
@@ -596,6 +608,14 @@ impl Communicator for MpiCommunicator {
                 },
             })?,
         };
+        // A communicator broken by an abandoned collective refuses splits as it refuses
+        // collectives: `MPI_Comm_split` on it would block on its undefined state. With a
+        // timeout, every rank first meets in a bounded barrier, so that an absent peer is
+        // an error within the timeout rather than a wait in `MPI_Comm_split`, which MPI
+        // cannot bound.
+        if let Some(timeout) = self.timed(op)? {
+            self.timed_barrier_for(op, timeout)?;
+        }
         let guard = self.lock(op)?;
         let mut new = comm_null();
         // SAFETY: `self.comm` is a live communicator owned by `self` (freed only in Drop),
@@ -898,8 +918,12 @@ impl MpiCommunicator {
     /// order they were found gone while waiting (peers on this host are checked through
     /// `/proc` every tenth of the timeout, at most every 100 ms; others are listed as
     /// unchecked). The first one named is the rank that died first, as seen from here. After such a
-    /// failure every collective of this communicator fails with
-    /// [`TransportError::Aborted`].
+    /// failure every collective of this communicator, and `split`, fails with
+    /// [`TransportError::Aborted`]. `split` (`MPI_Comm_split`, which has no nonblocking
+    /// form) is preceded by a bounded barrier, so that an absent peer fails it within the
+    /// timeout too. A broken communicator is not freed when dropped (its abandoned
+    /// collective may still progress when a late peer arrives): the handle is leaked with
+    /// that collective's buffers.
     ///
     /// Collective: every rank calls it (it all-gathers each rank's process identity, under
     /// the timeout already). The cost is copying each collective's send bytes in, and its
@@ -1073,7 +1097,11 @@ impl MpiCommunicator {
     }
 
     fn timed_barrier(&self, timeout: Duration) -> Result<()> {
-        let op = Op::Barrier;
+        self.timed_barrier_for(Op::Barrier, timeout)
+    }
+
+    /// A bounded `MPI_Ibarrier`, its errors reported as those of `op`.
+    fn timed_barrier_for(&self, op: Op, timeout: Duration) -> Result<()> {
         let job = InFlight::new(op, Vec::new(), &[], Vec::new())?;
         self.run_timed(op, "MPI_Ibarrier", timeout, job, |job, comm| {
             // SAFETY: `comm` is live; `job.request` is a valid place for the request.
@@ -1882,7 +1910,10 @@ fn complete_returning_errors(
     let rc = unsafe { ffi::MPI_Comm_set_errhandler(world, errors_return) };
     if rc != MPI_SUCCESS {
         // SAFETY: `previous` is the reference `MPI_Comm_get_errhandler` returned.
-        unsafe { ffi::MPI_Errhandler_free(&mut previous) };
+        let freed = unsafe { ffi::MPI_Errhandler_free(&mut previous) };
+        if freed != MPI_SUCCESS {
+            tracing::warn!(code = freed, "MPI_Errhandler_free failed");
+        }
         return Err((rc, "MPI_Comm_set_errhandler"));
     }
     // SAFETY: `*request` is a complete, not yet freed request (get_status said so); MPI_Wait

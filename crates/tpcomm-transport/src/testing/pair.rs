@@ -74,6 +74,22 @@ impl Pair {
         }
     }
 
+    /// The peer's bytes, checked to be the `expected` length the call agreed on.
+    fn expect_len(&self, op: Op, theirs: Vec<u8>, expected: usize) -> Result<Vec<u8>> {
+        if theirs.len() != expected {
+            return Err(TransportError::Mismatch {
+                op,
+                rank: self.rank,
+                detail: format!(
+                    "rank {} contributed {} bytes, this rank expected {expected}",
+                    1 - self.rank,
+                    theirs.len()
+                ),
+            });
+        }
+        Ok(theirs)
+    }
+
     fn unsupported(&self, op: &str) -> TransportError {
         TransportError::Setup(format!("{op} is not served by the test pair transport"))
     }
@@ -103,7 +119,7 @@ impl Communicator for Pair {
             .expect(Op::AllGather, self.rank(), self.size())?;
         let block = args.block_len();
         let (send, recv) = args.parts();
-        let theirs = self.exchange(send)?;
+        let theirs = self.expect_len(Op::AllGather, self.exchange(send)?, block)?;
         let peer = 1 - self.rank;
         recv[self.rank * block..][..block].copy_from_slice(send);
         recv[peer * block..][..block].copy_from_slice(&theirs);
@@ -113,8 +129,9 @@ impl Communicator for Pair {
         args.group()
             .expect(Op::AllGatherVarcount, self.rank(), self.size())?;
         let (send, recv, counts, displs) = args.parts();
-        let theirs = self.exchange(send)?;
         let peer = 1 - self.rank;
+        let theirs = self.exchange(send)?;
+        let theirs = self.expect_len(Op::AllGatherVarcount, theirs, counts[peer])?;
         recv[displs[self.rank]..][..counts[self.rank]].copy_from_slice(send);
         recv[displs[peer]..][..counts[peer]].copy_from_slice(&theirs);
         Ok(())

@@ -20,7 +20,7 @@ use crate::header::{
     agree, agree_words, alloc, entry_field, entry_inline, read_entry, read_word, reserve,
     within_cap, write_entry, Announce, ENTRY, SLOT_AT, WORD,
 };
-use crate::options::{Checked, Options, FIELD};
+use crate::options::{Checked, Collective, Options, FIELD};
 use crate::rounds::{dense_offsets, round, round_count};
 
 /// What this rank contributes: bytes, or why it has none.
@@ -194,7 +194,7 @@ fn gather_bytes<C: Communicator + ?Sized>(
     span: &tracing::Span,
 ) -> Result<Option<Gathered>> {
     let (me, size) = (comm.rank(), comm.size());
-    let checked = Checked::new(opts, root);
+    let checked = Checked::new(opts, root, Collective::Gather);
     let slot = slot_of(opts, &checked);
     let mut own = [0u8; ENTRY];
     write_entry(
@@ -217,7 +217,14 @@ fn gather_bytes<C: Communicator + ?Sized>(
         mine.into_cause(),
     )?;
     let total = within_cap(lens.iter().copied(), |i| i, opts.max_total_bytes)?;
-    let payload = payload.expect("a rank without bytes announced a sentinel and returned above");
+    // A rank without bytes announced a sentinel, so the agreement above failed, unless the
+    // exchange turned its sentinel into a length: then it has nothing to send.
+    let Some(payload) = payload else {
+        return Err(ObjectError::Corrupt(format!(
+            "rank {me} announced no value but the exchange reports {} bytes",
+            lens[me]
+        )));
+    };
     if lens[me] != payload.len() {
         return Err(ObjectError::Corrupt(format!(
             "rank {me} announced {} bytes but the exchange reports {}",
@@ -721,7 +728,7 @@ where
     let _g = span.enter();
     let (me, size) = (comm.rank(), comm.size());
     let is_root = me == root;
-    let checked = Checked::new(opts, Some(root));
+    let checked = Checked::new(opts, Some(root), Collective::Broadcast);
     let slot = slot_of(opts, &checked);
     let mut serialized = match (is_root && checked.invalid.is_none(), value) {
         (true, Some(v)) => Some(serialize(v)),
@@ -756,6 +763,21 @@ where
         own_cause,
     )?;
     let len = within_cap(lens, |_| root, opts.max_total_bytes)?;
+    // The root checks that the exchange carries the length it sent, as a gather's sender
+    // does: a sentinel turned into a length, or a length changed, would otherwise have it
+    // return bytes it never sent (inline zeros, or its own receive buffer).
+    if is_root {
+        let sent = match &serialized {
+            Some(Ok(bytes)) => Some(bytes.len()),
+            _ => None,
+        };
+        if sent != Some(len) {
+            return Err(ObjectError::Corrupt(format!(
+                "root {root} announced {} but the broadcast header reports {len} bytes",
+                sent.map_or_else(|| "no value".to_string(), |n| format!("{n} bytes"))
+            )));
+        }
+    }
     if len <= slot {
         record(&span, "small", len, 0);
         return decode(entry_inline(&header, root, len));
@@ -846,9 +868,10 @@ where
     let span = span(comm, "scatter");
     let _g = span.enter();
     let (me, size) = (comm.rank(), comm.size());
-    let checked = Checked::new(opts, Some(root));
+    let checked = Checked::new(opts, Some(root), Collective::Blocks);
     let mut own_cause = None;
     let mut root_bytes = Vec::new();
+    let mut root_lens = Vec::new();
     let mut words = vec![Announce::Len(0); size];
     if me == root {
         let serialized = match values {
@@ -864,6 +887,7 @@ where
             Some(Ok((bytes, lens))) => {
                 words = lens.iter().map(|&l| Announce::Len(l as u64)).collect();
                 root_bytes = bytes;
+                root_lens = lens;
             }
         }
     }
@@ -891,7 +915,9 @@ where
                 "root {root}: the scatter lengths add up past the address space"
             ))
         })?;
-    if me == root && root_bytes.len() != total {
+    // Each length, not only their sum: lengths moved between destinations (or a sentinel
+    // turned into lengths) would cut the root's bytes at the wrong places.
+    if me == root && (lens != root_lens || root_bytes.len() != total) {
         return Err(ObjectError::Corrupt(format!(
             "root {root}: the scatter header lost its own lengths"
         )));
@@ -994,10 +1020,10 @@ where
     let span = span(comm, "all_to_all");
     let _g = span.enter();
     let size = comm.size();
-    let checked = Checked::new(opts, None);
+    let checked = Checked::new(opts, None, Collective::Blocks);
     let outgoing =
         (values.len() == size && checked.invalid.is_none()).then(|| serialize_all(values));
-    let (buf, ranges) = all_to_all_bytes(comm, checked, outgoing, opts, &span)?;
+    let (buf, ranges) = all_to_all_bytes(comm, checked, outgoing, opts, &span, |_| Ok(()))?;
     ranges
         .into_iter()
         .enumerate()
@@ -1015,12 +1041,17 @@ type Packed = std::result::Result<(Vec<u8>, Vec<usize>), postcard::Error>;
 /// [`ObjectError::MissingInput`] naming it), `Some(Err)` when it failed to serialize (every
 /// rank returns [`ObjectError::PeerSerialization`]). Returns the bytes this rank received
 /// and where each source's lie in them.
+///
+/// `shape` checks the agreed lengths (`lens[s * size + d]`: bytes rank `s` sends to rank
+/// `d`) against what the caller's protocol allows, on every rank, before any payload moves,
+/// so that every rank refuses a sender that breaks it alike.
 fn all_to_all_bytes<C: Communicator + ?Sized>(
     comm: &C,
     checked: Checked,
     outgoing: Option<Packed>,
     opts: &Options,
     span: &tracing::Span,
+    shape: impl FnOnce(&[usize]) -> Result<()>,
 ) -> Result<(Vec<u8>, Vec<std::ops::Range<usize>>)> {
     let (me, size) = (comm.rank(), comm.size());
     let (announce, own_cause, send, send_lens): (Vec<Announce>, _, Vec<u8>, Vec<usize>) =
@@ -1066,6 +1097,7 @@ fn all_to_all_bytes<C: Communicator + ?Sized>(
             recv_total = t;
         }
     }
+    shape(&lens)?;
     if lens[me * size..(me + 1) * size] != send_lens[..] {
         return Err(ObjectError::Corrupt(format!(
             "rank {me}: the all-to-all header lost its own lengths"
@@ -1314,7 +1346,12 @@ where
 {
     let (me, size) = (comm.rank(), comm.size());
     let receives_from = |d: usize, s: usize| if inclusive { s <= d } else { s < d };
-    let checked = Checked::new(opts, None);
+    let kind = if inclusive {
+        Collective::Scan
+    } else {
+        Collective::Exscan
+    };
+    let checked = Checked::new(opts, None, kind);
     let outgoing = checked.invalid.is_none().then(|| {
         serialize(value).map(|bytes| {
             let lens: Vec<usize> = (0..size)
@@ -1327,7 +1364,9 @@ where
             (packed, lens)
         })
     });
-    let (buf, ranges) = all_to_all_bytes(comm, checked, outgoing, opts, span)?;
+    let (buf, ranges) = all_to_all_bytes(comm, checked, outgoing, opts, span, |lens| {
+        scan_shape(size, lens, receives_from)
+    })?;
     let mut values = Vec::with_capacity(size);
     for (s, range) in ranges.into_iter().enumerate() {
         if receives_from(me, s) {
@@ -1340,6 +1379,41 @@ where
         }
     }
     Ok(values.into_iter().reduce(f))
+}
+
+/// The lengths of a scan (`lens[s * size + d]`, agreed by every rank): rank `s` sends its
+/// one serialized value to every rank `d` with `receives_from(d, s)`, so the same number of
+/// bytes to each of them, and nothing to the others. Anything else (a peer that called
+/// another collective, or a scan of the other kind) is refused by every rank alike.
+fn scan_shape(
+    size: usize,
+    lens: &[usize],
+    receives_from: impl Fn(usize, usize) -> bool,
+) -> Result<()> {
+    for s in 0..size {
+        let row = &lens[s * size..(s + 1) * size];
+        let mut first: Option<(usize, usize)> = None;
+        for (d, &len) in row.iter().enumerate() {
+            if !receives_from(d, s) {
+                if len != 0 {
+                    return Err(ObjectError::Corrupt(format!(
+                        "rank {s} announced {len} bytes for rank {d}, which takes nothing \
+                         from it in this scan"
+                    )));
+                }
+            } else if let Some((d0, len0)) = first {
+                if len != len0 {
+                    return Err(ObjectError::Corrupt(format!(
+                        "rank {s} announced {len0} bytes for rank {d0} but {len} for rank \
+                         {d}: a scan sends one value to every rank that folds it"
+                    )));
+                }
+            } else {
+                first = Some((d, len));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Decodes a borrowed value from `bytes` sent by `rank`: the building block for callers that

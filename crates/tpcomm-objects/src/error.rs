@@ -79,7 +79,11 @@ pub enum ObjectError {
         source: DecodeError,
     },
     /// The exchanged header disagrees with what this rank sent: bytes were corrupted in
-    /// flight.
+    /// flight (returned by that rank; its peers fail in the transport when it leaves, or
+    /// read the lengths it was given as its own on the small path). In a scan, also a
+    /// sender whose announced lengths do not fit a scan (bytes for a rank that folds nothing
+    /// from it, or different lengths for ranks that fold the same value): decided from the
+    /// exchanged header, so every scanning rank returns it before any payload moves.
     #[error("corrupt exchange: {0}")]
     Corrupt(String),
     /// The receive buffer could not be allocated.
@@ -105,9 +109,11 @@ pub enum ObjectError {
         ranks: Vec<usize>,
     },
     /// Ranks passed different [`Options`](crate::Options) (or speak another version of the
-    /// protocol, `option == "protocol"`): the options travel in the header exchange and every
-    /// rank compares them with rank 0's before deciding anything, so every rank returns this
-    /// same error and nothing else is sent.
+    /// protocol, `option == "protocol"`, or called collectives of different byte protocols
+    /// whose headers have the same size, such as `broadcast` against `gather` or `all_to_all`
+    /// against `scan_with`, `option == "collective"`): the options travel in the header
+    /// exchange and every rank compares them with rank 0's before deciding anything, so every
+    /// rank returns this same error and nothing else is sent.
     #[error("ranks {ranks:?} passed a different `{option}` than rank {reference}")]
     OptionsMismatch {
         /// The first option (in field order) that differs.

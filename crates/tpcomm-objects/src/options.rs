@@ -136,9 +136,61 @@ impl Options {
 /// Width of the options field of a header entry.
 pub(crate) const FIELD: usize = 24;
 /// Marks a field of this protocol's version (2: with the root) from a rank with valid
-/// options. Version 1 fields began with `TPO1` / `TPO!`: a rank of either version reads the
-/// other's field as [`WireOptions::Unknown`], a mismatch of `"protocol"`.
+/// options, for the gathering protocol ([`Collective::Gather`]); the other protocols take
+/// the next values (see [`Collective::magic`]). Version 1 fields began with `TPO1` / `TPO!`:
+/// a rank of either version reads the other's field as [`WireOptions::Unknown`], a mismatch
+/// of `"protocol"`.
 const MAGIC_VALID: u8 = 0xB2;
+
+/// The byte protocol a collective runs, carried in the magic of its options field.
+///
+/// Collectives of different protocols can exchange headers of the same size and shape
+/// (`broadcast` against `gather`: 256-byte entries, the same root; `all_to_all` against
+/// `scan_with`: the same blocks, no root), and would then read each other's lengths as
+/// their own: some ranks return values while others fail, or the ranks go on to different
+/// payload calls (an erroneous MPI program). Ranks whose protocols differ get
+/// [`ObjectError::OptionsMismatch`] with `option == "collective"` on every rank. Collectives
+/// of one protocol that differ only by their root (`gather` and `all_gather`, `scatter` and
+/// `all_to_all`) are told apart by the root ([`ObjectError::RootMismatch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Collective {
+    /// `gather_bytes`: all-gather, gather, reduce and all-reduce.
+    Gather,
+    /// The rooted broadcast.
+    Broadcast,
+    /// The block exchange with one length per destination: all-to-all and scatter.
+    Blocks,
+    /// The inclusive scan (blocks with the scan's pattern).
+    Scan,
+    /// The exclusive scan.
+    Exscan,
+}
+
+impl Collective {
+    const ALL: [Collective; 5] = [
+        Collective::Gather,
+        Collective::Broadcast,
+        Collective::Blocks,
+        Collective::Scan,
+        Collective::Exscan,
+    ];
+
+    /// The magic of a valid field of this protocol: `0xB2` to `0xB6`.
+    fn magic(self) -> u8 {
+        MAGIC_VALID
+            + match self {
+                Collective::Gather => 0,
+                Collective::Broadcast => 1,
+                Collective::Blocks => 2,
+                Collective::Scan => 3,
+                Collective::Exscan => 4,
+            }
+    }
+
+    fn of_magic(magic: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.magic() == magic)
+    }
+}
 /// Marks a field from a rank whose options are out of range.
 const MAGIC_INVALID: u8 = 0xBF;
 /// The root word of a collective without a root (all-gather, all-to-all, the scans).
@@ -162,14 +214,17 @@ fn root_of_word(word: u32) -> Option<usize> {
     (word != NO_ROOT).then(|| usize::try_from(word).unwrap_or(usize::MAX))
 }
 
-/// The options and the root as they travel in the header: `[magic: u8]
+/// The options, the root and the protocol as they travel in the header: `[magic: u8]
 /// [small_slot_bytes: u8][max_depth: u16][root: u32, u32::MAX for none][round_bytes: u64, 0
-/// for None][max_total_bytes: u64]`, little-endian. Every field of a valid [`Options`] fits
-/// exactly (the ranges are checked first: `small_slot_bytes` is at most 224).
+/// for None][max_total_bytes: u64]`, little-endian, where the magic names the collective's
+/// protocol ([`Collective::magic`]) or marks invalid options. Every field of a valid
+/// [`Options`] fits exactly (the ranges are checked first: `small_slot_bytes` is at most
+/// 224).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WireOptions {
     /// A rank with valid options.
     Valid {
+        collective: Collective,
         small_slot_bytes: u8,
         max_depth: u16,
         root: u32,
@@ -183,10 +238,15 @@ pub(crate) enum WireOptions {
 }
 
 impl WireOptions {
-    /// Encodes `opts` and `root` (`None` for a collective without one), or the invalid
-    /// marker when the options failed validation (the root does not matter then: every rank
-    /// returns an options error).
-    pub(crate) fn encode(opts: &Options, valid: bool, root: Option<usize>) -> [u8; FIELD] {
+    /// Encodes `opts`, `root` (`None` for a collective without one) and the protocol, or
+    /// the invalid marker when the options failed validation (the root and the protocol do
+    /// not matter then: every rank returns an options error).
+    pub(crate) fn encode(
+        opts: &Options,
+        valid: bool,
+        root: Option<usize>,
+        collective: Collective,
+    ) -> [u8; FIELD] {
         let mut out = [0u8; FIELD];
         if !valid {
             out[0] = MAGIC_INVALID;
@@ -195,7 +255,7 @@ impl WireOptions {
         let narrow8 = |v: usize| u8::try_from(v).unwrap_or(u8::MAX);
         let narrow16 = |v: usize| u16::try_from(v).unwrap_or(u16::MAX);
         let wide = |v: usize| u64::try_from(v).unwrap_or(u64::MAX);
-        out[0] = MAGIC_VALID;
+        out[0] = collective.magic();
         out[1] = narrow8(opts.small_slot_bytes);
         out[2..4].copy_from_slice(&narrow16(opts.max_depth).to_le_bytes());
         out[4..8].copy_from_slice(&root_word(root).to_le_bytes());
@@ -213,14 +273,17 @@ impl WireOptions {
             w.copy_from_slice(&field[i..i + 8]);
             u64::from_le_bytes(w)
         };
-        match field[0] {
-            MAGIC_VALID => WireOptions::Valid {
+        if let Some(collective) = Collective::of_magic(field[0]) {
+            return WireOptions::Valid {
+                collective,
                 small_slot_bytes: field[1],
                 max_depth: u16_at(2),
                 root: u32_at(4),
                 round_bytes: u64_at(8),
                 max_total_bytes: u64_at(16),
-            },
+            };
+        }
+        match field[0] {
             MAGIC_INVALID => WireOptions::Invalid,
             _ => WireOptions::Unknown,
         }
@@ -234,9 +297,17 @@ impl WireOptions {
         }
     }
 
+    /// The protocol of a valid field.
+    fn collective(&self) -> Option<Collective> {
+        match self {
+            WireOptions::Valid { collective, .. } => Some(*collective),
+            _ => None,
+        }
+    }
+
     /// The name of the first option in which `self` and `other` differ (`"protocol"` when
-    /// they are not both valid fields of this version). The roots are not options: they are
-    /// compared on their own, after the options.
+    /// they are not both valid fields of this version). The roots and the collectives are
+    /// not options: they are compared on their own, after the options.
     fn first_difference(&self, other: &Self) -> Option<&'static str> {
         match (self, other) {
             (
@@ -246,6 +317,7 @@ impl WireOptions {
                     round_bytes: r1,
                     max_total_bytes: c1,
                     root: _,
+                    collective: _,
                 },
                 WireOptions::Valid {
                     small_slot_bytes: s2,
@@ -253,6 +325,7 @@ impl WireOptions {
                     round_bytes: r2,
                     max_total_bytes: c2,
                     root: _,
+                    collective: _,
                 },
             ) => [
                 (s1 != s2, "small_slot_bytes"),
@@ -281,10 +354,11 @@ impl Checked {
     /// `root` is the root this rank passed to a rooted collective, `None` for a collective
     /// without one. It is not checked against the communicator's size here: a rank whose
     /// root is out of range still joins the header exchange, and every rank decides after it.
-    pub(crate) fn new(opts: &Options, root: Option<usize>) -> Self {
+    /// `collective` is the byte protocol the caller runs.
+    pub(crate) fn new(opts: &Options, root: Option<usize>, collective: Collective) -> Self {
         let invalid = opts.validate().err();
         Self {
-            field: WireOptions::encode(opts, invalid.is_none(), root),
+            field: WireOptions::encode(opts, invalid.is_none(), root, collective),
             invalid,
             root,
         }
@@ -293,10 +367,11 @@ impl Checked {
     /// The decision every rank takes from every rank's field (`fields(r)` is rank `r`'s, for
     /// `r` in `0..size`): this rank's own `InvalidArgument` when its options are invalid,
     /// else the ranks with invalid options, else the ranks whose options differ from rank 0's,
-    /// else [`ObjectError::RootMismatch`] when the roots differ, else `InvalidArgument` when
-    /// the root (then the same on every rank) is out of range. Every rank with valid options
-    /// reads the same fields and returns the same error; only then may a collective read an
-    /// entry chosen by the root.
+    /// else [`ObjectError::RootMismatch`] when the roots differ, else the ranks whose
+    /// protocol differs from rank 0's (`OptionsMismatch` of `"collective"`), else
+    /// `InvalidArgument` when the root (then the same on every rank) is out of range. Every
+    /// rank with valid options reads the same fields and returns the same error; only then
+    /// may a collective read an entry chosen by the root.
     pub(crate) fn agree<'h>(
         self,
         size: usize,
@@ -314,7 +389,8 @@ impl Checked {
     }
 
     /// The error for fields that are not all equal: invalid options, then differing options,
-    /// then differing roots (`Ok` for fields that differ in none of them).
+    /// then differing roots, then differing protocols (`Ok` for fields that differ in none
+    /// of them).
     fn disagreement<'h>(
         size: usize,
         fields: &impl Fn(usize) -> &'h [u8],
@@ -345,6 +421,18 @@ impl Checked {
                     .into_iter()
                     .map(|w| w.and_then(root_of_word))
                     .collect(),
+            });
+        }
+        let collectives: Vec<Option<Collective>> =
+            wire.iter().map(WireOptions::collective).collect();
+        let ranks: Vec<usize> = (1..size)
+            .filter(|&r| collectives[r] != collectives[0])
+            .collect();
+        if !ranks.is_empty() {
+            return Err(ObjectError::OptionsMismatch {
+                option: "collective",
+                reference: 0,
+                ranks,
             });
         }
         Ok(())
@@ -381,8 +469,14 @@ mod tests {
             max_depth: 500,
         };
         assert_eq!(
-            WireOptions::decode(&WireOptions::encode(&opts, true, Some(3))),
+            WireOptions::decode(&WireOptions::encode(
+                &opts,
+                true,
+                Some(3),
+                Collective::Gather
+            )),
             WireOptions::Valid {
+                collective: Collective::Gather,
                 small_slot_bytes: 17,
                 max_depth: 500,
                 root: 3,
@@ -391,7 +485,12 @@ mod tests {
             }
         );
         assert_eq!(
-            WireOptions::decode(&WireOptions::encode(&opts, false, Some(3))),
+            WireOptions::decode(&WireOptions::encode(
+                &opts,
+                false,
+                Some(3),
+                Collective::Gather
+            )),
             WireOptions::Invalid
         );
         assert_eq!(WireOptions::decode(&[0u8; FIELD]), WireOptions::Unknown);
@@ -415,8 +514,9 @@ mod tests {
             (Some(usize::MAX), UNREPRESENTABLE_ROOT),
         ] {
             assert_eq!(
-                WireOptions::decode(&WireOptions::encode(&opts, true, root)),
+                WireOptions::decode(&WireOptions::encode(&opts, true, root, Collective::Gather)),
                 WireOptions::Valid {
+                    collective: Collective::Gather,
                     small_slot_bytes: 224,
                     max_depth: 512,
                     root: word,
@@ -435,7 +535,7 @@ mod tests {
         let mut v1 = [0u8; FIELD];
         v1[..4].copy_from_slice(b"TPO1");
         assert_eq!(WireOptions::decode(&v1), WireOptions::Unknown);
-        let own = Checked::new(&Options::default(), Some(0));
+        let own = Checked::new(&Options::default(), Some(0), Collective::Gather);
         let fields = [v1, own.field];
         let e = own.agree(2, |r| &fields[r][..]).unwrap_err();
         assert!(
@@ -450,9 +550,9 @@ mod tests {
         let opts = Options::default();
         let fields: Vec<[u8; FIELD]> = [Some(1), Some(0), None]
             .into_iter()
-            .map(|root| WireOptions::encode(&opts, true, root))
+            .map(|root| WireOptions::encode(&opts, true, root, Collective::Gather))
             .collect();
-        let e = Checked::new(&opts, Some(0))
+        let e = Checked::new(&opts, Some(0), Collective::Gather)
             .agree(3, |r| &fields[r][..])
             .unwrap_err();
         assert!(
@@ -467,8 +567,9 @@ mod tests {
             },
             true,
             Some(0),
+            Collective::Gather,
         );
-        let e = Checked::new(&opts, Some(0))
+        let e = Checked::new(&opts, Some(0), Collective::Gather)
             .agree(3, |r| &other[r][..])
             .unwrap_err();
         assert!(

@@ -899,6 +899,14 @@ impl<B: Backend> CustomAllReduce<B> {
             out,
             own_input,
             timeout: self.config.timeout,
+            checked: crate::backend::Checked {
+                signal_bytes: self.backend.signal_bytes(),
+                host_addressable: self.backend.host_addressable(),
+                private: own_input.and_then(|_| {
+                    self.backend
+                        .private_part(algorithm, dtype, count, self.rank, self.world)
+                }),
+            },
         };
         let _span = tracing::trace_span!(
             "allreduce",

@@ -161,12 +161,23 @@ pub fn merge_rows(rows: &[Vec<Link>]) -> Vec<Vec<Link>> {
         .collect()
 }
 
-/// Whether the kernels may run on a group with these (merged) links, and why.
+/// Whether the kernels may run on a group with these (merged) links, and why. One row per
+/// rank; an entry a row lacks counts as [`Link::Unknown`] (nothing indexes past a row), and
+/// the decision's `links` are the square matrix so completed.
 pub fn decide(links: &[Vec<Link>], check: TopologyCheck) -> TopologyDecision {
     let world = links.len();
+    let square: Vec<Vec<Link>> = links
+        .iter()
+        .map(|row| {
+            (0..world)
+                .map(|p| row.get(p).copied().unwrap_or(Link::Unknown))
+                .collect()
+        })
+        .collect();
+    let links = &square;
     let pairs = || (0..world).flat_map(move |r| (r + 1..world).map(move |p| (r, p, links[r][p])));
     let done = |verdict, reason: String| TopologyDecision {
-        links: links.to_vec(),
+        links: links.clone(),
         verdict,
         reason,
     };
@@ -349,6 +360,30 @@ mod tests {
         assert_eq!(links.len(), 3);
         assert!(links.iter().all(|row| row.len() == 3));
         assert_eq!(links[1][2], Unknown);
+    }
+
+    #[test]
+    fn a_ragged_matrix_is_decided_with_missing_links_unprobed() {
+        // A caller's matrix whose rows are short (or empty): no index past a row.
+        let d = decide(&[vec![SameDevice], vec![]], TopologyCheck::Auto);
+        assert_eq!(d.verdict, Ok(()), "{}", d.reason);
+        assert_eq!(
+            d.links,
+            vec![vec![SameDevice, Unknown], vec![Unknown, Unknown]]
+        );
+        let d = decide(
+            &[vec![SameDevice, NvLink, NvLink], vec![NvLink], vec![]],
+            TopologyCheck::Auto,
+        );
+        assert_eq!(
+            d.verdict,
+            Err(FallbackReason::NotNvLinked {
+                rank: 1,
+                peer: 2,
+                link: Unknown
+            })
+        );
+        assert!(d.links.iter().all(|row| row.len() == 3));
     }
 
     #[test]

@@ -154,23 +154,7 @@ impl Backend for Renamed {
         self.inner.reset_signal(memory, signal)
     }
     fn launch(&self, memory: &HostMemory, l: &Launch<'_, Self>) -> R<()> {
-        self.inner.launch(
-            memory,
-            &Launch {
-                algorithm: l.algorithm,
-                dtype: l.dtype,
-                count: l.count,
-                rank: l.rank,
-                world: l.world,
-                rank_signals: l.rank_signals,
-                rank_data: l.rank_data,
-                slot: l.slot,
-                own_signal: l.own_signal,
-                out: l.out,
-                own_input: l.own_input,
-                timeout: l.timeout,
-            },
-        )
+        l.run_on(&self.inner, memory)
     }
     fn supports(
         &self,

@@ -51,11 +51,14 @@ impl<M: PeerMemory> FaultInjection<M> {
         }
     }
 
-    /// Arms a fault: the `n`-th call of `point` from now on fails (`n >= 1`).
+    /// Arms a fault: the `n`-th call of `point` from now on fails (`n >= 1`; a call past
+    /// the counter's range never comes, so such a fault never fires).
     pub fn arm(&self, point: FaultPoint, n: u64) {
         let i = index(point);
         let now = self.plan.calls[i].load(Ordering::SeqCst);
-        self.plan.at.store(now + n.max(1), Ordering::SeqCst);
+        self.plan
+            .at
+            .store(now.saturating_add(n.max(1)), Ordering::SeqCst);
         self.plan.point.store(i as u64 + 1, Ordering::SeqCst);
     }
 
@@ -109,5 +112,27 @@ impl<M: PeerMemory> PeerMemory for FaultInjection<M> {
     }
     fn read<R: MemoryRegion>(&self, region: &R, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.inner.read(region, offset, dst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::HostMemory;
+
+    #[test]
+    fn arming_a_fault_beyond_every_call_never_fires_and_does_not_panic() {
+        let memory = FaultInjection::new(HostMemory::new());
+        let buffer = memory.allocate(4096).expect("allocate");
+        memory.export(buffer.addr(), 64).expect("export");
+        // `u64::MAX` calls from now: past the counter's range, so it never fires.
+        memory.arm(FaultPoint::Export, u64::MAX);
+        memory
+            .export(buffer.addr(), 64)
+            .expect("not the armed call");
+        // Arming again still works.
+        memory.arm(FaultPoint::Export, 1);
+        assert!(memory.export(buffer.addr(), 64).is_err());
+        memory.export(buffer.addr(), 64).expect("fired once");
     }
 }

@@ -30,6 +30,33 @@ pub const RANK_DATA_BYTES: usize = 8 * 8;
 /// One launch, as the backend sees it. Peer addresses are *not* here: the backend reads
 /// them from the tables when the launch runs, so a recorded launch stays valid when a
 /// resume rewrites the tables.
+///
+/// Only the driver makes launches (a private field): [`Backend::launch`] is safe because
+/// everything a launch names was checked by the driver, so safe code cannot hand a backend
+/// an address of its own choosing. A backend that wraps another hands its launch on with
+/// [`Launch::run_on`].
+///
+/// ```compile_fail
+/// # use tpcomm_allreduce::backend::Launch;
+/// # use tpcomm_allreduce::{Algorithm, DType, HostBackend};
+/// # use tpcomm_ipc::{HostBuffer, HostMemory};
+/// fn forge<'a>(tables: &'a HostBuffer) -> Launch<'a, HostBackend<HostMemory>> {
+///     Launch {
+///         algorithm: Algorithm::OneStage,
+///         dtype: DType::F32,
+///         count: 64,
+///         rank: 0,
+///         world: 1,
+///         rank_signals: tables,
+///         rank_data: tables,
+///         slot: 0,
+///         own_signal: tables,
+///         out: 0x10,
+///         own_input: None,
+///         timeout: std::time::Duration::from_secs(1),
+///     }
+/// }
+/// ```
 #[derive(Debug)]
 pub struct Launch<'a, B: Backend + ?Sized> {
     /// One-stage or two-stage.
@@ -62,6 +89,82 @@ pub struct Launch<'a, B: Backend + ?Sized> {
     pub own_input: Option<u64>,
     /// Bound on every barrier wait.
     pub timeout: Duration,
+    /// What the driver checked the launch against.
+    pub(crate) checked: Checked,
+}
+
+/// What the driver checked a launch against, taken from the backend it launched on: a
+/// backend that receives the launch from a wrapper ([`Launch::run_on`]) must need no more.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Checked {
+    /// Every rank's Signal block holds at least this many bytes.
+    pub(crate) signal_bytes: usize,
+    /// `out` may be an address of host memory (the backend accepted host slices).
+    pub(crate) host_addressable: bool,
+    /// With [`Launch::own_input`] set: the part of this rank's input that was not staged.
+    pub(crate) private: Option<std::ops::Range<usize>>,
+}
+
+impl<B: Backend + ?Sized> Launch<'_, B> {
+    /// Runs this launch on `inner`, a backend over the same memory that the backend it was
+    /// made for (a wrapper, such as a test's recording backend) delegates to. Refused with
+    /// [`AllReduceError::InvalidArgument`](crate::AllReduceError::InvalidArgument) before
+    /// anything runs when `inner` needs more than the driver checked: larger Signal
+    /// blocks than every rank's holds, device addresses where the output may be host memory,
+    /// or another private part of this rank's input than the one left unstaged.
+    pub fn run_on<C>(&self, inner: &C, memory: &C::Memory) -> Result<()>
+    where
+        C: Backend<Memory = B::Memory> + ?Sized,
+    {
+        let refuse = |why: String| Err(crate::AllReduceError::InvalidArgument(why));
+        if inner.signal_bytes() > self.checked.signal_bytes {
+            return refuse(format!(
+                "the {} backend reads {}-byte Signal blocks; the launch was checked for {} bytes",
+                inner.name(),
+                inner.signal_bytes(),
+                self.checked.signal_bytes
+            ));
+        }
+        if self.checked.host_addressable && !inner.host_addressable() {
+            return refuse(format!(
+                "the {} backend cannot address the output of a launch made for host memory",
+                inner.name()
+            ));
+        }
+        if self.own_input.is_some() {
+            let private = inner.private_part(
+                self.algorithm,
+                self.dtype,
+                self.count,
+                self.rank,
+                self.world,
+            );
+            if private != self.checked.private {
+                return refuse(format!(
+                    "the {} backend reads elements {private:?} of this rank's input privately; \
+                     the launch left {:?} unstaged",
+                    inner.name(),
+                    self.checked.private
+                ));
+            }
+        }
+        let launch = Launch::<C> {
+            algorithm: self.algorithm,
+            dtype: self.dtype,
+            count: self.count,
+            rank: self.rank,
+            world: self.world,
+            rank_signals: self.rank_signals,
+            rank_data: self.rank_data,
+            slot: self.slot,
+            own_signal: self.own_signal,
+            out: self.out,
+            own_input: self.own_input,
+            timeout: self.timeout,
+            checked: self.checked.clone(),
+        };
+        inner.launch(memory, &launch)
+    }
 }
 
 /// What a device (or the CPU) provides to run the custom all-reduce.

@@ -102,21 +102,7 @@ impl Backend for GraphSim {
             });
             return Ok(());
         }
-        let host = Launch {
-            algorithm: l.algorithm,
-            dtype: l.dtype,
-            count: l.count,
-            rank: l.rank,
-            world: l.world,
-            rank_signals: l.rank_signals,
-            rank_data: l.rank_data,
-            slot: l.slot,
-            own_signal: l.own_signal,
-            out: l.out,
-            own_input: l.own_input,
-            timeout: l.timeout,
-        };
-        self.inner.launch(memory, &host)
+        l.run_on(&self.inner, memory)
     }
     fn stage(
         &self,

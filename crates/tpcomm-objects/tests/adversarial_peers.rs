@@ -7,74 +7,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::FailOn;
+use common::{FailOn, Rewriting};
 use serde_bytes::ByteBuf;
 use tpcomm_objects::{
     all_gather, all_to_all, broadcast, exscan_with, scan_with, scatter, ObjectError,
 };
-use tpcomm_transport::check::{
-    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
-};
-use tpcomm_transport::{
-    Communicator, GatherRecv, LocalCommunicator, LocalGroup, Result as TResult,
-};
-
-/// Rewrites every received fixed-size all-gather (the header exchanges) with `rewrite(entry
-/// size, received bytes)`, the same way on every rank, as a relay that damages one rank's
-/// entry for everybody would.
-struct Rewriting<'f> {
-    inner: LocalCommunicator,
-    rewrite: &'f (dyn Fn(usize, &mut [u8]) + Sync),
-}
-
-impl Communicator for Rewriting<'_> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn max_count(&self) -> usize {
-        self.inner.max_count()
-    }
-    fn backend_name(&self) -> &'static str {
-        "rewriting"
-    }
-    fn split(&self, _: Option<u32>, _: i32) -> TResult<Option<Self>> {
-        unimplemented!("not used by these tests")
-    }
-    fn raw_barrier(&self) -> TResult<()> {
-        self.inner.barrier()
-    }
-    fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> TResult<()> {
-        let (send, recv) = args.parts();
-        self.inner.all_gather(send, recv)?;
-        (self.rewrite)(send.len(), recv);
-        Ok(())
-    }
-    fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> TResult<()> {
-        let (send, recv, counts, displs) = args.parts();
-        self.inner.all_gather_varcount(send, recv, counts, displs)
-    }
-    fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> TResult<()> {
-        let root = args.root();
-        let (send, recv) = args.parts();
-        let recv = recv.map(|r| GatherRecv {
-            recv: &mut *r.recv,
-            counts: r.counts,
-            displs: r.displs,
-        });
-        self.inner.gather_varcount(root, send, recv)
-    }
-    fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> TResult<()> {
-        let root = args.root();
-        self.inner.broadcast(root, args.buf())
-    }
-    fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> TResult<()> {
-        let (send, recv) = args.parts();
-        self.inner.all_to_all_varcount(send, recv)
-    }
-}
+use tpcomm_transport::{Communicator, LocalGroup, Result as TResult};
 
 fn group(n: usize) -> LocalGroup {
     LocalGroup::new(n).timeout(Duration::from_secs(5))
@@ -87,7 +25,13 @@ fn run_rewritten<T: Send>(
     f: impl Fn(&Rewriting<'_>) -> T + Sync,
 ) -> Vec<T> {
     group(n)
-        .run(|inner| f(&Rewriting { inner, rewrite }))
+        .run(|inner| {
+            f(&Rewriting {
+                inner,
+                headers: rewrite,
+                payloads: &|_| {},
+            })
+        })
         .into_iter()
         .enumerate()
         .map(|(rank, r)| r.unwrap_or_else(|e| panic!("rank {rank}: {e}")))

@@ -3,22 +3,21 @@
 //! in flight. Every rank must get a typed error, nothing may panic or hang, and nothing may
 //! be allocated past the cap.
 
+mod common;
+
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
+
+use common::Rewriting;
 
 use serde::{Serialize, Serializer};
 use tpcomm_objects::{
     all_gather, all_gather_with, all_to_all, broadcast, gather, scatter, scatter_with, DecodeError,
     ObjectError, Options,
 };
-use tpcomm_transport::check::{
-    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
-};
-use tpcomm_transport::{
-    Communicator, GatherRecv, LocalCommunicator, LocalGroup, Result as TResult,
-};
+use tpcomm_transport::{Communicator, LocalGroup};
 
 /// Tracks the largest single allocation, to prove that no buffer is sized from a hostile
 /// length.
@@ -212,93 +211,55 @@ enum Damage {
     RootLens(u64),
 }
 
-/// A communicator that damages received bytes, applied identically on every rank.
-#[derive(Debug)]
-struct Corrupting {
-    inner: LocalCommunicator,
-    damage: Damage,
-    slot: usize,
-}
-
-impl Communicator for Corrupting {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn max_count(&self) -> usize {
-        self.inner.max_count()
-    }
-    fn backend_name(&self) -> &'static str {
-        "corrupting"
-    }
-    fn split(&self, _: Option<u32>, _: i32) -> TResult<Option<Self>> {
-        unimplemented!("not used by these tests")
-    }
-    fn raw_barrier(&self) -> TResult<()> {
-        self.inner.barrier()
-    }
-    fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> TResult<()> {
-        let (send, recv) = args.parts();
-        self.inner.all_gather(send, recv)?;
-        let entry = send.len();
-        if let Damage::RootLens(w) = self.damage {
-            if entry == 24 + 8 * self.size() {
-                for d in 0..self.size() {
+impl Damage {
+    /// Damages a received header exchange of `size` ranks (`entry` bytes per rank; `slot`
+    /// the inline slot's size).
+    fn header(self, size: usize, slot: usize, entry: usize, recv: &mut [u8]) {
+        if let Damage::RootLens(w) = self {
+            if entry == 24 + 8 * size {
+                for d in 0..size {
                     let word = if d == 1 { 1 } else { w };
                     recv[24 + 8 * d..][..8].copy_from_slice(&word.to_le_bytes());
                 }
             }
-            return Ok(());
+            return;
         }
-        if self.size() > 1 && entry >= 8 {
+        if size > 1 && entry >= 8 {
             let rank1 = &mut recv[entry..2 * entry];
-            match self.damage {
+            match self {
                 Damage::LengthWord(w) => rank1[..8].copy_from_slice(&w.to_le_bytes()),
                 // The slot follows the length word and the 24-byte options field.
-                Damage::SlotFf if entry >= 32 + self.slot => rank1[32..].fill(0xFF),
+                Damage::SlotFf if entry >= 32 + slot => rank1[32..].fill(0xFF),
                 _ => {}
             }
         }
-        Ok(())
     }
-    fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> TResult<()> {
-        let (send, recv, counts, displs) = args.parts();
-        self.inner.all_gather_varcount(send, recv, counts, displs)?;
-        if let Damage::PayloadFf = self.damage {
+
+    /// Damages a received payload.
+    fn payload(self, recv: &mut [u8]) {
+        if let Damage::PayloadFf = self {
             recv.fill(0xFF);
         }
-        Ok(())
-    }
-    fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> TResult<()> {
-        let root = args.root();
-        let (send, recv) = args.parts();
-        let recv = recv.map(|r| GatherRecv {
-            recv: &mut *r.recv,
-            counts: r.counts,
-            displs: r.displs,
-        });
-        self.inner.gather_varcount(root, send, recv)
-    }
-    fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> TResult<()> {
-        let root = args.root();
-        self.inner.broadcast(root, args.buf())
-    }
-    fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> TResult<()> {
-        let (send, recv) = args.parts();
-        self.inner.all_to_all_varcount(send, recv)
     }
 }
 
-fn run_damaged<T: Send>(n: usize, damage: Damage, f: impl Fn(&Corrupting) -> T + Sync) -> Vec<T> {
+/// Runs `f` on `n` ranks over a communicator that applies `damage` identically on every
+/// rank.
+fn run_damaged<T: Send>(
+    n: usize,
+    damage: Damage,
+    f: impl Fn(&Rewriting<'_>) -> T + Sync,
+) -> Vec<T> {
+    let slot = Options::default().small_slot_bytes;
+    let headers = move |entry: usize, recv: &mut [u8]| damage.header(n, slot, entry, recv);
+    let payloads = move |recv: &mut [u8]| damage.payload(recv);
     group(n)
         .timeout(Duration::from_secs(5))
         .run(|inner| {
-            f(&Corrupting {
+            f(&Rewriting {
                 inner,
-                damage,
-                slot: Options::default().small_slot_bytes,
+                headers: &headers,
+                payloads: &payloads,
             })
         })
         .into_iter()

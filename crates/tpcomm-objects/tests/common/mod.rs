@@ -5,6 +5,10 @@
 
 use serde::ser::SerializeTuple;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use tpcomm_transport::check::{
+    AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
+};
+use tpcomm_transport::{Communicator, GatherRecv, LocalCommunicator, Result as TResult};
 
 /// Bytes that serialize verbatim (a tuple of `u8`: postcard writes no length), so that a
 /// hostile rank sends exactly the crafted encoding through the ordinary collectives.
@@ -43,5 +47,66 @@ impl Serialize for FailOn {
         } else {
             (false, &self.text).serialize(s)
         }
+    }
+}
+
+/// Rewrites what a rank receives, the same way on every rank, as a relay that damages bytes
+/// in flight for everybody would: `headers(entry size, received bytes)` after every
+/// fixed-size all-gather (the header exchanges), `payloads(received bytes)` after every
+/// varcount all-gather (the payloads). Every other collective is forwarded as it is.
+pub(crate) struct Rewriting<'f> {
+    pub(crate) inner: LocalCommunicator,
+    pub(crate) headers: &'f (dyn Fn(usize, &mut [u8]) + Sync),
+    pub(crate) payloads: &'f (dyn Fn(&mut [u8]) + Sync),
+}
+
+impl Communicator for Rewriting<'_> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn max_count(&self) -> usize {
+        self.inner.max_count()
+    }
+    fn backend_name(&self) -> &'static str {
+        "rewriting"
+    }
+    fn split(&self, _: Option<u32>, _: i32) -> TResult<Option<Self>> {
+        unimplemented!("not used by these tests")
+    }
+    fn raw_barrier(&self) -> TResult<()> {
+        self.inner.barrier()
+    }
+    fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> TResult<()> {
+        let (send, recv) = args.parts();
+        self.inner.all_gather(send, recv)?;
+        (self.headers)(send.len(), recv);
+        Ok(())
+    }
+    fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> TResult<()> {
+        let (send, recv, counts, displs) = args.parts();
+        self.inner.all_gather_varcount(send, recv, counts, displs)?;
+        (self.payloads)(recv);
+        Ok(())
+    }
+    fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> TResult<()> {
+        let root = args.root();
+        let (send, recv) = args.parts();
+        let recv = recv.map(|r| GatherRecv {
+            recv: &mut *r.recv,
+            counts: r.counts,
+            displs: r.displs,
+        });
+        self.inner.gather_varcount(root, send, recv)
+    }
+    fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> TResult<()> {
+        let root = args.root();
+        self.inner.broadcast(root, args.buf())
+    }
+    fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> TResult<()> {
+        let (send, recv) = args.parts();
+        self.inner.all_to_all_varcount(send, recv)
     }
 }

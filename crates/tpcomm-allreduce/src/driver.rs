@@ -836,7 +836,8 @@ impl<B: Backend> CustomAllReduce<B> {
 
     /// [`launch`](Self::launch); `recording` (a device graph capture) may name a slot still
     /// waiting for `register_graph_buffers`, since nothing runs until the graph is replayed.
-    /// `own_input`: [`Launch::own_input`].
+    /// `own_input`: [`Launch::own_input`] with the private part of the input it serves
+    /// ([`Backend::private_part`], already computed by the caller to stage the rest).
     #[allow(clippy::too_many_arguments)]
     fn launch_slot(
         &mut self,
@@ -847,7 +848,7 @@ impl<B: Backend> CustomAllReduce<B> {
         algorithm: Algorithm,
         out: u64,
         recording: bool,
-        own_input: Option<u64>,
+        own_input: Option<(u64, std::ops::Range<usize>)>,
     ) -> Result<()> {
         self.lifecycle.check_operation(call)?;
         let source = self.slots.get(slot).copied().flatten();
@@ -897,15 +898,12 @@ impl<B: Backend> CustomAllReduce<B> {
             slot,
             own_signal: &res.signal,
             out,
-            own_input,
+            own_input: own_input.as_ref().map(|(addr, _)| *addr),
             timeout: self.config.timeout,
             checked: crate::backend::Checked {
                 signal_bytes: self.backend.signal_bytes(),
                 host_addressable: self.backend.host_addressable(),
-                private: own_input.and_then(|_| {
-                    self.backend
-                        .private_part(algorithm, dtype, count, self.rank, self.world)
-                }),
+                private: own_input.map(|(_, private)| private),
             },
         };
         let _span = tracing::trace_span!(
@@ -955,7 +953,7 @@ impl<B: Backend> CustomAllReduce<B> {
         for range in staged_ranges(private.clone(), T::DTYPE, bytes)? {
             memory.write(&res.staging, range.start, &raw[range])?;
         }
-        let own_input = private.map(|_| input.as_ptr() as u64);
+        let own_input = private.map(|part| (input.as_ptr() as u64, part));
         let out = output.as_mut_ptr() as u64;
         self.launch_slot(
             "all_reduce",
@@ -1473,7 +1471,7 @@ impl<B: Backend> CustomAllReduce<B> {
                     algorithm,
                     output.addr(),
                     false,
-                    private.map(|_| input.addr()),
+                    private.map(|part| (input.addr(), part)),
                 )?;
             }
         }

@@ -600,6 +600,18 @@ enum Needs {
     Everybody,
 }
 
+/// `n` values made by `make`, or the allocation error (never a capacity-overflow panic or
+/// an abort when memory runs out).
+fn table<T>(
+    n: usize,
+    make: impl FnMut() -> T,
+) -> std::result::Result<Vec<T>, std::collections::TryReserveError> {
+    let mut values = Vec::new();
+    values.try_reserve_exact(n)?;
+    values.resize_with(n, make);
+    Ok(values)
+}
+
 impl Shared {
     /// The shared state of a group of `size` ranks: `RING` slots (128 bytes each) per rank.
     /// A size whose tables overflow or cannot be allocated is a [`TransportError::Setup`],
@@ -610,27 +622,17 @@ impl Shared {
                 "a local group of {size} ranks is too large: {what}"
             ))
         };
+        // `try_reserve_exact` refuses a byte size past `isize::MAX` itself; only the slot
+        // count can overflow before it is asked.
         let slot_count = size
             .checked_mul(RING as usize)
-            .filter(|&n| {
-                n.checked_mul(std::mem::size_of::<Slot>())
-                    .is_some_and(|b| b <= isize::MAX as usize)
-            })
             .ok_or_else(|| too_large("its slot table overflows the address space"))?;
-        let mut slots = Vec::new();
-        slots
-            .try_reserve_exact(slot_count)
+        let slots = table(slot_count, Slot::default)
             .map_err(|e| too_large(&format!("cannot allocate its slot table ({e})")))?;
-        slots.resize_with(slot_count, Slot::default);
-        let mut progress = Vec::new();
-        progress
-            .try_reserve_exact(size)
+        let progress = table(size, Progress::default)
             .map_err(|e| too_large(&format!("cannot allocate its progress table ({e})")))?;
-        progress.resize_with(size, Progress::default);
-        let mut left = Vec::new();
-        left.try_reserve_exact(size)
+        let left = table(size, || false)
             .map_err(|e| too_large(&format!("cannot allocate its rank table ({e})")))?;
-        left.resize(size, false);
         Ok(Arc::new(Self {
             size,
             config,

@@ -149,8 +149,10 @@ impl<B: Backend> Allocations<B> {
         let signal = memory.allocate(backend.signal_bytes())?;
         let staging = memory.allocate(config.max_bytes)?;
         let temp = memory.allocate(config.max_bytes)?;
-        let rank_signals = memory.allocate(RANK_SIGNALS_BYTES)?;
-        let rank_data = memory.allocate(pool_bytes)?;
+        // The tables this rank trusts for every peer address: private memory, which a peer
+        // mapping the exported buffers above cannot reach.
+        let rank_signals = memory.allocate_private(RANK_SIGNALS_BYTES)?;
+        let rank_data = memory.allocate_private(pool_bytes)?;
         backend.reset_signal(memory, &signal)?;
         Ok(Self {
             signal,

@@ -402,6 +402,35 @@ fn a_plan_captured_before_suspend_replays_correctly_after_resume_at_new_addresse
 }
 
 #[test]
+fn the_pointer_tables_share_no_segment_with_what_peers_map() {
+    // A peer that maps this rank's Signal block, staging or temp buffer maps the whole
+    // segment around it; the tables of peer addresses this rank trusts must lie outside
+    // every such segment, and must not be exportable at all.
+    let results = group(3).run(|comm| -> R<()> {
+        let mem = HostMemory::new();
+        let ar = CustomAllReduce::new(HostBackend::new(), mem.clone(), &comm, Config::default())?;
+        let table = ar.rank_signals_address()?;
+        for region in 0..3 {
+            let addr = ar.base_address(comm.rank(), region)?;
+            let handle = mem.export(addr, 8)?;
+            let segment = addr - handle.offset..addr - handle.offset + handle.segment_len;
+            assert!(
+                !segment.contains(&table),
+                "the table at {table:#x} lies in the segment {segment:x?} of region {region}"
+            );
+        }
+        assert!(
+            matches!(mem.export(table, 8), Err(IpcError::NotExportable { .. })),
+            "the table can be exported"
+        );
+        Ok(())
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        r.unwrap().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}
+
+#[test]
 fn repeated_transitions_are_no_ops_and_use_while_suspended_is_refused() {
     let results = group(2).run(|comm| -> R<()> {
         let mut ar = new_ar(&comm, Config::default())?;

@@ -93,6 +93,9 @@ impl<M: PeerMemory> PeerMemory for FaultInjection<M> {
     fn allocate(&self, bytes: usize) -> Result<M::Buffer> {
         self.inner.allocate(bytes)
     }
+    fn allocate_private(&self, bytes: usize) -> Result<M::Buffer> {
+        self.inner.allocate_private(bytes)
+    }
     fn export(&self, addr: u64, len: usize) -> Result<M::Handle> {
         self.tick(FaultPoint::Export)?;
         self.inner.export(addr, len)

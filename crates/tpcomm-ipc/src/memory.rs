@@ -57,6 +57,17 @@ pub trait PeerMemory: Send + Sync + Debug + 'static {
     /// buffers share a handle). The memory is zeroed.
     fn allocate(&self, bytes: usize) -> Result<Self::Buffer>;
 
+    /// Allocates a zeroed buffer of at least `bytes` bytes for this process alone: tables
+    /// that only this rank reads and trusts (the all-reduce's pointer tables). It is never
+    /// exportable where the backend can tell, and it shares no mapping with an exportable
+    /// buffer, so a peer that maps what this rank exported cannot reach it, whatever that
+    /// peer writes. The default is [`allocate`](Self::allocate), right for backends whose
+    /// allocations are mapped one by one (CUDA); backends that carve small buffers out of
+    /// shared segments override it.
+    fn allocate_private(&self, bytes: usize) -> Result<Self::Buffer> {
+        self.allocate(bytes)
+    }
+
     /// Exports `len` bytes at address `addr`, which must lie inside one exportable
     /// allocation of this process: the handle names the allocation's base plus the offset.
     fn export(&self, addr: u64, len: usize) -> Result<Self::Handle>;

@@ -250,3 +250,34 @@ fn small_mappings_are_prefaulted_and_large_ones_fault_in_at_use() {
     assert_eq!(read(&peer, big, 64), vec![1; 64]);
     assert!(page_present(big.addr()), "it faults in when read");
 }
+
+#[test]
+fn a_private_buffer_has_a_segment_of_its_own_and_cannot_be_exported() {
+    let _serial = serial();
+    let owner = HostMemory::new();
+    let shared = owner.allocate(4096).unwrap();
+    let chunks = owner.chunks();
+    let maps_before = segment_maps();
+    let private = owner.allocate_private(4096).unwrap();
+    assert!(!private.is_carved());
+    assert_eq!(owner.chunks(), chunks, "no chunk was carved for it");
+    assert_eq!(segment_maps(), maps_before + 1, "a segment of its own");
+    assert_eq!(read(&owner, &private, 4096), vec![0; 4096], "zeroed");
+    owner.write(&private, 100, &[7; 8]).unwrap();
+    let mut got = [0u8; 8];
+    owner.read(&private, 100, &mut got).unwrap();
+    assert_eq!(got, [7; 8]);
+    assert!(matches!(
+        owner.export(private.addr(), 8),
+        Err(IpcError::NotExportable { .. })
+    ));
+    let handle = owner.export(shared.addr(), 8).unwrap();
+    let chunk = shared.addr() - handle.offset..shared.addr() - handle.offset + handle.segment_len;
+    assert!(!chunk.contains(&private.addr()));
+    drop(private);
+    assert_eq!(segment_maps(), maps_before, "unmapped when dropped");
+    assert!(
+        owner.export(shared.addr(), 8).is_ok(),
+        "the shared buffer is untouched"
+    );
+}

@@ -1078,6 +1078,16 @@ fn host_region<R: MemoryRegion>(region: &R) -> Result<()> {
     }
 }
 
+/// `bytes` (not zero) rounded up to whole pages.
+fn page_rounded(bytes: usize) -> Result<usize> {
+    if bytes == 0 {
+        return Err(IpcError::InvalidAllocation("zero bytes".into()));
+    }
+    bytes.checked_next_multiple_of(page_size()).ok_or_else(|| {
+        IpcError::InvalidAllocation(format!("{bytes} bytes overflow when rounded to pages"))
+    })
+}
+
 impl PeerMemory for HostMemory {
     type Handle = HostHandle;
     type Buffer = HostBuffer;
@@ -1088,13 +1098,7 @@ impl PeerMemory for HostMemory {
     }
 
     fn allocate(&self, bytes: usize) -> Result<HostBuffer> {
-        if bytes == 0 {
-            return Err(IpcError::InvalidAllocation("zero bytes".into()));
-        }
-        let page = page_size();
-        let len = bytes.checked_next_multiple_of(page).ok_or_else(|| {
-            IpcError::InvalidAllocation(format!("{bytes} bytes overflow when rounded to pages"))
-        })?;
+        let len = page_rounded(bytes)?;
         let (segment, carved) = if len <= Self::CARVE_MAX_BYTES {
             let (chunk, offset) = lock(&self.arena).carve(len, Self::CHUNK_BYTES)?;
             let carved = Carved {
@@ -1130,6 +1134,20 @@ impl PeerMemory for HostMemory {
             len,
             segment,
             carved,
+        })
+    }
+
+    /// A segment of its own (never a chunk's extent, which peers map whole), left out of
+    /// the table of exportable buffers: `export` refuses every address in it.
+    fn allocate_private(&self, bytes: usize) -> Result<HostBuffer> {
+        let len = page_rounded(bytes)?;
+        let segment = Arc::new(OwnedSegment::new(len)?);
+        tracing::trace!(len, "private host buffer allocated");
+        Ok(HostBuffer {
+            ptr: segment.ptr,
+            len,
+            segment,
+            carved: None,
         })
     }
 

@@ -908,7 +908,8 @@ impl Communicator for MpiCommunicator {
 /// and completed by `complete_returning_errors`: in Open MPI 4.1 `MPI_Test` raised the
 /// error of a failed collective (say `MPI_ERR_TRUNCATE`) on `MPI_COMM_WORLD`'s fatal
 /// handler and the job aborted with exit code 15. A failed collective is
-/// [`TransportError::Mpi`] with the raw code, and breaks the communicator the same way.
+/// [`TransportError::Mpi`] with the raw code, and breaks the communicator the same way, as
+/// does a collective that fails to start (its peers may have started theirs).
 /// The receive copy is a `GuardedBuf`, so that a peer sending more than agreed cannot
 /// make MPI write past it (see the module docs).
 impl MpiCommunicator {
@@ -934,8 +935,8 @@ impl MpiCommunicator {
     ///
     /// Errors of the collectives are returned as [`TransportError::Mpi`] (never raised on
     /// `MPI_COMM_WORLD`'s handler), and a peer that sends more bytes than this rank's
-    /// receive count gives `MPI_ERR_TRUNCATE` without writing past the receive copy; either
-    /// breaks the communicator like a timeout (later collectives fail with
+    /// receive count gives `MPI_ERR_TRUNCATE` without writing past the receive copy; either,
+    /// and a collective that fails to start, breaks the communicator like a timeout (later collectives fail with
     /// [`TransportError::Aborted`]).
     ///
     /// A timeout only helps when the job outlives a dead rank: Open MPI aborts the whole job
@@ -993,7 +994,16 @@ impl MpiCommunicator {
         {
             let _guard = self.lock(op)?;
             let code = start(&mut job, self.comm);
-            check(op, call, code)?;
+            if let Err(e) = check(op, call, code) {
+                // Peers may have started this collective: a later one of this rank would
+                // match their messages. Whether MPI kept a reference to the buffers is
+                // unknown after an error: never free them.
+                std::mem::forget(job);
+                let _ = self
+                    .broken
+                    .set((None, format!("an earlier {call} failed to start")));
+                return Err(e);
+            }
         }
         let mut polls: u32 = 0;
         // Peers found gone so far, in the order they were found: checked every tenth of the

@@ -23,7 +23,11 @@ pub struct Pair {
 
 impl Pair {
     /// Rank `rank` (0 or 1) of the pair, over `stream` (one end of a connected socket).
+    ///
+    /// # Panics
+    /// When `rank` is neither 0 nor 1 (a test's own mistake).
     pub fn new(rank: usize, stream: UnixStream) -> Self {
+        assert!(rank < 2, "a pair has ranks 0 and 1, not {rank}");
         stream
             .set_read_timeout(Some(Duration::from_secs(60)))
             .expect("socket timeout");

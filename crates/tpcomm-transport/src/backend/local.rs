@@ -1041,6 +1041,15 @@ impl LocalCommunicator {
         let mut state = shared.lock();
         loop {
             let now = Instant::now();
+            // Readiness first: a call whose peers all posted completes even when the group
+            // aborted since (a rank that completed it and left, seen by a rank a call
+            // ahead), as it did on the ranks that saw it before the abort; the next call
+            // fails.
+            if ready() {
+                drop(state);
+                self.spin.learn(&w);
+                return Ok(());
+            }
             if let Some(abort) = &state.abort {
                 return Err(if abort.timed_out {
                     TransportError::Timeout {
@@ -1052,11 +1061,6 @@ impl LocalCommunicator {
                 } else {
                     self.aborted(op, abort)
                 });
-            }
-            if ready() {
-                drop(state);
-                self.spin.learn(&w);
-                return Ok(());
             }
             if let Some(&gone) = missing().iter().find(|&&r| state.left[r]) {
                 let reason = format!("rank {gone} dropped its communicator before joining {op}");
@@ -1739,6 +1743,44 @@ mod tests {
                 "the root waited {waited:?}, past the reader's done count"
             );
         });
+    }
+
+    /// A rank parked in a call whose posts all arrived returns their data when it wakes to
+    /// an abort raised since (a peer that completed the call and left, seen by a rank a
+    /// call ahead): the call completed on the other ranks too. Its next call fails.
+    #[test]
+    fn a_call_whose_posts_all_arrived_completes_despite_a_later_abort() {
+        let comms = LocalGroup::new(3)
+            .timeout(Duration::from_secs(5))
+            .spin(Duration::ZERO)
+            .communicators()
+            .unwrap();
+        let (root, reader) = (&comms[0], &comms[1]);
+        std::thread::scope(|s| {
+            let parked = s.spawn(|| {
+                let mut buf = [0u8; 8];
+                reader.broadcast(0, &mut buf).map(|()| buf)
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            // Under the lock the parked reader needs to look: it sees the root's post and
+            // the abort together.
+            let shared = &*root.shared;
+            let mut state = shared.lock();
+            root.seq.store(1, Ordering::Relaxed);
+            root.publish_post(0, Op::Broadcast, Some(0), root.post(&[7; 8], &[]));
+            state.abort = Some(Abort {
+                by: 0,
+                reason: "rank 0 dropped its communicator before joining broadcast".into(),
+                timed_out: false,
+            });
+            shared.publish(&state);
+            drop(state);
+            assert_eq!(parked.join().unwrap().unwrap(), [7; 8]);
+        });
+        assert!(matches!(
+            reader.broadcast(0, &mut [0u8; 8]),
+            Err(TransportError::Aborted { by: 0, .. })
+        ));
     }
 
     /// A rank that needs nobody's post runs at most `RING` rounds ahead of a rank that has

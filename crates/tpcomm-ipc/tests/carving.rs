@@ -4,12 +4,17 @@
 
 use tpcomm_ipc::{HostMemory, IpcError, MemoryRegion, PeerMemory};
 
-/// Lines of this process's memory map naming a segment of the host backend.
+/// Lines of this process's memory map naming a segment peers may map.
 fn segment_maps() -> usize {
+    maps_named("/memfd:tpcomm-peer")
+}
+
+/// Lines of this process's memory map containing `name`.
+fn maps_named(name: &str) -> usize {
     std::fs::read_to_string("/proc/self/maps")
         .unwrap()
         .lines()
-        .filter(|l| l.contains("/memfd:tpcomm-peer"))
+        .filter(|l| l.contains(name))
         .count()
 }
 
@@ -257,11 +262,16 @@ fn a_private_buffer_has_a_segment_of_its_own_and_cannot_be_exported() {
     let owner = HostMemory::new();
     let shared = owner.allocate(4096).unwrap();
     let chunks = owner.chunks();
-    let maps_before = segment_maps();
+    let (maps_before, private_before) = (segment_maps(), maps_named("/memfd:tpcomm-private"));
     let private = owner.allocate_private(4096).unwrap();
     assert!(!private.is_carved());
     assert_eq!(owner.chunks(), chunks, "no chunk was carved for it");
-    assert_eq!(segment_maps(), maps_before + 1, "a segment of its own");
+    assert_eq!(segment_maps(), maps_before, "no segment peers may map");
+    assert_eq!(
+        maps_named("/memfd:tpcomm-private"),
+        private_before + 1,
+        "a private segment of its own"
+    );
     assert_eq!(read(&owner, &private, 4096), vec![0; 4096], "zeroed");
     owner.write(&private, 100, &[7; 8]).unwrap();
     let mut got = [0u8; 8];
@@ -275,7 +285,11 @@ fn a_private_buffer_has_a_segment_of_its_own_and_cannot_be_exported() {
     let chunk = shared.addr() - handle.offset..shared.addr() - handle.offset + handle.segment_len;
     assert!(!chunk.contains(&private.addr()));
     drop(private);
-    assert_eq!(segment_maps(), maps_before, "unmapped when dropped");
+    assert_eq!(
+        maps_named("/memfd:tpcomm-private"),
+        private_before,
+        "unmapped when dropped"
+    );
     assert!(
         owner.export(shared.addr(), 8).is_ok(),
         "the shared buffer is untouched"

@@ -75,8 +75,12 @@ mod arena;
 
 use arena::Arena;
 
-/// The name of every segment (the kernel shows it as `/memfd:tpcomm-peer`).
+/// The name of every segment peers may map (the kernel shows it as `/memfd:tpcomm-peer`).
 const SEGMENT_NAME: &str = "tpcomm-peer";
+
+/// The name of the segments of `allocate_private`: `open` refuses it (`ForeignName`), so a
+/// handle forged to name one (say by a third rank, for another rank's tables) never maps it.
+const PRIVATE_SEGMENT_NAME: &str = "tpcomm-private";
 
 /// The seals of every segment: its size is fixed, and no seal can be added.
 const SEGMENT_SEALS: SealFlags = SealFlags::SHRINK
@@ -774,15 +778,12 @@ impl fmt::Debug for OwnedSegment {
 }
 
 impl OwnedSegment {
-    /// A new segment of `len` bytes (a multiple of the page size): created, made private to
-    /// this user, sized, sealed (before it is mapped or exported: no one can change its size
-    /// from then on) and mapped.
-    fn new(len: usize) -> Result<Self> {
-        let fd = rustix::fs::memfd_create(
-            SEGMENT_NAME,
-            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-        )
-        .map_err(os("memfd_create"))?;
+    /// A new segment of `len` bytes (a multiple of the page size) named `name`: created,
+    /// made private to this user, sized, sealed (before it is mapped or exported: no one can
+    /// change its size from then on) and mapped.
+    fn new(len: usize, name: &str) -> Result<Self> {
+        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .map_err(os("memfd_create"))?;
         rustix::fs::fchmod(&fd, Mode::RUSR | Mode::WUSR).map_err(os("fchmod 0600"))?;
         rustix::fs::ftruncate(&fd, len as u64).map_err(os("ftruncate"))?;
         rustix::fs::fcntl_add_seals(&fd, SEGMENT_SEALS).map_err(os("fcntl(F_ADD_SEALS)"))?;
@@ -1107,7 +1108,7 @@ impl PeerMemory for HostMemory {
             };
             (chunk, Some(carved))
         } else {
-            (Arc::new(OwnedSegment::new(len)?), None)
+            (Arc::new(OwnedSegment::new(len, SEGMENT_NAME)?), None)
         };
         let offset = carved.as_ref().map_or(0, |c| c.offset);
         // SAFETY: `offset + len` lies inside the segment's mapping (the arena's extent, or
@@ -1138,10 +1139,11 @@ impl PeerMemory for HostMemory {
     }
 
     /// A segment of its own (never a chunk's extent, which peers map whole), left out of
-    /// the table of exportable buffers: `export` refuses every address in it.
+    /// the table of exportable buffers (`export` refuses every address in it) and named so
+    /// that `open` refuses a handle naming it.
     fn allocate_private(&self, bytes: usize) -> Result<HostBuffer> {
         let len = page_rounded(bytes)?;
-        let segment = Arc::new(OwnedSegment::new(len)?);
+        let segment = Arc::new(OwnedSegment::new(len, PRIVATE_SEGMENT_NAME)?);
         tracing::trace!(len, "private host buffer allocated");
         Ok(HostBuffer {
             ptr: segment.ptr,
@@ -1282,6 +1284,21 @@ mod tests {
         let reopened = open_via_proc(&h);
         reap(child);
         check_segment(&reopened.unwrap(), &h).unwrap();
+    }
+
+    #[test]
+    fn a_handle_naming_another_processs_private_segment_is_foreign() {
+        let private = HostMemory::new().allocate_private(4096).unwrap();
+        let (child, h) = hold(private.segment.fd.try_clone().unwrap(), 4096);
+        let reopened = open_via_proc(&h);
+        reap(child);
+        match check_segment(&reopened.unwrap(), &h) {
+            Err(IpcError::NotASegment {
+                problem: SegmentProblem::ForeignName { .. },
+                ..
+            }) => {}
+            other => panic!("expected NotASegment(ForeignName), got {other:?}"),
+        }
     }
 
     #[test]

@@ -114,7 +114,7 @@ impl Arena {
                 return Ok((chunk.clone(), offset));
             }
         }
-        let chunk = Arc::new(OwnedSegment::new(chunk_len)?);
+        let chunk = Arc::new(OwnedSegment::new(chunk_len, super::SEGMENT_NAME)?);
         let mut extents = Extents::new(chunk_len);
         let (offset, _) = extents.take(len).ok_or_else(|| {
             crate::error::IpcError::InvalidAllocation(format!(

@@ -92,6 +92,18 @@ fn reduce_through(wrapper: impl Fn() -> Wrapper + Sync, count: usize) -> Vec<(R<
         .collect()
 }
 
+/// `outcome` is the launch refused before it ran: the communicator Failed with an
+/// `InvalidArgument` saying `words`.
+fn assert_refused_saying(outcome: R<()>, words: &str) {
+    match outcome {
+        Err(AllReduceError::Failed { cause, .. }) => match &*cause {
+            AllReduceError::InvalidArgument(why) => assert!(why.contains(words), "{why}"),
+            other => panic!("expected an InvalidArgument, got {other:?}"),
+        },
+        other => panic!("expected the launch to be refused, got {other:?}"),
+    }
+}
+
 #[test]
 fn a_wrapper_that_hands_its_launch_on_reduces_like_the_backend_it_wraps() {
     // One-stage (64 f32) and two-stage with a private part (64 Ki f32).
@@ -110,15 +122,7 @@ fn an_inner_backend_reading_larger_signal_blocks_than_were_checked_is_refused() 
         ..Wrapper::default()
     };
     for (outcome, _) in reduce_through(small, 64) {
-        match outcome {
-            Err(AllReduceError::Failed { cause, .. }) => match &*cause {
-                AllReduceError::InvalidArgument(why) => {
-                    assert!(why.contains("Signal blocks"), "{why}")
-                }
-                other => panic!("expected an InvalidArgument, got {other:?}"),
-            },
-            other => panic!("expected the launch to be refused, got {other:?}"),
-        }
+        assert_refused_saying(outcome, "Signal blocks");
     }
 }
 
@@ -132,15 +136,7 @@ fn an_inner_backend_reading_another_private_part_than_was_left_unstaged_is_refus
         ..Wrapper::default()
     };
     for (outcome, phase) in reduce_through(everything, count) {
-        match outcome {
-            Err(AllReduceError::Failed { cause, .. }) => match &*cause {
-                AllReduceError::InvalidArgument(why) => {
-                    assert!(why.contains("unstaged"), "{why}")
-                }
-                other => panic!("expected an InvalidArgument, got {other:?}"),
-            },
-            other => panic!("expected the launch to be refused, got {other:?}"),
-        }
+        assert_refused_saying(outcome, "unstaged");
         assert_eq!(phase, Phase::Failed);
     }
     // A wrapper that stages everything (no private part) makes launches without an own

@@ -1711,16 +1711,22 @@ mod tests {
         assert_eq!(op_of(u64::MAX), None);
     }
 
+    /// The communicators of a group of `size` whose waits park at once (no spin), so that a
+    /// test can act while a rank is parked; bounded by a 5 s timeout.
+    fn parking_group(size: usize) -> Vec<LocalCommunicator> {
+        LocalGroup::new(size)
+            .timeout(Duration::from_secs(5))
+            .spin(Duration::ZERO)
+            .communicators()
+            .unwrap()
+    }
+
     /// A root parked at the ring, waiting for its reader to be done with the oldest round,
     /// wakes when the reader finishes that round (what the end of `exchange` does), not
     /// only at the reader's next post or its own timeout.
     #[test]
     fn a_reader_finishing_a_round_wakes_a_root_parked_at_the_ring() {
-        let comms = LocalGroup::new(2)
-            .timeout(Duration::from_secs(5))
-            .spin(Duration::ZERO)
-            .communicators()
-            .unwrap();
+        let comms = parking_group(2);
         let (root, reader) = (&comms[0], &comms[1]);
         for _ in 0..RING {
             root.broadcast(0, &mut [0u8; 8]).unwrap();
@@ -1750,11 +1756,7 @@ mod tests {
     /// call ahead): the call completed on the other ranks too. Its next call fails.
     #[test]
     fn a_call_whose_posts_all_arrived_completes_despite_a_later_abort() {
-        let comms = LocalGroup::new(3)
-            .timeout(Duration::from_secs(5))
-            .spin(Duration::ZERO)
-            .communicators()
-            .unwrap();
+        let comms = parking_group(3);
         let (root, reader) = (&comms[0], &comms[1]);
         std::thread::scope(|s| {
             let parked = s.spawn(|| {

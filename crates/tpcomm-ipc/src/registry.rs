@@ -67,15 +67,14 @@ struct Exchange<H> {
     stamp: Option<u64>,
 }
 
-/// One opened handle. Slots of exchanges keep their handle while closed, so that a reopen
-/// whose handles did not change reopens them in place.
+/// One opened handle. Slots an exchange refers to keep their handle while closed, so that a
+/// reopen whose handles did not change reopens them in place; `close_all` forgets the others
+/// (opened by `import` only).
 #[derive(Debug)]
 struct Slot<B: PeerMemory> {
     handle: B::Handle,
     /// `None` while closed.
     mapping: Option<B::Mapping>,
-    /// Opened for an exchange (reopened by `reopen_all`), not by `import`.
-    exchanged: bool,
 }
 
 /// What a rank shares in `reopen_all`.
@@ -352,20 +351,27 @@ impl<B: PeerMemory> PeerMappings<B> {
             }
         }
         let ok: bool = local_error.is_none();
-        let verdicts: Vec<bool> = self.agree(comm, verdict, &ok)?;
-        let failed: Vec<usize> = (0..self.size).filter(|&r| !verdicts[r]).collect();
-        if failed.is_empty() {
-            return Ok(slots);
-        }
+        let failure = match self.agree::<_, bool>(comm, verdict, &ok) {
+            Ok(verdicts) => {
+                let failed: Vec<usize> = (0..self.size).filter(|&r| !verdicts[r]).collect();
+                if failed.is_empty() {
+                    return Ok(slots);
+                }
+                IpcError::PeerOpenFailed {
+                    ranks: failed,
+                    local: local_error.map(Box::new),
+                }
+            }
+            // The verdict step itself failed (a peer in another step, a transport error):
+            // no rank keeps what it opened either.
+            Err(e) => e,
+        };
         for slot in opened_here {
             if let Err(e) = self.close_slot(slot) {
                 tracing::warn!(error = %e, slot, "closing a mapping while rolling back failed");
             }
         }
-        Err(IpcError::PeerOpenFailed {
-            ranks: failed,
-            local: local_error.map(Box::new),
-        })
+        Err(failure)
     }
 
     /// Opens the envelopes rank `from` shared, in one batch of the backend: the slab index
@@ -400,7 +406,7 @@ impl<B: PeerMemory> PeerMappings<B> {
         let mappings = self.backend.open_all(&to_open)?;
         let first = self.slab.len();
         for (handle, mapping) in to_open.into_iter().zip(mappings) {
-            self.add_slot(handle.clone(), mapping, true);
+            self.add_slot(handle.clone(), mapping);
         }
         let mut seen = vec![false; self.slab.len() - first];
         Ok(plan
@@ -414,7 +420,8 @@ impl<B: PeerMemory> PeerMappings<B> {
 
     /// Opens one handle received by other means (not through [`exchange`](Self::exchange)),
     /// after checking that it belongs to this group and comes from rank `from`. Memoized like
-    /// exchanged handles, and closed by [`close_all`](Self::close_all) (but not reopened).
+    /// exchanged handles, and closed by [`close_all`](Self::close_all) (but not reopened,
+    /// unless an exchange names the same handle).
     pub fn import(&mut self, from: usize, env: &Envelope<B::Handle>) -> Result<&B::Mapping> {
         if self.closed {
             return Err(IpcError::Closed);
@@ -444,18 +451,17 @@ impl<B: PeerMemory> PeerMappings<B> {
             return Ok((slot, false));
         }
         let mapping = self.backend.open(&env.handle)?;
-        Ok((self.add_slot(env.handle.clone(), mapping, false), true))
+        Ok((self.add_slot(env.handle.clone(), mapping), true))
     }
 
     /// Records a mapping just opened from `handle` in a new slot (memoized, counted);
     /// returns its index.
-    fn add_slot(&mut self, handle: B::Handle, mapping: B::Mapping, exchanged: bool) -> usize {
+    fn add_slot(&mut self, handle: B::Handle, mapping: B::Mapping) -> usize {
         let slot = self.slab.len();
         self.memo.insert(handle.clone(), slot);
         self.slab.push(Some(Slot {
             handle,
             mapping: Some(mapping),
-            exchanged,
         }));
         self.counters.open += 1;
         self.counters.opens += 1;
@@ -542,16 +548,25 @@ impl<B: PeerMemory> PeerMappings<B> {
     /// closed. Repeating it is a no-op returning 0.
     ///
     /// Every mapping is closed (and unreachable) even when some close fails; the first
-    /// failure is then returned. Handles opened by [`import`](Self::import) are forgotten;
-    /// those of exchanges are kept for [`reopen_all`](Self::reopen_all).
+    /// failure is then returned. The handles exchanges refer to are kept for
+    /// [`reopen_all`](Self::reopen_all); the others (opened by [`import`](Self::import)
+    /// only) are forgotten.
     pub fn close_all(&mut self) -> Result<usize> {
         let _span = tracing::debug_span!("peer_close_all", rank = self.rank).entered();
+        let mut referenced = vec![false; self.slab.len()];
+        for &i in self
+            .exchanges
+            .iter()
+            .flat_map(|x| x.slots.iter().flatten().flatten())
+        {
+            referenced[i] = true;
+        }
         let mut closed = 0;
         let mut first_error = None;
         for slot in 0..self.slab.len() {
             let outcome = match self.slab[slot].as_mut() {
                 None => continue,
-                Some(s) if s.exchanged => {
+                Some(s) if referenced[slot] => {
                     let mapping = s.mapping.take();
                     self.close_mapping(mapping)
                 }

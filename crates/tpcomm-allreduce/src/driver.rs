@@ -314,8 +314,71 @@ impl<B: Backend> CapturedPlan<'_, B> {
 /// The recording side of a capture (see [`CustomAllReduce::capture`]).
 #[derive(Debug)]
 pub struct Capture<'a, 'b, B: Backend> {
-    ar: &'a mut CustomAllReduce<B>,
+    ar: CaptureGuard<'a, B>,
     launches: Vec<Recorded<'b, B>>,
+}
+
+/// What a capture restores when it does not complete: the pending inputs, captured flags and
+/// recorded launches as they were when it began.
+#[derive(Debug)]
+struct CaptureStart {
+    pending: usize,
+    captured: Vec<bool>,
+    recorded: usize,
+}
+
+/// A communicator while a capture runs: dropped without [`keep`](Self::keep) (the capture
+/// failed, or the closure recording it panicked), it gives back every slot the capture took,
+/// so that none of its inputs stays pending and ranks stay in step.
+#[derive(Debug)]
+pub(crate) struct CaptureGuard<'a, B: Backend> {
+    ar: &'a mut CustomAllReduce<B>,
+    start: Option<CaptureStart>,
+}
+
+impl<'a, B: Backend> CaptureGuard<'a, B> {
+    pub(crate) fn new(ar: &'a mut CustomAllReduce<B>) -> Self {
+        let start = CaptureStart {
+            pending: ar.pending.len(),
+            captured: ar.captured.clone(),
+            recorded: ar.recorded.len(),
+        };
+        Self {
+            ar,
+            start: Some(start),
+        }
+    }
+
+    /// The capture completed: keeps what it took.
+    pub(crate) fn keep(mut self) {
+        self.start = None;
+    }
+}
+
+impl<B: Backend> std::ops::Deref for CaptureGuard<'_, B> {
+    type Target = CustomAllReduce<B>;
+    fn deref(&self) -> &CustomAllReduce<B> {
+        self.ar
+    }
+}
+
+impl<B: Backend> std::ops::DerefMut for CaptureGuard<'_, B> {
+    fn deref_mut(&mut self) -> &mut CustomAllReduce<B> {
+        self.ar
+    }
+}
+
+impl<B: Backend> Drop for CaptureGuard<'_, B> {
+    fn drop(&mut self) {
+        let Some(start) = self.start.take() else {
+            return;
+        };
+        for (slot, _) in self.ar.pending.drain(start.pending..) {
+            self.ar.slots[slot] = None;
+        }
+        self.ar.captured = start.captured;
+        self.ar.recorded.truncate(start.recorded);
+    }
 }
 
 impl<'b, B: Backend> Capture<'_, 'b, B> {
@@ -1317,6 +1380,18 @@ impl<B: Backend> CustomAllReduce<B> {
         Ok(slot)
     }
 
+    /// Gives back the slot [`pending_slot`](Self::pending_slot) just took for a call that
+    /// was then refused: a refused call takes no slot, so that every rank's `k`-th
+    /// captured call still names slot `k`. (A free slot was never captured: see
+    /// `end_registration`.)
+    fn give_back_pending(&mut self, slot: usize) {
+        if self.pending.last().is_some_and(|(s, _)| *s == slot) {
+            self.pending.pop();
+            self.slots[slot] = None;
+            self.captured[slot] = false;
+        }
+    }
+
     /// The all-reduce of a caller's device memory that is not a buffer of the backend's
     /// peer memory (cudarc views on CUDA): `input_addr` holds `count` elements of `dtype`
     /// (the caller's view says so), `out` is the caller's output, already checked to hold
@@ -1350,13 +1425,9 @@ impl<B: Backend> CustomAllReduce<B> {
         let registered = self.slot_of(input_addr, bytes);
         // Slot 0 (the staging slot) exactly when neither registered nor recording.
         let algorithm = self.choose(dtype, bytes, registered.is_none() && !recording)?;
+        // A registered slot is marked captured by the launch that records it.
         let (slot, staged) = match registered {
-            Some(slot) => {
-                if recording {
-                    self.captured[slot] = true;
-                }
-                (slot, false)
-            }
+            Some(slot) => (slot, false),
             None if recording => {
                 // A one-stage output overlapping its input (an in-place call) is served
                 // from the staging copy: peers read the input until the end barrier.
@@ -1388,6 +1459,7 @@ impl<B: Backend> CustomAllReduce<B> {
                 return Err(self.lifecycle.fail(call, e));
             }
         } else {
+            // Passes for a slot taken above (an overlapping call is staged).
             check_no_alias(algorithm, input_addr, out, bytes)?;
         }
         tracing::trace!(
@@ -1397,8 +1469,11 @@ impl<B: Backend> CustomAllReduce<B> {
             recording,
             "all-reduce of caller memory"
         );
-        self.launch_slot(call, slot, dtype, count, algorithm, out, recording, None)?;
-        Ok(algorithm)
+        let launched = self.launch_slot(call, slot, dtype, count, algorithm, out, recording, None);
+        if launched.is_err() && registered.is_none() && recording {
+            self.give_back_pending(slot);
+        }
+        launched.map(|()| algorithm)
     }
 
     /// All-reduce of the first `count` elements of `input` into `output`, both buffers of
@@ -1430,15 +1505,21 @@ impl<B: Backend> CustomAllReduce<B> {
         let registered = self.slot_of(input.addr(), bytes);
         // Slot 0 (the staging slot) exactly when neither registered nor recording.
         let algorithm = self.choose(dtype, bytes, registered.is_none() && !recording)?;
+        if registered.is_some() || recording {
+            // Before a slot is taken: a refused call takes none.
+            check_no_alias(algorithm, input.addr(), output.addr(), bytes)?;
+        }
         let slot = match registered {
             Some(slot) => Some(slot),
-            None if recording => Some(self.graph_slot(input.addr(), bytes)?),
+            None if recording => Some(self.pending_slot(Region {
+                addr: input.addr(),
+                len: bytes,
+            })?),
             None => None,
         };
         match slot {
             Some(slot) => {
-                check_no_alias(algorithm, input.addr(), output.addr(), bytes)?;
-                self.launch_slot(
+                let launched = self.launch_slot(
                     "all_reduce_buffer",
                     slot,
                     dtype,
@@ -1447,7 +1528,11 @@ impl<B: Backend> CustomAllReduce<B> {
                     output.addr(),
                     recording,
                     None,
-                )?;
+                );
+                if launched.is_err() && registered.is_none() {
+                    self.give_back_pending(slot);
+                }
+                launched?;
             }
             None => {
                 // As `all_reduce`: peers read the staging copy, but not this rank's own
@@ -1485,6 +1570,9 @@ impl<B: Backend> CustomAllReduce<B> {
     /// Failed.
     pub fn synchronize(&mut self) -> Result<()> {
         self.lifecycle.check_operation("synchronize")?;
+        // A capturing stream refuses to synchronize: that is the caller's mistake, not a
+        // failure of the communicator.
+        self.refuse_while_capturing("synchronize")?;
         let res = self.resources("synchronize")?;
         match self.backend.synchronize(res.peers.backend(), &res.signal) {
             Ok(()) => Ok(()),
@@ -1514,31 +1602,24 @@ impl<B: Backend> CustomAllReduce<B> {
     /// [`register_graph_buffers`](Self::register_graph_buffers) (collective) before the
     /// first replay.
     ///
-    /// When `f` fails, its error is returned and the capture leaves nothing behind: the
-    /// slots its calls took are free again and none of its inputs is pending (so dropping
-    /// them does not break the next [`register_graph_buffers`](Self::register_graph_buffers)).
+    /// When `f` fails (or panics), the capture leaves nothing behind: the slots its calls
+    /// took are free again and none of its inputs is pending (so dropping them does not
+    /// break the next [`register_graph_buffers`](Self::register_graph_buffers)); an error
+    /// is returned.
     pub fn capture<'b, F>(&mut self, f: F) -> Result<CapturedPlan<'b, B>>
     where
         F: FnOnce(&mut Capture<'_, 'b, B>) -> Result<()>,
     {
         self.lifecycle.check_operation("capture")?;
-        let pending_before = self.pending.len();
-        let captured_before = self.captured.clone();
+        let owner = self.id;
         let mut cap = Capture {
-            ar: self,
+            ar: CaptureGuard::new(self),
             launches: Vec::new(),
         };
-        if let Err(e) = f(&mut cap) {
-            for (slot, _) in self.pending.drain(pending_before..) {
-                self.slots[slot] = None;
-            }
-            self.captured = captured_before;
-            return Err(e);
-        }
-        Ok(CapturedPlan {
-            launches: cap.launches,
-            owner: self.id,
-        })
+        f(&mut cap)?;
+        let Capture { ar, launches } = cap;
+        ar.keep();
+        Ok(CapturedPlan { launches, owner })
     }
 
     /// Collective: exports every input captured since the last call, all-gathers the

@@ -68,6 +68,15 @@ impl Backend for Recording {
     fn capturing(&self) -> R<bool> {
         Ok(self.capturing.load(Ordering::SeqCst))
     }
+    fn synchronize(&self, memory: &HostMemory, own_signal: &HostBuffer) -> R<()> {
+        // As a CUDA stream refuses to synchronize while it is being captured.
+        if self.capturing.load(Ordering::SeqCst) {
+            return Err(AllReduceError::InvalidArgument(
+                "the stream is being captured".into(),
+            ));
+        }
+        self.inner.synchronize(memory, own_signal)
+    }
 }
 
 fn fill<T: Element>(memory: &HostMemory, buf: &HostBuffer, v: &[T]) -> R<()> {
@@ -223,6 +232,54 @@ fn a_captured_registered_buffer_keeps_its_slot_retired_after_unregister() {
             let after = ar.register_buffer(&comm, memory.allocate(4096)?)?;
             assert_ne!(after.slot(), captured_slot, "a captured slot is retired");
             assert_eq!(ar.rank_data_slot(captured_slot)?, vec![0; 2]);
+            Ok(())
+        });
+    for (rank, r) in results.into_iter().enumerate() {
+        r.expect("rank finished")
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}
+
+/// Calls refused during a capture change nothing: the next call takes the slot the refused
+/// one would have taken (every rank's `k`-th captured call must name slot `k`), nothing is
+/// pending for it, and the communicator stays Active.
+#[test]
+fn a_call_refused_during_a_capture_takes_no_slot_and_leaves_the_communicator_active() {
+    let results = LocalGroup::new(2)
+        .timeout(Duration::from_secs(60))
+        .run(|comm| -> R<()> {
+            let memory = HostMemory::new();
+            let mut ar = CustomAllReduce::new(
+                Recording::default(),
+                memory.clone(),
+                &comm,
+                Config::default(),
+            )?;
+            let count = 64;
+            let a = memory.allocate(count * 4)?;
+            let out = memory.allocate(count * 4)?;
+            ar.backend().capturing.store(true, Ordering::SeqCst);
+            // In place, one-stage: peers would read the input while it is overwritten.
+            assert!(matches!(
+                ar.all_reduce_buffer(&a, &a, DType::F32, count),
+                Err(AllReduceError::InvalidArgument(_))
+            ));
+            assert_eq!(
+                ar.pending_graph_buffers(),
+                0,
+                "the refused call took a slot"
+            );
+            assert!(matches!(
+                ar.synchronize(),
+                Err(AllReduceError::InvalidArgument(_))
+            ));
+            assert_eq!(ar.phase(), Phase::Active);
+            ar.all_reduce_buffer(&a, &out, DType::F32, count)?;
+            ar.backend().capturing.store(false, Ordering::SeqCst);
+            assert_eq!(*ar.backend().recorded.lock().unwrap(), vec![(1, count)]);
+            assert_eq!(ar.pending_graph_buffers(), 1);
+            ar.register_graph_buffers(&comm)?;
+            ar.synchronize()?;
             Ok(())
         });
     for (rank, r) in results.into_iter().enumerate() {

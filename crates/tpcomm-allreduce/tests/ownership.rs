@@ -221,6 +221,30 @@ fn a_failed_capture_leaves_no_input_pending() {
     }
 }
 
+/// A capture whose closure panics (and the engine catches the panic) takes no slot either.
+#[test]
+fn a_capture_that_panics_leaves_no_input_pending() {
+    let results = LocalGroup::new(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let out = memory.allocate(4096)?;
+        let abandoned = memory.allocate(4096)?;
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = ar.capture(|cap| {
+                cap.all_reduce(&abandoned, &out, DType::F32, 1024)?;
+                panic!("the engine's capture code panicked");
+            });
+        }));
+        assert!(panicked.is_err());
+        assert_eq!(ar.pending_graph_buffers(), 0);
+        ar.check_replay()?;
+        drop(abandoned);
+        assert_eq!(ar.register_graph_buffers(&comm)?, 0);
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
 #[test]
 fn a_communicator_of_another_group_is_refused_and_changes_nothing() {
     let results = LocalGroup::new(2).run(|comm| -> R<Vec<f32>> {

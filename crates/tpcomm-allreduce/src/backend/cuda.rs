@@ -52,7 +52,7 @@ use tpcomm_transport::Communicator;
 use super::nvml::Nvml;
 use super::{Backend, Launch, RANK_DATA_BYTES};
 use crate::dispatch::{Algorithm, FallbackReason};
-use crate::driver::CustomAllReduce;
+use crate::driver::{CaptureGuard, CustomAllReduce};
 use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
 use crate::topology::{self, Link, TopologyCheck, TopologyDecision};
@@ -999,21 +999,25 @@ impl CustomAllReduce<CudaBackend> {
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| driver_error("cuStreamBeginCapture_v2", e))?;
-        let recorded = f(self);
+        // A capture that ends without a graph gives back the slots its calls took.
+        let mut guard = CaptureGuard::new(self);
+        let recorded = f(&mut guard);
         let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
         recorded?;
-        let launches = self.recorded_launches() - before;
+        let launches = guard.recorded_launches() - before;
         let graph = ended
             .map_err(|e| driver_error("cuStreamEndCapture", e))?
             .ok_or_else(|| {
                 AllReduceError::InvalidArgument("the capture recorded nothing".into())
             })?;
-        Ok(DeviceGraph {
+        let graph = DeviceGraph {
             graph,
             launches,
-            owner: self.id(),
-            slots: self.recorded_slots(before),
-        })
+            owner: guard.id(),
+            slots: guard.recorded_slots(before),
+        };
+        guard.keep();
+        Ok(graph)
     }
 
     /// Marks the start of a capture the caller runs on the backend's stream (an engine

@@ -28,7 +28,8 @@ pub struct Config {
     /// Largest all-reduce served, in bytes (sizes the staging and temp buffers; default
     /// 8 MiB). Larger inputs get [`FallbackReason::TooLarge`](crate::FallbackReason).
     pub max_bytes: usize,
-    /// RankData slots (slot 0 serves eager inputs; default 1024).
+    /// RankData slots (slot 0 serves eager inputs; default 1024, at most
+    /// [`MAX_SLOTS`](Self::MAX_SLOTS)).
     pub slots: usize,
     /// Bound on every barrier wait inside a launch (default 30 s).
     pub timeout: Duration,
@@ -40,6 +41,13 @@ pub struct Config {
     /// pair of GPUs on NVLink), `Assume` (run whatever the probe says), `Off` (always fall
     /// back). Agreed across ranks. See `crate::topology`.
     pub topology: TopologyCheck,
+}
+
+impl Config {
+    /// The most RankData slots: launch shape words carry the slot in 20 bits.
+    pub const MAX_SLOTS: usize = 1 << 20;
+    /// The largest `max_bytes`: launch shape words carry the byte count in 40 bits.
+    pub const MAX_BYTES: usize = (1 << 40) - 1;
 }
 
 impl Default for Config {
@@ -137,10 +145,16 @@ struct Allocations<B: Backend> {
 
 impl<B: Backend> Allocations<B> {
     fn new(backend: &B, memory: &B::Memory, config: &Config) -> Result<Self> {
-        if config.slots < 1 || config.max_bytes < 16 {
-            return Err(AllReduceError::InvalidArgument(
-                "need at least 1 slot and 16 bytes".into(),
-            ));
+        if !(1..=Config::MAX_SLOTS).contains(&config.slots)
+            || !(16..=Config::MAX_BYTES).contains(&config.max_bytes)
+        {
+            return Err(AllReduceError::InvalidArgument(format!(
+                "slots must be 1..={} and max_bytes 16..={} (got {} and {})",
+                Config::MAX_SLOTS,
+                Config::MAX_BYTES,
+                config.slots,
+                config.max_bytes
+            )));
         }
         let pool_bytes = config
             .slots

@@ -212,6 +212,30 @@ fn backends_of_another_name_or_shape_are_refused_on_every_rank() {
 /// in the group-id broadcast until the transport timeout. Now the failure rides on the
 /// agreement: rank 1 gets its own error, rank 0 `PeerSetup` naming rank 1.
 #[test]
+fn a_slot_pool_or_buffer_size_past_the_limits_is_refused_on_every_rank() {
+    // Slot numbers and byte counts travel in the host backend's shape words, in 20 and 40
+    // bits: past those, launches that differ could look alike.
+    for config in [
+        Config {
+            slots: Config::MAX_SLOTS + 1,
+            ..Config::default()
+        },
+        Config {
+            max_bytes: Config::MAX_BYTES + 1,
+            ..Config::default()
+        },
+    ] {
+        let outcomes = new_with(|_| config.clone());
+        for outcome in &outcomes {
+            assert!(
+                matches!(outcome, Err(AllReduceError::InvalidArgument(_))),
+                "{outcome:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_rank_that_cannot_set_up_fails_every_rank_instead_of_leaving_them_waiting() {
     let outcomes = new_with(|rank| Config {
         slots: if rank == 1 { 0 } else { 1024 },

@@ -73,8 +73,8 @@ const SHAPES: usize = 320;
 const SIGNAL_BYTES: usize = 384;
 
 /// A shape word: bits 0..40 the byte count, 40..44 the element type (code, never 0),
-/// 44..64 the RankData slot. Launches are at most `max_bytes` (far below 2^40 bytes); slots
-/// are compared modulo 2^20.
+/// 44..64 the RankData slot. `Config` bounds `max_bytes` below 2^40 and the slots to 2^20
+/// (`Config::MAX_BYTES`, `Config::MAX_SLOTS`), so every field fits.
 const SHAPE_BYTES_BITS: u32 = 40;
 const SHAPE_DTYPE_BITS: u32 = 4;
 const SHAPE_SLOT_SHIFT: u32 = SHAPE_BYTES_BITS + SHAPE_DTYPE_BITS;

@@ -1,7 +1,7 @@
 //! [`CustomAllReduce`]: allocations, stable tables, registration, capture, lifecycle.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tpcomm_ipc::{ExchangeId, MemoryRegion, PeerMappings, PeerMemory, Region};
@@ -292,6 +292,9 @@ pub struct CapturedPlan<'b, B: Backend> {
     launches: Vec<Recorded<'b, B>>,
     /// The `id` of the communicator that captured it.
     owner: u64,
+    /// Alive as long as the plan (and so the borrows of its inputs): the communicator
+    /// shares its inputs only while it is (see [`CaptureOwner`]).
+    _alive: CaptureOwner,
 }
 
 impl<B: Backend> CapturedPlan<'_, B> {
@@ -332,6 +335,20 @@ pub struct Capture<'a, 'b, B: Backend> {
     launches: Vec<Recorded<'b, B>>,
 }
 
+/// Held by what a capture made (a [`CapturedPlan`], a CUDA `DeviceGraph`): while it lives,
+/// the inputs its calls captured are alive too (a plan borrows them; a graph's contract
+/// says so). Once it is dropped, nothing replays those calls and their inputs may be freed:
+/// the communicator shares its staging bytes in their place from then on, so that a
+/// registration or a resume never exports memory that may be gone.
+#[derive(Debug, Default)]
+pub(crate) struct CaptureOwner(Arc<()>);
+
+impl CaptureOwner {
+    fn watch(&self) -> Weak<()> {
+        Arc::downgrade(&self.0)
+    }
+}
+
 /// What a capture restores when it does not complete: the pending inputs, captured flags and
 /// recorded launches as they were when it began.
 #[derive(Debug)]
@@ -351,12 +368,14 @@ pub(crate) struct CaptureGuard<'a, B: Backend> {
 }
 
 impl<'a, B: Backend> CaptureGuard<'a, B> {
-    pub(crate) fn new(ar: &'a mut CustomAllReduce<B>) -> Self {
+    /// Starts a capture whose inputs live as long as `owner`.
+    pub(crate) fn new(ar: &'a mut CustomAllReduce<B>, owner: &CaptureOwner) -> Self {
         let start = CaptureStart {
             pending: ar.pending.len(),
             captured: ar.captured.clone(),
             recorded: ar.recorded.len(),
         };
+        ar.capture_owner = Some(owner.watch());
         Self {
             ar,
             start: Some(start),
@@ -384,11 +403,13 @@ impl<B: Backend> std::ops::DerefMut for CaptureGuard<'_, B> {
 
 impl<B: Backend> Drop for CaptureGuard<'_, B> {
     fn drop(&mut self) {
+        self.ar.capture_owner = None;
         let Some(start) = self.start.take() else {
             return;
         };
         for (slot, _) in self.ar.pending.drain(start.pending..) {
             self.ar.slots[slot] = None;
+            self.ar.graph_owners[slot] = None;
         }
         self.ar.captured = start.captured;
         self.ar.recorded.truncate(start.recorded);
@@ -529,6 +550,14 @@ pub struct CustomAllReduce<B: Backend> {
     buffers: HashMap<u64, Registration<B>>,
     /// Per slot, whether a capture (a plan or a device graph) recorded a launch of it.
     captured: Vec<bool>,
+    /// Per slot taken by a captured input, what made the capture ([`CaptureOwner`]) while
+    /// the input may be shared: once it is gone, staging bytes are shared in its place.
+    /// `None` for registered buffers (the communicator keeps them alive), for inputs of an
+    /// engine's own capture (its graph's lifetime is unknown here: the input must live as
+    /// long as the slot, `docs/gpu.md`) and once replaced.
+    graph_owners: Vec<Option<Weak<()>>>,
+    /// The owner of the capture running now ([`CaptureGuard`]), if any.
+    capture_owner: Option<Weak<()>>,
     /// The slot of every launch recorded into device graphs (while the backend was
     /// capturing) so far, in order.
     recorded: Vec<usize>,
@@ -613,6 +642,7 @@ impl<B: Backend> CustomAllReduce<B> {
         slots[0] = Some(SlotSource::Eager);
         let slot_limits = vec![(0, comm.rank()); config.slots];
         let captured = vec![false; config.slots];
+        let graph_owners = vec![None; config.slots];
         let mut ar = Self {
             backend,
             rank: comm.rank(),
@@ -634,6 +664,8 @@ impl<B: Backend> CustomAllReduce<B> {
             pending: Vec::new(),
             buffers: HashMap::new(),
             captured,
+            graph_owners,
+            capture_owner: None,
             recorded: Vec::new(),
             retired: Vec::new(),
             id: {
@@ -1390,8 +1422,63 @@ impl<B: Backend> CustomAllReduce<B> {
         let slot = self.free_slot()?;
         self.captured[slot] = true;
         self.slots[slot] = Some(SlotSource::Pending);
+        self.graph_owners[slot] = self.capture_owner.clone();
         self.pending.push((slot, region));
         Ok(slot)
+    }
+
+    /// Whether the input captured in `slot` may be gone: what captured it was dropped.
+    fn input_abandoned(&self, slot: usize) -> bool {
+        self.graph_owners
+            .get(slot)
+            .and_then(Option::as_ref)
+            .is_some_and(|owner| owner.strong_count() == 0)
+    }
+
+    /// The region this rank shares for the input captured in `slot`: `region` itself, or
+    /// the same length of this rank's staging buffer once the input is abandoned (nothing
+    /// replays its call; peers must still find a region of that length).
+    fn shared_region(&mut self, slot: usize, region: Region) -> Result<Region> {
+        if !self.input_abandoned(slot) {
+            return Ok(region);
+        }
+        self.graph_owners[slot] = None;
+        let staging = self.resources("register_graph_buffers")?.staging.addr();
+        tracing::debug!(
+            rank = self.rank,
+            slot,
+            "a captured input's owner was dropped: sharing staging bytes in its place"
+        );
+        Ok(Region {
+            addr: staging,
+            len: region.len,
+        })
+    }
+
+    /// Before a reopen: every exchanged input whose owner was dropped is replaced by staging
+    /// bytes of the same length, so that the reopen exports no memory that may be gone.
+    fn replace_abandoned_inputs(&mut self) -> Result<()> {
+        let abandoned: Vec<(usize, ExchangeId, usize)> = (0..self.slots.len())
+            .filter(|&slot| self.input_abandoned(slot))
+            .filter_map(|slot| match self.slots[slot] {
+                Some(SlotSource::Exchanged(id, index)) => Some((slot, id, index)),
+                _ => None,
+            })
+            .collect();
+        for (slot, id, index) in abandoned {
+            let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+                call: "reinit_after_resume",
+                phase: Phase::Closed,
+            })?;
+            let len = res.peers.region_len(id, self.rank, index)?;
+            let staging = Region {
+                addr: res.staging.addr(),
+                len,
+            };
+            res.peers.replace_region(id, index, staging)?;
+            self.graph_owners[slot] = None;
+        }
+        Ok(())
     }
 
     /// Gives back the slot [`pending_slot`](Self::pending_slot) just took for a call that
@@ -1403,6 +1490,7 @@ impl<B: Backend> CustomAllReduce<B> {
             self.pending.pop();
             self.slots[slot] = None;
             self.captured[slot] = false;
+            self.graph_owners[slot] = None;
         }
     }
 
@@ -1626,14 +1714,19 @@ impl<B: Backend> CustomAllReduce<B> {
     {
         self.lifecycle.check_operation("capture")?;
         let owner = self.id;
+        let alive = CaptureOwner::default();
         let mut cap = Capture {
-            ar: CaptureGuard::new(self),
+            ar: CaptureGuard::new(self, &alive),
             launches: Vec::new(),
         };
         f(&mut cap)?;
         let Capture { ar, launches } = cap;
         ar.keep();
-        Ok(CapturedPlan { launches, owner })
+        Ok(CapturedPlan {
+            launches,
+            owner,
+            _alive: alive,
+        })
     }
 
     /// Collective: exports every input captured since the last call, all-gathers the
@@ -1649,6 +1742,11 @@ impl<B: Backend> CustomAllReduce<B> {
         self.check_communicator(comm)?;
         self.lifecycle.check_operation("register_graph_buffers")?;
         self.refuse_while_capturing("register_graph_buffers")?;
+        // Kept in `pending`: a registration that fails is repeated with the same regions.
+        for i in 0..self.pending.len() {
+            let (slot, region) = self.pending[i];
+            self.pending[i].1 = self.shared_region(slot, region)?;
+        }
         let regions: Vec<Region> = self.pending.iter().map(|(_, r)| *r).collect();
         let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
             call: "register_graph_buffers",
@@ -1725,6 +1823,11 @@ impl<B: Backend> CustomAllReduce<B> {
     }
 
     fn resume_steps<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        // Local bookkeeping; should it fail, the reopen below still runs (every rank joins
+        // it) and reports a region that cannot be exported, agreed.
+        if let Err(e) = self.replace_abandoned_inputs() {
+            tracing::warn!(rank = self.rank, error = %e, "replacing abandoned captured inputs failed");
+        }
         {
             let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
                 call: "reinit_after_resume",

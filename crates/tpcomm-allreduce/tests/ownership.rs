@@ -245,6 +245,66 @@ fn a_capture_that_panics_leaves_no_input_pending() {
     unwrap_all(results);
 }
 
+/// A plan borrows its inputs only while it lives: dropped, its input may be freed while the
+/// communicator still has it pending. Registration then shares this rank's staging bytes in
+/// its place (nobody can replay the plan any more) instead of failing on every rank for good.
+#[test]
+fn a_plan_dropped_with_its_input_before_registration_does_not_block_registration() {
+    let results = LocalGroup::new(2).run(|comm| -> R<Vec<f32>> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let out = memory.allocate(4096)?;
+        let abandoned = memory.allocate(4096)?;
+        let plan =
+            ar.capture(|cap| cap.all_reduce(&abandoned, &out, DType::F32, 1024).map(drop))?;
+        drop(plan);
+        drop(abandoned);
+        assert_eq!(ar.register_graph_buffers(&comm)?, 1);
+
+        let input = memory.allocate(4096)?;
+        fill(&memory, &input, comm.rank() as f32 + 1.0, 1024)?;
+        let plan = ar.capture(|cap| cap.all_reduce(&input, &out, DType::F32, 1024).map(drop))?;
+        assert_eq!(ar.register_graph_buffers(&comm)?, 1);
+        comm.barrier()?;
+        plan.replay(&mut ar)?;
+        read(&memory, &out, 1024)
+    });
+    for out in unwrap_all(results) {
+        assert_eq!(out, vec![3.0f32; 1024]);
+    }
+}
+
+/// The same after registration: the next resume re-exports this rank's regions, and shares
+/// its staging bytes for the dropped plan's input instead of failing every rank.
+#[test]
+fn a_plan_dropped_with_its_input_after_registration_does_not_fail_the_next_resume() {
+    let results = LocalGroup::new(2).run(|comm| -> R<Vec<f32>> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let out = memory.allocate(4096)?;
+        let kept_input = memory.allocate(4096)?;
+        fill(&memory, &kept_input, comm.rank() as f32 + 1.0, 1024)?;
+        let kept = ar.capture(|cap| {
+            cap.all_reduce(&kept_input, &out, DType::F32, 1024)
+                .map(drop)
+        })?;
+        let abandoned = memory.allocate(4096)?;
+        let plan =
+            ar.capture(|cap| cap.all_reduce(&abandoned, &out, DType::F32, 1024).map(drop))?;
+        assert_eq!(ar.register_graph_buffers(&comm)?, 2);
+        drop(plan);
+        drop(abandoned);
+        ar.prepare_for_suspend(&comm)?;
+        ar.reinit_after_resume(&comm)?;
+        assert_eq!(ar.phase(), Phase::Active);
+        kept.replay(&mut ar)?;
+        read(&memory, &out, 1024)
+    });
+    for out in unwrap_all(results) {
+        assert_eq!(out, vec![3.0f32; 1024]);
+    }
+}
+
 #[test]
 fn a_communicator_of_another_group_is_refused_and_changes_nothing() {
     let results = LocalGroup::new(2).run(|comm| -> R<Vec<f32>> {

@@ -798,6 +798,33 @@ impl<B: PeerMemory> PeerMappings<B> {
         self.peer(id, rank, index).map(MemoryRegion::len)
     }
 
+    /// Replaces this rank's region `index` of exchange `id` (local only): the next
+    /// [`reopen_all`](Self::reopen_all) exports `region` in its place, and peers open that
+    /// instead. Until then peers keep the mapping they have. For a region whose memory is
+    /// about to go (its owner was dropped) while peers must still find a region of the same
+    /// length there: a reopen would fail to export freed memory. Fails with
+    /// [`IpcError::Mismatch`] when the length differs (peers checked the old one) and with
+    /// [`IpcError::NoSuchMapping`] for an unknown exchange or index.
+    pub fn replace_region(&mut self, id: ExchangeId, index: usize, region: Region) -> Result<()> {
+        let x = self
+            .exchanges
+            .get_mut(id.0)
+            .ok_or_else(|| IpcError::NoSuchMapping(format!("exchange {}", id.0)))?;
+        let old = x.local.get_mut(index).ok_or_else(|| {
+            IpcError::NoSuchMapping(format!("exchange {}, own region {index}", id.0))
+        })?;
+        if old.len != region.len {
+            return Err(IpcError::Mismatch(format!(
+                "region {index} of exchange {} is {} bytes, its replacement {}",
+                id.0, old.len, region.len
+            )));
+        }
+        *old = region;
+        // Exported again at the next reopen (the export stamp may not have moved).
+        x.stamp = None;
+        Ok(())
+    }
+
     /// Forgets exchange `id` on this rank: closes the peer mappings only it uses and empties
     /// it, so that [`reopen_all`](Self::reopen_all) exports nothing for it and
     /// [`peer`](Self::peer) no longer finds its regions. Returns how many mappings were

@@ -147,3 +147,52 @@ fn a_reopen_after_a_release_agrees_when_only_one_rank_exports_again() {
             .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
 }
+
+#[test]
+fn a_replaced_region_is_what_peers_open_after_the_next_reopen() {
+    let results = LocalGroup::new(2).run(|comm| -> tpcomm_ipc::Result<()> {
+        let memory = HostMemory::new();
+        let first = memory.allocate(4096)?;
+        let second = memory.allocate(4096)?;
+        memory.write(&first, 0, &[1; 8])?;
+        memory.write(&second, 0, &[2; 8])?;
+        let region = |buf: &tpcomm_ipc::HostBuffer| Region {
+            addr: buf.addr(),
+            len: buf.len(),
+        };
+        let mut peers = PeerMappings::new(memory, &comm)?;
+        let id = peers.exchange(&comm, &[region(&first)])?;
+        let other = 1 - comm.rank();
+        let shorter = Region {
+            addr: second.addr(),
+            len: 2048,
+        };
+        assert!(matches!(
+            peers.replace_region(id, 0, shorter),
+            Err(IpcError::Mismatch(_))
+        ));
+        assert!(matches!(
+            peers.replace_region(id, 1, region(&second)),
+            Err(IpcError::NoSuchMapping(_))
+        ));
+        peers.replace_region(id, 0, region(&second))?;
+        let mut got = [0u8; 8];
+        peers
+            .backend()
+            .read(peers.peer(id, other, 0)?, 0, &mut got)?;
+        assert_eq!(got, [1; 8], "peers keep their mapping until the reopen");
+        peers.close_all()?;
+        drop(first);
+        peers.reopen_all(&comm)?;
+        peers
+            .backend()
+            .read(peers.peer(id, other, 0)?, 0, &mut got)?;
+        assert_eq!(got, [2; 8]);
+        assert_eq!(peers.address(id, comm.rank(), 0)?, second.addr());
+        Ok(())
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        r.expect("rank thread")
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}

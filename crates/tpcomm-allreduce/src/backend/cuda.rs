@@ -52,7 +52,7 @@ use tpcomm_transport::Communicator;
 use super::nvml::Nvml;
 use super::{Backend, Launch, RANK_DATA_BYTES};
 use crate::dispatch::{Algorithm, FallbackReason};
-use crate::driver::{CaptureGuard, CustomAllReduce};
+use crate::driver::{CaptureGuard, CaptureOwner, CustomAllReduce};
 use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
 use crate::topology::{self, Link, TopologyCheck, TopologyDecision};
@@ -949,6 +949,9 @@ pub struct DeviceGraph {
     owner: u64,
     /// The RankData slots its launches read.
     slots: Vec<usize>,
+    /// For a graph from `capture_graph`: its inputs are shared while it lives (see
+    /// `CaptureOwner`); an adopted graph's inputs must live as long as their slots.
+    _alive: Option<CaptureOwner>,
 }
 
 // SAFETY: a DeviceGraph owns its CUgraph / CUgraphExec exclusively (cudarc's CudaGraph,
@@ -1000,7 +1003,8 @@ impl CustomAllReduce<CudaBackend> {
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| driver_error("cuStreamBeginCapture_v2", e))?;
         // A capture that ends without a graph gives back the slots its calls took.
-        let mut guard = CaptureGuard::new(self);
+        let alive = CaptureOwner::default();
+        let mut guard = CaptureGuard::new(self, &alive);
         let recorded = f(&mut guard);
         let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
         recorded?;
@@ -1015,6 +1019,7 @@ impl CustomAllReduce<CudaBackend> {
             launches,
             owner: guard.id(),
             slots: guard.recorded_slots(before),
+            _alive: Some(alive),
         };
         guard.keep();
         Ok(graph)
@@ -1052,6 +1057,7 @@ impl CustomAllReduce<CudaBackend> {
             launches: self.recorded_launches().saturating_sub(mark.recorded),
             owner: self.id(),
             slots: self.recorded_slots(mark.recorded),
+            _alive: None,
         })
     }
 

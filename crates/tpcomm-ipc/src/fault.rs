@@ -20,6 +20,12 @@ pub enum FaultPoint {
 /// Wraps a backend and fails the `n`-th call (counting from 1) of one operation with
 /// [`IpcError::StaleHandle`] naming the injection; every other call goes through. Clones
 /// share the counters, so a fault can be armed after the wrapper was handed over.
+///
+/// The batch calls are deliberately not forwarded: `export_all` and `open_all` keep the
+/// trait's defaults, one `export` / `open` per handle, so that every handle counts as a call
+/// a fault can hit; and `export_stamp` stays `None`, so that the registry exports on every
+/// reopen and an armed export fault fires there. The inner backend's batch paths are tested
+/// on it directly.
 #[derive(Debug, Clone)]
 pub struct FaultInjection<M> {
     inner: M,

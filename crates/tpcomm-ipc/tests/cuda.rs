@@ -438,3 +438,30 @@ fn a_peer_process_opens_reads_closes_and_reopens_a_handle() {
         }
     }
 }
+
+/// A same-process handle of a freed allocation never opens as an alias of a new allocation
+/// that the driver placed at the same address (with the same size).
+#[test]
+fn a_stale_same_process_handle_does_not_alias_a_new_allocation_at_its_address() {
+    let Some(_) = gpu() else { return };
+    let mem = CudaMemory::same_process(0).unwrap();
+    let buf = mem.allocate(4096).unwrap();
+    let old = buf.addr();
+    let h = mem.export(old, 4096).unwrap();
+    drop(buf);
+    // Allocate until the driver hands the address out again (it usually does at once).
+    let mut held = Vec::new();
+    let reused = (0..16).any(|_| {
+        let b = mem.allocate(4096).unwrap();
+        let hit = b.addr() == old;
+        held.push(b);
+        hit
+    });
+    if !reused {
+        eprintln!("note: the driver did not reuse {old:#x}; the handle is refused as gone");
+    }
+    match mem.open(&h) {
+        Err(IpcError::StaleHandle(_) | IpcError::InvalidHandle(_)) => {}
+        other => panic!("a stale handle opened: {other:?}"),
+    }
+}

@@ -720,6 +720,7 @@ impl CudaMapping {
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
+        export_table().retain(|_, base| *base != self.ptr);
         let freed = self.ctx.make_current().and_then(|()| {
             // SAFETY: `ptr` came from `mem_alloc` in `allocate` and is freed once, here. This
             // process holds no other reference to it. A peer that still has it mapped must not
@@ -766,8 +767,11 @@ fn open_table() -> MutexGuard<'static, HashMap<OpenKey, Opened>> {
 /// [`CudaMemory::same_process`] backend can open its own handles as aliases.
 ///
 /// Entries are never looked up by peers of other processes, only by this process's own
-/// aliases, and an alias is checked against the allocation still at `base`
-/// ([`CudaMemory::open_alias`]). So a stale entry is harmless: after a process checkpoint and
+/// aliases, and an alias is checked against the allocation now at `base`: the driver must
+/// give the same handle for it ([`CudaMemory::open_alias`]), which a new allocation at a
+/// freed one's address does not. Entries are dropped when a [`CudaBuffer`] is freed; a
+/// stale entry (memory tpcomm did not allocate, freed by its owner) is harmless: after a
+/// process checkpoint and
 /// restore the driver hands out a *different* handle for the same allocation (the old one no
 /// longer opens anywhere: `CUDA_ERROR_INVALID_HANDLE`), the registry's resume exports again
 /// and inserts the new handle next to the old one, both naming the same base (a restore
@@ -868,7 +872,9 @@ impl CudaMemory {
     }
 
     /// Opens a handle this process exported as an alias of the local allocation, after
-    /// checking that the allocation still exists with the size the handle names.
+    /// checking that the allocation still exists with the size the handle names and is the
+    /// one exported (the driver gives the same handle for it: a new allocation at a freed
+    /// one's address has another).
     fn open_alias(&self, h: &CudaHandle, len: usize) -> Result<CudaMapping> {
         let base = export_table().get(&h.ipc).copied().ok_or_else(|| {
             IpcError::InvalidHandle(
@@ -889,6 +895,11 @@ impl CudaMemory {
                     "the exported allocation at {base:#x} is gone: {e}"
                 )))
             }
+        }
+        if result::ipc_get_mem_handle(base)? != h.ipc {
+            return Err(IpcError::StaleHandle(format!(
+                "the allocation exported at {base:#x} was freed; another one lies there now"
+            )));
         }
         let owner = result::pointer_device_ordinal(base)?;
         match alias_access(self.ctx.ordinal, h.device, owner)? {
@@ -1034,7 +1045,15 @@ impl CudaMemory {
         result::require(&["cuMemAddressReserve", "cuMemAddressFree"])?;
         let granule = ALLOCATION_GRANULARITY as u64;
         let start = addr / granule * granule;
-        let len = (addr + len as u64 - start).next_multiple_of(granule) as usize;
+        let len = addr
+            .checked_add(len as u64)
+            .and_then(|end| (end - start).checked_next_multiple_of(granule))
+            .and_then(|len| usize::try_from(len).ok())
+            .ok_or_else(|| {
+                IpcError::InvalidAllocation(format!(
+                    "{len} bytes at {addr:#x} run past the address space"
+                ))
+            })?;
         self.ctx.make_current()?;
         let mut ptr: CUdeviceptr = 0;
         // SAFETY: out-pointer to a local; a reservation maps nothing, so it cannot touch

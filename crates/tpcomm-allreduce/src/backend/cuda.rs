@@ -1139,6 +1139,10 @@ impl CustomAllReduce<CudaBackend> {
     /// table slots or closed mappings, for a graph another communicator captured
     /// ([`AllReduceError::ForeignToken`]), and for a graph reading a registered buffer
     /// unregistered since ([`AllReduceError::UnregisteredInput`]).
+    ///
+    /// The graph writes the outputs (and reads the zero-copy inputs) its calls named when
+    /// they were captured: a `DeviceGraph` borrows no buffer, as a cudarc `CudaGraph` does
+    /// not, so they must still be allocated when it replays. This is not checked.
     pub fn replay_graph(&mut self, graph: &DeviceGraph) -> Result<()> {
         if graph.owner != self.id() {
             return Err(AllReduceError::ForeignToken {

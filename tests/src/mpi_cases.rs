@@ -20,7 +20,7 @@ const ERR_TRUNCATE: i32 = mpi::ffi::MPI_ERR_TRUNCATE as i32;
 /// Runs every MPI-only case on `comm`; the verdicts are the same on every rank.
 pub fn run_mpi_cases(comm: &MpiCommunicator) -> Vec<CaseReport> {
     type Case = (&'static str, fn(&MpiCommunicator) -> CaseResult);
-    let cases: [Case; 3] = [
+    let cases: [Case; 5] = [
         (
             "mpi_truncation_is_returned_as_a_typed_error_on_the_blocking_and_timed_paths",
             truncation_is_returned_on_both_paths,
@@ -32,6 +32,14 @@ pub fn run_mpi_cases(comm: &MpiCommunicator) -> Vec<CaseReport> {
         (
             "mpi_a_timed_split_waits_no_longer_than_the_timeout_and_a_broken_communicator_refuses_split",
             timed_split_is_bounded_and_refused_once_broken,
+        ),
+        (
+            "mpi_a_timed_split_against_a_peer_in_barrier_is_bounded",
+            timed_split_against_a_barrier_is_bounded,
+        ),
+        (
+            "mpi_a_split_color_out_of_range_on_one_rank_fails_every_rank_and_keeps_them_in_step",
+            invalid_split_color_fails_every_rank,
         ),
     ];
     cases
@@ -215,6 +223,74 @@ fn timed_split_is_bounded_and_refused_once_broken(comm: &MpiCommunicator) -> Cas
         Err(TransportError::Aborted { .. }) => Ok(()),
         other => Err(format!("a split of the broken communicator gave {other:?}")),
     }
+}
+
+/// Rank 0 splits while its peers call `barrier`, which matches the split's bounded barrier:
+/// the split must still end within about [`SHORT_TIMEOUT`] with an error (before, rank 0
+/// went on into `MPI_Comm_split` and waited there for good), and the peers' barrier
+/// completes.
+fn timed_split_against_a_barrier_is_bounded(comm: &MpiCommunicator) -> CaseResult {
+    if comm.size() < 2 {
+        return Ok(());
+    }
+    let sub = fresh_split(comm)?
+        .with_timeout(SHORT_TIMEOUT)
+        .map_err(|e| format!("with_timeout: {e}"))?;
+    if sub.rank() != 0 {
+        return sub
+            .barrier()
+            .map_err(|e| format!("rank {}: the barrier failed: {e}", sub.rank()));
+    }
+    let begun = Instant::now();
+    let split = sub.split(Some(0), 0);
+    let took = begun.elapsed();
+    match split {
+        Err(TransportError::Unresponsive { .. } | TransportError::Mismatch { .. })
+            if took < LATE =>
+        {
+            Ok(())
+        }
+        other => Err(format!(
+            "a split against peers in a barrier gave {other:?} after {took:?}"
+        )),
+    }
+}
+
+/// One rank passes a color MPI cannot take (2^31, a valid `u32`), on the blocking and the
+/// timed path: that rank gets `InvalidArgument`, every other rank `Mismatch` (before, they
+/// waited in `MPI_Comm_split` for it), and a split with valid colors then works on every
+/// rank.
+fn invalid_split_color_fails_every_rank(comm: &MpiCommunicator) -> CaseResult {
+    if comm.size() < 2 {
+        return Ok(());
+    }
+    for sub in [fresh_split(comm)?, timed_split(comm)?] {
+        let what = if sub.timeout().is_some() {
+            "timed"
+        } else {
+            "blocking"
+        };
+        let color = if sub.rank() == 1 { 1 << 31 } else { 0 };
+        let outcome = sub.split(Some(color), 0);
+        let expected = if sub.rank() == 1 {
+            matches!(outcome, Err(TransportError::InvalidArgument { .. }))
+        } else {
+            matches!(outcome, Err(TransportError::Mismatch { .. }))
+        };
+        if !expected {
+            return Err(format!(
+                "{what}: rank {}: an invalid color on rank 1 gave {outcome:?}",
+                sub.rank()
+            ));
+        }
+        let again = sub
+            .split(Some(0), sub.rank() as i32)
+            .map_err(|e| format!("{what}: the split after it failed: {e}"))?;
+        if again.map(|c| c.size()) != Some(sub.size()) {
+            return Err(format!("{what}: the split after it has the wrong size"));
+        }
+    }
+    Ok(())
 }
 
 /// A rank that sends 8 MiB where 16 bytes were agreed: Open MPI's shared-memory single-copy

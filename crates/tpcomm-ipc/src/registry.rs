@@ -559,7 +559,9 @@ impl<B: PeerMemory> PeerMappings<B> {
             .iter()
             .flat_map(|x| x.slots.iter().flatten().flatten())
         {
-            referenced[i] = true;
+            if let Some(r) = referenced.get_mut(i) {
+                *r = true;
+            }
         }
         let mut closed = 0;
         let mut first_error = None;

@@ -27,15 +27,34 @@ use serde::de::{
 pub(crate) struct Budget {
     left: Cell<usize>,
     exceeded: Cell<bool>,
+    /// Elements the containers decoded so far may still reserve up front, together.
+    reserve_left: Cell<usize>,
 }
 
 impl Budget {
-    /// A budget of `max_depth` nested containers.
-    pub(crate) fn new(max_depth: usize) -> Self {
+    /// A budget of `max_depth` nested containers, for a decode of `input_bytes` bytes.
+    ///
+    /// Containers reserve room for their announced length before reading an element
+    /// (serde caps each at 1 MiB, but a nested one keeps it while its children decode):
+    /// the size hints they see are granted from `input_bytes` elements for the whole
+    /// decode, since every element that is not zero-sized takes at least one input byte.
+    /// So up-front reservations grow with the bytes a peer sent, not with the depth.
+    pub(crate) fn new(max_depth: usize, input_bytes: usize) -> Self {
         Self {
             left: Cell::new(max_depth),
             exceeded: Cell::new(false),
+            reserve_left: Cell::new(input_bytes),
         }
+    }
+
+    /// The part of a container's size hint still covered by the input.
+    #[inline]
+    fn grant(&self, hint: Option<usize>) -> Option<usize> {
+        hint.map(|h| {
+            let granted = h.min(self.reserve_left.get());
+            self.reserve_left.set(self.reserve_left.get() - granted);
+            granted
+        })
     }
 
     /// Whether a decode through this budget failed because it nested too deep.
@@ -335,7 +354,7 @@ impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for Wrap<'_, A> {
 
     #[inline]
     fn size_hint(&self) -> Option<usize> {
-        self.inner.size_hint()
+        self.budget.grant(self.inner.size_hint())
     }
 }
 
@@ -357,7 +376,7 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for Wrap<'_, A> {
 
     #[inline]
     fn size_hint(&self) -> Option<usize> {
-        self.inner.size_hint()
+        self.budget.grant(self.inner.size_hint())
     }
 }
 
@@ -422,7 +441,7 @@ mod tests {
     }
 
     fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8], depth: usize) -> (Option<T>, bool) {
-        let budget = Budget::new(depth);
+        let budget = Budget::new(depth, bytes.len());
         let mut de = postcard::Deserializer::from_bytes(bytes);
         let v = T::deserialize(Bounded {
             inner: &mut de,

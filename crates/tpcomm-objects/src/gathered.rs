@@ -186,7 +186,7 @@ fn decode_with<'a, R>(
         Bounded<'_, &mut postcard::Deserializer<'a, postcard::de_flavors::Slice<'a>>>,
     ) -> postcard::Result<R>,
 ) -> Result<R> {
-    let budget = Budget::new(max_depth);
+    let budget = Budget::new(max_depth, bytes.len());
     let mut de = postcard::Deserializer::from_bytes(bytes);
     let decoded = decode(Bounded {
         inner: &mut de,

@@ -8,15 +8,23 @@
 //! round, and the receive buffer is only written as rounds arrive: the peak is the announced
 //! bytes plus one round.
 //!
-//! A dedicated test binary with one test, so that the live-bytes counter of its global
-//! allocator sees nothing else.
+//! Also: the up-front reservations of containers a peer's bytes announce, across every
+//! nesting level, stay bounded by the bytes it sent.
+//!
+//! A dedicated test binary whose tests take turns (`SERIAL`), so that the live-bytes counter
+//! of its global allocator sees one of them at a time.
 
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
+use serde::Deserialize;
 use serde_bytes::ByteBuf;
-use tpcomm_objects::{all_gather, broadcast, gather, ObjectError, Options};
+use tpcomm_objects::{
+    all_gather, broadcast, decode_from, gather, DecodeError, ObjectError, Options,
+};
 use tpcomm_transport::check::{
     AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
 };
@@ -65,6 +73,15 @@ unsafe impl GlobalAlloc for LiveBytes {
 
 #[global_allocator]
 static GLOBAL: LiveBytes = LiveBytes;
+
+/// One test at a time: each measures the peak of the whole process.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// What the hostile rank announces: well under the default cap (8 GiB), well over a round.
 const ANNOUNCED: u64 = 256 << 20;
@@ -184,6 +201,7 @@ fn peak_of(
 
 #[test]
 fn a_peer_announcing_a_large_length_costs_the_announced_bytes_plus_one_round() {
+    let _serial = serial();
     let announced = ANNOUNCED as usize;
     let bound = announced + Options::DEFAULT_ROUND_BYTES + (4 << 20);
     let value = ByteBuf::from(vec![7u8; 64]);
@@ -206,4 +224,42 @@ fn a_peer_announcing_a_large_length_costs_the_announced_bytes_plus_one_round() {
             "{name}: peak {peak} bytes for {announced} announced (bound {bound}: announced + one round)"
         );
     }
+}
+
+/// A recursive type with maps, as a user may gather (a JSON-like value).
+#[derive(Debug, Deserialize)]
+#[allow(dead_code)]
+enum Json {
+    Null,
+    Map(HashMap<u32, Json>),
+}
+
+/// 128 levels of `Map` each announcing 2^32 - 1 entries (7 bytes a level, 896 in all):
+/// serde reserves up to 1 MiB of entries for every announced map (postcard's map access
+/// passes the announced length on as the size hint), and each level keeps its reservation
+/// while the next is decoded.
+#[test]
+fn nested_map_preallocation_from_a_peer_is_bounded_by_its_bytes() {
+    let _serial = serial();
+    let level = [1u8, 0xff, 0xff, 0xff, 0xff, 0x0f, 0];
+    let bytes: Vec<u8> = level.repeat(128);
+    let base = LIVE.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let decoded = decode_from::<Json>(1, &bytes);
+    let peak = PEAK.load(Ordering::Relaxed) - base;
+    assert!(
+        matches!(
+            decoded,
+            Err(ObjectError::Decode {
+                rank: 1,
+                source: DecodeError::TooDeep { .. } | DecodeError::Postcard(_)
+            })
+        ),
+        "{decoded:?}"
+    );
+    assert!(
+        peak < 1 << 20,
+        "peak {peak} bytes reserved for {} bytes from a peer",
+        bytes.len()
+    );
 }

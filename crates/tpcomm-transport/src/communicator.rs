@@ -4,7 +4,7 @@ use crate::check::{
     AllGatherArgs, AllReduceArgs, AllToAllArgs, BroadcastArgs, GatherArgs, GatherRecv, Layout,
     Shape, VarcountArgs,
 };
-use crate::error::{Op, Result};
+use crate::error::{Op, Result, TransportError};
 use crate::reduce::{reduce_into, slice_of, DataType, Element, ReduceOp};
 
 /// A group of ranks that run collectives over host bytes.
@@ -229,10 +229,11 @@ pub trait Communicator: Send + Sync {
     /// reduction: a reduce-scatter through
     /// [`all_to_all_varcount`](Self::all_to_all_varcount) (rank `j` receives every rank's
     /// slice `j` and reduces it in rank order), then
-    /// [`all_gather_varcount`](Self::all_gather_varcount) of the reduced slices. Every rank
-    /// gets bitwise the same result. It cannot tell a different type or op on a peer from
-    /// its own (a different count fails in the all-to-all); the local and MPI backends
-    /// override it.
+    /// [`all_gather_varcount`](Self::all_gather_varcount) of the reduced slices, after a
+    /// 16-byte [`all_gather`](Self::all_gather) of every rank's (count, type, op): a rank
+    /// that differs is a [`TransportError::Mismatch`](crate::TransportError::Mismatch)
+    /// naming it on every rank, before any data moves, and the ranks stay in step. Every
+    /// rank gets bitwise the same result. The local and MPI backends override it.
     fn raw_all_reduce(&self, args: AllReduceArgs<'_>) -> Result<()> {
         composed_all_reduce(self, args)
     }
@@ -246,6 +247,7 @@ fn composed_all_reduce<C: Communicator + ?Sized>(
 ) -> Result<()> {
     let (me, size) = (comm.rank(), comm.size());
     let (dtype, op, elem) = (args.dtype(), args.op(), args.dtype().size());
+    agree_on_reduction(comm, args.count(), dtype, op)?;
     let slices: Vec<(usize, usize)> = (0..size).map(|r| slice_of(args.count(), size, r)).collect();
     let counts: Vec<usize> = slices.iter().map(|&(lo, hi)| (hi - lo) * elem).collect();
     let displs: Vec<usize> = slices.iter().map(|&(lo, _)| lo * elem).collect();
@@ -271,6 +273,53 @@ fn composed_all_reduce<C: Communicator + ?Sized>(
     reduce_into(dtype, op, &inputs, &mut reduced);
     let (_, recv) = args.parts();
     comm.all_gather_varcount(&reduced, recv, &counts, &displs)
+}
+
+/// Every rank's (count, type, op) of one composed all-reduce, compared: the all-to-all that
+/// follows would catch a different count on some ranks only (those whose slice differs),
+/// and a different type or op on none.
+fn agree_on_reduction<C: Communicator + ?Sized>(
+    comm: &C,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+) -> Result<()> {
+    const WORD: usize = 16;
+    let mut mine = [0u8; WORD];
+    mine[..8].copy_from_slice(&(count as u64).to_le_bytes());
+    mine[8] = dtype.index() as u8;
+    mine[9] = op.index() as u8;
+    let mut all = vec![0u8; WORD * comm.size()];
+    comm.all_gather(&mine, &mut all)?;
+    let differ: Vec<usize> = all
+        .chunks_exact(WORD)
+        .enumerate()
+        .filter(|(_, word)| *word != mine)
+        .map(|(r, _)| r)
+        .collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    let describe = |word: &[u8]| {
+        let count = u64::from_le_bytes(word[..8].try_into().expect("8 bytes"));
+        let dtype = DataType::ALL
+            .get(usize::from(word[8]))
+            .map_or("?", |d| d.name());
+        let op = ReduceOp::ALL
+            .get(usize::from(word[9]))
+            .map_or("?", |o| o.name());
+        format!("{count} {dtype} ({op})")
+    };
+    let first = differ[0];
+    Err(TransportError::Mismatch {
+        op: Op::AllReduce,
+        rank: comm.rank(),
+        detail: format!(
+            "this rank reduces {}, rank {first} {} (ranks differing from this one: {differ:?})",
+            describe(&mine),
+            describe(&all[first * WORD..(first + 1) * WORD])
+        ),
+    })
 }
 
 fn shape<C: Communicator + ?Sized>(comm: &C, op: Op) -> Shape {

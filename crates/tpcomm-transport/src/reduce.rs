@@ -43,6 +43,14 @@ impl ReduceOp {
     /// Every reduction, in a fixed order.
     pub const ALL: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min];
 
+    /// Its position in [`ALL`](Self::ALL) (how it travels between ranks).
+    pub(crate) fn index(self) -> usize {
+        Self::ALL
+            .iter()
+            .position(|&o| o == self)
+            .expect("ALL lists every reduction")
+    }
+
     /// Its name in errors and spans (`"sum"`, `"prod"`, `"max"`, `"min"`).
     pub fn name(self) -> &'static str {
         match self {
@@ -99,6 +107,14 @@ impl DataType {
         DataType::F32,
         DataType::F64,
     ];
+
+    /// Its position in [`ALL`](Self::ALL) (how it travels between ranks).
+    pub(crate) fn index(self) -> usize {
+        Self::ALL
+            .iter()
+            .position(|&d| d == self)
+            .expect("ALL lists every data type")
+    }
 
     /// Bytes per element.
     pub fn size(self) -> usize {

@@ -390,6 +390,56 @@ impl Communicator for Composed {
     }
 }
 
+/// The composed default on ranks passing different counts (3 and 4 elements: only one
+/// rank's all-to-all slices differ), types or ops: every rank gets `Mismatch`, and the group
+/// stays in step for the next call.
+#[test]
+fn the_default_all_reduce_reports_a_count_type_or_op_mismatch_on_every_rank() {
+    type Call = fn(&Composed) -> tpcomm_transport::Result<()>;
+    let cases: [(&str, Call); 3] = [
+        ("count", |c| {
+            let n = 3 + c.rank();
+            c.all_reduce(&vec![1f32; n], &mut vec![0f32; n], ReduceOp::Sum)
+        }),
+        ("type", |c| {
+            if c.rank() == 0 {
+                c.all_reduce(&[1f32; 4], &mut [0f32; 4], ReduceOp::Sum)
+            } else {
+                c.all_reduce(&[1i32; 4], &mut [0i32; 4], ReduceOp::Sum)
+            }
+        }),
+        ("op", |c| {
+            let op = if c.rank() == 0 {
+                ReduceOp::Sum
+            } else {
+                ReduceOp::Max
+            };
+            c.all_reduce(&[1f32; 4], &mut [0f32; 4], op)
+        }),
+    ];
+    for (what, call) in cases {
+        let results = LocalGroup::new(2)
+            .timeout(std::time::Duration::from_secs(5))
+            .run(|comm| {
+                let comm = Composed(comm);
+                let first = call(&comm);
+                let mut next = [comm.rank() as u32 + 1; 2];
+                comm.all_reduce_in_place(&mut next, ReduceOp::Sum)?;
+                Ok::<_, TransportError>((first, next))
+            });
+        for (rank, r) in results.into_iter().enumerate() {
+            let (first, next) = r
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
+            assert!(
+                matches!(first, Err(TransportError::Mismatch { .. })),
+                "{what}: rank {rank}: {first:?}"
+            );
+            assert_eq!(next, [3, 3], "{what}: rank {rank}");
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(16))]
 

@@ -55,7 +55,11 @@ use crate::reduce::{reduce_into, slice_of, DataType, ReduceOp};
 /// Settings of a local group.
 #[derive(Debug, Clone)]
 pub struct LocalGroupConfig {
-    /// Longest time a rank waits for its peers in one collective (default 60 s).
+    /// Longest time a rank waits for its peers in one wait (default 60 s): for a slot of
+    /// the ring to be free, or for a peer's post. A collective waits at most twice (an
+    /// all-reduce, two rounds: four times), so a peer that is slow but keeps coming can
+    /// stretch one call past this without an error; a peer that does not come is reported
+    /// within it.
     pub timeout: Duration,
     /// Largest count one call accepts (default `i32::MAX`, as MPI-3). Lower it to force the
     /// multi-round paths of upper layers in tests.
@@ -791,8 +795,8 @@ impl LocalCommunicator {
     /// (before `done`), so that the posts go back to [`Self::post_with`]'s spares or are
     /// freed.
     fn reclaim(&self, done: u64) {
-        let mut holding = self.holding.load(Ordering::Relaxed);
-        let mut left = holding;
+        let mut left = self.holding.load(Ordering::Relaxed);
+        let mut freed = 0u64;
         while left != 0 {
             let i = u64::from(left.trailing_zeros());
             left &= left - 1;
@@ -801,10 +805,12 @@ impl LocalCommunicator {
             if slot.round.load(Ordering::Relaxed) <= done {
                 let post = lock(&slot.post).take();
                 drop(post);
-                holding &= !(1 << i);
+                freed |= 1 << i;
             }
         }
-        self.holding.store(holding, Ordering::Relaxed);
+        // Clears only the bits freed here: a call overlapping on another thread (a usage
+        // error, but not one that may leak) may have set others since the load.
+        self.holding.fetch_and(!freed, Ordering::Relaxed);
     }
 
     /// Writes `post` into this rank's slot of round `seq` (see [`Slot`]).
@@ -1432,7 +1438,7 @@ impl Communicator for LocalCommunicator {
             ),
             _ => format!("{meta:?}"),
         };
-        let meta = [count, dtype_index(dtype), op_index(reduce)];
+        let meta = [count, dtype.index(), reduce.index()];
         let post = self.post(args.input(), &meta);
         let posts = self.exchange(op, None, post, Needs::Everybody)?;
         for r in 0..self.size() {
@@ -1503,22 +1509,6 @@ impl Communicator for LocalCommunicator {
         }
         Ok(())
     }
-}
-
-/// The position of `dtype` in [`DataType::ALL`] (how it travels in a post's `meta`).
-fn dtype_index(dtype: DataType) -> usize {
-    DataType::ALL
-        .iter()
-        .position(|&d| d == dtype)
-        .expect("ALL lists every data type")
-}
-
-/// The position of `op` in [`ReduceOp::ALL`].
-fn op_index(op: ReduceOp) -> usize {
-    ReduceOp::ALL
-        .iter()
-        .position(|&o| o == op)
-        .expect("ALL lists every reduction")
 }
 
 #[cfg(test)]

@@ -128,6 +128,10 @@ const _: () = assert!(ffi::MPI_SUCCESS == 0);
 /// MPI-3 counts and displacements are `int`.
 const MAX_COUNT: usize = c_int::MAX as usize;
 
+/// What every rank sends first in a split (`"tpcsplit"`): bytes of another collective are
+/// not taken for a split.
+const SPLIT_WORD: u64 = u64::from_le_bytes(*b"tpcsplit");
+
 /// Length of the buffer `MPI_Error_string` writes into.
 const ERROR_STRING_LEN: usize = ffi::MPI_MAX_ERROR_STRING as usize;
 
@@ -596,7 +600,7 @@ impl Communicator for MpiCommunicator {
         let op = Op::Split;
         let mpi_color = match color {
             // SAFETY: reading an immutable handle constant exported by rsmpi's C shim.
-            None => unsafe { ffi::RSMPI_UNDEFINED },
+            None => Ok(unsafe { ffi::RSMPI_UNDEFINED }),
             Some(c) => c_int::try_from(c).map_err(|_| TransportError::InvalidArgument {
                 op,
                 rank: self.rank,
@@ -606,7 +610,7 @@ impl Communicator for MpiCommunicator {
                     value: usize::try_from(c).unwrap_or(usize::MAX),
                     max: MAX_COUNT,
                 },
-            })?,
+            }),
         };
         // A communicator broken by an abandoned collective refuses splits as it refuses
         // collectives: `MPI_Comm_split` on it would block on its undefined state. With a
@@ -616,6 +620,12 @@ impl Communicator for MpiCommunicator {
         if let Some(timeout) = self.timed(op)? {
             self.timed_barrier_for(op, timeout)?;
         }
+        // Then every rank announces that it splits (and whether MPI can take its color), in
+        // a fixed-size all-gather, bounded like the barrier: a peer whose barrier matched the
+        // one above but that is not splitting, or one passing a color out of range, fails
+        // the split on every rank instead of leaving them in `MPI_Comm_split`.
+        self.agree_on_split(mpi_color.is_ok())?;
+        let mpi_color = mpi_color?;
         let guard = self.lock(op)?;
         let mut new = comm_null();
         // SAFETY: `self.comm` is a live communicator owned by `self` (freed only in Drop),
@@ -816,8 +826,10 @@ impl Communicator for MpiCommunicator {
             // distinct scratch bytes when `count == 0`), properly aligned, alive for the
             // blocking call; `float` is the predefined `MPI_FLOAT`; `self.comm` is live.
             let code = unsafe { ffi::MPI_Allreduce(send, recv, count, float, mpi_op, self.comm) };
+            // The error is looked up (MPI calls too) before the lock goes.
+            let checked = check(op, "MPI_Allreduce", code);
             drop(guard);
-            check(op, "MPI_Allreduce", code)?;
+            checked?;
             let (_, recv) = args.parts();
             narrow_half(dtype, bytemuck::cast_slice(&out), recv);
             return Ok(());
@@ -921,8 +933,8 @@ impl MpiCommunicator {
     /// unchecked). The first one named is the rank that died first, as seen from here. After such a
     /// failure every collective of this communicator, and `split`, fails with
     /// [`TransportError::Aborted`]. `split` (`MPI_Comm_split`, which has no nonblocking
-    /// form) is preceded by a bounded barrier, so that an absent peer fails it within the
-    /// timeout too. A broken communicator is not freed when dropped (its abandoned
+    /// form) is preceded by a bounded barrier and a bounded all-gather of a split word, so
+    /// that an absent peer, or one in another collective, fails it within the timeout too. A broken communicator is not freed when dropped (its abandoned
     /// collective may still progress when a late peer arrives): the handle is leaked with
     /// that collective's buffers.
     ///
@@ -1045,14 +1057,16 @@ impl MpiCommunicator {
             } else {
                 None
             };
+            // The error is looked up (MPI calls too) before the lock goes.
+            let failure = code.map(|(code, failed_call)| mpi_error(op, failed_call, code));
             drop(guard);
-            if let Some((code, failed_call)) = code {
+            if let Some(failure) = failure {
                 // Whether MPI still uses the buffers is unknown: never free them.
                 std::mem::forget(job);
                 let _ = self
                     .broken
                     .set((None, format!("an earlier {call} failed to complete")));
-                return Err(mpi_error(op, failed_call, code));
+                return Err(failure);
             }
             let waited = begun.elapsed();
             if Instant::now() >= next_check || waited >= timeout {
@@ -1111,6 +1125,40 @@ impl MpiCommunicator {
     }
 
     /// A bounded `MPI_Ibarrier`, its errors reported as those of `op`.
+    /// The all-gather before `MPI_Comm_split`: every rank's [`SPLIT_WORD`] and whether its
+    /// color is valid. A rank whose bytes are not a split word is in another collective:
+    /// the communicator is out of step and broken. A valid color announced by every rank
+    /// but this one's is refused on this rank with its own error (returned by the caller).
+    fn agree_on_split(&self, color_valid: bool) -> Result<()> {
+        const LEN: usize = 16;
+        let mut mine = [0u8; LEN];
+        mine[..8].copy_from_slice(&SPLIT_WORD.to_le_bytes());
+        mine[8] = u8::from(color_valid) + 1;
+        let mut all = vec![0u8; LEN * self.size];
+        self.all_gather(&mine, &mut all)?;
+        let word = |r: usize| &all[r * LEN..(r + 1) * LEN];
+        if let Some(r) = (0..self.size).find(|&r| word(r)[..8] != mine[..8] || word(r)[8] == 0) {
+            let reason = format!("rank {r} was not splitting when this rank split");
+            let _ = self.broken.set((Some(r), reason.clone()));
+            return Err(TransportError::Mismatch {
+                op: Op::Split,
+                rank: self.rank,
+                detail: reason,
+            });
+        }
+        let invalid: Vec<usize> = (0..self.size).filter(|&r| word(r)[8] != 2).collect();
+        match invalid.first() {
+            // This rank's own error is the caller's to return.
+            Some(_) if invalid.contains(&self.rank) => Ok(()),
+            Some(_) => Err(TransportError::Mismatch {
+                op: Op::Split,
+                rank: self.rank,
+                detail: format!("ranks {invalid:?} passed a color MPI cannot take"),
+            }),
+            None => Ok(()),
+        }
+    }
+
     fn timed_barrier_for(&self, op: Op, timeout: Duration) -> Result<()> {
         let job = InFlight::new(op, Vec::new(), &[], Vec::new())?;
         self.run_timed(op, "MPI_Ibarrier", timeout, job, |job, comm| {

@@ -1353,15 +1353,21 @@ where
     };
     let checked = Checked::new(opts, None, kind);
     let outgoing = checked.invalid.is_none().then(|| {
-        serialize(value).map(|bytes| {
+        serialize(value).and_then(|bytes| {
             let lens: Vec<usize> = (0..size)
                 .map(|d| if receives_from(d, me) { bytes.len() } else { 0 })
                 .collect();
-            let mut packed = Vec::with_capacity(lens.iter().sum());
+            // One copy per receiver: refused like a value that does not serialize (every
+            // rank fails together) when it overflows or cannot be allocated, never an abort.
+            let mut packed = Vec::new();
+            lens.iter()
+                .try_fold(0usize, |sum, &l| sum.checked_add(l))
+                .and_then(|total| packed.try_reserve_exact(total).ok())
+                .ok_or(postcard::Error::SerializeBufferFull)?;
             for _ in lens.iter().filter(|&&l| l > 0) {
                 extend_from_slice(&mut packed, &bytes);
             }
-            (packed, lens)
+            Ok((packed, lens))
         })
     });
     let (buf, ranges) = all_to_all_bytes(comm, checked, outgoing, opts, span, |lens| {

@@ -23,7 +23,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_bytes::ByteBuf;
 use tpcomm_objects::{
-    all_gather, broadcast, decode_from, gather, DecodeError, ObjectError, Options,
+    all_gather, broadcast, decode_from, gather, scan_with, DecodeError, ObjectError, Options,
 };
 use tpcomm_transport::check::{
     AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
@@ -37,6 +37,13 @@ struct LiveBytes;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
+/// Requests larger than this many bytes fail (0: no limit), as under strict overcommit.
+static REFUSE_ABOVE: AtomicUsize = AtomicUsize::new(0);
+
+fn refused(size: usize) -> bool {
+    let limit = REFUSE_ABOVE.load(Ordering::Relaxed);
+    limit != 0 && size > limit
+}
 
 fn grew(by: usize) {
     let now = LIVE.fetch_add(by, Ordering::Relaxed) + by;
@@ -46,11 +53,17 @@ fn grew(by: usize) {
 // SAFETY: delegates every call to the system allocator unchanged; only counts sizes.
 unsafe impl GlobalAlloc for LiveBytes {
     unsafe fn alloc(&self, layout: AllocLayout) -> *mut u8 {
+        if refused(layout.size()) {
+            return std::ptr::null_mut();
+        }
         grew(layout.size());
         // SAFETY: same contract as the caller's.
         unsafe { System.alloc(layout) }
     }
     unsafe fn alloc_zeroed(&self, layout: AllocLayout) -> *mut u8 {
+        if refused(layout.size()) {
+            return std::ptr::null_mut();
+        }
         grew(layout.size());
         // SAFETY: same contract as the caller's.
         unsafe { System.alloc_zeroed(layout) }
@@ -61,6 +74,9 @@ unsafe impl GlobalAlloc for LiveBytes {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: AllocLayout, new_size: usize) -> *mut u8 {
+        if refused(new_size) {
+            return std::ptr::null_mut();
+        }
         if new_size >= layout.size() {
             grew(new_size - layout.size());
         } else {
@@ -262,4 +278,36 @@ fn nested_map_preallocation_from_a_peer_is_bounded_by_its_bytes() {
         "peak {peak} bytes reserved for {} bytes from a peer",
         bytes.len()
     );
+}
+
+/// An inclusive scan packs one copy of a rank's value per receiver before the length
+/// exchange: rank 0's 3 MiB value, three receivers, 9 MiB, which this allocator refuses
+/// (every other buffer of the call stays under its 5 MiB limit). That is a serialization
+/// failure agreed by every rank, not an abort of the process.
+#[test]
+fn a_scan_whose_send_copies_cannot_be_allocated_fails_every_rank_without_an_abort() {
+    let _serial = serial();
+    let results = LocalGroup::new(3)
+        .timeout(Duration::from_secs(20))
+        .run(|comm| {
+            let len = if comm.rank() == 0 { 3 << 20 } else { 16 };
+            let value = ByteBuf::from(vec![comm.rank() as u8; len]);
+            comm.barrier()?;
+            REFUSE_ABOVE.store(5 << 20, Ordering::Relaxed);
+            let scanned = scan_with(&comm, &value, |a, _| a);
+            comm.barrier()?;
+            REFUSE_ABOVE.store(0, Ordering::Relaxed);
+            Ok::<_, tpcomm_transport::TransportError>(scanned.map(drop))
+        });
+    REFUSE_ABOVE.store(0, Ordering::Relaxed);
+    for (rank, r) in results.into_iter().enumerate() {
+        let scanned = r.expect("rank thread").expect("barriers");
+        assert!(
+            matches!(
+                &scanned,
+                Err(ObjectError::PeerSerialization { ranks, .. }) if ranks == &[0]
+            ),
+            "rank {rank}: {scanned:?}"
+        );
+    }
 }

@@ -246,11 +246,12 @@ fn gather_bytes<C: Communicator + ?Sized>(
     let limit = opts.round_limit(comm.max_count());
     let largest = lens.iter().copied().max().unwrap_or(0);
     let base = if receives { receive_offset(largest) } else { 0 };
-    let mut buf = if receives {
-        Kept::Recv.take_at(base, total)?
+    let reserved = if receives {
+        Kept::Recv.take_at(base, total)
     } else {
-        Vec::new()
+        Ok(Vec::new())
     };
+    let mut buf = agree_reserved(comm, total, reserved)?;
     let rounds = payload_rounds(
         comm,
         root,
@@ -332,6 +333,35 @@ struct Append(Vec<u8>);
 /// [`extend_from_slice`], which avoids the pairs of addresses that `memcpy` copies slowly:
 /// a user's blob and the kept send buffer can form one).
 const FIXED_PIECES: usize = 16;
+
+/// A call whose largest receive buffer (on any rank; every rank computes it from the same
+/// header) is at least this many bytes agrees, in a one-byte all-gather, that every rank
+/// reserved its buffer before any payload moves: a rank refused memory then fails the call
+/// on every rank ([`ObjectError::PeerAllocation`]) instead of leaving its peers in a payload
+/// call it never joins. Below it (a few microseconds of extra latency would matter, and
+/// memory that small is refused only to a process about to fail anyway) the payload starts
+/// at once.
+pub const AGREED_RESERVE_BYTES: usize = 4 << 20;
+
+/// `reserved` (this rank's receive buffer, or why it has none), after the agreement of
+/// [`AGREED_RESERVE_BYTES`] when `largest` calls for it: this rank's own error, or
+/// [`ObjectError::PeerAllocation`] naming the ranks that had none.
+fn agree_reserved<C: Communicator + ?Sized>(
+    comm: &C,
+    largest: usize,
+    reserved: Result<Vec<u8>>,
+) -> Result<Vec<u8>> {
+    if largest < AGREED_RESERVE_BYTES {
+        return reserved;
+    }
+    let mut all = vec![0u8; comm.size()];
+    comm.all_gather(&[u8::from(reserved.is_ok())], &mut all)?;
+    let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r] != 1).collect();
+    match reserved {
+        Ok(_) if !failed.is_empty() => Err(ObjectError::PeerAllocation { ranks: failed }),
+        reserved => reserved,
+    }
+}
 
 impl postcard::ser_flavors::Flavor for Append {
     type Output = Vec<u8>;
@@ -790,15 +820,14 @@ where
     } else {
         (0, Kept::Send)
     };
-    let mut buf = match root_bytes {
-        Some(Ok(bytes)) if bytes.len() == len => bytes.into_vec(),
-        Some(_) => {
-            return Err(ObjectError::Corrupt(format!(
-                "root {root}: the broadcast header lost its own length"
-            )))
-        }
-        None => kept.take_at(base, len)?,
+    let reserved = match root_bytes {
+        Some(Ok(bytes)) if bytes.len() == len => Ok(bytes.into_vec()),
+        Some(_) => Err(ObjectError::Corrupt(format!(
+            "root {root}: the broadcast header lost its own length"
+        ))),
+        None => kept.take_at(base, len),
     };
+    let mut buf = agree_reserved(comm, len, reserved)?;
     let rounds = broadcast_payload(
         comm,
         root,
@@ -922,7 +951,8 @@ where
             "root {root}: the scatter header lost its own lengths"
         )));
     }
-    let mut mine = reserve(lens[me])?;
+    let largest = lens.iter().copied().max().unwrap_or(0);
+    let mut mine = agree_reserved(comm, largest, reserve(lens[me]))?;
     let limit = opts.round_limit(comm.max_count());
     let offsets = dense_offsets(&lens);
     let rounds = round_count(total, limit);
@@ -1086,6 +1116,7 @@ fn all_to_all_bytes<C: Communicator + ?Sized>(
     )?;
     drop(header);
     let mut recv_total = 0;
+    let mut largest = 0;
     for d in 0..size {
         // Every rank checks every receiver's total, so all ranks agree on a violation.
         let t = within_cap(
@@ -1096,6 +1127,7 @@ fn all_to_all_bytes<C: Communicator + ?Sized>(
         if d == me {
             recv_total = t;
         }
+        largest = largest.max(t);
     }
     shape(&lens)?;
     if lens[me * size..(me + 1) * size] != send_lens[..] {
@@ -1115,7 +1147,7 @@ fn all_to_all_bytes<C: Communicator + ?Sized>(
         sent <= limit && received <= limit
     });
     let base = receive_offset(recv_lens.iter().copied().max().unwrap_or(0));
-    let mut buf = reserve(recv_total.saturating_add(base))?;
+    let mut buf = agree_reserved(comm, largest, reserve(recv_total.saturating_add(base)))?;
     buf.resize(base, 0);
     let recv_offsets = dense_offsets(&recv_lens);
     if fits {

@@ -86,11 +86,21 @@ pub enum ObjectError {
     /// exchanged header, so every scanning rank returns it before any payload moves.
     #[error("corrupt exchange: {0}")]
     Corrupt(String),
-    /// The receive buffer could not be allocated.
+    /// The receive buffer could not be allocated. When the largest receive buffer of the
+    /// call is at least [`AGREED_RESERVE_BYTES`](crate::AGREED_RESERVE_BYTES), the ranks
+    /// tell each other before any payload moves, and every other rank returns
+    /// [`PeerAllocation`](Self::PeerAllocation).
     #[error("cannot allocate {bytes} bytes for the receive buffer")]
     Allocation {
         /// The size requested.
         bytes: usize,
+    },
+    /// Ranks could not allocate their receive buffer (each of them returned
+    /// [`Allocation`](Self::Allocation)); nothing was sent. Returned by every other rank.
+    #[error("ranks {ranks:?} could not allocate their receive buffers")]
+    PeerAllocation {
+        /// Every rank that failed, ascending.
+        ranks: Vec<usize>,
     },
     /// A caller argument was invalid on this rank (options outside their documented ranges,
     /// a root out of range). For options, the rank still joined the header exchange first,

@@ -59,7 +59,7 @@ pub use collectives::{
     all_reduce_with_options, all_to_all, all_to_all_with, broadcast, broadcast_into,
     broadcast_into_with, broadcast_with, decode_from, decode_from_with, exscan_with,
     exscan_with_options, gather, gather_into, gather_into_with, gather_with, reduce_with,
-    reduce_with_options, scan_with, scan_with_options, scatter, scatter_with,
+    reduce_with_options, scan_with, scan_with_options, scatter, scatter_with, AGREED_RESERVE_BYTES,
 };
 pub use error::{DecodeError, ObjectError, Result};
 pub use gathered::Gathered;

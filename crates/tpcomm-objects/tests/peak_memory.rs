@@ -15,6 +15,7 @@
 //! of its global allocator sees one of them at a time.
 
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -23,7 +24,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_bytes::ByteBuf;
 use tpcomm_objects::{
-    all_gather, broadcast, decode_from, gather, scan_with, DecodeError, ObjectError, Options,
+    all_gather, all_to_all, broadcast, decode_from, gather, scan_with, scatter, DecodeError,
+    ObjectError, Options, AGREED_RESERVE_BYTES,
 };
 use tpcomm_transport::check::{
     AllGatherArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
@@ -37,11 +39,14 @@ struct LiveBytes;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
-/// Requests larger than this many bytes fail (0: no limit), as under strict overcommit.
-static REFUSE_ABOVE: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    /// On this thread, requests larger than this many bytes fail (0: no limit), as under
+    /// strict overcommit. Const-initialized: reading it never allocates.
+    static REFUSE_ABOVE: Cell<usize> = const { Cell::new(0) };
+}
 
 fn refused(size: usize) -> bool {
-    let limit = REFUSE_ABOVE.load(Ordering::Relaxed);
+    let limit = REFUSE_ABOVE.try_with(Cell::get).unwrap_or(0);
     limit != 0 && size > limit
 }
 
@@ -292,14 +297,12 @@ fn a_scan_whose_send_copies_cannot_be_allocated_fails_every_rank_without_an_abor
         .run(|comm| {
             let len = if comm.rank() == 0 { 3 << 20 } else { 16 };
             let value = ByteBuf::from(vec![comm.rank() as u8; len]);
-            comm.barrier()?;
-            REFUSE_ABOVE.store(5 << 20, Ordering::Relaxed);
+            REFUSE_ABOVE.set(5 << 20);
             let scanned = scan_with(&comm, &value, |a, _| a);
+            REFUSE_ABOVE.set(0);
             comm.barrier()?;
-            REFUSE_ABOVE.store(0, Ordering::Relaxed);
             Ok::<_, tpcomm_transport::TransportError>(scanned.map(drop))
         });
-    REFUSE_ABOVE.store(0, Ordering::Relaxed);
     for (rank, r) in results.into_iter().enumerate() {
         let scanned = r.expect("rank thread").expect("barriers");
         assert!(
@@ -309,5 +312,76 @@ fn a_scan_whose_send_copies_cannot_be_allocated_fails_every_rank_without_an_abor
             ),
             "rank {rank}: {scanned:?}"
         );
+    }
+}
+
+/// One rank is refused its receive buffer (9 MiB, over `AGREED_RESERVE_BYTES`) in each
+/// collective with a payload: it returns `Allocation`, every other rank `PeerAllocation`
+/// naming it, before any payload moves, and the next collective works on every rank (before,
+/// its peers went on into the payload call and met its next collective instead).
+#[test]
+fn an_allocation_failure_on_one_rank_fails_every_rank_and_keeps_them_in_step() {
+    let _serial = serial();
+    const BIG: usize = 3 << 20;
+    const _: () = assert!(3 * BIG >= AGREED_RESERVE_BYTES);
+    type Call = fn(&LocalCommunicator) -> Result<(), ObjectError>;
+    // (name, the rank refused, the call).
+    let cases: [(&str, usize, Call); 5] = [
+        ("all_gather", 0, |c| {
+            all_gather(c, &ByteBuf::from(vec![c.rank() as u8; BIG])).map(drop)
+        }),
+        ("gather", 0, |c| {
+            gather(c, 0, &ByteBuf::from(vec![c.rank() as u8; BIG])).map(drop)
+        }),
+        ("broadcast", 1, |c| {
+            let value = (c.rank() == 0).then(|| ByteBuf::from(vec![7u8; 3 * BIG]));
+            broadcast(c, 0, value.as_ref()).map(drop)
+        }),
+        ("scatter", 2, |c| {
+            let values: Option<Vec<ByteBuf>> = (c.rank() == 0).then(|| {
+                (0..3)
+                    .map(|r| ByteBuf::from(vec![r as u8; 3 * BIG]))
+                    .collect()
+            });
+            scatter(c, 0, values.as_deref()).map(drop)
+        }),
+        ("all_to_all", 2, |c| {
+            let values: Vec<ByteBuf> = (0..3)
+                .map(|d| ByteBuf::from(vec![d as u8; if d == 2 { BIG } else { 16 }]))
+                .collect();
+            all_to_all(c, &values).map(drop)
+        }),
+    ];
+    for (name, refused_rank, call) in cases {
+        let results = LocalGroup::new(3)
+            .timeout(Duration::from_secs(10))
+            .run(|comm| {
+                if comm.rank() == refused_rank {
+                    REFUSE_ABOVE.set(8 << 20);
+                }
+                let first = call(&comm);
+                REFUSE_ABOVE.set(0);
+                let next = all_gather(&comm, &(comm.rank() as u32));
+                (first, next)
+            });
+        for (rank, r) in results.into_iter().enumerate() {
+            let (first, next) = r.expect("rank thread");
+            if rank == refused_rank {
+                assert!(
+                    matches!(first, Err(ObjectError::Allocation { .. })),
+                    "{name}: rank {rank}: {first:?}"
+                );
+            } else {
+                assert!(
+                    matches!(&first, Err(ObjectError::PeerAllocation { ranks }) if ranks == &[refused_rank]),
+                    "{name}: rank {rank}: {first:?}"
+                );
+            }
+            assert_eq!(
+                next.ok(),
+                Some(vec![0, 1, 2]),
+                "{name}: rank {rank}: next call"
+            );
+        }
     }
 }

@@ -99,6 +99,13 @@ fn timed_split(comm: &MpiCommunicator) -> Result<MpiCommunicator, String> {
         .map_err(|e| format!("with_timeout: {e}"))
 }
 
+/// A fresh split whose collectives time out after [`SHORT_TIMEOUT`].
+fn short_timed_split(comm: &MpiCommunicator) -> Result<MpiCommunicator, String> {
+    fresh_split(comm)?
+        .with_timeout(SHORT_TIMEOUT)
+        .map_err(|e| format!("with_timeout: {e}"))
+}
+
 /// Expects `MPI_ERR_TRUNCATE` as [`TransportError::Mpi`], with the raw code kept.
 fn expect_truncate(what: &str, r: Result<(), TransportError>) -> CaseResult {
     match r {
@@ -197,9 +204,7 @@ fn timed_split_is_bounded_and_refused_once_broken(comm: &MpiCommunicator) -> Cas
     if comm.size() < 2 {
         return Ok(());
     }
-    let sub = fresh_split(comm)?
-        .with_timeout(SHORT_TIMEOUT)
-        .map_err(|e| format!("with_timeout: {e}"))?;
+    let sub = short_timed_split(comm)?;
     if sub.rank() != 0 {
         std::thread::sleep(LATE);
         return sub
@@ -233,9 +238,7 @@ fn timed_split_against_a_barrier_is_bounded(comm: &MpiCommunicator) -> CaseResul
     if comm.size() < 2 {
         return Ok(());
     }
-    let sub = fresh_split(comm)?
-        .with_timeout(SHORT_TIMEOUT)
-        .map_err(|e| format!("with_timeout: {e}"))?;
+    let sub = short_timed_split(comm)?;
     if sub.rank() != 0 {
         return sub
             .barrier()

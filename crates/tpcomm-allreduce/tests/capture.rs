@@ -79,6 +79,18 @@ impl Backend for Recording {
     }
 }
 
+/// A communicator over the recording backend, and its memory.
+fn recording<C: Communicator>(comm: &C) -> R<(CustomAllReduce<Recording>, HostMemory)> {
+    let memory = HostMemory::new();
+    let ar = CustomAllReduce::new(
+        Recording::default(),
+        memory.clone(),
+        comm,
+        Config::default(),
+    )?;
+    Ok((ar, memory))
+}
+
 fn fill<T: Element>(memory: &HostMemory, buf: &HostBuffer, v: &[T]) -> R<()> {
     Ok(memory.write(buf, 0, bytemuck::cast_slice(v))?)
 }
@@ -98,13 +110,7 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
     let results = LocalGroup::new(3)
         .timeout(Duration::from_secs(60))
         .run(|comm| -> R<()> {
-            let memory = HostMemory::new();
-            let mut ar = CustomAllReduce::new(
-                Recording::default(),
-                memory.clone(),
-                &comm,
-                Config::default(),
-            )?;
+            let (mut ar, memory) = recording(&comm)?;
             let count = 4096;
             let a = memory.allocate(count * 4)?;
             let b = memory.allocate(count * 4)?;
@@ -206,13 +212,7 @@ fn a_captured_registered_buffer_keeps_its_slot_retired_after_unregister() {
     let results = LocalGroup::new(2)
         .timeout(Duration::from_secs(60))
         .run(|comm| -> R<()> {
-            let memory = HostMemory::new();
-            let mut ar = CustomAllReduce::new(
-                Recording::default(),
-                memory.clone(),
-                &comm,
-                Config::default(),
-            )?;
+            let (mut ar, memory) = recording(&comm)?;
             let out = memory.allocate(4096)?;
             let captured = ar.register_buffer(&comm, memory.allocate(4096)?)?;
             let never_captured = ar.register_buffer(&comm, memory.allocate(4096)?)?;
@@ -248,13 +248,7 @@ fn a_call_refused_during_a_capture_takes_no_slot_and_leaves_the_communicator_act
     let results = LocalGroup::new(2)
         .timeout(Duration::from_secs(60))
         .run(|comm| -> R<()> {
-            let memory = HostMemory::new();
-            let mut ar = CustomAllReduce::new(
-                Recording::default(),
-                memory.clone(),
-                &comm,
-                Config::default(),
-            )?;
+            let (mut ar, memory) = recording(&comm)?;
             let count = 64;
             let a = memory.allocate(count * 4)?;
             let out = memory.allocate(count * 4)?;

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{cause, fill, read, unwrap_all};
 use tpcomm_allreduce::{AllReduceError, Config, CustomAllReduce, DType, HostBackend, Phase};
-use tpcomm_ipc::{HostMemory, MemoryRegion, PeerMemory};
+use tpcomm_ipc::{HostBuffer, HostMemory, MemoryRegion, PeerMemory};
 use tpcomm_transport::testing::hooked::Hooked;
 use tpcomm_transport::{Communicator, LocalGroup, Op, TransportError};
 
@@ -187,6 +187,23 @@ fn an_unregister_whose_final_barrier_fails_keeps_the_buffer_and_fails_the_commun
     unwrap_all(results);
 }
 
+/// Captures an all-reduce of a fresh input (`rank + 1` everywhere) into `out`, registers
+/// and replays it: what a communicator must still do after an abandoned capture.
+fn capture_and_replay_a_fresh_input<C: Communicator>(
+    ar: &mut Ar,
+    comm: &C,
+    out: &HostBuffer,
+) -> R<Vec<f32>> {
+    let memory = ar.memory()?.clone();
+    let input = memory.allocate(4096)?;
+    fill(&memory, &input, comm.rank() as f32 + 1.0, 1024)?;
+    let plan = ar.capture(|cap| cap.all_reduce(&input, out, DType::F32, 1024).map(drop))?;
+    assert_eq!(ar.register_graph_buffers(comm)?, 1);
+    comm.barrier()?;
+    plan.replay(ar)?;
+    read(&memory, out, 1024)
+}
+
 #[test]
 fn a_failed_capture_leaves_no_input_pending() {
     let results = LocalGroup::new(2).run(|comm| -> R<Vec<f32>> {
@@ -208,13 +225,7 @@ fn a_failed_capture_leaves_no_input_pending() {
         drop(abandoned);
         assert_eq!(ar.register_graph_buffers(&comm)?, 0);
 
-        let input = memory.allocate(4096)?;
-        fill(&memory, &input, comm.rank() as f32 + 1.0, 1024)?;
-        let plan = ar.capture(|cap| cap.all_reduce(&input, &out, DType::F32, 1024).map(drop))?;
-        assert_eq!(ar.register_graph_buffers(&comm)?, 1);
-        comm.barrier()?;
-        plan.replay(&mut ar)?;
-        read(&memory, &out, 1024)
+        capture_and_replay_a_fresh_input(&mut ar, &comm, &out)
     });
     for out in unwrap_all(results) {
         assert_eq!(out, vec![3.0f32; 1024]);
@@ -261,13 +272,7 @@ fn a_plan_dropped_with_its_input_before_registration_does_not_block_registration
         drop(abandoned);
         assert_eq!(ar.register_graph_buffers(&comm)?, 1);
 
-        let input = memory.allocate(4096)?;
-        fill(&memory, &input, comm.rank() as f32 + 1.0, 1024)?;
-        let plan = ar.capture(|cap| cap.all_reduce(&input, &out, DType::F32, 1024).map(drop))?;
-        assert_eq!(ar.register_graph_buffers(&comm)?, 1);
-        comm.barrier()?;
-        plan.replay(&mut ar)?;
-        read(&memory, &out, 1024)
+        capture_and_replay_a_fresh_input(&mut ar, &comm, &out)
     });
     for out in unwrap_all(results) {
         assert_eq!(out, vec![3.0f32; 1024]);

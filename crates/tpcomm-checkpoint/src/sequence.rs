@@ -183,11 +183,15 @@ impl Sequence {
     /// process, the ranks with both its pid and its process identity (known after
     /// [`Step::Check`]).
     pub fn is_driver_rank(&self, rank: usize) -> bool {
+        self.driver_rank_of(rank) == Some(rank)
+    }
+
+    /// The driver rank of `rank`'s process: the lowest rank with both its pid and its
+    /// process identity (pids alone repeat across containers).
+    fn driver_rank_of(&self, rank: usize) -> Option<usize> {
         let process = |r: usize| Some((*self.pids.get(r)?, *self.identities.get(r)?));
-        match process(rank) {
-            Some(mine) => (0..self.pids.len()).position(|r| process(r) == Some(mine)) == Some(rank),
-            None => false,
-        }
+        let mine = process(rank)?;
+        (0..self.pids.len()).position(|r| process(r) == Some(mine))
     }
 
     /// The pid of `rank` (known after [`Step::Check`]).
@@ -343,11 +347,7 @@ impl Sequence {
     /// driver rank gets its driver rank's).
     fn processes_by_rank(&self) -> Vec<Option<ProcessState>> {
         (0..self.size)
-            .map(|rank| {
-                let pid = self.pids.get(rank)?;
-                let driver_rank = self.pids.iter().position(|p| p == pid)?;
-                self.processes[driver_rank]
-            })
+            .map(|rank| self.processes[self.driver_rank_of(rank)?])
             .collect()
     }
 }
@@ -537,5 +537,40 @@ mod tests {
         seq.agree(&r).unwrap();
         let driver: Vec<bool> = (0..3).map(|r| seq.is_driver_rank(r)).collect();
         assert_eq!(driver, [true, true, false]);
+    }
+
+    /// Two processes with one pid (two containers): the aftermath reports each process's
+    /// own state, not the state of the first process with that pid.
+    #[test]
+    fn the_aftermath_tells_processes_with_one_pid_apart() {
+        let mut seq = Sequence::new(2);
+        let mut r = reports(Step::Check, &[1, 1]);
+        r[0].process = 7;
+        r[1].process = 8;
+        seq.agree(&r).unwrap();
+        for step in [Step::Prepare, Step::Lock, Step::Checkpoint, Step::Pause] {
+            let mut r = reports(step, &[1, 1]);
+            if step == Step::Prepare {
+                r.iter_mut().for_each(|r| r.suspended = vec![true]);
+            }
+            seq.agree(&r).unwrap();
+        }
+        let mut r = reports(Step::Restore, &[1, 1]);
+        r[0].state = Some(ProcessState::Locked);
+        r[1].state = Some(ProcessState::Checkpointed);
+        r[1].failure = Some(driver_error(1));
+        seq.agree(&r).unwrap();
+        let mut r = reports(Step::Unlock, &[1, 1]);
+        r[0].state = Some(ProcessState::Running);
+        r[1].state = Some(ProcessState::Checkpointed);
+        seq.agree(&r).unwrap();
+        let (_, _, aftermath) = seq.outcome().unwrap_err();
+        assert_eq!(
+            aftermath.processes,
+            [
+                Some(ProcessState::Running),
+                Some(ProcessState::Checkpointed)
+            ]
+        );
     }
 }

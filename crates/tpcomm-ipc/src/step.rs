@@ -199,13 +199,15 @@ where
 {
     // postcard writes a `[u8; N]` as its N bytes: the header leads the encoding unchanged.
     let gathered = tpcomm_objects::all_gather_borrowed(comm, &(tag.encode(), value))?;
+    let mine = tag.encode();
     for (rank, bytes) in gathered.iter().enumerate() {
-        let found = StepTag::decode(bytes);
-        if found != Some(tag) {
+        // The bytes, not the decoded tags: `Step::Unknown(4)` decodes as `Step::Reopen`, so
+        // comparing decoded tags would pass on one rank and fail on the other.
+        if bytes.get(..TAG_BYTES) != Some(&mine[..]) {
             return Err(IpcError::StepMismatch {
                 rank,
                 expected: tag,
-                found,
+                found: StepTag::decode(bytes),
             });
         }
     }

@@ -197,3 +197,27 @@ fn a_registry_passed_another_communicator_is_refused_without_a_panic() {
         r.expect("rank thread").expect("rank");
     }
 }
+
+/// A step passed as `Step::Unknown(code)` with the code of a known step (4, `Reopen`) is that
+/// step on the wire: both ranks take the same decision (before, the tags were compared
+/// decoded, and only the rank that passed `Unknown(4)` failed, the other went on).
+#[test]
+fn an_unknown_step_with_a_known_code_is_judged_alike_on_every_rank() {
+    let results = group(2).run(|comm| {
+        let step = if comm.rank() == 0 {
+            Step::Unknown(4)
+        } else {
+            Step::Reopen
+        };
+        let tag = StepTag {
+            step,
+            group: 9,
+            sequence: 1,
+        };
+        tagged_all_gather(&comm, tag, &comm.rank())
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let outcome = r.expect("rank thread");
+        assert_eq!(outcome.ok(), Some(vec![0, 1]), "rank {rank}");
+    }
+}

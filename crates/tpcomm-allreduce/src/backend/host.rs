@@ -35,9 +35,10 @@
 //! the AVX2 build runs where the CPU has both (detected at run time). That build converts
 //! f16 and bf16 with intrinsics in the loop (`wide`), bit for bit as `half` does.
 //!
-//! Barrier: this rank's epoch (its Signal counter + 1) is stored with *release* into every
-//! peer's slot for this rank, then this rank waits with *acquire* loads until every peer's
-//! slot in its own block shows the epoch. Waits spin briefly, then yield, then sleep in
+//! Barrier: this rank's epoch of the barrier's kind (its Signal counter of that kind + 1:
+//! start, mid and end count apart) is stored with *release* into every peer's slot for
+//! this rank, then this rank waits with *acquire* loads until every peer's slot in its own
+//! block shows the epoch. Waits spin briefly, then yield, then sleep in
 //! short steps (ranks may outnumber cores), and give up at the timeout naming the peer.
 //! The barrier, the epoch and the order of a launch's phases live in `flags`, generic
 //! over the flag words, so that the same code is model-checked with loom
@@ -60,8 +61,8 @@ use crate::error::Result;
 use wide::Wide;
 
 /// Host Signal block: three flag arrays (one 64-byte line each; the start line also holds
-/// the shape tags, one 32-bit word per writer, after its 8 flags), the epoch counter, the
-/// nonce, the shapes (this rank's 64-bit word of what it launched, at its own index).
+/// the shape tags, one 32-bit word per writer, after its 8 flags), the epoch counters (one
+/// per barrier kind, in `flags::Kind::index` order), the nonce, the shapes (this rank's 64-bit word of what it launched, at its own index).
 /// Offsets in bytes.
 const START: usize = 0;
 const SHAPE_TAGS: usize = START + 32;
@@ -532,10 +533,10 @@ impl<M: HostLike> Backend for HostBackend<M> {
                 signals[r]
             )));
         }
-        // SAFETY: this rank's own Signal block (`signals[rank]`, aligned: checked above),
-        // alive for the launch.
-        let counter = unsafe { flag(own, COUNTER) };
-        let epoch = flags::next_epoch(counter);
+        // SAFETY: three words of this rank's own Signal block (`signals[rank]`, aligned:
+        // checked above; COUNTER + 0, 4, 8 are 4-byte aligned inside its line), alive for
+        // the launch.
+        let counters = [0, 4, 8].map(|at| unsafe { flag(own, COUNTER + at) });
         // SAFETY: the own block is alive for the launch, and the tables hold live Signal
         // mappings for every rank of the group (the driver rewrites them after every
         // reopen before any launch, and checked that each holds SIGNAL_BYTES); every block
@@ -545,7 +546,7 @@ impl<M: HostLike> Backend for HostBackend<M> {
             blocks: &blocks,
             rank: l.rank,
             world: l.world,
-            epoch,
+            counters,
             timeout: l.timeout,
         };
         let inputs = &inputs[..l.world];

@@ -7,7 +7,7 @@
 //!   in the model tests.
 //! - [`Blocks`]: where the slots are: every rank's Signal block as this rank reaches it.
 //! - [`Wait`]: the policy between two failed looks at a slot (spin, yield, sleep, time out).
-//! - [`next_epoch`]: a launch's epoch from the rank's counter.
+//! - [`next_epoch`]: a barrier's epoch from the rank's counter of its kind.
 //! - [`FlagBarrier`]: crossing a barrier, and [`FlagBarrier::launch`], the order of the
 //!   barriers and the work of a one- or two-stage launch.
 
@@ -63,6 +63,15 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
+    /// Its position among the three (its flag array, its epoch counter).
+    pub(crate) fn index(self) -> usize {
+        match self {
+            Kind::Start => 0,
+            Kind::Mid => 1,
+            Kind::End => 2,
+        }
+    }
+
     /// The name a timeout reports.
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -126,8 +135,8 @@ impl Wait for Backoff {
     }
 }
 
-/// Advances this rank's epoch counter and returns the launch's epoch (counter + 1,
-/// wrapping). Only this rank touches its counter, so relaxed accesses suffice.
+/// Advances one of this rank's epoch counters and returns the barrier's epoch (counter + 1,
+/// wrapping). Only this rank touches its counters, so relaxed accesses suffice.
 #[inline]
 pub(crate) fn next_epoch<S: Slot + ?Sized>(counter: &S) -> u32 {
     let epoch = counter.load_relaxed().wrapping_add(1);
@@ -137,20 +146,24 @@ pub(crate) fn next_epoch<S: Slot + ?Sized>(counter: &S) -> u32 {
 
 /// One launch's barriers for one rank.
 ///
-/// Crossing: store the epoch with release into every peer's slot for this rank, then wait
-/// with acquire loads until every slot of this rank's own array shows the epoch. Equality
-/// is enough: a peer can only store the next epoch after this rank has passed the barrier
-/// that consumed the current one (every rank crosses the same barriers in the same order).
+/// Crossing a barrier of kind `k`: advance this rank's counter of `k` to the barrier's
+/// epoch, store it with release into every peer's `k` slot for this rank, then wait with
+/// acquire loads until every slot of this rank's own `k` array shows the epoch. Equality is
+/// enough: a peer can only store the next epoch of `k` after this rank has passed the `k`
+/// barrier that consumed the current one (every rank crosses the same barriers in the same
+/// order), and a slot holds the previous epoch of its own kind, never the current one: one
+/// counter per kind, so a kind left unused for any number of launches (2^32 included) is
+/// not passed by the value its slots kept.
 #[derive(Debug)]
-pub(crate) struct FlagBarrier<'a, B> {
+pub(crate) struct FlagBarrier<'a, B: Blocks> {
     /// The Signal blocks.
     pub(crate) blocks: &'a B,
     /// This rank.
     pub(crate) rank: usize,
     /// Ranks in the group.
     pub(crate) world: usize,
-    /// This launch's epoch ([`next_epoch`]).
-    pub(crate) epoch: u32,
+    /// This rank's epoch counter of each kind, by [`Kind::index`] ([`next_epoch`]).
+    pub(crate) counters: [&'a B::Slot; 3],
     /// How long one barrier may wait.
     pub(crate) timeout: Duration,
 }
@@ -160,16 +173,15 @@ impl<B: Blocks> FlagBarrier<'_, B> {
     /// peer's in its own.
     #[inline]
     pub(crate) fn cross<W: Wait>(&self, kind: Kind) -> Result<()> {
+        let epoch = next_epoch(self.counters[kind.index()]);
         for p in 0..self.world {
-            self.blocks
-                .peer(p, kind, self.rank)
-                .store_release(self.epoch);
+            self.blocks.peer(p, kind, self.rank).store_release(epoch);
         }
         let mut wait = W::begin(self.timeout);
         for p in 0..self.world {
             let slot = self.blocks.own(kind, p);
             let mut spins = 0u32;
-            while slot.load_acquire() != self.epoch {
+            while slot.load_acquire() != epoch {
                 spins += 1;
                 if let Err(waited) = wait.idle(spins) {
                     return Err(AllReduceError::Timeout {
@@ -235,18 +247,10 @@ mod tests {
         slots: std::sync::Arc<Vec<[[AtomicU32; 8]; 3]>>,
     }
 
-    fn k(kind: Kind) -> usize {
-        match kind {
-            Kind::Start => 0,
-            Kind::Mid => 1,
-            Kind::End => 2,
-        }
-    }
-
     impl Blocks for Local {
         type Slot = AtomicU32;
         fn peer(&self, peer: usize, kind: Kind, writer: usize) -> &AtomicU32 {
-            &self.slots[peer][k(kind)][writer]
+            &self.slots[peer][kind.index()][writer]
         }
         fn own(&self, kind: Kind, writer: usize) -> &AtomicU32 {
             self.peer(self.rank, kind, writer)
@@ -268,26 +272,28 @@ mod tests {
             .map(|rank| {
                 let slots = slots.clone();
                 std::thread::spawn(move || {
-                    let counter = AtomicU32::new(start);
+                    let counters: [AtomicU32; 3] = std::array::from_fn(|_| AtomicU32::new(start));
                     let blocks = Local { rank, slots };
+                    let barrier = FlagBarrier {
+                        blocks: &blocks,
+                        rank,
+                        world,
+                        counters: [&counters[0], &counters[1], &counters[2]],
+                        timeout: Duration::from_secs(30),
+                    };
                     for launch in 0..6 {
-                        let barrier = FlagBarrier {
-                            blocks: &blocks,
-                            rank,
-                            world,
-                            epoch: next_epoch(&counter),
-                            timeout: Duration::from_secs(30),
-                        };
                         barrier
                             .launch::<Backoff>(launch % 2 == 0, || Ok(()), || {}, || {})
                             .expect("barrier");
                     }
-                    counter.load_relaxed()
+                    counters.map(|c| c.load_relaxed())
                 })
             })
             .collect();
         for t in threads {
-            assert_eq!(t.join().expect("rank thread"), start.wrapping_add(6));
+            // Six starts; three two-stage launches (mid), three one-stage (end).
+            let want = [6, 3, 3].map(|n| start.wrapping_add(n));
+            assert_eq!(t.join().expect("rank thread"), want);
         }
     }
 
@@ -299,11 +305,12 @@ mod tests {
                 .collect::<Vec<_>>(),
         );
         let blocks = Local { rank: 0, slots };
+        let counters: [AtomicU32; 3] = std::array::from_fn(|_| AtomicU32::new(0));
         let barrier = FlagBarrier {
             blocks: &blocks,
             rank: 0,
             world: 2,
-            epoch: 1,
+            counters: [&counters[0], &counters[1], &counters[2]],
             timeout: Duration::from_millis(20),
         };
         match barrier.cross::<Backoff>(Kind::Mid) {
@@ -315,6 +322,36 @@ mod tests {
             }) => {}
             other => panic!("expected a timeout naming rank 1, got {other:?}"),
         }
+    }
+
+    /// After 2^32 - 1 launches that never crossed a mid barrier (every one one-stage since
+    /// the reset), the mid slots still hold 0, the value the reset left: a two-stage launch
+    /// must still wait for its peers there (with one epoch for every kind, its epoch was 0
+    /// and the mid barrier passed at once, peers absent).
+    #[test]
+    fn a_barrier_kind_unused_for_2_pow_32_launches_is_not_passed_by_its_stale_flags() {
+        let slots = std::sync::Arc::new(
+            (0..2)
+                .map(|_| std::array::from_fn(|_| std::array::from_fn(|_| AtomicU32::new(0))))
+                .collect::<Vec<_>>(),
+        );
+        let blocks = Local { rank: 0, slots };
+        // Start and end crossed 2^32 - 1 times (wrapped to u32::MAX), mid never.
+        let counters = [u32::MAX, 0, u32::MAX].map(AtomicU32::new);
+        let barrier = FlagBarrier {
+            blocks: &blocks,
+            rank: 0,
+            world: 2,
+            counters: [&counters[0], &counters[1], &counters[2]],
+            timeout: Duration::from_millis(20),
+        };
+        assert!(
+            matches!(
+                barrier.cross::<Backoff>(Kind::Mid),
+                Err(AllReduceError::Timeout { peer: 1, .. })
+            ),
+            "the mid barrier passed without its peer"
+        );
     }
 }
 
@@ -330,14 +367,6 @@ mod loom_tests {
     use std::sync::atomic::AtomicUsize;
 
     const KINDS: usize = 3;
-
-    fn k(kind: Kind) -> usize {
-        match kind {
-            Kind::Start => 0,
-            Kind::Mid => 1,
-            Kind::End => 2,
-        }
-    }
 
     /// A loom flag word whose publishing store is release (`RELEASE`) or relaxed, and whose
     /// observing load is acquire (`ACQUIRE`) or relaxed: one type for the real protocol and
@@ -402,7 +431,7 @@ mod loom_tests {
         type Slot = S;
         fn peer(&self, peer: usize, kind: Kind, writer: usize) -> &S {
             let w = self.group.world;
-            &self.group.flags[(peer * KINDS + k(kind)) * w + writer]
+            &self.group.flags[(peer * KINDS + kind.index()) * w + writer]
         }
         fn own(&self, kind: Kind, writer: usize) -> &S {
             self.peer(self.rank, kind, writer)
@@ -431,25 +460,25 @@ mod loom_tests {
     fn rank_body<S: Slot>(
         group: &Group<S>,
         rank: usize,
-        counter: &S,
+        counters: &[S; KINDS],
         launches: u32,
         two_stage: fn(u32) -> bool,
     ) {
         let world = group.world;
         let view = View { group, rank };
+        let barrier = FlagBarrier {
+            blocks: &view,
+            rank,
+            world,
+            counters: [&counters[0], &counters[1], &counters[2]],
+            timeout: Duration::from_secs(1),
+        };
         for n in 0..launches {
             // The staging copy of this launch's input, before the start barrier (the
             // previous launch's end barrier, or mid barrier for two-stage, keeps it from
             // racing peers' reads).
             // SAFETY: loom checks this access against every other (a race panics).
             group.inputs[rank].with_mut(|p| unsafe { *p = input(n, rank) });
-            let barrier = FlagBarrier {
-                blocks: &view,
-                rank,
-                world,
-                epoch: next_epoch(counter),
-                timeout: Duration::from_secs(1),
-            };
             let sum = || {
                 (0..world)
                     // SAFETY: loom checks this access against every other.
@@ -518,15 +547,19 @@ mod loom_tests {
                 .map(|rank| {
                     let group = group.clone();
                     loom::thread::spawn(move || {
-                        let counter = S::new(start);
-                        rank_body(&group, rank, &counter, launches, two_stage);
-                        counter.load_relaxed()
+                        let counters: [S; KINDS] = std::array::from_fn(|_| S::new(start));
+                        rank_body(&group, rank, &counters, launches, two_stage);
+                        // Every launch crosses one start barrier.
+                        counters[Kind::Start.index()].load_relaxed()
                     })
                 })
                 .collect();
-            let counter = S::new(start);
-            rank_body(&group, 0, &counter, launches, two_stage);
-            assert_eq!(counter.load_relaxed(), start.wrapping_add(launches));
+            let counters: [S; KINDS] = std::array::from_fn(|_| S::new(start));
+            rank_body(&group, 0, &counters, launches, two_stage);
+            assert_eq!(
+                counters[Kind::Start.index()].load_relaxed(),
+                start.wrapping_add(launches)
+            );
             for p in peers {
                 assert_eq!(p.join().expect("rank"), start.wrapping_add(launches));
             }

@@ -1962,8 +1962,9 @@ impl<B: Backend> CustomAllReduce<B> {
     /// launch this rank issued has finished (it drains them first), and its last barrier
     /// proves that every peer has read this rank's input. A peer may still be copying its
     /// share of a two-stage result from this rank's temp buffer (that launch has no end
-    /// barrier): on the host backend its mapping keeps those pages and their values; on
-    /// CUDA this is the case of the second item below. A peer that starts a launch this rank
+    /// barrier): on the host backend its mapping keeps those pages and their values (the
+    /// buffers peers map are retired, [`PeerMemory::retire`], so no later buffer of this
+    /// process is carved over them); on CUDA this is the case of the second item below. A peer that starts a launch this rank
     /// never joins writes into this rank's Signal block and reads its staging or temp buffer
     /// through its own mapping:
     /// - host backend: the peer's mapping keeps the memfd pages alive until the peer unmaps
@@ -1973,20 +1974,39 @@ impl<B: Backend> CustomAllReduce<B> {
     ///   which CUDA documents as undefined behaviour: the peer may read garbage, fault, or
     ///   time out. Close collectively.
     pub fn close(&mut self) -> Result<()> {
+        self.release(false)
+    }
+
+    /// Drains, closes the mappings and frees this rank's buffers; `agreed`: every rank
+    /// passed the Close step, so no peer reads or writes them any more. Otherwise the
+    /// buffers peers map (Signal, staging, temp) are retired ([`PeerMemory::retire`]): a
+    /// late peer finds what was there, not another buffer of this process.
+    fn release(&mut self, agreed: bool) -> Result<()> {
         self.lifecycle.close();
-        match self.res.take() {
-            Some(mut res) => {
-                // Launches still in flight read these buffers: wait for them (bounded by the
-                // launch timeout) before anything is freed.
-                if let Err(e) = self.backend.synchronize(res.peers.backend(), &res.signal) {
-                    tracing::warn!(error = %e, "draining launches before close failed");
-                }
-                let closed = res.peers.close_all().map(drop);
-                drop(res);
-                Ok(closed?)
-            }
-            None => Ok(()),
+        let Some(mut res) = self.res.take() else {
+            return Ok(());
+        };
+        // Launches still in flight read these buffers: wait for them (bounded by the launch
+        // timeout) before anything is freed.
+        if let Err(e) = self.backend.synchronize(res.peers.backend(), &res.signal) {
+            tracing::warn!(error = %e, "draining launches before close failed");
         }
+        let closed = res.peers.close_all().map(drop);
+        let Resources {
+            peers,
+            signal,
+            staging,
+            _temp: temp,
+            ..
+        } = res;
+        for buffer in [signal, staging, temp] {
+            if agreed {
+                drop(buffer);
+            } else {
+                peers.backend().retire(buffer);
+            }
+        }
+        Ok(closed?)
     }
 
     /// Collective close, from any phase: drains this rank's launches, then a tagged step
@@ -2004,7 +2024,7 @@ impl<B: Backend> CustomAllReduce<B> {
         let _span = tracing::debug_span!("allreduce_close", rank = self.rank).entered();
         let drained = self.backend.synchronize(res.peers.backend(), &res.signal);
         let agreed = res.peers.agree(comm, tpcomm_ipc::Step::Close, &());
-        let closed = self.close();
+        let closed = self.release(drained.is_ok() && agreed.is_ok());
         drained?;
         agreed?;
         closed

@@ -310,6 +310,44 @@ fn a_plan_dropped_with_its_input_after_registration_does_not_fail_the_next_resum
     }
 }
 
+/// A close without the ranks' agreement (`close`, or a drop) retires the buffers peers map
+/// (Signal, staging, temp; carved when `max_bytes` is small): a peer still copying a
+/// two-stage result from this rank's temp buffer, or late with its start flag, finds the
+/// old buffers, never a new buffer of this process carved over them.
+#[test]
+fn a_non_collective_close_never_hands_the_buffers_peers_map_to_a_new_allocation() {
+    let config = Config {
+        max_bytes: 64 << 10,
+        ..Config::default()
+    };
+    let results = LocalGroup::new(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, config.clone())?;
+        let memory = ar.memory()?.clone();
+        // Keeps the chunk alive after the close, so that its extents could be handed out.
+        let _keep = memory.allocate(4096)?;
+        let mut old = Vec::new();
+        for (index, len) in [(0, 4096), (1, 64 << 10), (2, 64 << 10)] {
+            let addr = ar.base_address(comm.rank(), index)?;
+            old.push(addr..addr + len);
+        }
+        comm.barrier()?;
+        ar.close()?;
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let fresh = memory.allocate(64 << 10)?;
+            let range = fresh.addr()..fresh.addr() + fresh.len() as u64;
+            assert!(
+                old.iter().all(|o| o.end <= range.start || range.end <= o.start),
+                "rank {}: a new buffer {range:x?} was carved over the closed communicator's {old:x?}",
+                comm.rank()
+            );
+            held.push(fresh);
+        }
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
 #[test]
 fn a_communicator_of_another_group_is_refused_and_changes_nothing() {
     let results = LocalGroup::new(2).run(|comm| -> R<Vec<f32>> {

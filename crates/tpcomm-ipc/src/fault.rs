@@ -102,6 +102,9 @@ impl<M: PeerMemory> PeerMemory for FaultInjection<M> {
     fn allocate_private(&self, bytes: usize) -> Result<M::Buffer> {
         self.inner.allocate_private(bytes)
     }
+    fn retire(&self, buffer: M::Buffer) {
+        self.inner.retire(buffer);
+    }
     fn export(&self, addr: u64, len: usize) -> Result<M::Handle> {
         self.tick(FaultPoint::Export)?;
         self.inner.export(addr, len)

@@ -68,6 +68,17 @@ pub trait PeerMemory: Send + Sync + Debug + 'static {
         self.allocate(bytes)
     }
 
+    /// Frees `buffer` without letting its memory serve another allocation of this process:
+    /// for a buffer peers may still read or write after this rank let go of it (a close
+    /// without the ranks' agreement), so that a late peer reads what was there and its
+    /// writes land in memory nobody else uses. The default drops it, right for backends
+    /// whose free releases the allocation itself (CUDA); the host backend keeps a carved
+    /// buffer's extent out of its chunk's free list for as long as the chunk lives (a
+    /// buffer with a segment of its own is freed as usual: a peer's mapping keeps its pages).
+    fn retire(&self, buffer: Self::Buffer) {
+        drop(buffer);
+    }
+
     /// Exports `len` bytes at address `addr`, which must lie inside one exportable
     /// allocation of this process: the handle names the allocation's base plus the offset.
     fn export(&self, addr: u64, len: usize) -> Result<Self::Handle>;

@@ -113,6 +113,29 @@ fn freeing_is_local_until_the_extent_is_handed_out_again_then_it_reads_as_zeros(
     assert_eq!(read(&peer, &mapping, 8192), vec![0; 8192]);
 }
 
+/// `retire` instead of a drop: the extent is never handed out again, so a peer still mapping
+/// it keeps reading the last bytes, and a new buffer lands elsewhere.
+#[test]
+fn a_retired_buffer_is_never_carved_again_and_a_peer_keeps_its_bytes() {
+    let _serial = serial();
+    let owner = HostMemory::new();
+    let _keep = owner.allocate(4096).unwrap();
+    let first = owner.allocate(8192).unwrap();
+    owner.write(&first, 0, &[0xab; 8192]).unwrap();
+    let h = owner.export(first.addr(), 8192).unwrap();
+    let peer = HostMemory::new();
+    let mapping = peer.open(&h).unwrap();
+    let range = first.addr()..first.addr() + 8192;
+    owner.retire(first);
+    let second = owner.allocate(8192).unwrap();
+    owner.write(&second, 0, &[0xff; 8192]).unwrap();
+    assert!(
+        !range.contains(&second.addr()),
+        "a new buffer was carved over the retired one"
+    );
+    assert_eq!(read(&peer, &mapping, 8192), vec![0xab; 8192]);
+}
+
 #[test]
 fn a_chunk_goes_with_its_last_buffer_and_its_handles_go_stale() {
     let _serial = serial();

@@ -1153,6 +1153,18 @@ impl PeerMemory for HostMemory {
         })
     }
 
+    /// A carved buffer's extent is never given back to its chunk: no later buffer is
+    /// carved over it (its pages are not punched), for as long as the chunk lives.
+    fn retire(&self, mut buffer: HostBuffer) {
+        if buffer.carved.take().is_some() {
+            tracing::debug!(
+                len = buffer.len,
+                "carved host buffer retired: its extent is not handed out again"
+            );
+        }
+        drop(buffer);
+    }
+
     fn export(&self, addr: u64, len: usize) -> Result<HostHandle> {
         export_from(&segments(), std::process::id(), addr, len)
     }

@@ -95,8 +95,11 @@ pub enum ObjectError {
         /// The size requested.
         bytes: usize,
     },
-    /// Ranks could not allocate their receive buffer (each of them returned
-    /// [`Allocation`](Self::Allocation)); nothing was sent. Returned by every other rank.
+    /// Ranks could not take part in the payload of a call whose largest receive buffer is
+    /// at least [`AGREED_RESERVE_BYTES`](crate::AGREED_RESERVE_BYTES): they could not
+    /// allocate their receive buffer (their own error is [`Allocation`](Self::Allocation)),
+    /// or a broadcast root found its own length lost in the header ([`Corrupt`](Self::Corrupt)).
+    /// Nothing was sent. Returned by every other rank.
     #[error("ranks {ranks:?} could not allocate their receive buffers")]
     PeerAllocation {
         /// Every rank that failed, ascending.

@@ -934,9 +934,10 @@ impl MpiCommunicator {
     /// failure every collective of this communicator, and `split`, fails with
     /// [`TransportError::Aborted`]. `split` (`MPI_Comm_split`, which has no nonblocking
     /// form) is preceded by a bounded barrier and a bounded all-gather of a split word, so
-    /// that an absent peer, or one in another collective, fails it within the timeout too. A broken communicator is not freed when dropped (its abandoned
-    /// collective may still progress when a late peer arrives): the handle is leaked with
-    /// that collective's buffers.
+    /// that an absent peer, or one in another collective, fails it within the timeout too.
+    /// A broken communicator is not freed when dropped (its abandoned collective may still
+    /// progress when a late peer arrives): the handle is leaked with that collective's
+    /// buffers.
     ///
     /// Collective: every rank calls it (it all-gathers each rank's process identity, under
     /// the timeout already). The cost is copying each collective's send bytes in, and its
@@ -1124,7 +1125,6 @@ impl MpiCommunicator {
         self.timed_barrier_for(Op::Barrier, timeout)
     }
 
-    /// A bounded `MPI_Ibarrier`, its errors reported as those of `op`.
     /// The all-gather before `MPI_Comm_split`: every rank's [`SPLIT_WORD`] and whether its
     /// color is valid. A rank whose bytes are not a split word is in another collective:
     /// the communicator is out of step and broken. A valid color announced by every rank
@@ -1147,18 +1147,18 @@ impl MpiCommunicator {
             });
         }
         let invalid: Vec<usize> = (0..self.size).filter(|&r| word(r)[8] != 2).collect();
-        match invalid.first() {
-            // This rank's own error is the caller's to return.
-            Some(_) if invalid.contains(&self.rank) => Ok(()),
-            Some(_) => Err(TransportError::Mismatch {
-                op: Op::Split,
-                rank: self.rank,
-                detail: format!("ranks {invalid:?} passed a color MPI cannot take"),
-            }),
-            None => Ok(()),
+        // This rank's own invalid color is the caller's error to return.
+        if invalid.is_empty() || invalid.contains(&self.rank) {
+            return Ok(());
         }
+        Err(TransportError::Mismatch {
+            op: Op::Split,
+            rank: self.rank,
+            detail: format!("ranks {invalid:?} passed a color MPI cannot take"),
+        })
     }
 
+    /// A bounded `MPI_Ibarrier`, its errors reported as those of `op`.
     fn timed_barrier_for(&self, op: Op, timeout: Duration) -> Result<()> {
         let job = InFlight::new(op, Vec::new(), &[], Vec::new())?;
         self.run_timed(op, "MPI_Ibarrier", timeout, job, |job, comm| {

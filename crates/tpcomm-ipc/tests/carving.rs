@@ -85,17 +85,43 @@ fn a_large_buffer_gets_a_segment_of_its_own() {
     assert_eq!((h.offset, h.segment_len), (0, large.len() as u64));
 }
 
-#[test]
-fn freeing_is_local_until_the_extent_is_handed_out_again_then_it_reads_as_zeros() {
-    let _serial = serial();
+/// An 8 KiB carved buffer filled with 0xab and opened by a peer, next to a 4 KiB buffer that
+/// keeps the chunk alive while the first one comes and goes.
+struct Shared {
+    owner: HostMemory,
+    _keep: tpcomm_ipc::HostBuffer,
+    first: tpcomm_ipc::HostBuffer,
+    peer: HostMemory,
+    mapping: tpcomm_ipc::HostMapping,
+}
+
+fn shared_8k() -> Shared {
     let owner = HostMemory::new();
-    // Keeps the chunk alive while the other buffer comes and goes.
     let _keep = owner.allocate(4096).unwrap();
     let first = owner.allocate(8192).unwrap();
     owner.write(&first, 0, &[0xab; 8192]).unwrap();
     let h = owner.export(first.addr(), 8192).unwrap();
     let peer = HostMemory::new();
     let mapping = peer.open(&h).unwrap();
+    Shared {
+        owner,
+        _keep,
+        first,
+        peer,
+        mapping,
+    }
+}
+
+#[test]
+fn freeing_is_local_until_the_extent_is_handed_out_again_then_it_reads_as_zeros() {
+    let _serial = serial();
+    let Shared {
+        owner,
+        _keep,
+        first,
+        peer,
+        mapping,
+    } = shared_8k();
     let addr = first.addr();
     drop(first);
     assert_eq!(
@@ -118,13 +144,13 @@ fn freeing_is_local_until_the_extent_is_handed_out_again_then_it_reads_as_zeros(
 #[test]
 fn a_retired_buffer_is_never_carved_again_and_a_peer_keeps_its_bytes() {
     let _serial = serial();
-    let owner = HostMemory::new();
-    let _keep = owner.allocate(4096).unwrap();
-    let first = owner.allocate(8192).unwrap();
-    owner.write(&first, 0, &[0xab; 8192]).unwrap();
-    let h = owner.export(first.addr(), 8192).unwrap();
-    let peer = HostMemory::new();
-    let mapping = peer.open(&h).unwrap();
+    let Shared {
+        owner,
+        _keep,
+        first,
+        peer,
+        mapping,
+    } = shared_8k();
     let range = first.addr()..first.addr() + 8192;
     owner.retire(first);
     let second = owner.allocate(8192).unwrap();

@@ -297,15 +297,16 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_missing_peer_times_out_naming_it() {
+    /// Rank 0 of two crossing `kind` with its counters at `counters`, every flag at 0 and
+    /// rank 1 absent; 20 ms timeout.
+    fn cross_alone(counters: [u32; 3], kind: Kind) -> Result<()> {
         let slots = std::sync::Arc::new(
             (0..2)
                 .map(|_| std::array::from_fn(|_| std::array::from_fn(|_| AtomicU32::new(0))))
                 .collect::<Vec<_>>(),
         );
         let blocks = Local { rank: 0, slots };
-        let counters: [AtomicU32; 3] = std::array::from_fn(|_| AtomicU32::new(0));
+        let counters = counters.map(AtomicU32::new);
         let barrier = FlagBarrier {
             blocks: &blocks,
             rank: 0,
@@ -313,7 +314,12 @@ mod tests {
             counters: [&counters[0], &counters[1], &counters[2]],
             timeout: Duration::from_millis(20),
         };
-        match barrier.cross::<Backoff>(Kind::Mid) {
+        barrier.cross::<Backoff>(kind)
+    }
+
+    #[test]
+    fn a_missing_peer_times_out_naming_it() {
+        match cross_alone([0; 3], Kind::Mid) {
             Err(AllReduceError::Timeout {
                 rank: 0,
                 peer: 1,
@@ -330,24 +336,10 @@ mod tests {
     /// and the mid barrier passed at once, peers absent).
     #[test]
     fn a_barrier_kind_unused_for_2_pow_32_launches_is_not_passed_by_its_stale_flags() {
-        let slots = std::sync::Arc::new(
-            (0..2)
-                .map(|_| std::array::from_fn(|_| std::array::from_fn(|_| AtomicU32::new(0))))
-                .collect::<Vec<_>>(),
-        );
-        let blocks = Local { rank: 0, slots };
         // Start and end crossed 2^32 - 1 times (wrapped to u32::MAX), mid never.
-        let counters = [u32::MAX, 0, u32::MAX].map(AtomicU32::new);
-        let barrier = FlagBarrier {
-            blocks: &blocks,
-            rank: 0,
-            world: 2,
-            counters: [&counters[0], &counters[1], &counters[2]],
-            timeout: Duration::from_millis(20),
-        };
         assert!(
             matches!(
-                barrier.cross::<Backoff>(Kind::Mid),
+                cross_alone([u32::MAX, 0, u32::MAX], Kind::Mid),
                 Err(AllReduceError::Timeout { peer: 1, .. })
             ),
             "the mid barrier passed without its peer"

@@ -1519,14 +1519,25 @@ impl<B: Backend> CustomAllReduce<B> {
         dtype: DType,
         count: usize,
     ) -> Result<Algorithm> {
-        self.lifecycle.check_operation(call)?;
         let bytes = count
             .checked_mul(dtype.size())
             .ok_or_else(|| AllReduceError::InvalidArgument(format!("{count} elements overflow")))?;
         let recording = self.backend.capturing()?;
         let registered = self.slot_of(input_addr, bytes);
-        // Slot 0 (the staging slot) exactly when neither registered nor recording.
+        // The route first, from the call's shape alone (every rank of a same-shaped call
+        // gets the same answer): a rank whose communicator failed, or whose output the
+        // kernels cannot write, still takes the fallback its peers take, instead of failing
+        // alone while they wait in it. Slot 0 (the staging slot) exactly when neither
+        // registered nor recording.
         let algorithm = self.choose(dtype, bytes, registered.is_none() && !recording)?;
+        self.lifecycle.check_operation(call)?;
+        if !out.is_multiple_of(PEER_ALIGN as u64) {
+            return Err(AllReduceError::Misaligned {
+                buffer: "output",
+                addr: out,
+                align: PEER_ALIGN,
+            });
+        }
         // A registered slot is marked captured by the launch that records it.
         let (slot, staged) = match registered {
             Some(slot) => (slot, false),

@@ -1081,11 +1081,14 @@ impl CustomAllReduce<CudaBackend> {
     ///   stream-ordered pool, which legacy IPC cannot export) has its staging copy captured
     ///   into the graph, so the graph is correct either way.
     ///
-    /// Errors, before anything runs on this rank: [`AllReduceError::Fallback`] (empty, a
-    /// size not a multiple of 16 bytes, above `max_bytes`, no kernel or no peer access:
-    /// every rank of a same-shaped call gets the same reason), [`AllReduceError::BufferTooSmall`]
-    /// (output shorter than the input), [`AllReduceError::Misaligned`] (output not 16-byte
-    /// aligned). The checks of every launch (shape word at the start barrier, region limits
+    /// Errors, before anything runs on this rank: [`AllReduceError::BufferTooSmall`]
+    /// (output shorter than the input), then [`AllReduceError::Fallback`] (empty, a size
+    /// not a multiple of 16 bytes, above `max_bytes`, no kernel or no peer access: every
+    /// rank of a same-shaped call gets the same reason, decided before this rank's phase or
+    /// output alignment is looked at, so that a rank whose communicator failed or whose
+    /// output is misaligned still joins its peers in the fallback), then the phase, then
+    /// [`AllReduceError::Misaligned`] (output not 16-byte aligned, for a call the kernels
+    /// serve). The checks of every launch (shape word at the start barrier, region limits
     /// of every slot) apply as for [`all_reduce_buffer`](Self::all_reduce_buffer).
     pub fn all_reduce_device<T, I, O>(&mut self, input: &I, output: &mut O) -> Result<Algorithm>
     where
@@ -1108,13 +1111,6 @@ impl CustomAllReduce<CudaBackend> {
         // guards record this call's use when they drop, after everything is issued.
         let (input_addr, _input_guard) = input.device_ptr(&stream);
         let (out, _output_guard) = output.device_ptr_mut(&stream);
-        if !out.is_multiple_of(PACK_BYTES as u64) {
-            return Err(AllReduceError::Misaligned {
-                buffer: "output",
-                addr: out,
-                align: PACK_BYTES,
-            });
-        }
         let bytes = count.saturating_mul(T::DTYPE.size());
         let shareable = || shareable_input(&memory, input_addr, bytes);
         let stage = |backend: &CudaBackend, staging: &CudaBuffer, bytes: usize| {

@@ -375,3 +375,53 @@ fn an_in_place_call_inside_a_capture_is_staged_even_when_its_input_could_be_shar
         r.unwrap();
     }
 }
+
+/// The route is decided from the call's shape alone: a rank whose communicator failed, or
+/// whose output is not 16-byte aligned, still gets `Fallback` for a size the kernels do not
+/// serve (its peers take the fallback, and with NCCL a rank that stays out leaves them
+/// waiting for good); the refusals local to a rank come only for sizes the kernels serve.
+#[test]
+fn a_fallback_shape_is_a_fallback_whatever_the_ranks_phase_or_output_alignment() {
+    let results = LocalGroup::new(2).run(|comm| {
+        let mut ar = new_ar(&comm);
+        let memory = ar.memory().expect("memory").clone();
+        let input = memory.allocate(4096).expect("input");
+        let out = memory.allocate(4096).expect("output");
+        let call = |ar: &mut Ar, out: u64, count: usize| {
+            ar.all_reduce_external(
+                "all_reduce_device",
+                input.addr(),
+                || Ok(false),
+                |backend: &GraphSim, staging: &HostBuffer, bytes: usize| {
+                    backend.stage_caller(&memory, &input, staging, 0..bytes)
+                },
+                out,
+                DType::F32,
+                count,
+            )
+        };
+        // 3 f32: 12 bytes, not a multiple of 16.
+        let misaligned = out.addr() + 4;
+        assert!(matches!(
+            call(&mut ar, misaligned, 3),
+            Err(AllReduceError::Fallback(_))
+        ));
+        assert!(matches!(
+            call(&mut ar, misaligned, 64),
+            Err(AllReduceError::Misaligned { .. })
+        ));
+        let _ = ar.fail("a test", AllReduceError::InvalidArgument("injected".into()));
+        assert!(matches!(
+            call(&mut ar, out.addr(), 3),
+            Err(AllReduceError::Fallback(_))
+        ));
+        let served = call(&mut ar, out.addr(), 64);
+        assert!(
+            matches!(served, Err(AllReduceError::Failed { .. })),
+            "{served:?}"
+        );
+    });
+    for r in results {
+        r.expect("rank thread");
+    }
+}

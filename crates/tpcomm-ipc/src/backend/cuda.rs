@@ -770,12 +770,12 @@ fn open_table() -> MutexGuard<'static, HashMap<OpenKey, Opened>> {
 /// aliases, and an alias is checked against the allocation now at `base`: the driver must
 /// give the same handle for it ([`CudaMemory::open_alias`]), which a new allocation at a
 /// freed one's address does not. Entries are dropped when a [`CudaBuffer`] is freed; a
-/// stale entry (memory tpcomm did not allocate, freed by its owner) is harmless: after a
-/// process checkpoint and
-/// restore the driver hands out a *different* handle for the same allocation (the old one no
-/// longer opens anywhere: `CUDA_ERROR_INVALID_HANDLE`), the registry's resume exports again
-/// and inserts the new handle next to the old one, both naming the same base (a restore
-/// keeps every allocation at its virtual address).
+/// stale entry (memory tpcomm did not allocate, freed by its owner, or a handle from
+/// before a process checkpoint) is refused that way. After a checkpoint and restore the
+/// driver hands out a *different* handle for the same allocation (the old one no longer
+/// opens anywhere: `CUDA_ERROR_INVALID_HANDLE`); the registry's resume exports again and
+/// inserts the new handle next to the old one, both naming the same base (a restore keeps
+/// every allocation at its virtual address).
 fn export_table() -> MutexGuard<'static, HashMap<[u8; result::IPC_HANDLE_BYTES], CUdeviceptr>> {
     static TABLE: OnceLock<Mutex<HashMap<[u8; result::IPC_HANDLE_BYTES], CUdeviceptr>>> =
         OnceLock::new();

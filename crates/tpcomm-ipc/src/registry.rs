@@ -544,15 +544,8 @@ impl<B: PeerMemory> PeerMappings<B> {
         self.peer(id, rank, index).map(MemoryRegion::addr)
     }
 
-    /// Closes every imported mapping; local memory is untouched. Returns how many were
-    /// closed. Repeating it is a no-op returning 0.
-    ///
-    /// Every mapping is closed (and unreachable) even when some close fails; the first
-    /// failure is then returned. The handles exchanges refer to are kept for
-    /// [`reopen_all`](Self::reopen_all); the others (opened by [`import`](Self::import)
-    /// only) are forgotten.
-    pub fn close_all(&mut self) -> Result<usize> {
-        let _span = tracing::debug_span!("peer_close_all", rank = self.rank).entered();
+    /// Per slab index, whether some exchange refers to it.
+    fn referenced_slots(&self) -> Vec<bool> {
         let mut referenced = vec![false; self.slab.len()];
         for &i in self
             .exchanges
@@ -563,6 +556,19 @@ impl<B: PeerMemory> PeerMappings<B> {
                 *r = true;
             }
         }
+        referenced
+    }
+
+    /// Closes every imported mapping; local memory is untouched. Returns how many were
+    /// closed. Repeating it is a no-op returning 0.
+    ///
+    /// Every mapping is closed (and unreachable) even when some close fails; the first
+    /// failure is then returned. The handles exchanges refer to are kept for
+    /// [`reopen_all`](Self::reopen_all); the others (opened by [`import`](Self::import)
+    /// only) are forgotten.
+    pub fn close_all(&mut self) -> Result<usize> {
+        let _span = tracing::debug_span!("peer_close_all", rank = self.rank).entered();
+        let referenced = self.referenced_slots();
         let mut closed = 0;
         let mut first_error = None;
         for slot in 0..self.slab.len() {
@@ -848,16 +854,13 @@ impl<B: PeerMemory> PeerMappings<B> {
             .flatten()
             .flatten()
             .collect();
+        // The memo shares a mapping between exchanges of the same handle: keep it while
+        // another exchange still names it.
+        let referenced = self.referenced_slots();
         let mut closed = 0;
         let mut first_error = None;
         for slot in slots {
-            // The memo shares a mapping between exchanges of the same handle: keep it while
-            // another exchange still names it.
-            let shared = self
-                .exchanges
-                .iter()
-                .any(|other| other.slots.iter().flatten().any(|&s| s == Some(slot)));
-            if shared {
+            if referenced.get(slot).copied().unwrap_or(false) {
                 continue;
             }
             match self.close_slot(slot) {

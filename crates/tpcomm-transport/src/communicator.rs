@@ -5,7 +5,7 @@ use crate::check::{
     Shape, VarcountArgs,
 };
 use crate::error::{Op, Result, TransportError};
-use crate::reduce::{reduce_into, slice_of, DataType, Element, ReduceOp};
+use crate::reduce::{describe_reduction, reduce_into, slice_of, DataType, Element, ReduceOp};
 
 /// A group of ranks that run collectives over host bytes.
 ///
@@ -302,13 +302,7 @@ fn agree_on_reduction<C: Communicator + ?Sized>(
     }
     let describe = |word: &[u8]| {
         let count = u64::from_le_bytes(word[..8].try_into().expect("8 bytes"));
-        let dtype = DataType::ALL
-            .get(usize::from(word[8]))
-            .map_or("?", |d| d.name());
-        let op = ReduceOp::ALL
-            .get(usize::from(word[9]))
-            .map_or("?", |o| o.name());
-        format!("{count} {dtype} ({op})")
+        describe_reduction(count, usize::from(word[8]), usize::from(word[9]))
     };
     let first = differ[0];
     Err(TransportError::Mismatch {

@@ -62,6 +62,15 @@ impl ReduceOp {
     }
 }
 
+/// An all-reduce as ranks announce it to each other (`count` elements of the type and op at
+/// those positions of [`DataType::ALL`] and [`ReduceOp::ALL`]), for mismatch errors; a
+/// position out of range reads `?`.
+pub(crate) fn describe_reduction(count: u64, dtype: usize, op: usize) -> String {
+    let dtype = DataType::ALL.get(dtype).map_or("?", |d| d.name());
+    let op = ReduceOp::ALL.get(op).map_or("?", |o| o.name());
+    format!("{count} {dtype} elements ({op})")
+}
+
 /// What the bytes of an all-reduce are: the element type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DataType {

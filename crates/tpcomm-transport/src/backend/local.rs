@@ -50,7 +50,7 @@ use crate::check::{
 };
 use crate::communicator::Communicator;
 use crate::error::{Op, Result, TransportError};
-use crate::reduce::{reduce_into, slice_of, DataType, ReduceOp};
+use crate::reduce::{describe_reduction, reduce_into, slice_of};
 
 /// Settings of a local group.
 #[derive(Debug, Clone)]
@@ -1431,11 +1431,7 @@ impl Communicator for LocalCommunicator {
         let op = Op::AllReduce;
         let (dtype, reduce, count) = (args.dtype(), args.op(), args.count());
         let describe = |meta: &[usize]| match meta {
-            [count, dtype, reduce] => format!(
-                "{count} {} elements ({})",
-                DataType::ALL[*dtype].name(),
-                ReduceOp::ALL[*reduce].name()
-            ),
+            [count, dtype, reduce] => describe_reduction(*count as u64, *dtype, *reduce),
             _ => format!("{meta:?}"),
         };
         let meta = [count, dtype.index(), reduce.index()];

@@ -278,7 +278,7 @@ mod tests {
                         blocks: &blocks,
                         rank,
                         world,
-                        counters: [&counters[0], &counters[1], &counters[2]],
+                        counters: counters.each_ref(),
                         timeout: Duration::from_secs(30),
                     };
                     for launch in 0..6 {
@@ -311,7 +311,7 @@ mod tests {
             blocks: &blocks,
             rank: 0,
             world: 2,
-            counters: [&counters[0], &counters[1], &counters[2]],
+            counters: counters.each_ref(),
             timeout: Duration::from_millis(20),
         };
         barrier.cross::<Backoff>(kind)
@@ -462,7 +462,7 @@ mod loom_tests {
             blocks: &view,
             rank,
             world,
-            counters: [&counters[0], &counters[1], &counters[2]],
+            counters: counters.each_ref(),
             timeout: Duration::from_secs(1),
         };
         for n in 0..launches {

@@ -34,8 +34,8 @@ struct Tally {
     passed: u64,
     failed: u64,
     ignored: u64,
-    /// Tests that returned early because the machine has no GPU (or no NCCL): reported by
-    /// libtest as passed, moved here from `passed`.
+    /// Tests that returned early because the machine lacks what they need (a GPU, NCCL, FUSE):
+    /// reported by libtest as passed, moved here from `passed`.
     skipped: Vec<String>,
     problems: Vec<String>,
 }
@@ -154,7 +154,7 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     }
     if !tally.skipped.is_empty() {
         println!(
-            "({} GPU tests skipped, not counted as passed; `cargo xtask gpu-check` runs them on a GPU):",
+            "({} tests skipped, not counted as passed; `cargo xtask gpu-check` runs the GPU ones on a GPU):",
             tally.skipped.len()
         );
         for s in &tally.skipped {

@@ -3,9 +3,10 @@
 //! processes over a socket).
 //!
 //! A test that needs a GPU and finds none calls [`skip_without_gpu`]: under
-//! `TPCOMM_REQUIRE_GPU=1` that is a failure; otherwise the reason goes to stderr and, when
-//! `TPCOMM_SKIP_LOG` names a file, one line (the test's name and the reason) is appended to
-//! it, so that `cargo xtask test` counts the test as skipped rather than passed.
+//! `TPCOMM_REQUIRE_GPU=1` that is a failure; otherwise (and for a test that needs something
+//! else the machine lacks: [`skip`]) the reason goes to stderr and, when `TPCOMM_SKIP_LOG`
+//! names a file, one line (the test's name and the reason) is appended to it, so that
+//! `cargo xtask test` counts the test as skipped rather than passed.
 
 use std::io::Write;
 
@@ -26,6 +27,15 @@ pub fn skip_without_gpu(why: &str) {
         !gpu_required(),
         "{test}: TPCOMM_REQUIRE_GPU=1 but the GPU is unusable: {why}"
     );
+    skip(why);
+}
+
+/// Records that the calling test skips because the machine lacks what it needs (`why`):
+/// the reason goes to stderr and to `TPCOMM_SKIP_LOG`, so that `cargo xtask test` counts the
+/// test as skipped rather than passed.
+pub fn skip(why: &str) {
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("unnamed test");
     eprintln!("skipped: {test}: {why}");
     if let Some(path) = std::env::var_os("TPCOMM_SKIP_LOG") {
         let line = format!("{test}\t{}\n", why.replace('\n', " "));

@@ -29,8 +29,15 @@
 //!   handles off other programs' memory);
 //! - its size (read after the seals) is the handle's segment size.
 //!
+//! These checks run in an order that never waits on a file system server (a forged handle
+//! may name a FUSE or NFS file whose server never answers): the identity from the kernel's
+//! cached attributes (`statx` with `AT_STATX_DONT_SYNC`), then the seals (answered by the
+//! VFS), and only for a shmem file `fstatfs`, the name and the size. The `/proc` fallback
+//! first reads the descriptor's link, which must name a memfd.
+//!
 //! Anything else is [`IpcError::NotASegment`] (or `StaleHandle` / `InvalidHandle`), the
-//! fetched descriptor is closed and nothing is mapped. The descriptor is also closed right
+//! fetched descriptor is closed (on a thread of its own unless it is shmem: closing flushes
+//! the file, which FUSE and NFS send to the server) and nothing is mapped. The descriptor is also closed right
 //! after a successful `mmap`: a mapping holds no descriptor.
 //!
 //! A backend (with its clones) maps a peer segment once, whole; every handle opened in it
@@ -55,13 +62,13 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt;
 use std::ops::Bound::{Excluded, Unbounded};
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use rustix::event::{PollFd, PollFlags, Timespec};
-use rustix::fs::{FileType, MemfdFlags, Mode, OFlags, SealFlags};
+use rustix::fs::{AtFlags, FileType, MemfdFlags, Mode, OFlags, SealFlags, StatxFlags};
 use rustix::io::Errno;
 use rustix::mm::{MapFlags, ProtFlags};
 use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags};
@@ -72,6 +79,8 @@ use crate::memory::{check_range, MemoryRegion, PeerMemory, Sealed};
 use crate::registry::Region;
 
 mod arena;
+#[cfg(test)]
+mod stalled_fuse;
 
 use arena::Arena;
 
@@ -342,7 +351,10 @@ impl HostMemory {
             return Ok(map);
         }
         let Fetched { fd, pidfd } = self.fetch_fd(h)?;
-        check_segment(&fd, h)?;
+        if let Err(e) = check_segment(&fd, h) {
+            close_refused(fd);
+            return Err(e);
+        }
         let ptr = map_shared(&fd, 0, segment_len)?;
         let map = Arc::new(PeerMap {
             ptr,
@@ -437,6 +449,23 @@ impl HostMemory {
     }
 }
 
+/// Closes a descriptor fetched for a handle and refused. Closing a file calls its file
+/// system's `flush`, which for a FUSE file (or one on a hard NFS mount) waits on a server
+/// that may never answer: a file that is not shmem (which has no `flush`) is therefore
+/// closed on a thread of its own, so that the refusal returns at once. A thread that
+/// cannot be spawned closes it here.
+fn close_refused(fd: OwnedFd) {
+    if rustix::fs::fcntl_get_seals(&fd).is_ok() {
+        return drop(fd);
+    }
+    let spawned = std::thread::Builder::new()
+        .name("tpcomm-ipc-close".into())
+        .spawn(move || drop(fd));
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "closing a refused descriptor on the caller's thread");
+    }
+}
+
 /// Duplicates this process's descriptor `fd`, which must belong to the live segment `inode`.
 fn dup_own(fd: i32, inode: u64) -> Result<OwnedFd> {
     let table = segments();
@@ -452,37 +481,48 @@ fn dup_own(fd: i32, inode: u64) -> Result<OwnedFd> {
 /// Reopens the descriptor `h` names through `/proc` (allowed for a same-user process when
 /// ptrace restrictions forbid `pidfd_getfd`).
 ///
-/// Reopening opens the file anew, so it is first looked at through an `O_PATH` descriptor,
-/// which opens nothing: only a regular file on tmpfs (or hugetlbfs) with the handle's inode
-/// is reopened, so that a forged handle can never make this process open a device, a FIFO
-/// or an ordinary file of the owner.
+/// Reopening opens the file anew, so it is first looked at: its link must name a memfd,
+/// then through an `O_PATH` descriptor, which opens nothing, it must still name one and be
+/// a regular file on tmpfs (or hugetlbfs) with the handle's inode. A forged handle can
+/// thus never make this process open a device, a FIFO or an ordinary file of the owner,
+/// nor ask the server of a network or FUSE file system anything.
 fn open_via_proc(h: &HostHandle) -> Result<OwnedFd> {
     let (pid, fd) = (h.pid, h.fd);
-    let path = rustix::fs::open(
-        format!("/proc/{pid}/fd/{fd}"),
-        OFlags::PATH | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| match e {
+    let gone = |e, call| match e {
         Errno::NOENT if process_exited(pid) => IpcError::OwnerGone { pid },
         Errno::NOENT => IpcError::StaleHandle(format!("descriptor {fd} of pid {pid} is closed")),
-        e => IpcError::Os {
-            call: "open /proc/<pid>/fd (O_PATH)",
-            source: e,
-        },
-    })?;
-    let stat = rustix::fs::fstat(&path).map_err(os("fstat"))?;
-    check_identity(h, &stat)?;
-    let fs = rustix::fs::fstatfs(&path).map_err(os("fstatfs"))?;
-    // hugetlbfs files are let through so that `check_segment` names them as on the
+        e => IpcError::Os { call, source: e },
+    };
+    let not_memfd = IpcError::NotASegment {
+        pid,
+        fd,
+        problem: SegmentProblem::NotMemfd,
+    };
+    let owners = format!("/proc/{pid}/fd/{fd}");
+    // The link is read from the owner's table without touching the file: a file of any
+    // other file system (one whose server may never answer) is refused before it is
+    // looked up, let alone stat'ed.
+    match names_a_memfd(&owners) {
+        Ok(true) => {}
+        Ok(false) => return Err(not_memfd),
+        Err(IpcError::Os { source, call }) => return Err(gone(source, call)),
+        Err(e) => return Err(e),
+    }
+    let path = rustix::fs::open(&owners, OFlags::PATH | OFlags::CLOEXEC, Mode::empty())
+        .map_err(|e| gone(e, "open /proc/<pid>/fd (O_PATH)"))?;
+    // Again for the file now held (the owner may have put another file at that number).
+    if !names_a_memfd(&format!("/proc/self/fd/{}", path.as_raw_fd()))? {
+        return Err(not_memfd);
+    }
+    let id = cached_identity(path.as_fd())?;
+    check_identity(h, &id)?;
+    // A memfd lives on the kernel's internal tmpfs (or on hugetlbfs): `fstatfs` asks no
+    // server. hugetlbfs files are let through so that `check_segment` names them as on the
     // `pidfd_getfd` path; opening one has no side effect either.
+    let fs = rustix::fs::fstatfs(&path).map_err(os("fstatfs"))?;
     let shmem = [TMPFS_MAGIC, HUGETLBFS_MAGIC].contains(&fs_magic(&fs));
-    if !FileType::from_raw_mode(stat.st_mode).is_file() || !shmem {
-        return Err(IpcError::NotASegment {
-            pid,
-            fd,
-            problem: SegmentProblem::NotMemfd,
-        });
+    if !FileType::from_raw_mode(id.mode).is_file() || !shmem {
+        return Err(not_memfd);
     }
     rustix::fs::open(
         format!("/proc/self/fd/{}", path.as_raw_fd()),
@@ -490,6 +530,13 @@ fn open_via_proc(h: &HostHandle) -> Result<OwnedFd> {
         Mode::empty(),
     )
     .map_err(os("open /proc/self/fd (reopen)"))
+}
+
+/// Whether the descriptor link `link` (under `/proc`) names a memfd (`/memfd:<name>`,
+/// which only `memfd_create` files show). Reading a link asks no file system.
+fn names_a_memfd(link: &str) -> Result<bool> {
+    let target = rustix::fs::readlink(link, Vec::new()).map_err(os("readlink /proc/<pid>/fd"))?;
+    Ok(target.as_bytes().starts_with(b"/memfd:"))
 }
 
 /// Whether process `pid` is gone or has exited (a zombie not reaped yet, whose descriptors
@@ -680,12 +727,47 @@ fn prefault(mappings: &[HostMapping]) {
     }
 }
 
+/// The inode, device and file type of the file `fd` refers to, as the kernel has them
+/// cached: `statx` with `AT_STATX_DONT_SYNC`, which file systems that ask a server for
+/// attributes (FUSE, NFS, CIFS, Ceph, 9p) answer without asking it, so that looking at a
+/// forged handle's file never waits on a server that does not answer. Only where `statx`
+/// is refused (a seccomp filter, a kernel before 4.11) does a plain `fstat` serve.
+fn cached_identity(fd: BorrowedFd<'_>) -> Result<Identity> {
+    let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC;
+    match rustix::fs::statx(fd, c"", flags, StatxFlags::TYPE | StatxFlags::INO) {
+        Ok(x) => Ok(Identity {
+            inode: x.stx_ino,
+            dev: rustix::fs::makedev(x.stx_dev_major, x.stx_dev_minor),
+            mode: u32::from(x.stx_mode),
+        }),
+        Err(Errno::NOSYS | Errno::PERM) => {
+            let stat = rustix::fs::fstat(fd).map_err(os("fstat"))?;
+            Ok(Identity {
+                inode: stat.st_ino,
+                dev: stat.st_dev,
+                mode: stat.st_mode,
+            })
+        }
+        Err(e) => Err(IpcError::Os {
+            call: "statx(AT_STATX_DONT_SYNC)",
+            source: e,
+        }),
+    }
+}
+
+/// What [`cached_identity`] reads.
+struct Identity {
+    inode: u64,
+    dev: u64,
+    mode: u32,
+}
+
 /// The handle's descriptor names the handle's inode, or the handle is stale.
-fn check_identity(h: &HostHandle, stat: &rustix::fs::Stat) -> Result<()> {
-    if stat.st_ino != h.inode || stat.st_dev != h.dev {
+fn check_identity(h: &HostHandle, id: &Identity) -> Result<()> {
+    if id.inode != h.inode || id.dev != h.dev {
         return Err(IpcError::StaleHandle(format!(
             "descriptor {} of pid {} names inode {} now, not segment inode {}",
-            h.fd, h.pid, stat.st_ino, h.inode
+            h.fd, h.pid, id.inode, h.inode
         )));
     }
     Ok(())
@@ -705,10 +787,13 @@ fn check_segment(fd: &OwnedFd, h: &HostHandle) -> Result<()> {
         fd: h.fd,
         problem,
     };
-    check_identity(h, &rustix::fs::fstat(fd).map_err(os("fstat"))?)?;
+    check_identity(h, &cached_identity(fd.as_fd())?)?;
+    // Before anything that may reach the file's file system: only shmem files (tmpfs,
+    // hugetlbfs) have seals, and the VFS answers for every other file without asking its
+    // file system (an O_PATH descriptor is refused outright).
     let seals = match rustix::fs::fcntl_get_seals(fd) {
         Ok(seals) => seals,
-        Err(Errno::INVAL) => return Err(not(SegmentProblem::NotMemfd)),
+        Err(Errno::INVAL | Errno::BADF) => return Err(not(SegmentProblem::NotMemfd)),
         Err(e) => {
             return Err(IpcError::Os {
                 call: "fcntl(F_GET_SEALS)",
@@ -1260,10 +1345,22 @@ mod tests {
 
     use std::process::{Child, Command, Stdio};
 
+    use super::stalled_fuse::{self, StalledFuse};
     use super::*;
+
+    /// Held while a test of this module starts a process, and by a FUSE test throughout: a
+    /// process started while a FUSE file is open here would inherit that descriptor until
+    /// its `exec` closes it, and that close waits on the server once it stalls.
+    static FORKS: Mutex<()> = Mutex::new(());
 
     /// A `sleep` holding `fd` as its descriptor 0, and a handle naming all `len` bytes of it.
     fn hold(fd: OwnedFd, len: u64) -> (Child, HostHandle) {
+        let _forks = lock(&FORKS);
+        spawn_holder(fd, len)
+    }
+
+    /// [`hold`], for a caller that holds [`FORKS`].
+    fn spawn_holder(fd: OwnedFd, len: u64) -> (Child, HostHandle) {
         let stat = rustix::fs::fstat(&fd).unwrap();
         let child = Command::new("sleep")
             .arg("600")
@@ -1285,6 +1382,82 @@ mod tests {
     fn reap(mut child: Child) {
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    /// A FUSE file system serving one file, or `None` after recording why the test skips.
+    fn fuse() -> Option<StalledFuse> {
+        StalledFuse::mount()
+            .map_err(|why| tpcomm_transport::testing::skip(&why))
+            .ok()
+    }
+
+    /// A `sleep` holding the file system's file open, and a handle naming it; from then on
+    /// the file system answers nothing. The caller holds [`FORKS`].
+    ///
+    /// The file is opened without `O_CLOEXEC`: the child keeps its inherited copy, where
+    /// closing it in `exec` (which `spawn` does not wait for) would wait on the stalled server
+    /// with the child's exec lock held, and so block `pidfd_getfd` on the child.
+    fn hold_stalled(fs: &StalledFuse) -> (Child, HostHandle) {
+        let file =
+            rustix::fs::open(fs.file(), OFlags::RDWR, Mode::empty()).expect("the FUSE file opens");
+        let held = spawn_holder(file, stalled_fuse::FILE_LEN);
+        fs.stall();
+        held
+    }
+
+    /// What `f` returns, or `None` when it has not returned after 10 s (it goes on on its
+    /// own thread).
+    fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(10)).ok()
+    }
+
+    #[test]
+    fn a_handle_naming_a_file_whose_server_never_answers_is_refused_without_waiting() {
+        let _forks = lock(&FORKS);
+        let Some(fs) = fuse() else { return };
+        let (child, h) = hold_stalled(&fs);
+        let result = within_10s(move || HostMemory::new().open(&h).map(|_| ()));
+        // The refused descriptor's close does reach the server (on a thread of its own):
+        // closing it on the caller's thread would have waited there.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while fs.held() == 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let held = fs.held();
+        // Unmounting answers what is held, and lets the child's own close end.
+        drop(fs);
+        reap(child);
+        match result {
+            Some(Err(IpcError::NotASegment {
+                problem: SegmentProblem::NotMemfd,
+                ..
+            })) => {}
+            None => panic!("open waited on a file system that never answers for 10 s"),
+            Some(other) => panic!("expected NotASegment(NotMemfd), got {other:?}"),
+        }
+        assert!(held >= 1, "the refused descriptor was never closed");
+    }
+
+    #[test]
+    fn the_proc_fallback_refuses_a_file_whose_server_never_answers_without_waiting() {
+        let _forks = lock(&FORKS);
+        let Some(fs) = fuse() else { return };
+        let (child, h) = hold_stalled(&fs);
+        let result = within_10s(move || open_via_proc(&h).map(|_| ()));
+        drop(fs);
+        reap(child);
+        match result {
+            Some(Err(IpcError::NotASegment {
+                problem: SegmentProblem::NotMemfd,
+                ..
+            })) => {}
+            None => panic!("the /proc fallback waited on a file system that never answers"),
+            Some(other) => panic!("expected NotASegment(NotMemfd), got {other:?}"),
+        }
     }
 
     #[test]

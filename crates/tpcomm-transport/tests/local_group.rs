@@ -480,3 +480,87 @@ fn overlapping_calls_on_one_communicator_fail_cleanly_or_succeed() {
         }
     }
 }
+
+/// Every rank's result of one call, as the group saw it: each `Aborted` reason must say that
+/// earlier calls differed.
+fn assert_every_rank_learns_of_the_earlier_disagreement(results: Vec<Result<(), TransportError>>) {
+    for (rank, result) in results.into_iter().enumerate() {
+        match result {
+            Err(TransportError::Aborted { reason, .. }) => assert!(
+                reason.contains("calls before this one that differ"),
+                "rank {rank}: {reason}"
+            ),
+            other => panic!("rank {rank}: expected an abort, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn ranks_that_each_took_themselves_for_a_broadcasts_root_fail_at_their_next_call() {
+    // Roots 0, 1, 1: ranks 0 and 1 read nothing, rank 2 reads rank 1's post (root 1, as it
+    // expects); nobody can see the disagreement in the broadcast itself.
+    let results = LocalGroup::new(3)
+        .timeout(Duration::from_secs(30))
+        .run(|comm| {
+            let root = comm.rank().min(1);
+            let mut buf = [comm.rank() as u8; 4];
+            let first = comm.broadcast(root, &mut buf);
+            (first, comm.barrier())
+        });
+    let (firsts, nexts): (Vec<_>, Vec<_>) = results.into_iter().map(Result::unwrap).unzip();
+    assert!(firsts.iter().all(Result::is_ok), "{firsts:?}");
+    assert_every_rank_learns_of_the_earlier_disagreement(nexts);
+}
+
+#[test]
+fn gather_senders_naming_different_roots_fail_at_their_next_call() {
+    // Roots 1, 2, 0: no rank takes itself for the root, so nobody reads in the gather.
+    let results = LocalGroup::new(3)
+        .timeout(Duration::from_secs(30))
+        .run(|comm| {
+            let root = (comm.rank() + 1) % 3;
+            let first = comm.gather_varcount(root, &[7u8; 8], None);
+            let mut all = [0u8; 3];
+            (first, comm.all_gather(&[1], &mut all))
+        });
+    let (firsts, nexts): (Vec<_>, Vec<_>) = results.into_iter().map(Result::unwrap).unzip();
+    assert!(firsts.iter().all(Result::is_ok), "{firsts:?}");
+    assert_every_rank_learns_of_the_earlier_disagreement(nexts);
+}
+
+#[test]
+fn a_disagreement_seen_only_a_ring_of_calls_later_is_still_caught() {
+    // Two ranks that each take themselves for the root of 100 broadcasts (each runs up to
+    // a ring ahead, reading nothing), then meet in a barrier.
+    let results = LocalGroup::new(2)
+        .timeout(Duration::from_secs(30))
+        .run(|comm| {
+            let mut buf = [0u8; 4];
+            for _ in 0..100 {
+                comm.broadcast(comm.rank(), &mut buf)?;
+            }
+            comm.barrier()
+        });
+    assert_every_rank_learns_of_the_earlier_disagreement(
+        results.into_iter().map(Result::unwrap).collect(),
+    );
+}
+
+#[test]
+fn agreeing_rooted_calls_with_every_root_pass_the_history_check() {
+    let results = LocalGroup::new(3).run(|comm| {
+        for i in 0..200usize {
+            let root = i % 3;
+            let mut buf = [(root * 10) as u8; 4];
+            comm.broadcast(root, &mut buf)?;
+            assert_eq!(buf, [(root * 10) as u8; 4]);
+            if i % 7 == 0 {
+                comm.barrier()?;
+            }
+        }
+        comm.barrier()
+    });
+    for result in results {
+        result.unwrap().unwrap();
+    }
+}

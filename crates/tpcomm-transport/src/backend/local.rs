@@ -6,10 +6,13 @@
 //! called with, and the operation it called) into a *slot* of its own, one of a ring of 64
 //! per rank, and marking the slot with the round; it waits until the slots of the ranks it
 //! depends on carry the round, reads their posts, checks that they called the same
-//! operation, and bumps its `done` count. A small post (up to 48 bytes and three counts: a
-//! barrier, a few bytes, an object collective's header) travels in the slot's own words, so
-//! a reader takes it with the cache line it waited on; a larger one is a shared buffer the
-//! reader takes a reference to. No lock is shared by all ranks on this path: each rank
+//! operation with the same root after the same earlier calls (a digest of those travels
+//! with every post: a disagreement in a call where nobody read, such as two self-styled
+//! broadcast roots, is caught at the next call that reads), and bumps its `done` count. A
+//! small post (up to 48 bytes and three counts: a barrier, a few bytes, an object
+//! collective's header) travels in the slot's own words, so a reader takes it with the
+//! cache line it waited on; a larger one is a shared buffer the reader takes a reference
+//! to. No lock is shared by all ranks on this path: each rank
 //! writes only its own slots and count, and reads the others' counts only when it is about
 //! to use a slot again. A rank uses a slot again `RING` rounds later, after every rank is
 //! done with it (a rank that needs nobody's post, such as a broadcast root, waits there for
@@ -285,6 +288,8 @@ pub struct LocalCommunicator {
     rank: usize,
     /// The sequence number of this rank's next round.
     seq: AtomicU64,
+    /// The [`history`] of this rank's calls so far.
+    history: AtomicU64,
     /// How long this rank's waits spin before parking.
     spin: SpinBudget,
     /// Rounds every rank is done with, as last read from their progress (a lower bound:
@@ -361,7 +366,8 @@ struct Slot {
     /// [`op_code`] of the operation called (bits 0-7); inline, the byte length (bits 8-15)
     /// and the count of `meta` (bits 16-23); or [`SHARED_POST`].
     head: AtomicU64,
-    /// The root plus one, 0 for none.
+    /// The root plus one, 0 for none (bits 0-31), and the upper half of the rank's
+    /// [`history`] before this round (bits 32-63).
     root: AtomicU64,
     meta: [AtomicU64; INLINE_META],
     bytes: [AtomicU64; INLINE_WORDS],
@@ -626,6 +632,10 @@ impl Shared {
                 "a local group of {size} ranks is too large: {what}"
             ))
         };
+        // A slot carries a root in 32 bits (`Slot::root`).
+        if u32::try_from(size).map_or(true, |s| s == u32::MAX) {
+            return Err(too_large("a root must fit in 32 bits"));
+        }
         // `try_reserve_exact` refuses a byte size past `isize::MAX` itself; only the slot
         // count can overflow before it is asked.
         let slot_count = size
@@ -719,6 +729,7 @@ impl LocalCommunicator {
             shared,
             rank,
             seq: AtomicU64::new(0),
+            history: AtomicU64::new(0),
             known_done: AtomicU64::new(0),
             holding: AtomicU64::new(0),
             spares: Mutex::new(Vec::with_capacity(SPARES)),
@@ -813,14 +824,19 @@ impl LocalCommunicator {
         self.holding.fetch_and(!freed, Ordering::Relaxed);
     }
 
-    /// Writes `post` into this rank's slot of round `seq` (see [`Slot`]).
-    fn publish_post(&self, seq: u64, op: Op, root: Option<usize>, post: Outgoing) {
+    /// Writes `post` into this rank's slot of round `seq` (see [`Slot`]); returns the
+    /// rank's [`history`] before this round, which its reads of the round check the peers'
+    /// against.
+    fn publish_post(&self, seq: u64, op: Op, root: Option<usize>, post: Outgoing) -> u64 {
         let slot = self.shared.slot(self.rank, seq);
         let bit = 1u64 << (seq % RING);
+        let before = self.history.load(Ordering::Relaxed);
+        self.history
+            .store(history(before, op, root), Ordering::Relaxed);
         slot.round.store(0, Ordering::Relaxed);
         fence(Ordering::Release);
         slot.root
-            .store(root.map_or(0, |r| r as u64 + 1), Ordering::Relaxed);
+            .store(root_code(root) | before & HISTORY_BITS, Ordering::Relaxed);
         let old = match post {
             Outgoing::Inline {
                 words,
@@ -858,22 +874,24 @@ impl LocalCommunicator {
         slot.round.store(seq + 1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         drop(old);
+        before
     }
 
     /// Reads rank `r`'s post of round `seq` into `got` (and `copy`, when inline); checks it
-    /// was made by `op` with `root`.
+    /// was made by `op` with `root`, after calls of the same operations and roots as this
+    /// rank's (whose [`history`] before the round is `before`).
     fn read_post(
         &self,
         r: usize,
         seq: u64,
-        op: Op,
-        root: Option<usize>,
+        (op, root, before): (Op, Option<usize>, u64),
         copy: &mut Post,
     ) -> Result<Got> {
         let slot = self.shared.slot(r, seq);
         let first = slot.round.load(Ordering::Acquire);
         let head = slot.head.load(Ordering::Relaxed);
-        let (their_op, their_root) = (head & 0xff, slot.root.load(Ordering::Relaxed));
+        let word = slot.root.load(Ordering::Relaxed);
+        let (their_op, their_root) = (head & 0xff, word & !HISTORY_BITS);
         let got = if head & SHARED_POST != 0 {
             lock(&slot.post).clone().map(Got::Shared)
         } else {
@@ -907,14 +925,22 @@ impl LocalCommunicator {
             );
             return Err(self.abort_group(&mut self.shared.lock(), op, reason));
         };
-        let root_code = root.map_or(0, |r| r as u64 + 1);
-        if their_op != op_code(op) || their_root != root_code {
+        if their_op != op_code(op) || their_root != root_code(root) {
             let reason = format!(
                 "call #{seq}: rank {} called {op} (root {root:?}) while rank {r} called {} \
                  (root {:?})",
                 self.rank,
                 op_of(their_op).map_or("nothing".into(), |o| o.to_string()),
                 their_root.checked_sub(1)
+            );
+            return Err(self.abort_group(&mut self.shared.lock(), op, reason));
+        }
+        if word & HISTORY_BITS != before & HISTORY_BITS {
+            let reason = format!(
+                "call #{seq}: rank {r} made calls before this one that differ from rank {}'s \
+                 in an operation or a root, unchecked then because one of them read nothing \
+                 from the other (a broadcast root, a gather's sender)",
+                self.rank
             );
             return Err(self.abort_group(&mut self.shared.lock(), op, reason));
         }
@@ -978,7 +1004,7 @@ impl LocalCommunicator {
             self.known_done.store(done, Ordering::Relaxed);
             self.reclaim(done);
         }
-        self.publish_post(seq, op, root, post);
+        let before = self.publish_post(seq, op, root, post);
         if shared.flags.parked.load(Ordering::SeqCst) > 0 {
             let _state = shared.lock();
             shared.changed.notify_all();
@@ -999,7 +1025,7 @@ impl LocalCommunicator {
             copies,
         };
         for r in needed_ranks(needs, size) {
-            joined.got[r] = self.read_post(r, seq, op, root, &mut joined.copies[r])?;
+            joined.got[r] = self.read_post(r, seq, (op, root, before), &mut joined.copies[r])?;
         }
         self.finish_round(seq);
         Ok(joined)
@@ -1220,6 +1246,28 @@ const OPS: [Op; 12] = [
 /// How `op` travels in a [`Slot`].
 fn op_code(op: Op) -> u64 {
     op as u64
+}
+
+/// `root` plus one, 0 for none: the lower half of [`Slot::root`] (a group's size fits in 32
+/// bits).
+fn root_code(root: Option<usize>) -> u64 {
+    root.map_or(0, |r| r as u64 + 1)
+}
+
+/// The bits of [`Slot::root`] that carry the poster's history.
+const HISTORY_BITS: u64 = 0xffff_ffff_0000_0000;
+
+/// A rank's history after a call of `op` with `root`, from its history before it (0 before
+/// its first call): a digest of every call's operation and root, in order, whose upper half
+/// travels with each post. A rank that reads a post checks its operation and root, and that
+/// the poster's calls before it were the same as the reader's: ranks that disagreed in a
+/// call where neither read the other (two ranks that each took itself for a broadcast's
+/// root, gather senders naming different roots) are caught at the next call that reads
+/// across them. A digest can collide: such a disagreement goes unseen with a chance of
+/// 2^-32 per later call that reads it.
+fn history(before: u64, op: Op, root: Option<usize>) -> u64 {
+    let call = op_code(op) | root_code(root) << 8;
+    (before.rotate_left(23) ^ call).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 /// The operation whose [`op_code`] is `code`, if any.
@@ -1597,7 +1645,7 @@ mod tests {
         let mut copy = Post::default();
         writer.publish_post(0, Op::GatherVarcount, Some(1), writer.post(&bytes, &meta));
         let got = reader
-            .read_post(1, 0, Op::GatherVarcount, Some(1), &mut copy)
+            .read_post(1, 0, (Op::GatherVarcount, Some(1), 0), &mut copy)
             .unwrap();
         assert!(matches!(got, Got::Copied));
         assert_eq!(
@@ -1610,9 +1658,9 @@ mod tests {
             writer.post_owned(longer.clone()),
             Outgoing::Shared(_)
         ));
-        writer.publish_post(1, Op::Broadcast, Some(1), writer.post(&longer, &[]));
+        let before = writer.publish_post(1, Op::Broadcast, Some(1), writer.post(&longer, &[]));
         let Got::Shared(post) = reader
-            .read_post(1, 1, Op::Broadcast, Some(1), &mut copy)
+            .read_post(1, 1, (Op::Broadcast, Some(1), before), &mut copy)
             .unwrap()
         else {
             panic!("a post past the inline size is shared");
@@ -1630,7 +1678,7 @@ mod tests {
         let mut copy = Post::default();
         writer.publish_post(0, Op::AllGather, None, writer.post(&[7; 9], &[9]));
         let got = reader
-            .read_post(1, 0, Op::AllGather, None, &mut copy)
+            .read_post(1, 0, (Op::AllGather, None, 0), &mut copy)
             .unwrap();
         assert!(matches!(got, Got::Copied));
         assert_eq!(
@@ -1645,7 +1693,7 @@ mod tests {
                 .round
                 .store(round, Ordering::Relaxed);
             let e = reader
-                .read_post(1, 0, Op::AllGather, None, &mut copy)
+                .read_post(1, 0, (Op::AllGather, None, 0), &mut copy)
                 .unwrap_err();
             assert!(
                 matches!(&e, TransportError::Aborted { reason, .. } if reason.contains("overlapped")),
@@ -1666,7 +1714,7 @@ mod tests {
         let mut copy = Post::default();
         comms[1].publish_post(0, Op::Broadcast, Some(1), comms[1].post(&[], &[]));
         let e = comms[0]
-            .read_post(1, 0, Op::Broadcast, Some(0), &mut copy)
+            .read_post(1, 0, (Op::Broadcast, Some(0), 0), &mut copy)
             .unwrap_err();
         let TransportError::Aborted { reason, .. } = e else {
             panic!("{e:?}");

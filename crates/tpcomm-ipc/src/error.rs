@@ -147,6 +147,15 @@ pub enum IpcError {
         #[source]
         cause: Box<IpcError>,
     },
+    /// A device buffer was paired with a stream of another device
+    /// ([`CudaBuffer::view`](crate::CudaBuffer::view)).
+    #[error("a buffer on device {buffer} cannot be viewed on a stream of device {stream}")]
+    WrongDevice {
+        /// The device the buffer lives on.
+        buffer: i32,
+        /// The device of the stream.
+        stream: usize,
+    },
     /// There is no usable device or driver (CUDA backend).
     #[error("no device: {0}")]
     NoDevice(String),

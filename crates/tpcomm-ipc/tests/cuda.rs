@@ -144,6 +144,32 @@ fn an_ipc_handle_of_the_wrong_size_does_not_decode() {
 // ---------------------------------------------------------------- needs a GPU
 
 #[test]
+fn a_buffer_viewed_on_a_stream_of_another_device_is_refused() {
+    let Some(mem) = gpu() else { return };
+    let buf = mem.allocate(4096).unwrap();
+    let own = cudarc::driver::CudaContext::new(0)
+        .unwrap()
+        .default_stream();
+    let view = buf.view::<f32>(1024, &own).unwrap();
+    assert_eq!(cudarc::driver::DeviceSlice::len(&view), 1024);
+    let devices = tpcomm_ipc::backend::cuda::result::device_count().unwrap();
+    if devices < 2 {
+        // Not a GPU skip: one GPU is a full machine for every other test.
+        tpcomm_transport::testing::skip(&format!(
+            "needs a second CUDA device for a stream of another device; {devices} visible"
+        ));
+        return;
+    }
+    let other = cudarc::driver::CudaContext::new(1)
+        .unwrap()
+        .default_stream();
+    match buf.view::<f32>(1024, &other) {
+        Err(IpcError::WrongDevice { buffer, stream }) => assert_eq!((buffer, stream), (0, 1)),
+        other => panic!("expected WrongDevice, got {other:?}"),
+    }
+}
+
+#[test]
 fn allocations_are_rounded_to_2_mib_zeroed_and_exported_as_base_plus_offset() {
     let Some(mem) = gpu() else { return };
     let buf = mem.allocate(100).unwrap();

@@ -628,12 +628,21 @@ impl CudaBuffer {
 
     /// The first `len` elements of `T` of this buffer as a cudarc device slice on `stream`,
     /// for cudarc APIs such as NCCL's collectives. Ordering is the stream's: no event is
-    /// recorded or waited for. Fails with [`IpcError::OutOfBounds`] when they do not fit.
+    /// recorded or waited for. Fails with [`IpcError::OutOfBounds`] when they do not fit, and
+    /// with [`IpcError::WrongDevice`] when `stream` belongs to another device (the view
+    /// reports its stream's device, which consumers check their buffers against).
     pub fn view<'a, T>(
         &'a self,
         len: usize,
         stream: &'a Arc<cudarc::driver::CudaStream>,
     ) -> Result<BufferView<'a, T>> {
+        let stream_device = stream.context().ordinal();
+        if usize::try_from(self.ctx.ordinal).ok() != Some(stream_device) {
+            return Err(IpcError::WrongDevice {
+                buffer: self.ctx.ordinal,
+                stream: stream_device,
+            });
+        }
         let bytes = len.saturating_mul(std::mem::size_of::<T>());
         check_range(0, bytes, self.len)?;
         Ok(BufferView {

@@ -237,7 +237,8 @@ pub enum TransportError {
         /// Peers whose process no longer exists, in the order they were found gone while
         /// waiting (the first one died first, as far as this rank could see).
         gone: Vec<usize>,
-        /// Peers on other hosts (or whose identity could not be read), not checked.
+        /// Peers on other hosts (or whose identity could not be read, or every peer where
+        /// the transport knows no process identities: NCCL), not checked.
         unchecked: Vec<usize>,
     },
     /// Ranks called different operations, or made inconsistent calls, at the same point.
@@ -389,7 +390,8 @@ fn describe_unresponsive(gone: &[usize], unchecked: &[usize]) -> String {
     };
     if !unchecked.is_empty() {
         text.push_str(&format!(
-            "; ranks {unchecked:?} run on other hosts and could not be checked"
+            "; ranks {unchecked:?} could not be checked (other hosts, or a transport that \
+             cannot see its peers' processes)"
         ));
     }
     text

@@ -325,3 +325,65 @@ fn suspend_resume_where_nccl_has_it_and_unsupported_otherwise() {
     comm.all_reduce_in_place(&mut buf, ReduceOp::Max).unwrap();
     assert_eq!(to_host(&comm, &buf), vec![1.0, 2.0, 3.0]);
 }
+
+#[test]
+fn a_bounded_communicator_runs_collectives_and_drains_before_it_is_dropped() {
+    let Some(comm) =
+        gpu_comm_or_skip("a_bounded_communicator_runs_collectives_and_drains_before_it_is_dropped")
+    else {
+        return;
+    };
+    let comm = comm.with_timeout(std::time::Duration::from_secs(30));
+    assert_eq!(comm.timeout(), Some(std::time::Duration::from_secs(30)));
+    check_every_collective::<f32>(&comm);
+    comm.synchronize().unwrap();
+    assert!(!comm.is_aborted());
+    drop(comm);
+}
+
+#[test]
+fn a_peer_that_never_launches_times_out_the_wait_and_aborts_the_communicator() {
+    let test = "a_peer_that_never_launches_times_out_the_wait_and_aborts_the_communicator";
+    if gpu_comm_or_skip(test).is_none() {
+        return;
+    }
+    let devices = cudarc::driver::CudaContext::device_count().unwrap_or(0);
+    if devices < 2 {
+        // NCCL refuses two ranks on one GPU: one GPU is a full machine for the other tests.
+        tpcomm_transport::testing::skip(&format!(
+            "{test} needs two CUDA devices (NCCL ranks on distinct GPUs); {devices} visible"
+        ));
+        return;
+    }
+    let timeout = std::time::Duration::from_millis(500);
+    type Seen = (Result<(), TransportError>, Result<(), TransportError>, bool);
+    let results = LocalGroup::new(2).run(|host| -> Result<Option<Seen>, TransportError> {
+        use tpcomm_transport::Communicator as _;
+        let rank = tpcomm_transport::Communicator::rank(&host);
+        let comm = NcclCommunicator::new(&host, rank)?.with_timeout(timeout);
+        if rank == 1 {
+            // Rank 1 never launches its part; it waits until rank 0 is done.
+            host.barrier()?;
+            return Ok(None);
+        }
+        let mut x = comm.stream().clone_htod(&[1.0f32; 1024]).unwrap();
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        let waited = comm.synchronize();
+        let later = comm.all_reduce_in_place(&mut x, ReduceOp::Sum);
+        let aborted = comm.is_aborted();
+        host.barrier()?;
+        Ok(Some((waited, later, aborted)))
+    });
+    let mut results = results.into_iter().map(|r| r.unwrap().unwrap());
+    let (waited, later, aborted) = results.next().unwrap().expect("rank 0 reports");
+    assert!(results.next().unwrap().is_none());
+    match waited {
+        Err(TransportError::Unresponsive { unchecked, .. }) => assert_eq!(unchecked, vec![1]),
+        other => panic!("expected Unresponsive, got {other:?}"),
+    }
+    assert!(aborted);
+    assert!(
+        matches!(later, Err(TransportError::Aborted { .. })),
+        "{later:?}"
+    );
+}

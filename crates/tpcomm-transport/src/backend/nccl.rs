@@ -41,6 +41,16 @@
 //! - **Errors are enqueue errors.** NCCL collectives are asynchronous: a returned error means
 //!   the call was not enqueued. Failures while running show up in
 //!   [`DeviceCommunicator::synchronize`] (the stream's error, then `ncclCommGetAsyncError`).
+//!   An asynchronous NCCL error aborts the communicator (`ncclCommAbort`): later calls fail
+//!   with [`TransportError::Aborted`].
+//! - **Bounded waits.** NCCL's kernels wait for their peers without end. With
+//!   [`NcclCommunicator::with_timeout`], `synchronize`, `suspend` and the drain before the
+//!   communicator is destroyed look at the stream until its work is done or the time runs
+//!   out; then the communicator is aborted (its kernels stop) and the call returns
+//!   [`TransportError::Unresponsive`]. Without it they block as `cuStreamSynchronize` does,
+//!   and dropping a communicator whose peer never came blocks in `ncclCommFinalize`. What
+//!   no timeout bounds: the host-side collective calls NCCL blocks in (`ncclCommInitRank`,
+//!   `ncclCommSuspend`, `ncclCommResume`) when a peer never makes them.
 //!
 //! Requires NCCL 2.14 or newer (`ncclCommFinalize`, `ncclGetLastError`, bf16) and a CUDA
 //! driver of CUDA 11.4 or newer.
@@ -48,6 +58,7 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
@@ -128,6 +139,7 @@ pub struct NcclLibrary {
     comm_init_rank: CommInitRankFn,
     comm_finalize: CommFn,
     comm_destroy: CommFn,
+    comm_abort: CommFn,
     comm_get_async_error: CommGetAsyncErrorFn,
     all_reduce: ReduceFn,
     reduce_scatter: ReduceFn,
@@ -235,6 +247,7 @@ impl NcclLibrary {
         let comm_init_rank = resolve!("ncclCommInitRank", CommInitRankFn);
         let comm_finalize = resolve!("ncclCommFinalize", CommFn);
         let comm_destroy = resolve!("ncclCommDestroy", CommFn);
+        let comm_abort = resolve!("ncclCommAbort", CommFn);
         let comm_get_async_error = resolve!("ncclCommGetAsyncError", CommGetAsyncErrorFn);
         let all_reduce = resolve!("ncclAllReduce", ReduceFn);
         let reduce_scatter = resolve!("ncclReduceScatter", ReduceFn);
@@ -251,6 +264,7 @@ impl NcclLibrary {
             Some(comm_init_rank),
             Some(comm_finalize),
             Some(comm_destroy),
+            Some(comm_abort),
             Some(comm_get_async_error),
             Some(all_reduce),
             Some(reduce_scatter),
@@ -264,6 +278,7 @@ impl NcclLibrary {
             comm_init_rank,
             comm_finalize,
             comm_destroy,
+            comm_abort,
             comm_get_async_error,
             all_reduce,
             reduce_scatter,
@@ -291,6 +306,7 @@ impl NcclLibrary {
             comm_init_rank,
             comm_finalize,
             comm_destroy,
+            comm_abort,
             comm_get_async_error,
             all_reduce,
             reduce_scatter,
@@ -426,10 +442,34 @@ fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
 }
 
 /// The lifecycle of an [`NcclCommunicator`]; the lock around it serializes NCCL calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Lifecycle {
     Active,
     Suspended,
+    /// `ncclCommAbort` was called (a bounded wait ran out, or NCCL reported an asynchronous
+    /// error): the handle is gone and every later call fails with this reason.
+    Aborted(String),
+}
+
+/// The longest pause between two looks at the stream in a bounded wait.
+const MAX_POLL_PAUSE: Duration = Duration::from_micros(200);
+
+/// Calls `done` until it says `true` (then `Ok(true)`), fails, or `timeout` has passed since
+/// the first call (then `Ok(false)`), pausing between calls from 1 us, doubled each time up
+/// to [`MAX_POLL_PAUSE`].
+fn poll_until(timeout: Duration, mut done: impl FnMut() -> Result<bool>) -> Result<bool> {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(1);
+    loop {
+        if done()? {
+            return Ok(true);
+        }
+        if start.elapsed() >= timeout {
+            return Ok(false);
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(MAX_POLL_PAUSE);
+    }
 }
 
 /// An NCCL communicator of one rank on one device, running [`DeviceCommunicator`]
@@ -438,7 +478,9 @@ enum Lifecycle {
 /// Create it with [`new`](Self::new) (a new stream on the device) or
 /// [`with_stream`](Self::with_stream) (the caller's stream), collectively over a host
 /// communicator. Dropping it finalizes and destroys the NCCL communicator (failures are
-/// logged with `tracing::warn`). See the [module docs](self).
+/// logged with `tracing::warn`); with a [timeout](Self::with_timeout) it first drains the
+/// stream within it, and aborts the communicator instead when that runs out. See the
+/// [module docs](self).
 ///
 /// ```no_run
 /// use cudarc::driver::CudaContext;
@@ -460,6 +502,8 @@ pub struct NcclCommunicator {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     state: Mutex<Lifecycle>,
+    /// The bound on waits for the stream ([`with_timeout`](NcclCommunicator::with_timeout)).
+    timeout: Option<Duration>,
 }
 
 // SAFETY: the NCCL communicator handle may be used from any thread, one at a time; every use
@@ -582,7 +626,117 @@ impl NcclCommunicator {
             ctx,
             stream,
             state: Mutex::new(Lifecycle::Active),
+            timeout: None,
         })
+    }
+
+    /// Bounds every wait for this communicator's stream by `timeout`: `synchronize`,
+    /// `suspend`, and the drain before the communicator is destroyed. NCCL's kernels wait
+    /// for their peers without end, so without a bound a peer that never launches its part
+    /// keeps `synchronize` waiting for good, and `Drop` too (in `ncclCommFinalize`).
+    ///
+    /// When a bounded wait runs out, the communicator is aborted (`ncclCommAbort`, which
+    /// also stops its kernels) and the call returns [`TransportError::Unresponsive`], naming
+    /// every peer as unchecked (NCCL does not say which one is missing); an asynchronous
+    /// NCCL error seen while waiting aborts it too. Every later call then fails with
+    /// [`TransportError::Aborted`], and dropping it frees nothing more. Without a timeout a
+    /// wait is `cuStreamSynchronize`. Not collective: each rank sets its own.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// The bound set by [`with_timeout`](Self::with_timeout), if any.
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+
+    /// Whether the communicator was aborted (see [`with_timeout`](Self::with_timeout)).
+    pub fn is_aborted(&self) -> bool {
+        matches!(*self.lock(), Lifecycle::Aborted(_))
+    }
+
+    /// Waits for the work enqueued on the stream (called with the lock held and the context
+    /// bound): `cuStreamSynchronize` without a timeout; with one, looks at the stream and at
+    /// NCCL's asynchronous error until the work is done, and aborts the communicator when
+    /// the time runs out or NCCL reports an error.
+    fn drain(&self, state: &mut Lifecycle, op: Op) -> Result<()> {
+        let Some(timeout) = self.timeout else {
+            return self
+                .stream
+                .synchronize()
+                .map_err(|e| cuda_error(op, "cuStreamSynchronize", e));
+        };
+        let stream = self.stream.cu_stream();
+        let finished = poll_until(timeout, || {
+            // SAFETY: `stream` is this communicator's stream, kept alive by `self.stream`;
+            // the context is bound.
+            match unsafe { cudarc::driver::sys::cuStreamQuery(stream) } {
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS => Ok(true),
+                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {
+                    self.async_error(op).map(|()| false)
+                }
+                code => Err(cuda_error(op, "cuStreamQuery", DriverError(code))),
+            }
+        });
+        match finished {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                let error = TransportError::Unresponsive {
+                    op,
+                    rank: self.rank,
+                    waited: timeout,
+                    gone: Vec::new(),
+                    unchecked: (0..self.size).filter(|&r| r != self.rank).collect(),
+                };
+                self.abort(state, error.to_string());
+                Err(error)
+            }
+            Err(e) => {
+                if matches!(e, TransportError::Nccl { .. }) {
+                    self.abort(state, e.to_string());
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// NCCL's asynchronous error of the communicator (called with the lock held).
+    fn async_error(&self, op: Op) -> Result<()> {
+        let mut async_error = NCCL_SUCCESS;
+        // SAFETY: out-pointer to a local; `comm` is live under the lock.
+        let code = unsafe { (self.lib.comm_get_async_error)(self.comm, &mut async_error) };
+        self.lib
+            .check(op, "ncclCommGetAsyncError", code, self.comm)?;
+        self.lib
+            .check(op, "asynchronous NCCL error", async_error, self.comm)
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`: its kernels stop, its resources are freed,
+    /// the handle is gone); `state` records why, for every later call.
+    fn abort(&self, state: &mut Lifecycle, reason: String) {
+        tracing::warn!(rank = self.rank, %reason, "aborting the NCCL communicator");
+        // SAFETY: `comm` is live (the state is not Aborted: every path that reaches here
+        // checked it under the lock, which the caller holds) and is never used again: the
+        // state says Aborted from now on, and `Drop` frees nothing of an aborted one.
+        let code = unsafe { (self.lib.comm_abort)(self.comm) };
+        if let Err(e) = self
+            .lib
+            .check(Op::Setup, "ncclCommAbort", code, std::ptr::null_mut())
+        {
+            tracing::warn!(rank = self.rank, error = %e, "ncclCommAbort failed");
+        }
+        *state = Lifecycle::Aborted(reason);
+    }
+
+    /// The error of a call on an aborted communicator.
+    fn aborted(&self, op: Op, reason: &str) -> TransportError {
+        TransportError::Aborted {
+            op,
+            rank: self.rank,
+            by: self.rank,
+            reason: format!("this NCCL communicator was aborted: {reason}"),
+        }
     }
 
     /// The loaded NCCL library (path, version, whether it can suspend).
@@ -602,17 +756,17 @@ impl NcclCommunicator {
     pub fn suspend(&self) -> Result<()> {
         let _span = tracing::debug_span!("nccl_suspend", rank = self.rank).entered();
         let mut state = self.lock();
-        if *state == Lifecycle::Suspended {
-            return Ok(());
+        match &*state {
+            Lifecycle::Suspended => return Ok(()),
+            Lifecycle::Aborted(reason) => return Err(self.aborted(Op::Suspend, reason)),
+            Lifecycle::Active => {}
         }
         let suspend = self
             .lib
             .comm_suspend
             .ok_or_else(|| self.unsupported(Op::Suspend))?;
         self.bind(Op::Suspend)?;
-        self.stream
-            .synchronize()
-            .map_err(|e| cuda_error(Op::Suspend, "cuStreamSynchronize", e))?;
+        self.drain(&mut state, Op::Suspend)?;
         // SAFETY: `comm` is live and this thread holds the lock.
         let code = unsafe { suspend(self.comm, NCCL_SUSPEND_MEM) };
         self.lib
@@ -627,8 +781,10 @@ impl NcclCommunicator {
     pub fn resume(&self) -> Result<()> {
         let _span = tracing::debug_span!("nccl_resume", rank = self.rank).entered();
         let mut state = self.lock();
-        if *state == Lifecycle::Active {
-            return Ok(());
+        match &*state {
+            Lifecycle::Active => return Ok(()),
+            Lifecycle::Aborted(reason) => return Err(self.aborted(Op::Resume, reason)),
+            Lifecycle::Suspended => {}
         }
         let resume = self
             .lib
@@ -665,14 +821,19 @@ impl NcclCommunicator {
             .map_err(|e| cuda_error(op, "cuCtxSetCurrent", e))
     }
 
-    /// Takes the lock for a collective: refused while suspended; binds the context.
+    /// Takes the lock for a collective: refused while suspended or after an abort; binds
+    /// the context.
     fn enter(&self, op: Op) -> Result<MutexGuard<'_, Lifecycle>> {
         let state = self.lock();
-        if *state == Lifecycle::Suspended {
-            return Err(TransportError::Suspended {
-                op,
-                rank: self.rank,
-            });
+        match &*state {
+            Lifecycle::Suspended => {
+                return Err(TransportError::Suspended {
+                    op,
+                    rank: self.rank,
+                })
+            }
+            Lifecycle::Aborted(reason) => return Err(self.aborted(op, reason)),
+            Lifecycle::Active => {}
         }
         self.bind(op)?;
         Ok(state)
@@ -744,22 +905,17 @@ impl DeviceCommunicator for NcclCommunicator {
     }
 
     fn synchronize(&self) -> Result<()> {
-        let _state = self.lock();
+        let mut state = self.lock();
+        if let Lifecycle::Aborted(reason) = &*state {
+            return Err(self.aborted(Op::Barrier, reason));
+        }
         self.bind(Op::Barrier)?;
-        self.stream
-            .synchronize()
-            .map_err(|e| cuda_error(Op::Barrier, "cuStreamSynchronize", e))?;
-        let mut async_error = NCCL_SUCCESS;
-        // SAFETY: out-pointer to a local; `comm` is live under the lock.
-        let code = unsafe { (self.lib.comm_get_async_error)(self.comm, &mut async_error) };
-        self.lib
-            .check(Op::Barrier, "ncclCommGetAsyncError", code, self.comm)?;
-        self.lib.check(
-            Op::Barrier,
-            "asynchronous NCCL error",
-            async_error,
-            self.comm,
-        )
+        self.drain(&mut state, Op::Barrier)?;
+        let checked = self.async_error(Op::Barrier);
+        if let Err(e @ TransportError::Nccl { .. }) = &checked {
+            self.abort(&mut state, e.to_string());
+        }
+        checked
     }
 
     fn raw_all_reduce<T: DeviceElement>(&self, args: DeviceArgs<'_, T>) -> Result<()> {
@@ -834,8 +990,24 @@ impl DeviceCommunicator for NcclCommunicator {
 impl Drop for NcclCommunicator {
     fn drop(&mut self) {
         let rank = self.rank;
+        let mut state = std::mem::replace(&mut *self.lock(), Lifecycle::Active);
+        if matches!(state, Lifecycle::Aborted(_)) {
+            // `ncclCommAbort` freed it already.
+            return;
+        }
         if let Err(e) = self.bind(Op::Setup) {
             tracing::warn!(rank, error = %e, "cannot bind the device before destroying the NCCL communicator");
+        }
+        // Finalizing waits for the enqueued work, which a missing peer never lets finish:
+        // with a timeout, drain first and abort instead when it runs out.
+        if self.timeout.is_some() {
+            if let Err(e) = self.drain(&mut state, Op::Setup) {
+                tracing::warn!(rank, error = %e, "NCCL communicator dropped with unfinished work");
+                if !matches!(state, Lifecycle::Aborted(_)) {
+                    self.abort(&mut state, e.to_string());
+                }
+                return;
+            }
         }
         // SAFETY: `comm` is live and used by nobody else (`&mut self`); it is finalized then
         // destroyed once, and never used afterwards.
@@ -856,5 +1028,64 @@ impl Drop for NcclCommunicator {
         ) {
             tracing::warn!(rank, error = %e, "NCCL communicator not destroyed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The bounded wait's loop, without a GPU.
+
+    use std::cell::Cell;
+
+    use super::*;
+
+    #[test]
+    fn a_wait_whose_work_finishes_returns_at_the_look_that_sees_it() {
+        let looks = Cell::new(0);
+        let done = poll_until(Duration::from_secs(60), || {
+            looks.set(looks.get() + 1);
+            Ok(looks.get() == 3)
+        });
+        assert!(done.unwrap());
+        assert_eq!(looks.get(), 3);
+    }
+
+    #[test]
+    fn a_wait_whose_work_never_finishes_ends_after_the_timeout() {
+        let looks = Cell::new(0u32);
+        let start = Instant::now();
+        let done = poll_until(Duration::from_millis(30), || {
+            looks.set(looks.get() + 1);
+            Ok(false)
+        });
+        assert!(!done.unwrap());
+        assert!(start.elapsed() >= Duration::from_millis(30));
+        assert!(looks.get() > 1, "looked {} times", looks.get());
+    }
+
+    #[test]
+    fn a_failed_look_ends_the_wait_with_its_error() {
+        let looks = Cell::new(0);
+        let done = poll_until(Duration::from_secs(60), || {
+            looks.set(looks.get() + 1);
+            if looks.get() == 2 {
+                Err(TransportError::Setup("the look failed".into()))
+            } else {
+                Ok(false)
+            }
+        });
+        assert!(matches!(done, Err(TransportError::Setup(m)) if m == "the look failed"));
+        assert_eq!(looks.get(), 2);
+    }
+
+    #[test]
+    fn a_zero_timeout_looks_once() {
+        let looks = Cell::new(0);
+        let done = poll_until(Duration::ZERO, || {
+            looks.set(looks.get() + 1);
+            Ok(false)
+        });
+        assert!(!done.unwrap());
+        assert_eq!(looks.get(), 1);
     }
 }

@@ -122,21 +122,23 @@ struct ProcessHold<'d, D: CheckpointDriver + ?Sized> {
 
 impl<D: CheckpointDriver + ?Sized> ProcessHold<'_, D> {
     /// Runs one driver call; on success the process is in `after`, on failure its state is
-    /// asked from the driver (a failed query keeps the last known state and is reported
-    /// only when the call itself was not).
+    /// asked from the driver. When that query fails too, the state is `unknown`: what the
+    /// back half must assume so that it still undoes what the call may have done before it
+    /// failed (a checkpoint that failed late may have checkpointed the process: assume so,
+    /// and the restore is tried; a restore that failed late may have restored it: assume
+    /// it is locked, and the unlock is tried; an unlock that failed is assumed not done).
+    /// A restore or unlock of a process not in that state fails harmlessly.
     fn call(
         &mut self,
         result: Result<(), DriverError>,
-        after: ProcessState,
+        (after, unknown): (ProcessState, ProcessState),
         failure: &mut Option<Reason>,
     ) {
         match result {
             Ok(()) => self.state = after,
             Err(e) => {
                 failure.get_or_insert(Reason::Driver(e));
-                if let Ok(state) = self.driver.state(self.pid) {
-                    self.state = state;
-                }
+                self.state = self.driver.state(self.pid).unwrap_or(unknown);
             }
         }
     }
@@ -205,9 +207,10 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
 /// registered object suspended around it:
 ///
 /// 1. **check** (every rank): the driver supports it, the options are valid, every object
-///    can suspend, every rank registered as many objects; pids and process identities are
-///    gathered, and the lowest rank of each process is its *driver rank* (a pid alone does
-///    not name a process: two containers may both run theirs as pid 1);
+///    can suspend, every rank registered the same objects (by name, in order); pids and
+///    process identities are gathered, and the lowest rank of each process is its *driver
+///    rank* (a pid alone does not name a process: two containers may both run theirs as
+///    pid 1);
 /// 2. **prepare**: `prepare_for_suspend` of every object (collective, in order);
 /// 3. **lock** (driver ranks): refused if the process still imports CUDA IPC memory,
 ///    otherwise `cuCheckpointProcessLock(pid, lock_timeout)`;
@@ -280,6 +283,7 @@ where
                     }),
                 };
                 info = support.ok();
+                report.names = objects.iter().map(|o| o.name()).collect();
             }
             Step::Prepare => {
                 // Every object's transition is collective: a rank whose earlier object
@@ -298,10 +302,10 @@ where
             }
             Step::Lock if driver_rank => {
                 let imported = driver.imported_ipc_mappings(pid);
-                if imported > 0 {
-                    report.failure = Some(Reason::ImportedMappings {
-                        pid,
-                        count: imported,
+                if imported != Some(0) {
+                    report.failure = Some(match imported {
+                        Some(count) => Reason::ImportedMappings { pid, count },
+                        None => Reason::ImportsUnknown { pid },
                     });
                     report.state = Some(hold.state);
                 } else {
@@ -341,7 +345,8 @@ where
             }
             Step::Checkpoint if driver_rank => {
                 let done = driver.checkpoint(pid);
-                hold.call(done, ProcessState::Checkpointed, &mut report.failure);
+                let states = (ProcessState::Checkpointed, ProcessState::Checkpointed);
+                hold.call(done, states, &mut report.failure);
                 report.state = Some(hold.state);
             }
             Step::Pause => {
@@ -358,7 +363,8 @@ where
             Step::Restore if driver_rank => {
                 if hold.state == ProcessState::Checkpointed {
                     let done = driver.restore(pid);
-                    hold.call(done, ProcessState::Locked, &mut report.failure);
+                    let states = (ProcessState::Locked, ProcessState::Locked);
+                    hold.call(done, states, &mut report.failure);
                 }
                 // A process this sequence never locked keeps the state its lock step saw.
                 report.state = hold.held.then_some(hold.state);
@@ -366,7 +372,8 @@ where
             Step::Unlock if driver_rank => {
                 if hold.state == ProcessState::Locked {
                     let done = driver.unlock(pid);
-                    hold.call(done, ProcessState::Running, &mut report.failure);
+                    let states = (ProcessState::Running, ProcessState::Locked);
+                    hold.call(done, states, &mut report.failure);
                 }
                 report.state = hold.held.then_some(hold.state);
                 // The back half ran: nothing is left for the guard to undo.
@@ -398,12 +405,22 @@ where
             .map_err(ExchangeError::from)
             .and_then(|reports| seq.agree(&reports));
         if let Err(source) = agreed {
-            let local = match hold.armed {
-                true => match hold.roll_back() {
+            // This sequence's lock may still hold after the back half's own steps failed
+            // (an unlock that failed, a restore that failed): roll back what it holds.
+            let holds = hold.armed || (hold.held && hold.state != ProcessState::Running);
+            let driver_rank = seq.driver_rank_of(rank).filter(|_| step >= Step::Lock);
+            let local = if holds {
+                match hold.roll_back() {
                     Ok(state) => format!("{state} (rolled back alone)"),
                     Err(e) => format!("in an unknown state: the rollback failed: {e}"),
-                },
-                false => "as it was (not locked by this sequence)".to_string(),
+                }
+            } else if let Some(driver_rank) = driver_rank.filter(|&d| d != rank) {
+                format!(
+                    "as rank {driver_rank}, which makes this process's driver calls, leaves \
+                     it (it rolls back what this sequence locked); not known on this rank"
+                )
+            } else {
+                "as it was (not locked by this sequence)".to_string()
             };
             return Err(CheckpointError::Exchange {
                 step,

@@ -189,10 +189,12 @@ pub trait CheckpointDriver: Send + Sync {
     /// process with any cannot be restored after a checkpoint (measured on driver 580: the
     /// restore fails and leaves it checkpointed), so the coordination refuses to lock it.
     ///
-    /// `pid` is the process the coordination is about to lock: always the caller's own
-    /// process with the real driver (which counts only this process's mappings and
-    /// returns 0 for any other pid); a fake driver models several processes.
-    fn imported_ipc_mappings(&self, pid: u32) -> usize;
+    /// `pid` is the process the coordination is about to lock. `None`: the driver cannot
+    /// tell (the real driver counts only the caller's own process's mappings; for any other
+    /// pid it cannot know), and the coordination refuses to lock a process it cannot
+    /// vouch for ([`Reason::ImportsUnknown`](crate::Reason::ImportsUnknown)). A fake driver
+    /// models several processes.
+    fn imported_ipc_mappings(&self, pid: u32) -> Option<usize>;
 }
 
 impl<D: CheckpointDriver + ?Sized> CheckpointDriver for &D {
@@ -214,7 +216,7 @@ impl<D: CheckpointDriver + ?Sized> CheckpointDriver for &D {
     fn state(&self, pid: u32) -> Result<ProcessState, DriverError> {
         (**self).state(pid)
     }
-    fn imported_ipc_mappings(&self, pid: u32) -> usize {
+    fn imported_ipc_mappings(&self, pid: u32) -> Option<usize> {
         (**self).imported_ipc_mappings(pid)
     }
 }

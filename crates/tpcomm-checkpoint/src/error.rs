@@ -25,6 +25,15 @@ pub enum Reason {
         /// The count of every rank.
         counts: Vec<u32>,
     },
+    /// Ranks registered different objects at the same position (compared by name): their
+    /// collective transitions would pair with each other.
+    #[error("ranks registered different objects as #{object}: {names:?} (by rank)")]
+    ObjectMismatch {
+        /// The position.
+        object: usize,
+        /// Every rank's object there (empty: none).
+        names: Vec<String>,
+    },
     /// A registered object cannot release its device state (NCCL without `ncclCommSuspend`,
     /// an all-reduce that is Failed or Closed).
     #[error("object #{object} ({name}) cannot suspend: {why}")]
@@ -59,6 +68,17 @@ pub enum Reason {
         pid: u32,
         /// Its imported allocations.
         count: usize,
+    },
+    /// The driver cannot tell whether the process imports CUDA IPC memory (the real
+    /// driver sees only its own process's mappings: `CheckpointOptions::pid` named another
+    /// process): locking was refused, since such a process could not be restored.
+    #[error(
+        "cannot tell whether process {pid} imports CUDA IPC memory (the driver sees only its \
+         own process's mappings), so it was not locked"
+    )]
+    ImportsUnknown {
+        /// The process.
+        pid: u32,
     },
     /// A driver call failed.
     #[error(transparent)]
@@ -171,9 +191,12 @@ pub enum CheckpointError {
         aftermath: Aftermath,
     },
     /// The exchange of a step's outcomes failed on this rank (a peer died, the transport
-    /// timed out, a peer is in another collective). Agreement is lost: this rank rolled its
-    /// own process back alone (restore if checkpointed, then unlock) and did not resume its
-    /// objects.
+    /// timed out, a peer is in another collective). Agreement is lost: this rank rolled back
+    /// alone what this sequence still holds of its process (restore if checkpointed, then
+    /// unlock; a rank that shares its process with a lower rank leaves that to it), and
+    /// resumes no object after the failed exchange (at the reinit step the objects were
+    /// resumed before it). `local` says what the process was left in, as far as this rank
+    /// knows.
     #[error("rank {rank} could not exchange the outcomes of the {step} step; its own process is left {local}")]
     Exchange {
         /// The step.

@@ -188,7 +188,7 @@ impl CheckpointDriver for FakeDriver {
         Ok(self.state_of(pid))
     }
 
-    fn imported_ipc_mappings(&self, pid: u32) -> usize {
-        self.with(|i| i.imported.get(&pid).copied().unwrap_or(0))
+    fn imported_ipc_mappings(&self, pid: u32) -> Option<usize> {
+        Some(self.with(|i| i.imported.get(&pid).copied().unwrap_or(0)))
     }
 }

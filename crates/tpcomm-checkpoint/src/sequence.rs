@@ -30,7 +30,8 @@ use crate::error::{Aftermath, ExchangeError, ObjectsLeft, Reason, StepFailure};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum Step {
     /// Every rank: the driver supports checkpoints, the options are valid, every object can
-    /// suspend, every rank registered as many objects; the pids (one driver rank per pid).
+    /// suspend, every rank registered the same objects (by name, in order); the pids (one
+    /// driver rank per process).
     Check,
     /// Every rank: `prepare_for_suspend` of every object, in registration order.
     Prepare,
@@ -108,6 +109,10 @@ pub struct StepReport {
     pub process: u64,
     /// The number of objects the rank registered.
     pub objects: u32,
+    /// Check: the [`name`](crate::Suspendable::name) of every object the rank registered,
+    /// in order (ranks must register the same objects in the same order: each transition
+    /// is collective, and pairs with the peers' object at the same position).
+    pub names: Vec<String>,
     /// The rank's failure, if it failed.
     pub failure: Option<Reason>,
     /// Prepare: per object, whether its `prepare_for_suspend` succeeded.
@@ -126,6 +131,7 @@ impl StepReport {
             pid,
             process: 0,
             objects,
+            names: Vec::new(),
             failure: None,
             suspended: Vec::new(),
             state: None,
@@ -188,7 +194,7 @@ impl Sequence {
 
     /// The driver rank of `rank`'s process: the lowest rank with both its pid and its
     /// process identity (pids alone repeat across containers).
-    fn driver_rank_of(&self, rank: usize) -> Option<usize> {
+    pub(crate) fn driver_rank_of(&self, rank: usize) -> Option<usize> {
         let process = |r: usize| Some((*self.pids.get(r)?, *self.identities.get(r)?));
         let mine = process(rank)?;
         (0..self.pids.len()).position(|r| process(r) == Some(mine))
@@ -259,6 +265,18 @@ impl Sequence {
                         step,
                         rank,
                         reason: Reason::ObjectCountMismatch { counts },
+                    });
+                } else if let Some((rank, object)) = differing_object(reports) {
+                    self.failures.push(StepFailure {
+                        step,
+                        rank,
+                        reason: Reason::ObjectMismatch {
+                            object,
+                            names: reports
+                                .iter()
+                                .map(|r| r.names.get(object).cloned().unwrap_or_default())
+                                .collect(),
+                        },
                     });
                 }
                 self.objects = reports.first().map_or(0, |r| r.objects as usize);
@@ -350,6 +368,17 @@ impl Sequence {
             .map(|rank| self.processes[self.driver_rank_of(rank)?])
             .collect()
     }
+}
+
+/// The first rank (and the object) whose registered objects differ from rank 0's by name,
+/// given equal counts; a report that lists no names (another version) differs.
+fn differing_object(reports: &[StepReport]) -> Option<(usize, usize)> {
+    let first = &reports.first()?.names;
+    reports.iter().enumerate().find_map(|(rank, r)| {
+        let object =
+            (0..first.len().max(r.names.len())).find(|&i| r.names.get(i) != first.get(i))?;
+        Some((rank, object))
+    })
 }
 
 #[cfg(test)]

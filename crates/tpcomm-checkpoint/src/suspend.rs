@@ -18,7 +18,9 @@ pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
 /// locking any process and its [`reinit_after_resume`](Self::reinit_after_resume) after
 /// every process is unlocked.
 pub trait Suspendable<C: Communicator + ?Sized> {
-    /// What the object is, for errors ("custom all-reduce (cuda)").
+    /// What the object is ("custom all-reduce (cuda)"), for errors and for the check that
+    /// every rank registered the same objects in the same order: the same on every rank
+    /// for objects that pair, and different for objects that do not.
     fn name(&self) -> String;
 
     /// Whether the object can suspend so that its process can be checkpointed and restored;

@@ -750,7 +750,7 @@ impl tpcomm_checkpoint::CheckpointDriver for StateUnreadable {
             name: "CUDA_ERROR_UNKNOWN".into(),
         })
     }
-    fn imported_ipc_mappings(&self, pid: u32) -> usize {
+    fn imported_ipc_mappings(&self, pid: u32) -> Option<usize> {
         self.0.imported_ipc_mappings(pid)
     }
 }
@@ -829,4 +829,293 @@ fn a_closed_all_reduce_is_refused_at_the_check_on_every_rank() {
         assert!(why.contains("closed"), "{why}");
     }
     assert!(driver.log().is_empty(), "{:?}", driver.log());
+}
+
+/// The fake driver with `cuCheckpointProcessGetState` always failing, one call on one pid
+/// that does its work and then fails anyway (a call that failed late), and an optional
+/// pause before the unlocks of one pid.
+struct Faulty {
+    fake: FakeDriver,
+    late: Option<(Call, u32)>,
+    slow_unlock: Option<(u32, Duration)>,
+}
+
+impl Faulty {
+    fn late(fake: &FakeDriver, call: Call, pid: u32) -> Self {
+        Self {
+            fake: fake.clone(),
+            late: Some((call, pid)),
+            slow_unlock: None,
+        }
+    }
+
+    /// `done`, or a failure when `call` on `pid` is the late one.
+    fn outcome(
+        &self,
+        call: Call,
+        pid: u32,
+        done: Result<(), tpcomm_checkpoint::DriverError>,
+    ) -> Result<(), tpcomm_checkpoint::DriverError> {
+        done?;
+        if self.late == Some((call, pid)) {
+            return Err(tpcomm_checkpoint::DriverError {
+                entry_point: "late".into(),
+                pid,
+                code: 909,
+                name: "CUDA_ERROR_TIMEOUT".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl tpcomm_checkpoint::CheckpointDriver for Faulty {
+    fn support(&self) -> Result<tpcomm_checkpoint::DriverInfo, tpcomm_checkpoint::Unsupported> {
+        self.fake.support()
+    }
+    fn lock(&self, pid: u32, timeout: Duration) -> Result<(), tpcomm_checkpoint::DriverError> {
+        self.outcome(Call::Lock, pid, self.fake.lock(pid, timeout))
+    }
+    fn checkpoint(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
+        self.outcome(Call::Checkpoint, pid, self.fake.checkpoint(pid))
+    }
+    fn restore(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
+        self.outcome(Call::Restore, pid, self.fake.restore(pid))
+    }
+    fn unlock(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
+        if let Some((slow, pause)) = self.slow_unlock {
+            if slow == pid {
+                std::thread::sleep(pause);
+            }
+        }
+        self.outcome(Call::Unlock, pid, self.fake.unlock(pid))
+    }
+    fn state(&self, pid: u32) -> Result<ProcessState, tpcomm_checkpoint::DriverError> {
+        StateUnreadable(self.fake.clone()).state(pid)
+    }
+    fn imported_ipc_mappings(&self, pid: u32) -> Option<usize> {
+        self.fake.imported_ipc_mappings(pid)
+    }
+}
+
+/// Runs one checkpoint on two ranks (each its own process) with `driver`.
+fn run_two(driver: &(dyn tpcomm_checkpoint::CheckpointDriver + Sync)) -> Vec<Outcome> {
+    group(2)
+        .run(|comm| {
+            let mut probe = Probe::default();
+            let out = checkpoint_group(
+                &comm,
+                driver,
+                &mut [&mut probe],
+                &options(comm.rank()),
+                |_| Ok(()),
+            );
+            (out, probe)
+        })
+        .into_iter()
+        .map(|r| r.expect("rank finished"))
+        .collect()
+}
+
+#[test]
+fn a_restore_that_failed_late_with_an_unreadable_state_is_still_unlocked() {
+    let fake = FakeDriver::new();
+    let outcomes = run_two(&Faulty::late(&fake, Call::Restore, pid_of(1)));
+    for (out, _) in &outcomes {
+        let e = failed(out);
+        assert_eq!((e.step(), e.rank()), (Step::Restore, 1));
+    }
+    // The restore may have worked before it failed: the sequence tried the unlock, which
+    // freed the process.
+    assert_eq!(
+        fake.state_of(pid_of(1)),
+        ProcessState::Running,
+        "{:?}",
+        fake.log()
+    );
+    assert_ordering(&fake.log());
+}
+
+#[test]
+fn a_checkpoint_that_failed_late_with_an_unreadable_state_is_still_restored_and_unlocked() {
+    let fake = FakeDriver::new();
+    let outcomes = run_two(&Faulty::late(&fake, Call::Checkpoint, pid_of(0)));
+    for (out, _) in &outcomes {
+        let e = failed(out);
+        assert_eq!((e.step(), e.rank()), (Step::Checkpoint, 0));
+    }
+    let log = fake.log();
+    assert!(
+        log.iter()
+            .any(|e| (e.call, e.pid) == (Call::Restore, pid_of(0))),
+        "the checkpoint may have worked: a restore must be tried: {log:?}"
+    );
+    assert_eq!(fake.state_of(pid_of(0)), ProcessState::Running, "{log:?}");
+}
+
+#[test]
+fn an_exchange_lost_after_a_failed_unlock_unlocks_again_and_says_so() {
+    // Rank 0's unlock fails (once); rank 1's unlock takes longer than the exchange's
+    // timeout, so rank 0's exchange of the unlock step fails while its process is locked.
+    let fake = FakeDriver::new();
+    fake.fail_next(Call::Unlock, pid_of(0), 999);
+    let driver = Faulty {
+        fake: fake.clone(),
+        late: None,
+        slow_unlock: Some((pid_of(1), Duration::from_millis(1500))),
+    };
+    let outcomes: Vec<_> = LocalGroup::new(2)
+        .timeout(Duration::from_millis(500))
+        .run(|comm| {
+            let mut probe = Probe::default();
+            checkpoint_group(
+                &comm,
+                &driver,
+                &mut [&mut probe],
+                &options(comm.rank()),
+                |_| Ok(()),
+            )
+        })
+        .into_iter()
+        .map(|r| r.expect("rank finished"))
+        .collect();
+    match &outcomes[0] {
+        Err(CheckpointError::Exchange { step, local, .. }) => {
+            assert_eq!(*step, Step::Unlock);
+            assert!(
+                local.contains("running") && local.contains("rolled back"),
+                "{local}"
+            );
+        }
+        other => panic!("rank 0: {other:?}"),
+    }
+    assert_eq!(
+        fake.state_of(pid_of(0)),
+        ProcessState::Running,
+        "{:?}",
+        fake.log()
+    );
+}
+
+#[test]
+fn a_rank_sharing_its_process_names_the_driver_rank_when_its_exchange_fails() {
+    let driver = FakeDriver::new();
+    // Ranks 0 and 1 in process 500, rank 2 in 600; rank 2's pause panics.
+    let outcomes = group(3).run(|comm| {
+        let opts = CheckpointOptions {
+            pid: Some(if comm.rank() < 2 { 500 } else { 600 }),
+            ..CheckpointOptions::default()
+        };
+        let mut probe = Probe::default();
+        checkpoint_group(&comm, &driver, &mut [&mut probe], &opts, |p| {
+            if p.rank == 2 {
+                panic!("the pause panicked");
+            }
+            Ok(())
+        })
+    });
+    match outcomes[1].as_ref().expect("rank 1 finished") {
+        Err(CheckpointError::Exchange { step, local, .. }) => {
+            assert_eq!(*step, Step::Pause);
+            assert!(
+                local.contains("rank 0") && !local.contains("as it was"),
+                "{local}"
+            );
+        }
+        other => panic!("rank 1: {other:?}"),
+    }
+    assert_eq!(driver.state_of(500), ProcessState::Running);
+}
+
+/// A suspendable object of another kind than [`Probe`] (its transitions are barriers too).
+#[derive(Debug, Default)]
+struct Other(usize);
+
+impl<C: Communicator + ?Sized> Suspendable<C> for Other {
+    fn name(&self) -> String {
+        "other".into()
+    }
+    fn suspend_support(&self) -> Result<(), String> {
+        Ok(())
+    }
+    fn prepare_for_suspend(&mut self, comm: &C) -> Result<(), BoxError> {
+        probe_step(comm, &mut self.0, false, "prepare")
+    }
+    fn reinit_after_resume(&mut self, comm: &C) -> Result<(), BoxError> {
+        probe_step(comm, &mut self.0, false, "reinit")
+    }
+}
+
+#[test]
+fn ranks_registering_different_objects_in_the_same_number_are_refused_at_the_check() {
+    let driver = FakeDriver::new();
+    let outcomes: Vec<_> = group(2)
+        .run(|comm| {
+            let mut probe = Probe::default();
+            let mut other = Other::default();
+            let objects: &mut [&mut dyn Suspendable<LocalCommunicator>] = if comm.rank() == 0 {
+                &mut [&mut probe, &mut other]
+            } else {
+                &mut [&mut other, &mut probe]
+            };
+            let out = checkpoint_group(&comm, &driver, objects, &options(comm.rank()), |_| Ok(()));
+            (out, probe.prepared + other.0)
+        })
+        .into_iter()
+        .map(|r| r.expect("rank finished"))
+        .collect();
+    for (out, transitions) in &outcomes {
+        let e = failed(out);
+        assert_eq!((e.step(), e.rank()), (Step::Check, 1));
+        match e.reason() {
+            Some(Reason::ObjectMismatch { object: 0, names }) => {
+                assert_eq!(names, &["probe", "other"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(*transitions, 0, "nothing was prepared");
+    }
+    assert!(driver.log().is_empty());
+}
+
+/// The fake driver, except that it cannot tell whether one pid imports CUDA IPC memory
+/// (as the real driver cannot for any process but its own).
+struct ImportsUnknownFor(FakeDriver, u32);
+
+impl tpcomm_checkpoint::CheckpointDriver for ImportsUnknownFor {
+    fn support(&self) -> Result<tpcomm_checkpoint::DriverInfo, tpcomm_checkpoint::Unsupported> {
+        self.0.support()
+    }
+    fn lock(&self, pid: u32, timeout: Duration) -> Result<(), tpcomm_checkpoint::DriverError> {
+        self.0.lock(pid, timeout)
+    }
+    fn checkpoint(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
+        self.0.checkpoint(pid)
+    }
+    fn restore(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
+        self.0.restore(pid)
+    }
+    fn unlock(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
+        self.0.unlock(pid)
+    }
+    fn state(&self, pid: u32) -> Result<ProcessState, tpcomm_checkpoint::DriverError> {
+        self.0.state(pid)
+    }
+    fn imported_ipc_mappings(&self, pid: u32) -> Option<usize> {
+        (pid != self.1).then(|| self.0.imported_ipc_mappings(pid).unwrap_or(0))
+    }
+}
+
+#[test]
+fn a_process_whose_imports_the_driver_cannot_see_is_never_locked() {
+    let fake = FakeDriver::new();
+    let outcomes = run_two(&ImportsUnknownFor(fake.clone(), pid_of(1)));
+    for (out, _) in &outcomes {
+        let e = failed(out);
+        assert_eq!((e.step(), e.rank()), (Step::Lock, 1));
+        assert_eq!(e.reason(), Some(&Reason::ImportsUnknown { pid: pid_of(1) }));
+    }
+    let log = fake.log();
+    assert!(log.iter().all(|e| e.pid != pid_of(1)), "{log:?}");
+    assert_eq!(fake.state_of(pid_of(0)), ProcessState::Running);
 }

@@ -277,12 +277,8 @@ impl CheckpointDriver for CudaCheckpoint {
         Ok(ProcessState::from_raw(state))
     }
 
-    fn imported_ipc_mappings(&self, pid: u32) -> usize {
-        if pid == std::process::id() {
-            tpcomm_ipc::cuda_imported_allocations()
-        } else {
-            0
-        }
+    fn imported_ipc_mappings(&self, pid: u32) -> Option<usize> {
+        (pid == std::process::id()).then(tpcomm_ipc::cuda_imported_allocations)
     }
 }
 

@@ -939,7 +939,8 @@ impl LocalCommunicator {
             let reason = format!(
                 "call #{seq}: rank {r} made calls before this one that differ from rank {}'s \
                  in an operation or a root, unchecked then because one of them read nothing \
-                 from the other (a broadcast root, a gather's sender)",
+                 from the other (a broadcast root, a gather's sender), or two threads called \
+                 on one communicator at once",
                 self.rank
             );
             return Err(self.abort_group(&mut self.shared.lock(), op, reason));

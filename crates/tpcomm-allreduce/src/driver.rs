@@ -102,6 +102,22 @@ impl Config {
     }
 }
 
+/// Which registration [`CustomAllReduce::agree_registration`] agrees on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Registering {
+    Buffer = 1,
+    Graph = 2,
+}
+
+impl Registering {
+    fn name(self) -> &'static str {
+        match self {
+            Registering::Buffer => "register_buffer",
+            Registering::Graph => "register_graph_buffers",
+        }
+    }
+}
+
 /// Where the addresses of a RankData slot come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SlotSource {
@@ -181,6 +197,9 @@ impl<B: Backend> Allocations<B> {
 /// Every rank's (setup error, agreed fields), as all-gathered by `new`.
 type Agreement = (Option<String>, Vec<(String, String)>);
 
+/// The most settings a rank may send in its [`Agreement`] (a build sends about ten).
+const MAX_AGREED_FIELDS: usize = 256;
+
 /// The first rank that reported a setup error, with it.
 fn first_setup_error(errors: &[Option<String>]) -> Option<(usize, String)> {
     errors
@@ -195,6 +214,21 @@ fn check_agreement(all: &[Agreement]) -> Result<()> {
     let errors: Vec<Option<String>> = all.iter().map(|(e, _)| e.clone()).collect();
     if let Some((rank, reason)) = first_setup_error(&errors) {
         return Err(AllReduceError::PeerSetup { rank, reason });
+    }
+    // Compared name by name below: a peer's list is bounded first, so that a lying peer
+    // cannot make the comparison quadratic in what it sends.
+    if let Some((rank, (_, fields))) = all
+        .iter()
+        .enumerate()
+        .find(|(_, (_, fields))| fields.len() > MAX_AGREED_FIELDS)
+    {
+        return Err(AllReduceError::PeerSetup {
+            rank,
+            reason: format!(
+                "it sent {} settings to agree on, more than any build has ({MAX_AGREED_FIELDS})",
+                fields.len()
+            ),
+        });
     }
     // Fields in the order rank 0 sent them, then any only some other rank sent.
     let mut names: Vec<&str> = Vec::new();
@@ -906,6 +940,56 @@ impl<B: Backend> CustomAllReduce<B> {
         }
     }
 
+    /// Tagged step before a registration's exchange: every rank makes the same registration
+    /// (`register_buffer` against `register_graph_buffers` would pair one rank's input with
+    /// another kind of peer input) into the same RankData slots (`None`: this rank has no
+    /// free slot). A difference fails every rank alike, and nothing has changed.
+    fn agree_registration<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &C,
+        call: Registering,
+        slots: Option<&[usize]>,
+    ) -> Result<()> {
+        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+            call: call.name(),
+            phase: Phase::Closed,
+        })?;
+        let mine: (u8, Option<Vec<u64>>) = (
+            call as u8,
+            slots.map(|s| s.iter().map(|&s| s as u64).collect()),
+        );
+        let all: Vec<(u8, Option<Vec<u64>>)> =
+            res.peers.agree(comm, tpcomm_ipc::Step::Register, &mine)?;
+        let calls: Vec<u64> = all.iter().map(|(c, _)| u64::from(*c)).collect();
+        if calls.iter().any(|&c| c != calls[0]) {
+            return Err(AllReduceError::Disagreement {
+                what: "the registration (1: register_buffer, 2: register_graph_buffers)",
+                values: calls,
+            });
+        }
+        if mine.1.is_none() {
+            return Err(AllReduceError::SlotsExhausted(self.slots.len()));
+        }
+        // Every rank's slots, compared at the first position where any differs (u64::MAX:
+        // none there, or no free slot at all).
+        let at = |r: &(u8, Option<Vec<u64>>), i: usize| {
+            r.1.as_ref()
+                .and_then(|s| s.get(i))
+                .copied()
+                .unwrap_or(u64::MAX)
+        };
+        let longest = all.iter().map(|r| r.1.as_ref().map_or(1, Vec::len)).max();
+        if let Some(i) =
+            (0..longest.unwrap_or(0)).find(|&i| all.iter().any(|r| at(r, i) != at(&all[0], i)))
+        {
+            return Err(AllReduceError::Disagreement {
+                what: "the RankData slots of the registration (u64::MAX: none)",
+                values: all.iter().map(|r| at(r, i)).collect(),
+            });
+        }
+        Ok(())
+    }
+
     fn free_slot(&self) -> Result<usize> {
         self.slots
             .iter()
@@ -1042,7 +1126,6 @@ impl<B: Backend> CustomAllReduce<B> {
     /// staging buffer into `output`. Returns the algorithm used, or
     /// [`AllReduceError::Fallback`] with the reason when the custom path cannot serve it.
     pub fn all_reduce<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<Algorithm> {
-        self.lifecycle.check_operation("all_reduce")?;
         self.check_host_addressable("all_reduce")?;
         if input.len() != output.len() {
             return Err(AllReduceError::InvalidArgument(format!(
@@ -1051,8 +1134,13 @@ impl<B: Backend> CustomAllReduce<B> {
                 output.len()
             )));
         }
+        // The route first, from the shape and the agreed settings alone: a rank whose
+        // communicator is Failed or Closed still reports a fallback size as `Fallback`, so
+        // that `all_reduce_or_transport` takes the transport with its peers instead of
+        // failing alone while they wait there.
         let bytes = std::mem::size_of_val(input);
         let algorithm = self.choose(T::DTYPE, bytes, true)?;
+        self.lifecycle.check_operation("all_reduce")?;
         let res = self.resources("all_reduce")?;
         let memory = res.peers.backend();
         let raw: &[u8] = bytemuck::cast_slice(input);
@@ -1201,7 +1289,11 @@ impl<B: Backend> CustomAllReduce<B> {
         self.check_communicator(comm)?;
         self.lifecycle.check_operation("register_buffer")?;
         self.refuse_while_capturing("register_buffer")?;
-        let slot = self.free_slot()?;
+        // No free slot is agreed like the rest: every rank refuses, nobody waits alone.
+        let slot = self.free_slot().ok();
+        let slots = slot.map(|s| vec![s]);
+        self.agree_registration(comm, Registering::Buffer, slots.as_deref())?;
+        let slot = slot.ok_or(AllReduceError::SlotsExhausted(self.slots.len()))?;
         let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
             call: "register_buffer",
             phase: Phase::Closed,
@@ -1269,18 +1361,27 @@ impl<B: Backend> CustomAllReduce<B> {
         self.check_communicator(comm)?;
         self.lifecycle.check_operation("unregister")?;
         self.refuse_while_capturing("unregister")?;
-        self.check_owner("a registered input", input.owner)?;
+        // This rank's refusals are agreed with the rest (a tagged step): a token of another
+        // communicator or a failed drain fails every rank, nobody waits alone.
+        let owned = self.check_owner("a registered input", input.owner);
         let drained = {
             let res = self.resources("unregister")?;
             self.backend.synchronize(res.peers.backend(), &res.signal)
         };
+        let mine = (owned.is_ok() && drained.is_ok()).then_some(input.slot as u64);
+        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+            call: "unregister",
+            phase: Phase::Closed,
+        })?;
+        let slots: Vec<Option<u64>> = res.peers.agree(comm, tpcomm_ipc::Step::Unregister, &mine)?;
+        owned?;
         if let Err(e) = drained {
             return Err(self.lifecycle.fail("unregister", e));
         }
-        let slots: Vec<u64> = tpcomm_objects::all_gather(comm, &(input.slot as u64))?;
+        let slots: Vec<u64> = slots.iter().map(|s| s.unwrap_or(u64::MAX)).collect();
         if slots.iter().any(|&s| s != slots[0]) {
             return Err(AllReduceError::Disagreement {
-                what: "the RankData slot to unregister",
+                what: "the RankData slot to unregister (u64::MAX: a rank that refused)",
                 values: slots,
             });
         }
@@ -1759,6 +1860,8 @@ impl<B: Backend> CustomAllReduce<B> {
             self.pending[i].1 = self.shared_region(slot, region)?;
         }
         let regions: Vec<Region> = self.pending.iter().map(|(_, r)| *r).collect();
+        let slots: Vec<usize> = self.pending.iter().map(|(slot, _)| *slot).collect();
+        self.agree_registration(comm, Registering::Graph, Some(&slots))?;
         let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
             call: "register_graph_buffers",
             phase: Phase::Closed,
@@ -2028,6 +2131,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// in [`StepMismatch`](tpcomm_ipc::IpcError::StepMismatch)). Everything is released
     /// whatever fails; the first error is returned. A no-op when already Closed.
     pub fn close_with<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        self.check_communicator(comm)?;
         let Some(res) = self.res.as_mut() else {
             self.lifecycle.close();
             return Ok(());
@@ -2094,3 +2198,25 @@ fn fresh_nonce(rank: usize) -> u64 {
 
 #[cfg(test)]
 mod engine_capture;
+
+#[cfg(test)]
+mod agreement_tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_sending_more_settings_than_any_build_is_refused_before_they_are_compared() {
+        let honest: Agreement = (None, vec![("max_bytes".into(), "8388608".into())]);
+        let flood: Agreement = (
+            None,
+            (0..20_000)
+                .map(|i| (format!("f{i}"), String::new()))
+                .collect(),
+        );
+        match check_agreement(&[honest, flood]) {
+            Err(AllReduceError::PeerSetup { rank: 1, reason }) => {
+                assert!(reason.contains("20000 settings"), "{reason}")
+            }
+            other => panic!("expected PeerSetup naming rank 1, got {other:?}"),
+        }
+    }
+}

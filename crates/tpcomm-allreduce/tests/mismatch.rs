@@ -636,3 +636,151 @@ fn a_peer_sharing_a_misaligned_input_is_refused_before_any_launch_reads_it() {
         other => panic!("rank 0: expected rank 1's input refused as misaligned, got {other:?}"),
     }
 }
+
+/// A group whose waits end after 2 s: a rank left waiting alone fails the test quickly.
+fn short_group(n: usize) -> LocalGroup {
+    LocalGroup::new(n).timeout(Duration::from_secs(2))
+}
+
+#[test]
+fn register_buffer_against_register_graph_buffers_fails_every_rank() {
+    // Rank 0 registers its captured input while rank 1 registers a buffer into the same
+    // slot: both exchanges carried one region, so each rank paired its input with another
+    // kind of peer input, and both returned Ok.
+    let results = short_group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let input = memory.allocate(4096)?;
+        let out = memory.allocate(4096)?;
+        let outcome = if comm.rank() == 0 {
+            let _plan =
+                ar.capture(|cap| cap.all_reduce(&input, &out, DType::F32, 1024).map(drop))?;
+            ar.register_graph_buffers(&comm).map(drop)
+        } else {
+            ar.register_buffer(&comm, memory.allocate(4096)?)
+                .map(drop)
+                .map_err(|refused| refused.into_error())
+        };
+        match outcome {
+            Err(AllReduceError::Disagreement { what, values }) => {
+                assert!(what.contains("registration"), "{what}");
+                assert_eq!(values, [2, 1]);
+            }
+            other => panic!(
+                "rank {}: expected a disagreement, got {other:?}",
+                comm.rank()
+            ),
+        }
+        assert_eq!(ar.phase(), Phase::Active);
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
+fn a_rank_without_a_free_slot_fails_register_buffer_on_every_rank() {
+    // Slot 0 serves eager calls, slot 1 is the only other. Rank 0's capture takes it (not
+    // registered yet); rank 1 has it free. Rank 0 refused alone and rank 1 waited in the
+    // exchange until the group's timeout.
+    let config = Config {
+        slots: 2,
+        ..Config::default()
+    };
+    let results = short_group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, config.clone())?;
+        let memory = ar.memory()?.clone();
+        let input = memory.allocate(4096)?;
+        let out = memory.allocate(4096)?;
+        let _plan = (comm.rank() == 0)
+            .then(|| ar.capture(|cap| cap.all_reduce(&input, &out, DType::F32, 1024).map(drop)))
+            .transpose()?;
+        let refused = ar
+            .register_buffer(&comm, memory.allocate(4096)?)
+            .map(drop)
+            .map_err(|refused| refused.into_error());
+        match (comm.rank(), refused) {
+            (0, Err(AllReduceError::SlotsExhausted(2))) => {}
+            (1, Err(AllReduceError::Disagreement { values, .. })) => {
+                assert_eq!(values, [u64::MAX, 1]);
+            }
+            (rank, other) => panic!("rank {rank}: {other:?}"),
+        }
+        // Both are still in step: a collective after it pairs.
+        comm.barrier()?;
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
+fn a_closed_rank_takes_the_transport_fallback_with_its_peers() {
+    // 3 f32 (12 bytes) is a fallback size. A rank whose communicator was closed returned
+    // WrongState before deciding the route, while its peer waited in the transport's
+    // all-reduce until the group's timeout.
+    let results = short_group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        if comm.rank() == 1 {
+            ar.close()?;
+        }
+        let input = [comm.rank() as f32 + 1.0; 3];
+        let mut out = [0f32; 3];
+        let route = ar.all_reduce_or_transport(&comm, &input, &mut out)?;
+        assert!(
+            matches!(route, tpcomm_allreduce::HostRoute::Transport(_)),
+            "{route:?}"
+        );
+        assert_eq!(out, [3.0; 3]);
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
+fn close_with_another_communicator_is_refused_and_closes_nothing() {
+    let results = short_group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let alone = comm
+            .split(Some(comm.rank() as u32), 0)?
+            .expect("every rank has a color");
+        if comm.rank() == 0 {
+            match ar.close_with(&alone) {
+                Err(AllReduceError::Ipc(e))
+                    if matches!(*e, tpcomm_ipc::IpcError::WrongCommunicator { .. }) => {}
+                other => panic!("expected WrongCommunicator, got {other:?}"),
+            }
+            assert_eq!(ar.phase(), Phase::Active);
+        }
+        ar.close_with(&comm)?;
+        assert_eq!(ar.phase(), Phase::Closed);
+        Ok(())
+    });
+    unwrap_all(results);
+}
+
+#[test]
+fn a_foreign_token_on_one_rank_fails_unregister_on_every_rank() {
+    // Rank 0 passes the token of another communicator. It refused alone while rank 1
+    // waited in the slot's all-gather until the group's timeout.
+    let results = short_group(2).run(|comm| -> R<()> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let mut other = new_ar(&comm, Config::default())?;
+        let memory = ar.memory()?.clone();
+        let mine = ar.register_buffer(&comm, memory.allocate(4096)?)?;
+        let foreign = other.register_buffer(&comm, memory.allocate(4096)?)?;
+        let token = if comm.rank() == 0 { foreign } else { mine };
+        match (
+            comm.rank(),
+            ar.unregister(&comm, token).map_err(|r| r.into_error()),
+        ) {
+            (0, Err(AllReduceError::ForeignToken { .. })) => {}
+            (1, Err(AllReduceError::Disagreement { values, .. })) => {
+                assert_eq!(values, [u64::MAX, 1]);
+            }
+            (rank, other) => panic!("rank {rank}: {other:?}"),
+        }
+        assert_eq!(ar.phase(), Phase::Active);
+        comm.barrier()?;
+        Ok(())
+    });
+    unwrap_all(results);
+}

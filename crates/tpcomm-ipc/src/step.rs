@@ -64,6 +64,12 @@ pub enum Step {
     /// `CustomAllReduce::new` (backends that ask for it, CUDA): the nonces of the one-time
     /// peer-to-peer data test, read by every peer through its new mappings.
     CreateNonces,
+    /// `CustomAllReduce::register_buffer` / `register_graph_buffers`: which registration
+    /// every rank makes, and the RankData slots it fills.
+    Register,
+    /// `CustomAllReduce::unregister`: the slot every rank ends, and whether its token is
+    /// this communicator's.
+    Unregister,
     /// A code this build does not know.
     Unknown(u16),
 }
@@ -83,6 +89,8 @@ impl Step {
             Step::ResumeProved => 10,
             Step::Close => 11,
             Step::CreateNonces => 12,
+            Step::Register => 13,
+            Step::Unregister => 14,
             Step::Unknown(c) => c,
         }
     }
@@ -101,6 +109,8 @@ impl Step {
             10 => Step::ResumeProved,
             11 => Step::Close,
             12 => Step::CreateNonces,
+            13 => Step::Register,
+            14 => Step::Unregister,
             c => Step::Unknown(c),
         }
     }
@@ -120,6 +130,8 @@ impl Step {
             Step::ResumeProved => "reinit_after_resume (mappings proved)",
             Step::Close => "close_with (final barrier)",
             Step::CreateNonces => "CustomAllReduce::new (peer-to-peer data test)",
+            Step::Register => "register_buffer / register_graph_buffers (the registration)",
+            Step::Unregister => "unregister (the slot)",
             Step::Unknown(_) => "an unknown step",
         }
     }
@@ -239,7 +251,7 @@ mod tests {
 
     #[test]
     fn every_known_code_decodes_to_its_step() {
-        for code in 1..=12 {
+        for code in 1..=14 {
             assert_eq!(Step::from_code(code).code(), code);
             assert!(!matches!(Step::from_code(code), Step::Unknown(_)));
         }

@@ -1361,8 +1361,8 @@ impl<B: Backend> CustomAllReduce<B> {
         self.check_communicator(comm)?;
         self.lifecycle.check_operation("unregister")?;
         self.refuse_while_capturing("unregister")?;
-        // This rank's refusals are agreed with the rest (a tagged step): a token of another
-        // communicator or a failed drain fails every rank, nobody waits alone.
+        // This rank's refusals past the phase checks are agreed with the rest (a tagged
+        // step): a token of another communicator or a failed drain fails every rank.
         let owned = self.check_owner("a registered input", input.owner);
         let drained = {
             let res = self.resources("unregister")?;

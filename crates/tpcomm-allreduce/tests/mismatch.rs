@@ -637,9 +637,9 @@ fn a_peer_sharing_a_misaligned_input_is_refused_before_any_launch_reads_it() {
     }
 }
 
-/// A group whose waits end after 2 s: a rank left waiting alone fails the test quickly.
+/// A group whose waits end after 5 s: a rank left waiting alone fails the test soon.
 fn short_group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(2))
+    LocalGroup::new(n).timeout(Duration::from_secs(5))
 }
 
 #[test]

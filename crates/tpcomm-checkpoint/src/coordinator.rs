@@ -118,6 +118,9 @@ struct ProcessHold<'d, D: CheckpointDriver + ?Sized> {
     held: bool,
     /// A lock succeeded and the back half has not run.
     armed: bool,
+    /// `state` was seen (a call's success or the driver's answer), not assumed after a
+    /// failed call whose state could not be read: only a seen state is reported.
+    seen: bool,
 }
 
 impl<D: CheckpointDriver + ?Sized> ProcessHold<'_, D> {
@@ -135,11 +138,24 @@ impl<D: CheckpointDriver + ?Sized> ProcessHold<'_, D> {
         failure: &mut Option<Reason>,
     ) {
         match result {
-            Ok(()) => self.state = after,
+            Ok(()) => (self.state, self.seen) = (after, true),
             Err(e) => {
                 failure.get_or_insert(Reason::Driver(e));
-                self.state = self.driver.state(self.pid).unwrap_or(unknown);
+                (self.state, self.seen) = match self.driver.state(self.pid) {
+                    Ok(state) => (state, true),
+                    Err(_) => (unknown, false),
+                };
             }
+        }
+    }
+
+    /// The state to report: the tracked one when it was seen, else unreadable (the back
+    /// half still acts on the assumption).
+    fn reported(&self) -> ProcessState {
+        if self.seen {
+            self.state
+        } else {
+            ProcessState::UNREADABLE
         }
     }
 
@@ -259,6 +275,7 @@ where
         state: ProcessState::Running,
         held: false,
         armed: false,
+        seen: true,
     };
     let mut pause = Some(pause);
     let mut info = None;
@@ -347,7 +364,7 @@ where
                 let done = driver.checkpoint(pid);
                 let states = (ProcessState::Checkpointed, ProcessState::Checkpointed);
                 hold.call(done, states, &mut report.failure);
-                report.state = Some(hold.state);
+                report.state = Some(hold.reported());
             }
             Step::Pause => {
                 let pause = pause.take().expect("the pause step runs once");
@@ -367,7 +384,7 @@ where
                     hold.call(done, states, &mut report.failure);
                 }
                 // A process this sequence never locked keeps the state its lock step saw.
-                report.state = hold.held.then_some(hold.state);
+                report.state = hold.held.then(|| hold.reported());
             }
             Step::Unlock if driver_rank => {
                 if hold.state == ProcessState::Locked {
@@ -375,7 +392,7 @@ where
                     let states = (ProcessState::Running, ProcessState::Locked);
                     hold.call(done, states, &mut report.failure);
                 }
-                report.state = hold.held.then_some(hold.state);
+                report.state = hold.held.then(|| hold.reported());
                 // The back half ran: nothing is left for the guard to undo.
                 hold.armed = false;
             }
@@ -419,6 +436,8 @@ where
                     "as rank {driver_rank}, which makes this process's driver calls, leaves \
                      it (it rolls back what this sequence locked); not known on this rank"
                 )
+            } else if hold.held {
+                format!("{} (this sequence's lock was undone before)", hold.state)
             } else {
                 "as it was (not locked by this sequence)".to_string()
             };

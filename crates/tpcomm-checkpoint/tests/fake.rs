@@ -962,10 +962,10 @@ fn an_exchange_lost_after_a_failed_unlock_unlocks_again_and_says_so() {
     let driver = Faulty {
         fake: fake.clone(),
         late: None,
-        slow_unlock: Some((pid_of(1), Duration::from_millis(1500))),
+        slow_unlock: Some((pid_of(1), Duration::from_secs(6))),
     };
     let outcomes: Vec<_> = LocalGroup::new(2)
-        .timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(2))
         .run(|comm| {
             let mut probe = Probe::default();
             checkpoint_group(
@@ -1118,4 +1118,33 @@ fn a_process_whose_imports_the_driver_cannot_see_is_never_locked() {
     let log = fake.log();
     assert!(log.iter().all(|e| e.pid != pid_of(1)), "{log:?}");
     assert_eq!(fake.state_of(pid_of(0)), ProcessState::Running);
+}
+
+#[test]
+fn a_restore_that_failed_with_an_unreadable_state_is_reported_unreadable_not_locked() {
+    // The restore fails before doing anything; the unlock the back half then tries (in case
+    // it had) is refused, the process being still checkpointed; its state cannot be read.
+    let fake = FakeDriver::new();
+    fake.fail_next(Call::Restore, pid_of(1), 999);
+    let driver = Faulty {
+        fake: fake.clone(),
+        late: None,
+        slow_unlock: None,
+    };
+    for (out, probe) in &run_two(&driver) {
+        let CheckpointError::Failed {
+            first, aftermath, ..
+        } = failed(out)
+        else {
+            panic!("{out:?}")
+        };
+        assert_eq!((first.step, first.rank), (Step::Restore, 1));
+        assert_eq!(
+            aftermath.processes,
+            [Some(ProcessState::Running), Some(ProcessState::UNREADABLE)]
+        );
+        assert_ne!(aftermath.objects, ObjectsLeft::Resumed);
+        assert_eq!(probe.resumed, 0);
+    }
+    assert_eq!(fake.state_of(pid_of(1)), ProcessState::Checkpointed);
 }

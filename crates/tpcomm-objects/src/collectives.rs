@@ -796,19 +796,20 @@ where
     // The root checks that the exchange carries the length it sent, as a gather's sender
     // does: a sentinel turned into a length, or a length changed, would otherwise have it
     // return bytes it never sent (inline zeros, or its own receive buffer).
-    if is_root {
-        let sent = match &serialized {
-            Some(Ok(bytes)) => Some(bytes.len()),
-            _ => None,
-        };
-        if sent != Some(len) {
-            return Err(ObjectError::Corrupt(format!(
-                "root {root} announced {} but the broadcast header reports {len} bytes",
-                sent.map_or_else(|| "no value".to_string(), |n| format!("{n} bytes"))
-            )));
-        }
-    }
+    let sent = match &serialized {
+        Some(Ok(bytes)) => Some(bytes.len()),
+        _ => None,
+    };
+    let lost = (is_root && sent != Some(len)).then(|| {
+        ObjectError::Corrupt(format!(
+            "root {root} announced {} but the broadcast header reports {len} bytes",
+            sent.map_or_else(|| "no value".to_string(), |n| format!("{n} bytes"))
+        ))
+    });
     if len <= slot {
+        if let Some(lost) = lost {
+            return Err(lost);
+        }
         record(&span, "small", len, 0);
         return decode(entry_inline(&header, root, len));
     }
@@ -820,12 +821,16 @@ where
     } else {
         (0, Kept::Send)
     };
-    let reserved = match root_bytes {
-        Some(Ok(bytes)) if bytes.len() == len => Ok(bytes.into_vec()),
-        Some(_) => Err(ObjectError::Corrupt(format!(
+    // A root whose length was lost votes "not reserved" (on calls that agree it), so that
+    // its peers return `PeerAllocation` instead of waiting for its payload.
+    let reserved = match (lost, root_bytes) {
+        (Some(lost), _) => Err(lost),
+        (None, Some(Ok(bytes))) if bytes.len() == len => Ok(bytes.into_vec()),
+        // Not reached: `lost` covers a root whose bytes differ from the length.
+        (None, Some(_)) => Err(ObjectError::Corrupt(format!(
             "root {root}: the broadcast header lost its own length"
         ))),
-        None => kept.take_at(base, len),
+        (None, None) => kept.take_at(base, len),
     };
     let mut buf = agree_reserved(comm, len, reserved)?;
     let rounds = broadcast_payload(

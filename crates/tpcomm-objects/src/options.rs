@@ -384,6 +384,12 @@ impl Checked {
         // rank's.
         if !(0..size).all(|r| fields(r) == self.field) {
             Self::disagreement(size, &fields)?;
+            // Every field agrees with every other, but not with this rank's own: the
+            // exchange lost what this rank sent (its peers decided on fields it did not
+            // send). Going on would act on options or a root nobody agreed to.
+            return Err(ObjectError::Corrupt(
+                "this rank's options field arrived changed in the header exchange".into(),
+            ));
         }
         self.root_in_range(size)
     }

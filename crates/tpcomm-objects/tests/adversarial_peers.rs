@@ -227,10 +227,11 @@ fn a_sender_that_breaks_the_scan_pattern_is_refused_by_every_scanning_rank() {
             scan_with(c, &format!("r{}", c.rank()), |a, b| a + &b)
         }
     });
-    // The all-to-all rank checks no scan shape: its peers refused before the payload, so it
-    // fails in the transport (before the check it completed with `Ok`).
+    // The all-to-all rank checks no scan shape, but sees its own field arrive changed
+    // (before that check it failed in the transport once its peers refused, and before the
+    // scan check it completed with `Ok`).
     assert!(
-        matches!(results[2], Err(ObjectError::Transport(_))),
+        matches!(&results[2], Err(ObjectError::Corrupt(m)) if m.contains("options field")),
         "rank 2: {:?}",
         results[2]
     );
@@ -263,5 +264,61 @@ fn a_broadcast_against_a_gather_fails_every_rank() {
             }
         });
         assert_collective_mismatch_everywhere(&format!("gather / broadcast, {len} bytes"), results);
+    }
+}
+
+/// Rank 1 calls `gather` with root 1, the others with root 0, and the exchange replaces
+/// rank 1's options field with rank 0's: every field rank 1 receives agrees with every
+/// other, but not with what it sent. It took that for agreement and returned the values as
+/// their root, with no error anywhere.
+#[test]
+fn a_rank_whose_own_options_field_arrives_changed_says_corrupt() {
+    let rewrite = |entry: usize, recv: &mut [u8]| {
+        if entry == 256 {
+            let rank0: Vec<u8> = recv[8..32].to_vec();
+            recv[256 + 8..256 + 32].copy_from_slice(&rank0);
+        }
+    };
+    let results = run_rewritten(3, &rewrite, |c| {
+        let root = if c.rank() == 1 { 1 } else { 0 };
+        tpcomm_objects::gather(c, root, &(c.rank() as u32))
+    });
+    match &results[1] {
+        Err(ObjectError::Corrupt(why)) => assert!(why.contains("options field"), "{why}"),
+        other => panic!("rank 1: expected Corrupt, got {other:?}"),
+    }
+    // Ranks 0 and 2 read fields that all agree with theirs: they cannot tell.
+    assert_eq!(
+        results[0].as_ref().unwrap().as_deref(),
+        Some(&[0u32, 1, 2][..])
+    );
+    assert_eq!(results[2].as_ref().unwrap(), &None);
+}
+
+/// A broadcast root of 5 MiB (a call whose ranks agree on their receive buffers) finds
+/// its own length changed in the header: it says `Corrupt`, and its peers, which were
+/// left waiting for its payload until the transport's timeout, now learn it in the
+/// one-byte agreement.
+#[test]
+fn a_large_broadcast_whose_root_lost_its_length_fails_every_rank_in_step() {
+    let rewrite = |entry: usize, recv: &mut [u8]| {
+        if entry == 256 {
+            let word = u64::from_le_bytes(recv[0..8].try_into().unwrap());
+            set_entry_word(recv, 0, word + 1);
+        }
+    };
+    let results = run_rewritten(3, &rewrite, |c| {
+        let value = ByteBuf::from(vec![c.rank() as u8; 5 << 20]);
+        let out = broadcast(c, 0, (c.rank() == 0).then_some(&value)).map(drop);
+        // Still in step: a collective after it pairs.
+        (out, c.barrier())
+    });
+    for (rank, (out, next)) in results.into_iter().enumerate() {
+        match (rank, out) {
+            (0, Err(ObjectError::Corrupt(_))) => {}
+            (_, Err(ObjectError::PeerAllocation { ranks })) => assert_eq!(ranks, [0]),
+            (rank, other) => panic!("rank {rank}: {other:?}"),
+        }
+        next.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
 }

@@ -40,7 +40,8 @@ pub trait Communicator: Send + Sync {
     fn size(&self) -> usize;
 
     /// The largest count (and displacement) one call accepts, in bytes: `i32::MAX` for MPI-3.
-    /// Upper layers split larger transfers into rounds.
+    /// Upper layers split larger transfers into rounds, each rank from its own value: it
+    /// must be the same on every rank of the communicator.
     fn max_count(&self) -> usize;
 
     /// A short name of the backend (`"local"`, `"mpi"`), for spans and reports.

@@ -65,6 +65,8 @@ struct Exchange<H> {
     /// The backend's export stamp read before `sent` was last exported or found equal to a
     /// fresh export: while the stamp stays so, exporting `local` again gives `sent`.
     stamp: Option<u64>,
+    /// [`PeerMappings::release`] ended it: it shares and maps nothing any more.
+    released: bool,
 }
 
 /// One opened handle. Slots an exchange refers to keep their handle while closed, so that a
@@ -281,6 +283,7 @@ impl<B: PeerMemory> PeerMappings<B> {
             sent,
             slots,
             stamp,
+            released: false,
         });
         Ok(ExchangeId(self.exchanges.len() - 1))
     }
@@ -608,10 +611,10 @@ impl<B: PeerMemory> PeerMappings<B> {
     /// allocated or freed since: [`Counters::exports_skipped`]). A failure leaves the
     /// registry closed, on every rank.
     pub fn reopen_all<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        self.check_communicator(comm)?;
         if !self.closed {
             return Ok(());
         }
-        self.check_communicator(comm)?;
         let _span = tracing::debug_span!(
             "peer_reopen_all",
             rank = self.rank,
@@ -715,6 +718,19 @@ impl<B: PeerMemory> PeerMappings<B> {
         comm: &C,
         all: Vec<Reshare<B::Handle>>,
     ) -> Result<()> {
+        // A list per exchange, in order: a rank with more or fewer is refused on every rank
+        // (each rank sees every list), never matched by position with the wrong exchange.
+        for (r, shared) in all.iter().enumerate() {
+            if let Reshare::Fresh(fresh) = shared {
+                if fresh.len() != self.exchanges.len() {
+                    return Err(IpcError::Mismatch(format!(
+                        "rank {r} reshared {} exchanges, this rank has {}",
+                        fresh.len(),
+                        self.exchanges.len()
+                    )));
+                }
+            }
+        }
         let mut lists = Vec::with_capacity(self.exchanges.len());
         for (k, x) in self.exchanges.iter().enumerate() {
             let mut per_rank = Vec::with_capacity(self.size);
@@ -845,6 +861,12 @@ impl<B: PeerMemory> PeerMappings<B> {
         let Some(x) = self.exchanges.get_mut(id.0) else {
             return Err(IpcError::NoSuchMapping(format!("exchange {}", id.0)));
         };
+        if std::mem::replace(&mut x.released, true) {
+            return Err(IpcError::NoSuchMapping(format!(
+                "exchange {} was released already",
+                id.0
+            )));
+        }
         x.local.clear();
         // What a fresh export of the released exchange gives: a rank that reopens without
         // exporting must announce the same as a peer that exported.

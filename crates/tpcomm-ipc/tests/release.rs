@@ -196,3 +196,73 @@ fn a_replaced_region_is_what_peers_open_after_the_next_reopen() {
             .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
 }
+
+#[test]
+fn releasing_an_exchange_twice_is_a_typed_error_and_changes_nothing() {
+    let results = LocalGroup::new(2).run(|comm| -> tpcomm_ipc::Result<()> {
+        let memory = HostMemory::new();
+        let a = memory.allocate(4096)?;
+        let b = memory.allocate(4096)?;
+        let mut peers = PeerMappings::new(memory, &comm)?;
+        let first = peers.exchange(
+            &comm,
+            &[Region {
+                addr: a.addr(),
+                len: 4096,
+            }],
+        )?;
+        let second = peers.exchange(
+            &comm,
+            &[Region {
+                addr: b.addr(),
+                len: 4096,
+            }],
+        )?;
+        assert_eq!(peers.release(first)?, 1);
+        match peers.release(first) {
+            Err(IpcError::NoSuchMapping(why)) => assert!(why.contains("released"), "{why}"),
+            other => panic!("a second release: {other:?}"),
+        }
+        assert_eq!(peers.counters().open, 1);
+        peers.peer(second, 1 - comm.rank(), 0)?;
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
+}
+
+#[test]
+fn reopen_all_with_another_communicator_is_refused_whatever_the_state() {
+    let results = LocalGroup::new(2).run(|comm| -> tpcomm_ipc::Result<()> {
+        let memory = HostMemory::new();
+        let a = memory.allocate(4096)?;
+        let mut peers = PeerMappings::new(memory, &comm)?;
+        peers.exchange(
+            &comm,
+            &[Region {
+                addr: a.addr(),
+                len: 4096,
+            }],
+        )?;
+        let alone = comm
+            .split(Some(comm.rank() as u32), 0)
+            .map_err(|e| IpcError::Exchange(e.into()))?
+            .expect("every rank has a color");
+        // Open: it used to return Ok before looking at the communicator.
+        assert!(matches!(
+            peers.reopen_all(&alone),
+            Err(IpcError::WrongCommunicator { .. })
+        ));
+        peers.close_all()?;
+        assert!(matches!(
+            peers.reopen_all(&alone),
+            Err(IpcError::WrongCommunicator { .. })
+        ));
+        peers.reopen_all(&comm)?;
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
+}

@@ -723,60 +723,12 @@ fn ranks_of_separate_processes_with_the_same_pid_each_checkpoint_their_own() {
     }
 }
 
-/// The fake driver, except that `cuCheckpointProcessGetState` always fails.
-struct StateUnreadable(FakeDriver);
-
-impl tpcomm_checkpoint::CheckpointDriver for StateUnreadable {
-    fn support(&self) -> Result<tpcomm_checkpoint::DriverInfo, tpcomm_checkpoint::Unsupported> {
-        self.0.support()
-    }
-    fn lock(&self, pid: u32, timeout: Duration) -> Result<(), tpcomm_checkpoint::DriverError> {
-        self.0.lock(pid, timeout)
-    }
-    fn checkpoint(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
-        self.0.checkpoint(pid)
-    }
-    fn restore(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
-        self.0.restore(pid)
-    }
-    fn unlock(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
-        self.0.unlock(pid)
-    }
-    fn state(&self, pid: u32) -> Result<ProcessState, tpcomm_checkpoint::DriverError> {
-        Err(tpcomm_checkpoint::DriverError {
-            entry_point: "cuCheckpointProcessGetState".into(),
-            pid,
-            code: 999,
-            name: "CUDA_ERROR_UNKNOWN".into(),
-        })
-    }
-    fn imported_ipc_mappings(&self, pid: u32) -> Option<usize> {
-        self.0.imported_ipc_mappings(pid)
-    }
-}
-
 #[test]
 fn a_failed_lock_whose_state_cannot_be_read_is_unlocked_and_never_reported_running_unseen() {
     use tpcomm_checkpoint::fake::LOCK_TIMEOUT_KEEPS_LOCK;
     let fake = FakeDriver::new();
     fake.fail_next(Call::Lock, pid_of(1), LOCK_TIMEOUT_KEEPS_LOCK);
-    let driver = StateUnreadable(fake.clone());
-    let outcomes: Vec<_> = group(2)
-        .run(|comm| {
-            let mut probe = Probe::default();
-            let out = checkpoint_group(
-                &comm,
-                &driver,
-                &mut [&mut probe],
-                &options(comm.rank()),
-                |_| Ok(()),
-            );
-            (out, probe)
-        })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect();
-    for (out, probe) in &outcomes {
+    for (out, probe) in &run_two(&Faulty::new(&fake)) {
         let CheckpointError::Failed {
             first, aftermath, ..
         } = failed(out)
@@ -831,21 +783,35 @@ fn a_closed_all_reduce_is_refused_at_the_check_on_every_rank() {
     assert!(driver.log().is_empty(), "{:?}", driver.log());
 }
 
-/// The fake driver with `cuCheckpointProcessGetState` always failing, one call on one pid
-/// that does its work and then fails anyway (a call that failed late), and an optional
-/// pause before the unlocks of one pid.
+/// The fake driver with faults the fake itself does not model: `cuCheckpointProcessGetState`
+/// always failing (unless `state_readable`), one call on one pid that does its work and
+/// then fails anyway (a call that failed late), a pause before the unlocks of one pid, and
+/// one pid whose CUDA IPC imports the driver cannot see (as the real driver cannot see
+/// another process's).
 struct Faulty {
     fake: FakeDriver,
+    state_readable: bool,
     late: Option<(Call, u32)>,
     slow_unlock: Option<(u32, Duration)>,
+    imports_unseen: Option<u32>,
 }
 
 impl Faulty {
-    fn late(fake: &FakeDriver, call: Call, pid: u32) -> Self {
+    /// The fake with its state unreadable and nothing else changed.
+    fn new(fake: &FakeDriver) -> Self {
         Self {
             fake: fake.clone(),
-            late: Some((call, pid)),
+            state_readable: false,
+            late: None,
             slow_unlock: None,
+            imports_unseen: None,
+        }
+    }
+
+    fn late(fake: &FakeDriver, call: Call, pid: u32) -> Self {
+        Self {
+            late: Some((call, pid)),
+            ..Self::new(fake)
         }
     }
 
@@ -891,9 +857,20 @@ impl tpcomm_checkpoint::CheckpointDriver for Faulty {
         self.outcome(Call::Unlock, pid, self.fake.unlock(pid))
     }
     fn state(&self, pid: u32) -> Result<ProcessState, tpcomm_checkpoint::DriverError> {
-        StateUnreadable(self.fake.clone()).state(pid)
+        if self.state_readable {
+            return self.fake.state(pid);
+        }
+        Err(tpcomm_checkpoint::DriverError {
+            entry_point: "cuCheckpointProcessGetState".into(),
+            pid,
+            code: 999,
+            name: "CUDA_ERROR_UNKNOWN".into(),
+        })
     }
     fn imported_ipc_mappings(&self, pid: u32) -> Option<usize> {
+        if self.imports_unseen == Some(pid) {
+            return None;
+        }
         self.fake.imported_ipc_mappings(pid)
     }
 }
@@ -960,9 +937,8 @@ fn an_exchange_lost_after_a_failed_unlock_unlocks_again_and_says_so() {
     let fake = FakeDriver::new();
     fake.fail_next(Call::Unlock, pid_of(0), 999);
     let driver = Faulty {
-        fake: fake.clone(),
-        late: None,
         slow_unlock: Some((pid_of(1), Duration::from_secs(6))),
+        ..Faulty::new(&fake)
     };
     let outcomes: Vec<_> = LocalGroup::new(2)
         .timeout(Duration::from_secs(2))
@@ -1078,38 +1054,14 @@ fn ranks_registering_different_objects_in_the_same_number_are_refused_at_the_che
     assert!(driver.log().is_empty());
 }
 
-/// The fake driver, except that it cannot tell whether one pid imports CUDA IPC memory
-/// (as the real driver cannot for any process but its own).
-struct ImportsUnknownFor(FakeDriver, u32);
-
-impl tpcomm_checkpoint::CheckpointDriver for ImportsUnknownFor {
-    fn support(&self) -> Result<tpcomm_checkpoint::DriverInfo, tpcomm_checkpoint::Unsupported> {
-        self.0.support()
-    }
-    fn lock(&self, pid: u32, timeout: Duration) -> Result<(), tpcomm_checkpoint::DriverError> {
-        self.0.lock(pid, timeout)
-    }
-    fn checkpoint(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
-        self.0.checkpoint(pid)
-    }
-    fn restore(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
-        self.0.restore(pid)
-    }
-    fn unlock(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
-        self.0.unlock(pid)
-    }
-    fn state(&self, pid: u32) -> Result<ProcessState, tpcomm_checkpoint::DriverError> {
-        self.0.state(pid)
-    }
-    fn imported_ipc_mappings(&self, pid: u32) -> Option<usize> {
-        (pid != self.1).then(|| self.0.imported_ipc_mappings(pid).unwrap_or(0))
-    }
-}
-
 #[test]
 fn a_process_whose_imports_the_driver_cannot_see_is_never_locked() {
     let fake = FakeDriver::new();
-    let outcomes = run_two(&ImportsUnknownFor(fake.clone(), pid_of(1)));
+    let outcomes = run_two(&Faulty {
+        state_readable: true,
+        imports_unseen: Some(pid_of(1)),
+        ..Faulty::new(&fake)
+    });
     for (out, _) in &outcomes {
         let e = failed(out);
         assert_eq!((e.step(), e.rank()), (Step::Lock, 1));
@@ -1126,11 +1078,7 @@ fn a_restore_that_failed_with_an_unreadable_state_is_reported_unreadable_not_loc
     // it had) is refused, the process being still checkpointed; its state cannot be read.
     let fake = FakeDriver::new();
     fake.fail_next(Call::Restore, pid_of(1), 999);
-    let driver = Faulty {
-        fake: fake.clone(),
-        late: None,
-        slow_unlock: None,
-    };
+    let driver = Faulty::new(&fake);
     for (out, probe) in &run_two(&driver) {
         let CheckpointError::Failed {
             first, aftermath, ..

@@ -1424,6 +1424,18 @@ mod tests {
         held
     }
 
+    /// `result` (of `within_10s`) is the refusal of a file that is no memfd, in time.
+    fn assert_refused_at_once(what: &str, result: Option<Result<()>>) {
+        match result {
+            Some(Err(IpcError::NotASegment {
+                problem: SegmentProblem::NotMemfd,
+                ..
+            })) => {}
+            None => panic!("{what} waited on a file system that never answers for 10 s"),
+            Some(other) => panic!("{what}: expected NotASegment(NotMemfd), got {other:?}"),
+        }
+    }
+
     /// What `f` returns, or `None` when it has not returned after 10 s (it goes on on its
     /// own thread).
     fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
@@ -1452,14 +1464,7 @@ mod tests {
         // Unmounting answers what is held, and lets the child's own close end.
         drop(fs);
         reap(child);
-        match result {
-            Some(Err(IpcError::NotASegment {
-                problem: SegmentProblem::NotMemfd,
-                ..
-            })) => {}
-            None => panic!("open waited on a file system that never answers for 10 s"),
-            Some(other) => panic!("expected NotASegment(NotMemfd), got {other:?}"),
-        }
+        assert_refused_at_once("open", result);
         if fetches {
             assert!(held >= 1, "the refused descriptor was never closed");
         } else {
@@ -1477,14 +1482,7 @@ mod tests {
         let result = within_10s(move || open_via_proc(&h).map(|_| ()));
         drop(fs);
         reap(child);
-        match result {
-            Some(Err(IpcError::NotASegment {
-                problem: SegmentProblem::NotMemfd,
-                ..
-            })) => {}
-            None => panic!("the /proc fallback waited on a file system that never answers"),
-            Some(other) => panic!("expected NotASegment(NotMemfd), got {other:?}"),
-        }
+        assert_refused_at_once("the /proc fallback", result);
     }
 
     #[test]

@@ -37,8 +37,8 @@
 //!
 //! Anything else is [`IpcError::NotASegment`] (or `StaleHandle` / `InvalidHandle`), the
 //! fetched descriptor is closed (on a thread of its own unless it is shmem: closing flushes
-//! the file, which FUSE and NFS send to the server) and nothing is mapped. The descriptor is also closed right
-//! after a successful `mmap`: a mapping holds no descriptor.
+//! the file, which FUSE and NFS send to the server) and nothing is mapped. The descriptor
+//! is also closed right after a successful `mmap`: a mapping holds no descriptor.
 //!
 //! A backend (with its clones) maps a peer segment once, whole; every handle opened in it
 //! shares that mapping, and the last [`HostMapping`] of it to go unmaps it. A handle of a

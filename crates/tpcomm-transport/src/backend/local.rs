@@ -12,12 +12,12 @@
 //! small post (up to 48 bytes and three counts: a barrier, a few bytes, an object
 //! collective's header) travels in the slot's own words, so a reader takes it with the
 //! cache line it waited on; a larger one is a shared buffer the reader takes a reference
-//! to. No lock is shared by all ranks on this path: each rank
-//! writes only its own slots and count, and reads the others' counts only when it is about
-//! to use a slot again. A rank uses a slot again `RING` rounds later, after every rank is
-//! done with it (a rank that needs nobody's post, such as a broadcast root, waits there for
-//! slow readers), and frees its shared posts of the rounds every rank is done with at its
-//! next call, so that their buffers are reused or freed.
+//! to. No lock is shared by all ranks on this path: each rank writes only its own slots
+//! and count, and reads the others' counts only when it is about to use a slot again. A
+//! rank uses a slot again `RING` rounds later, after every rank is done with it (a rank
+//! that needs nobody's post, such as a broadcast root, waits there for slow readers), and
+//! frees its shared posts of the rounds every rank is done with at its next call, so that
+//! their buffers are reused or freed.
 //!
 //! Waiting: a waiting rank first spins without any lock, watching the slots it waits for
 //! and an *epoch* that aborts and departures bump, and parks on a condition variable only

@@ -166,12 +166,29 @@ impl<D: CheckpointDriver + ?Sized> ProcessHold<'_, D> {
         if let Ok(state) = self.driver.state(self.pid) {
             self.state = state;
         }
+        let mut restore_failed = None;
         if self.state == ProcessState::Checkpointed {
-            self.driver.restore(self.pid).map_err(|e| e.to_string())?;
+            if let Err(e) = self.driver.restore(self.pid) {
+                match self.driver.state(self.pid) {
+                    Ok(state) if state != ProcessState::Locked => {
+                        self.state = state;
+                        return Err(e.to_string());
+                    }
+                    // Restored after all, or unknown: as in the sequence's own back half, the
+                    // restore may have done its work; the unlock is tried (and refused
+                    // harmlessly if it had not).
+                    _ => restore_failed = Some(e),
+                }
+            }
             self.state = ProcessState::Locked;
         }
         if self.state == ProcessState::Locked {
-            self.driver.unlock(self.pid).map_err(|e| e.to_string())?;
+            self.driver
+                .unlock(self.pid)
+                .map_err(|e| match &restore_failed {
+                    Some(restore) => format!("{restore}; then the unlock: {e}"),
+                    None => e.to_string(),
+                })?;
             self.state = ProcessState::Running;
         }
         Ok(self.state)

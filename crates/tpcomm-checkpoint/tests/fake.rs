@@ -1096,3 +1096,40 @@ fn a_restore_that_failed_with_an_unreadable_state_is_reported_unreadable_not_loc
     }
     assert_eq!(fake.state_of(pid_of(1)), ProcessState::Checkpointed);
 }
+
+#[test]
+fn a_rollback_whose_restore_failed_late_with_an_unreadable_state_still_unlocks() {
+    // Rank 1's pause panics, so rank 0 rolls its checkpointed process back alone; its
+    // restore does its work and then fails, and the state cannot be read. The rollback
+    // stopped there and left the process locked.
+    let fake = FakeDriver::new();
+    let driver = Faulty::late(&fake, Call::Restore, pid_of(0));
+    let outcomes = group(2).run(|comm| {
+        let mut probe = Probe::default();
+        checkpoint_group(
+            &comm,
+            &driver,
+            &mut [&mut probe],
+            &options(comm.rank()),
+            |p| {
+                if p.rank == 1 {
+                    panic!("the pause panicked");
+                }
+                Ok(())
+            },
+        )
+    });
+    match outcomes[0].as_ref().expect("rank 0 finished") {
+        Err(CheckpointError::Exchange { step, local, .. }) => {
+            assert_eq!(*step, Step::Pause);
+            assert!(local.contains("running"), "{local}");
+        }
+        other => panic!("rank 0: {other:?}"),
+    }
+    assert_eq!(
+        fake.state_of(pid_of(0)),
+        ProcessState::Running,
+        "{:?}",
+        fake.log()
+    );
+}

@@ -736,13 +736,8 @@ impl<B: PeerMemory> PeerMappings<B> {
             let mut per_rank = Vec::with_capacity(self.size);
             for (r, shared) in all.iter().enumerate() {
                 per_rank.push(match shared {
-                    Reshare::Fresh(fresh) => fresh.get(k).cloned().ok_or_else(|| {
-                        IpcError::Mismatch(format!(
-                            "rank {r} reshared {} exchanges, this rank has {}",
-                            fresh.len(),
-                            self.exchanges.len()
-                        ))
-                    })?,
+                    // Every list has one entry per exchange (checked above).
+                    Reshare::Fresh(fresh) => fresh[k].clone(),
                     Reshare::Unchanged if r == self.rank => self.envelopes(&x.sent),
                     _ => self.kept_envelopes(x, r)?,
                 });

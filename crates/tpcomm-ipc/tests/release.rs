@@ -231,38 +231,3 @@ fn releasing_an_exchange_twice_is_a_typed_error_and_changes_nothing() {
         r.unwrap().unwrap();
     }
 }
-
-#[test]
-fn reopen_all_with_another_communicator_is_refused_whatever_the_state() {
-    let results = LocalGroup::new(2).run(|comm| -> tpcomm_ipc::Result<()> {
-        let memory = HostMemory::new();
-        let a = memory.allocate(4096)?;
-        let mut peers = PeerMappings::new(memory, &comm)?;
-        peers.exchange(
-            &comm,
-            &[Region {
-                addr: a.addr(),
-                len: 4096,
-            }],
-        )?;
-        let alone = comm
-            .split(Some(comm.rank() as u32), 0)
-            .map_err(|e| IpcError::Exchange(e.into()))?
-            .expect("every rank has a color");
-        // Open: it used to return Ok before looking at the communicator.
-        assert!(matches!(
-            peers.reopen_all(&alone),
-            Err(IpcError::WrongCommunicator { .. })
-        ));
-        peers.close_all()?;
-        assert!(matches!(
-            peers.reopen_all(&alone),
-            Err(IpcError::WrongCommunicator { .. })
-        ));
-        peers.reopen_all(&comm)?;
-        Ok(())
-    });
-    for r in results {
-        r.unwrap().unwrap();
-    }
-}

@@ -181,6 +181,11 @@ fn a_registry_passed_another_communicator_is_refused_without_a_panic() {
                 peers.agree(other, Step::Close, &()),
                 Err(IpcError::WrongCommunicator { .. })
             ));
+            // Open, a reopen is a no-op, but only with the registry's own communicator.
+            assert!(matches!(
+                peers.reopen_all(other),
+                Err(IpcError::WrongCommunicator { .. })
+            ));
         }
         peers.close_all()?;
         assert!(matches!(

@@ -156,6 +156,46 @@ pub enum IpcError {
         /// The device of the stream.
         stream: usize,
     },
+    /// The backend (or the driver under it) does not provide what was asked.
+    #[error("the {backend} backend does not support {what}")]
+    Unsupported {
+        /// The backend's name.
+        backend: &'static str,
+        /// What it lacks (for a driver: the missing capability or entry point).
+        what: String,
+    },
+    /// A fresh handle cannot be mapped at the address a detached mapping kept: nothing was
+    /// mapped, the reservation is kept (callers open the handle elsewhere instead).
+    #[error("cannot map at the kept address {addr:#x}: {reason}")]
+    AddressNotKept {
+        /// The kept address of the mapped range.
+        addr: u64,
+        /// Why not (sizes or offsets that differ, a mapping that is not detached).
+        reason: String,
+    },
+    /// A copy reached memory that is not mapped now: a detached mapping, or a buffer whose
+    /// backing was released (see `PeerMemory::detach` and `PeerMemory::release_backing`).
+    #[error("the {len} bytes at {addr:#x} are not backed now ({what})")]
+    Unbacked {
+        /// Start of the region.
+        addr: u64,
+        /// Its length.
+        len: usize,
+        /// "a detached mapping" or "a released buffer".
+        what: &'static str,
+    },
+    /// The descriptor a CUDA virtual-memory handle names is not an allocation handle the
+    /// driver exported (an ordinary file, a memfd, another device's file): it was closed
+    /// again and nothing was imported.
+    #[error("descriptor {fd} of pid {pid} is not a CUDA allocation handle: {found}")]
+    NotAnAllocation {
+        /// The owner's pid, as the handle names it.
+        pid: u32,
+        /// The descriptor number in the owner, as the handle names it.
+        fd: i32,
+        /// What the descriptor is instead.
+        found: String,
+    },
     /// There is no usable device or driver (CUDA backend).
     #[error("no device: {0}")]
     NoDevice(String),

@@ -119,6 +119,28 @@ impl<M: PeerMemory> PeerMemory for FaultInjection<M> {
         self.tick(FaultPoint::Close)?;
         closed
     }
+    fn keeps_addresses(&self) -> bool {
+        self.inner.keeps_addresses()
+    }
+    fn detach(&self, mapping: &mut M::Mapping) -> Result<()> {
+        self.inner.detach(mapping)
+    }
+    fn reattach(&self, mapping: &mut M::Mapping, handle: &M::Handle) -> Result<()> {
+        self.tick(FaultPoint::Open)?;
+        self.inner.reattach(mapping, handle)
+    }
+    fn releases_backing(&self) -> bool {
+        self.inner.releases_backing()
+    }
+    fn release_backing(&self, buffer: &mut M::Buffer) -> Result<usize> {
+        self.inner.release_backing(buffer)
+    }
+    fn restore_backing(&self, buffer: &mut M::Buffer) -> Result<()> {
+        self.inner.restore_backing(buffer)
+    }
+    fn checkpoint_blocker(&self, handle: &M::Handle) -> Option<String> {
+        self.inner.checkpoint_blocker(handle)
+    }
     fn write<R: MemoryRegion>(&self, region: &R, offset: usize, src: &[u8]) -> Result<()> {
         self.inner.write(region, offset, src)
     }

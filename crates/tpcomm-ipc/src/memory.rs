@@ -115,6 +115,88 @@ pub trait PeerMemory: Send + Sync + Debug + 'static {
         handles.iter().map(|h| self.open(h)).collect()
     }
 
+    /// Whether a mapping can give up its memory and keep its address range reserved
+    /// ([`detach`](Self::detach)), so that a fresh handle of the same size maps at the same
+    /// address again ([`reattach`](Self::reattach)). [`PeerMappings`](crate::PeerMappings)
+    /// then closes with `detach` and reopens with `reattach`: peer addresses survive a
+    /// suspend and resume, and tables holding them need no rewrite. `false` by default
+    /// (legacy CUDA IPC chooses the address of every open).
+    fn keeps_addresses(&self) -> bool {
+        false
+    }
+
+    /// Unmaps `mapping`'s memory and keeps its address range reserved: nothing else can be
+    /// placed there, its address and length stay as they were, and every copy through it is
+    /// refused ([`IpcError::Unbacked`](crate::IpcError::Unbacked)) until a
+    /// [`reattach`](Self::reattach). Dropping a detached mapping frees the reservation. A
+    /// failure leaves the mapping as it was (still mapped) or, where the unmap happened and
+    /// only the reservation failed, detached with a note in the log. Backends that do not
+    /// [`keep addresses`](Self::keeps_addresses) return
+    /// [`IpcError::Unsupported`](crate::IpcError::Unsupported).
+    fn detach(&self, mapping: &mut Self::Mapping) -> Result<()> {
+        let _ = mapping;
+        Err(crate::IpcError::Unsupported {
+            backend: self.name(),
+            what: "keeping the address of a closed mapping".into(),
+        })
+    }
+
+    /// Maps `handle` (checked as [`open`](Self::open) checks it) into the address range a
+    /// [`detach`](Self::detach)ed `mapping` kept, so that the mapping's address is what it
+    /// was. Fails with [`IpcError::AddressNotKept`](crate::IpcError::AddressNotKept),
+    /// leaving the mapping detached, when the handle's range does not fit the reservation
+    /// exactly (another size or offset) or the mapping is not detached; with the errors of
+    /// `open` otherwise. Backends that do not keep addresses return
+    /// [`IpcError::Unsupported`](crate::IpcError::Unsupported).
+    fn reattach(&self, mapping: &mut Self::Mapping, handle: &Self::Handle) -> Result<()> {
+        let _ = (mapping, handle);
+        Err(crate::IpcError::Unsupported {
+            backend: self.name(),
+            what: "mapping a handle at a kept address".into(),
+        })
+    }
+
+    /// Whether [`release_backing`](Self::release_backing) frees the memory of this
+    /// backend's buffers while their addresses stay reserved. `false` by default.
+    fn releases_backing(&self) -> bool {
+        false
+    }
+
+    /// Frees the memory behind `buffer` and keeps its address range reserved; returns the
+    /// bytes freed (0 when it was released already). Its handles go stale (peers must have
+    /// detached or closed their mappings of it first), copies through it are refused
+    /// ([`IpcError::Unbacked`](crate::IpcError::Unbacked)), and
+    /// [`restore_backing`](Self::restore_backing) maps fresh zeroed memory at the same
+    /// address. What a suspend before a process checkpoint does with the buffers only this
+    /// library reads. [`IpcError::Unsupported`](crate::IpcError::Unsupported) by default.
+    fn release_backing(&self, buffer: &mut Self::Buffer) -> Result<usize> {
+        let _ = buffer;
+        Err(crate::IpcError::Unsupported {
+            backend: self.name(),
+            what: "releasing a buffer's memory at a kept address".into(),
+        })
+    }
+
+    /// Maps fresh zeroed memory of the same size at the address of a buffer whose backing
+    /// was released (a no-op for a backed buffer); the buffer exports new handles from then
+    /// on. [`IpcError::Unsupported`](crate::IpcError::Unsupported) by default.
+    fn restore_backing(&self, buffer: &mut Self::Buffer) -> Result<()> {
+        let _ = buffer;
+        Err(crate::IpcError::Unsupported {
+            backend: self.name(),
+            what: "restoring a buffer's memory at a kept address".into(),
+        })
+    }
+
+    /// Why a mapping opened from `handle` would keep this process from being checkpointed
+    /// and restored with its peers (`cuCheckpointProcess*`), or `None` when it would not:
+    /// the check a process checkpoint makes on every exchanged region before anything is
+    /// suspended. `None` by default (host memory is checkpointed with the process).
+    fn checkpoint_blocker(&self, handle: &Self::Handle) -> Option<String> {
+        let _ = handle;
+        None
+    }
+
     /// Copies `src` into `region` at `offset`.
     fn write<R: MemoryRegion>(&self, region: &R, offset: usize, src: &[u8]) -> Result<()>;
 

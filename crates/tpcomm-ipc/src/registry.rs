@@ -51,6 +51,13 @@ pub struct Counters {
     /// [`export_stamp`](crate::PeerMemory::export_stamp) had not changed since they were
     /// last exported (nothing allocated or freed), so its handles were the ones it shared.
     pub exports_skipped: u64,
+    /// Mappings a reopen put back at the address they had before the close (backends that
+    /// [keep addresses](crate::PeerMemory::keeps_addresses)).
+    pub kept_addresses: u64,
+    /// Mappings of exchanged regions that a reopen put at another address although the
+    /// backend keeps addresses: the fresh handle did not fit the kept range (another size),
+    /// or the range was not kept.
+    pub moved_addresses: u64,
 }
 
 #[derive(Debug)]
@@ -77,6 +84,9 @@ struct Slot<B: PeerMemory> {
     handle: B::Handle,
     /// `None` while closed.
     mapping: Option<B::Mapping>,
+    /// While closed, for a backend that keeps addresses: the mapping, detached, holding its
+    /// address range for the reopen.
+    detached: Option<B::Mapping>,
 }
 
 /// What a rank shares in `reopen_all`.
@@ -100,6 +110,12 @@ enum Reshare<H> {
 ///   alone; [`reopen_all`](Self::reopen_all) (collective) exports fresh handles of the same
 ///   regions, exchanges and reopens. Addresses may change: [`peer`](Self::peer) hands out
 ///   borrows tied to `&self`, so no mapping can be reached after it was closed.
+/// - With a backend that [keeps addresses](PeerMemory::keeps_addresses) (`CudaVmmMemory`,
+///   `HostMemory::stable`), `close_all` detaches the mappings of exchanged regions instead
+///   (their address ranges stay reserved) and `reopen_all` maps each region's fresh handle
+///   back into its own range: every peer address is what it was
+///   ([`Counters::kept_addresses`]). A fresh handle that does not fit its range (a peer
+///   shared a region of another size) opens elsewhere ([`Counters::moved_addresses`]).
 /// - Every collective step carries a [`StepTag`] (operation, group id, sequence number of
 ///   the step in the group): a rank that is in another step (it skipped one, or runs another
 ///   collective on the same communicator) is reported by every rank as
@@ -277,7 +293,7 @@ impl<B: PeerMemory> PeerMappings<B> {
                 .entered();
         let stamp = self.backend.export_stamp();
         let (sent, all) = self.share(comm, regions)?;
-        let slots = self.open_shared(comm, &all, Step::ExchangeVerdict)?;
+        let slots = self.open_shared(comm, &all, Step::ExchangeVerdict, None)?;
         self.exchanges.push(Exchange {
             local: regions.to_vec(),
             sent,
@@ -329,6 +345,7 @@ impl<B: PeerMemory> PeerMappings<B> {
         comm: &C,
         all: &[Vec<Envelope<B::Handle>>],
         verdict: Step,
+        mut kept: Option<KeptRanges<'_, B>>,
     ) -> Result<Vec<Vec<Option<usize>>>> {
         let count = all.first().map_or(0, Vec::len);
         let mut opened_here = Vec::new();
@@ -338,7 +355,7 @@ impl<B: PeerMemory> PeerMappings<B> {
             if r == self.rank {
                 continue;
             }
-            match self.open_batch(r, envelopes) {
+            match self.open_batch(r, envelopes, kept.as_mut().map(|k| k.row(r))) {
                 Ok(batch) => {
                     for (i, (slot, fresh)) in batch.into_iter().enumerate() {
                         slots[r][i] = Some(slot);
@@ -384,20 +401,48 @@ impl<B: PeerMemory> PeerMappings<B> {
         &mut self,
         from: usize,
         envelopes: &[Envelope<B::Handle>],
+        mut kept: Option<KeptRow<'_, B>>,
     ) -> Result<Vec<(usize, bool)>> {
         /// Where an envelope's mapping comes from.
         enum Source {
             Open(usize),
+            Reattached(usize),
             Batch(usize),
+        }
+        for env in envelopes {
+            self.check_envelope(from, env)?;
         }
         let mut to_open: Vec<&B::Handle> = Vec::new();
         let mut in_batch: HashMap<&B::Handle, usize> = HashMap::new();
         let mut plan = Vec::with_capacity(envelopes.len());
-        for env in envelopes {
-            self.check_envelope(from, env)?;
+        let mut reattached = Vec::new();
+        for (i, env) in envelopes.iter().enumerate() {
             if let Some(&slot) = self.memo.get(&env.handle) {
                 plan.push(Source::Open(slot));
                 continue;
+            }
+            if !in_batch.contains_key(&env.handle) {
+                if let Some(mut mapping) = kept.as_mut().and_then(|k| k.take(i)) {
+                    match self.backend.reattach(&mut mapping, &env.handle) {
+                        Ok(()) => {
+                            self.counters.kept_addresses += 1;
+                            let slot = self.add_slot(env.handle.clone(), mapping);
+                            reattached.push(slot);
+                            plan.push(Source::Reattached(slot));
+                            continue;
+                        }
+                        // The range is given up: the handle opens elsewhere.
+                        Err(IpcError::AddressNotKept { .. } | IpcError::Unsupported { .. }) => {
+                            self.counters.moved_addresses += 1;
+                        }
+                        Err(e) => {
+                            self.close_reattached(reattached);
+                            return Err(e);
+                        }
+                    }
+                } else if kept.is_some() && self.backend.keeps_addresses() {
+                    self.counters.moved_addresses += 1;
+                }
             }
             let next = to_open.len();
             let k = *in_batch.entry(&env.handle).or_insert(next);
@@ -406,7 +451,13 @@ impl<B: PeerMemory> PeerMappings<B> {
             }
             plan.push(Source::Batch(k));
         }
-        let mappings = self.backend.open_all(&to_open)?;
+        let mappings = match self.backend.open_all(&to_open) {
+            Ok(mappings) => mappings,
+            Err(e) => {
+                self.close_reattached(reattached);
+                return Err(e);
+            }
+        };
         let first = self.slab.len();
         for (handle, mapping) in to_open.into_iter().zip(mappings) {
             self.add_slot(handle.clone(), mapping);
@@ -416,9 +467,19 @@ impl<B: PeerMemory> PeerMappings<B> {
             .into_iter()
             .map(|source| match source {
                 Source::Open(slot) => (slot, false),
+                Source::Reattached(slot) => (slot, true),
                 Source::Batch(k) => (first + k, !std::mem::replace(&mut seen[k], true)),
             })
             .collect())
+    }
+
+    /// Closes the slots a failed batch reattached (their kept ranges go with them).
+    fn close_reattached(&mut self, slots: Vec<usize>) {
+        for slot in slots {
+            if let Err(e) = self.close_slot(slot) {
+                tracing::warn!(error = %e, slot, "closing a reattached mapping failed");
+            }
+        }
     }
 
     /// Opens one handle received by other means (not through [`exchange`](Self::exchange)),
@@ -465,6 +526,7 @@ impl<B: PeerMemory> PeerMappings<B> {
         self.slab.push(Some(Slot {
             handle,
             mapping: Some(mapping),
+            detached: None,
         }));
         self.counters.open += 1;
         self.counters.opens += 1;
@@ -495,6 +557,8 @@ impl<B: PeerMemory> PeerMappings<B> {
             return Ok(false);
         };
         self.memo.remove(&removed.handle);
+        // A detached mapping's reservation goes with it.
+        drop(removed.detached);
         self.close_mapping(removed.mapping)
     }
 
@@ -577,6 +641,23 @@ impl<B: PeerMemory> PeerMappings<B> {
         for slot in 0..self.slab.len() {
             let outcome = match self.slab[slot].as_mut() {
                 None => continue,
+                Some(s) if referenced[slot] && self.backend.keeps_addresses() => {
+                    match s.mapping.take() {
+                        None => Ok(false),
+                        Some(mut mapping) => {
+                            self.counters.open -= 1;
+                            self.counters.closes += 1;
+                            match self.backend.detach(&mut mapping) {
+                                Ok(()) => {
+                                    s.detached = Some(mapping);
+                                    Ok(true)
+                                }
+                                // Closed for good: the reopen maps it elsewhere.
+                                Err(e) => self.backend.close(mapping).and(Err(e)),
+                            }
+                        }
+                    }
+                }
                 Some(s) if referenced[slot] => {
                     let mapping = s.mapping.take();
                     self.close_mapping(mapping)
@@ -684,31 +765,80 @@ impl<B: PeerMemory> PeerMappings<B> {
     /// Every rank's handles are unchanged: reopens every kept handle in one batch, then
     /// agrees the verdict.
     fn reopen_in_place<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
-        let (slots, handles): (Vec<usize>, Vec<&B::Handle>) = self
-            .slab
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| s.as_ref().map(|s| (i, &s.handle)))
-            .unzip();
-        let opened = self.backend.open_all(&handles);
+        // Detached mappings go back into their kept ranges first; the rest (and any whose
+        // range cannot take its handle again) open in one batch.
+        let mut reattached = Vec::new();
+        let mut to_open = Vec::new();
+        let mut failure = None;
+        for i in 0..self.slab.len() {
+            if failure.is_some() {
+                break;
+            }
+            let Some(s) = self.slab[i].as_mut() else {
+                continue;
+            };
+            let Some(mut mapping) = s.detached.take() else {
+                to_open.push(i);
+                continue;
+            };
+            match self.backend.reattach(&mut mapping, &s.handle) {
+                Ok(()) => reattached.push((i, mapping)),
+                // The range is given up: the handle opens elsewhere.
+                Err(IpcError::AddressNotKept { .. } | IpcError::Unsupported { .. }) => {
+                    to_open.push(i)
+                }
+                Err(e) => {
+                    s.detached = Some(mapping);
+                    failure = Some(e);
+                }
+            }
+        }
+        let opened = match failure {
+            Some(e) => Err(e),
+            None => {
+                let handles: Vec<&B::Handle> = to_open
+                    .iter()
+                    .filter_map(|&i| self.slab[i].as_ref().map(|s| &s.handle))
+                    .collect();
+                self.backend.open_all(&handles)
+            }
+        };
         let verdicts: Vec<bool> = self.agree(comm, Step::ReopenVerdict, &opened.is_ok())?;
         let failed: Vec<usize> = (0..self.size).filter(|&r| !verdicts[r]).collect();
-        if !failed.is_empty() {
-            // Mappings opened here close as they drop.
-            return Err(IpcError::PeerOpenFailed {
-                ranks: failed,
-                local: opened.err().map(Box::new),
-            });
-        }
-        for (slot, mapping) in slots.into_iter().zip(opened?) {
+        let kept = reattached.len() as u64;
+        let (opened_now, local): (Vec<(usize, B::Mapping)>, _) = match opened {
+            Ok(mappings) => (to_open.into_iter().zip(mappings).collect(), None),
+            Err(e) => (Vec::new(), Some(e)),
+        };
+        // Installed either way: on failure the caller's `close_all` detaches (or closes)
+        // them again, so that kept ranges survive a failed reopen.
+        for (slot, mapping) in reattached.into_iter().chain(opened_now) {
             if let Some(s) = self.slab[slot].as_mut() {
                 s.mapping = Some(mapping);
                 self.counters.open += 1;
                 self.counters.opens += 1;
             }
         }
+        if !failed.is_empty() {
+            return Err(IpcError::PeerOpenFailed {
+                ranks: failed,
+                local: local.map(Box::new),
+            });
+        }
+        self.count_addresses(kept);
         self.counters.reopens_in_place += 1;
         Ok(())
+    }
+
+    /// Counts a reopen's kept and moved addresses: of the mappings exchanges refer to,
+    /// `kept` went back to their ranges; the rest moved (for a backend that keeps them).
+    fn count_addresses(&mut self, kept: u64) {
+        if !self.backend.keeps_addresses() {
+            return;
+        }
+        let referenced = self.referenced_slots().iter().filter(|&&r| r).count() as u64;
+        self.counters.kept_addresses += kept;
+        self.counters.moved_addresses += referenced.saturating_sub(kept);
     }
 
     /// Some rank shared fresh handles: forgets every kept handle and opens every exchange's
@@ -747,12 +877,18 @@ impl<B: PeerMemory> PeerMappings<B> {
         }
         // Every mapping is closed: the new slab starts empty. The kept one comes back if the
         // reopen fails, so that a later one can still rely on it.
-        let kept_slab = std::mem::take(&mut self.slab);
+        let mut kept_slab = std::mem::take(&mut self.slab);
         let kept_memo = std::mem::take(&mut self.memo);
         let mut reopened = Vec::with_capacity(lists.len());
         let mut result = Ok(());
-        for per_rank in &lists {
-            match self.open_shared(comm, per_rank, Step::ReopenVerdict) {
+        for (k, per_rank) in lists.iter().enumerate() {
+            // Each region's fresh handle goes back into the range its old slot kept.
+            let rows = self.exchanges[k].slots.clone();
+            let kept = KeptRanges {
+                slab: &mut kept_slab,
+                rows: &rows,
+            };
+            match self.open_shared(comm, per_rank, Step::ReopenVerdict, Some(kept)) {
                 Ok(slots) => reopened.push(slots),
                 Err(e) => {
                     result = Err(e);
@@ -902,6 +1038,39 @@ impl<B: PeerMemory> Drop for PeerMappings<B> {
                 tracing::warn!(error = %e, slot, "closing a peer mapping on drop failed");
             }
         }
+    }
+}
+
+/// The detached mappings of the slab that a fresh reopen replaces, found by the positions the
+/// exchanges gave them: region `i` of rank `r` in an exchange takes back the range of the
+/// slot it had there.
+struct KeptRanges<'a, B: PeerMemory> {
+    slab: &'a mut [Option<Slot<B>>],
+    /// The exchange's old `slots[rank][index]`.
+    rows: &'a [Vec<Option<usize>>],
+}
+
+impl<B: PeerMemory> KeptRanges<'_, B> {
+    fn row(&mut self, rank: usize) -> KeptRow<'_, B> {
+        KeptRow {
+            slab: self.slab,
+            slots: self.rows.get(rank).map_or(&[][..], Vec::as_slice),
+        }
+    }
+}
+
+/// One rank's row of [`KeptRanges`].
+struct KeptRow<'a, B: PeerMemory> {
+    slab: &'a mut [Option<Slot<B>>],
+    slots: &'a [Option<usize>],
+}
+
+impl<B: PeerMemory> KeptRow<'_, B> {
+    /// The detached mapping of region `index`'s old slot, taken (a slot shared by several
+    /// regions gives it to the first).
+    fn take(&mut self, index: usize) -> Option<B::Mapping> {
+        let slot = (*self.slots.get(index)?)?;
+        self.slab.get_mut(slot)?.as_mut()?.detached.take()
     }
 }
 

@@ -80,6 +80,7 @@ use crate::memory::{check_range, MemoryRegion, PeerMemory, Sealed};
 use crate::registry::Region;
 
 mod arena;
+mod stable;
 #[cfg(test)]
 mod stalled_fuse;
 
@@ -219,6 +220,9 @@ pub struct HostMemory {
     pidfds: Arc<Mutex<PidfdCache>>,
     arena: Arc<Mutex<Arena>>,
     views: Arc<Mutex<ViewCache>>,
+    /// Made by [`HostMemory::stable`]: buffers are never carved, peer mappings keep their
+    /// addresses through a detach, buffers can release their backing.
+    stable: bool,
 }
 
 /// The mappings of peer segments open now, by segment identity (device, inode). An entry
@@ -855,6 +859,19 @@ fn check_segment(fd: &OwnedFd, h: &HostHandle) -> Result<()> {
     Ok(())
 }
 
+/// A new memfd of `len` bytes named `name`, made private to this user, sized and sealed
+/// (before it is mapped or exported: no one can change its size from then on); its
+/// descriptor, device and inode.
+fn segment_file(len: usize, name: &str) -> Result<(OwnedFd, u64, u64)> {
+    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+        .map_err(os("memfd_create"))?;
+    rustix::fs::fchmod(&fd, Mode::RUSR | Mode::WUSR).map_err(os("fchmod 0600"))?;
+    rustix::fs::ftruncate(&fd, len as u64).map_err(os("ftruncate"))?;
+    rustix::fs::fcntl_add_seals(&fd, SEGMENT_SEALS).map_err(os("fcntl(F_ADD_SEALS)"))?;
+    let stat = rustix::fs::fstat(&fd).map_err(os("fstat"))?;
+    Ok((fd, stat.st_dev, stat.st_ino))
+}
+
 /// A segment made by this process (a chunk or a large buffer's own), mapped whole; unmapped
 /// and its descriptor closed when the last buffer in it (and its arena) let go.
 pub(crate) struct OwnedSegment {
@@ -886,19 +903,14 @@ impl OwnedSegment {
     /// made private to this user, sized, sealed (before it is mapped or exported: no one can
     /// change its size from then on) and mapped.
     fn new(len: usize, name: &str) -> Result<Self> {
-        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-            .map_err(os("memfd_create"))?;
-        rustix::fs::fchmod(&fd, Mode::RUSR | Mode::WUSR).map_err(os("fchmod 0600"))?;
-        rustix::fs::ftruncate(&fd, len as u64).map_err(os("ftruncate"))?;
-        rustix::fs::fcntl_add_seals(&fd, SEGMENT_SEALS).map_err(os("fcntl(F_ADD_SEALS)"))?;
-        let stat = rustix::fs::fstat(&fd).map_err(os("fstat"))?;
+        let (fd, dev, inode) = segment_file(len, name)?;
         let ptr = map_shared(&fd, 0, len)?;
         Ok(Self {
             ptr,
             len,
             fd,
-            dev: stat.st_dev,
-            inode: stat.st_ino,
+            dev,
+            inode,
         })
     }
 
@@ -941,8 +953,12 @@ struct Carved {
 pub struct HostBuffer {
     ptr: NonNull<u8>,
     len: usize,
-    segment: Arc<OwnedSegment>,
+    /// `None` while its backing is released ([`PeerMemory::release_backing`]): the range
+    /// `ptr..ptr + len` is then an inaccessible reservation this buffer owns.
+    segment: Option<Arc<OwnedSegment>>,
     carved: Option<Carved>,
+    /// Made by `allocate_private`: never exportable.
+    private: bool,
 }
 
 /// A peer segment mapped whole by this process; every [`HostMapping`] of a handle in it
@@ -962,9 +978,12 @@ struct PeerMap {
 /// This process's mapping of a (possibly remote) segment range.
 pub struct HostMapping {
     map: Arc<PeerMap>,
-    /// Offset of the range in the segment (and so in the mapping).
+    /// Offset of the range in the mapping (in the segment, for a whole segment's mapping).
     offset: usize,
     len: usize,
+    /// Detached ([`PeerMemory::detach`]): the mapping's range is an inaccessible
+    /// reservation until a reattach.
+    detached: bool,
 }
 
 // SAFETY: a HostBuffer holds an owned segment (descriptor and MAP_SHARED mapping), usable
@@ -983,7 +1002,7 @@ impl fmt::Debug for HostBuffer {
         f.debug_struct("HostBuffer")
             .field("addr", &self.ptr)
             .field("len", &self.len)
-            .field("fd", &self.segment.fd.as_raw_fd())
+            .field("fd", &self.segment.as_ref().map(|s| s.fd.as_raw_fd()))
             .field("offset", &self.carved.as_ref().map_or(0, |c| c.offset))
             .finish()
     }
@@ -994,6 +1013,7 @@ impl fmt::Debug for HostMapping {
         f.debug_struct("HostMapping")
             .field("addr", &self.addr())
             .field("len", &self.len)
+            .field("detached", &self.detached)
             .finish()
     }
 }
@@ -1049,8 +1069,13 @@ impl Drop for HostBuffer {
     fn drop(&mut self) {
         // Removed before the segment can go (fields drop after this body): see `dup_own`.
         segments().remove(self.ptr.as_ptr() as usize);
-        if let Some(carved) = &self.carved {
-            lock(&carved.arena).give_back(&self.segment, carved.offset, self.len);
+        match (&self.carved, &self.segment) {
+            (Some(carved), Some(segment)) => {
+                lock(&carved.arena).give_back(segment, carved.offset, self.len);
+            }
+            // Released: the reservation is this buffer's to give back.
+            (_, None) => stable::free_reservation(self.ptr, self.len),
+            (None, Some(_)) => {}
         }
     }
 }
@@ -1170,11 +1195,27 @@ fn page_size() -> usize {
     rustix::param::page_size()
 }
 
-/// Accepts only this backend's own region types: host memory mapped by this process.
+/// Accepts only this backend's own region types, mapped now: host memory mapped by this
+/// process (a detached mapping or a released buffer is [`IpcError::Unbacked`]).
 fn host_region<R: MemoryRegion>(region: &R) -> Result<()> {
     let any = region.as_any();
-    if any.is::<HostBuffer>() || any.is::<HostMapping>() {
-        Ok(())
+    let unbacked = |what| IpcError::Unbacked {
+        addr: region.addr(),
+        len: region.len(),
+        what,
+    };
+    if let Some(buffer) = any.downcast_ref::<HostBuffer>() {
+        buffer
+            .segment
+            .as_ref()
+            .map(drop)
+            .ok_or_else(|| unbacked("a released buffer"))
+    } else if let Some(mapping) = any.downcast_ref::<HostMapping>() {
+        if mapping.detached {
+            Err(unbacked("a detached mapping"))
+        } else {
+            Ok(())
+        }
     } else {
         Err(IpcError::ForeignRegion {
             backend: "host",
@@ -1204,7 +1245,7 @@ impl PeerMemory for HostMemory {
 
     fn allocate(&self, bytes: usize) -> Result<HostBuffer> {
         let len = page_rounded(bytes)?;
-        let (segment, carved) = if len <= Self::CARVE_MAX_BYTES {
+        let (segment, carved) = if len <= Self::CARVE_MAX_BYTES && !self.stable {
             let (chunk, offset) = lock(&self.arena).carve(len, Self::CHUNK_BYTES)?;
             let carved = Carved {
                 arena: self.arena.clone(),
@@ -1237,8 +1278,9 @@ impl PeerMemory for HostMemory {
         Ok(HostBuffer {
             ptr,
             len,
-            segment,
+            segment: Some(segment),
             carved,
+            private: false,
         })
     }
 
@@ -1252,8 +1294,9 @@ impl PeerMemory for HostMemory {
         Ok(HostBuffer {
             ptr: segment.ptr,
             len,
-            segment,
+            segment: Some(segment),
             carved: None,
+            private: true,
         })
     }
 
@@ -1292,6 +1335,9 @@ impl PeerMemory for HostMemory {
     }
 
     fn open_all(&self, handles: &[&HostHandle]) -> Result<Vec<HostMapping>> {
+        if self.stable {
+            return self.open_unshared(handles);
+        }
         let mut views = lock(&self.views);
         let pid = std::process::id();
         let mut mappings: Vec<HostMapping> = Vec::with_capacity(handles.len());
@@ -1311,6 +1357,7 @@ impl PeerMemory for HostMemory {
                 map,
                 offset: h.offset as usize,
                 len: h.len as usize,
+                detached: false,
             });
         }
         prefault(&mappings);
@@ -1322,6 +1369,30 @@ impl PeerMemory for HostMemory {
             Some(map) => map.unmap(),
             None => Ok(()),
         }
+    }
+
+    fn keeps_addresses(&self) -> bool {
+        self.stable
+    }
+
+    fn detach(&self, mapping: &mut HostMapping) -> Result<()> {
+        self.detach_mapping(mapping)
+    }
+
+    fn reattach(&self, mapping: &mut HostMapping, handle: &HostHandle) -> Result<()> {
+        self.reattach_mapping(mapping, handle)
+    }
+
+    fn releases_backing(&self) -> bool {
+        self.stable
+    }
+
+    fn release_backing(&self, buffer: &mut HostBuffer) -> Result<usize> {
+        self.release_buffer(buffer)
+    }
+
+    fn restore_backing(&self, buffer: &mut HostBuffer) -> Result<()> {
+        self.restore_buffer(buffer)
     }
 
     fn write<R: MemoryRegion>(&self, region: &R, offset: usize, src: &[u8]) -> Result<()> {
@@ -1499,7 +1570,10 @@ mod tests {
     #[test]
     fn a_handle_naming_another_processs_private_segment_is_foreign() {
         let private = HostMemory::new().allocate_private(4096).unwrap();
-        let (child, h) = hold(private.segment.fd.try_clone().unwrap(), 4096);
+        let (child, h) = hold(
+            private.segment.as_ref().unwrap().fd.try_clone().unwrap(),
+            4096,
+        );
         let reopened = open_via_proc(&h);
         reap(child);
         match check_segment(&reopened.unwrap(), &h) {

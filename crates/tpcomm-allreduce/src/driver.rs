@@ -143,8 +143,9 @@ struct Resources<B: Backend> {
     peers: PeerMappings<B::Memory>,
     signal: Buffer<B>,
     staging: Buffer<B>,
-    /// Only peers and launches (through the tables) touch it; owned here to keep it alive.
-    _temp: Buffer<B>,
+    /// Only peers and launches (through the tables) touch it; owned here to keep it alive
+    /// (and to release its memory at a suspend, where the backend can).
+    temp: Buffer<B>,
     rank_signals: Buffer<B>,
     rank_data: Buffer<B>,
     base: ExchangeId,
@@ -600,6 +601,15 @@ pub struct CustomAllReduce<B: Backend> {
     retired: Vec<Registration<B>>,
     /// Unique in the process: ties device graphs to the communicator that captured them.
     id: u64,
+    /// Bytes of this rank's Signal, staging and temp buffers whose memory the last suspend
+    /// released ([`PeerMemory::release_backing`]); 0 while they are backed.
+    released: usize,
+    /// The RankSignals table and the used part of the RankData pool as last written to the
+    /// device, so that a resume whose peer addresses are all where they were
+    /// ([`PeerMemory::keeps_addresses`]) writes nothing.
+    written: Option<(Vec<u8>, Vec<u8>)>,
+    /// Table writes that reached the backend (a rewrite with every entry unchanged does not).
+    table_writes: u64,
 }
 
 impl<B: Backend> CustomAllReduce<B> {
@@ -687,7 +697,7 @@ impl<B: Backend> CustomAllReduce<B> {
                 peers,
                 signal,
                 staging,
-                _temp: temp,
+                temp,
                 rank_signals,
                 rank_data,
                 base,
@@ -707,6 +717,9 @@ impl<B: Backend> CustomAllReduce<B> {
                 static NEXT: AtomicU64 = AtomicU64::new(1);
                 NEXT.fetch_add(1, Ordering::Relaxed)
             },
+            released: 0,
+            written: None,
+            table_writes: 0,
         };
         // Nobody launches before every rank's tables are written; a rank that could not
         // write them still joins, and every rank fails together.
@@ -882,8 +895,6 @@ impl<B: Backend> CustomAllReduce<B> {
             table[8 * r..8 * r + 8].copy_from_slice(&signal.to_le_bytes());
             table[64 + 8 * r..64 + 8 * r + 8].copy_from_slice(&temp.to_le_bytes());
         }
-        self.backend
-            .write_table(memory, &res.rank_signals, 0, &table)?;
         // The pool up to its last used slot, in one write (one device copy for CUDA): free
         // and pending slots hold zeros, as they did since the pool was allocated.
         let used = self
@@ -911,10 +922,39 @@ impl<B: Backend> CustomAllReduce<B> {
             }
             limits[slot] = limit;
         }
-        self.backend.write_table(memory, &res.rank_data, 0, &pool)?;
+        // Entries as the device holds them already need no write: a resume that kept every
+        // peer address (stable addresses) leaves the tables alone. A failed write forgets
+        // what the device holds, so the next rewrite writes everything.
+        let unchanged = self
+            .written
+            .as_ref()
+            .is_some_and(|(signals, data)| *signals == table && *data == pool);
+        if !unchanged {
+            self.written = None;
+            self.backend
+                .write_table(memory, &res.rank_signals, 0, &table)?;
+            self.backend.write_table(memory, &res.rank_data, 0, &pool)?;
+            self.table_writes += 1;
+            self.written = Some((table.to_vec(), pool));
+        }
         self.slot_limits = limits;
         self.temp_limit = temp_limit;
         Ok(())
+    }
+
+    /// How many times the stable tables were written to the backend: at creation, after a
+    /// registration, and after a resume that moved a peer address. A resume whose every
+    /// peer address was kept ([`PeerMemory::keeps_addresses`]) writes nothing.
+    pub fn table_writes(&self) -> u64 {
+        self.table_writes
+    }
+
+    /// Bytes of this rank's Signal, staging and temp buffers whose memory the last
+    /// [`prepare_for_suspend`](Self::prepare_for_suspend) released (a backend that
+    /// [releases backing](PeerMemory::releases_backing): CUDA virtual memory,
+    /// `HostMemory::stable`); 0 after the resume and for other backends.
+    pub fn released_bytes(&self) -> usize {
+        self.released
     }
 
     /// Fails unless `comm` is the group this communicator was created for (this rank, the
@@ -1916,7 +1956,37 @@ impl<B: Backend> CustomAllReduce<B> {
             .agree(comm, tpcomm_ipc::Step::SuspendClosed, &())?;
         tracing::debug!(closed = ?closed.as_ref().ok(), "mappings closed for suspend");
         drained?;
-        closed.map(drop).map_err(AllReduceError::from)
+        closed?;
+        // Every peer has let go of this rank's buffers (the step above): where the backend
+        // can, their memory goes now, and comes back fresh at the same addresses on resume.
+        let memory = res.peers.backend();
+        if memory.releases_backing() {
+            for buffer in [&mut res.signal, &mut res.staging, &mut res.temp] {
+                let freed = memory.release_backing(buffer);
+                self.released += *freed.as_ref().unwrap_or(&0);
+                freed?;
+            }
+            tracing::debug!(bytes = self.released, "buffer memory released for suspend");
+        }
+        Ok(())
+    }
+
+    /// Maps fresh memory back under the buffers the suspend released (a no-op when none
+    /// was); the Signal block's is zeroed like every fresh allocation.
+    fn restore_buffers(&mut self) -> Result<()> {
+        if self.released == 0 {
+            return Ok(());
+        }
+        let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
+            call: "reinit_after_resume",
+            phase: Phase::Closed,
+        })?;
+        let memory = res.peers.backend();
+        for buffer in [&mut res.signal, &mut res.staging, &mut res.temp] {
+            memory.restore_backing(buffer)?;
+        }
+        self.released = 0;
+        Ok(())
     }
 
     /// Collective: fresh handles, exchange, reopen; rewrite every RankSignals and RankData
@@ -1941,6 +2011,11 @@ impl<B: Backend> CustomAllReduce<B> {
         // it) and reports a region that cannot be exported, agreed.
         if let Err(e) = self.replace_abandoned_inputs() {
             tracing::warn!(rank = self.rank, error = %e, "replacing abandoned captured inputs failed");
+        }
+        // Likewise: a buffer left without memory cannot be exported, which the reopen
+        // reports on every rank.
+        if let Err(e) = self.restore_buffers() {
+            tracing::warn!(rank = self.rank, error = %e, "restoring the released buffers failed");
         }
         {
             let res = self.res.as_mut().ok_or(AllReduceError::WrongState {
@@ -2101,16 +2176,18 @@ impl<B: Backend> CustomAllReduce<B> {
             return Ok(());
         };
         // Launches still in flight read these buffers: wait for them (bounded by the launch
-        // timeout) before anything is freed.
-        if let Err(e) = self.backend.synchronize(res.peers.backend(), &res.signal) {
-            tracing::warn!(error = %e, "draining launches before close failed");
+        // timeout) before anything is freed. A suspend that released them drained first.
+        if self.released == 0 {
+            if let Err(e) = self.backend.synchronize(res.peers.backend(), &res.signal) {
+                tracing::warn!(error = %e, "draining launches before close failed");
+            }
         }
         let closed = res.peers.close_all().map(drop);
         let Resources {
             peers,
             signal,
             staging,
-            _temp: temp,
+            temp,
             ..
         } = res;
         for buffer in [signal, staging, temp] {
@@ -2137,7 +2214,12 @@ impl<B: Backend> CustomAllReduce<B> {
             return Ok(());
         };
         let _span = tracing::debug_span!("allreduce_close", rank = self.rank).entered();
-        let drained = self.backend.synchronize(res.peers.backend(), &res.signal);
+        // A suspend that released the buffers drained every launch before.
+        let drained = if self.released == 0 {
+            self.backend.synchronize(res.peers.backend(), &res.signal)
+        } else {
+            Ok(())
+        };
         let agreed = res.peers.agree(comm, tpcomm_ipc::Step::Close, &());
         let closed = self.release(drained.is_ok() && agreed.is_ok());
         drained?;

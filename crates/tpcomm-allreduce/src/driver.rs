@@ -807,6 +807,56 @@ impl<B: Backend> CustomAllReduce<B> {
         self.refuse_while_capturing("prepare_for_suspend")
     }
 
+    /// Fails unless this rank's process can be checkpointed and restored with its peers
+    /// (`tpcomm-checkpoint` asks before anything is suspended): every peer buffer it maps
+    /// must come back after a restore, as the peer-memory backend judges it
+    /// ([`PeerMemory::checkpoint_blocker`]). The first that would not is
+    /// [`AllReduceError::NotCheckpointable`], naming it (the base buffers, a registered
+    /// buffer or a graph buffer of which rank, at which address) and why. Legacy CUDA IPC
+    /// mappings of another process are such buffers: after a checkpoint and restore of both
+    /// processes the driver refuses to open fresh legacy handles.
+    pub fn check_checkpoint(&self) -> Result<()> {
+        let res = self.resources("check_checkpoint")?;
+        let Some(blocker) = res.peers.checkpoint_blockers().into_iter().next() else {
+            return Ok(());
+        };
+        let what = if blocker.exchange == res.base {
+            match blocker.index {
+                SIGNAL => "Signal block",
+                STAGING => "staging buffer",
+                _ => "temp buffer",
+            }
+            .to_string()
+        } else if self
+            .buffers
+            .values()
+            .any(|reg| reg.exchange == blocker.exchange)
+        {
+            "registered buffer".to_string()
+        } else {
+            let slot = self
+                .slots
+                .iter()
+                .position(|s| *s == Some(SlotSource::Exchanged(blocker.exchange, blocker.index)));
+            match slot {
+                Some(slot) => format!("graph buffer (RankData slot {slot})"),
+                None => "buffer".to_string(),
+            }
+        };
+        let addr = res
+            .peers
+            .address(blocker.exchange, blocker.rank, blocker.index)
+            .map_or_else(|_| "a closed mapping".to_string(), |a| format!("{a:#x}"));
+        Err(AllReduceError::NotCheckpointable {
+            rank: self.rank,
+            buffer: format!(
+                "rank {}'s {what} (mapped at {addr}, {} bytes)",
+                blocker.rank, blocker.len
+            ),
+            reason: blocker.reason,
+        })
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank

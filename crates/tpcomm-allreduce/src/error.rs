@@ -28,6 +28,17 @@ pub enum AllReduceError {
         /// The current phase.
         phase: Phase,
     },
+    /// This rank maps a peer buffer that a process checkpoint could not bring back
+    /// (`cuCheckpointProcess*`): checked before anything is suspended.
+    #[error("rank {rank} maps {buffer}, which a process checkpoint cannot restore: {reason}")]
+    NotCheckpointable {
+        /// This rank.
+        rank: usize,
+        /// Which buffer ("rank 1's registered buffer at 0x7f... (4096 bytes)").
+        buffer: String,
+        /// Why, as the peer-memory backend says it, with what to do instead.
+        reason: String,
+    },
     /// The communicator failed earlier; this is the original cause, returned by every call.
     #[error("the communicator failed during {during}")]
     Failed {

@@ -36,17 +36,21 @@ pub trait Suspendable<C: Communicator + ?Sized> {
     fn reinit_after_resume(&mut self, comm: &C) -> Result<(), BoxError>;
 }
 
-/// The custom all-reduce on any backend: suspend closes every imported mapping; the
-/// resume exports fresh handles (`PeerMappings::reopen_all`) and rewrites the stable tables
-/// in place, so graphs captured before the checkpoint stay valid. It can suspend while
-/// Active or Suspended (Failed and Closed cannot), and not while its stream is captured.
+/// The custom all-reduce on any backend: suspend closes every imported mapping (memory that
+/// keeps addresses detaches them, and releases the all-reduce's own buffers); the resume
+/// exports fresh handles (`PeerMappings::reopen_all`) and rewrites the stable tables in
+/// place where an address moved, so graphs captured before the checkpoint stay valid. It
+/// can suspend while Active or Suspended (Failed and Closed cannot), not while its stream is
+/// captured, and not while it maps a peer buffer that the checkpoint could not bring back
+/// (`CustomAllReduce::check_checkpoint`: legacy CUDA IPC memory of another process).
 impl<B: Backend, C: Communicator + ?Sized> Suspendable<C> for CustomAllReduce<B> {
     fn name(&self) -> String {
         format!("custom all-reduce ({})", self.backend().name())
     }
 
     fn suspend_support(&self) -> Result<(), String> {
-        self.check_suspend().map_err(|e| e.to_string())
+        self.check_suspend().map_err(|e| e.to_string())?;
+        self.check_checkpoint().map_err(|e| e.to_string())
     }
 
     fn prepare_for_suspend(&mut self, comm: &C) -> Result<(), BoxError> {

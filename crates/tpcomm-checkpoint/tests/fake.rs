@@ -1125,3 +1125,156 @@ fn a_rollback_whose_restore_failed_late_with_an_unreadable_state_still_unlocks()
         fake.log()
     );
 }
+
+/// Host memory whose peer handles a checkpoint cannot bring back, as legacy CUDA IPC
+/// handles of another process cannot be opened again after a restore.
+#[derive(Debug, Clone, Default)]
+struct Unrestorable(HostMemory);
+
+impl tpcomm_ipc::PeerMemory for Unrestorable {
+    type Handle = tpcomm_ipc::HostHandle;
+    type Buffer = tpcomm_ipc::HostBuffer;
+    type Mapping = tpcomm_ipc::HostMapping;
+
+    fn name(&self) -> &'static str {
+        "host-unrestorable"
+    }
+    fn allocate(&self, bytes: usize) -> tpcomm_ipc::Result<Self::Buffer> {
+        self.0.allocate(bytes)
+    }
+    fn allocate_private(&self, bytes: usize) -> tpcomm_ipc::Result<Self::Buffer> {
+        self.0.allocate_private(bytes)
+    }
+    fn export(&self, addr: u64, len: usize) -> tpcomm_ipc::Result<Self::Handle> {
+        self.0.export(addr, len)
+    }
+    fn open(&self, handle: &Self::Handle) -> tpcomm_ipc::Result<Self::Mapping> {
+        self.0.open(handle)
+    }
+    fn close(&self, mapping: Self::Mapping) -> tpcomm_ipc::Result<()> {
+        self.0.close(mapping)
+    }
+    fn write<R: tpcomm_ipc::MemoryRegion>(
+        &self,
+        region: &R,
+        offset: usize,
+        src: &[u8],
+    ) -> tpcomm_ipc::Result<()> {
+        self.0.write(region, offset, src)
+    }
+    fn read<R: tpcomm_ipc::MemoryRegion>(
+        &self,
+        region: &R,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> tpcomm_ipc::Result<()> {
+        self.0.read(region, offset, dst)
+    }
+    fn checkpoint_blocker(&self, handle: &Self::Handle) -> Option<String> {
+        Some(format!(
+            "memory of process {} that cannot be opened again after a restore",
+            handle.pid
+        ))
+    }
+}
+
+#[test]
+fn an_all_reduce_mapping_memory_a_restore_cannot_bring_back_is_refused_naming_the_buffer() {
+    let driver = FakeDriver::new();
+    let outcomes: Vec<_> = group(2)
+        .run(|comm| {
+            let mut ar = CustomAllReduce::new(
+                HostBackend::<Unrestorable>::new(),
+                Unrestorable::default(),
+                &comm,
+                Config::default(),
+            )
+            .expect("all-reduce");
+            let out = checkpoint_group(
+                &comm,
+                &driver,
+                &mut [&mut ar],
+                &options(comm.rank()),
+                |_| Ok(()),
+            );
+            // Refused before anything was touched: the communicator is still usable.
+            let mut sum = [0f32; 4];
+            ar.all_reduce(&[1.0; 4], &mut sum).expect("still Active");
+            (out, sum)
+        })
+        .into_iter()
+        .map(|r| r.expect("rank finished"))
+        .collect();
+    for (out, sum) in &outcomes {
+        assert_eq!(*sum, [2.0; 4]);
+        let CheckpointError::Failed { first, .. } = failed(out) else {
+            panic!("{out:?}")
+        };
+        assert_eq!((first.step, first.rank), (Step::Check, 0));
+        let Reason::CannotSuspend { why, .. } = &first.reason else {
+            panic!("{out:?}")
+        };
+        assert!(
+            why.contains("rank 1's Signal block") && why.contains("cannot be opened again"),
+            "{why}"
+        );
+    }
+    assert!(
+        driver.log().is_empty(),
+        "nothing was locked: {:?}",
+        driver.log()
+    );
+}
+
+#[test]
+fn a_checkpoint_of_an_all_reduce_on_stable_memory_releases_its_buffers_and_keeps_every_address() {
+    use tpcomm_ipc::{IpcError, PeerMemory};
+    let driver = FakeDriver::new();
+    let outcomes: Vec<_> = group(2)
+        .run(|comm| {
+            let memory = HostMemory::stable();
+            let mut ar =
+                CustomAllReduce::new(HostBackend::new(), memory.clone(), &comm, Config::default())
+                    .expect("all-reduce");
+            let peer = 1 - comm.rank();
+            let before: Vec<u64> = (0..3).map(|i| ar.base_address(peer, i).unwrap()).collect();
+            let own: Vec<u64> = (0..3)
+                .map(|i| ar.base_address(comm.rank(), i).unwrap())
+                .collect();
+            let writes = ar.table_writes();
+            let mut released_in_pause = false;
+            checkpoint_group(
+                &comm,
+                &driver,
+                &mut [&mut ar],
+                &options(comm.rank()),
+                |_| {
+                    // While every process is checkpointed, this rank's Signal, staging and
+                    // temp buffers have no memory behind them (nothing to export).
+                    released_in_pause = own.iter().all(|&a| {
+                        matches!(memory.export(a, 8), Err(IpcError::NotExportable { .. }))
+                    });
+                    Ok(())
+                },
+            )
+            .expect("checkpoint");
+            let after: Vec<u64> = (0..3).map(|i| ar.base_address(peer, i).unwrap()).collect();
+            let mut sum = [0f32; 64];
+            ar.all_reduce(&[1.0; 64], &mut sum).expect("resumed");
+            (
+                released_in_pause,
+                before == after,
+                ar.table_writes() == writes,
+                sum,
+            )
+        })
+        .into_iter()
+        .map(|r| r.expect("rank finished"))
+        .collect();
+    for (released, same, unwritten, sum) in outcomes {
+        assert!(released, "a buffer kept its memory through the checkpoint");
+        assert!(same, "a peer address moved");
+        assert!(unwritten, "the tables were written again");
+        assert_eq!(sum, [2.0; 64]);
+    }
+}

@@ -35,6 +35,22 @@ pub struct Region {
     pub len: usize,
 }
 
+/// A peer region whose mapping would keep this process from being checkpointed and
+/// restored with its peers ([`PeerMappings::checkpoint_blockers`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointBlocker {
+    /// The exchange that shared it.
+    pub exchange: ExchangeId,
+    /// The rank that shared it.
+    pub rank: usize,
+    /// Its index in the exchange.
+    pub index: usize,
+    /// Its length as the peer announced it.
+    pub len: usize,
+    /// Why (the backend's [`checkpoint_blocker`](PeerMemory::checkpoint_blocker)).
+    pub reason: String,
+}
+
 /// Open/close counters, for tests and tracing.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counters {
@@ -934,6 +950,41 @@ impl<B: PeerMemory> PeerMappings<B> {
                 .ok_or_else(|| IpcError::NoSuchMapping(format!("kept handle of rank {r}")))
             })
             .collect()
+    }
+
+    /// Every peer region of every exchange whose mapping would keep this process from being
+    /// checkpointed and restored with its peers, as the backend judges its handle
+    /// ([`PeerMemory::checkpoint_blocker`]); empty when none would. Open or closed alike (the
+    /// handles are kept through a close). Regions opened by [`import`](Self::import) only
+    /// are not looked at.
+    pub fn checkpoint_blockers(&self) -> Vec<CheckpointBlocker> {
+        let mut found = Vec::new();
+        for (x, exchange) in self.exchanges.iter().enumerate() {
+            for (rank, row) in exchange.slots.iter().enumerate() {
+                for (index, slot) in row.iter().enumerate() {
+                    let Some(s) = slot.and_then(|i| self.slab.get(i)).and_then(Option::as_ref)
+                    else {
+                        continue;
+                    };
+                    if let Some(reason) = self.backend.checkpoint_blocker(&s.handle) {
+                        use crate::memory::MemoryRegion;
+                        let len = s
+                            .mapping
+                            .as_ref()
+                            .or(s.detached.as_ref())
+                            .map_or(0, MemoryRegion::len);
+                        found.push(CheckpointBlocker {
+                            exchange: ExchangeId(x),
+                            rank,
+                            index,
+                            len,
+                            reason,
+                        });
+                    }
+                }
+            }
+        }
+        found
     }
 
     /// The length in bytes of region `index` of `rank` in exchange `id`: the length this

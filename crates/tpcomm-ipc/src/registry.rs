@@ -668,6 +668,11 @@ impl<B: PeerMemory> PeerMappings<B> {
                                     s.detached = Some(mapping);
                                     Ok(true)
                                 }
+                                // A mapping of a kind that keeps no address (legacy CUDA IPC
+                                // beside virtual memory): closed, reopened elsewhere.
+                                Err(IpcError::Unsupported { .. }) => {
+                                    self.backend.close(mapping).map(|()| true)
+                                }
                                 // Closed for good: the reopen maps it elsewhere.
                                 Err(e) => self.backend.close(mapping).and(Err(e)),
                             }

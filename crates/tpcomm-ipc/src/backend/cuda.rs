@@ -521,10 +521,10 @@ impl fmt::Debug for CudaHandle {
 
 /// A retained primary context; released on drop.
 #[derive(Debug)]
-struct PrimaryContext {
+pub(crate) struct PrimaryContext {
     ctx: CUcontext,
-    device: CUdevice,
-    ordinal: i32,
+    pub(crate) device: CUdevice,
+    pub(crate) ordinal: i32,
 }
 
 // SAFETY: a CUDA context is not tied to the thread that retained it: the driver API is
@@ -534,7 +534,7 @@ unsafe impl Send for PrimaryContext {}
 unsafe impl Sync for PrimaryContext {}
 
 impl PrimaryContext {
-    fn make_current(&self) -> Result<()> {
+    pub(crate) fn make_current(&self) -> Result<()> {
         // SAFETY: the context is retained for as long as `self` lives.
         unsafe { result::ctx_set_current(self.ctx) }
     }
@@ -562,23 +562,29 @@ pub struct CudaMemory {
 /// on drop. Peers map it through [`CudaHandle`]s.
 #[derive(Debug)]
 pub struct CudaBuffer {
-    ptr: CUdeviceptr,
-    len: usize,
-    ctx: Arc<PrimaryContext>,
+    pub(crate) ptr: CUdeviceptr,
+    pub(crate) len: usize,
+    pub(crate) ctx: Arc<PrimaryContext>,
+    /// Allocated by `CudaVmmMemory` (virtual memory: a reserved range with physical memory
+    /// mapped into it), not by `cuMemAlloc`.
+    pub(crate) vmm: bool,
 }
 
 /// This process's mapping of (a range of) a peer's allocation; closed on drop, or by
 /// [`PeerMemory::close`], which reports failures.
 pub struct CudaMapping {
-    key: OpenKey,
-    base: CUdeviceptr,
-    offset: u64,
-    len: usize,
-    ctx: Arc<PrimaryContext>,
-    released: bool,
+    pub(crate) key: OpenKey,
+    pub(crate) base: CUdeviceptr,
+    pub(crate) offset: u64,
+    pub(crate) len: usize,
+    pub(crate) ctx: Arc<PrimaryContext>,
+    pub(crate) released: bool,
     /// A same-process alias of this process's own allocation ([`CudaMemory::same_process`]):
     /// nothing was opened in the driver, nothing is closed.
-    alias: bool,
+    pub(crate) alias: bool,
+    /// Opened by `CudaVmmMemory` from a virtual-memory handle: how it maps the peer's
+    /// allocation (`key` and `alias` are then unused).
+    pub(crate) vmm: Option<super::cuda_vmm::VmmMapping>,
 }
 
 impl fmt::Debug for CudaMapping {
@@ -587,8 +593,9 @@ impl fmt::Debug for CudaMapping {
             .field("addr", &format_args!("{:#x}", self.addr()))
             .field("len", &self.len)
             .field("allocation_base", &format_args!("{:#x}", self.base))
-            .field("device", &self.key.1)
+            .field("device", &self.ctx.ordinal)
             .field("alias", &self.alias)
+            .field("vmm", &self.vmm)
             .finish()
     }
 }
@@ -707,6 +714,9 @@ impl CudaMapping {
         if std::mem::replace(&mut self.released, true) || self.alias {
             return Ok(());
         }
+        if let Some(vmm) = self.vmm.take() {
+            return super::cuda_vmm::release_mapping(self.base, vmm, &self.ctx);
+        }
         let mut table = open_table();
         let Some(entry) = table.get_mut(&self.key) else {
             return Ok(());
@@ -729,6 +739,9 @@ impl CudaMapping {
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
+        if self.vmm {
+            return super::cuda_vmm::free_buffer(self.ptr, self.len, &self.ctx);
+        }
         export_table().retain(|_, base| *base != self.ptr);
         let freed = self.ctx.make_current().and_then(|()| {
             // SAFETY: `ptr` came from `mem_alloc` in `allocate` and is freed once, here. This
@@ -753,7 +766,7 @@ impl Drop for CudaMapping {
 }
 
 /// An opened allocation: the 64 handle bytes and the opening device's ordinal.
-type OpenKey = ([u8; result::IPC_HANDLE_BYTES], i32);
+pub(crate) type OpenKey = ([u8; result::IPC_HANDLE_BYTES], i32);
 
 #[derive(Debug)]
 struct Opened {
@@ -797,8 +810,10 @@ fn export_table() -> MutexGuard<'static, HashMap<[u8; result::IPC_HANDLE_BYTES],
 
 /// The number of peer allocations this process has open through legacy CUDA IPC
 /// (`cuIpcOpenMemHandle`) right now, over every [`CudaMemory`] and device: each counts once
-/// however many [`CudaMapping`]s share it. Same-process aliases
-/// ([`CudaMemory::same_process`]) open nothing in the driver and are not counted.
+/// however many [`CudaMapping`]s share it; plus the virtual-memory imports of every
+/// `CudaVmmMemory` mapped now (a detached one is not: it holds only its address range).
+/// Same-process aliases ([`CudaMemory::same_process`]) open nothing in the driver and are not
+/// counted.
 ///
 /// A process checkpoint (`cuCheckpointProcessCheckpoint`) must not run while this is above
 /// zero: on driver 580 the checkpoint of an importer succeeds but its restore fails
@@ -806,7 +821,7 @@ fn export_table() -> MutexGuard<'static, HashMap<[u8; result::IPC_HANDLE_BYTES],
 /// `tpcomm-checkpoint` refuses before locking. The count is taken under the table's lock;
 /// another thread may open or close a mapping right after it is read.
 pub fn imported_allocations() -> usize {
-    open_table().len()
+    open_table().len() + super::cuda_vmm::imported_now()
 }
 
 /// Turns a failed open into [`IpcError::OwnerGone`] when the exporting process is gone.
@@ -923,6 +938,7 @@ impl CudaMemory {
             ctx: self.ctx.clone(),
             released: false,
             alias: true,
+            vmm: None,
         })
     }
 
@@ -960,6 +976,11 @@ impl CudaMemory {
     /// The device ordinal this backend allocates on and opens into.
     pub fn device_ordinal(&self) -> i32 {
         self.ctx.ordinal
+    }
+
+    /// The retained primary context (shared with `CudaVmmMemory`).
+    pub(crate) fn context(&self) -> &Arc<PrimaryContext> {
+        &self.ctx
     }
 
     /// Makes this backend's primary context current on the calling thread (for callers that
@@ -1190,6 +1211,7 @@ impl PeerMemory for CudaMemory {
             ptr: result::mem_alloc(len)?,
             len,
             ctx: self.ctx.clone(),
+            vmm: false,
         };
         // SAFETY: the whole fresh allocation, not yet shared with anyone.
         unsafe { result::memset_d8(buffer.ptr, 0, len) }?;
@@ -1301,11 +1323,18 @@ impl PeerMemory for CudaMemory {
             ctx: self.ctx.clone(),
             released: false,
             alias: false,
+            vmm: None,
         })
     }
 
     fn close(&self, mut mapping: CudaMapping) -> Result<()> {
         mapping.release()
+    }
+
+    /// A mapping of another process's memory: after both processes are checkpointed and
+    /// restored, the driver refuses to open fresh legacy IPC handles.
+    fn checkpoint_blocker(&self, handle: &CudaHandle) -> Option<String> {
+        super::cuda_vmm::legacy_checkpoint_blocker(handle.pid, std::process::id())
     }
 
     fn write<R: MemoryRegion>(&self, region: &R, offset: usize, src: &[u8]) -> Result<()> {

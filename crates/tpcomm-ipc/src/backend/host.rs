@@ -294,7 +294,7 @@ impl PidfdCache {
 
 /// Whether the process of `pidfd` has exited: a pidfd polls readable from then on. An
 /// error of `poll` (none is expected) counts as alive; the cache is bounded anyway.
-fn has_exited(pidfd: &OwnedFd) -> bool {
+pub(crate) fn has_exited(pidfd: &OwnedFd) -> bool {
     let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
     let now = Timespec {
         tv_sec: 0,
@@ -465,7 +465,7 @@ const CLOSE_WAIT: Duration = Duration::from_secs(1);
 /// close ends long before: the descriptor is gone when the refusal returns), and left to
 /// that thread after. A thread that cannot be spawned closes it here (the closure is dropped
 /// with the descriptor).
-fn close_refused(fd: OwnedFd) {
+pub(crate) fn close_refused(fd: OwnedFd) {
     if rustix::fs::fcntl_get_seals(&fd).is_ok() {
         return drop(fd);
     }

@@ -2,4 +2,6 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_vmm;
 pub mod host;

@@ -1,4 +1,5 @@
-//! The CUDA backend. Tests that need a GPU print why they skip on a machine without one
+//! The CUDA backends (legacy IPC, `CudaMemory`; virtual memory, `CudaVmmMemory`). Tests
+//! that need a GPU print why they skip on a machine without one
 //! (`skipped: no CUDA device: ...`) and pass; with `TPCOMM_REQUIRE_GPU=1` a skip is a failure.
 //! The tests of loading, handles and their bytes run everywhere.
 #![cfg(feature = "cuda")]
@@ -7,7 +8,10 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 
 use cudarc::driver::sys;
-use tpcomm_ipc::{CudaHandle, CudaMemory, IpcError, MemoryRegion, PeerMemory};
+use tpcomm_ipc::{
+    CudaHandle, CudaMemory, CudaPeerHandle, CudaVmmHandle, CudaVmmMemory, IpcError, MemoryRegion,
+    PeerMemory,
+};
 use tpcomm_transport::LocalGroup;
 
 fn require_gpu() -> bool {
@@ -490,4 +494,316 @@ fn a_stale_same_process_handle_does_not_alias_a_new_allocation_at_its_address() 
         Err(IpcError::StaleHandle(_) | IpcError::InvalidHandle(_)) => {}
         other => panic!("a stale handle opened: {other:?}"),
     }
+}
+
+// ------------------------------------------------------ virtual memory (CudaVmmMemory)
+
+/// The virtual-memory backend on device 0, or `None` after printing why the test skips
+/// (no device, or a device without virtual memory management: a skip with the reason).
+fn vmm_gpu() -> Option<CudaVmmMemory> {
+    match CudaVmmMemory::new(0) {
+        Ok(mem) => Some(mem),
+        Err(IpcError::NoDevice(why)) => {
+            tpcomm_transport::testing::skip_without_gpu(&format!("no CUDA device: {why}"));
+            None
+        }
+        Err(IpcError::Unsupported { what, .. }) => {
+            tpcomm_transport::testing::skip_without_gpu(&format!(
+                "the GPU does not support {what}"
+            ));
+            None
+        }
+        Err(e) => panic!("CudaVmmMemory::new(0) failed: {e}"),
+    }
+}
+
+#[test]
+fn a_vmm_backend_without_a_usable_gpu_is_no_device_and_never_panics() {
+    match CudaVmmMemory::new(0) {
+        Err(IpcError::NoDevice(why)) => {
+            assert!(
+                !require_gpu(),
+                "TPCOMM_REQUIRE_GPU=1 but no CUDA device: {why}"
+            );
+        }
+        Err(IpcError::Unsupported { what, .. }) => {
+            assert!(
+                !require_gpu(),
+                "TPCOMM_REQUIRE_GPU=1 but VMM is unsupported: {what}"
+            );
+        }
+        Ok(mem) => assert!(mem.granularity().is_power_of_two()),
+        Err(e) => panic!("expected NoDevice, Unsupported or a backend, got {e}"),
+    }
+}
+
+#[test]
+fn vmm_handle_bytes_are_stable() {
+    let h = CudaPeerHandle::Vmm(CudaVmmHandle {
+        pid: 300,
+        fd: 7,
+        dev: 5,
+        inode: 99,
+        rdev: 195 << 8 | 255,
+        base_len: 2 << 20,
+        offset: 4096,
+        len: 100,
+        device: 1,
+    });
+    let wire = LocalGroup::new(1)
+        .run(|comm| {
+            tpcomm_objects::all_gather_borrowed(&comm, &h)
+                .unwrap()
+                .bytes(0)
+                .unwrap()
+                .to_vec()
+        })
+        .pop()
+        .unwrap()
+        .unwrap();
+    // Variant 1, then the fields in order as varints (zigzag for the signed fd and device).
+    assert_eq!(hex(&wire), "01ac020e0563ff87038080800180206402");
+    let back: CudaPeerHandle = tpcomm_objects::decode_from(0, &wire).unwrap();
+    assert_eq!(back, h);
+}
+
+const VMM_LEN: usize = 64 << 10;
+const VMM_OFFSET: usize = 4096 + 16;
+
+/// Not a test on its own: the exporting process of the two-process VMM test. It allocates
+/// with `CudaVmmMemory`, writes a pattern, prints its handle; on `RELEASE` it releases the
+/// buffer's memory and on `RESTORE` maps fresh memory at the same address, writes another
+/// pattern and prints the new handle and the address; on `CHECK` prints the first 16 bytes
+/// of the range. Exits at the end of its stdin.
+#[test]
+#[ignore = "helper process of a_peer_process_keeps_the_address_of_a_vmm_mapping_through_a_release_and_restore"]
+fn child_vmm_exporter() {
+    if std::env::var_os("TPCOMM_CUDA_CHILD").is_none() {
+        return;
+    }
+    let mem = CudaVmmMemory::new(0).unwrap();
+    let mut buf = mem.allocate(3 << 20).unwrap();
+    let export = |mem: &CudaVmmMemory, buf: &tpcomm_ipc::CudaBuffer, seed: u8| {
+        mem.write(buf, VMM_OFFSET, &pattern(seed, VMM_LEN)).unwrap();
+        let h = mem.export(buf.addr() + VMM_OFFSET as u64, VMM_LEN).unwrap();
+        println!("HANDLE {} AT {:#x}", hex(&wire_bytes_of(&h)), buf.addr());
+    };
+    export(&mem, &buf, 5);
+    let mut lines = std::io::stdin().lock().lines();
+    while let Some(Ok(line)) = lines.next() {
+        match line.trim() {
+            "RELEASE" => {
+                let freed = mem.release_backing(&mut buf).unwrap();
+                println!("RELEASED {freed}");
+            }
+            "RESTORE" => {
+                mem.restore_backing(&mut buf).unwrap();
+                export(&mem, &buf, 9);
+            }
+            "CHECK" => {
+                let mut got = [0u8; 16];
+                mem.read(&buf, VMM_OFFSET, &mut got).unwrap();
+                println!("MARKER {}", hex(&got));
+            }
+            _ => {}
+        }
+    }
+}
+
+fn wire_bytes_of(h: &CudaPeerHandle) -> Vec<u8> {
+    let mut out = LocalGroup::new(1).run(|comm| {
+        tpcomm_objects::all_gather_borrowed(&comm, h)
+            .unwrap()
+            .bytes(0)
+            .unwrap()
+            .to_vec()
+    });
+    out.pop().unwrap().unwrap()
+}
+
+#[test]
+fn a_peer_process_keeps_the_address_of_a_vmm_mapping_through_a_release_and_restore() {
+    let Some(mem) = vmm_gpu() else { return };
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_vmm_exporter",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("TPCOMM_CUDA_CHILD", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut field = |tag: &str| {
+        lines
+            .find_map(|l| {
+                l.ok()
+                    .and_then(|l| l.split_once(tag).map(|(_, rest)| rest.trim().to_string()))
+            })
+            .unwrap_or_else(|| panic!("the child prints {tag}"))
+    };
+    let handle = |line: String| -> (CudaPeerHandle, String) {
+        let (wire, at) = line.split_once(" AT ").expect("HANDLE <hex> AT <addr>");
+        (
+            tpcomm_objects::decode_from(0, &unhex(wire)).unwrap(),
+            at.to_string(),
+        )
+    };
+    let (h, owner_addr) = handle(field("HANDLE "));
+    let CudaPeerHandle::Vmm(v) = &h else {
+        panic!("a VMM buffer exports a VMM handle: {h:?}")
+    };
+    assert_eq!(v.pid, child.id());
+    assert_eq!((v.offset, v.len), (VMM_OFFSET as u64, VMM_LEN as u64));
+    assert_eq!(v.base_len as usize % mem.granularity(), 0);
+
+    let mut m = mem.open(&h).expect("another process imports the handle");
+    let addr = m.addr();
+    let mut got = vec![0u8; VMM_LEN];
+    mem.read(&m, 0, &mut got).unwrap();
+    assert_eq!(got, pattern(5, VMM_LEN), "cross-process read");
+    mem.write(&m, 0, &[0xa5; 16]).unwrap();
+    writeln!(stdin, "CHECK").unwrap();
+    assert_eq!(
+        unhex(&field("MARKER ")),
+        [0xa5; 16],
+        "the owner sees the peer's write"
+    );
+
+    mem.detach(&mut m).unwrap();
+    assert!(matches!(
+        mem.read(&m, 0, &mut got[..16]),
+        Err(IpcError::Unbacked { .. })
+    ));
+    writeln!(stdin, "RELEASE").unwrap();
+    assert_eq!(field("RELEASED ").parse::<u64>().unwrap(), v.base_len);
+    writeln!(stdin, "RESTORE").unwrap();
+    let (fresh, owner_again) = handle(field("HANDLE "));
+    assert_eq!(
+        owner_again, owner_addr,
+        "the owner's buffer kept its address"
+    );
+    assert_ne!(fresh, h, "fresh memory exports a fresh handle");
+    mem.reattach(&mut m, &fresh)
+        .expect("the fresh handle maps into the kept range");
+    assert_eq!(m.addr(), addr, "the peer mapping kept its address");
+    mem.read(&m, 0, &mut got).unwrap();
+    assert_eq!(
+        got,
+        pattern(9, VMM_LEN),
+        "the fresh memory, through the same address"
+    );
+
+    child.kill().unwrap();
+    child.wait().unwrap();
+    drop(m);
+}
+
+#[test]
+fn a_vmm_buffer_released_and_restored_is_zeroed_at_the_same_address() {
+    let Some(mem) = vmm_gpu() else { return };
+    let mut buf = mem.allocate(1).unwrap();
+    assert_eq!(buf.len(), mem.granularity(), "rounded to the granularity");
+    let addr = buf.addr();
+    mem.write(&buf, 0, &[7; 64]).unwrap();
+    assert_eq!(mem.release_backing(&mut buf).unwrap(), mem.granularity());
+    assert_eq!(mem.release_backing(&mut buf).unwrap(), 0);
+    assert!(matches!(
+        mem.write(&buf, 0, &[1]),
+        Err(IpcError::Unbacked { .. })
+    ));
+    assert!(
+        mem.export(addr, 64).is_err(),
+        "a released buffer exports nothing"
+    );
+    mem.restore_backing(&mut buf).unwrap();
+    assert_eq!(buf.addr(), addr);
+    let mut got = [1u8; 64];
+    mem.read(&buf, 0, &mut got).unwrap();
+    assert_eq!(got, [0; 64]);
+}
+
+#[test]
+fn cudamalloc_memory_travels_through_a_vmm_backend_as_legacy_ipc() {
+    let Some(mem) = vmm_gpu() else { return };
+    let legacy = mem.legacy().allocate(4096).unwrap();
+    match mem.export(legacy.addr(), 4096).unwrap() {
+        CudaPeerHandle::Legacy(h) => assert_eq!(h.pid, std::process::id()),
+        other => panic!("{other:?}"),
+    }
+    let vmm = mem.allocate(4096).unwrap();
+    assert!(matches!(
+        mem.export(vmm.addr(), 4096).unwrap(),
+        CudaPeerHandle::Vmm(_)
+    ));
+    // The legacy backend refuses virtual memory, naming it.
+    assert!(matches!(
+        mem.legacy().export(vmm.addr(), 4096),
+        Err(IpcError::NotExportable { .. })
+    ));
+}
+
+#[test]
+fn a_same_process_vmm_backend_opens_its_own_handles_as_aliases_that_keep_their_address() {
+    let Some(_) = vmm_gpu() else { return };
+    let mem = CudaVmmMemory::same_process(0).unwrap();
+    let mut buf = mem.allocate(4096).unwrap();
+    let h = mem.export(buf.addr(), 4096).unwrap();
+    let mut alias = mem.open(&h).unwrap();
+    assert_eq!(alias.addr(), buf.addr());
+    mem.detach(&mut alias).unwrap();
+    mem.release_backing(&mut buf).unwrap();
+    mem.restore_backing(&mut buf).unwrap();
+    let fresh = mem.export(buf.addr(), 4096).unwrap();
+    mem.reattach(&mut alias, &fresh).unwrap();
+    assert_eq!(alias.addr(), buf.addr());
+    mem.write(&alias, 0, &[3; 8]).unwrap();
+    let mut got = [0u8; 8];
+    mem.read(&buf, 0, &mut got).unwrap();
+    assert_eq!(got, [3; 8]);
+    // A plain backend refuses its own process's handle, as legacy IPC does.
+    let plain = CudaVmmMemory::new(0).unwrap();
+    assert!(matches!(
+        plain.open(&fresh),
+        Err(IpcError::InvalidHandle(_))
+    ));
+}
+
+#[test]
+fn a_vmm_handle_naming_an_ordinary_file_of_another_process_is_refused_before_the_driver_sees_it() {
+    let Some(mem) = vmm_gpu() else { return };
+    let path = std::env::temp_dir().join(format!("tpcomm-vmm-forged-{}", std::process::id()));
+    let file = std::fs::File::create(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let meta = file.metadata().unwrap();
+    let mut holder = Command::new("sleep")
+        .arg("60")
+        .stdin(Stdio::from(file))
+        .spawn()
+        .unwrap();
+    use std::os::unix::fs::MetadataExt;
+    let forged = CudaPeerHandle::Vmm(CudaVmmHandle {
+        pid: holder.id(),
+        fd: 0,
+        dev: meta.dev(),
+        inode: meta.ino(),
+        rdev: 0,
+        base_len: mem.granularity() as u64,
+        offset: 0,
+        len: 64,
+        device: 0,
+    });
+    match mem.open(&forged) {
+        Err(IpcError::NotAnAllocation { found, .. }) => {
+            assert!(found.contains("not a character device"), "{found}")
+        }
+        other => panic!("{other:?}"),
+    }
+    holder.kill().unwrap();
+    holder.wait().unwrap();
 }

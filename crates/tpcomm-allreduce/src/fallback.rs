@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaGraph, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use half::{bf16, f16};
-use tpcomm_ipc::{CudaBuffer, CudaMemory};
+use tpcomm_ipc::{CudaBuffer, CudaMemory, DevicePeerMemory};
 use tpcomm_transport::device::{DeviceCommunicator, DeviceElement, ReduceOp};
 use tpcomm_transport::{Communicator, NcclCommunicator};
 
@@ -32,17 +32,17 @@ pub enum Route {
 /// Both paths are collective: every rank must pass the same element type and count, so that
 /// every rank takes the same path.
 #[derive(Debug)]
-pub struct DeviceAllReduce {
-    custom: CustomAllReduce<CudaBackend>,
+pub struct DeviceAllReduce<M: DevicePeerMemory = CudaMemory> {
+    custom: CustomAllReduce<CudaBackend<M>>,
     nccl: NcclCommunicator,
 }
 
-impl DeviceAllReduce {
+impl<M: DevicePeerMemory> DeviceAllReduce<M> {
     /// Collective: the CUDA backend on `memory`'s device, the custom all-reduce over it and
     /// an NCCL communicator on the backend's stream, bootstrapped through `comm`.
     pub fn new<C: Communicator>(
         comm: &C,
-        memory: CudaMemory,
+        memory: M,
         options: CudaOptions,
         config: Config,
     ) -> Result<Self> {
@@ -57,7 +57,7 @@ impl DeviceAllReduce {
     /// [`CudaBackend::with_stream`] for what the stream must be.
     pub fn with_stream<C: Communicator>(
         comm: &C,
-        memory: CudaMemory,
+        memory: M,
         options: CudaOptions,
         config: Config,
         stream: Arc<CudaStream>,
@@ -68,8 +68,8 @@ impl DeviceAllReduce {
 
     fn on_backend<C: Communicator>(
         comm: &C,
-        memory: CudaMemory,
-        backend: CudaBackend,
+        memory: M,
+        backend: CudaBackend<M>,
         config: Config,
     ) -> Result<Self> {
         let nccl = NcclCommunicator::with_stream(comm, backend.stream().clone())?;
@@ -163,8 +163,14 @@ impl DeviceAllReduce {
         self.custom.check_suspend()
     }
 
+    /// [`CustomAllReduce::check_checkpoint`] of the custom part: fails unless every peer
+    /// buffer it maps would come back after a process checkpoint.
+    pub fn check_checkpoint(&self) -> Result<()> {
+        self.custom.check_checkpoint()
+    }
+
     /// The custom all-reduce (registration, capture, suspend/resume).
-    pub fn custom(&mut self) -> &mut CustomAllReduce<CudaBackend> {
+    pub fn custom(&mut self) -> &mut CustomAllReduce<CudaBackend<M>> {
         &mut self.custom
     }
 

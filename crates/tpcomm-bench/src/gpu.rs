@@ -405,6 +405,7 @@ mod imp {
         CudaOptions {
             max_blocks: args.max_blocks.unwrap_or(CudaOptions::default().max_blocks),
             ranks_per_device: world,
+            ..CudaOptions::default()
         }
     }
 

@@ -67,7 +67,11 @@ impl<B: Backend, C: Communicator + ?Sized> Suspendable<C> for CustomAllReduce<B>
 /// older library the object reports that it cannot suspend, and the checkpoint is refused
 /// before anything is touched (NCCL 2.28.9, the GPU machine's, is such a library).
 #[cfg(feature = "nccl")]
-impl<C: Communicator + ?Sized> Suspendable<C> for tpcomm_allreduce::DeviceAllReduce {
+impl<C, M> Suspendable<C> for tpcomm_allreduce::DeviceAllReduce<M>
+where
+    C: Communicator + ?Sized,
+    M: tpcomm_ipc::DevicePeerMemory,
+{
     fn name(&self) -> String {
         "device all-reduce (custom kernels + NCCL)".into()
     }
@@ -76,6 +80,7 @@ impl<C: Communicator + ?Sized> Suspendable<C> for tpcomm_allreduce::DeviceAllRed
         // A rank whose custom part refuses would go straight to `ncclCommSuspend` while its
         // peers wait for it in the custom part's steps.
         self.check_suspend().map_err(|e| e.to_string())?;
+        self.check_checkpoint().map_err(|e| e.to_string())?;
         nccl_suspend_support(
             self.nccl().library().supports_suspend(),
             self.nccl().library().version(),

@@ -36,7 +36,7 @@ mod step;
 #[cfg(feature = "cuda")]
 pub use backend::cuda::{
     alias_access, imported_allocations as cuda_imported_allocations, AliasAccess, BufferView,
-    CudaAddressHold, CudaBuffer, CudaHandle, CudaMapping, CudaMemory,
+    CudaAddressHold, CudaBuffer, CudaHandle, CudaMapping, CudaMemory, DevicePeerMemory,
 };
 #[cfg(feature = "cuda")]
 pub use backend::cuda_vmm::{CudaPeerHandle, CudaVmmHandle, CudaVmmMemory};

@@ -45,7 +45,7 @@ use cudarc::driver::{
     sys, CudaContext, CudaGraph, CudaStream, DevicePtr, DevicePtrMut, DriverError,
 };
 use tpcomm_ipc::backend::cuda::result as cu;
-use tpcomm_ipc::{CudaBuffer, CudaMemory, MemoryRegion, PeerMemory};
+use tpcomm_ipc::{CudaBuffer, CudaMemory, DevicePeerMemory, MemoryRegion};
 use tpcomm_kernels as kernels;
 use tpcomm_transport::Communicator;
 
@@ -114,6 +114,13 @@ pub struct CudaOptions {
     /// (ranks as threads of one process, one-GPU tests) each launch takes at most
     /// `multiprocessors / ranks_per_device` blocks.
     pub ranks_per_device: usize,
+    /// Inputs captured into a graph are copied into the staging buffer inside the graph,
+    /// never shared zero-copy (default false: memory legacy CUDA IPC can export is shared
+    /// as it is). What a group checkpointed across processes needs for inputs the caller
+    /// allocated with `cudaMalloc`: a legacy IPC mapping of another process cannot be
+    /// opened again after a restore (`CustomAllReduce::check_checkpoint` refuses it), the
+    /// staging buffer of a `CudaVmmMemory` can. Ranks may differ in it.
+    pub stage_captured_inputs: bool,
 }
 
 impl Default for CudaOptions {
@@ -121,6 +128,7 @@ impl Default for CudaOptions {
         Self {
             max_blocks: kernels::DEFAULT_BLOCKS,
             ranks_per_device: 1,
+            stage_captured_inputs: false,
         }
     }
 }
@@ -196,8 +204,8 @@ impl Drop for Module {
 
 /// The CUDA backend of [`CustomAllReduce`]: one device, one stream (its own or the
 /// caller's), the fatbin loaded, the topology decided.
-pub struct CudaBackend {
-    memory: CudaMemory,
+pub struct CudaBackend<M: DevicePeerMemory = CudaMemory> {
+    memory: M,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     module: Module,
@@ -210,7 +218,7 @@ pub struct CudaBackend {
     timeout_ns: AtomicU64,
 }
 
-impl Drop for CudaBackend {
+impl<M: DevicePeerMemory> Drop for CudaBackend<M> {
     fn drop(&mut self) {
         // Launches (and graph replays) still queued use the module and the buffers: wait
         // for them (each barrier wait is bounded by the launch timeout) before the fields go.
@@ -220,9 +228,10 @@ impl Drop for CudaBackend {
     }
 }
 
-impl std::fmt::Debug for CudaBackend {
+impl<M: DevicePeerMemory> std::fmt::Debug for CudaBackend<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
+            .field("memory", &self.memory.name())
             .field("device", &self.memory.device_ordinal())
             .field("options", &self.options)
             .field("multiprocessors", &self.multiprocessors)
@@ -231,7 +240,7 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
-impl CudaBackend {
+impl<M: DevicePeerMemory> CudaBackend<M> {
     /// Collective: a backend on `memory`'s device with a fresh non-blocking stream and the
     /// kernels loaded; agrees with every rank of `comm` whether all their devices can access
     /// each other's memory.
@@ -240,7 +249,7 @@ impl CudaBackend {
     /// lacks a function this backend calls; every driver failure is typed with its code.
     pub fn new<C: Communicator + ?Sized>(
         comm: &C,
-        memory: &CudaMemory,
+        memory: &M,
         options: CudaOptions,
     ) -> Result<Self> {
         Self::build(comm, memory, options, None)
@@ -275,7 +284,7 @@ impl CudaBackend {
     /// ```
     pub fn with_stream<C: Communicator + ?Sized>(
         comm: &C,
-        memory: &CudaMemory,
+        memory: &M,
         options: CudaOptions,
         stream: Arc<CudaStream>,
     ) -> Result<Self> {
@@ -284,7 +293,7 @@ impl CudaBackend {
 
     fn build<C: Communicator + ?Sized>(
         comm: &C,
-        memory: &CudaMemory,
+        memory: &M,
         options: CudaOptions,
         stream: Option<Arc<CudaStream>>,
     ) -> Result<Self> {
@@ -355,7 +364,7 @@ impl CudaBackend {
 
     #[allow(clippy::type_complexity)]
     fn open_device(
-        memory: &CudaMemory,
+        memory: &M,
         stream: Option<Arc<CudaStream>>,
     ) -> Result<(Arc<CudaContext>, Arc<CudaStream>, Module, u32, [u8; 16])> {
         cu::require(SYMBOLS)?;
@@ -578,7 +587,7 @@ const PACK_BYTES: usize = 16;
 /// Whether a caller's input can be shared with peers zero-copy: 16-byte aligned and
 /// exportable by legacy CUDA IPC; `false` (the staging copy is captured instead) for memory
 /// legacy IPC cannot export, with the reason traced.
-fn shareable_input(memory: &CudaMemory, addr: u64, bytes: usize) -> Result<bool> {
+fn shareable_input<M: DevicePeerMemory>(memory: &M, addr: u64, bytes: usize) -> Result<bool> {
     if !addr.is_multiple_of(PACK_BYTES as u64) {
         tracing::debug!(
             addr,
@@ -586,8 +595,8 @@ fn shareable_input(memory: &CudaMemory, addr: u64, bytes: usize) -> Result<bool>
         );
         return Ok(false);
     }
-    match memory.check_exportable(addr, bytes) {
-        Ok(_) => Ok(true),
+    match memory.check_shareable(addr, bytes) {
+        Ok(()) => Ok(true),
         Err(tpcomm_ipc::IpcError::NotExportable { reason, .. }) => {
             tracing::debug!(addr, %reason, "captured input is not exportable: its staging copy is captured");
             Ok(false)
@@ -708,11 +717,23 @@ fn device_error(
     }
 }
 
-impl Backend for CudaBackend {
-    type Memory = CudaMemory;
+impl<M: DevicePeerMemory> Backend for CudaBackend<M> {
+    type Memory = M;
 
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    /// Block `b` of one rank's launch synchronizes with block `b` of every peer's: every
+    /// rank must launch with the same bound (it depends on `max_blocks`, the device's
+    /// multiprocessors and `ranks_per_device`). Every rank shares its buffers through the
+    /// same kind of peer memory (a legacy IPC rank cannot open a virtual-memory handle, nor
+    /// the other way round).
+    fn agreed_shape(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("max_blocks", self.max_blocks().to_string()),
+            ("memory", self.memory.name().to_string()),
+        ]
     }
 
     fn signal_bytes(&self) -> usize {
@@ -721,13 +742,6 @@ impl Backend for CudaBackend {
 
     fn nonce_offset(&self) -> usize {
         NONCE_OFFSET
-    }
-
-    /// Block `b` of one rank's launch synchronizes with block `b` of every peer's: every
-    /// rank must launch with the same bound (it depends on `max_blocks`, the device's
-    /// multiprocessors and `ranks_per_device`).
-    fn agreed_shape(&self) -> Vec<(&'static str, String)> {
-        vec![("max_blocks", self.max_blocks().to_string())]
     }
 
     /// Decides again from the links probed in `new`, with `Config::topology`.
@@ -751,7 +765,7 @@ impl Backend for CudaBackend {
         true
     }
 
-    fn reset_signal(&self, _memory: &CudaMemory, signal: &CudaBuffer) -> Result<()> {
+    fn reset_signal(&self, _memory: &M, signal: &CudaBuffer) -> Result<()> {
         self.refuse_while_capturing("resetting the Signal block")?;
         self.bind()?;
         // SAFETY: this rank's own Signal block (a live CudaBuffer of at least SIGNAL_BYTES,
@@ -767,7 +781,7 @@ impl Backend for CudaBackend {
         self.sync_stream()
     }
 
-    fn launch(&self, _memory: &CudaMemory, l: &Launch<'_, Self>) -> Result<()> {
+    fn launch(&self, _memory: &M, l: &Launch<'_, Self>) -> Result<()> {
         let bytes = l.count * l.dtype.size();
         let config = kernels::launch_config(
             kernel_dtype(l.dtype),
@@ -848,7 +862,7 @@ impl Backend for CudaBackend {
 
     fn write_table(
         &self,
-        _memory: &CudaMemory,
+        _memory: &M,
         table: &CudaBuffer,
         offset: usize,
         bytes: &[u8],
@@ -880,7 +894,7 @@ impl Backend for CudaBackend {
 
     fn stage(
         &self,
-        _memory: &CudaMemory,
+        _memory: &M,
         input: &CudaBuffer,
         staging: &CudaBuffer,
         range: std::ops::Range<usize>,
@@ -915,7 +929,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn synchronize(&self, memory: &CudaMemory, own_signal: &CudaBuffer) -> Result<()> {
+    fn synchronize(&self, memory: &M, own_signal: &CudaBuffer) -> Result<()> {
         self.refuse_while_capturing("synchronizing")?;
         self.sync_stream()?;
         let mut word = [0u8; 4];
@@ -986,7 +1000,7 @@ impl DeviceGraph {
     }
 }
 
-impl CustomAllReduce<CudaBackend> {
+impl<M: DevicePeerMemory> CustomAllReduce<CudaBackend<M>> {
     /// Captures the all-reduces `f` issues (through
     /// [`all_reduce_buffer`](Self::all_reduce_buffer)) on the backend's stream into a CUDA
     /// graph (thread-local capture mode) and instantiates it. Inputs not registered yet take
@@ -1112,8 +1126,9 @@ impl CustomAllReduce<CudaBackend> {
         let (input_addr, _input_guard) = input.device_ptr(&stream);
         let (out, _output_guard) = output.device_ptr_mut(&stream);
         let bytes = count.saturating_mul(T::DTYPE.size());
-        let shareable = || shareable_input(&memory, input_addr, bytes);
-        let stage = |backend: &CudaBackend, staging: &CudaBuffer, bytes: usize| {
+        let stage_captured = self.backend().options().stage_captured_inputs;
+        let shareable = || Ok(!stage_captured && shareable_input(&memory, input_addr, bytes)?);
+        let stage = |backend: &CudaBackend<M>, staging: &CudaBuffer, bytes: usize| {
             // The input view holds `count` elements, `bytes` bytes, and its guard is held
             // until the copy is issued.
             backend.stage_from(input_addr, staging, 0, bytes)

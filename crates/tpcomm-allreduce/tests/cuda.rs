@@ -12,7 +12,7 @@ use tpcomm_allreduce::{
     Algorithm, AllReduceError, Config, CudaBackend, CudaOptions, CustomAllReduce, DType, Element,
     FallbackReason, Phase,
 };
-use tpcomm_ipc::{CudaBuffer, CudaMemory, IpcError, PeerMemory};
+use tpcomm_ipc::{CudaBuffer, CudaMemory, CudaVmmMemory, DevicePeerMemory, IpcError, PeerMemory};
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
 mod common;
@@ -57,11 +57,11 @@ fn to_bytes<T: Element>(v: &[T]) -> Vec<u8> {
     bytemuck::cast_slice(v).to_vec()
 }
 
-fn upload<T: Element>(memory: &CudaMemory, buf: &CudaBuffer, v: &[T]) -> R<()> {
+fn upload<T: Element>(memory: &impl PeerMemory, buf: &CudaBuffer, v: &[T]) -> R<()> {
     Ok(memory.write(buf, 0, &to_bytes(v))?)
 }
 
-fn download<T: Element>(memory: &CudaMemory, buf: &CudaBuffer, count: usize) -> R<Vec<T>> {
+fn download<T: Element>(memory: &impl PeerMemory, buf: &CudaBuffer, count: usize) -> R<Vec<T>> {
     let mut raw = vec![0u8; count * T::DTYPE.size()];
     memory.read(buf, 0, &mut raw)?;
     Ok(raw
@@ -208,7 +208,7 @@ fn host_slices_are_refused_by_the_device_backend() {
 
 /// Sets every element of `buf` on this rank to `rank + 1 + shift`: sums are exact.
 fn fill_rank<T: Element>(
-    memory: &CudaMemory,
+    memory: &impl PeerMemory,
     buf: &CudaBuffer,
     rank: usize,
     shift: f32,
@@ -221,7 +221,12 @@ fn fill_rank<T: Element>(
     )
 }
 
-fn expect_all<T: Element>(memory: &CudaMemory, buf: &CudaBuffer, count: usize, want: f32) -> R<()> {
+fn expect_all<T: Element>(
+    memory: &impl PeerMemory,
+    buf: &CudaBuffer,
+    count: usize,
+    want: f32,
+) -> R<()> {
     let out = download::<T>(memory, buf, count)?;
     if let Some((i, v)) = out.iter().enumerate().find(|(_, v)| v.to_f32() != want) {
         return Err(AllReduceError::InvalidArgument(format!(
@@ -571,6 +576,7 @@ fn child_pair_rank() {
     let outcome = match mode.as_str() {
         "host" => host_pair_rank(&comm),
         "cuda" => two_process_rank(&comm).map(drop),
+        "cuda-vmm" => two_process_vmm_rank(&comm),
         other => panic!("unknown two-process mode {other:?}"),
     };
     outcome.unwrap_or_else(|e| panic!("rank 1: {e}"));
@@ -654,6 +660,171 @@ fn a_graph_reading_an_unregistered_buffer_is_refused() {
             other => panic!("expected UnregisteredInput, got {other:?}"),
         }
         assert_eq!(ar.phase(), Phase::Active);
+        Ok(())
+    });
+    for r in results {
+        r.unwrap().unwrap();
+    }
+}
+
+// ------------------------------------------------------ virtual memory (CudaVmmMemory)
+
+/// True when device 0 supports virtual memory with POSIX descriptors; otherwise records why
+/// the test skips (a failure under `TPCOMM_REQUIRE_GPU=1`).
+fn vmm_gpu() -> bool {
+    match CudaVmmMemory::same_process(0) {
+        Ok(_) => true,
+        Err(IpcError::NoDevice(why)) => {
+            skip_without_gpu(&format!("no CUDA device: {why}"));
+            false
+        }
+        Err(IpcError::Unsupported { what, .. }) => {
+            skip_without_gpu(&format!("the GPU does not support {what}"));
+            false
+        }
+        Err(e) => panic!("CudaVmmMemory::same_process(0) failed with {e}"),
+    }
+}
+
+/// Free device memory now (`cuMemGetInfo`).
+fn free_device_memory() -> usize {
+    cudarc::driver::result::mem_get_info()
+        .expect("cuMemGetInfo")
+        .0
+}
+
+/// Captures a graph of a one-stage and a two-stage all-reduce on `memory`, replays it,
+/// suspends (which releases the buffers' memory), resumes and replays it again, checking
+/// that every address the launches read and every table entry stayed as it was; returns
+/// the bytes this rank's suspend released.
+fn replay_across_a_releasing_suspend<C: Communicator, M: DevicePeerMemory>(
+    comm: &C,
+    memory: M,
+) -> R<usize> {
+    let options = CudaOptions {
+        // Every rank on device 0, threads or processes.
+        ranks_per_device: comm.size(),
+        ..CudaOptions::default()
+    };
+    let backend = CudaBackend::new(comm, &memory, options)?;
+    let mut ar = CustomAllReduce::new(backend, memory.clone(), comm, Config::default())?;
+    let (small, large) = (1024usize, 256usize << 10);
+    let a = memory.allocate(small * 4)?;
+    let b = memory.allocate(large * 4)?;
+    let out_a = memory.allocate(small * 4)?;
+    let out_b = memory.allocate(large * 4)?;
+    let graph = ar.capture_graph(|ar| {
+        ar.all_reduce_buffer(&a, &out_a, DType::F32, small)?;
+        ar.all_reduce_buffer(&b, &out_b, DType::F32, large)?;
+        Ok(())
+    })?;
+    assert_eq!(ar.register_graph_buffers(comm)?, 2);
+    let world = comm.size();
+    let sum = |shift: f32| (1..=world).map(|r| r as f32 + shift).sum::<f32>();
+    let run = |ar: &mut CustomAllReduce<CudaBackend<M>>, shift: f32| -> R<()> {
+        fill_rank::<f32>(&memory, &a, comm.rank(), shift, small)?;
+        fill_rank::<f32>(&memory, &b, comm.rank(), 2.0 * shift, large)?;
+        comm.barrier()?;
+        ar.replay_graph(&graph)?;
+        ar.synchronize()?;
+        expect_all::<f32>(&memory, &out_a, small, sum(shift))?;
+        expect_all::<f32>(&memory, &out_b, large, sum(2.0 * shift))?;
+        comm.barrier()?;
+        Ok(())
+    };
+    run(&mut ar, 0.0)?;
+    let addresses = |ar: &CustomAllReduce<CudaBackend<M>>| -> R<Vec<u64>> {
+        let mut all = vec![ar.rank_signals_address()?];
+        for r in 0..world {
+            all.extend((0..3).map(|i| ar.base_address(r, i)).collect::<R<Vec<_>>>()?);
+        }
+        for slot in [1, 2] {
+            all.extend(ar.rank_data_slot(slot)?);
+        }
+        Ok(all)
+    };
+    let before = addresses(&ar)?;
+    let writes = ar.table_writes();
+    let free_active = free_device_memory();
+    ar.prepare_for_suspend(comm)?;
+    comm.barrier()?;
+    let released = ar.released_bytes();
+    let free_suspended = free_device_memory();
+    eprintln!(
+        "rank {}: the suspend released {released} bytes; free device memory {free_active} -> \
+         {free_suspended}",
+        comm.rank()
+    );
+    assert!(released >= 2 * Config::default().max_bytes, "{released}");
+    assert!(
+        free_suspended > free_active,
+        "no device memory came back: {free_active} -> {free_suspended}"
+    );
+    ar.reinit_after_resume(comm)?;
+    assert_eq!(addresses(&ar)?, before, "an address the graph reads moved");
+    assert_eq!(ar.table_writes(), writes, "the tables were written again");
+    run(&mut ar, 10.0)?;
+    ar.close()?;
+    Ok(released)
+}
+
+/// Ranks as threads on one GPU: the helper over `CudaVmmMemory::same_process`.
+#[test]
+fn a_graph_on_virtual_memory_replays_after_a_suspend_that_released_its_buffers_with_every_address_kept(
+) {
+    if !vmm_gpu() {
+        return;
+    }
+    for world in [2, 4] {
+        let results = group(world).run(|comm| -> R<usize> {
+            replay_across_a_releasing_suspend(&comm, CudaVmmMemory::same_process(0)?)
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            r.expect("rank finished")
+                .unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
+        }
+    }
+}
+
+/// One rank of the two-process virtual-memory test: descriptors fetched across the
+/// processes, imports detached and reattached at their kept addresses.
+fn two_process_vmm_rank(comm: &pair::Pair) -> R<()> {
+    replay_across_a_releasing_suspend(comm, CudaVmmMemory::new(0)?).map(drop)
+}
+
+#[test]
+fn two_processes_on_virtual_memory_replay_a_graph_after_a_suspend_with_every_address_kept() {
+    if !vmm_gpu() {
+        return;
+    }
+    pair::run_pair("cuda-vmm", two_process_vmm_rank);
+}
+
+/// Legacy IPC ranks and virtual-memory ranks cannot open each other's handles: the kind of
+/// peer memory is agreed at creation, and a mismatch is refused on every rank.
+#[test]
+fn ranks_on_different_kinds_of_cuda_peer_memory_are_refused_at_creation() {
+    if !vmm_gpu() {
+        return;
+    }
+    let results = group(2).run(|comm| -> R<()> {
+        let options = CudaOptions {
+            ranks_per_device: 2,
+            ..CudaOptions::default()
+        };
+        let created = if comm.rank() == 0 {
+            let memory = CudaMemory::same_process(0)?;
+            let backend = CudaBackend::new(&comm, &memory, options)?;
+            CustomAllReduce::new(backend, memory, &comm, Config::default()).map(drop)
+        } else {
+            let memory = CudaVmmMemory::same_process(0)?;
+            let backend = CudaBackend::new(&comm, &memory, options)?;
+            CustomAllReduce::new(backend, memory, &comm, Config::default()).map(drop)
+        };
+        match created {
+            Err(AllReduceError::ConfigMismatch { field, .. }) => assert_eq!(field, "memory"),
+            other => panic!("{other:?}"),
+        }
         Ok(())
     });
     for r in results {

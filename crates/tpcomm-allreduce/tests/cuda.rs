@@ -736,7 +736,11 @@ fn replay_across_a_releasing_suspend<C: Communicator, M: DevicePeerMemory>(
     let addresses = |ar: &CustomAllReduce<CudaBackend<M>>| -> R<Vec<u64>> {
         let mut all = vec![ar.rank_signals_address()?];
         for r in 0..world {
-            all.extend((0..3).map(|i| ar.base_address(r, i)).collect::<R<Vec<_>>>()?);
+            all.extend(
+                (0..3)
+                    .map(|i| ar.base_address(r, i))
+                    .collect::<R<Vec<_>>>()?,
+            );
         }
         for slot in [1, 2] {
             all.extend(ar.rank_data_slot(slot)?);

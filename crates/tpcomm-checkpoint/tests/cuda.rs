@@ -1,7 +1,9 @@
 //! The process checkpoint on a GPU: two processes on one device (this test process as rank
 //! 0, a child of the same executable as rank 1, over a Unix-socket pair transport), a custom
-//! all-reduce over CUDA IPC between them, a CUDA graph of several all-reduces captured
-//! before the checkpoint and replayed after it. Run by `cargo xtask gpu-check` (step
+//! all-reduce between them on CUDA virtual memory (`CudaVmmMemory`), a CUDA graph of several
+//! all-reduces captured before the checkpoint and replayed after it. On legacy CUDA IPC
+//! (`CudaMemory`) the same group is refused before anything is suspended: the driver does
+//! not open fresh legacy handles between processes after a restore. Run by `cargo xtask gpu-check` (step
 //! `checkpoint`); on a machine without a GPU every test records why it skips, and with
 //! `TPCOMM_REQUIRE_GPU=1` a skip is a failure.
 #![cfg(feature = "cuda")]
@@ -13,24 +15,27 @@ use tpcomm_checkpoint::{
     checkpoint_group, CheckpointDriver, CheckpointError, CheckpointOptions, CudaCheckpoint,
     GpuMemory, ProcessState, Reason, Step, Suspendable,
 };
-use tpcomm_ipc::{CudaBuffer, CudaMemory, IpcError, PeerMemory};
+use tpcomm_ipc::{CudaBuffer, CudaMemory, CudaVmmMemory, DevicePeerMemory, IpcError, PeerMemory};
 use tpcomm_transport::testing::pair;
 use tpcomm_transport::testing::skip_without_gpu;
 use tpcomm_transport::Communicator;
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
-type Ar = CustomAllReduce<CudaBackend>;
 
 /// True when device 0 and the checkpoint API are usable; otherwise records why the test
 /// skips (a failure under `TPCOMM_REQUIRE_GPU=1`).
 fn gpu() -> bool {
-    match CudaMemory::new(0) {
+    match CudaVmmMemory::new(0) {
         Ok(_) => {}
+        Err(IpcError::Unsupported { what, .. }) => {
+            skip_without_gpu(&format!("the GPU does not support {what}"));
+            return false;
+        }
         Err(IpcError::NoDevice(why)) => {
             skip_without_gpu(&format!("no CUDA device: {why}"));
             return false;
         }
-        Err(e) => panic!("CudaMemory::new(0) failed with {e}"),
+        Err(e) => panic!("CudaVmmMemory::new(0) failed with {e}"),
     }
     match CudaCheckpoint::load().support() {
         Ok(info) => {
@@ -60,11 +65,11 @@ fn input(rank: usize, i: usize) -> f32 {
     (h as f32 / u32::MAX as f32 - 0.5) * 3.0
 }
 
-fn upload(memory: &CudaMemory, buf: &CudaBuffer, v: &[f32]) -> R<()> {
+fn upload(memory: &impl PeerMemory, buf: &CudaBuffer, v: &[f32]) -> R<()> {
     Ok(memory.write(buf, 0, bytemuck::cast_slice(v))?)
 }
 
-fn download(memory: &CudaMemory, buf: &CudaBuffer, count: usize) -> R<Vec<u8>> {
+fn download(memory: &impl PeerMemory, buf: &CudaBuffer, count: usize) -> R<Vec<u8>> {
     let mut out = vec![0u8; count * 4];
     memory.read(buf, 0, &mut out)?;
     Ok(out)
@@ -72,15 +77,14 @@ fn download(memory: &CudaMemory, buf: &CudaBuffer, count: usize) -> R<Vec<u8>> {
 
 /// A rank's all-reduce with its graph: `a -> b -> c` (small) and `x -> y -> z` (large),
 /// four all-reduces captured into one CUDA graph, the graph buffers registered.
-struct Setup {
-    memory: CudaMemory,
-    ar: Ar,
+struct Setup<M: DevicePeerMemory> {
+    memory: M,
+    ar: CustomAllReduce<CudaBackend<M>>,
     graph: tpcomm_allreduce::DeviceGraph,
     bufs: [CudaBuffer; 6],
 }
 
-fn setup(comm: &pair::Pair) -> R<Setup> {
-    let memory = CudaMemory::new(0)?;
+fn setup<M: DevicePeerMemory>(comm: &pair::Pair, memory: M) -> R<Setup<M>> {
     let options = CudaOptions {
         ranks_per_device: 2,
         ..CudaOptions::default()
@@ -114,7 +118,7 @@ fn setup(comm: &pair::Pair) -> R<Setup> {
 }
 
 /// Poisons every output, replays the graph on both ranks, returns `c` and `z`.
-fn replay(s: &mut Setup, comm: &pair::Pair) -> R<(Vec<u8>, Vec<u8>)> {
+fn replay<M: DevicePeerMemory>(s: &mut Setup<M>, comm: &pair::Pair) -> R<(Vec<u8>, Vec<u8>)> {
     for (i, n) in [(1, SMALL), (2, SMALL), (4, LARGE), (5, LARGE)] {
         upload(&s.memory, &s.bufs[i], &vec![f32::NAN; n])?;
     }
@@ -143,10 +147,24 @@ fn expected(n: usize) -> Vec<u8> {
 /// One rank of the full sequence: capture, replay, checkpoint both processes (GPU memory
 /// measured while they are checkpointed), restore, resume, replay: bit-identical.
 fn checkpoint_rank(comm: &pair::Pair) -> R<()> {
-    let mut s = setup(comm)?;
-    let ballast = s.memory.allocate(BALLAST)?;
+    let mut s = setup(comm, CudaVmmMemory::new(0)?)?;
+    // Plain cuMemAlloc memory, which the checkpoint moves to the host and back.
+    let legacy = s.memory.legacy().clone();
+    let ballast = legacy.allocate(BALLAST)?;
     let pattern: Vec<f32> = (0..(1 << 18)).map(|i| input(7, i)).collect();
-    upload(&s.memory, &ballast, &pattern)?;
+    upload(&legacy, &ballast, &pattern)?;
+    let peer = 1 - comm.rank();
+    let addresses = |ar: &CustomAllReduce<CudaBackend<CudaVmmMemory>>| -> R<Vec<u64>> {
+        let mut all: Vec<u64> = (0..3)
+            .map(|i| ar.base_address(peer, i))
+            .collect::<Result<_, _>>()?;
+        for slot in 1..=4 {
+            all.extend(ar.rank_data_slot(slot)?);
+        }
+        Ok(all)
+    };
+    let before_addresses = addresses(&s.ar)?;
+    let writes = s.ar.table_writes();
     let (c0, z0) = replay(&mut s, comm)?;
     assert!(
         c0 == expected(SMALL),
@@ -216,7 +234,14 @@ fn checkpoint_rank(comm: &pair::Pair) -> R<()> {
     }
     // The ballast came back with its contents, at the same address.
     let mut back = vec![0u8; pattern.len() * 4];
-    s.memory.read(&ballast, 0, &mut back)?;
+    legacy.read(&ballast, 0, &mut back)?;
+    assert_eq!(
+        addresses(&s.ar)?,
+        before_addresses,
+        "rank {}: a peer address the graph reads moved",
+        comm.rank()
+    );
+    assert_eq!(s.ar.table_writes(), writes, "the tables were written again");
     assert!(
         back == bytemuck::cast_slice::<f32, u8>(&pattern),
         "ballast contents changed"
@@ -246,7 +271,7 @@ fn checkpoint_rank(comm: &pair::Pair) -> R<()> {
 /// One rank of the refusal: peer mappings open (no `prepare_for_suspend`), so each
 /// process imports its peer's memory and the checkpoint must be refused before locking.
 fn refuse_rank(comm: &pair::Pair) -> R<()> {
-    let mut s = setup(comm)?;
+    let mut s = setup(comm, CudaMemory::new(0)?)?;
     let (c0, _) = replay(&mut s, comm)?;
     let driver = CudaCheckpoint::load();
     let pid = std::process::id();
@@ -285,6 +310,50 @@ fn refuse_rank(comm: &pair::Pair) -> R<()> {
     Ok(())
 }
 
+/// One rank of the legacy refusal: the same group on legacy CUDA IPC is refused at the
+/// check, before anything is suspended or locked, naming a peer buffer and the driver's
+/// reason; the communicator is left as it was.
+fn legacy_refused_rank(comm: &pair::Pair) -> R<()> {
+    let mut s = setup(comm, CudaMemory::new(0)?)?;
+    let (c0, _) = replay(&mut s, comm)?;
+    let driver = CudaCheckpoint::load();
+    let out = {
+        let objects: &mut [&mut dyn Suspendable<pair::Pair>] = &mut [&mut s.ar];
+        checkpoint_group(
+            comm,
+            &driver,
+            objects,
+            &CheckpointOptions::default(),
+            |_| panic!("no pause: the checkpoint must be refused at the check"),
+        )
+    };
+    let Err(CheckpointError::Failed { first, .. }) = out else {
+        panic!("rank {}: expected a refusal, got {out:?}", comm.rank())
+    };
+    eprintln!("rank {}: refused: {first}", comm.rank());
+    assert_eq!(first.step, Step::Check);
+    let Reason::CannotSuspend { why, .. } = &first.reason else {
+        panic!("{first}")
+    };
+    assert!(
+        why.contains("legacy CUDA IPC") && why.contains("NOT_PERMITTED"),
+        "{why}"
+    );
+    assert_eq!(s.ar.phase(), Phase::Active);
+    let (c1, _) = replay(&mut s, comm)?;
+    assert!(c1 == c0);
+    s.ar.close_with(comm)?;
+    Ok(())
+}
+
+#[test]
+fn a_two_process_checkpoint_on_legacy_ipc_is_refused_up_front_with_the_drivers_reason() {
+    if !gpu() {
+        return;
+    }
+    pair::run_pair("legacy-refused", legacy_refused_rank);
+}
+
 #[test]
 fn two_processes_checkpoint_restore_and_replay_a_graph_bit_identically() {
     if !gpu() {
@@ -308,6 +377,7 @@ fn child_pair_rank() {
     let outcome = match mode.as_str() {
         "checkpoint" => checkpoint_rank(&comm),
         "refuse" => refuse_rank(&comm),
+        "legacy-refused" => legacy_refused_rank(&comm),
         other => panic!("unknown two-process mode {other:?}"),
     };
     outcome.unwrap_or_else(|e| panic!("rank 1: {e}"));

@@ -694,6 +694,9 @@ impl<B: PeerMemory> PeerMappings<B> {
             }
         }
         self.closed = true;
+        // Every peer opened what it needs (a close follows the exchanges' verdicts): what
+        // the backend holds open for them can go.
+        self.backend.close_exports();
         tracing::debug!(closed, "peer mappings closed");
         match first_error {
             Some(e) => Err(e),

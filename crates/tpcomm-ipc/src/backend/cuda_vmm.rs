@@ -172,6 +172,7 @@ mod entry {
         unsafe extern "C" fn(*mut usize, *const AllocationProp, c_uint) -> CuResult;
     pub(super) type Attribute = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> CuResult;
     pub(super) type ErrorName = unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult;
+    pub(super) type CopyDtoD = unsafe extern "C" fn(c_ulonglong, c_ulonglong, usize) -> CuResult;
 
     /// The entry points, resolved once.
     #[derive(Clone, Copy)]
@@ -189,10 +190,11 @@ mod entry {
         pub(super) attribute: Attribute,
         pub(super) error_name: ErrorName,
         pub(super) error_string: ErrorName,
+        pub(super) copy: CopyDtoD,
     }
 
     /// Every entry point [`Entries`] holds, by name.
-    pub(super) const NAMES: [&str; 13] = [
+    pub(super) const NAMES: [&str; 14] = [
         "cuMemCreate",
         "cuMemRelease",
         "cuMemAddressReserve",
@@ -206,6 +208,7 @@ mod entry {
         "cuDeviceGetAttribute",
         "cuGetErrorName",
         "cuGetErrorString",
+        "cuMemcpyDtoD_v2",
     ];
 }
 
@@ -247,6 +250,7 @@ fn entries() -> Result<Entries> {
                 attribute: get!(entry::Attribute, "cuDeviceGetAttribute"),
                 error_name: get!(entry::ErrorName, "cuGetErrorName"),
                 error_string: get!(entry::ErrorName, "cuGetErrorString"),
+                copy: get!(entry::CopyDtoD, "cuMemcpyDtoD_v2"),
             })
         })
         .clone()
@@ -367,8 +371,9 @@ struct Owned {
     size: usize,
     phys: u64,
     device: i32,
-    fd: OwnedFd,
-    identity: Identity,
+    /// The descriptor exported for peers to fetch, and what it is; made by the first export
+    /// and closed by [`PeerMemory::close_exports`] (every peer has imported by then).
+    exported: Option<(OwnedFd, Identity)>,
 }
 
 /// The allocations of this process that are mapped now, by base address (for `export`, and
@@ -668,10 +673,11 @@ impl CudaVmmMemory {
         self.legacy.context()
     }
 
-    /// Creates physical memory of `size` bytes, maps it at `va` (a reservation of this
-    /// backend of `size` bytes), zeroes it, exports it and records it. On failure, whatever
-    /// was made is undone and `va` stays reserved.
-    fn back(&self, e: &Entries, va: CUdeviceptr, size: usize) -> Result<()> {
+    /// Creates physical memory of `size` bytes and maps it at `va` (a reservation of this
+    /// backend of `size` bytes with nothing mapped in it) with access for this device, zeroed
+    /// when `zero`; its handle. On failure, whatever was made is undone and `va` stays
+    /// reserved.
+    fn create_mapped(&self, e: &Entries, va: CUdeviceptr, size: usize, zero: bool) -> Result<u64> {
         let ordinal = self.device_ordinal();
         let prop = allocation_prop(ordinal);
         self.ctx().make_current()?;
@@ -704,46 +710,110 @@ impl CudaVmmMemory {
         let desc = access(ordinal);
         // SAFETY: the range was just mapped; one access descriptor.
         let granted = unsafe { (e.set_access)(va, size, &desc, 1) };
-        let made = check(e, "cuMemSetAccess", granted)
-            .and_then(|()| {
-                // SAFETY: the fresh mapping, readable and writable by this device, not shared.
-                unsafe { result::memset_d8(va, 0, size) }?;
-                result::legacy_stream_synchronize()
-            })
-            .and_then(|()| {
-                let mut raw: c_int = -1;
-                let out = (&mut raw as *mut c_int).cast::<c_void>();
-                // SAFETY: for a POSIX descriptor handle the driver writes an `int` at `out`.
-                let code = unsafe { (e.export)(out, phys, entry::HANDLE_POSIX_FD, 0) };
-                check(e, "cuMemExportToShareableHandle", code)?;
-                if raw < 0 {
-                    return Err(IpcError::InvalidAllocation(format!(
-                        "cuMemExportToShareableHandle gave descriptor {raw}"
-                    )));
-                }
-                // SAFETY: the driver made this descriptor for this process and gave it to us;
-                // nothing else owns it.
-                let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-                let id = identity(fd.as_fd())?;
-                Ok((fd, id))
-            });
-        let (fd, identity) = match made {
-            Ok(made) => made,
-            Err(err) => {
-                unmap(e);
-                return Err(err);
+        let made = check(e, "cuMemSetAccess", granted).and_then(|()| {
+            if !zero {
+                return Ok(());
             }
-        };
+            // SAFETY: the fresh mapping, readable and writable by this device, not shared.
+            unsafe { result::memset_d8(va, 0, size) }?;
+            result::legacy_stream_synchronize()
+        });
+        if let Err(err) = made {
+            unmap(e);
+            return Err(err);
+        }
+        Ok(phys)
+    }
+
+    /// Fresh zeroed physical memory of `size` bytes mapped at `va` (a reservation of this
+    /// backend with nothing mapped in it), recorded as an allocation of this process.
+    fn back(&self, e: &Entries, va: CUdeviceptr, size: usize) -> Result<()> {
+        let phys = self.create_mapped(e, va, size, true)?;
         owned().insert(
             va,
             Owned {
                 size,
                 phys,
-                device: ordinal,
-                fd,
-                identity,
+                device: self.device_ordinal(),
+                exported: None,
             },
         );
+        Ok(())
+    }
+
+    /// Exports the allocation at `base` (made before or now); its descriptor's number and
+    /// identity. A restored allocation that the driver refuses to export again is renewed
+    /// first ([`Self::renew`]): fresh physical memory with its contents, at its address.
+    fn exported(&self, e: &Entries, base: CUdeviceptr, o: &mut Owned) -> Result<(i32, Identity)> {
+        if let Some((fd, id)) = &o.exported {
+            return Ok((fd.as_raw_fd(), *id));
+        }
+        let made = match export_descriptor(e, o.phys) {
+            Ok(made) => made,
+            Err(IpcError::Cuda { code, name, .. }) => {
+                tracing::debug!(
+                    base,
+                    code,
+                    %name,
+                    "the driver refuses to export an allocation again: renewing it"
+                );
+                self.renew(e, base, o)?;
+                export_descriptor(e, o.phys)?
+            }
+            Err(err) => return Err(err),
+        };
+        let out = (made.0.as_raw_fd(), made.1);
+        o.exported = Some(made);
+        Ok(out)
+    }
+
+    /// Replaces the physical memory under the allocation at `base` with fresh memory holding
+    /// the same bytes, mapped at the same address: what a natively restored allocation
+    /// needs when the driver refuses to export it again. The bytes go through a second,
+    /// temporary mapping of the fresh memory (a device-to-device copy); the old memory is
+    /// released.
+    fn renew(&self, e: &Entries, base: CUdeviceptr, o: &mut Owned) -> Result<()> {
+        let size = o.size;
+        let temp = self.reserve(e, size)?;
+        let fresh = match self.create_mapped(e, temp, size, false) {
+            Ok(phys) => phys,
+            Err(err) => {
+                free_range(e, temp, size);
+                return Err(err);
+            }
+        };
+        // SAFETY: both ranges are mapped, `size` bytes each, readable and writable by this
+        // device; the copy is synchronous.
+        let code = unsafe { (e.copy)(temp, base, size) };
+        let copied = check(e, "cuMemcpyDtoD_v2", code);
+        // SAFETY: the temporary mapping made above, unmapped once; `fresh` keeps the memory.
+        let code = unsafe { (e.unmap)(temp, size) };
+        let unmapped = check(e, "cuMemUnmap", code);
+        free_range(e, temp, size);
+        if let Err(err) = copied.and(unmapped) {
+            // SAFETY: `fresh` is mapped nowhere now, released once.
+            let _ = unsafe { (e.release)(fresh) };
+            return Err(err);
+        }
+        // SAFETY: the allocation's own mapping at `base`, replaced below; nobody uses the
+        // buffer during a resume.
+        let code = unsafe { (e.unmap)(base, size) };
+        check(e, "cuMemUnmap", code)?;
+        // SAFETY: the old memory, mapped nowhere now, released once.
+        let code = unsafe { (e.release)(o.phys) };
+        if let Err(err) = check(e, "cuMemRelease", code) {
+            tracing::warn!(error = %err, "releasing renewed memory failed");
+        }
+        o.phys = fresh;
+        // SAFETY: `base..base + size` is the allocation's reservation, empty since the
+        // unmap above; `fresh` holds `size` bytes.
+        let code = unsafe { (e.map)(base, size, 0, fresh, 0) };
+        check(e, "cuMemMap", code)?;
+        let desc = access(self.device_ordinal());
+        // SAFETY: the range was just mapped; one access descriptor.
+        let code = unsafe { (e.set_access)(base, size, &desc, 1) };
+        check(e, "cuMemSetAccess", code)?;
+        tracing::debug!(base, size, "allocation renewed with its contents");
         Ok(())
     }
 
@@ -943,12 +1013,33 @@ impl CudaVmmMemory {
     }
 }
 
+/// Exports allocation handle `phys` as a POSIX descriptor: the descriptor and its identity.
+fn export_descriptor(e: &Entries, phys: u64) -> Result<(OwnedFd, Identity)> {
+    let mut raw: c_int = -1;
+    let out = (&mut raw as *mut c_int).cast::<c_void>();
+    // SAFETY: for a POSIX descriptor handle the driver writes an `int` at `out`.
+    let code = unsafe { (e.export)(out, phys, entry::HANDLE_POSIX_FD, 0) };
+    check(e, "cuMemExportToShareableHandle", code)?;
+    if raw < 0 {
+        return Err(IpcError::InvalidAllocation(format!(
+            "cuMemExportToShareableHandle gave descriptor {raw}"
+        )));
+    }
+    // SAFETY: the driver made this descriptor for this process and gave it to us; nothing
+    // else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let id = identity(fd.as_fd())?;
+    Ok((fd, id))
+}
+
 /// The allocation of this process that `h` names (by descriptor and identity), mapped now at
 /// its base with `size` bytes; its base.
 fn own_allocation(h: &CudaVmmHandle, size: usize) -> Result<CUdeviceptr> {
     let table = owned();
     let found = table.iter().find(|(_, o)| {
-        o.fd.as_raw_fd() == h.fd && o.identity.inode == h.inode && o.identity.dev == h.dev
+        o.exported.as_ref().is_some_and(|(fd, id)| {
+            fd.as_raw_fd() == h.fd && id.inode == h.inode && id.dev == h.dev
+        })
     });
     match found {
         Some((&base, o)) if o.size == size => Ok(base),
@@ -989,7 +1080,7 @@ fn unback(e: &Entries, va: CUdeviceptr, o: Owned) -> Result<()> {
     // SAFETY: the allocation handle made by `back`, released once.
     let code = unsafe { (e.release)(o.phys) };
     let released = check(e, "cuMemRelease", code);
-    drop(o.fd);
+    drop(o.exported);
     unmapped.and(released)
 }
 
@@ -1081,20 +1172,35 @@ impl PeerMemory for CudaVmmMemory {
     }
 
     fn export(&self, addr: u64, len: usize) -> Result<CudaPeerHandle> {
-        if let Some((base, o)) = owned_range(&owned(), addr, len) {
-            return Ok(CudaPeerHandle::Vmm(CudaVmmHandle {
-                pid: std::process::id(),
-                fd: o.fd.as_raw_fd(),
-                dev: o.identity.dev,
-                inode: o.identity.inode,
-                rdev: o.identity.rdev,
-                base_len: o.size as u64,
-                offset: addr - base,
-                len: len as u64,
-                device: o.device,
-            }));
+        let mut table = owned();
+        let Some((base, _)) = owned_range(&table, addr, len) else {
+            drop(table);
+            return self.legacy.export(addr, len).map(CudaPeerHandle::Legacy);
+        };
+        let e = entries()?;
+        self.ctx().make_current()?;
+        let o = table.get_mut(&base).expect("found just above");
+        let (fd, id) = self.exported(&e, base, o)?;
+        Ok(CudaPeerHandle::Vmm(CudaVmmHandle {
+            pid: std::process::id(),
+            fd,
+            dev: id.dev,
+            inode: id.inode,
+            rdev: id.rdev,
+            base_len: o.size as u64,
+            offset: addr - base,
+            len: len as u64,
+            device: o.device,
+        }))
+    }
+
+    /// Closes every exported descriptor of this process's allocations: peers that imported
+    /// keep their imports, handles exported before go stale, and the next export makes a
+    /// fresh descriptor. A process checkpoint then finds no exported descriptor open.
+    fn close_exports(&self) {
+        for o in owned().values_mut() {
+            o.exported = None;
         }
-        self.legacy.export(addr, len).map(CudaPeerHandle::Legacy)
     }
 
     fn export_all(&self, regions: &[Region]) -> Result<Vec<CudaPeerHandle>> {
@@ -1400,8 +1506,7 @@ mod tests {
                     size: 2 << 20,
                     phys: 1,
                     device: 0,
-                    fd,
-                    identity: id,
+                    exported: Some((fd, id)),
                 },
             );
         }

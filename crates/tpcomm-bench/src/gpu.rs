@@ -1,10 +1,11 @@
 //! `tpcomm-bench gpu`: the CUDA backend of the custom all-reduce on one GPU, captured into
 //! CUDA graphs and replayed, before and after a suspend/resume, with NCCL as the reference.
 //!
-//! Ranks are threads of this process sharing one device (`CudaMemory::same_process`:
-//! every rank opens its peers' buffers as aliases, and `CudaOptions::ranks_per_device` gives
-//! each rank's launch an equal share of the multiprocessors, so that every rank's blocks are
-//! resident at once). Per world size (2, 4, 8) and forced algorithm (`Config::algorithm`):
+//! Ranks are threads of this process sharing one device (`CudaMemory::same_process` or
+//! `CudaVmmMemory::same_process`, `--memory legacy,vmm`: every rank opens its peers' buffers
+//! as aliases, and `CudaOptions::ranks_per_device` gives each rank's launch an equal share of
+//! the multiprocessors, so that every rank's blocks are resident at once). Per kind of peer
+//! memory, world size (2, 4, 8) and forced algorithm (`Config::algorithm`):
 //!
 //! 1. every rank captures, per element type and size, one CUDA graph of `K` all-reduces of
 //!    one input buffer into one output buffer (`CustomAllReduce::capture_graph`), then
@@ -15,8 +16,11 @@
 //!    replays its own graph (the kernels spin-wait on each other, so all ranks launch
 //!    concurrently) between CUDA events on its backend stream; a replay's time is the
 //!    slowest rank's, divided by `K`;
-//! 3. `prepare_for_suspend` + `reinit_after_resume` (timed), then step 2 again on the *same*
-//!    graphs (new input values, so a graph that reads stale tables cannot pass).
+//! 3. `prepare_for_suspend` + `reinit_after_resume` (each timed; the device memory the
+//!    suspend gave back read with `cuMemGetInfo`: virtual memory releases the Signal,
+//!    staging and temp buffers), then step 2 again on the *same* graphs (new input values,
+//!    so a graph that reads stale tables cannot pass). The closing lines give vmm / legacy
+//!    per size (expected near 1: the kernels read the same tables).
 //!
 //! The engine path (`--engine-worlds`, `--engine-sizes`), after the custom rows: the same
 //! kernel reached as an engine reaches it, on the engine's stream with cudarc views inside
@@ -74,6 +78,19 @@ pub(crate) struct GpuArgs {
     /// World sizes at which f32 is timed too (`none` for none).
     #[arg(long, value_delimiter = ',', default_value = "2", value_parser = parse_world_or_none, value_name = "N,..")]
     pub(crate) f32_worlds: Vec<Option<u32>>,
+
+    /// Peer memory of every row's buffers: legacy CUDA IPC (`CudaMemory`) and the driver's
+    /// virtual memory (`CudaVmmMemory`, whose suspend releases the all-reduce's buffers and
+    /// whose resume keeps every address). The kernels read the same tables on both: the
+    /// vmm / legacy ratio is expected near 1.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "legacy,vmm",
+        value_name = "KINDS"
+    )]
+    pub(crate) memory: Vec<MemoryArg>,
 
     /// Algorithms, each forced through `Config::algorithm`.
     #[arg(
@@ -153,6 +170,27 @@ fn parse_world_or_none(text: &str) -> Result<Option<u32>, String> {
     }
 }
 
+/// A kind of CUDA peer memory on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum MemoryArg {
+    /// Legacy CUDA IPC (`cuMemAlloc`, `cuIpcOpenMemHandle`).
+    Legacy,
+    /// Virtual memory (`cuMemCreate`, POSIX descriptors, kept addresses).
+    Vmm,
+}
+
+impl MemoryArg {
+    /// The name in tables and JSON.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Legacy => "legacy",
+            Self::Vmm => "vmm",
+        }
+    }
+}
+
 /// An algorithm on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 pub(crate) enum AlgorithmArg {
@@ -220,9 +258,13 @@ impl GpuArgs {
                 "world size {w}: the CUDA kernels serve 2, 4, 6 and 8 ranks"
             )));
         }
-        if self.worlds.is_empty() || self.dtypes.is_empty() || self.algorithms.is_empty() {
+        if self.worlds.is_empty()
+            || self.dtypes.is_empty()
+            || self.algorithms.is_empty()
+            || self.memory.is_empty()
+        {
             return Err(BenchError::Usage(
-                "--worlds, --dtypes and --algorithms need at least one value".into(),
+                "--worlds, --dtypes, --algorithms and --memory need at least one value".into(),
             ));
         }
         if self.engine_sizes.is_empty() && !self.engine_worlds().is_empty() {
@@ -257,11 +299,13 @@ mod imp {
         Algorithm, Backend, Config, CudaBackend, CudaOptions, CustomAllReduce, DType, DeviceGraph,
         Element,
     };
-    use tpcomm::ipc::{CudaBuffer, CudaMemory, PeerMemory};
+    use tpcomm::ipc::{
+        CudaBuffer, CudaMemory, CudaVmmMemory, DevicePeerMemory, IpcError, PeerMemory,
+    };
     use tpcomm::transport::LocalGroup;
     use tpcomm::Communicator;
 
-    use super::{AlgorithmArg, GpuArgs};
+    use super::{AlgorithmArg, GpuArgs, MemoryArg};
     use crate::allreduce::{check, expected, input, DTypeArg};
     use crate::error::BenchError;
     use crate::harness::{
@@ -272,7 +316,7 @@ mod imp {
     use crate::table::{self, col, Column};
     use crate::with_element;
 
-    type CudaAllReduce = CustomAllReduce<CudaBackend>;
+    type CudaAllReduce<M = CudaMemory> = CustomAllReduce<CudaBackend<M>>;
 
     /// Hardware work queues asked for when the environment does not say: every rank's
     /// stream gets its own queue, so that no rank's kernel waits in a queue behind a peer's
@@ -314,9 +358,10 @@ mod imp {
         x.map_or_else(|| "-".into(), |x| format!("{x:.2}"))
     }
 
-    const COLUMNS: [Column; 12] = [
+    const COLUMNS: [Column; 14] = [
         Column::new("ranks", "", 5, |r, _| r.text("ranks")),
         Column::new("type", "", 5, |r, _| r.text("type")),
+        Column::new("mem", "", 6, |r, _| r.text("memory")),
         col::size(9),
         col::variant("alg", 6),
         Column::new("blk", "", 4, |r, _| r.text("blocks")),
@@ -332,7 +377,20 @@ mod imp {
             r.number("suspend_resume_us")
                 .map_or_else(|| "-".into(), |x| format!("{x:.0}"))
         }),
+        Column::new("freed", "(MiB)", 7, |r, _| {
+            r.number("device_freed_bytes").map_or_else(
+                || "-".into(),
+                |x| format!("{:.0}", x / f64::from(1u32 << 20)),
+            )
+        }),
     ];
+
+    /// Free device memory now (`cuMemGetInfo`).
+    fn free_device_memory() -> Result<usize, BenchError> {
+        cudarc::driver::result::mem_get_info()
+            .map(|(free, _)| free)
+            .map_err(cuda_error("cuMemGetInfo_v2"))
+    }
 
     /// Timing events around each of `n` launches on one stream.
     struct Timer {
@@ -437,8 +495,8 @@ mod imp {
     }
 
     /// The `fill` of a graph that reads `buffer`: this rank's input of `count` `dtype`s.
-    fn write_input<'a>(
-        memory: &'a CudaMemory,
+    fn write_input<'a, M: PeerMemory>(
+        memory: &'a M,
         buffer: &'a CudaBuffer,
         (dtype, rank, count): (DType, usize, usize),
     ) -> Box<dyn FnMut(u64) -> Result<(), BenchError> + 'a> {
@@ -465,10 +523,10 @@ mod imp {
     /// salt, the output poisoned, one replay, the output compared bit for bit with the exact
     /// sum on every rank, agreed across ranks), then timed in `plan.rounds` rounds
     /// ([`time_replays`]). Per graph, every replay's slowest-rank time per all-reduce.
-    fn verify_and_time<C: Communicator>(
+    fn verify_and_time<C: Communicator, M: DevicePeerMemory>(
         comm: &C,
-        memory: &CudaMemory,
-        ars: &mut [&mut CudaAllReduce],
+        memory: &M,
+        ars: &mut [&mut CudaAllReduce<M>],
         runs: &mut [Replayed<'_>],
         plan: Plan<'_>,
     ) -> Result<Vec<Vec<u64>>, BenchError> {
@@ -502,9 +560,9 @@ mod imp {
     /// once, between CUDA events on the all-reduce's stream; per replay, the slowest rank's
     /// time divided by `k` (the all-reduces in the graph), nanoseconds. Returns with the
     /// stream drained.
-    fn time_replays<C: Communicator>(
+    fn time_replays<C: Communicator, M: DevicePeerMemory>(
         comm: &C,
-        ar: &mut CudaAllReduce,
+        ar: &mut CudaAllReduce<M>,
         graph: &DeviceGraph,
         plan: Plan<'_>,
     ) -> Result<Vec<u64>, BenchError> {
@@ -525,9 +583,9 @@ mod imp {
     /// Collective teardown with every stream drained (frees and module unloads may wait for
     /// the whole device): the graphs go first, then the all-reduces close, then the buffers
     /// and the all-reduces go.
-    fn teardown<C: Communicator, G, B>(
+    fn teardown<C: Communicator, M: DevicePeerMemory, G, B>(
         comm: &C,
-        mut ars: Vec<CudaAllReduce>,
+        mut ars: Vec<CudaAllReduce<M>>,
         graphs: G,
         buffers: B,
     ) -> Result<(), BenchError> {
@@ -548,7 +606,11 @@ mod imp {
 
     /// Every algorithm at one world size, on this rank: rank 0's rows (printed as soon as
     /// measured, so that a run cut short keeps what it measured), empty on the others.
-    fn run_world<C: Communicator>(comm: &C, args: &GpuArgs) -> Result<Vec<Row>, BenchError> {
+    fn run_world<C: Communicator, M: DevicePeerMemory>(
+        comm: &C,
+        args: &GpuArgs,
+        memory: M,
+    ) -> Result<Vec<Row>, BenchError> {
         let (rank, world) = (comm.rank(), comm.size());
         let sizes = args.sizes();
         let max_bytes = args.sweep.max_bytes;
@@ -558,7 +620,7 @@ mod imp {
             .into_iter()
             .map(DTypeArg::dtype)
             .collect();
-        let memory = CudaMemory::same_process(args.device)?;
+        let kind = memory.name();
         let mut rows = Vec::new();
         for (a, &alg) in args.algorithms.iter().enumerate() {
             let algorithm = algorithm_of(alg);
@@ -601,7 +663,7 @@ mod imp {
             ar.register_graph_buffers(comm)?;
 
             // Every graph verified and timed, before (phase 1) or after (2) the resume.
-            let replay_all = |ar: &mut CudaAllReduce, phase: u64, what| {
+            let replay_all = |ar: &mut CudaAllReduce<M>, phase: u64, what| {
                 let mut samples = Vec::with_capacity(cases.len());
                 for (i, (dtype, bytes, graph)) in cases.iter().enumerate() {
                     let (dtype, count) = (*dtype, bytes / dtype.size());
@@ -633,22 +695,33 @@ mod imp {
             let before = replay_all(&mut ar, 1, "graph replay")?;
             ar.synchronize()?;
             comm.barrier()?;
+            let free_active = free_device_memory()?;
             let started = Instant::now();
             ar.prepare_for_suspend(comm)?;
+            let suspend_ns = elapsed_ns(started);
+            let released = ar.released_bytes();
+            // Every rank's memory went back before the device is asked (one GPU for all).
+            comm.barrier()?;
+            let freed = free_device_memory()?.saturating_sub(free_active);
+            comm.barrier()?;
+            let started = Instant::now();
             ar.reinit_after_resume(comm)?;
-            let suspend_resume_ns = slowest(comm, &[elapsed_ns(started)])?[0];
+            let resume_ns = elapsed_ns(started);
+            let times = slowest(comm, &[suspend_ns, resume_ns])?;
+            let (suspend_ns, resume_ns) = (times[0], times[1]);
             let after = replay_all(&mut ar, 2, "graph replay after resume")?;
 
             if rank == 0 {
                 let first = rows.len();
                 for (((dtype, bytes, _), before), after) in cases.iter().zip(before).zip(after) {
-                    let table = format!("{world} ranks {}", dtype.name());
+                    let table = format!("{world} ranks {} {kind}", dtype.name());
                     let variants = [algorithm.name()];
                     let spec = Spec {
                         bus: Some(Bus::AllReduce),
                         ..Spec::new(&table, bytes.to_string(), *bytes, &variants)
                             .with("ranks", world)
                             .with("type", dtype.name())
+                            .with("memory", kind)
                             .with("count", bytes / dtype.size())
                             .with("blocks", blocks)
                             .with("graph_launches", k)
@@ -660,7 +733,11 @@ mod imp {
                         rows.push(
                             row.with("after_median_us", after_median)
                                 .with("after_over_before", ratio)
-                                .with("suspend_resume_us", suspend_resume_ns as f64 / 1e3)
+                                .with("suspend_resume_us", (suspend_ns + resume_ns) as f64 / 1e3)
+                                .with("suspend_us", suspend_ns as f64 / 1e3)
+                                .with("resume_us", resume_ns as f64 / 1e3)
+                                .with("released_bytes", released)
+                                .with("device_freed_bytes", freed)
                                 .with("after_samples_ns", after.clone()),
                         );
                     }
@@ -740,7 +817,7 @@ mod imp {
                 args.iters,
                 args.warmup
             ),
-            "each row: CustomAllReduce<CudaBackend> forced to one algorithm; every rank captures \
+            "each row: CustomAllReduce<CudaBackend<memory>> forced to one algorithm; every rank captures \
              a CUDA graph of K all-reduces (one input buffer -> one output buffer, \
              capture_graph), registers it (register_graph_buffers) and replays it concurrently \
              with its peers"
@@ -749,8 +826,13 @@ mod imp {
              events on its backend stream) / K; blk: blocks per launch (SMs / ranks, bounded)"
                 .into(),
             "after: the same graphs after prepare_for_suspend + reinit_after_resume (s+r: its \
-             time, slowest rank); same-process aliases do not move, so this proves the tables \
-             and flags survive, not that a remap works"
+             time, slowest rank; freed: device memory the suspend gave back, all ranks); \
+             same-process aliases do not move, so this proves the tables and flags survive, \
+             not that a remap works"
+                .into(),
+            "mem: the peer memory of the buffers, legacy CUDA IPC or virtual memory (vmm: the \
+             suspend releases the Signal, staging and temp buffers; the resume maps fresh \
+             memory at the same addresses)"
                 .into(),
             "busbw = algbw * 2(n-1)/n as in nccl-tests, but every rank shares one GPU's memory: \
              not a link bandwidth"
@@ -768,9 +850,24 @@ mod imp {
             &COLUMNS,
         );
         let mut rows: Vec<Row> = Vec::new();
-        for &world in &args.worlds {
-            let results = LocalGroup::new(world as usize).run(|comm| run_world(&comm, args));
-            rows.extend(launch::first_rank_output(results)?);
+        for &memory in &args.memory {
+            if memory == MemoryArg::Vmm {
+                if let Err(IpcError::Unsupported { what, .. }) = CudaVmmMemory::new(args.device) {
+                    s.note(&format!("vmm: skipped (the GPU does not support {what})"));
+                    continue;
+                }
+            }
+            for &world in &args.worlds {
+                let results = LocalGroup::new(world as usize).run(|comm| match memory {
+                    MemoryArg::Legacy => {
+                        run_world(&comm, args, CudaMemory::same_process(args.device)?)
+                    }
+                    MemoryArg::Vmm => {
+                        run_world(&comm, args, CudaVmmMemory::same_process(args.device)?)
+                    }
+                });
+                rows.extend(launch::first_rank_output(results)?);
+            }
         }
         let settings = |nccl_library: Option<String>, complete: bool| Settings {
             args,
@@ -839,6 +936,27 @@ mod imp {
                 r.vs_peer = Some(r.stats.median_us / n.stats.median_us);
             }
         }
+        // Virtual memory against legacy IPC, row for row (same world, type, algorithm, size).
+        let legacy: Vec<(String, String, String, usize, f64)> = rows
+            .iter()
+            .filter(|r| r.text("memory") == MemoryArg::Legacy.name())
+            .map(|r| {
+                let key = (r.text("ranks"), r.text("type"), r.variant.clone(), r.bytes);
+                (key.0, key.1, key.2, key.3, r.stats.median_us)
+            })
+            .collect();
+        for r in rows
+            .iter_mut()
+            .filter(|r| r.text("memory") == MemoryArg::Vmm.name())
+        {
+            let peer = legacy.iter().find(|l| {
+                (&l.0, &l.1, &l.2, l.3) == (&r.text("ranks"), &r.text("type"), &r.variant, r.bytes)
+            });
+            if let Some(l) = peer.filter(|l| l.4 > 0.0) {
+                let ratio = r.stats.median_us / l.4;
+                r.info.insert("vmm_over_legacy".into(), ratio.into());
+            }
+        }
         summarize(&mut s, &rows);
         s.note(&format!("total {:.1} s", started.elapsed().as_secs_f64()));
         s.keep_only(
@@ -877,9 +995,35 @@ mod imp {
             s.summary(format!(
                 "{table} {algorithm}: after/before resume {best:.3}..{worst:.3}"
             ));
-            if let (per, Some(g)) = per_size(group, |r| r.vs_peer, 2) {
+            if let (per, Some(g)) = per_size(group.clone(), |r| r.vs_peer, 2) {
                 s.summary(format!(
                     "{table} {algorithm}: time / nccl(1 rank) per size: {per}; geomean {g:.2}x"
+                ));
+            }
+            if let (per, Some(g)) = per_size(group.clone(), |r| r.number("vmm_over_legacy"), 2) {
+                s.summary(format!(
+                    "{table} {algorithm}: vmm / legacy per size: {per}; geomean {g:.2}x (the \
+                     kernels read the same tables: expected 1.00x)"
+                ));
+            }
+            if let Some(r) = group.clone().next() {
+                let us = |k: &str| {
+                    r.number(k)
+                        .map_or_else(|| "-".into(), |x| format!("{x:.0}"))
+                };
+                let mib = |k: &str| {
+                    r.number(k).map_or_else(
+                        || "-".into(),
+                        |x| format!("{:.1}", x / f64::from(1u32 << 20)),
+                    )
+                };
+                s.summary(format!(
+                    "{table} {algorithm}: suspend {} us, resume {} us; released {} MiB per \
+                     rank, device memory freed {} MiB",
+                    us("suspend_us"),
+                    us("resume_us"),
+                    mib("released_bytes"),
+                    mib("device_freed_bytes")
                 ));
             }
         }
@@ -1485,7 +1629,9 @@ mod tests {
             args.algorithms,
             vec![AlgorithmArg::OneStage, AlgorithmArg::TwoStage]
         );
+        assert_eq!(args.memory, vec![MemoryArg::Legacy, MemoryArg::Vmm]);
         assert!(args.validate().is_ok());
+        assert!(parse(&["--memory", "vmm"]).validate().is_ok());
     }
 
     #[test]

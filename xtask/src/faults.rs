@@ -19,12 +19,13 @@ use std::time::{Duration, Instant};
 use crate::{setup, util};
 
 /// The phases `mpi-faults` knows, in the order the cases run.
-const PHASES: [&str; 5] = [
+const PHASES: [&str; 6] = [
     "object-lengths",
     "object-payload",
     "allreduce-launch",
     "suspend",
     "resume",
+    "resume-stable",
 ];
 /// Rank counts (3 and 4 are oversubscribed on a 2-core machine).
 const RANKS: [usize; 3] = [2, 3, 4];

@@ -14,7 +14,10 @@
 //! - `allreduce-launch`: just before an all-reduce (the others wait in its start barrier);
 //! - `suspend`: at the second transport call of `prepare_for_suspend` (its closing
 //!   step, a tagged all-gather of one transport call, after the mappings are closed);
-//! - `resume`: at the first transport call of `reinit_after_resume` (the handle exchange).
+//! - `resume`: at the first transport call of `reinit_after_resume` (the handle exchange);
+//! - `resume-stable`: the same on memory with stable addresses (`HostMemory::stable`, the
+//!   twin of CUDA virtual memory: the suspend released the buffers and detached the peer
+//!   mappings, the resume restores, exchanges fresh handles and reattaches).
 //!
 //! Each survivor prints `survivor R: PHASE failed after S s naming rank V: ERROR` when its
 //! typed error names the victim first (survivors that already exited may follow it), or `survivor R: PHASE FAILED: ...` otherwise, then
@@ -36,12 +39,13 @@ use tpcomm::transport::{Communicator, MpiCommunicator};
 use tpcomm::{ObjectError, TransportError};
 
 /// The phases a rank can be killed at.
-const PHASES: [&str; 5] = [
+const PHASES: [&str; 6] = [
     "object-lengths",
     "object-payload",
     "allreduce-launch",
     "suspend",
     "resume",
+    "resume-stable",
 ];
 
 /// Kills this process at its `kill_at`-th transport call (1-based) once armed; 0 means
@@ -219,8 +223,12 @@ fn run(comm: &MpiCommunicator, phase: &'static str, victim: usize, timeout: Dura
         timeout,
         ..Config::default()
     };
-    let mut ar = match CustomAllReduce::new(HostBackend::new(), HostMemory::new(), &faulty, config)
-    {
+    let memory = if phase.ends_with("-stable") {
+        HostMemory::stable()
+    } else {
+        HostMemory::new()
+    };
+    let mut ar = match CustomAllReduce::new(HostBackend::new(), memory, &faulty, config) {
         Ok(ar) => ar,
         Err(e) => {
             println!("rank {me}: setup FAILED: {e}");
@@ -274,7 +282,7 @@ fn run(comm: &MpiCommunicator, phase: &'static str, victim: usize, timeout: Dura
             ar.prepare_for_suspend(&faulty).map_err(allreduce_failure)
         }
         _ => {
-            // resume
+            // resume, resume-stable
             let suspended = ar.prepare_for_suspend(&faulty);
             if let Err(e) = suspended {
                 println!("rank {me}: suspend before the resume FAILED: {e}");

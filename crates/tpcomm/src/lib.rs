@@ -5,9 +5,9 @@
 //!
 //! | feature | what it adds |
 //! |---------|--------------|
-//! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator); [`ipc`] (peer memory, host shared-memory backend); [`allreduce`] (custom all-reduce, host backend) |
+//! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator); [`ipc`] (peer memory, host shared-memory backend, with stable addresses as `ipc::HostMemory::stable`); [`allreduce`] (custom all-reduce, host backend) |
 //! | `mpi`   | `transport::MpiCommunicator` over MPI, and rsmpi itself as [`mpi`] (a program calls `tpcomm::mpi::initialize()`) |
-//! | `cuda`  | `ipc::CudaMemory`: CUDA IPC peer memory and `allreduce::CudaBackend`, the custom all-reduce's kernels; building needs nvcc (`cargo xtask setup-cuda`), running a GPU (driver loaded at run time unless the program links cudarc) |
+//! | `cuda`  | `ipc::CudaMemory` (legacy CUDA IPC) and `ipc::CudaVmmMemory` (the driver's virtual memory: peer addresses kept and buffers released across a suspend, what a process checkpoint of several processes needs) peer memory, and `allreduce::CudaBackend`, the custom all-reduce's kernels; building needs nvcc (`cargo xtask setup-cuda`), running a GPU (driver loaded at run time unless the program links cudarc) |
 //! | `nccl`  | `transport::NcclCommunicator` and `transport::DeviceCommunicator`: NCCL collectives on device buffers (libcuda and libnccl loaded at run time) |
 //! | `gpu`   | `cuda` and `nccl`, and `allreduce::DeviceAllReduce` (the custom kernels with NCCL as the fallback) |
 //! | `checkpoint` | [`checkpoint`]: process checkpoint of a group through the CUDA driver (`checkpoint_group`), with every tpcomm object suspended around it; with `cuda`, the real driver `checkpoint::CudaCheckpoint` (loaded at run time, driver 570+) |

@@ -4,8 +4,10 @@
 //! after it, and the GPU memory the checkpoint released (read in the pause by `nvidia-smi`,
 //! another process).
 //!
-//! Ranks are threads of this process on one GPU (`CudaMemory::same_process`): one process,
-//! so one driver rank makes the four driver calls while the others wait in the agreement.
+//! Ranks are threads of this process on one GPU (`CudaVmmMemory::same_process` by default,
+//! `--memory legacy` for `CudaMemory::same_process`): one process, so one driver rank makes
+//! the four driver calls while the others wait in the agreement. On virtual memory the
+//! suspend also releases the all-reduce's Signal, staging and temp buffers.
 //! Each rank captures one CUDA graph of `--graph-len` all-reduces of `--bytes` (f32) and
 //! holds `--ballast-mib` of device memory, so that the checkpoint has something to move.
 //! Every repeat replays the graph before and after and checks the outputs are bit-identical.
@@ -46,6 +48,10 @@ pub(crate) struct CheckpointArgs {
     /// Checkpoints timed.
     #[arg(long, default_value_t = 3)]
     pub(crate) repeat: u32,
+    /// Peer memory of the all-reduce and its graph buffers (the ballast is plain
+    /// `cuMemAlloc` memory either way).
+    #[arg(long, value_enum, default_value = "vmm", value_name = "KIND")]
+    pub(crate) memory: crate::gpu::MemoryArg,
     /// Also write every figure (and every repeat's time) to this JSON file (schema in
     /// docs/benchmarks.md).
     #[arg(long, value_name = "FILE")]
@@ -121,7 +127,8 @@ pub(crate) fn rows(args: &CheckpointArgs, measured: &Measured) -> Vec<Row> {
     let spec = Spec::new(TABLE, args.bytes.to_string(), args.bytes, &STEPS)
         .with("ranks", args.ranks)
         .with("graph_len", args.graph_len)
-        .with("ballast_mib", args.ballast_mib);
+        .with("ballast_mib", args.ballast_mib)
+        .with("memory", args.memory.name());
     let mut rows = spec.rows(args.ranks as usize, 0, samples);
     link_peers(&mut rows, |r| {
         r.is("first_replay").then(|| "replay_before".into())
@@ -173,11 +180,12 @@ pub(crate) fn run(args: &CheckpointArgs) -> Result<(), BenchError> {
     let json = args.json.as_deref();
     let lines = [
         format!(
-            "each rank: a CUDA graph of {} f32 all-reduces of {}, {} MiB of ballast; {} \
-             checkpoints (checkpoint_group), the graph replayed and checked bit for bit before \
-             and after each",
+            "each rank: a CUDA graph of {} f32 all-reduces of {} on {} peer memory, {} MiB of \
+             ballast; {} checkpoints (checkpoint_group), the graph replayed and checked bit for \
+             bit before and after each",
             args.graph_len,
             format_bytes(args.bytes),
+            args.memory.name(),
             args.ballast_mib,
             args.repeat
         ),
@@ -213,7 +221,9 @@ mod imp {
     use std::time::{Duration, Instant};
 
     use tpcomm::allreduce::{Config, CudaBackend, CudaOptions, CustomAllReduce, DType};
-    use tpcomm::ipc::{CudaBuffer, CudaMemory, PeerMemory};
+    use tpcomm::ipc::{CudaBuffer, CudaMemory, CudaVmmMemory, DevicePeerMemory, PeerMemory};
+
+    use crate::gpu::MemoryArg;
     use tpcomm::transport::{LocalCommunicator, LocalGroup};
     use tpcomm::Communicator;
     use tpcomm_checkpoint::{
@@ -240,8 +250,11 @@ mod imp {
 
     /// One rank: the all-reduce, its graph, the ballast; `repeat` checkpoints (collective).
     /// Every rank returns the steps' slowest-rank times; rank 0 adds its memory figures.
-    fn rank(comm: LocalCommunicator, args: &CheckpointArgs) -> Result<Measured, BenchError> {
-        let memory = CudaMemory::same_process(0)?;
+    fn rank<M: DevicePeerMemory>(
+        comm: LocalCommunicator,
+        args: &CheckpointArgs,
+        memory: M,
+    ) -> Result<Measured, BenchError> {
         let options = CudaOptions {
             ranks_per_device: comm.size(),
             ..CudaOptions::default()
@@ -256,7 +269,7 @@ mod imp {
         let bufs: Vec<CudaBuffer> = (0..=args.graph_len)
             .map(|_| memory.allocate(args.bytes))
             .collect::<Result<_, _>>()?;
-        let _ballast = memory.allocate(args.ballast_mib.max(1) << 20)?;
+        let _ballast = CudaMemory::same_process(0)?.allocate(args.ballast_mib.max(1) << 20)?;
         let graph = ar.capture_graph(|ar| {
             for w in bufs.windows(2) {
                 ar.all_reduce_buffer(&w[0], &w[1], DType::F32, count)?;
@@ -270,7 +283,7 @@ mod imp {
         memory.write(&bufs[0], 0, bytemuck::cast_slice(&input))?;
         let last = bufs.last().expect("graph_len >= 1");
         let replay =
-            |ar: &mut CustomAllReduce<CudaBackend>| -> Result<(Vec<u8>, Duration), BenchError> {
+            |ar: &mut CustomAllReduce<CudaBackend<M>>| -> Result<(Vec<u8>, Duration), BenchError> {
                 for b in &bufs[1..] {
                     memory.write(b, 0, &vec![0xff; args.bytes])?;
                 }
@@ -350,7 +363,10 @@ mod imp {
     pub(super) fn run(args: &CheckpointArgs) -> Result<Measured, BenchError> {
         let results = LocalGroup::new(args.ranks as usize)
             .timeout(Duration::from_secs(120))
-            .run(|comm| rank(comm, args));
+            .run(|comm| match args.memory {
+                MemoryArg::Legacy => rank(comm, args, CudaMemory::same_process(0)?),
+                MemoryArg::Vmm => rank(comm, args, CudaVmmMemory::same_process(0)?),
+            });
         launch::first_rank_output(results)
     }
 }

@@ -182,7 +182,6 @@ pub(crate) enum MemoryArg {
 
 impl MemoryArg {
     /// The name in tables and JSON.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn name(self) -> &'static str {
         match self {
             Self::Legacy => "legacy",

@@ -11,11 +11,13 @@ use std::process::Command;
 use crate::util;
 
 /// (package, integration test) pairs run under memcheck.
-const SUITES: [(&str, &str); 4] = [
+const SUITES: [(&str, &str); 6] = [
     ("tpcomm-transport", "local_group"),
     ("tpcomm-objects", "failures"),
     ("tpcomm-ipc", "host"),
+    ("tpcomm-ipc", "stable_addresses"),
     ("tpcomm-allreduce", "host"),
+    ("tpcomm-allreduce", "stable"),
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<(), String> {

@@ -597,7 +597,11 @@ impl CudaVmmMemory {
             let mut value: c_int = 0;
             // SAFETY: out-pointer to a local; the driver validates the attribute and device.
             let code = unsafe { (e.attribute)(&mut value, attribute, ctx.device) };
-            check(&e, "cuDeviceGetAttribute", code)?;
+            // A driver that does not know the attribute cannot provide what it names.
+            check(&e, "cuDeviceGetAttribute", code).map_err(|err| IpcError::Unsupported {
+                backend: NAME,
+                what: format!("{what} (the driver cannot tell: {err})"),
+            })?;
             if value == 0 {
                 return Err(IpcError::Unsupported {
                     backend: NAME,

@@ -147,9 +147,9 @@ fn mismatched_gather(
     }
 }
 
-/// Errors that complete in `MPI_Test` on the timed path used to be raised on
-/// `MPI_COMM_WORLD`'s fatal handler (the job aborted with exit code 15); both paths must
-/// return them. Messages of 64 bytes (eager) into 8-byte receives.
+/// Errors that complete in `MPI_Test` on the timed path are raised on `MPI_COMM_WORLD`'s
+/// handler, fatal by default (the job aborts with exit code 15), unless tpcomm completes
+/// the request itself; both paths must return them. Messages of 64 bytes (eager) into 8-byte receives.
 ///
 /// Runs on ranks 0 and 1 only (the others return at once): once the root has failed on one
 /// sender's message, MPI leaves the communicator undefined, and with more senders one of

@@ -306,7 +306,7 @@ fn payload_value(rank: usize) -> serde_bytes::ByteBuf {
     blob(rank, 9, 400 + 30 * rank)
 }
 
-/// Every rank but 0 passes a different `round_bytes` (on MPI this used to return wrong
+/// Every rank but 0 passes a different `round_bytes` (unchecked, MPI would return wrong
 /// values on some ranks and `MPI_ERR_TRUNCATE` on others): every rank of every collective
 /// returns `OptionsMismatch` naming the option and the ranks, and the communicator is still
 /// in step afterwards.

@@ -5,7 +5,7 @@
 //! `tpcomm-transport` test `nccl`) and `tpcomm-bench` with `cuda,nccl`, in the `gpu-check`
 //! profile (release, debug info stripped, debug assertions and overflow checks on), under
 //! `target/gpu-check/`. They are copied into a bundle folder with a generated `run.sh`, so
-//! that a lent machine with a GPU but no cargo (and no registry) runs them with one command:
+//! that a machine with a GPU but no cargo (and no registry) runs them with one command:
 //!
 //! ```text
 //! cargo xtask gpu-check --bundle .gpu     # here: build and write .gpu/
@@ -31,7 +31,7 @@ const PROFILE_CONFIG: [&str; 5] = [
     "profile.gpu-check.overflow-checks=true",
 ];
 
-/// The bundle must stay well under what the lent machine takes (64 MiB carried in all).
+/// The bundle stays small enough to copy to a GPU machine quickly (48 MiB at most).
 const MAX_BUNDLE_BYTES: u64 = 48 << 20;
 
 /// One executable of the bundle.
@@ -371,8 +371,8 @@ fi
 
 # wheel_lib PATTERN: the lib folder of an nvidia-* python wheel holding a file named PATTERN
 # (nvidia/<package>/lib/PATTERN: nvidia/nccl/lib, nvidia/cublas/lib, nvidia/cu13/lib, ...), the
-# highest version when several match; asks TPCOMM_PYTHON, python3, python, then the torch venv
-# of the lent machine. Prints nothing when none holds it.
+# highest version when several match; asks TPCOMM_PYTHON, python3, python, then a torch venv
+# under /opt/torch. Prints nothing when none holds it.
 wheel_lib() {
     local py dir
     for py in ${TPCOMM_PYTHON:-} python3 python /opt/torch/.venv/bin/python3; do

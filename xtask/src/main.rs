@@ -3,7 +3,8 @@
 //! - `cargo xtask setup`: installs the system packages the tests need (MPI, libclang).
 //! - `cargo xtask test`: the full test suite (the README's test command, run by CI).
 //! - `cargo xtask faults`: ranks killed at each phase under MPI (also part of `test`).
-//! - `cargo xtask bench`: the benchmark tables recorded in `docs/benchmarks.md`.
+//! - `cargo xtask bench`: every host benchmark as `docs/benchmarks.md` records it (JSON,
+//!   tables, charts).
 //! - `cargo xtask setup-cuda` / `cargo xtask kernels`: nvcc from the pinned wheels; the
 //!   all-reduce fatbin with its ptxas resource report.
 //! - `cargo xtask downstream`: programs outside the workspace that use tpcomm's GPU features
@@ -38,8 +39,11 @@ tasks:
                         prints a closing `N passed, N failed` line. --skip-mpi is refused
                         when CI=true; --large adds the all-gather past 2 GiB over MPI
                         (2 ranks, about 9 GiB of memory).
-  bench [--no-mpi]      run the benchmark CLI (local, and MPI with 2 ranks) and write JSON
-                        under target/bench/
+  bench [--no-mpi] [--out DIR] [--only SUB,...]
+                        run every host subcommand of tpcomm-bench (2 local threads, and 2
+                        MPI ranks where it has an MPI form); keep each run's JSON and table
+                        as DIR/SUB-{local2,mpi2}-DATE.{json,txt} and charts in DIR/charts
+                        (DIR: target/bench; bench/results holds the runs the docs cite)
   soak [--minutes N]    the mixed soak loop (objects, all-reduces, replays, suspend/resume)
                         under mpirun -np 2 for N minutes; fails on a wrong result or a leak
   valgrind              the host backends' test suites under valgrind memcheck

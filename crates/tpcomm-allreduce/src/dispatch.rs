@@ -115,7 +115,7 @@ pub const MAX_RANKS: usize = 8;
 /// launches that read their inputs where they are (registered inputs, captured plans).
 ///
 /// Measured with `tpcomm-bench allreduce` on the host backend (2-core machine, f32, medians
-/// of 3 to 8 runs; docs/benchmarks.md): two-stage is 10-20% faster than one-stage from
+/// of 3 to 8 runs; `docs/all-reduce.md`, "Dispatch"): two-stage is 10-20% faster than one-stage from
 /// 128 KiB on 2 ranks and from 64-128 KiB on 4 ranks, within a few percent of it below,
 /// and a replayed one-stage plan is 1.5-2x faster than two-stage from 8 to 64 KiB on 2 ranks.
 /// Larger worlds read more peers per element in one-stage, so they switch no later.

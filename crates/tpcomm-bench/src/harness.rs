@@ -367,7 +367,7 @@ impl<'a> Spec<'a> {
 /// only the second run counts: it finds its buffers and caches as its own previous call left
 /// them, as in a loop of the call. Interleaving single runs would time every variant just
 /// after the others evicted its data: `MPI_Allreduce` of 2-4 MiB then took 1.3-1.7x as long
-/// as the same call in a C loop (docs/benchmarks.md, "Warm iterations").
+/// as the same call in a C loop.
 pub(crate) fn time_variants<C: Communicator, S>(
     comm: &C,
     iter: &IterArgs,

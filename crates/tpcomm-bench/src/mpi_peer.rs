@@ -242,8 +242,8 @@ impl MpiWorld {
     ///
     /// rsmpi's safe calls are not used here: each one asks MPI for the communicator's size
     /// and converts its buffer lengths on every call, about 10 ns that a C loop does not
-    /// spend, 2-3% of a 64-byte all-gather (docs/benchmarks.md, "The MPI peer called as a C
-    /// loop calls it").
+    /// spend, 2-3% of a 64-byte all-gather (`tpcomm-bench peer-check` compares this peer with
+    /// a C loop).
     pub(crate) fn run(&self, case: &mut Case, timed: bool) -> Result<u64, BenchError> {
         use crate::transport::{TransportOp as Op, ROOT};
         use mpi::ffi;

@@ -497,8 +497,8 @@ impl Shape for RecordsShape {
 /// The floor: postcard encode, lengths then bytes through `comm`, postcard decode. Its send
 /// and receive buffers are kept between calls (per thread), as a loop of the call keeps
 /// them warm: fresh ones would sit next to the values decoded from them, where glibc's
-/// `memcpy` can take its slow path (`docs/benchmarks.md`, "Copies that dodge `memcpy`'s slow
-/// path"). For the same reason the received bytes start 64 bytes further into the receive
+/// `memcpy` can take its slow path (`tpcomm_transport::backend::copy`; `docs/protocol.md`, "A
+/// receive window that moves"). For the same reason the received bytes start 64 bytes further into the receive
 /// buffer at each call when a value is 2 KiB or longer, as tpcomm's do: with both buffers
 /// fixed, the copy of a rank's own part from the send to the receive buffer (inside
 /// `MPI_Allgatherv`) could stay in the slow relation for a whole run (seen: 63-103 us

@@ -1,8 +1,8 @@
 //! Options that differ between ranks, and options out of range.
 //!
 //! Every option shapes the wire (inline path, round schedule, cap decision) or the decode,
-//! so ranks passing different options used to hang, fail in the transport on some ranks
-//! only, or return wrong data. Now each rank's options travel in the header entry that every
+//! so ranks passing different options would, unchecked, hang, fail in the transport on some
+//! ranks only, or return wrong data. Each rank's options travel in the header entry that every
 //! collective exchanges first, and every rank returns `OptionsMismatch` naming the option
 //! and the ranks. Options out of range are `InvalidArgument` on the rank that passed them
 //! (before anything sized by them is allocated) and `PeerInvalidOptions` on the others,

@@ -1,10 +1,10 @@
 //! Roots that differ between ranks.
 //!
 //! `broadcast`, `gather`, `scatter` and `reduce_with` take a root on every rank. Ranks that
-//! pass different roots used to finish with wrong results and no error on the small path
-//! (each rank that took itself for the root returned its own value) and to make an erroneous
-//! transport call on the payload path (a broadcast or gather whose ranks name different
-//! roots: a hang, a truncation or corrupt data under MPI). Now every rank's root travels in
+//! pass different roots would, unchecked, finish with wrong results and no error on the small
+//! path (each rank that took itself for the root would return its own value) and make an
+//! erroneous transport call on the payload path (a broadcast or gather whose ranks name
+//! different roots: a hang, a truncation or corrupt data under MPI). So every rank's root travels in
 //! the header exchange that every collective makes first (an all-gather, whose size does not
 //! depend on the root), and every rank returns the same `RootMismatch` naming every rank's
 //! root before any payload moves, at no extra transport call.
@@ -188,9 +188,9 @@ fn each_rooted_collective(comm: &LocalCommunicator, root: usize) -> [(&'static s
     ]
 }
 
-/// A rank whose root is out of range used to return `InvalidArgument` on its own, before
-/// the header exchange, leaving the others waiting for it in that exchange (a hang without
-/// a timeout). Now it joins the exchange and every rank sees the disagreement.
+/// A rank whose root is out of range still joins the header exchange (returning
+/// `InvalidArgument` on its own before it would leave the others waiting there, a hang
+/// without a timeout), and every rank sees the disagreement.
 #[test]
 fn a_rank_passing_an_out_of_range_root_never_leaves_the_others_waiting() {
     let roots = [0, 7, 0];
@@ -235,8 +235,9 @@ fn every_rank_passing_the_same_out_of_range_root_gets_an_invalid_argument() {
 }
 
 /// Ranks that call a rooted collective while others call one without a root, over a header
-/// of the same size (gather against all_gather, scatter against all_to_all), used to
-/// return wrong values on the small path and hang on the payload path.
+/// of the same size (gather against all_gather, scatter against all_to_all), are told apart
+/// by the header: unchecked, they would return wrong values on the small path and hang on
+/// the payload path.
 #[test]
 fn a_rooted_collective_against_one_without_a_root_is_a_root_mismatch_on_every_rank() {
     for len in [8, 1000] {

@@ -1,4 +1,5 @@
-//! Adversarial checks of the transport's safe API (review findings).
+//! Adversarial checks of the transport's safe API: arguments and peers that must give typed
+//! errors, never panics or hangs.
 
 use std::time::Duration;
 

@@ -714,7 +714,7 @@ fn check_len(map: &PeerMap, h: &HostHandle) -> Result<()> {
 ///
 /// A fresh mapping costs a page-table entry per page whenever it is made: after a resume
 /// that is the first replay of an engine's graph, 1.27-1.35x the steady one with 1000
-/// graph buffers (`docs/benchmarks.md`), against 1.04-1.10x when the pages are mapped here
+/// graph buffers (`tpcomm-bench lifecycle`), against 1.04-1.10x when the pages are mapped here
 /// (at about the same cost, paid by `reinit_after_resume`). A read fault on a shared
 /// mapping maps the page writable, and with it the neighbours already in the file (the
 /// kernel's fault-around, 16 pages), so the flag writes do not fault and a run of pages

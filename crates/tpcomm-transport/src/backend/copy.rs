@@ -5,9 +5,9 @@
 //! reads and writes, and the host all-reduce's copy into its output.
 //!
 //! glibc's `memcpy` (2.36, x86-64, CPUs with fast short `rep movsb`) moves copies between
-//! about 2 KiB and its non-temporal threshold with `rep movsb`, and on the AMD EPYC machines
-//! this project is measured on that path runs about 15 times slower when the destination
-//! lies 1 to 63 bytes after the source modulo 4 KiB: 256 KiB in 86-110 us instead of 6 us,
+//! about 2 KiB and its non-temporal threshold with `rep movsb`, and on the AMD EPYC VMs it was
+//! measured on that path runs about 15 times slower when the destination lies 1 to 63 bytes
+//! after the source modulo 4 KiB: 256 KiB in 86-110 us instead of 6 us,
 //! 64 KiB in 24-30 us instead of 1.5 us. That relation is the common one for a two-stage
 //! all-reduce's output: the temp buffers are page-aligned, and glibc places a large `Vec` (an
 //! `mmap`ed chunk) 16 bytes after a page boundary. Between heap blocks it comes and goes with

@@ -1,8 +1,11 @@
 //! The CUDA backend: the kernels of `tpcomm-kernels` over CUDA IPC peer memory.
 //!
-//! - **Memory.** Every buffer (Signal block, staging, temp, both tables) comes from
-//!   [`CudaMemory`]; the RankSignals table and the RankData pool are device allocations at
-//!   addresses fixed for the communicator's life. Table entries are written with
+//! - **Memory.** Every buffer (Signal block, staging, temp, both tables) comes from the
+//!   backend's peer memory, [`CudaMemory`] (legacy CUDA IPC, the default) or
+//!   [`CudaVmmMemory`](tpcomm_ipc::CudaVmmMemory) (virtual memory: peer addresses kept and
+//!   the Signal, staging and temp buffers released across a suspend); every rank of a group
+//!   uses the same kind (agreed at creation). The RankSignals table and the RankData pool
+//!   are device allocations at addresses fixed for the communicator's life. Table entries are written with
 //!   `cuMemcpyHtoDAsync` on the backend's stream, so they are ordered after every launch
 //!   issued before and before every launch issued after.
 //! - **Launches.** The fatbin is loaded once per backend (`cuModuleLoadData`) and all 24

@@ -5,7 +5,8 @@
 //! (a stand-in driver with the checkpoint state machine, for the orchestration tests and
 //! `--fake`; SPEC is `[A.|B.]OP=CODE|hang|exit,...`: that operation fails with CODE, never
 //! answers, or ends the process); `hang` (never says hello); `exit` (ends at once with
-//! status 3); `mute` (says hello, never answers).
+//! status 3); `mute` (says hello, never answers); `peer-socket` (says hello, then sends a
+//! byte over the socket the parent passed).
 
 use std::collections::BTreeMap;
 use std::io::BufRead;
@@ -13,7 +14,9 @@ use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use crate::facts::{hex, unhex};
-use crate::protocol::{emit, parse_request, Call, Hello, Op, Reply, Role};
+use std::os::fd::{BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use crate::protocol::{emit, parse_request, Call, Hello, Op, Reply, Role, PEER_SOCKET_VAR};
 
 /// What answers the requests.
 trait Backend {
@@ -41,12 +44,34 @@ pub(crate) fn main(args: &[String]) -> i32 {
         }
     };
     match mode {
-        "real" => serve(&mut crate::cuda::Cuda::default()),
+        "real" => serve(&mut crate::cuda::Cuda::with_peer_socket(peer_socket())),
         "hang" => {
             std::thread::sleep(Duration::from_secs(600));
             0
         }
         "exit" => 3,
+        // Says hello, then one byte over the socket the parent passed (or exits with 4).
+        "peer-socket" => {
+            let Some(sock) = peer_socket() else { return 4 };
+            if emit(&Hello {
+                hello: std::process::id(),
+            })
+            .is_err()
+            {
+                return 1;
+            }
+            match rustix::net::send(&sock, b"x", rustix::net::SendFlags::empty()) {
+                Ok(_) => {
+                    for line in std::io::stdin().lock().lines() {
+                        if line.is_err() {
+                            break;
+                        }
+                    }
+                    0
+                }
+                Err(_) => 5,
+            }
+        }
         "mute" => {
             if emit(&Hello {
                 hello: std::process::id(),
@@ -77,6 +102,21 @@ pub(crate) fn main(args: &[String]) -> i32 {
             2
         }
     }
+}
+
+/// The socket end the parent passed (its descriptor number in [`PEER_SOCKET_VAR`]), when it
+/// is a socket.
+fn peer_socket() -> Option<OwnedFd> {
+    let raw: RawFd = std::env::var(PEER_SOCKET_VAR).ok()?.parse().ok()?;
+    // SAFETY: only checks whether the number is an open descriptor of this process.
+    let fd = unsafe { BorrowedFd::borrow_raw(raw) };
+    let st = rustix::fs::fstat(fd).ok()?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
+        return None;
+    }
+    // SAFETY: the parent made this socket end for this process alone (inherited at spawn,
+    // close-on-exec everywhere else); nothing else in this process owns the descriptor.
+    Some(unsafe { OwnedFd::from_raw_fd(raw) })
 }
 
 fn serve(backend: &mut dyn Backend) -> i32 {
@@ -239,15 +279,17 @@ impl Backend for Fake {
                 self.state = after;
             }
             calls.push(self.call(call, code, "fake"));
-            calls.push(Call {
-                ok: true,
-                ..self.call(
-                    "cuCheckpointProcessGetState",
-                    0,
-                    &format!("state {}", self.state),
-                )
-            });
-            v("state", self.state.to_string());
+            if code != 0 {
+                calls.push(Call {
+                    ok: true,
+                    ..self.call(
+                        "cuCheckpointProcessGetState",
+                        0,
+                        &format!("state {}", self.state),
+                    )
+                });
+                v("state", self.state.to_string());
+            }
         } else {
             let (call, detail) = match op {
                 Op::Init => ("cuInit", "fake"),
@@ -262,6 +304,7 @@ impl Backend for Fake {
                 Op::CtxReleaseRetain => ("cuDevicePrimaryCtxRelease", "fake"),
                 Op::VmmCreate { .. } | Op::VmmFresh { .. } => ("cuMemCreate", "fake"),
                 Op::VmmExport => ("cuMemExportToShareableHandle", "fake"),
+                Op::VmmOffer { .. } => ("sendmsg(SCM_RIGHTS)", "fake"),
                 Op::VmmImport { .. } | Op::VmmSelfImport { .. } => {
                     ("cuMemImportFromShareableHandle", "fake")
                 }
@@ -288,6 +331,15 @@ impl Backend for Fake {
                 (Some(code), _) => code,
                 (None, Some(_)) => 1,
                 (None, None) => 0,
+            };
+            let state_detail = format!(
+                "{} ({})",
+                crate::scenarios::state_name(self.state),
+                self.state
+            );
+            let detail = match op {
+                Op::State => state_detail.as_str(),
+                _ => detail,
             };
             calls.push(self.call(call, code, bad.unwrap_or(detail)));
             if code == 0 {
@@ -369,9 +421,11 @@ mod tests {
         assert!(f.run(&Op::CkptCheckpoint).ok());
         assert_eq!(f.run(&Op::CkptCheckpoint).calls[0].code, Some(401));
         assert!(f.run(&Op::CkptRestore).ok());
+        assert!(f.run(&Op::CkptUnlock).ok());
+        assert_eq!(f.run(&Op::State).value("state"), Some("0"));
         let r = f.run(&Op::CkptUnlock);
-        assert!(r.ok());
-        assert_eq!(r.value("state"), Some("0"));
+        assert_eq!(r.calls[0].code, Some(401));
+        assert_eq!(r.value("state"), Some("0"), "a failure reports the state");
     }
 
     #[test]

@@ -12,6 +12,10 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use cudarc::driver::sys;
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
 use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags};
 
 use crate::facts::{bytes, check_pattern, hex, pattern, unhex};
@@ -84,6 +88,8 @@ pub(crate) struct Cuda {
     import: Slot,
     /// The second reservation of a same-process import.
     second: Slot,
+    /// The socket to the peer process the parent gave (descriptor passing).
+    peer_socket: Option<OwnedFd>,
 }
 
 impl Default for Cuda {
@@ -101,6 +107,7 @@ impl Default for Cuda {
             own: Slot::default(),
             import: Slot::default(),
             second: Slot::default(),
+            peer_socket: None,
         }
     }
 }
@@ -264,6 +271,15 @@ fn fd_facts(fd: impl AsFd, values: &mut std::collections::BTreeMap<String, Strin
 }
 
 impl Cuda {
+    /// The driver state with the socket to the peer (from the parent, see
+    /// [`crate::protocol::PEER_SOCKET_VAR`]).
+    pub(crate) fn with_peer_socket(peer_socket: Option<OwnedFd>) -> Self {
+        Self {
+            peer_socket,
+            ..Self::default()
+        }
+    }
+
     /// Runs one operation; its calls and values.
     pub(crate) fn run(&mut self, op: &Op) -> Reply {
         let mut reply = Reply::default();
@@ -305,6 +321,7 @@ impl Cuda {
                 }
                 Op::VmmFresh { seed } => self.vmm_fresh(&mut calls, &mut values, *seed),
                 Op::VmmExport => self.vmm_export(&mut calls, &mut values),
+                Op::VmmOffer { fd } => self.vmm_offer(&mut calls, *fd),
                 Op::VmmImport {
                     pid,
                     fd,
@@ -919,20 +936,52 @@ impl Cuda {
         size: u64,
         seed: u8,
     ) {
-        let Some(pid_) = i32::try_from(pid).ok().and_then(Pid::from_raw) else {
-            c.note("pidfd_open", false, "BAD_PID", format!("pid {pid}"));
-            return;
+        let by_pidfd = fetch_by_pidfd(c, pid, fd);
+        // The copy the peer offered over the socket is always taken, so that the socket holds
+        // no stale descriptor for the next import; it serves when pidfd_getfd did not.
+        let by_socket = self.receive_offered(c, by_pidfd.is_some());
+        let fetched = match (by_pidfd, by_socket) {
+            (Some(p), Some(s)) => {
+                let same = match (rustix::fs::fstat(&p), rustix::fs::fstat(&s)) {
+                    (Ok(a), Ok(b)) => (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino),
+                    _ => false,
+                };
+                c.note(
+                    "compare",
+                    true,
+                    "OK",
+                    format!(
+                        "the pidfd_getfd copy and the socket copy are {} (st_dev, st_ino); the pidfd_getfd copy is imported",
+                        if same { "the same file" } else { "different files" }
+                    ),
+                );
+                values.insert("fd_via".into(), "pidfd_getfd".into());
+                p
+            }
+            (Some(p), None) => {
+                values.insert("fd_via".into(), "pidfd_getfd".into());
+                p
+            }
+            (None, Some(s)) => {
+                values.insert("fd_via".into(), "socket".into());
+                c.note(
+                    "fallback",
+                    true,
+                    "OK",
+                    "pidfd_getfd did not serve: the descriptor passed over the socket (SCM_RIGHTS) is imported",
+                );
+                s
+            }
+            (None, None) => {
+                c.note(
+                    "fetch",
+                    false,
+                    "NO_DESCRIPTOR",
+                    "neither pidfd_getfd nor the socket gave the peer's descriptor",
+                );
+                return;
+            }
         };
-        let pidfd = rustix::process::pidfd_open(pid_, PidfdFlags::empty());
-        if !c.sys("pidfd_open", &pidfd, format!("pid {pid}")) {
-            return;
-        }
-        let Ok(pidfd) = pidfd else { return };
-        let fetched = rustix::process::pidfd_getfd(&pidfd, fd as RawFd, PidfdGetfdFlags::empty());
-        if !c.sys("pidfd_getfd", &fetched, format!("fd {fd} of pid {pid}")) {
-            return;
-        }
-        let Ok(fetched) = fetched else { return };
         let mut fetched_facts = std::collections::BTreeMap::new();
         let facts = fd_facts(&fetched, &mut fetched_facts);
         c.note("fstat", true, "OK", format!("fetched: {facts}"));
@@ -1005,6 +1054,102 @@ impl Cuda {
             return;
         }
         self.read_check(c, "the import", va, seed);
+    }
+
+    /// Sends the own exported descriptor `fd` to the peer over the socket the parent gave
+    /// (`SCM_RIGHTS`).
+    fn vmm_offer(&mut self, c: &mut Calls<'_>, fd: i32) {
+        let Some(sock) = &self.peer_socket else {
+            c.note("sendmsg", false, "NO_SOCKET", "no socket to the peer");
+            return;
+        };
+        let Some(own) = self.own.fds.iter().find(|f| f.as_raw_fd() == fd) else {
+            c.note(
+                "sendmsg",
+                false,
+                "NOT_EXPORTED",
+                format!("fd {fd} is not an exported descriptor of this process"),
+            );
+            return;
+        };
+        let fds = [own.as_fd()];
+        let mut space = [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+            c.note(
+                "sendmsg",
+                false,
+                "NO_SPACE",
+                "the control buffer is too small",
+            );
+            return;
+        }
+        let sent = rustix::net::sendmsg(
+            sock,
+            &[std::io::IoSlice::new(&[1u8])],
+            &mut control,
+            SendFlags::empty(),
+        );
+        c.sys(
+            "sendmsg(SCM_RIGHTS)",
+            &sent,
+            format!("fd {fd} to the peer over the socket"),
+        );
+    }
+
+    /// The descriptor the peer offered, received within 2 s. `pidfd_served`: a failure here
+    /// does not fail the import.
+    fn receive_offered(&mut self, c: &mut Calls<'_>, pidfd_served: bool) -> Option<OwnedFd> {
+        let Some(sock) = &self.peer_socket else {
+            c.note(
+                "recvmsg",
+                pidfd_served,
+                "NO_SOCKET",
+                "no socket to the peer",
+            );
+            return None;
+        };
+        let timeout = rustix::net::sockopt::set_socket_timeout(
+            sock,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(std::time::Duration::from_secs(2)),
+        );
+        if !c.sys("setsockopt(SO_RCVTIMEO)", &timeout, "2 s") {
+            return None;
+        }
+        let mut byte = [0u8; 1];
+        let mut space = [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = rustix::net::recvmsg(
+            sock,
+            &mut [std::io::IoSliceMut::new(&mut byte)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        );
+        let ok = c.sys("recvmsg(SCM_RIGHTS)", &got, "the peer's offered descriptor");
+        if !ok {
+            if let Some(last) = c.calls.last_mut() {
+                last.ok = pidfd_served;
+            }
+            return None;
+        }
+        let mut received = None;
+        for msg in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = msg {
+                for fd in fds {
+                    received.get_or_insert(fd);
+                }
+            }
+        }
+        if received.is_none() {
+            c.note(
+                "recvmsg(SCM_RIGHTS)",
+                pidfd_served,
+                "NO_RIGHTS",
+                "a message without a descriptor",
+            );
+        }
+        received
     }
 
     fn slot(&mut self, which: Which) -> &mut Slot {
@@ -1246,9 +1391,36 @@ impl Cuda {
             Step::Lock(t) => format!("own pid {pid}, timeout {t} ms, {ms:.1} ms"),
             _ => format!("own pid {pid}, {ms:.1} ms"),
         };
-        c.raw(step.name(), code, detail);
-        self.state(c, values);
+        // On failure the state says what the call left; on success it is known (and a
+        // state query from a locked process is probed on its own, `state-query`).
+        if !c.raw(step.name(), code, detail) {
+            self.state(c, values);
+        }
     }
+}
+
+/// `pidfd_open(pid)` + `pidfd_getfd(fd)`: the peer's descriptor, or `None` (recorded, not a
+/// failure of the import: the socket copy may serve).
+fn fetch_by_pidfd(c: &mut Calls<'_>, pid: u32, fd: i32) -> Option<OwnedFd> {
+    let Some(pid_) = i32::try_from(pid).ok().and_then(Pid::from_raw) else {
+        c.note("pidfd_open", false, "BAD_PID", format!("pid {pid}"));
+        return None;
+    };
+    let pidfd = rustix::process::pidfd_open(pid_, PidfdFlags::empty());
+    c.sys("pidfd_open", &pidfd, format!("pid {pid}"));
+    let fetched = match pidfd {
+        Ok(pidfd) => {
+            let fetched =
+                rustix::process::pidfd_getfd(&pidfd, fd as RawFd, PidfdGetfdFlags::empty());
+            c.sys("pidfd_getfd", &fetched, format!("fd {fd} of pid {pid}"));
+            fetched.ok()
+        }
+        Err(_) => None,
+    };
+    if let Some(last) = c.calls.last_mut() {
+        last.ok = true;
+    }
+    fetched
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -1283,6 +1455,114 @@ impl Step {
             Step::Checkpoint => "cuCheckpointProcessCheckpoint",
             Step::Restore => "cuCheckpointProcessRestore",
             Step::Unlock => "cuCheckpointProcessUnlock",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn calls(v: &mut Vec<Call>) -> Calls<'_> {
+        Calls {
+            calls: v,
+            error_name: None,
+        }
+    }
+
+    fn memfd(name: &str) -> OwnedFd {
+        rustix::fs::memfd_create(name, rustix::fs::MemfdFlags::CLOEXEC).unwrap()
+    }
+
+    /// The descriptor-passing fallback without a GPU: one side offers an exported
+    /// descriptor over a socket pair, the other takes it; the same file arrives.
+    #[test]
+    fn an_offered_descriptor_arrives_over_the_socket_pair() {
+        let (a, b) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::DGRAM,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        let mut exporter = Cuda::with_peer_socket(Some(a));
+        let mut importer = Cuda::with_peer_socket(Some(b));
+        let file = memfd("offered");
+        let raw = file.as_raw_fd();
+        let want = rustix::fs::fstat(&file).unwrap();
+        exporter.own.fds.push(file);
+
+        let mut v = Vec::new();
+        exporter.vmm_offer(&mut calls(&mut v), raw);
+        assert!(v.iter().all(|c| c.ok), "{v:?}");
+        let mut v = Vec::new();
+        let got = importer
+            .receive_offered(&mut calls(&mut v), false)
+            .expect("a descriptor");
+        assert!(v.iter().all(|c| c.ok), "{v:?}");
+        let st = rustix::fs::fstat(&got).unwrap();
+        assert_eq!((st.st_dev, st.st_ino), (want.st_dev, want.st_ino));
+
+        // Nothing offered: the receive gives up after its timeout, a failure only when
+        // pidfd_getfd did not serve either.
+        let mut v = Vec::new();
+        assert!(importer.receive_offered(&mut calls(&mut v), true).is_none());
+        assert!(v.iter().all(|c| c.ok), "{v:?}");
+        let mut v = Vec::new();
+        assert!(importer
+            .receive_offered(&mut calls(&mut v), false)
+            .is_none());
+        assert!(v.iter().any(|c| !c.ok), "{v:?}");
+
+        // A number that is not an exported descriptor is refused.
+        let mut v = Vec::new();
+        exporter.vmm_offer(&mut calls(&mut v), 9999);
+        assert_eq!(v[0].name, "NOT_EXPORTED");
+    }
+
+    #[test]
+    fn pidfd_getfd_of_this_process_gives_the_same_file_and_facts_describe_it() {
+        let file = memfd("fetched");
+        let want = rustix::fs::fstat(&file).unwrap();
+        let mut v = Vec::new();
+        let got = fetch_by_pidfd(&mut calls(&mut v), std::process::id(), file.as_raw_fd());
+        // Some sandboxes forbid pidfd_getfd even on the own process: then it is recorded.
+        match got {
+            Some(got) => {
+                let st = rustix::fs::fstat(&got).unwrap();
+                assert_eq!((st.st_dev, st.st_ino), (want.st_dev, want.st_ino));
+                assert_eq!(v.last().unwrap().name, "OK");
+            }
+            None => assert!(v.iter().any(|c| c.name != "OK"), "{v:?}"),
+        }
+        assert!(
+            v.iter().all(|c| c.ok),
+            "never a failure of the import: {v:?}"
+        );
+        let mut values = std::collections::BTreeMap::new();
+        let text = fd_facts(&file, &mut values);
+        assert!(text.contains("memfd:fetched"), "{text}");
+        assert_eq!(values["fd_type"], "regular file");
+        assert_eq!(values["fd_ino"], want.st_ino.to_string());
+        let mut v = Vec::new();
+        assert!(fetch_by_pidfd(&mut calls(&mut v), 0, 1).is_none());
+        assert_eq!(v[0].name, "BAD_PID");
+    }
+
+    /// Every operation but `Init` refuses to run before the driver is loaded: no cudarc
+    /// call (which would panic without a library) is reached.
+    #[test]
+    fn operations_before_init_are_refused_without_driver_calls() {
+        let mut cuda = Cuda::default();
+        for op in [
+            Op::MemInfo,
+            Op::LegacyExport,
+            Op::CkptLock { timeout_ms: 1 },
+            Op::State,
+        ] {
+            let r = cuda.run(&op);
+            assert_eq!(r.calls.len(), 1);
+            assert_eq!(r.calls[0].name, "NOT_INITIALIZED");
         }
     }
 }

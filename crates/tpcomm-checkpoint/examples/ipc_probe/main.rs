@@ -638,6 +638,45 @@ mod tests {
         assert!(lines.iter().any(|l| l.contains("fresh legacy handle after restore, as is: not run (the probe stops starting scenarios at 0 s)")), "{lines:#?}");
     }
 
+    /// The socket end reaches the child it is meant for (inherited, its number in the
+    /// environment), and the parent's copy is close-on-exec again after the spawn.
+    #[test]
+    fn a_child_inherits_its_socket_end() {
+        let (mine, theirs) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::DGRAM,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let child = protocol::ChildProc::spawn(
+            Launcher::TestHarness,
+            protocol::Role::A,
+            "peer-socket",
+            &[],
+            &[],
+            Some(&theirs),
+            deadline,
+        )
+        .expect("the child starts");
+        let flags = rustix::io::fcntl_getfd(&theirs).unwrap();
+        assert!(flags.contains(rustix::io::FdFlags::CLOEXEC));
+        drop(theirs);
+        rustix::net::sockopt::set_socket_timeout(
+            &mine,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(Duration::from_secs(5)),
+        )
+        .unwrap();
+        let mut byte = [0u8; 1];
+        let got = rustix::net::recv(&mine, &mut byte, rustix::net::RecvFlags::empty());
+        assert_eq!(got.map(|(n, _)| n), Ok(1));
+        assert_eq!(&byte, b"x");
+        let ended = protocol::ChildProc::finish_all(vec![child], Duration::from_secs(2));
+        assert_eq!(ended.len(), 1);
+    }
+
     #[test]
     fn options_parse() {
         let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();

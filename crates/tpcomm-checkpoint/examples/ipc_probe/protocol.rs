@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -21,6 +22,11 @@ pub(crate) const PREFIX: &str = "@@ipc-probe ";
 /// Environment variable that carries a child's arguments when the child is the test
 /// harness (see [`Launcher::TestHarness`]).
 pub(crate) const CHILD_ARGS_VAR: &str = "TPCOMM_IPC_PROBE_CHILD";
+
+/// Environment variable naming the descriptor of a child's end of the socket pair the parent
+/// made for the scenario (descriptors passed with `SCM_RIGHTS` where `pidfd_getfd` is not
+/// allowed).
+pub(crate) const PEER_SOCKET_VAR: &str = "TPCOMM_IPC_PROBE_PEER_SOCKET";
 
 /// One of the two processes of a scenario.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -102,7 +108,10 @@ pub(crate) enum Op {
     /// `cuMemExportToShareableHandle` of the own allocation: value `fd`, and the descriptor's
     /// kind (`readlink`, `fstat`).
     VmmExport,
-    /// `pidfd_open(pid)`, `pidfd_getfd(fd)`, `cuMemImportFromShareableHandle`, mapped into the
+    /// The own exported descriptor `fd` sent to the peer over the socket pair (`SCM_RIGHTS`).
+    VmmOffer { fd: i32 },
+    /// `pidfd_open(pid)`, `pidfd_getfd(fd)` (and the copy the peer offered over the socket,
+    /// which serves when `pidfd_getfd` is not allowed), `cuMemImportFromShareableHandle`, mapped into the
     /// import reservation (`size` bytes, reserved on first use and kept), access set, read
     /// checked against `seed`.
     VmmImport {
@@ -128,13 +137,13 @@ pub(crate) enum Op {
     /// (`seed`) read through it, then a write (`write_seed`) through it read back through
     /// the first; the second mapping is released again.
     VmmSelfImport { seed: u8, write_seed: u8 },
-    /// `cuCheckpointProcessLock` of this process (its own pid), then its state.
+    /// `cuCheckpointProcessLock` of this process (its own pid); on failure its state.
     CkptLock { timeout_ms: u32 },
-    /// `cuCheckpointProcessCheckpoint`, then the state.
+    /// `cuCheckpointProcessCheckpoint`; on failure the state.
     CkptCheckpoint,
-    /// `cuCheckpointProcessRestore`, then the state.
+    /// `cuCheckpointProcessRestore`; on failure the state.
     CkptRestore,
-    /// `cuCheckpointProcessUnlock`, then the state.
+    /// `cuCheckpointProcessUnlock`; on failure the state.
     CkptUnlock,
     /// `cuCheckpointProcessGetState`.
     State,
@@ -159,6 +168,7 @@ impl Op {
             Op::VmmCreate { .. } => "vmm_create",
             Op::VmmFresh { .. } => "vmm_fresh",
             Op::VmmExport => "vmm_export",
+            Op::VmmOffer { .. } => "vmm_offer",
             Op::VmmImport { .. } => "vmm_import",
             Op::VmmReadPeer { .. } => "vmm_read_peer",
             Op::VmmWritePeer { .. } => "vmm_write_peer",
@@ -334,6 +344,7 @@ impl ChildProc {
         mode: &str,
         env: &[(String, String)],
         remove: &[String],
+        socket: Option<&OwnedFd>,
         deadline: Instant,
     ) -> Result<Self, String> {
         let mut cmd = launcher
@@ -348,9 +359,19 @@ impl ChildProc {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| format!("cannot start process {}: {e}", role.name()))?;
+        // The socket end is inherited by this child only: close-on-exec is cleared for the
+        // spawn and set again (the parent spawns one child at a time).
+        if let Some(sock) = socket {
+            cmd.env(PEER_SOCKET_VAR, sock.as_raw_fd().to_string());
+            rustix::io::fcntl_setfd(sock, rustix::io::FdFlags::empty())
+                .map_err(|e| format!("the socket for process {}: {e}", role.name()))?;
+        }
+        let spawned = cmd.spawn();
+        if let Some(sock) = socket {
+            let _ = rustix::io::fcntl_setfd(sock, rustix::io::FdFlags::CLOEXEC);
+        }
+        let mut child =
+            spawned.map_err(|e| format!("cannot start process {}: {e}", role.name()))?;
         let pid = child.id();
         let stdin = child.stdin.take();
         let (tx, lines) = mpsc::channel();

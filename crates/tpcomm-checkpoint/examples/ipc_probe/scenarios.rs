@@ -150,7 +150,7 @@ pub(crate) const DEVICE_CHECK: Scenario = Scenario {
 };
 
 /// Every scenario, the most decisive first (the probe may run out of time).
-pub(crate) const SCENARIOS: [Scenario; 10] = [
+pub(crate) const SCENARIOS: [Scenario; 11] = [
     Scenario {
         name: "legacy-as-is",
         about: "1a: legacy IPC cross-opened and closed, both checkpointed and restored; fresh and old handles opened as is",
@@ -213,6 +213,13 @@ pub(crate) const SCENARIOS: [Scenario; 10] = [
         processes: 1,
         job_file: false,
         script: vmm_self,
+    },
+    Scenario {
+        name: "state-query",
+        about: "5: one process asks its own cuCheckpointProcessGetState while running, locked, checkpointed, restored and unlocked",
+        processes: 1,
+        job_file: false,
+        script: state_query,
     },
     Scenario {
         name: "job-file",
@@ -456,6 +463,12 @@ impl Session<'_> {
     /// followed by a checkpoint of that process); its state is read after every call.
     /// Stops the script unless every process is running again at the end.
     fn cycle(&mut self, gpu_memory: bool) -> Result<(), End> {
+        self.cycle_with(gpu_memory, false)
+    }
+
+    /// [`cycle`](Self::cycle); with `states`, every process that took a step also asks its
+    /// own state after it (`STEP.state`).
+    fn cycle_with(&mut self, gpu_memory: bool, states: bool) -> Result<(), End> {
         let roles = self.roles();
         let mut state = [0i32; 2];
         let phases: [(&str, i32, i32, Op); 4] = [
@@ -488,14 +501,29 @@ impl Session<'_> {
                     ))
                 }
             })?;
+            let mut took = Vec::new();
             for r in &roles {
                 if let Some(reply) = &replies[r.index()] {
                     let failed = reply.calls.first().is_some_and(|c| !c.ok);
+                    took.push(*r);
                     state[r.index()] = match reply.value("state").and_then(|s| s.parse().ok()) {
                         Some(s) => s,
                         None if failed => state[r.index()],
                         None => after,
                     };
+                }
+            }
+            if states && !took.is_empty() {
+                let step = format!("{label}.state");
+                let replies = self.ask(&step, &took, |_| Ok(Op::State))?;
+                for r in &took {
+                    let seen = replies[r.index()]
+                        .as_ref()
+                        .and_then(|reply| reply.value("state"))
+                        .and_then(|s| s.parse().ok());
+                    if let Some(s) = seen {
+                        state[r.index()] = s;
+                    }
                 }
             }
         }
@@ -698,10 +726,38 @@ impl Runner {
                 }
             }
         }
+        // A socket pair for descriptor passing between the two children.
+        let sockets = if sc.processes == 2 {
+            match rustix::net::socketpair(
+                rustix::net::AddressFamily::UNIX,
+                rustix::net::SocketType::DGRAM,
+                rustix::net::SocketFlags::CLOEXEC,
+                None,
+            ) {
+                Ok((a, b)) => Some([a, b]),
+                Err(e) => {
+                    notes.push(format!(
+                        "no socket pair ({e}): descriptors pass by pidfd_getfd only"
+                    ));
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let mut procs = Vec::new();
         for &role in sc.roles() {
             let hello_by = (Instant::now() + self.timing.start).min(deadline);
-            match ChildProc::spawn(self.launcher, role, &self.mode, &env, &remove, hello_by) {
+            let socket = sockets.as_ref().map(|s| &s[role.index()]);
+            match ChildProc::spawn(
+                self.launcher,
+                role,
+                &self.mode,
+                &env,
+                &remove,
+                socket,
+                hello_by,
+            ) {
                 Ok(p) => procs.push(p),
                 Err(why) => {
                     result.outcome = Outcome::Aborted {
@@ -713,6 +769,7 @@ impl Runner {
                 }
             }
         }
+        drop(sockets);
         let mut session = Session {
             procs,
             result: &mut result,
@@ -890,6 +947,14 @@ fn import_peer(
     seed: impl Fn(Role) -> u8,
 ) -> Result<Replies, End> {
     let pids = [s.pid(Role::A), s.pid(Role::B)];
+    // Each exporter first offers its descriptor over the socket pair (the importer takes that
+    // copy where pidfd_getfd is not allowed).
+    s.each(&format!("{step}.offer"), |r| {
+        let fd = value_of(fds, r, "fd")?
+            .parse()
+            .map_err(|_| "a descriptor that is not a number".to_string())?;
+        Ok(Op::VmmOffer { fd })
+    })?;
     s.each(step, |r| {
         let peer = r.peer();
         let fd = value_of(fds, peer, "fd")?
@@ -1039,6 +1104,19 @@ fn vmm_self(s: &mut Session<'_>) -> Result<(), End> {
         })
     })?;
     Ok(())
+}
+
+fn state_query(s: &mut Session<'_>) -> Result<(), End> {
+    init(s)?;
+    s.all(
+        "setup.legacy_alloc",
+        Op::LegacyAlloc {
+            bytes: LEGACY_BYTES,
+            seed: Role::A.seed(0),
+        },
+    )?;
+    s.all("setup.state", Op::State)?;
+    s.cycle_with(false, true)
 }
 
 fn job_file(s: &mut Session<'_>) -> Result<(), End> {

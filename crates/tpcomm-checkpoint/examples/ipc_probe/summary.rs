@@ -567,6 +567,24 @@ pub(crate) fn answers(report: &Report) -> Vec<Answer> {
             })
         }),
     );
+    add(
+        "5",
+        "cuCheckpointProcessGetState from the process itself: running, after lock, checkpoint, restore, unlock",
+        or_not_run(report, "state-query", |sc| {
+            ["setup.state", "ckpt.lock.state", "ckpt.checkpoint.state", "ckpt.restore.state", "ckpt.unlock.state"]
+                .iter()
+                .map(|step| {
+                    let steps = steps_of(sc, "A", step);
+                    match steps.first() {
+                        Some(s) if s.code == Some(0) => s.detail.clone(),
+                        Some(s) => failure_text(s),
+                        None => missing(sc, "A", step),
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        }),
+    );
     add("5", "allocation granularity", granularity_text(report));
     add("5", "driver version", driver_text(report));
     add(

@@ -342,6 +342,7 @@ mod tests {
             timing: Timing {
                 scenario: Duration::from_secs(20),
                 command: Duration::from_secs(2),
+                quick: Duration::from_secs(2),
                 start: Duration::from_secs(10),
                 stop_starting: Duration::from_secs(120),
                 hard_end: Duration::from_secs(150),
@@ -463,6 +464,7 @@ mod tests {
     fn one_scenario(mode: &str, name: &str, command: Duration) -> (ScenarioResult, Duration) {
         let mut cfg = test_config(mode);
         cfg.timing.command = command;
+        cfg.timing.quick = command;
         let runner = Runner {
             launcher: cfg.launcher,
             mode: cfg.mode.clone(),
@@ -621,6 +623,40 @@ mod tests {
             "{left}"
         );
         assert!(left.ends_with("left A: running; B: checkpointed"), "{left}");
+    }
+
+    /// Children that hang at every checkpoint: each scenario ends at its request limit, no
+    /// scenario starts after the cut-off, and the whole run ends soon after the hard end (the
+    /// GPU timing scaled down: 15 s / 10 s / 80 s / 84 s become 2 s / 1 s / 3 s / 4 s).
+    #[test]
+    fn the_run_ends_in_bounded_time_whatever_the_children_do() {
+        let mut cfg = test_config("fake:ckpt_checkpoint=hang");
+        cfg.timing = Timing {
+            scenario: Duration::from_secs(2),
+            command: Duration::from_secs(1),
+            quick: Duration::from_secs(1),
+            start: Duration::from_secs(2),
+            stop_starting: Duration::from_secs(3),
+            hard_end: Duration::from_secs(4),
+            exit_grace: Duration::from_millis(200),
+        };
+        let t = Instant::now();
+        let (code, lines) = run_collect(&cfg);
+        let took = t.elapsed();
+        assert_eq!(code, 0, "{lines:#?}");
+        assert!(took < Duration::from_secs(8), "{took:?}");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("== legacy-as-is: ABORTED: process A at ckpt.checkpoint: no answer within 1.0 s (and process B: no answer within")),
+            "{lines:#?}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains(": not run: the probe stops starting scenarios at 3 s")),
+            "{lines:#?}"
+        );
     }
 
     #[test]

@@ -152,6 +152,22 @@ pub(crate) enum Op {
 }
 
 impl Op {
+    /// Whether the operation may take long (init and context creation, the checkpoint
+    /// calls): it gets the longer of the two request limits.
+    pub(crate) fn may_take_long(&self) -> bool {
+        matches!(
+            self,
+            Op::Init
+                | Op::ReInit
+                | Op::CtxReset
+                | Op::CtxReleaseRetain
+                | Op::CkptLock { .. }
+                | Op::CkptCheckpoint
+                | Op::CkptRestore
+                | Op::CkptUnlock
+        )
+    }
+
     /// The operation's name, as serialized.
     pub(crate) fn name(&self) -> &'static str {
         match self {

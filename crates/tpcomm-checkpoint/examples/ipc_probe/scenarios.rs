@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::protocol::{ChildProc, Launcher, Op, Reply, Role};
+use crate::protocol::{ChildProc, Launcher, Op, Reply, Role, Silence};
 
 /// Bytes of each legacy (`cuMemAlloc`) allocation.
 const LEGACY_BYTES: u64 = 4 << 20;
@@ -235,8 +235,11 @@ pub(crate) const SCENARIOS: [Scenario; 11] = [
 pub(crate) struct Timing {
     /// Each scenario's own limit.
     pub(crate) scenario: Duration,
-    /// Each request's limit.
+    /// The limit of a request that may take long: init, the primary-context calls, the
+    /// checkpoint calls.
     pub(crate) command: Duration,
+    /// The limit of every other request (allocations, exports, imports, copies).
+    pub(crate) quick: Duration,
     /// Waiting for a child's hello.
     pub(crate) start: Duration,
     /// No scenario starts after this much of the run.
@@ -253,6 +256,7 @@ impl Timing {
     pub(crate) const GPU: Self = Self {
         scenario: Duration::from_secs(15),
         command: Duration::from_secs(10),
+        quick: Duration::from_secs(5),
         start: Duration::from_secs(10),
         stop_starting: Duration::from_secs(80),
         hard_end: Duration::from_secs(84),
@@ -277,6 +281,7 @@ pub(crate) struct Session<'a> {
     result: &'a mut ScenarioResult,
     deadline: Instant,
     command: Duration,
+    quick: Duration,
     sequential: bool,
     print: &'a mut dyn FnMut(&Step),
 }
@@ -377,9 +382,14 @@ impl Session<'_> {
         for &role in roles {
             match op(role) {
                 Ok(op) => {
+                    let limit = if op.may_take_long() {
+                        self.command
+                    } else {
+                        self.quick
+                    };
                     let proc = self.proc(role).expect("the session's own role");
                     match proc.send(&op) {
-                        Ok(id) => sent.push((role, id, Instant::now())),
+                        Ok(id) => sent.push((role, id, Instant::now(), limit)),
                         Err(why) => {
                             return Err(End::Abort {
                                 process: role.name().into(),
@@ -394,8 +404,8 @@ impl Session<'_> {
         }
         let mut replies: Replies = [None, None];
         let mut silent = None;
-        for (role, id, at) in sent {
-            let deadline = (at + self.command).min(self.deadline);
+        for (role, id, at, limit) in sent {
+            let deadline = (at + limit).min(self.deadline);
             let proc = self.proc(role).expect("the session's own role");
             match proc.receive(id, deadline) {
                 Ok(reply) => {
@@ -420,11 +430,27 @@ impl Session<'_> {
                     replies[role.index()] = Some(reply);
                 }
                 Err(why) => {
-                    silent.get_or_insert(End::Abort {
-                        process: role.name().into(),
-                        step: step.into(),
-                        reason: why.to_string(),
-                    });
+                    // A timeout is told as the whole wait since the request was sent.
+                    let why = match why {
+                        Silence::Timeout(_) => {
+                            Silence::Timeout(deadline.saturating_duration_since(at))
+                        }
+                        other => other,
+                    };
+                    let this = format!("{}: {why}", role.name());
+                    match &mut silent {
+                        None => {
+                            silent = Some(End::Abort {
+                                process: role.name().into(),
+                                step: step.into(),
+                                reason: why.to_string(),
+                            })
+                        }
+                        Some(End::Abort { reason, .. }) => {
+                            reason.push_str(&format!(" (and process {this})"))
+                        }
+                        Some(End::Stop(_)) => {}
+                    }
                 }
             }
         }
@@ -775,6 +801,7 @@ impl Runner {
             result: &mut result,
             deadline,
             command: self.timing.command,
+            quick: self.timing.quick,
             sequential: sc.job_file,
             print,
         };

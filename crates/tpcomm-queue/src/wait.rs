@@ -89,32 +89,45 @@ pub(crate) fn wait_until<E>(
     budget.shrink();
     let mut next_check = started;
     loop {
-        let now = Instant::now();
-        if let Some(every) = liveness {
-            if now >= next_check {
-                check()?;
-                next_check = later(now, every);
-            }
-        }
-        if now >= deadline {
-            return Err(Interrupted::Timeout(now - started));
-        }
         park.parked.fetch_add(1, Ordering::SeqCst);
         let seen = park.word.load(Ordering::SeqCst);
-        let outcome = ready();
-        if let Ok(false) = outcome {
-            let mut sleep = deadline - now;
-            if let Some(every) = liveness {
-                sleep = sleep.min(every);
+        // What it waits for first: a peer that delivered and then left (or died) delivered.
+        let outcome = match ready() {
+            Ok(false) => pause(&mut next_check, deadline, started, liveness, &mut check)
+                .map(|sleep| sleep_on(park.word, seen, sleep)),
+            Ok(true) => {
+                park.parked.fetch_sub(1, Ordering::SeqCst);
+                budget.learn(spun, true);
+                return Ok(());
             }
-            sleep_on(park.word, seen, sleep);
-        }
+            Err(e) => Err(Interrupted::Failed(e)),
+        };
         park.parked.fetch_sub(1, Ordering::SeqCst);
-        if outcome? {
-            budget.learn(spun, true);
-            return Ok(());
+        outcome?;
+    }
+}
+
+/// Between two looks of a parked wait: runs `check` when it is due, and returns how long to
+/// sleep, or the timeout.
+fn pause<E>(
+    next_check: &mut Instant,
+    deadline: Instant,
+    started: Instant,
+    liveness: Option<Duration>,
+    check: &mut impl FnMut() -> Result<(), E>,
+) -> Result<Duration, Interrupted<E>> {
+    let now = Instant::now();
+    if let Some(every) = liveness {
+        if now >= *next_check {
+            check()?;
+            *next_check = later(now, every);
         }
     }
+    if now >= deadline {
+        return Err(Interrupted::Timeout(now - started));
+    }
+    let sleep = deadline - now;
+    Ok(liveness.map_or(sleep, |every| sleep.min(every)))
 }
 
 /// Sleeps until `word` is woken or no longer holds `seen`, or `at_most` passes. Every outcome

@@ -255,7 +255,9 @@ fn a_reader_claiming_chunks_never_published_is_corruption_for_the_writer() {
             let layout = ring.layout_for_test();
             ring.word_for_test(layout.reader(0) + slot::CONSUMED)
                 .store(1000, Ordering::SeqCst);
-            let sent = q.send(&1u32);
+            // The writer reads its readers' progress when the ring may be full: at the
+            // latest for the chunk after the first lap (depth 4).
+            let sent = (0..5u32).try_for_each(|i| q.send(&i));
             comm.barrier().unwrap();
             Some(sent)
         } else {

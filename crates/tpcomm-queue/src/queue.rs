@@ -218,6 +218,10 @@ enum Role {
         /// The rank of each reader slot.
         slot_ranks: Vec<usize>,
         next_chunk: u64,
+        /// Chunks every active reader had released when their progress was last read (a
+        /// lower bound): the writer reads the progress words only when the next chunk's slot
+        /// is not known free.
+        released: u64,
     },
     Reader {
         /// `None` while suspended.
@@ -469,6 +473,7 @@ impl<C: Communicator> BroadcastQueue<C> {
                 active,
                 slot_ranks: candidates.clone(),
                 next_chunk: 0,
+                released: 0,
             }
         } else {
             match (joined_ring, handle, slot) {
@@ -640,15 +645,7 @@ impl<C: Communicator> BroadcastQueue<C> {
     /// fails the queue.
     pub fn recv<T: DeserializeOwned>(&mut self) -> Result<T> {
         self.recv_bytes()?;
-        let message = self.messages - 1;
-        tpcomm_objects::decode_from_with(self.writer, &self.buf, &self.options).map_err(|source| {
-            QueueError::Decode {
-                rank: self.rank,
-                writer: self.writer,
-                message,
-                source,
-            }
-        })
+        self.decode()
     }
 
     /// Receives the next message as a value that borrows from this queue's receive buffer
@@ -657,6 +654,11 @@ impl<C: Communicator> BroadcastQueue<C> {
     /// a peer can write. Fails as [`recv`](Self::recv).
     pub fn recv_borrowed<'a, T: Deserialize<'a>>(&'a mut self) -> Result<T> {
         self.recv_bytes()?;
+        self.decode()
+    }
+
+    /// Decodes the message just received, with the agreed depth limit.
+    fn decode<'a, T: Deserialize<'a>>(&'a self) -> Result<T> {
         let message = self.messages - 1;
         tpcomm_objects::decode_from_with(self.writer, &self.buf, &self.options).map_err(|source| {
             QueueError::Decode {
@@ -833,91 +835,122 @@ impl<C: Communicator> BroadcastQueue<C> {
     fn ring_send(&mut self, message: u64) -> Result<()> {
         let Role::Writer {
             ring: Some(ring),
-            active,
-            slot_ranks,
             next_chunk,
-        } = &mut self.role
+            released,
+            ..
+        } = &self.role
         else {
             return Ok(());
         };
+        let (mut c, mut known) = (*next_chunk, *released);
         let total = self.buf.len() as u64;
         let chunk_bytes = ring.chunk_bytes();
-        let parked = Park {
-            word: ring.header_u32(header::WRITER_WAKE),
-            parked: ring.header_u32(header::WRITER_PARKED),
-        };
         let readers = Park {
             word: ring.header_u32(header::WAKE),
             parked: ring.header_u32(header::SLEEPERS),
         };
-        let me = &self.peers[self.rank];
-        let remote_process = slot_ranks.iter().any(|&r| !self.peers[r].same_process(me));
         let mut offset = 0u64;
         for _ in 0..chunk_count(total, chunk_bytes) {
-            let c = *next_chunk;
-            let mut lag = None;
-            let ready = || -> Result<bool> {
-                match ring::lagging(ring, c, active) {
-                    Ok(None) => Ok(true),
-                    Ok(Some(s)) => {
-                        lag = Some(s);
-                        reader_left(ring, s, slot_ranks[s], (self.rank, message))?;
-                        Ok(false)
-                    }
-                    Err((s, problem)) => Err(QueueError::Corrupt {
-                        rank: self.rank,
-                        peer: slot_ranks[s],
-                        message,
-                        problem,
-                    }),
-                }
-            };
-            let check = || -> Result<()> {
-                for &s in active.iter() {
-                    let r = slot_ranks[s];
-                    if self.peers[r].same_host(me)
-                        && !self.peers[r].same_process(me)
-                        && self.peers[r].liveness() == Liveness::Gone
-                    {
-                        return Err(QueueError::ReaderGone {
-                            rank: self.rank,
-                            reader: r,
-                            message,
-                            how: Departure::Exited,
-                        });
-                    }
-                }
-                Ok(())
-            };
-            let waited = wait_until(
-                &self.budget,
-                self.timeout,
-                parked,
-                remote_process.then_some(self.liveness),
-                ready,
-                check,
-            );
-            match waited {
-                Ok(()) => {}
-                Err(Interrupted::Failed(e)) => return Err(e),
-                Err(Interrupted::Timeout(waited)) => {
-                    let slow = ring::lagging(ring, c, active).ok().flatten().or(lag);
-                    return Err(QueueError::ReaderTimeout {
-                        rank: self.rank,
-                        reader: slow.map_or(self.writer, |s| slot_ranks[s]),
-                        message,
-                        waited,
-                    });
-                }
+            let need = ring::needed(ring, c);
+            if known < need {
+                known = self.wait_for_readers(ring, c, need, message)?;
             }
             let (len, _) = piece(total, chunk_bytes, offset);
             let part = &self.buf[offset as usize..(offset + len) as usize];
             ring::write_chunk(ring, c, message, total, offset, part);
             wake_if_parked(readers);
-            *next_chunk = c + 1;
+            c += 1;
             offset += len;
         }
+        if let Role::Writer {
+            next_chunk,
+            released,
+            ..
+        } = &mut self.role
+        {
+            (*next_chunk, *released) = (c, known);
+        }
         Ok(())
+    }
+
+    /// Waits until every ring reader has released `need` chunks, so that chunk `c` may be
+    /// written; returns the chunks they have released (at least `need`).
+    fn wait_for_readers(&self, ring: &SharedRing, c: u64, need: u64, message: u64) -> Result<u64> {
+        let Role::Writer {
+            active, slot_ranks, ..
+        } = &self.role
+        else {
+            return Ok(need);
+        };
+        let me = &self.peers[self.rank];
+        let other_process = slot_ranks.iter().any(|&r| !self.peers[r].same_process(me));
+        let parked = Park {
+            word: ring.header_u32(header::WRITER_WAKE),
+            parked: ring.header_u32(header::WRITER_PARKED),
+        };
+        let (mut known, mut lag) = (need, None);
+        let ready = || -> Result<bool> {
+            match ring::released(ring, c, active) {
+                Ok((least, _)) if least >= need => {
+                    known = least;
+                    Ok(true)
+                }
+                Ok((_, slot)) => {
+                    lag = slot;
+                    if let Some(s) = slot {
+                        reader_left(ring, s, slot_ranks[s], (self.rank, message))?;
+                    }
+                    Ok(false)
+                }
+                Err((s, problem)) => Err(QueueError::Corrupt {
+                    rank: self.rank,
+                    peer: slot_ranks[s],
+                    message,
+                    problem,
+                }),
+            }
+        };
+        let check = || -> Result<()> {
+            for &s in active.iter() {
+                let r = slot_ranks[s];
+                if self.peers[r].same_host(me)
+                    && !self.peers[r].same_process(me)
+                    && self.peers[r].liveness() == Liveness::Gone
+                {
+                    return Err(QueueError::ReaderGone {
+                        rank: self.rank,
+                        reader: r,
+                        message,
+                        how: Departure::Exited,
+                    });
+                }
+            }
+            Ok(())
+        };
+        let waited = wait_until(
+            &self.budget,
+            self.timeout,
+            parked,
+            other_process.then_some(self.liveness),
+            ready,
+            check,
+        );
+        match waited {
+            Ok(()) => Ok(known),
+            Err(Interrupted::Failed(e)) => Err(e),
+            Err(Interrupted::Timeout(waited)) => {
+                let slow = ring::released(ring, c, active)
+                    .ok()
+                    .and_then(|(_, s)| s)
+                    .or(lag);
+                Err(QueueError::ReaderTimeout {
+                    rank: self.rank,
+                    reader: slow.map_or(self.writer, |s| slot_ranks[s]),
+                    message,
+                    waited,
+                })
+            }
+        }
     }
 
     /// Broadcasts `self.buf` (message `message`) to the transport readers: one frame, and

@@ -63,15 +63,17 @@ fn slot_of<M: RingMemory + ?Sized>(mem: &M, c: u64) -> usize {
     (c % mem.depth()) as usize
 }
 
-/// Whether chunk `c` may be written: `Ok(None)` when every reader of `active` (reader slots)
-/// released the slot's previous chunk, `Ok(Some(slot))` naming the first that has not, or
-/// the slot whose progress word claims chunks not published yet (only `c` were).
-pub(crate) fn lagging<M: RingMemory + ?Sized>(
+/// The chunks every reader of `active` (reader slots) has released, as the writer of chunk
+/// `c` reads their progress words (only `c` chunks were published), with the slot of the
+/// reader furthest behind; or the slot whose progress word claims chunks not published yet.
+/// Chunk `c` may be written once the count is at least `c + 1 - depth`: the writer keeps
+/// the count and reads the words again only when it is not.
+pub(crate) fn released<M: RingMemory + ?Sized>(
     mem: &M,
     c: u64,
     active: &[usize],
-) -> Result<Option<usize>, (usize, Corruption)> {
-    let need = (c + 1).saturating_sub(mem.depth());
+) -> Result<(u64, Option<usize>), (usize, Corruption)> {
+    let mut least = (c, None);
     for &r in active {
         let consumed = mem.consumed(r).load(Ordering::SeqCst);
         if consumed > c {
@@ -84,15 +86,20 @@ pub(crate) fn lagging<M: RingMemory + ?Sized>(
                 },
             ));
         }
-        if consumed < need {
-            return Ok(Some(r));
+        if consumed < least.0 || least.1.is_none() {
+            least = (consumed, Some(r));
         }
     }
-    Ok(None)
+    Ok(least)
+}
+
+/// The released count chunk `c` needs before it is written: its slot's previous chunk.
+pub(crate) fn needed<M: RingMemory + ?Sized>(mem: &M, c: u64) -> u64 {
+    (c + 1).saturating_sub(mem.depth())
 }
 
 /// Writes chunk `c` of message `message` (`total` bytes): the bytes of `payload` at
-/// `offset`, and publishes it. The caller checked [`lagging`] first.
+/// `offset`, and publishes it. The caller checked [`released`] first.
 pub(crate) fn write_chunk<M: RingMemory + ?Sized>(
     mem: &M,
     c: u64,
@@ -351,7 +358,7 @@ mod loom_tests {
             let total = bytes.len() as u64;
             let mut offset = 0;
             loop {
-                while lagging(mem, c, &active).expect("honest readers").is_some() {
+                while released(mem, c, &active).expect("honest readers").0 < needed(mem, c) {
                     loom::thread::yield_now();
                 }
                 let (len, _) = piece(total, CHUNK, offset);

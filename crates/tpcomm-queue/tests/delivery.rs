@@ -41,6 +41,15 @@ fn blob(i: usize, chunk: usize) -> ByteBuf {
     ByteBuf::from((0..len).map(|b| (b * 7 + i) as u8).collect::<Vec<u8>>())
 }
 
+/// Two chunks of 64 bytes: most messages lap the ring.
+fn tiny_ring() -> QueueConfig {
+    QueueConfig {
+        depth: 2,
+        chunk_bytes: 64,
+        ..small_ring()
+    }
+}
+
 fn small_ring() -> QueueConfig {
     QueueConfig {
         depth: 4,
@@ -111,12 +120,7 @@ fn a_queue_whose_readers_all_use_the_transport_needs_no_ring() {
 #[test]
 fn a_message_larger_than_the_whole_ring_streams_through_it() {
     let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
-        let config = QueueConfig {
-            depth: 2,
-            chunk_bytes: 64,
-            ..small_ring()
-        };
-        let mut q = BroadcastQueue::create(&comm, config)?;
+        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
         let big = ByteBuf::from(vec![0xab; 100_000]);
         if q.is_writer() {
             q.send(&big)?;
@@ -133,12 +137,7 @@ fn a_message_larger_than_the_whole_ring_streams_through_it() {
 #[test]
 fn a_writer_that_laps_a_slow_reader_waits_for_it_and_loses_nothing() {
     let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
-        let config = QueueConfig {
-            depth: 2,
-            chunk_bytes: 64,
-            ..small_ring()
-        };
-        let mut q = BroadcastQueue::create(&comm, config)?;
+        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
         for i in 0..40u64 {
             if q.is_writer() {
                 q.send(&step_output(i, (i % 5) as usize))?;

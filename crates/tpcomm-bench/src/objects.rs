@@ -36,9 +36,9 @@ use crate::error::BenchError;
 use crate::harness::{
     elapsed_ns, floor_bound, link_peers, slowest, time_once, within, RatioLine, Row, Spec, Target,
 };
-use crate::launch::{self, Bench, RunArgs, Session, Transport};
+use crate::launch::{self, Bench, RunArgs, Session};
 use crate::payload::{
-    fingerprint, parse_payload, run_mpi4py, BlobShape, Mpi4pyRun, Payload, RecordsShape, Shape,
+    fingerprint, mpi4py_peer, parse_payload, BlobShape, Mpi4pyRun, Payload, RecordsShape, Shape,
     StepShape, MPI4PY,
 };
 use crate::sweep::format_bytes;
@@ -116,15 +116,13 @@ pub(crate) fn run(args: &ObjectsArgs) -> Result<(), BenchError> {
             format_bytes(1 << 30)
         )));
     }
-    let mpi4py = match args.run.transport {
-        _ if args.no_mpi4py => Err("skipped (--no-mpi4py)".to_string()),
-        Transport::Local => run_mpi4py("objects", "allgather", &args.run, &args.payloads),
-        Transport::Mpi => Err(
-            "not run under --transport mpi (it needs an mpirun job of its \
-                               own): run without it to measure mpi4py next to local ranks"
-                .into(),
-        ),
-    };
+    let mpi4py = mpi4py_peer(
+        "objects",
+        "allgather",
+        &args.run,
+        &args.payloads,
+        args.no_mpi4py,
+    );
     launch::run(&ObjectsBench { args, mpi4py })
 }
 

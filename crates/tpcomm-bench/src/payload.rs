@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_bytes::{ByteBuf, Bytes};
 
-use crate::launch::{self, RunArgs};
+use crate::launch::{self, RunArgs, Transport};
 use crate::sweep::parse_bytes;
 use crate::transport::{pattern, splitmix64};
 
@@ -303,10 +303,29 @@ pub(crate) struct Mpi4pyRun {
 /// The Python peer's variant name.
 pub(crate) const MPI4PY: &str = "mpi4py";
 
+/// The mpi4py peer's figures for subcommand `name` (see [`run_mpi4py`]), or why there are
+/// none: skipped on request (`skip`, its `--no-mpi4py`), or under `--transport mpi`.
+pub(crate) fn mpi4py_peer(
+    name: &str,
+    collective: &str,
+    run: &RunArgs,
+    payloads: &[Payload],
+    skip: bool,
+) -> Result<Vec<Mpi4pyRun>, String> {
+    match run.transport {
+        _ if skip => Err("skipped (--no-mpi4py)".to_string()),
+        Transport::Local => run_mpi4py(name, collective, run, payloads),
+        Transport::Mpi => Err(
+            "not run under --transport mpi (it needs an mpirun job of its own): run without              it to measure mpi4py next to local ranks"
+                .into(),
+        ),
+    }
+}
+
 /// Runs the mpi4py peer of `collective` (`allgather`, or `bcast` from rank 0) on every
 /// payload as its own MPI job (`mpirun -np RANKS python3`), before the bench's ranks start,
 /// for the subcommand `name`; the reason when it cannot run.
-pub(crate) fn run_mpi4py(
+fn run_mpi4py(
     name: &str,
     collective: &str,
     run: &RunArgs,

@@ -35,9 +35,9 @@ use tpcomm::Communicator;
 
 use crate::error::BenchError;
 use crate::harness::{elapsed_ns, link_peers, slowest, time_once, within, Row, Spec, Target};
-use crate::launch::{self, Bench, RunArgs, Session, Transport};
+use crate::launch::{self, Bench, RunArgs, Session};
 use crate::payload::{
-    fingerprint, parse_payload, run_mpi4py, BlobShape, Mpi4pyRun, Payload, RecordsShape, Shape,
+    fingerprint, mpi4py_peer, parse_payload, BlobShape, Mpi4pyRun, Payload, RecordsShape, Shape,
     StepShape, MPI4PY,
 };
 use crate::sweep::{format_bytes, parse_bytes};
@@ -104,15 +104,7 @@ pub(crate) fn run(args: &QueueArgs) -> Result<(), BenchError> {
     if args.payloads.is_empty() {
         return Err(BenchError::Usage("--payloads is empty".into()));
     }
-    let mpi4py = match args.run.transport {
-        _ if args.no_mpi4py => Err("skipped (--no-mpi4py)".to_string()),
-        Transport::Local => run_mpi4py("queue", "bcast", &args.run, &args.payloads),
-        Transport::Mpi => Err(
-            "not run under --transport mpi (it needs an mpirun job of its own): run without \
-             it to measure mpi4py next to local ranks"
-                .into(),
-        ),
-    };
+    let mpi4py = mpi4py_peer("queue", "bcast", &args.run, &args.payloads, args.no_mpi4py);
     launch::run(&QueueBench { args, mpi4py })
 }
 

@@ -17,6 +17,7 @@ pub mod misreported;
 pub mod mpi_cases;
 pub mod numeric;
 pub mod objects;
+pub mod queue;
 
 use tpcomm::transport::{
     dense_displacements, ArgumentError, Communicator, GatherRecv, Layout, TransportError,
@@ -328,6 +329,18 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
         (
             "allreduce_resume_paired_with_another_step_names_the_rank",
             agreement::resume_paired_with_another_step_names_the_rank,
+        ),
+        (
+            "queue_delivers_every_message_on_the_ring_and_the_transport",
+            queue::delivers_every_message_on_the_ring_and_the_transport,
+        ),
+        (
+            "queue_keeps_messages_across_suspend_and_resume",
+            queue::keeps_messages_across_suspend_and_resume,
+        ),
+        (
+            "queue_two_queues_on_split_sub_groups_run_side_by_side",
+            queue::queues_on_split_sub_groups_run_side_by_side,
         ),
     ];
     let mut reports = Vec::with_capacity(cases.len());

@@ -1,5 +1,6 @@
 //! `cargo xtask faults`: fault injection under MPI. For each phase of an object collective,
-//! an all-reduce and suspend/resume, and for 2, 3 and 4 ranks, one rank SIGKILLs itself at
+//! an all-reduce, suspend/resume and the broadcast queue (its writer, one of its readers), and
+//! for 2, 3 and 4 ranks, one rank SIGKILLs itself at
 //! that phase (`mpi-faults`, under `mpirun --enable-recovery`) and the survivors must:
 //!
 //! 1. each report an error naming the dead rank (first), within the timeout plus a margin;
@@ -19,13 +20,15 @@ use std::time::{Duration, Instant};
 use crate::{setup, util};
 
 /// The phases `mpi-faults` knows, in the order the cases run.
-const PHASES: [&str; 6] = [
+const PHASES: [&str; 8] = [
     "object-lengths",
     "object-payload",
     "allreduce-launch",
     "suspend",
     "resume",
     "resume-stable",
+    "queue-writer",
+    "queue-reader",
 ];
 /// Rank counts (3 and 4 are oversubscribed on a 2-core machine).
 const RANKS: [usize; 3] = [2, 3, 4];

@@ -1,10 +1,12 @@
 //! `cargo xtask loom`: the loom model checks of the host flag barrier and the two-stage
-//! handoff (`crates/tpcomm-allreduce/src/backend/host/flags.rs`, module `loom_tests`).
+//! handoff (`crates/tpcomm-allreduce/src/backend/host/flags.rs`, module `loom_tests`) and of
+//! the broadcast queue's chunk flags (`crates/tpcomm-queue/src/ring.rs`, module `loom_tests`).
 //!
-//! Runs `cargo test -p tpcomm-allreduce --release --lib loom` with `--cfg loom` added to
-//! `RUSTFLAGS`, into `target/loom` so the normal build is not invalidated. Each model
-//! prints the interleavings it explored and its time. `--preemptions N` overrides every
-//! model's preemption bound (through `LOOM_MAX_PREEMPTIONS`).
+//! Runs `cargo test -p tpcomm-allreduce -p tpcomm-queue --release --lib loom` with
+//! `--cfg loom` added to `RUSTFLAGS`, into `target/loom` so the normal build is not
+//! invalidated. Each model prints the interleavings it explored and its time.
+//! `--preemptions N` overrides every model's preemption bound (through
+//! `LOOM_MAX_PREEMPTIONS`).
 
 use crate::util;
 
@@ -35,6 +37,8 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
             "test",
             "-p",
             "tpcomm-allreduce",
+            "-p",
+            "tpcomm-queue",
             "--release",
             "--lib",
             "loom",

@@ -1,8 +1,9 @@
 //! `cargo xtask soak --minutes N`: the mixed soak loop under `mpirun -np 2`.
 //!
 //! Builds `mpi-soak` (release) and runs it for N minutes (default 1): object collectives
-//! of random sizes, all-reduces of random sizes and dtypes, captured-plan replays and a
-//! suspend/resume every 300 operations, every result checked. Each rank prints its
+//! of random sizes, all-reduces of random sizes and dtypes, captured-plan replays, bursts of
+//! broadcast-queue messages (millions of them in a minute) and a suspend/resume of the
+//! all-reduce and the queue every 300 operations, every result checked. Each rank prints its
 //! operations per second and its descriptors, mappings and resident memory at the start and
 //! the end; the task fails if a result was wrong or descriptors or mappings grew.
 

@@ -198,10 +198,11 @@ fn run_mpi_suite(tally: &mut Tally) -> Result<(), String> {
 /// path, the MPI peer (MPI's C API called from Rust) and the C loop included, is verified
 /// on fresh data before it is timed, and a wrong result exits with a failure. Each run
 /// counts as one test; the figures are not judged.
-const BENCH_SMOKE: [&[&str]; 3] = [
+const BENCH_SMOKE: [&[&str]; 4] = [
     &["transport", "--max-bytes", "4KiB", "--factor", "8"],
     &["peer-check", "--max-bytes", "4KiB", "--factor", "8"],
     &["allreduce", "--max-bytes", "64KiB", "--factor", "8"],
+    &["queue", "--payloads", "blob:64,blob:300000,step:10"],
 ];
 
 /// Runs [`BENCH_SMOKE`] under `mpirun -np 2` (the bench built as the cargo tests built it).

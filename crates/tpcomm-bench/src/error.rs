@@ -20,6 +20,9 @@ pub(crate) enum BenchError {
     /// The custom all-reduce failed (or refused the input).
     #[error(transparent)]
     AllReduce(#[from] tpcomm::allreduce::AllReduceError),
+    /// A broadcast queue failed.
+    #[error(transparent)]
+    Queue(#[from] tpcomm::QueueError),
     /// The hand-written floor of `objects` failed to encode or decode.
     #[error("floor: postcard")]
     Postcard(#[from] postcard::Error),

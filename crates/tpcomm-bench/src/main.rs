@@ -10,6 +10,7 @@
 //! tpcomm-bench transport --ranks 4 --json t.json
 //! mpirun -np 2 tpcomm-bench transport --transport mpi   # MPI ranks, plus the plain MPI call
 //! tpcomm-bench objects                        # object all-gather vs the hand-written floor
+//! tpcomm-bench queue --ranks 4                # broadcast queue: 1 writer, 3 readers
 //! tpcomm-bench ipc                            # exchange / close_all / reopen_all of N mappings
 //! mpirun -np 2 tpcomm-bench allreduce --transport mpi --json ar.json   # plus MPI_Allreduce
 //! tpcomm-bench lifecycle                      # suspend + resume with 1, 100, 1000 graph buffers
@@ -56,8 +57,10 @@ mod lifecycle;
 mod mpi_peer;
 mod objects;
 mod page_floor;
+mod payload;
 mod peer_check;
 mod placement;
+mod queue;
 mod report;
 mod sweep;
 mod table;
@@ -90,6 +93,17 @@ enum Command {
     ///
     /// Local threads by default; `--transport mpi` under `mpirun`.
     Objects(objects::ObjectsArgs),
+    /// Broadcast queue (tpcomm-queue): rank 0 sends one value per iteration to every other
+    /// rank, bytes and scheduler steps from 64 B to 8 MiB.
+    ///
+    /// One table: per payload, the queue (owned and borrowed values) against
+    /// `objects::broadcast` over the same transport (the ratio column: how far below a
+    /// collective per step the queue is), the memcpy floor (every rank copying the bytes once:
+    /// what large messages cannot beat) and, with local ranks, mpi4py's `comm.bcast` of the
+    /// same Python object. The summary lines give each payload's ratios to the floor and to
+    /// the peers. Local threads by default (1 writer, `--ranks` - 1 readers); `--transport
+    /// mpi` under `mpirun` for readers in other processes.
+    Queue(queue::QueueArgs),
     /// Peer memory (tpcomm-ipc, host backend): exchange and open N mappings, close_all,
     /// reopen_all.
     ///
@@ -149,6 +163,7 @@ fn run(command: Command) -> Result<(), BenchError> {
     match command {
         Command::Transport(args) => launch::run(&args),
         Command::Objects(args) => objects::run(&args),
+        Command::Queue(args) => queue::run(&args),
         Command::Ipc(args) => launch::run(&args),
         Command::AllReduce(args) => launch::run(&args),
         Command::Lifecycle(args) => launch::run(&args),

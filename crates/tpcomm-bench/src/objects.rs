@@ -23,14 +23,11 @@
 //! against the values every rank sent.
 
 use std::cell::RefCell;
-use std::fmt;
 use std::hint::black_box;
-use std::process::Command;
 
 use clap::{Args, ValueEnum};
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
-use serde_bytes::{ByteBuf, Bytes};
+use serde::Serialize;
 use tpcomm::transport::backend::copy::SMALL;
 use tpcomm::transport::dense_displacements;
 use tpcomm::Communicator;
@@ -39,10 +36,13 @@ use crate::error::BenchError;
 use crate::harness::{
     elapsed_ns, floor_bound, link_peers, slowest, time_once, within, RatioLine, Row, Spec, Target,
 };
-use crate::launch::{self, Bench, RunArgs, Session, Transport};
-use crate::sweep::{format_bytes, parse_bytes};
+use crate::launch::{self, Bench, RunArgs, Session};
+use crate::payload::{
+    fingerprint, mpi4py_peer, parse_payload, BlobShape, Mpi4pyRun, Payload, RecordsShape, Shape,
+    StepShape, MPI4PY,
+};
+use crate::sweep::format_bytes;
 use crate::table::{col, Column};
-use crate::transport::{pattern, splitmix64};
 
 /// The default payloads: a small and a large blob, few and many records.
 const DEFAULT_PAYLOADS: &str = "blob:64,blob:65536,blob:16MiB,records:1000,records:100000";
@@ -52,8 +52,6 @@ const VARIANTS: [&str; 4] = ["tpcomm owned", "tpcomm borrowed", "tpcomm into", "
 /// The peer's index in [`VARIANTS`].
 const FLOOR: usize = 3;
 const TABLE: &str = "object all_gather";
-/// The Python peer's variant.
-const MPI4PY: &str = "mpi4py";
 /// The payload of the speedup target over mpi4py, and the speedup.
 const RECORDS_TARGET: (&str, f64) = ("records:100000", 30.0);
 
@@ -118,103 +116,14 @@ pub(crate) fn run(args: &ObjectsArgs) -> Result<(), BenchError> {
             format_bytes(1 << 30)
         )));
     }
-    let mpi4py = match args.run.transport {
-        _ if args.no_mpi4py => Err("skipped (--no-mpi4py)".to_string()),
-        Transport::Local => run_mpi4py(args),
-        Transport::Mpi => Err(
-            "not run under --transport mpi (it needs an mpirun job of its \
-                               own): run without it to measure mpi4py next to local ranks"
-                .into(),
-        ),
-    };
+    let mpi4py = mpi4py_peer(
+        "objects",
+        "allgather",
+        &args.run,
+        &args.payloads,
+        args.no_mpi4py,
+    );
     launch::run(&ObjectsBench { args, mpi4py })
-}
-
-/// The mpi4py peer's script, written to a temporary file and run under `mpirun`.
-const MPI4PY_SCRIPT: &str = include_str!("objects_peer.py");
-
-/// What the mpi4py peer measured on one payload (a JSON line of rank 0).
-#[derive(Debug, Clone, Deserialize)]
-struct Mpi4pyRun {
-    payload: String,
-    fingerprint: String,
-    warmup: usize,
-    samples_ns: Vec<u64>,
-}
-
-/// Runs the mpi4py peer on every payload as its own MPI job (`mpirun -np RANKS python3`),
-/// before the bench's ranks start; the reason when it cannot run.
-fn run_mpi4py(args: &ObjectsArgs) -> Result<Vec<Mpi4pyRun>, String> {
-    let probe = Command::new("python3")
-        .args(["-c", "import mpi4py"])
-        .output();
-    if !probe.is_ok_and(|o| o.status.success()) {
-        return Err(
-            "mpi4py absent (python3 -c \"import mpi4py\" fails; `cargo xtask setup` \
-                    installs it)"
-                .into(),
-        );
-    }
-    let script = std::env::temp_dir().join(format!(
-        "tpcomm-bench-{}-objects_peer.py",
-        std::process::id()
-    ));
-    std::fs::write(&script, MPI4PY_SCRIPT)
-        .map_err(|e| format!("cannot write {}: {e}", script.display()))?;
-    let root = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
-        s.lines()
-            .any(|l| l.split_whitespace().take(2).eq(["Uid:", "0"]))
-    });
-    let mut cmd = Command::new("mpirun");
-    if root {
-        cmd.arg("--allow-run-as-root");
-    }
-    let ranks = args
-        .run
-        .ranks
-        .unwrap_or(launch::DEFAULT_LOCAL_RANKS)
-        .to_string();
-    cmd.args([
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        "-np",
-        &ranks,
-        "python3",
-    ])
-    .arg(&script)
-    .arg(args.run.iter.iters.unwrap_or(0).to_string())
-    .arg(args.run.iter.warmup.unwrap_or(5).to_string())
-    .args(args.payloads.iter().map(Payload::to_string));
-    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        eprintln!("tpcomm-bench objects: timing the mpi4py peer first ({ranks} MPI ranks)");
-    }
-    let out = cmd.output();
-    let _ = std::fs::remove_file(&script);
-    let out = out.map_err(|e| format!("cannot start mpirun: {e}"))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        return Err(format!(
-            "the mpi4py job failed ({}): {}",
-            out.status,
-            err.trim()
-        ));
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).map_err(|e| format!("unreadable mpi4py line `{l}`: {e}")))
-        .collect()
-}
-
-/// FNV-1a 64 of every rank's canonical value, in rank order (as `objects_peer.py`).
-fn fingerprint<S: Shape>(values: &[S::Owned]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for v in values {
-        for b in S::canonical(v) {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    format!("{h:016x}")
 }
 
 const COLUMNS: [Column; 7] = [
@@ -335,163 +244,6 @@ fn targets() -> Vec<Target> {
             }),
         },
     ]
-}
-
-/// One value per rank, of one of two shapes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Payload {
-    /// One byte string of this many bytes (`serde_bytes::ByteBuf`).
-    Blob(usize),
-    /// This many [`Record`]s.
-    Records(usize),
-}
-
-impl fmt::Display for Payload {
-    /// The name as `--payloads` takes it: `blob:64`, `blob:65536`, `blob:16MiB`, `records:1000`.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match *self {
-            Payload::Blob(n) if n >= 1 << 20 && n % (1 << 20) == 0 => {
-                write!(f, "blob:{}MiB", n >> 20)
-            }
-            Payload::Blob(n) => write!(f, "blob:{n}"),
-            Payload::Records(n) => write!(f, "records:{n}"),
-        }
-    }
-}
-
-impl Serialize for Payload {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-/// Parses `blob:BYTES` or `records:N`.
-fn parse_payload(text: &str) -> Result<Payload, String> {
-    let (kind, size) = text
-        .trim()
-        .split_once(':')
-        .ok_or_else(|| format!("`{text}`: expected blob:BYTES or records:N"))?;
-    match kind {
-        "blob" => parse_bytes(size).map(Payload::Blob),
-        "records" => size
-            .trim()
-            .parse()
-            .map(Payload::Records)
-            .map_err(|e| format!("`{size}`: {e}")),
-        other => Err(format!(
-            "unknown payload kind `{other}` (use blob:BYTES or records:N)"
-        )),
-    }
-}
-
-/// A record of the `records:N` payloads (about 50 bytes of postcard). Its derive has
-/// serde_derive's `deserialize_in_place` feature on (this crate's `Cargo.toml`), as a user
-/// of `all_gather_into` would turn it on: `tpcomm into` decodes over its `name` and `tokens`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub(crate) struct Record {
-    pub(crate) id: u64,
-    pub(crate) name: String,
-    pub(crate) tokens: Vec<u32>,
-    pub(crate) score: f64,
-}
-
-/// The borrowed form of [`Record`]: `name` points into the receive buffer.
-#[derive(Debug, Deserialize)]
-pub(crate) struct RecordRef<'a> {
-    pub(crate) id: u64,
-    #[serde(borrow)]
-    pub(crate) name: &'a str,
-    pub(crate) tokens: Vec<u32>,
-    pub(crate) score: f64,
-}
-
-/// Tokens per record.
-const TOKENS: usize = 8;
-/// Token ids are below this (a Llama-3-sized vocabulary), so most take 3 varint bytes.
-const VOCABULARY: u64 = 128_256;
-
-/// Record `i` of `rank`: deterministic, so that every rank can rebuild every rank's value.
-fn record(rank: usize, i: usize) -> Record {
-    let seed = ((rank as u64) << 40) ^ i as u64;
-    Record {
-        id: ((rank as u64) << 32) | i as u64,
-        name: format!("r{rank}-rec-{i:09}"),
-        tokens: (0..TOKENS as u64)
-            .map(|t| (splitmix64(seed.wrapping_mul(31).wrapping_add(t)) % VOCABULARY) as u32)
-            .collect(),
-        score: (splitmix64(!seed) >> 11) as f64 / (1u64 << 53) as f64,
-    }
-}
-
-/// The blob of `rank`: `bytes` bytes of the transport bench's pseudo-random pattern.
-fn blob(rank: usize, bytes: usize) -> ByteBuf {
-    let mut v = vec![0u8; bytes];
-    pattern(&mut v, rank, 0x0b1e_c705, 0);
-    ByteBuf::from(v)
-}
-
-/// A payload shape: its owned type, its borrowed type, and how to build and check values.
-trait Shape: Sync {
-    type Owned: Serialize + DeserializeOwned + PartialEq + Send + Sync;
-    type Borrowed<'a>: Deserialize<'a>;
-
-    /// The value of `rank`.
-    fn value(&self, rank: usize) -> Self::Owned;
-
-    /// Whether a borrowed value equals the owned one.
-    fn borrowed_eq(got: &Self::Borrowed<'_>, want: &Self::Owned) -> bool;
-
-    /// The bytes the mpi4py peer's fingerprint is taken of (see `objects_peer.py`).
-    fn canonical(value: &Self::Owned) -> Vec<u8>;
-}
-
-struct BlobShape(usize);
-
-impl Shape for BlobShape {
-    type Owned = ByteBuf;
-    type Borrowed<'a> = &'a Bytes;
-
-    fn value(&self, rank: usize) -> ByteBuf {
-        blob(rank, self.0)
-    }
-
-    fn borrowed_eq(got: &&Bytes, want: &ByteBuf) -> bool {
-        got[..] == want[..]
-    }
-
-    fn canonical(value: &ByteBuf) -> Vec<u8> {
-        value.to_vec()
-    }
-}
-
-struct RecordsShape(usize);
-
-impl Shape for RecordsShape {
-    type Owned = Vec<Record>;
-    type Borrowed<'a> = Vec<RecordRef<'a>>;
-
-    fn value(&self, rank: usize) -> Vec<Record> {
-        (0..self.0).map(|i| record(rank, i)).collect()
-    }
-
-    fn borrowed_eq(got: &Vec<RecordRef<'_>>, want: &Vec<Record>) -> bool {
-        got.len() == want.len()
-            && got.iter().zip(want).all(|(g, w)| {
-                g.id == w.id && g.name == w.name && g.tokens == w.tokens && g.score == w.score
-            })
-    }
-
-    fn canonical(value: &Vec<Record>) -> Vec<u8> {
-        let mut out = Vec::new();
-        for r in value {
-            out.extend(r.id.to_le_bytes());
-            out.extend(r.name.as_bytes());
-            out.push(0);
-            r.tokens.iter().for_each(|t| out.extend(t.to_le_bytes()));
-            out.extend(r.score.to_bits().to_le_bytes());
-        }
-        out
-    }
 }
 
 /// The floor: postcard encode, lengths then bytes through `comm`, postcard decode. Its send
@@ -731,6 +483,9 @@ impl Bench for ObjectsBench<'_> {
                 Payload::Records(n) => {
                     bench_payload(s, comm, &RecordsShape(n), payload, n, &variants, py)?
                 }
+                Payload::Step(n) => {
+                    bench_payload(s, comm, &StepShape(n), payload, n, &variants, py)?
+                }
             };
             s.rows(&COLUMNS, rows, |_| true);
         }
@@ -746,31 +501,6 @@ impl Bench for ObjectsBench<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn payload_names_round_trip() {
-        for name in DEFAULT_PAYLOADS.split(',') {
-            assert_eq!(parse_payload(name).unwrap().to_string(), name);
-        }
-        assert_eq!(parse_payload("blob:16MiB"), Ok(Payload::Blob(16 << 20)));
-        assert_eq!(
-            parse_payload("blob:64KiB").unwrap().to_string(),
-            "blob:65536"
-        );
-        assert!(parse_payload("records:x").is_err());
-        assert!(parse_payload("tensor:4").is_err());
-        assert!(parse_payload("64").is_err());
-    }
-
-    #[test]
-    fn records_have_16_character_names_and_8_tokens() {
-        let r = record(1, 99_999);
-        assert_eq!(r.name.len(), 16);
-        assert_eq!(r.tokens.len(), TOKENS);
-        assert!(r.tokens.iter().all(|&t| u64::from(t) < VOCABULARY));
-        assert!((0.0..1.0).contains(&r.score));
-        assert_ne!(record(0, 5), record(1, 5));
-    }
 
     #[test]
     fn targets_are_checked_on_every_tpcomm_row() {
@@ -860,15 +590,5 @@ mod tests {
         assert_eq!(want.map(|v| VARIANTS[v as usize]), VARIANTS);
         let one = parse!(Objects, ["objects", "--variants", "owned"]);
         assert_eq!(one.variants, [VariantArg::Owned]);
-    }
-
-    #[test]
-    fn fingerprints_cover_every_rank_value() {
-        let shape = RecordsShape(3);
-        let values: Vec<Vec<Record>> = (0..2).map(|r| shape.value(r)).collect();
-        let one = fingerprint::<RecordsShape>(&values);
-        assert_eq!(one.len(), 16);
-        assert_ne!(one, fingerprint::<RecordsShape>(&values[..1]));
-        assert_eq!(BlobShape::canonical(&blob(0, 5)).len(), 5);
     }
 }

@@ -44,5 +44,7 @@ pub use backend::host::{AddressHold, HostBuffer, HostHandle, HostMapping, HostMe
 pub use error::{IpcError, Result, SegmentProblem};
 pub use fault::{FaultInjection, FaultPoint};
 pub use memory::{MemoryRegion, PeerMemory};
-pub use registry::{CheckpointBlocker, Counters, Envelope, ExchangeId, PeerMappings, Region};
+pub use registry::{
+    fresh_group_id, CheckpointBlocker, Counters, Envelope, ExchangeId, PeerMappings, Region,
+};
 pub use step::{tagged_all_gather, Step, StepTag, TAG_BYTES};

@@ -187,8 +187,9 @@ fn same_group<C: Communicator + ?Sized>(rank: usize, size: usize, comm: &C) -> R
     })
 }
 
-/// A per-process random-enough group id: time, pid and a stack address mixed.
-fn fresh_group_id() -> u64 {
+/// A per-process random-enough id (of a group, a queue): time, pid and a stack address
+/// mixed. Not secret: it tells honest peers' objects apart, nothing more.
+pub fn fresh_group_id() -> u64 {
     let t = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);

@@ -1,6 +1,6 @@
 //! Tagged collective steps: every all-gather of the registry (and of the custom all-reduce
-//! built on it) carries what it is, so that a peer in another step is reported by name
-//! instead of its bytes being decoded as something they are not.
+//! and the broadcast queue built on it) carries what it is, so that a peer in another step
+//! is reported by name instead of its bytes being decoded as something they are not.
 //!
 //! Collectives pair by call order only: when one rank skips a step (it failed locally, or
 //! its communicator is Failed), its *next* collective pairs with its peers' current one.
@@ -70,6 +70,18 @@ pub enum Step {
     /// `CustomAllReduce::unregister`: the slot every rank ends, and whether its token is
     /// this communicator's.
     Unregister,
+    /// `BroadcastQueue::create` (tpcomm-queue): every rank's settings and process identity.
+    QueueCreate,
+    /// `BroadcastQueue::create`: the writer's segment handle.
+    QueueSegment,
+    /// `BroadcastQueue::create`: whether each reader mapped the ring (the locality agreed).
+    QueueJoined,
+    /// `BroadcastQueue::suspend`: every rank stops using the ring.
+    QueueSuspend,
+    /// `BroadcastQueue::resume`: whether each reader mapped the ring again.
+    QueueResume,
+    /// `BroadcastQueue::close_with`: every rank's message count at the close.
+    QueueClose,
     /// A code this build does not know.
     Unknown(u16),
 }
@@ -91,6 +103,12 @@ impl Step {
             Step::CreateNonces => 12,
             Step::Register => 13,
             Step::Unregister => 14,
+            Step::QueueCreate => 15,
+            Step::QueueSegment => 16,
+            Step::QueueJoined => 17,
+            Step::QueueSuspend => 18,
+            Step::QueueResume => 19,
+            Step::QueueClose => 20,
             Step::Unknown(c) => c,
         }
     }
@@ -111,6 +129,12 @@ impl Step {
             12 => Step::CreateNonces,
             13 => Step::Register,
             14 => Step::Unregister,
+            15 => Step::QueueCreate,
+            16 => Step::QueueSegment,
+            17 => Step::QueueJoined,
+            18 => Step::QueueSuspend,
+            19 => Step::QueueResume,
+            20 => Step::QueueClose,
             c => Step::Unknown(c),
         }
     }
@@ -132,6 +156,12 @@ impl Step {
             Step::CreateNonces => "CustomAllReduce::new (peer-to-peer data test)",
             Step::Register => "register_buffer / register_graph_buffers (the registration)",
             Step::Unregister => "unregister (the slot)",
+            Step::QueueCreate => "BroadcastQueue::create (settings)",
+            Step::QueueSegment => "BroadcastQueue::create (the ring's handle)",
+            Step::QueueJoined => "BroadcastQueue::create (readers joined)",
+            Step::QueueSuspend => "BroadcastQueue::suspend",
+            Step::QueueResume => "BroadcastQueue::resume (readers mapped again)",
+            Step::QueueClose => "BroadcastQueue::close_with",
             Step::Unknown(_) => "an unknown step",
         }
     }
@@ -251,7 +281,7 @@ mod tests {
 
     #[test]
     fn every_known_code_decodes_to_its_step() {
-        for code in 1..=14 {
+        for code in 1..=20 {
             assert_eq!(Step::from_code(code).code(), code);
             assert!(!matches!(Step::from_code(code), Step::Unknown(_)));
         }

@@ -311,7 +311,19 @@ fn serialize<T: Serialize + ?Sized>(value: &T) -> std::result::Result<Encoded, p
     append(value, buf).map(Encoded)
 }
 
-/// Appends `value`'s postcard encoding to `buf` (the same bytes as `postcard::to_extend`).
+/// Appends `value`'s postcard encoding to `buf` and returns it (the same bytes as
+/// `postcard::to_extend`, faster: short pieces are appended as fixed-size copies instead of
+/// one `memcpy` call each): the building block for callers that move bytes themselves, as [`decode_from`] is for decoding. `buf` keeps its capacity, so a
+/// caller that hands back the same buffer every time allocates nothing once it is large
+/// enough.
+pub fn encode_append<T: Serialize + ?Sized>(
+    value: &T,
+    buf: Vec<u8>,
+) -> std::result::Result<Vec<u8>, postcard::Error> {
+    append(value, buf)
+}
+
+/// [`encode_append`].
 fn append<T: Serialize + ?Sized>(
     value: &T,
     buf: Vec<u8>,

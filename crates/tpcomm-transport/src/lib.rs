@@ -27,6 +27,7 @@ mod communicator;
 #[cfg(feature = "nccl")]
 pub mod device;
 mod error;
+pub mod process;
 pub mod reduce;
 #[doc(hidden)]
 pub mod testing;

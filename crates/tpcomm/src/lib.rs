@@ -5,7 +5,7 @@
 //!
 //! | feature | what it adds |
 //! |---------|--------------|
-//! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator); [`ipc`] (peer memory, host shared-memory backend, with stable addresses as `ipc::HostMemory::stable`); [`allreduce`] (custom all-reduce, host backend) |
+//! | (none)  | [`transport`] with the local (threads) backend; [`objects`] (serde values over any communicator); [`ipc`] (peer memory, host shared-memory backend, with stable addresses as `ipc::HostMemory::stable`); [`allreduce`] (custom all-reduce, host backend); [`queue`] (the per-step broadcast queue: a shared-memory ring for one writer and its readers) |
 //! | `mpi`   | `transport::MpiCommunicator` over MPI, and rsmpi itself as [`mpi`] (a program calls `tpcomm::mpi::initialize()`) |
 //! | `cuda`  | `ipc::CudaMemory` (legacy CUDA IPC) and `ipc::CudaVmmMemory` (the driver's virtual memory: peer addresses kept and buffers released across a suspend, what a process checkpoint of several processes needs) peer memory, and `allreduce::CudaBackend`, the custom all-reduce's kernels; building needs nvcc (`cargo xtask setup-cuda`), running a GPU (driver loaded at run time unless the program links cudarc) |
 //! | `nccl`  | `transport::NcclCommunicator` and `transport::DeviceCommunicator`: NCCL collectives on device buffers (libcuda and libnccl loaded at run time) |
@@ -29,12 +29,14 @@ pub use tpcomm_allreduce as allreduce;
 pub use tpcomm_checkpoint as checkpoint;
 pub use tpcomm_ipc as ipc;
 pub use tpcomm_objects as objects;
+pub use tpcomm_queue as queue;
 pub use tpcomm_transport as transport;
 
 // The error types of every layer, so that a program names them without knowing the crates.
 pub use tpcomm_allreduce::AllReduceError;
 pub use tpcomm_ipc::IpcError;
 pub use tpcomm_objects::ObjectError;
+pub use tpcomm_queue::QueueError;
 pub use tpcomm_transport::{Communicator, ReduceOp, TransportError};
 
 /// The `half` crate (`f16`, `bf16`): the element types of the all-reduces, in the version

@@ -17,7 +17,12 @@
 //! - `resume`: at the first transport call of `reinit_after_resume` (the handle exchange);
 //! - `resume-stable`: the same on memory with stable addresses (`HostMemory::stable`, the
 //!   twin of CUDA virtual memory: the suspend released the buffers and detached the peer
-//!   mappings, the resume restores, exchanges fresh handles and reattaches).
+//!   mappings, the resume restores, exchanges fresh handles and reattaches);
+//! - `queue-writer`: the writer of a broadcast queue (the victim), while its readers wait in
+//!   `recv` for a message it never sends (they see its process gone);
+//! - `queue-reader`: a reader of a broadcast queue (the victim), before it receives, while
+//!   the writer (the next rank) laps the ring and waits for it (the writer sees its process
+//!   gone; the other readers are told by the writer, through the ring, whom it blames).
 //!
 //! Each survivor prints `survivor R: PHASE failed after S s naming rank V: ERROR` when its
 //! typed error names the victim first (survivors that already exited may follow it), or `survivor R: PHASE FAILED: ...` otherwise, then
@@ -34,18 +39,21 @@ use std::time::{Duration, Instant};
 use tpcomm::allreduce::{AllReduceError, Config, CustomAllReduce, HostBackend};
 use tpcomm::ipc::{HostMemory, IpcError};
 use tpcomm::objects;
+use tpcomm::queue::{BroadcastQueue, QueueConfig};
 use tpcomm::transport::testing::hooked::Hooked;
 use tpcomm::transport::{Communicator, MpiCommunicator};
-use tpcomm::{ObjectError, TransportError};
+use tpcomm::{ObjectError, QueueError, TransportError};
 
 /// The phases a rank can be killed at.
-const PHASES: [&str; 6] = [
+const PHASES: [&str; 8] = [
     "object-lengths",
     "object-payload",
     "allreduce-launch",
     "suspend",
     "resume",
     "resume-stable",
+    "queue-writer",
+    "queue-reader",
 ];
 
 /// Kills this process at its `kill_at`-th transport call (1-based) once armed; 0 means
@@ -111,6 +119,14 @@ fn blamed_by_objects(e: &ObjectError) -> Vec<usize> {
     match e {
         ObjectError::Transport(t) => blamed_by_transport(t),
         _ => Vec::new(),
+    }
+}
+
+fn queue_failure(e: QueueError) -> Failure {
+    Failure {
+        blamed: e.culprit().into_iter().collect(),
+        mpi_timed_out: false,
+        text: e.to_string(),
     }
 }
 
@@ -255,6 +271,44 @@ fn run(comm: &MpiCommunicator, phase: &'static str, victim: usize, timeout: Dura
         println!("rank {me}: warm-up all-reduce gave a wrong sum");
         return false;
     }
+    // The queue phases' queue: the victim writes in `queue-writer`, the next rank in
+    // `queue-reader`; a healthy round of messages first.
+    let mut queue = None;
+    if phase.starts_with("queue") {
+        let writer = if phase == "queue-writer" {
+            victim
+        } else {
+            (victim + 1) % comm.size()
+        };
+        let config = QueueConfig {
+            depth: 4,
+            chunk_bytes: 1024,
+            timeout,
+            ..QueueConfig::with_writer(writer)
+        };
+        let warm = BroadcastQueue::create(comm, config).and_then(|mut q| {
+            for i in 0..3u32 {
+                if q.is_writer() {
+                    q.send(&i)?;
+                } else if q.recv::<u32>()? != i {
+                    println!("rank {me}: warm-up queue message {i} is wrong");
+                }
+            }
+            Ok(q)
+        });
+        match warm {
+            Ok(q) => queue = Some(q),
+            Err(e) => {
+                println!("rank {me}: warm-up queue FAILED: {e}");
+                return false;
+            }
+        }
+        // Everyone is past the warm-up before the victim dies.
+        if let Err(e) = comm.barrier() {
+            println!("rank {me}: barrier after the queue warm-up FAILED: {e}");
+            return false;
+        }
+    }
 
     let is_victim = me == victim;
     let started = Instant::now();
@@ -280,6 +334,23 @@ fn run(comm: &MpiCommunicator, phase: &'static str, victim: usize, timeout: Dura
                 fault.arm(2);
             }
             ar.prepare_for_suspend(&faulty).map_err(allreduce_failure)
+        }
+        "queue-writer" | "queue-reader" => {
+            let q = queue.as_mut().expect("made above for the queue phases");
+            if is_victim {
+                die(me, phase);
+            }
+            if q.is_writer() {
+                // Far past the ring: the dead reader never frees a chunk.
+                (0..64u32)
+                    .try_for_each(|i| q.send(&vec![i; 256]))
+                    .map_err(queue_failure)
+            } else {
+                // The writer's 64 messages (or fewer, up to its failure), then the error.
+                (0..65)
+                    .try_for_each(|_| q.recv::<Vec<u32>>().map(drop))
+                    .map_err(queue_failure)
+            }
         }
         _ => {
             // resume, resume-stable
@@ -331,6 +402,10 @@ fn run(comm: &MpiCommunicator, phase: &'static str, victim: usize, timeout: Dura
     }
     if let Err(e) = ar.close() {
         println!("survivor {me}: FAILED: close after the fault: {e}");
+        return false;
+    }
+    if let Some(Err(e)) = queue.map(BroadcastQueue::close) {
+        println!("survivor {me}: FAILED: queue close after the fault: {e}");
         return false;
     }
     true

@@ -2,8 +2,9 @@
 //! (`cargo xtask soak --minutes N`).
 //!
 //! The loop mixes object collectives of random sizes, eager custom all-reduces of random
-//! sizes and dtypes, replays of a captured plan, and a suspend/resume every few hundred
-//! operations. Every rank draws the same random sequence, so all ranks issue the same
+//! sizes and dtypes, replays of a captured plan, bursts of broadcast-queue messages (ten
+//! thousand at a time, most a few hundred bytes, some past a chunk), and a suspend/resume of
+//! the all-reduce and the queue every few hundred operations. Every rank draws the same random sequence, so all ranks issue the same
 //! collectives; rank 0 decides when to stop (broadcast every 64 operations). At the start
 //! and the end each rank reports its open descriptors, mappings and resident memory: the
 //! descriptor and mapping counts must be flat.
@@ -15,6 +16,7 @@ use half::bf16;
 use tpcomm::allreduce::{Config, CustomAllReduce, DType, HostBackend};
 use tpcomm::ipc::{HostMemory, PeerMemory};
 use tpcomm::objects;
+use tpcomm::queue::{BroadcastQueue, QueueConfig};
 use tpcomm::transport::{Communicator, MpiCommunicator};
 use tpcomm_conformance::Rng;
 
@@ -55,6 +57,7 @@ struct Tally {
     object_ops: u64,
     allreduces: u64,
     replays: u64,
+    queue_messages: u64,
     cycles: u64,
     failures: Vec<String>,
 }
@@ -82,6 +85,12 @@ fn run<C: Communicator>(
         })
         .map_err(|e| e.to_string())?;
     ar.register_graph_buffers(comm).map_err(|e| e.to_string())?;
+    let queue_config = QueueConfig {
+        depth: 8,
+        chunk_bytes: 64 << 10,
+        ..QueueConfig::with_writer(n - 1)
+    };
+    let mut queue = BroadcastQueue::create(comm, queue_config).map_err(|e| e.to_string())?;
 
     comm.barrier().map_err(|e| e.to_string())?;
     let start = resources();
@@ -159,6 +168,7 @@ fn run<C: Communicator>(
                         })
                 }
             }
+            95..=99 => queue_burst(&mut queue, &mut rng, seed, &mut t),
             _ => {
                 t.replays += 1;
                 let input: Vec<f32> = (0..plan_count).map(|i| small(seed, me, i)).collect();
@@ -193,12 +203,51 @@ fn run<C: Communicator>(
                     .push(format!("suspend/resume cycle {}: {e}", t.cycles));
                 break;
             }
+            if let Err(e) = queue.suspend(comm).and_then(|()| queue.resume(comm)) {
+                t.failures
+                    .push(format!("queue suspend/resume cycle {}: {e}", t.cycles));
+                break;
+            }
         }
     }
     let elapsed = began.elapsed().as_secs_f64();
     comm.barrier().map_err(|e| e.to_string())?;
     let end = resources();
+    queue.close_with(comm).map_err(|e| e.to_string())?;
     Ok((t, start, end, elapsed))
+}
+
+/// Messages in one burst of the queue.
+const BURST: usize = 10_000;
+
+/// One burst of queue messages from its writer (the last rank): sizes drawn from the shared
+/// generator, every 64th past a chunk; every reader checks every byte.
+fn queue_burst<C: Communicator>(
+    queue: &mut BroadcastQueue<C>,
+    rng: &mut Rng,
+    seed: u64,
+    t: &mut Tally,
+) -> Result<(), String> {
+    let writer = queue.writer();
+    for i in 0..BURST {
+        let len = if i % 64 == 63 {
+            100_000
+        } else {
+            rng.size(1024)
+        };
+        let tag = (seed as usize).wrapping_add(i);
+        if queue.is_writer() {
+            let value = serde_bytes::ByteBuf::from(tpcomm_conformance::filled(writer, tag, len));
+            queue.send(&value).map_err(|e| format!("queue send: {e}"))?;
+        } else {
+            let got: serde_bytes::ByteBuf = queue.recv().map_err(|e| format!("queue recv: {e}"))?;
+            if got.as_slice() != tpcomm_conformance::filled(writer, tag, len) {
+                return Err(format!("queue: message {i} of the burst differs"));
+            }
+        }
+        t.queue_messages += 1;
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -216,7 +265,7 @@ fn run_program(comm: &MpiCommunicator) -> bool {
     match &result {
         Ok((t, start, end, elapsed)) => {
             println!(
-                "rank {}: {} ops in {elapsed:.1} s ({:.0} ops/s): {} object collectives, {} all-reduces, {} plan replays, {} suspend/resume cycles; \
+                "rank {}: {} ops in {elapsed:.1} s ({:.0} ops/s): {} object collectives, {} all-reduces, {} plan replays, {} queue messages, {} suspend/resume cycles; \
                  fds {} -> {}, mappings {} -> {}, RSS {} -> {} KiB; {} failures",
                 comm.rank(),
                 t.ops,
@@ -224,6 +273,7 @@ fn run_program(comm: &MpiCommunicator) -> bool {
                 t.object_ops,
                 t.allreduces,
                 t.replays,
+                t.queue_messages,
                 t.cycles,
                 start.fds,
                 end.fds,

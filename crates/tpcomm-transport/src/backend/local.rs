@@ -48,6 +48,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::copy::{copy_slice, extend_from_slice};
+use super::spin::{later, SpinBudget};
 use crate::check::{
     AllGatherArgs, AllReduceArgs, AllToAllArgs, BroadcastArgs, GatherArgs, VarcountArgs,
 };
@@ -522,86 +523,6 @@ impl Wait {
     }
 }
 
-/// `from + after`, saturating: a duration too long for the clock (`Duration::MAX` as "no
-/// timeout") gives an instant a century away instead of the overflow panic of `+`.
-fn later(from: Instant, after: Duration) -> Instant {
-    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-    from.checked_add(after)
-        .or_else(|| from.checked_add(after.min(CENTURY)))
-        .unwrap_or(from)
-}
-
-/// A rank's spin budget, adapted to how its waits end (the adaptive mutex's rule): the whole
-/// of [`LocalGroupConfig::spin`] after a wait that a spin ended; halved by each wait in a row
-/// that had to park anyway, down to a sixteenth; nothing after [`DROP_AFTER`] such waits in
-/// a row, but for a full-budget probe every [`PROBE_EVERY`]th wait, so that the rank finds
-/// out when spinning works again.
-///
-/// When the peers come within the budget (ranks on cores of their own) every wait spins, and
-/// a few late peers in between (a rank that paid page faults the other did not) do not turn
-/// spinning off. When spinning never helps, the rank parks at once, as if it never spun.
-/// That case is common on a busy machine: a parked thread is woken on its waker's core when
-/// no core is idle, and two ranks sharing a core cannot meet while one of them spins
-/// (measured on the 2-CPU development VM with other work running: a fixed 50 us budget made
-/// every call cost the whole 50 us).
-#[derive(Debug)]
-struct SpinBudget {
-    max: u64,
-    /// Waits in a row that parked (only this rank's thread reads and writes these; atomics
-    /// because the communicator is `Sync`).
-    parked_in_a_row: AtomicU64,
-    /// Waits started with no budget, counted to pick the probes.
-    idle_waits: AtomicU64,
-}
-
-/// Waits in a row that must park before a rank stops spinning.
-const DROP_AFTER: u64 = 16;
-
-/// While a rank does not spin, one wait in this many spins for the full budget.
-const PROBE_EVERY: u64 = 32;
-
-impl SpinBudget {
-    fn new(max: Duration) -> Self {
-        Self {
-            max: u64::try_from(max.as_nanos()).unwrap_or(u64::MAX),
-            parked_in_a_row: AtomicU64::new(0),
-            idle_waits: AtomicU64::new(0),
-        }
-    }
-
-    /// The budget of a wait starting now.
-    fn get(&self) -> Duration {
-        let parked = self.parked_in_a_row.load(Ordering::Relaxed);
-        if parked < DROP_AFTER {
-            return Duration::from_nanos(self.max >> parked.min(4));
-        }
-        let n = self.idle_waits.fetch_add(1, Ordering::Relaxed);
-        if (n + 1).is_multiple_of(PROBE_EVERY) {
-            Duration::from_nanos(self.max)
-        } else {
-            Duration::ZERO
-        }
-    }
-
-    /// A spin ran out (or there was none) and the rank parks.
-    fn shrink(&self) {
-        self.parked_in_a_row.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A wait ended: one that a spin ended restores the whole budget.
-    fn learn(&self, wait: &Wait) {
-        if wait.spun && !wait.parked {
-            self.parked_in_a_row.store(0, Ordering::Relaxed);
-        }
-    }
-}
-
-/// The number of CPUs this process may run on (1 when unknown), read once.
-fn cores() -> usize {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
 /// Which posts a rank needs before it can leave a round.
 #[derive(Debug, Clone, Copy)]
 enum Needs {
@@ -718,13 +639,7 @@ impl Shared {
 impl LocalCommunicator {
     fn new(shared: Arc<Shared>, rank: usize) -> Self {
         Self {
-            spin: SpinBudget::new(if shared.size > cores() {
-                // More ranks than cores: a spinning rank holds a core that a rank it waits
-                // for may need.
-                Duration::ZERO
-            } else {
-                shared.config.spin
-            }),
+            spin: SpinBudget::for_waiters(shared.config.spin, shared.size),
             held: Mutex::new((Vec::with_capacity(shared.size), Vec::new())),
             shared,
             rank,
@@ -1080,7 +995,7 @@ impl LocalCommunicator {
             // fails.
             if ready() {
                 drop(state);
-                self.spin.learn(&w);
+                self.spin.learn(w.spun, w.parked);
                 return Ok(());
             }
             if let Some(abort) = &state.abort {
@@ -1177,7 +1092,7 @@ impl LocalCommunicator {
         self.shared.spin(ready, seen, until);
         let done = ready();
         if done {
-            self.spin.learn(w);
+            self.spin.learn(w.spun, w.parked);
         }
         done
     }
@@ -1559,44 +1474,6 @@ impl Communicator for LocalCommunicator {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn wait(spun: bool, parked: bool) -> Wait {
-        let mut w = Wait::new(Instant::now(), &LocalGroupConfig::default());
-        w.spun = spun;
-        w.parked = parked;
-        w
-    }
-
-    #[test]
-    fn the_spin_budget_halves_on_parks_then_only_probes_and_comes_back_on_a_success() {
-        let max = Duration::from_micros(64);
-        let b = SpinBudget::new(max);
-        assert_eq!(b.get(), max);
-        b.shrink();
-        assert_eq!(b.get(), max / 2);
-        for _ in 1..DROP_AFTER - 1 {
-            b.shrink();
-        }
-        // Down to a sixteenth while spins fail...
-        assert_eq!(b.get(), max / 16);
-        // ...then nothing, but one wait in PROBE_EVERY spins the whole budget.
-        b.shrink();
-        let budgets: Vec<Duration> = (0..2 * PROBE_EVERY).map(|_| b.get()).collect();
-        let probes = budgets.iter().filter(|&&d| d == max).count();
-        assert_eq!(probes, 2);
-        assert!(budgets.iter().all(|&d| d == max || d == Duration::ZERO));
-        // A wait that spun and did not park restores the budget; one that parked does not.
-        b.learn(&wait(true, true));
-        assert_eq!(b.get(), Duration::ZERO);
-        b.learn(&wait(true, false));
-        assert_eq!(b.get(), max);
-    }
-
-    #[test]
-    fn a_zero_spin_never_spins() {
-        let b = SpinBudget::new(Duration::ZERO);
-        assert!((0..100).all(|_| b.get() == Duration::ZERO));
-    }
 
     /// The shared posts of rounds every rank is done with leave the ring at their rank's
     /// next call: what the group holds stays bounded by the group, not by the number of

@@ -8,3 +8,4 @@ pub mod local;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod spin;

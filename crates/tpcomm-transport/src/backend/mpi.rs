@@ -116,6 +116,7 @@ use crate::check::{
 };
 use crate::communicator::Communicator;
 use crate::error::{ArgumentError, Op, Result, TransportError};
+use crate::process::{Liveness, ProcessIdentity};
 use crate::reduce::{narrow_half, widen_half, DataType, ReduceOp};
 
 use super::copy::{copy_slice, to_vec};
@@ -1572,123 +1573,6 @@ fn back_off(polls: u32) {
         let shift = (polls - 32).min(5);
         std::thread::sleep(Duration::from_micros((10u64 << shift).min(200)));
     }
-}
-
-/// Who a rank's process is, so that a peer on the same host can tell whether it still
-/// exists: the kernel's boot id and PID namespace (the same on both sides means the PID
-/// means the same process), the PID and the process's start time (so a reused PID is not
-/// mistaken for the rank). All zero where `/proc` cannot be read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct ProcessIdentity {
-    boot_id: [u8; 36],
-    pid_namespace: u64,
-    pid: u32,
-    start_time: u64,
-}
-
-/// Whether a peer's process still exists.
-enum Liveness {
-    Alive,
-    Gone,
-    Unknown,
-}
-
-impl ProcessIdentity {
-    /// Encoded length: boot id, namespace, pid, start time, padded to 64 bytes.
-    const LEN: usize = 64;
-
-    fn current() -> Self {
-        let mut boot_id = [0u8; 36];
-        if let Ok(text) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
-            let text = text.trim().as_bytes();
-            let n = text.len().min(boot_id.len());
-            boot_id[..n].copy_from_slice(&text[..n]);
-        }
-        let pid_namespace = std::fs::read_link("/proc/self/ns/pid")
-            .ok()
-            .and_then(|link| {
-                let link = link.to_string_lossy().into_owned();
-                let digits: String = link.chars().filter(char::is_ascii_digit).collect();
-                digits.parse().ok()
-            })
-            .unwrap_or(0);
-        let pid = std::process::id();
-        let start_time = read_stat(pid).map_or(0, |(_, start)| start);
-        Self {
-            boot_id,
-            pid_namespace,
-            pid,
-            start_time,
-        }
-    }
-
-    fn encode(&self) -> [u8; Self::LEN] {
-        let mut out = [0u8; Self::LEN];
-        out[..36].copy_from_slice(&self.boot_id);
-        out[40..48].copy_from_slice(&self.pid_namespace.to_le_bytes());
-        out[48..52].copy_from_slice(&self.pid.to_le_bytes());
-        out[56..64].copy_from_slice(&self.start_time.to_le_bytes());
-        out
-    }
-
-    fn decode(bytes: &[u8]) -> Self {
-        let mut id = Self {
-            boot_id: [0; 36],
-            pid_namespace: 0,
-            pid: 0,
-            start_time: 0,
-        };
-        if bytes.len() == Self::LEN {
-            id.boot_id.copy_from_slice(&bytes[..36]);
-            let word = |r: std::ops::Range<usize>| {
-                let mut w = [0u8; 8];
-                w[..r.len()].copy_from_slice(&bytes[r]);
-                u64::from_le_bytes(w)
-            };
-            id.pid_namespace = word(40..48);
-            id.pid = u32::try_from(word(48..52)).unwrap_or(0);
-            id.start_time = word(56..64);
-        }
-        id
-    }
-
-    /// Same kernel and PID namespace, both known.
-    fn same_host(&self, other: &Self) -> bool {
-        self.boot_id != [0; 36]
-            && self.pid_namespace != 0
-            && self.boot_id == other.boot_id
-            && self.pid_namespace == other.pid_namespace
-    }
-
-    /// Whether this process (seen from the same host) still exists.
-    fn liveness(&self) -> Liveness {
-        if self.pid == 0 || self.start_time == 0 {
-            return Liveness::Unknown;
-        }
-        match read_stat(self.pid) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Liveness::Gone,
-            Err(_) => Liveness::Unknown,
-            Ok((state, start)) if start != self.start_time || matches!(state, 'Z' | 'X') => {
-                Liveness::Gone
-            }
-            Ok(_) => Liveness::Alive,
-        }
-    }
-}
-
-/// The state letter and start time (field 22, in clock ticks since boot) of
-/// `/proc/<pid>/stat`.
-fn read_stat(pid: u32) -> std::io::Result<(char, u64)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // The command name (field 2) is parenthesized and may hold spaces: parse after it.
-    let rest = text.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let state = fields.first().and_then(|f| f.chars().next()).unwrap_or('?');
-    let start = fields
-        .get(19)
-        .and_then(|f| f.parse().ok())
-        .ok_or_else(|| std::io::Error::other("unexpected /proc/<pid>/stat format"))?;
-    Ok((state, start))
 }
 
 /// Stand-ins for empty buffers: an empty slice's dangling address (`0x1`) is Open MPI's

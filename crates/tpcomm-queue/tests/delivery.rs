@@ -1,0 +1,302 @@
+//! Delivery: every reader gets every message, whole and in order, whatever the reader count,
+//! the sizes, the path (ring or transport) and the pace of the readers.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+use tpcomm_queue::{BroadcastQueue, QueueConfig, QueueError, QueuePath};
+use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
+
+/// A value shaped like a scheduler's step output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct StepOutput {
+    step: u64,
+    request_ids: Vec<String>,
+    tokens: Vec<Vec<u32>>,
+    block_tables: Vec<Vec<u32>>,
+    temperature: Vec<f32>,
+}
+
+fn step_output(step: u64, requests: usize) -> StepOutput {
+    StepOutput {
+        step,
+        request_ids: (0..requests).map(|r| format!("req-{step}-{r}")).collect(),
+        tokens: (0..requests)
+            .map(|r| {
+                (0..(r % 7) as u32 + 1)
+                    .map(|t| t * 31 + step as u32)
+                    .collect()
+            })
+            .collect(),
+        block_tables: (0..requests).map(|r| vec![r as u32; 4]).collect(),
+        temperature: (0..requests).map(|r| r as f32 / 10.0).collect(),
+    }
+}
+
+/// Message `i`'s bytes: lengths around the chunk size and past the ring's size.
+fn blob(i: usize, chunk: usize) -> ByteBuf {
+    let lens = [0, 1, chunk - 2, chunk, chunk + 1, 3 * chunk + 5, 20 * chunk];
+    let len = lens[i % lens.len()];
+    ByteBuf::from((0..len).map(|b| (b * 7 + i) as u8).collect::<Vec<u8>>())
+}
+
+/// Two chunks of 64 bytes: most messages lap the ring.
+fn tiny_ring() -> QueueConfig {
+    QueueConfig {
+        depth: 2,
+        chunk_bytes: 64,
+        ..small_ring()
+    }
+}
+
+fn small_ring() -> QueueConfig {
+    QueueConfig {
+        depth: 4,
+        chunk_bytes: 256,
+        timeout: Duration::from_secs(20),
+        ..QueueConfig::default()
+    }
+}
+
+/// Runs `messages` blobs from `writer` over `ranks` ranks (readers whose rank is in
+/// `via_transport` read through the transport); every reader checks what it got.
+fn deliver(ranks: usize, writer: usize, via_transport: &[usize], messages: usize) {
+    let results = LocalGroup::new(ranks).run(|comm: LocalCommunicator| {
+        let config = QueueConfig {
+            writer,
+            via_transport: via_transport.contains(&comm.rank()),
+            ..small_ring()
+        };
+        let mut q = BroadcastQueue::create(&comm, config)?;
+        let chunk = 256;
+        for i in 0..messages {
+            if q.is_writer() {
+                q.send(&blob(i, chunk))?;
+            } else {
+                let got: ByteBuf = q.recv()?;
+                assert_eq!(got, blob(i, chunk), "rank {} message {i}", comm.rank());
+            }
+        }
+        let path = q.path();
+        q.close_with(&comm)?;
+        Ok::<_, QueueError>(path)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let path = r.unwrap().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let expected = if rank == writer {
+            QueuePath::Writer
+        } else if via_transport.contains(&rank) {
+            QueuePath::Transport
+        } else {
+            QueuePath::SharedMemory
+        };
+        assert_eq!(path, expected, "rank {rank}");
+    }
+}
+
+#[test]
+fn every_reader_count_from_1_to_7_gets_every_message_whole_and_in_order() {
+    for readers in 1..=7 {
+        deliver(readers + 1, 0, &[], 30);
+    }
+}
+
+#[test]
+fn any_rank_can_be_the_writer() {
+    deliver(4, 2, &[], 20);
+}
+
+#[test]
+fn readers_through_the_transport_get_the_same_messages_as_the_ring_readers() {
+    deliver(4, 1, &[0, 3], 30);
+}
+
+#[test]
+fn a_queue_whose_readers_all_use_the_transport_needs_no_ring() {
+    deliver(3, 0, &[1, 2], 15);
+}
+
+#[test]
+fn a_message_larger_than_the_whole_ring_streams_through_it() {
+    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
+        let big = ByteBuf::from(vec![0xab; 100_000]);
+        if q.is_writer() {
+            q.send(&big)?;
+            q.send(&step_output(1, 3))?;
+        } else {
+            assert_eq!(q.recv::<ByteBuf>()?, big);
+            assert_eq!(q.recv::<StepOutput>()?, step_output(1, 3));
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+#[test]
+fn a_writer_that_laps_a_slow_reader_waits_for_it_and_loses_nothing() {
+    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
+        for i in 0..40u64 {
+            if q.is_writer() {
+                q.send(&step_output(i, (i % 5) as usize))?;
+            } else {
+                if comm.rank() == 2 && i % 8 == 0 {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                assert_eq!(q.recv::<StepOutput>()?, step_output(i, (i % 5) as usize));
+            }
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+#[test]
+fn recv_borrowed_gives_values_that_borrow_from_the_queue() {
+    #[derive(Serialize)]
+    struct Owned {
+        name: String,
+        bytes: ByteBuf,
+    }
+    #[derive(Deserialize)]
+    struct Borrowed<'a> {
+        name: &'a str,
+        #[serde(borrow)]
+        bytes: &'a serde_bytes::Bytes,
+    }
+    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+        let config = QueueConfig {
+            via_transport: comm.rank() == 2,
+            ..small_ring()
+        };
+        let mut q = BroadcastQueue::create(&comm, config)?;
+        for i in 0..5usize {
+            if q.is_writer() {
+                q.send(&Owned {
+                    name: format!("step {i}"),
+                    bytes: ByteBuf::from(vec![i as u8; i * 200]),
+                })?;
+            } else {
+                let got: Borrowed<'_> = q.recv_borrowed()?;
+                assert_eq!(got.name, format!("step {i}"));
+                assert_eq!(&got.bytes[..], &vec![i as u8; i * 200][..]);
+            }
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+#[test]
+fn a_message_that_does_not_decode_is_an_error_and_the_next_one_arrives() {
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, small_ring())?;
+        if q.is_writer() {
+            q.send("not a number")?;
+            q.send(&7u32)?;
+        } else {
+            match q.recv::<u64>() {
+                Err(QueueError::Decode {
+                    writer: 0,
+                    message: 0,
+                    ..
+                }) => {}
+                other => panic!("expected a decode error, got {other:?}"),
+            }
+            assert_eq!(q.recv::<u32>()?, 7);
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+#[test]
+fn a_value_nested_past_the_depth_limit_is_refused_by_the_decoder() {
+    #[derive(Debug, Serialize, Deserialize)]
+    enum Tree {
+        Leaf,
+        Node(Vec<Tree>),
+    }
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let mut config = small_ring();
+        config.options.max_depth = 16;
+        let mut q = BroadcastQueue::create(&comm, config)?;
+        if q.is_writer() {
+            let mut t = Tree::Leaf;
+            for _ in 0..40 {
+                t = Tree::Node(vec![t]);
+            }
+            q.send(&t)?;
+        } else {
+            match q.recv::<Tree>() {
+                Err(QueueError::Decode { source, .. }) => {
+                    assert!(format!("{:?}", source).contains("TooDeep"), "{source:?}");
+                }
+                other => panic!("expected a depth refusal, got {other:?}"),
+            }
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+#[test]
+fn a_message_over_the_cap_is_refused_by_the_writer_and_nothing_is_sent() {
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let mut config = small_ring();
+        config.options.max_total_bytes = 1000;
+        let mut q = BroadcastQueue::create(&comm, config)?;
+        if q.is_writer() {
+            match q.send(&ByteBuf::from(vec![0; 2000])) {
+                Err(QueueError::MessageTooLarge {
+                    bytes: 2002,
+                    cap: 1000,
+                    message: 0,
+                    ..
+                }) => {}
+                other => panic!("expected MessageTooLarge, got {other:?}"),
+            }
+            q.send(&ByteBuf::from(vec![1; 900]))?;
+        } else {
+            assert_eq!(q.recv::<ByteBuf>()?, ByteBuf::from(vec![1; 900]));
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+#[test]
+fn roles_are_checked() {
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, small_ring()).unwrap();
+        let wrong = if q.is_writer() {
+            q.recv::<u32>().map(drop)
+        } else {
+            q.send(&1u32)
+        };
+        q.close_with(&comm).unwrap();
+        wrong
+    });
+    assert!(matches!(
+        results[0].as_ref().unwrap(),
+        Err(QueueError::NotReader { rank: 0 })
+    ));
+    assert!(matches!(
+        results[1].as_ref().unwrap(),
+        Err(QueueError::NotWriter { rank: 1, writer: 0 })
+    ));
+}
+
+#[test]
+fn a_queue_of_one_rank_has_a_writer_and_no_reader() {
+    let results = LocalGroup::new(1).run(|comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, small_ring())?;
+        q.send(&step_output(0, 2))?;
+        assert_eq!(q.messages(), 1);
+        assert!(q.locality().shared_memory.is_empty());
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}

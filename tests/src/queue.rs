@@ -1,0 +1,145 @@
+//! Broadcast-queue cases of the conformance suite: the ring between the ranks of any
+//! communicator (threads of the local group, or processes under MPI, where the readers map the
+//! writer's segment from another process), and the transport path beside it.
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+use tpcomm::queue::{BroadcastQueue, QueueConfig, QueueError, QueuePath};
+use tpcomm::transport::Communicator;
+
+use crate::{filled, CaseResult};
+
+fn queue<T>(what: &str, r: Result<T, QueueError>) -> Result<T, String> {
+    r.map_err(|e| format!("{what}: {e}"))
+}
+
+/// A scheduler's step output, in miniature.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Step {
+    step: u64,
+    requests: Vec<(String, Vec<u32>)>,
+}
+
+fn step(i: usize) -> Step {
+    Step {
+        step: i as u64,
+        requests: (0..i % 9)
+            .map(|r| (format!("req-{i}-{r}"), vec![r as u32; r * 3]))
+            .collect(),
+    }
+}
+
+/// Small chunks, so that sizes around and past a chunk and the ring show up in few bytes.
+fn small(writer: usize, via_transport: bool) -> QueueConfig {
+    QueueConfig {
+        writer,
+        depth: 4,
+        chunk_bytes: 512,
+        via_transport,
+        ..QueueConfig::default()
+    }
+}
+
+/// The last rank writes; rank 1 (of 3 or more) reads through the transport, the others the
+/// ring; blobs of every size around a chunk and past the ring, and step structs, alternate.
+pub(crate) fn delivers_every_message_on_the_ring_and_the_transport<C: Communicator>(
+    comm: &C,
+) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    let writer = n - 1;
+    let via_transport = n > 2 && me == 1;
+    let mut q = queue(
+        "create",
+        BroadcastQueue::create(comm, small(writer, via_transport)),
+    )?;
+    let expected = if me == writer {
+        QueuePath::Writer
+    } else if via_transport {
+        QueuePath::Transport
+    } else {
+        QueuePath::SharedMemory
+    };
+    if q.path() != expected {
+        return Err(format!(
+            "rank {me} reads by {:?}, not {expected:?}",
+            q.path()
+        ));
+    }
+    let lens = [0usize, 1, 511, 512, 513, 2048, 5000, 70_000];
+    for i in 0..48 {
+        let len = lens[i % lens.len()];
+        if i % 3 == 2 {
+            if q.is_writer() {
+                queue("send", q.send(&step(i)))?;
+            } else {
+                let got: Step = queue("recv", q.recv())?;
+                if got != step(i) {
+                    return Err(format!("message {i}: another step arrived"));
+                }
+            }
+        } else if q.is_writer() {
+            queue("send", q.send(&ByteBuf::from(filled(writer, i, len))))?;
+        } else {
+            let got: ByteBuf = queue("recv", q.recv())?;
+            crate::expect_bytes(&format!("message {i}"), &got, &filled(writer, i, len))?;
+        }
+    }
+    queue("close_with", q.close_with(comm))
+}
+
+/// Messages sent before a suspend and not received yet arrive after the resume, on both
+/// paths; a reader that received everything before it waits for the next one.
+pub(crate) fn keeps_messages_across_suspend_and_resume<C: Communicator>(comm: &C) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    let via_transport = n > 2 && me == n - 1;
+    let mut q = queue(
+        "create",
+        BroadcastQueue::create(comm, small(0, via_transport)),
+    )?;
+    for round in 0..3 {
+        if q.is_writer() {
+            for k in 0..3 {
+                queue("send", q.send(&step(round * 10 + k)))?;
+            }
+        } else {
+            let got: Step = queue("recv", q.recv())?;
+            if got != step(round * 10) {
+                return Err(format!("round {round}: the first message differs"));
+            }
+        }
+        queue("suspend", q.suspend(comm))?;
+        queue("resume", q.resume(comm))?;
+        if !q.is_writer() {
+            for k in 1..3 {
+                let got: Step = queue("recv", q.recv())?;
+                if got != step(round * 10 + k) {
+                    return Err(format!(
+                        "round {round}: message {k} after the resume differs"
+                    ));
+                }
+            }
+        }
+    }
+    queue("close_with", q.close_with(comm))
+}
+
+/// Two queues at once, one per half of a split: each delivers its own writer's messages.
+pub(crate) fn queues_on_split_sub_groups_run_side_by_side<C: Communicator>(comm: &C) -> CaseResult {
+    let half = comm.rank() % 2;
+    let sub = comm
+        .split(Some(half as u32), comm.rank() as i32)
+        .map_err(|e| format!("split: {e}"))?
+        .ok_or("split gave no group")?;
+    let mut q = queue("create", BroadcastQueue::create(&sub, small(0, false)))?;
+    for i in 0..20 {
+        if q.is_writer() {
+            queue("send", q.send(&(half, i)))?;
+        } else {
+            let got: (usize, usize) = queue("recv", q.recv())?;
+            if got != (half, i) {
+                return Err(format!("got {got:?}, expected {:?}", (half, i)));
+            }
+        }
+    }
+    queue("close_with", q.close_with(&sub))
+}

@@ -12,13 +12,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use crate::{setup, util};
 
 /// The subcommands run, in order, and whether each has a local (threads) form.
-const SUBCOMMANDS: [(&str, bool); 6] = [
+const SUBCOMMANDS: [(&str, bool); 7] = [
     ("peer-check", false),
     ("transport", true),
     ("objects", true),
     ("ipc", true),
     ("allreduce", true),
     ("lifecycle", true),
+    ("queue", true),
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<(), String> {

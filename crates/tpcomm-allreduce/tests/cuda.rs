@@ -44,7 +44,15 @@ fn group(n: usize) -> LocalGroup {
 /// The backend and the all-reduce of one rank on device 0, sized for `world` ranks sharing
 /// it.
 fn new_ar(comm: &LocalCommunicator, config: Config) -> R<Ar> {
-    let memory = CudaMemory::same_process(0)?;
+    new_ar_on(comm, config, CudaMemory::same_process(0)?)
+}
+
+/// [`new_ar`] on the peer memory given.
+fn new_ar_on<M: DevicePeerMemory>(
+    comm: &LocalCommunicator,
+    config: Config,
+    memory: M,
+) -> R<CustomAllReduce<CudaBackend<M>>> {
     let options = CudaOptions {
         ranks_per_device: comm.size(),
         ..CudaOptions::default()
@@ -71,13 +79,21 @@ fn download<T: Element>(memory: &impl PeerMemory, buf: &CudaBuffer, count: usize
 }
 
 /// Fills `buf` with 0xff bytes: NaN in every element type.
-fn poison(memory: &CudaMemory, buf: &CudaBuffer, bytes: usize) -> R<()> {
+fn poison(memory: &impl PeerMemory, buf: &CudaBuffer, bytes: usize) -> R<()> {
     Ok(memory.write(buf, 0, &vec![0xffu8; bytes])?)
 }
 
 /// Every size and algorithm the kernels serve for `T` on `world` ranks, eager and
 /// registered, against the f64 reference.
 fn kernels_match_reference<T: Element>(world: usize) {
+    kernels_match_reference_on::<T, _>(world, || Ok(CudaMemory::same_process(0)?));
+}
+
+/// [`kernels_match_reference`] on the peer memory `memory` makes for each rank.
+fn kernels_match_reference_on<T: Element, M: DevicePeerMemory>(
+    world: usize,
+    memory: impl Fn() -> R<M> + Sync,
+) {
     let seed = run_seed();
     // 16 bytes, one pack short of / past a block's worth, odd pack counts, 1 MiB, and a
     // size whose packs do not divide by the world size.
@@ -98,7 +114,7 @@ fn kernels_match_reference<T: Element>(world: usize) {
                 timeout: Duration::from_secs(20),
                 ..Config::default()
             };
-            let mut ar = new_ar(&comm, config)?;
+            let mut ar = new_ar_on(&comm, config, memory()?)?;
             let memory = ar.memory()?.clone();
             let input = memory.allocate(4 << 20)?;
             let output = memory.allocate(4 << 20)?;
@@ -153,6 +169,17 @@ fn kernels_match_an_f64_reference_for_every_dtype_algorithm_and_world_size() {
         kernels_match_reference::<f32>(world);
         kernels_match_reference::<f16>(world);
         kernels_match_reference::<bf16>(world);
+    }
+}
+
+#[test]
+fn on_virtual_memory_the_kernels_match_an_f64_reference_eager_and_registered() {
+    if !vmm_gpu() {
+        return;
+    }
+    for world in [2, 4] {
+        kernels_match_reference_on::<f32, _>(world, || Ok(CudaVmmMemory::same_process(0)?));
+        kernels_match_reference_on::<bf16, _>(world, || Ok(CudaVmmMemory::same_process(0)?));
     }
 }
 

@@ -537,36 +537,9 @@ fn the_pair_transport_carries_the_host_all_reduce_across_two_processes() {
 /// same graph on new data. Returns whether the peer mappings moved.
 fn two_process_rank(comm: &pair::Pair) -> R<bool> {
     let memory = CudaMemory::new(0)?;
-    let options = CudaOptions {
-        ranks_per_device: 2,
-        ..CudaOptions::default()
-    };
-    let backend = CudaBackend::new(comm, &memory, options)?;
-    let mut ar = CustomAllReduce::new(backend, memory.clone(), comm, Config::default())?;
-    let (small, large) = (1024usize, 256usize << 10);
-    let a = memory.allocate(small * 4)?;
-    let b = memory.allocate(large * 4)?;
-    let out_a = memory.allocate(small * 4)?;
-    let out_b = memory.allocate(large * 4)?;
-    let graph = ar.capture_graph(|ar| {
-        ar.all_reduce_buffer(&a, &out_a, DType::F32, small)?;
-        ar.all_reduce_buffer(&b, &out_b, DType::F32, large)?;
-        Ok(())
-    })?;
-    assert_eq!(ar.register_graph_buffers(comm)?, 2);
+    let (mut ar, calls) = TwoCalls::capture(comm, &memory)?;
     let peer = 1 - comm.rank();
-    let run = |ar: &mut Ar, shift: f32| -> R<()> {
-        fill_rank::<f32>(&memory, &a, comm.rank(), shift, small)?;
-        fill_rank::<f32>(&memory, &b, comm.rank(), 2.0 * shift, large)?;
-        comm.barrier()?;
-        ar.replay_graph(&graph)?;
-        ar.synchronize()?;
-        expect_all::<f32>(&memory, &out_a, small, 3.0 + 2.0 * shift)?;
-        expect_all::<f32>(&memory, &out_b, large, 3.0 + 4.0 * shift)?;
-        comm.barrier()?;
-        Ok(())
-    };
-    run(&mut ar, 0.0)?;
+    calls.replay(comm, &mut ar, &memory, 0.0)?;
     let before: Vec<u64> = (0..3)
         .map(|i| ar.base_address(peer, i))
         .chain([1, 2].map(|slot| ar.rank_data_slot(slot).map(|s| s[peer])))
@@ -591,9 +564,78 @@ fn two_process_rank(comm: &pair::Pair) -> R<bool> {
         );
     }
     // The graph captured before the suspend, on the tables rewritten in place.
-    run(&mut ar, 10.0)?;
+    calls.replay(comm, &mut ar, &memory, 10.0)?;
     ar.close()?;
     Ok(moved)
+}
+
+/// A graph of two f32 all-reduces (4 KiB: one-stage; 1 MiB: two-stage from 4 ranks) of one
+/// rank, registered, with its buffers.
+struct TwoCalls {
+    a: CudaBuffer,
+    b: CudaBuffer,
+    out_a: CudaBuffer,
+    out_b: CudaBuffer,
+    graph: tpcomm_allreduce::DeviceGraph,
+}
+
+impl TwoCalls {
+    const SMALL: usize = 1024;
+    const LARGE: usize = 256 << 10;
+
+    /// Collective: an all-reduce on `memory` (every rank on device 0) and its captured,
+    /// registered graph.
+    fn capture<C: Communicator, M: DevicePeerMemory>(
+        comm: &C,
+        memory: &M,
+    ) -> R<(CustomAllReduce<CudaBackend<M>>, Self)> {
+        let options = CudaOptions {
+            // Every rank on device 0, threads or processes.
+            ranks_per_device: comm.size(),
+            ..CudaOptions::default()
+        };
+        let backend = CudaBackend::new(comm, memory, options)?;
+        let mut ar = CustomAllReduce::new(backend, memory.clone(), comm, Config::default())?;
+        let a = memory.allocate(Self::SMALL * 4)?;
+        let b = memory.allocate(Self::LARGE * 4)?;
+        let out_a = memory.allocate(Self::SMALL * 4)?;
+        let out_b = memory.allocate(Self::LARGE * 4)?;
+        let graph = ar.capture_graph(|ar| {
+            ar.all_reduce_buffer(&a, &out_a, DType::F32, Self::SMALL)?;
+            ar.all_reduce_buffer(&b, &out_b, DType::F32, Self::LARGE)?;
+            Ok(())
+        })?;
+        assert_eq!(ar.register_graph_buffers(comm)?, 2);
+        let calls = Self {
+            a,
+            b,
+            out_a,
+            out_b,
+            graph,
+        };
+        Ok((ar, calls))
+    }
+
+    /// Collective: fills the inputs with `rank + 1 + shift` (and twice `shift` for the large
+    /// one), replays the graph and checks both sums exactly.
+    fn replay<C: Communicator, M: DevicePeerMemory>(
+        &self,
+        comm: &C,
+        ar: &mut CustomAllReduce<CudaBackend<M>>,
+        memory: &M,
+        shift: f32,
+    ) -> R<()> {
+        let sum = |shift: f32| (1..=comm.size()).map(|r| r as f32 + shift).sum::<f32>();
+        fill_rank::<f32>(memory, &self.a, comm.rank(), shift, Self::SMALL)?;
+        fill_rank::<f32>(memory, &self.b, comm.rank(), 2.0 * shift, Self::LARGE)?;
+        comm.barrier()?;
+        ar.replay_graph(&self.graph)?;
+        ar.synchronize()?;
+        expect_all::<f32>(memory, &self.out_a, Self::SMALL, sum(shift))?;
+        expect_all::<f32>(memory, &self.out_b, Self::LARGE, sum(2.0 * shift))?;
+        comm.barrier()?;
+        Ok(())
+    }
 }
 
 #[test]
@@ -728,38 +770,9 @@ fn replay_across_a_releasing_suspend<C: Communicator, M: DevicePeerMemory>(
     comm: &C,
     memory: M,
 ) -> R<usize> {
-    let options = CudaOptions {
-        // Every rank on device 0, threads or processes.
-        ranks_per_device: comm.size(),
-        ..CudaOptions::default()
-    };
-    let backend = CudaBackend::new(comm, &memory, options)?;
-    let mut ar = CustomAllReduce::new(backend, memory.clone(), comm, Config::default())?;
-    let (small, large) = (1024usize, 256usize << 10);
-    let a = memory.allocate(small * 4)?;
-    let b = memory.allocate(large * 4)?;
-    let out_a = memory.allocate(small * 4)?;
-    let out_b = memory.allocate(large * 4)?;
-    let graph = ar.capture_graph(|ar| {
-        ar.all_reduce_buffer(&a, &out_a, DType::F32, small)?;
-        ar.all_reduce_buffer(&b, &out_b, DType::F32, large)?;
-        Ok(())
-    })?;
-    assert_eq!(ar.register_graph_buffers(comm)?, 2);
+    let (mut ar, calls) = TwoCalls::capture(comm, &memory)?;
     let world = comm.size();
-    let sum = |shift: f32| (1..=world).map(|r| r as f32 + shift).sum::<f32>();
-    let run = |ar: &mut CustomAllReduce<CudaBackend<M>>, shift: f32| -> R<()> {
-        fill_rank::<f32>(&memory, &a, comm.rank(), shift, small)?;
-        fill_rank::<f32>(&memory, &b, comm.rank(), 2.0 * shift, large)?;
-        comm.barrier()?;
-        ar.replay_graph(&graph)?;
-        ar.synchronize()?;
-        expect_all::<f32>(&memory, &out_a, small, sum(shift))?;
-        expect_all::<f32>(&memory, &out_b, large, sum(2.0 * shift))?;
-        comm.barrier()?;
-        Ok(())
-    };
-    run(&mut ar, 0.0)?;
+    calls.replay(comm, &mut ar, &memory, 0.0)?;
     let addresses = |ar: &CustomAllReduce<CudaBackend<M>>| -> R<Vec<u64>> {
         let mut all = vec![ar.rank_signals_address()?];
         for r in 0..world {
@@ -794,7 +807,7 @@ fn replay_across_a_releasing_suspend<C: Communicator, M: DevicePeerMemory>(
     ar.reinit_after_resume(comm)?;
     assert_eq!(addresses(&ar)?, before, "an address the graph reads moved");
     assert_eq!(ar.table_writes(), writes, "the tables were written again");
-    run(&mut ar, 10.0)?;
+    calls.replay(comm, &mut ar, &memory, 10.0)?;
     ar.close()?;
     Ok(released)
 }

@@ -383,36 +383,57 @@ fn child_cuda_exporter() {
     }
 }
 
-#[test]
-fn a_peer_process_opens_reads_closes_and_reopens_a_handle() {
-    let Some(mem) = gpu() else { return };
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child_cuda_exporter",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("TPCOMM_CUDA_CHILD", "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    // The harness may print "test child_cuda_exporter ... " on the same line.
-    let mut field = |tag: &str| {
-        lines
+/// A helper process: this test executable running the ignored test `name`, talked to over
+/// its stdin and stdout.
+struct Helper {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+impl Helper {
+    fn spawn(name: &str) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                name,
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("TPCOMM_CUDA_CHILD", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        Self {
+            child,
+            stdin,
+            lines,
+        }
+    }
+
+    /// What follows `tag` in the next line that holds it (the harness may print "test NAME
+    /// ... " on the same line).
+    fn field(&mut self, tag: &str) -> String {
+        self.lines
             .find_map(|l| {
                 l.ok()
                     .and_then(|l| l.split_once(tag).map(|(_, rest)| rest.trim().to_string()))
             })
             .unwrap_or_else(|| panic!("the child prints {tag}"))
-    };
-    let wire = unhex(&field("HANDLE "));
+    }
+}
+
+#[test]
+fn a_peer_process_opens_reads_closes_and_reopens_a_handle() {
+    let Some(mem) = gpu() else { return };
+    let mut helper = Helper::spawn("child_cuda_exporter");
+    let wire = unhex(&helper.field("HANDLE "));
     let h: CudaHandle = tpcomm_objects::decode_from(0, &wire).unwrap();
-    assert_eq!(h.pid, child.id());
+    assert_eq!(h.pid, helper.child.id());
     assert_eq!((h.offset, h.len), (CHILD_OFFSET as u64, CHILD_LEN as u64));
     assert_eq!(h.base_len, 4 << 20, "3 MiB rounded up to 2 MiB multiples");
 
@@ -451,15 +472,15 @@ fn a_peer_process_opens_reads_closes_and_reopens_a_handle() {
     assert_eq!(got[..16], marker, "still mapped while one mapping remains");
     drop(twin);
 
-    writeln!(stdin, "CHECK").unwrap();
+    writeln!(helper.stdin, "CHECK").unwrap();
     assert_eq!(
-        unhex(&field("MARKER ")),
+        unhex(&helper.field("MARKER ")),
         marker,
         "the owner sees the peer's write"
     );
 
-    child.kill().unwrap();
-    child.wait().unwrap();
+    helper.child.kill().unwrap();
+    helper.child.wait().unwrap();
     match mem.open(&h) {
         Err(e) => eprintln!("after the owner died, open fails: {e}"),
         Ok(m) => {
@@ -624,29 +645,7 @@ fn wire_bytes_of(h: &CudaPeerHandle) -> Vec<u8> {
 #[test]
 fn a_peer_process_keeps_the_address_of_a_vmm_mapping_through_a_release_and_restore() {
     let Some(mem) = vmm_gpu() else { return };
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child_vmm_exporter",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("TPCOMM_CUDA_CHILD", "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut field = |tag: &str| {
-        lines
-            .find_map(|l| {
-                l.ok()
-                    .and_then(|l| l.split_once(tag).map(|(_, rest)| rest.trim().to_string()))
-            })
-            .unwrap_or_else(|| panic!("the child prints {tag}"))
-    };
+    let mut helper = Helper::spawn("child_vmm_exporter");
     let handle = |line: String| -> (CudaPeerHandle, String) {
         let (wire, at) = line.split_once(" AT ").expect("HANDLE <hex> AT <addr>");
         (
@@ -654,11 +653,11 @@ fn a_peer_process_keeps_the_address_of_a_vmm_mapping_through_a_release_and_resto
             at.to_string(),
         )
     };
-    let (h, owner_addr) = handle(field("HANDLE "));
+    let (h, owner_addr) = handle(helper.field("HANDLE "));
     let CudaPeerHandle::Vmm(v) = &h else {
         panic!("a VMM buffer exports a VMM handle: {h:?}")
     };
-    assert_eq!(v.pid, child.id());
+    assert_eq!(v.pid, helper.child.id());
     assert_eq!((v.offset, v.len), (VMM_OFFSET as u64, VMM_LEN as u64));
     assert_eq!(v.base_len as usize % mem.granularity(), 0);
 
@@ -668,9 +667,9 @@ fn a_peer_process_keeps_the_address_of_a_vmm_mapping_through_a_release_and_resto
     mem.read(&m, 0, &mut got).unwrap();
     assert_eq!(got, pattern(5, VMM_LEN), "cross-process read");
     mem.write(&m, 0, &[0xa5; 16]).unwrap();
-    writeln!(stdin, "CHECK").unwrap();
+    writeln!(helper.stdin, "CHECK").unwrap();
     assert_eq!(
-        unhex(&field("MARKER ")),
+        unhex(&helper.field("MARKER ")),
         [0xa5; 16],
         "the owner sees the peer's write"
     );
@@ -680,10 +679,13 @@ fn a_peer_process_keeps_the_address_of_a_vmm_mapping_through_a_release_and_resto
         mem.read(&m, 0, &mut got[..16]),
         Err(IpcError::Unbacked { .. })
     ));
-    writeln!(stdin, "RELEASE").unwrap();
-    assert_eq!(field("RELEASED ").parse::<u64>().unwrap(), v.base_len);
-    writeln!(stdin, "RESTORE").unwrap();
-    let (fresh, owner_again) = handle(field("HANDLE "));
+    writeln!(helper.stdin, "RELEASE").unwrap();
+    assert_eq!(
+        helper.field("RELEASED ").parse::<u64>().unwrap(),
+        v.base_len
+    );
+    writeln!(helper.stdin, "RESTORE").unwrap();
+    let (fresh, owner_again) = handle(helper.field("HANDLE "));
     assert_eq!(
         owner_again, owner_addr,
         "the owner's buffer kept its address"
@@ -699,8 +701,8 @@ fn a_peer_process_keeps_the_address_of_a_vmm_mapping_through_a_release_and_resto
         "the fresh memory, through the same address"
     );
 
-    child.kill().unwrap();
-    child.wait().unwrap();
+    helper.child.kill().unwrap();
+    helper.child.wait().unwrap();
     drop(m);
 }
 

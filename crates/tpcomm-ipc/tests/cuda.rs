@@ -37,7 +37,7 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
 }
 
 /// The bytes of `h` exactly as they travel between ranks (tpcomm-objects' all-gather).
-fn wire_bytes(h: &CudaHandle) -> Vec<u8> {
+fn wire_bytes<H: serde::Serialize + Sync>(h: &H) -> Vec<u8> {
     let mut out = LocalGroup::new(1).run(|comm| {
         tpcomm_objects::all_gather_borrowed(&comm, h)
             .unwrap()
@@ -571,17 +571,7 @@ fn vmm_handle_bytes_are_stable() {
         len: 100,
         device: 1,
     });
-    let wire = LocalGroup::new(1)
-        .run(|comm| {
-            tpcomm_objects::all_gather_borrowed(&comm, &h)
-                .unwrap()
-                .bytes(0)
-                .unwrap()
-                .to_vec()
-        })
-        .pop()
-        .unwrap()
-        .unwrap();
+    let wire = wire_bytes(&h);
     // Variant 1, then the fields in order as varints (zigzag for the signed fd and device).
     assert_eq!(hex(&wire), "01ac020e0563ff87038080800180206402");
     let back: CudaPeerHandle = tpcomm_objects::decode_from(0, &wire).unwrap();
@@ -607,7 +597,7 @@ fn child_vmm_exporter() {
     let export = |mem: &CudaVmmMemory, buf: &tpcomm_ipc::CudaBuffer, seed: u8| {
         mem.write(buf, VMM_OFFSET, &pattern(seed, VMM_LEN)).unwrap();
         let h = mem.export(buf.addr() + VMM_OFFSET as u64, VMM_LEN).unwrap();
-        println!("HANDLE {} AT {:#x}", hex(&wire_bytes_of(&h)), buf.addr());
+        println!("HANDLE {} AT {:#x}", hex(&wire_bytes(&h)), buf.addr());
     };
     export(&mem, &buf, 5);
     let mut lines = std::io::stdin().lock().lines();
@@ -629,17 +619,6 @@ fn child_vmm_exporter() {
             _ => {}
         }
     }
-}
-
-fn wire_bytes_of(h: &CudaPeerHandle) -> Vec<u8> {
-    let mut out = LocalGroup::new(1).run(|comm| {
-        tpcomm_objects::all_gather_borrowed(&comm, h)
-            .unwrap()
-            .bytes(0)
-            .unwrap()
-            .to_vec()
-    });
-    out.pop().unwrap().unwrap()
 }
 
 #[test]

@@ -138,8 +138,8 @@ impl<M: PeerMemory> PeerMemory for FaultInjection<M> {
     fn restore_backing(&self, buffer: &mut M::Buffer) -> Result<()> {
         self.inner.restore_backing(buffer)
     }
-    fn close_exports(&self) {
-        self.inner.close_exports();
+    fn close_exports(&self, regions: &[crate::Region]) {
+        self.inner.close_exports(regions);
     }
     fn checkpoint_blocker(&self, handle: &M::Handle) -> Option<String> {
         self.inner.checkpoint_blocker(handle)

@@ -188,13 +188,15 @@ pub trait PeerMemory: Send + Sync + Debug + 'static {
         })
     }
 
-    /// Closes what this backend keeps open so that peers can fetch its exported handles
-    /// (CUDA virtual memory: the exported descriptors). Peers that opened them keep their
-    /// mappings; handles exported before go stale, and the next export makes fresh ones.
-    /// [`PeerMappings::close_all`](crate::PeerMappings::close_all) calls it (every peer has
-    /// opened what it needs by then), so that a process checkpoint finds nothing exported
-    /// open. A no-op by default.
-    fn close_exports(&self) {}
+    /// Closes what this backend keeps open so that peers can fetch the handles it exported
+    /// for `regions` (CUDA virtual memory: the descriptors of the allocations holding them).
+    /// Peers that opened them keep their mappings; handles exported before go stale, and the
+    /// next export makes fresh ones. [`PeerMappings::close_all`](crate::PeerMappings::close_all)
+    /// calls it with its own regions (every peer has opened what it needs by then), so that a
+    /// process checkpoint finds nothing exported open. A no-op by default.
+    fn close_exports(&self, regions: &[Region]) {
+        let _ = regions;
+    }
 
     /// Why a mapping opened from `handle` would keep this process from being checkpointed
     /// and restored with its peers (`cuCheckpointProcess*`), or `None` when it would not:

@@ -697,7 +697,12 @@ impl<B: PeerMemory> PeerMappings<B> {
         self.closed = true;
         // Every peer opened what it needs (a close follows the exchanges' verdicts): what
         // the backend holds open for them can go.
-        self.backend.close_exports();
+        let own: Vec<Region> = self
+            .exchanges
+            .iter()
+            .flat_map(|x| x.local.iter().copied())
+            .collect();
+        self.backend.close_exports(&own);
         tracing::debug!(closed, "peer mappings closed");
         match first_error {
             Some(e) => Err(e),

@@ -1198,12 +1198,16 @@ impl PeerMemory for CudaVmmMemory {
         }))
     }
 
-    /// Closes every exported descriptor of this process's allocations: peers that imported
-    /// keep their imports, handles exported before go stale, and the next export makes a
-    /// fresh descriptor. A process checkpoint then finds no exported descriptor open.
-    fn close_exports(&self) {
-        for o in owned().values_mut() {
-            o.exported = None;
+    /// Closes the exported descriptors of the allocations holding `regions`: peers that
+    /// imported keep their imports, handles exported before go stale, and the next export
+    /// makes a fresh descriptor. A process checkpoint then finds no descriptor of them open.
+    fn close_exports(&self, regions: &[Region]) {
+        let mut table = owned();
+        for r in regions {
+            let base = owned_range(&table, r.addr, r.len).map(|(base, _)| base);
+            if let Some(o) = base.and_then(|b| table.get_mut(&b)) {
+                o.exported = None;
+            }
         }
     }
 

@@ -4,9 +4,10 @@
 //! [`CudaVmmMemory`] allocates with the driver's virtual-memory API: physical memory
 //! (`cuMemCreate`, pinned device memory that may be exported as a POSIX descriptor), a
 //! range of device addresses reserved for it (`cuMemAddressReserve`), mapped there
-//! (`cuMemMap`) with read/write access for its device (`cuMemSetAccess`). Each allocation is
-//! exported once, as a descriptor this process holds for as long as the memory lives
-//! (`cuMemExportToShareableHandle`).
+//! (`cuMemMap`) with read/write access for its device (`cuMemSetAccess`). An allocation is
+//! exported as a descriptor at its first export (`cuMemExportToShareableHandle`), held for
+//! peers to fetch until the registry that shared it closes its mappings
+//! ([`PeerMemory::close_exports`]), and exported afresh at the next export.
 //!
 //! - **Handles.** A [`CudaVmmHandle`] names the owner's pid, the descriptor's number in the
 //!   owner and its identity (device, inode, the character device it is), the allocation's

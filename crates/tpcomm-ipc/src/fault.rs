@@ -138,7 +138,7 @@ impl<M: PeerMemory> PeerMemory for FaultInjection<M> {
     fn restore_backing(&self, buffer: &mut M::Buffer) -> Result<()> {
         self.inner.restore_backing(buffer)
     }
-    fn close_exports(&self, regions: &[crate::Region]) {
+    fn close_exports(&self, regions: &mut dyn Iterator<Item = crate::Region>) {
         self.inner.close_exports(regions);
     }
     fn checkpoint_blocker(&self, handle: &M::Handle) -> Option<String> {

@@ -194,7 +194,7 @@ pub trait PeerMemory: Send + Sync + Debug + 'static {
     /// next export makes fresh ones. [`PeerMappings::close_all`](crate::PeerMappings::close_all)
     /// calls it with its own regions (every peer has opened what it needs by then), so that a
     /// process checkpoint finds nothing exported open. A no-op by default.
-    fn close_exports(&self, regions: &[Region]) {
+    fn close_exports(&self, regions: &mut dyn Iterator<Item = Region>) {
         let _ = regions;
     }
 

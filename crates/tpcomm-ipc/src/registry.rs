@@ -697,12 +697,8 @@ impl<B: PeerMemory> PeerMappings<B> {
         self.closed = true;
         // Every peer opened what it needs (a close follows the exchanges' verdicts): what
         // the backend holds open for them can go.
-        let own: Vec<Region> = self
-            .exchanges
-            .iter()
-            .flat_map(|x| x.local.iter().copied())
-            .collect();
-        self.backend.close_exports(&own);
+        let mut own = self.exchanges.iter().flat_map(|x| x.local.iter().copied());
+        self.backend.close_exports(&mut own);
         tracing::debug!(closed, "peer mappings closed");
         match first_error {
             Some(e) => Err(e),

@@ -1202,7 +1202,7 @@ impl PeerMemory for CudaVmmMemory {
     /// Closes the exported descriptors of the allocations holding `regions`: peers that
     /// imported keep their imports, handles exported before go stale, and the next export
     /// makes a fresh descriptor. A process checkpoint then finds no descriptor of them open.
-    fn close_exports(&self, regions: &[Region]) {
+    fn close_exports(&self, regions: &mut dyn Iterator<Item = Region>) {
         let mut table = owned();
         for r in regions {
             let base = owned_range(&table, r.addr, r.len).map(|(base, _)| base);

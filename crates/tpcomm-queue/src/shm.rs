@@ -366,14 +366,15 @@ impl RingMemory for SharedRing {
         self.u64_at(header::PUBLISHED)
     }
 
-    fn write_payload(&self, slot: usize, src: &[u8]) {
-        let at = self.payload_at(slot, src.len());
-        // SAFETY: `at + src.len()` lies inside the mapping (`payload_at` checked the length
-        // against the chunk size the layout reserves); `src` is private memory, which cannot
-        // overlap the shared mapping; only raw copies touch payload bytes.
+    fn write_payload(&self, slot: usize, at: usize, src: &[u8]) {
+        let end = at.checked_add(src.len()).expect("a chunk-sized range");
+        let start = self.payload_at(slot, end) + at;
+        // SAFETY: `start + src.len()` lies inside the mapping (`payload_at` checked `at +
+        // src.len()` against the chunk size the layout reserves); `src` is private memory,
+        // which cannot overlap the shared mapping; only raw copies touch payload bytes.
         unsafe {
             tpcomm_transport::backend::copy::copy_bytes(
-                self.base.as_ptr().add(at),
+                self.base.as_ptr().add(start),
                 src.as_ptr(),
                 src.len(),
             )

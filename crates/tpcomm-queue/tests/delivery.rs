@@ -437,3 +437,34 @@ fn a_value_that_encodes_shorter_than_sized_after_a_published_chunk_fails_the_que
     });
     assert!(results.into_iter().all(|r| r.is_ok()));
 }
+
+#[test]
+fn large_pieces_arrive_whole_through_the_non_temporal_copies() {
+    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+        let config = QueueConfig {
+            depth: 3,
+            chunk_bytes: 40_000,
+            ..small_ring()
+        };
+        let mut q = BroadcastQueue::create(&comm, config)?;
+        // Lengths past the 16 KiB of a non-temporal copy, chunk boundaries inside pieces,
+        // the ring lapped; one value through the writer's buffer (a Vec<u16>).
+        for i in 0..12usize {
+            let bytes = ByteBuf::from(
+                (0..17_000 * i + 5)
+                    .map(|b| (b ^ i) as u8)
+                    .collect::<Vec<u8>>(),
+            );
+            let words: Vec<u16> = (0..(30_000 + i) as u16).collect();
+            if q.is_writer() {
+                q.send(&bytes)?;
+                q.send(&words)?;
+            } else {
+                assert_eq!(q.recv::<ByteBuf>()?, bytes, "message {i}");
+                assert_eq!(q.recv::<Vec<u16>>()?, words);
+            }
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}

@@ -250,6 +250,22 @@ pub enum QueueError {
         /// The cap.
         cap: usize,
     },
+    /// The value encoded to another length than the size pass just before counted (a
+    /// `Serialize` impl whose output changes from one call to the next): the writer had
+    /// started streaming it into the ring, so the queue fails (unless nothing was
+    /// published yet, when it stays usable and nothing was sent).
+    #[error(
+        "queue on rank {rank}: message #{message} encoded to another length than the \
+         {sized} bytes its size pass counted (a Serialize impl that changes its output)"
+    )]
+    UnstableEncoding {
+        /// This rank (the writer).
+        rank: usize,
+        /// The message being sent.
+        message: u64,
+        /// The length the size pass counted.
+        sized: usize,
+    },
     /// A message arrived whole but does not decode as the requested type (or nests deeper
     /// than the agreed depth); it is consumed, the queue is usable.
     #[error(
@@ -491,6 +507,7 @@ impl QueueError {
             | QueueError::NotWriter { .. }
             | QueueError::NotReader { .. }
             | QueueError::Encode { .. }
+            | QueueError::UnstableEncoding { .. }
             | QueueError::MessageTooLarge { .. }
             | QueueError::Decode { .. }
             | QueueError::JoinedLate { .. }

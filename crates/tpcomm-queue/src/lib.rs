@@ -5,8 +5,8 @@
 //! sampling parameters: a few hundred bytes to a few MiB) to every other rank before the
 //! model runs. A collective per step (an object broadcast over MPI) pays a rendezvous of
 //! every rank and the transport's protocol on each message; [`BroadcastQueue`] pays neither:
-//! after a collective creation, the writer's [`send`](BroadcastQueue::send) copies the
-//! encoded value into a ring of chunks in shared memory and returns, and each reader's
+//! after a collective creation, the writer's [`send`](BroadcastQueue::send) encodes the
+//! value into a ring of chunks in shared memory and returns, and each reader's
 //! [`recv`](BroadcastQueue::recv) copies it out, with no call of the transport.
 //!
 //! ## Design
@@ -23,6 +23,12 @@
 //!   (releasing the chunk at once: a large message streams through the ring, the writer
 //!   filling chunks while the readers empty the ones before). The protocol is model-checked
 //!   with loom (`cargo xtask loom`).
+//! - **Streaming.** A value of few, large pieces (byte strings) is sized first (postcard's
+//!   size pass, given up on values of many small pieces, where it would cost as much as the
+//!   copy it saves) and then encoded straight into the chunks, each published as soon as it
+//!   is full: the readers copy a chunk out while the writer encodes the next, and the
+//!   bytes are copied once on the writer's side. Other values are encoded into the writer's
+//!   buffer and copied into the ring chunk by chunk.
 //! - **Messages larger than a chunk** (or than the whole ring) take the overflow path of
 //!   consecutive chunks: the writer waits for free chunks as the readers copy, and a reader
 //!   returns the value only once its last chunk is in. Never an error, never a partial read;

@@ -583,9 +583,17 @@ impl<C: Communicator> BroadcastQueue<C> {
     /// the ring and the transport readers' broadcast is done: a reader on this host that
     /// lags by the whole ring makes it wait, bounded by the timeout.
     ///
+    /// A value of few, large pieces (byte strings, strings: a size pass of postcard counts
+    /// its bytes, giving up past 64 pieces that average under 64 bytes) is encoded straight
+    /// into the ring's chunks when every reader maps the ring: each chunk is published as
+    /// soon as it is full, so that the readers copy it out while the rest is encoded. Any
+    /// other value is encoded into the writer's buffer, then copied into the ring.
+    ///
     /// Fails with [`Encode`](QueueError::Encode) or
     /// [`MessageTooLarge`](QueueError::MessageTooLarge) before anything is sent (the queue
-    /// stays usable); with [`ReaderTimeout`](QueueError::ReaderTimeout),
+    /// stays usable); with [`UnstableEncoding`](QueueError::UnstableEncoding) when the value
+    /// encodes to another length than its size pass counted (failing the queue if a chunk
+    /// of it was published already); with [`ReaderTimeout`](QueueError::ReaderTimeout),
     /// [`ReaderGone`](QueueError::ReaderGone) or [`Corrupt`](QueueError::Corrupt) naming the
     /// reader when one does not free its chunk, and then the queue is failed: the writer
     /// marks the ring failed, so that its readers stop waiting with
@@ -599,28 +607,46 @@ impl<C: Communicator> BroadcastQueue<C> {
             });
         }
         let message = self.messages;
-        let buf = std::mem::take(&mut self.buf);
-        self.buf = tpcomm_objects::encode_append(value, clear(buf)).map_err(|source| {
-            QueueError::Encode {
-                rank: self.rank,
-                message,
-                source,
-            }
-        })?;
         let cap = self.options.max_total_bytes;
-        if self.buf.len() > cap {
-            return Err(QueueError::MessageTooLarge {
-                rank: self.rank,
-                message,
-                bytes: self.buf.len(),
-                cap,
-            });
-        }
-        let sent = self
-            .ring_send(message)
-            .and_then(|()| self.remote_send(message));
-        if let Err(e) = sent {
-            return Err(self.fail(e));
+        let encode = |source| QueueError::Encode {
+            rank: self.rank,
+            message,
+            source,
+        };
+        let too_large = |bytes| QueueError::MessageTooLarge {
+            rank: self.rank,
+            message,
+            bytes,
+            cap,
+        };
+        // A value of few, large pieces (a byte string) is sized first and encoded straight
+        // into the ring; any other, into the writer's buffer and then copied.
+        let sized = if self.streams() {
+            encoded_size(value)
+        } else {
+            SizePass::GaveUp
+        };
+        match sized {
+            SizePass::Bytes(Err(source)) => return Err(encode(source)),
+            SizePass::Bytes(Ok(bytes)) if bytes > cap => return Err(too_large(bytes)),
+            SizePass::Bytes(Ok(bytes)) => match self.ring_stream(message, value, bytes) {
+                Ok(()) => {}
+                Err(Streamed::Unpublished(e)) => return Err(e),
+                Err(Streamed::Failed(e)) => return Err(self.fail(e)),
+            },
+            SizePass::GaveUp => {
+                let buf = std::mem::take(&mut self.buf);
+                self.buf = tpcomm_objects::encode_append(value, clear(buf)).map_err(encode)?;
+                if self.buf.len() > cap {
+                    return Err(too_large(self.buf.len()));
+                }
+                let sent = self
+                    .ring_send(message)
+                    .and_then(|()| self.remote_send(message));
+                if let Err(e) = sent {
+                    return Err(self.fail(e));
+                }
+            }
         }
         self.messages += 1;
         if let Role::Writer {
@@ -830,6 +856,87 @@ impl<C: Communicator> BroadcastQueue<C> {
     }
 
     // ----- the writer's paths -----
+
+    /// Whether `send` may encode straight into the ring: a ring some readers map, and no
+    /// transport reader (whose broadcast needs the encoded bytes in the writer's buffer).
+    fn streams(&self) -> bool {
+        matches!(self.role, Role::Writer { ring: Some(_), .. }) && self.remote.is_none()
+    }
+
+    /// Encodes `value` (message `message`, `total` bytes by the size pass) straight into the
+    /// ring's chunks, publishing each chunk as soon as it is full, so that the readers copy
+    /// it out while the writer encodes the next.
+    fn ring_stream<T: Serialize + ?Sized>(
+        &mut self,
+        message: u64,
+        value: &T,
+        total: usize,
+    ) -> std::result::Result<(), Streamed> {
+        let Role::Writer {
+            ring: Some(ring),
+            next_chunk,
+            released,
+            ..
+        } = &self.role
+        else {
+            return Ok(());
+        };
+        let first = *next_chunk;
+        let mut at = StreamAt {
+            c: first,
+            known: *released,
+            offset: 0,
+            fill: 0,
+            stopped: None,
+        };
+        let sink = RingSink {
+            queue: self,
+            ring,
+            readers: Park {
+                word: ring.header_u32(header::WAKE),
+                parked: ring.header_u32(header::SLEEPERS),
+            },
+            message,
+            total: total as u64,
+            at: &mut at,
+        };
+        let encoded = postcard::serialize_with_flavor(value, sink);
+        if let Role::Writer {
+            next_chunk,
+            released,
+            ..
+        } = &mut self.role
+        {
+            *released = at.known;
+            if encoded.is_ok() {
+                *next_chunk = at.c;
+            }
+        }
+        let source = match encoded {
+            Ok(()) => return Ok(()),
+            Err(source) => source,
+        };
+        match at.stopped {
+            // A wait on the readers failed: the queue fails, as in `ring_send`.
+            Some(e @ Stop::Wait(_)) => Err(Streamed::Failed(e.into_error())),
+            stopped => {
+                let e = match stopped {
+                    Some(stop) => stop.into_error(),
+                    None => QueueError::Encode {
+                        rank: self.rank,
+                        message,
+                        source,
+                    },
+                };
+                // Nothing published: the chunks written are never read, the queue is usable.
+                if at.c == first {
+                    Err(Streamed::Unpublished(e))
+                } else {
+                    Err(Streamed::Failed(e))
+                }
+            }
+        }
+    }
 
     /// Writes `self.buf` (message `message`) into the ring, chunk by chunk.
     fn ring_send(&mut self, message: u64) -> Result<()> {
@@ -1314,6 +1421,231 @@ impl<C: Communicator> Drop for BroadcastQueue<C> {
     }
 }
 
+/// The size pass of `send` counts at most this many pieces (postcard's writes: a varint, a
+/// string, a byte string) before it gives up...
+const SIZE_PASS_PIECES: usize = 64;
+/// ...unless they average at least this many bytes. A size pass costs about what encoding
+/// costs per piece (a traversal of the value), and what streaming saves is a copy of the
+/// bytes: worth it for byte strings and other large pieces, not for a value of many small
+/// fields (a scheduler step of 100,000 requests: a size pass of 2.3 ms where the copy it
+/// saves takes 0.6 ms). Giving up after `n` pieces costs at most `n` pieces' traversal, less
+/// than the copy of the `n * 64` bytes that streaming would have saved.
+const SIZE_PASS_PIECE_BYTES: usize = 64;
+
+/// What the size pass of `send` found.
+#[derive(Debug)]
+enum SizePass {
+    /// The value's encoded length, or postcard's error.
+    Bytes(std::result::Result<usize, postcard::Error>),
+    /// Too many small pieces: encode into the writer's buffer instead.
+    GaveUp,
+}
+
+/// The encoded length of `value`, unless it has many small pieces ([`SIZE_PASS_PIECES`]).
+fn encoded_size<T: Serialize + ?Sized>(value: &T) -> SizePass {
+    let gave_up = std::cell::Cell::new(false);
+    let counted = postcard::serialize_with_flavor(
+        value,
+        CountBytes {
+            bytes: 0,
+            pieces: 0,
+            gave_up: &gave_up,
+        },
+    );
+    if gave_up.get() {
+        SizePass::GaveUp
+    } else {
+        SizePass::Bytes(counted)
+    }
+}
+
+/// postcard's output counted, not written: the size pass.
+struct CountBytes<'a> {
+    bytes: usize,
+    pieces: usize,
+    gave_up: &'a std::cell::Cell<bool>,
+}
+
+impl CountBytes<'_> {
+    #[inline(always)]
+    fn count(&mut self, n: usize) -> postcard::Result<()> {
+        self.bytes = self.bytes.saturating_add(n);
+        self.pieces += 1;
+        if self.pieces > SIZE_PASS_PIECES
+            && self.pieces.saturating_mul(SIZE_PASS_PIECE_BYTES) > self.bytes
+        {
+            self.gave_up.set(true);
+            return Err(postcard::Error::SerializeBufferFull);
+        }
+        Ok(())
+    }
+}
+
+impl postcard::ser_flavors::Flavor for CountBytes<'_> {
+    type Output = usize;
+
+    #[inline(always)]
+    fn try_push(&mut self, _byte: u8) -> postcard::Result<()> {
+        self.count(1)
+    }
+
+    #[inline(always)]
+    fn try_extend(&mut self, piece: &[u8]) -> postcard::Result<()> {
+        self.count(piece.len())
+    }
+
+    fn finalize(self) -> postcard::Result<usize> {
+        Ok(self.bytes)
+    }
+}
+
+/// Why a streamed send did not complete.
+#[derive(Debug)]
+enum Streamed {
+    /// No chunk of the message was published: the queue is usable.
+    Unpublished(QueueError),
+    /// Some chunks were published, or a wait on the readers failed: the queue fails.
+    Failed(QueueError),
+}
+
+/// Why the ring sink stopped the encoder.
+#[derive(Debug)]
+enum Stop {
+    /// A wait for the readers to free a chunk failed.
+    Wait(QueueError),
+    /// The value encoded to more or fewer bytes than its size pass counted.
+    Unstable(QueueError),
+}
+
+impl Stop {
+    fn into_error(self) -> QueueError {
+        match self {
+            Stop::Wait(e) | Stop::Unstable(e) => e,
+        }
+    }
+}
+
+/// Where a streamed send is: the chunk being filled and what is known of the readers.
+#[derive(Debug)]
+struct StreamAt {
+    /// The chunk being filled.
+    c: u64,
+    /// Chunks every reader released, as last read.
+    known: u64,
+    /// The message offset of chunk `c`'s first byte.
+    offset: u64,
+    /// Bytes written into chunk `c` so far.
+    fill: u64,
+    stopped: Option<Stop>,
+}
+
+/// postcard's output written straight into the ring's chunks: each piece is copied into
+/// the chunk being filled (which every reader released: the writer owns it until it
+/// publishes it), and a chunk is published as soon as it holds all its bytes, so that the
+/// readers copy it out while the encoder fills the next. The message's length is known
+/// before the first byte (the size pass): every chunk carries it, and a value that
+/// encodes to another length this time stops the encoder.
+struct RingSink<'q, C: Communicator> {
+    queue: &'q BroadcastQueue<C>,
+    ring: &'q SharedRing,
+    readers: Park<'q>,
+    message: u64,
+    total: u64,
+    at: &'q mut StreamAt,
+}
+
+impl<C: Communicator> RingSink<'_, C> {
+    /// Stops the encoder with `stop`.
+    fn stop(&mut self, stop: Stop) -> postcard::Error {
+        self.at.stopped = Some(stop);
+        postcard::Error::SerializeBufferFull
+    }
+
+    /// The value encodes to another length than its size pass counted.
+    fn unstable(&mut self) -> postcard::Error {
+        let e = QueueError::UnstableEncoding {
+            rank: self.queue.rank,
+            message: self.message,
+            sized: self.total as usize,
+        };
+        self.stop(Stop::Unstable(e))
+    }
+
+    /// Makes sure chunk `at.c` is free (released by every reader) before its first byte.
+    fn begin_chunk(&mut self) -> postcard::Result<()> {
+        let need = ring::needed(self.ring, self.at.c);
+        if self.at.known < need {
+            match self
+                .queue
+                .wait_for_readers(self.ring, self.at.c, need, self.message)
+            {
+                Ok(known) => self.at.known = known,
+                Err(e) => return Err(self.stop(Stop::Wait(e))),
+            }
+        }
+        Ok(())
+    }
+
+    /// Publishes chunk `at.c` (the bytes at `at.offset`, `len` of them) and moves on.
+    fn publish(&mut self, len: u64) {
+        let at = &mut *self.at;
+        ring::publish_chunk(self.ring, at.c, self.message, self.total, at.offset);
+        wake_if_parked(self.readers);
+        at.c += 1;
+        at.offset += len;
+        at.fill = 0;
+    }
+
+    fn write(&mut self, mut piece: &[u8]) -> postcard::Result<()> {
+        let chunk_bytes = self.ring.chunk_bytes();
+        while !piece.is_empty() {
+            if self.at.offset >= self.total {
+                return Err(self.unstable());
+            }
+            if self.at.fill == 0 {
+                self.begin_chunk()?;
+            }
+            let (len, _) = crate::layout::piece(self.total, chunk_bytes, self.at.offset);
+            // `len - fill` is at most a chunk, which fits `usize` (the layout exists).
+            let n = ((len - self.at.fill) as usize).min(piece.len());
+            ring::fill_chunk(self.ring, self.at.c, self.at.fill as usize, &piece[..n]);
+            self.at.fill += n as u64;
+            piece = &piece[n..];
+            if self.at.fill == len {
+                self.publish(len);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<C: Communicator> postcard::ser_flavors::Flavor for RingSink<'_, C> {
+    type Output = ();
+
+    #[inline]
+    fn try_push(&mut self, byte: u8) -> postcard::Result<()> {
+        self.write(&[byte])
+    }
+
+    #[inline]
+    fn try_extend(&mut self, piece: &[u8]) -> postcard::Result<()> {
+        self.write(piece)
+    }
+
+    fn finalize(mut self) -> postcard::Result<()> {
+        if self.total == 0 {
+            // An empty message is one empty chunk.
+            self.begin_chunk()?;
+            self.publish(0);
+            return Ok(());
+        }
+        if self.at.offset != self.total {
+            return Err(self.unstable());
+        }
+        Ok(())
+    }
+}
+
 /// `buf`, emptied (its capacity kept).
 fn clear(mut buf: Vec<u8>) -> Vec<u8> {
     buf.clear();
@@ -1511,6 +1843,91 @@ impl<C: Communicator> BroadcastQueue<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_bytes::ByteBuf;
+    use tpcomm_transport::{LocalCommunicator, LocalGroup};
+
+    #[test]
+    fn the_size_pass_counts_values_of_few_large_pieces_and_gives_up_on_many_small_ones() {
+        let blob = ByteBuf::from(vec![5u8; 1 << 20]);
+        assert!(matches!(encoded_size(&blob), SizePass::Bytes(Ok(n)) if n == (1 << 20) + 3));
+        let fields = (1u8, 2u16, "three", [4u32; 8], ByteBuf::from(vec![0; 100]));
+        let len = tpcomm_objects::encode_append(&fields, Vec::new())
+            .unwrap()
+            .len();
+        assert!(matches!(encoded_size(&fields), SizePass::Bytes(Ok(n)) if n == len));
+        // Every element a piece: a Vec<u8> without serde_bytes, a Vec<u32>.
+        assert!(matches!(encoded_size(&vec![1u8; 1000]), SizePass::GaveUp));
+        assert!(matches!(encoded_size(&vec![1u32; 65]), SizePass::GaveUp));
+        // Small pieces among large ones: counted while they average 64 bytes.
+        // (each byte string is two pieces, its length and its bytes)
+        let mixed: Vec<ByteBuf> = (0..200).map(|_| ByteBuf::from(vec![1; 200])).collect();
+        assert!(matches!(encoded_size(&mixed), SizePass::Bytes(Ok(_))));
+        let mixed: Vec<ByteBuf> = (0..200).map(|_| ByteBuf::from(vec![1; 100])).collect();
+        assert!(matches!(encoded_size(&mixed), SizePass::GaveUp));
+    }
+
+    /// Two chunk-sized byte strings; between them, the writer's encoding (its second
+    /// serialization: the first is the size pass) waits at a barrier with the reader.
+    struct Pausing<'a> {
+        bytes: ByteBuf,
+        pause: &'a std::sync::Barrier,
+        calls: std::cell::Cell<u32>,
+    }
+
+    impl Serialize for Pausing<'_> {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+            use serde::ser::SerializeTuple;
+            let mut t = s.serialize_tuple(2)?;
+            t.serialize_element(&self.bytes)?;
+            self.calls.set(self.calls.get() + 1);
+            if self.calls.get() == 2 {
+                // The reader looks at the ring here.
+                self.pause.wait();
+                self.pause.wait();
+            }
+            t.serialize_element(&self.bytes)?;
+            t.end()
+        }
+    }
+
+    #[test]
+    fn a_streamed_value_s_first_chunks_are_published_while_it_is_still_encoded() {
+        const CHUNK: usize = 256;
+        let pause = std::sync::Barrier::new(2);
+        let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+            let config = QueueConfig {
+                depth: 8,
+                chunk_bytes: CHUNK,
+                ..QueueConfig::default()
+            };
+            let mut q = BroadcastQueue::create(&comm, config)?;
+            let bytes = ByteBuf::from(vec![3u8; 2 * CHUNK]);
+            if q.is_writer() {
+                q.send(&Pausing {
+                    bytes: bytes.clone(),
+                    pause: &pause,
+                    calls: std::cell::Cell::new(0),
+                })?;
+            } else {
+                pause.wait();
+                let published = q
+                    .ring_for_test()
+                    .unwrap()
+                    .published()
+                    .load(std::sync::atomic::Ordering::SeqCst);
+                pause.wait();
+                // The first byte string and its length prefix: two whole chunks.
+                assert_eq!(
+                    published, 2,
+                    "chunks published in the middle of the encoding"
+                );
+                let got: (ByteBuf, ByteBuf) = q.recv()?;
+                assert_eq!(got, (bytes.clone(), bytes));
+            }
+            q.close_with(&comm)
+        });
+        assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+    }
 
     #[test]
     fn frames_round_trip_and_garbage_is_refused() {

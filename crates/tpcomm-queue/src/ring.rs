@@ -50,8 +50,9 @@ pub(crate) trait RingMemory {
     fn consumed(&self, reader: usize) -> &Self::W;
     /// The writer's count of published chunks.
     fn published(&self) -> &Self::W;
-    /// Copies `src` (at most `chunk_bytes`) into chunk slot `slot`'s payload.
-    fn write_payload(&self, slot: usize, src: &[u8]);
+    /// Copies `src` into chunk slot `slot`'s payload at byte `at` (`at + src.len()` at most
+    /// `chunk_bytes`).
+    fn write_payload(&self, slot: usize, at: usize, src: &[u8]);
     /// Appends `len` bytes (at most `chunk_bytes`) of chunk slot `slot`'s payload to `dst`.
     fn append_payload(&self, slot: usize, len: usize, dst: &mut Vec<u8>);
     /// An acquire fence (loom's, under loom).
@@ -108,10 +109,33 @@ pub(crate) fn write_chunk<M: RingMemory + ?Sized>(
     offset: u64,
     payload: &[u8],
 ) {
+    debug_assert_eq!(
+        piece(total, mem.chunk_bytes(), offset).0,
+        payload.len() as u64
+    );
+    mem.write_payload(slot_of(mem, c), 0, payload);
+    publish_chunk(mem, c, message, total, offset);
+}
+
+/// Copies `src` into chunk `c`'s payload at byte `at` of the chunk, before it is published
+/// (the writer fills a chunk piece by piece while it encodes). The caller checked
+/// [`released`] first: no reader reads the slot until [`publish_chunk`].
+pub(crate) fn fill_chunk<M: RingMemory + ?Sized>(mem: &M, c: u64, at: usize, src: &[u8]) {
+    mem.write_payload(slot_of(mem, c), at, src);
+}
+
+/// Publishes chunk `c` of message `message` (`total` bytes), the bytes at `offset` of the
+/// message, its payload written already ([`fill_chunk`]): the header fields, then the stamp
+/// (release), then the published count (sequentially consistent).
+pub(crate) fn publish_chunk<M: RingMemory + ?Sized>(
+    mem: &M,
+    c: u64,
+    message: u64,
+    total: u64,
+    offset: u64,
+) {
     let slot = slot_of(mem, c);
     let (len, flags) = piece(total, mem.chunk_bytes(), offset);
-    debug_assert_eq!(len, payload.len() as u64);
-    mem.write_payload(slot, payload);
     mem.field(slot, Field::Message)
         .store(message, Ordering::Relaxed);
     mem.field(slot, Field::Total)
@@ -317,11 +341,11 @@ mod loom_tests {
         fn published(&self) -> &AtomicU64 {
             &self.published
         }
-        fn write_payload(&self, slot: usize, src: &[u8]) {
+        fn write_payload(&self, slot: usize, at: usize, src: &[u8]) {
             self.payload[slot].with_mut(|p| {
                 // SAFETY: loom checks that no other access to this cell overlaps.
                 let p = unsafe { &mut *p };
-                p[..src.len()].copy_from_slice(src);
+                p[at..at + src.len()].copy_from_slice(src);
             });
         }
         fn append_payload(&self, slot: usize, len: usize, dst: &mut Vec<u8>) {
@@ -350,7 +374,10 @@ mod loom_tests {
         }
     }
 
-    /// The writer: every message, chunk by chunk, yielding while a reader lags.
+    /// The writer: every message, chunk by chunk, yielding while a reader lags. A chunk's
+    /// payload is filled one byte at a time before it is published (as the streamed send
+    /// fills it while it encodes), except on even message numbers, written whole
+    /// ([`write_chunk`], the send from the writer's buffer).
     fn write_all(mem: &Model, messages: &[&[u8]], readers: usize) {
         let active: Vec<usize> = (0..readers).collect();
         let mut c = 0;
@@ -363,7 +390,14 @@ mod loom_tests {
                 }
                 let (len, _) = piece(total, CHUNK, offset);
                 let part = &bytes[offset as usize..(offset + len) as usize];
-                write_chunk(mem, c, m as u64, total, offset, part);
+                if m % 2 == 0 {
+                    write_chunk(mem, c, m as u64, total, offset, part);
+                } else {
+                    for (at, byte) in part.iter().enumerate() {
+                        fill_chunk(mem, c, at, std::slice::from_ref(byte));
+                    }
+                    publish_chunk(mem, c, m as u64, total, offset);
+                }
                 c += 1;
                 offset += len;
                 if offset == total {

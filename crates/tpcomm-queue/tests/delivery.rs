@@ -300,3 +300,171 @@ fn a_queue_of_one_rank_has_a_writer_and_no_reader() {
     });
     assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
+
+/// A value of a few large pieces (byte strings and strings): `send` sizes it and encodes it
+/// straight into the ring's chunks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Tensors {
+    name: String,
+    weights: ByteBuf,
+    bias: ByteBuf,
+}
+
+fn tensors(i: usize) -> Tensors {
+    // Lengths that put chunk boundaries (64 bytes) inside each piece and between pieces.
+    Tensors {
+        name: format!("layer-{i}"),
+        weights: ByteBuf::from(vec![i as u8; 50 + 37 * i]),
+        bias: ByteBuf::from((0..(i * 13) % 200).map(|b| b as u8).collect::<Vec<u8>>()),
+    }
+}
+
+#[test]
+fn values_encoded_straight_into_the_ring_arrive_whole_whatever_the_chunk_boundaries() {
+    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
+        for i in 0..60 {
+            // Interleaved with values of many small pieces, encoded into the writer's buffer.
+            if q.is_writer() {
+                q.send(&tensors(i))?;
+                q.send(&step_output(i as u64, i % 4))?;
+            } else {
+                assert_eq!(q.recv::<Tensors>()?, tensors(i), "message {i}");
+                assert_eq!(q.recv::<StepOutput>()?, step_output(i as u64, i % 4));
+            }
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+#[test]
+fn an_empty_message_is_one_empty_chunk() {
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
+        for i in 0..5u32 {
+            if q.is_writer() {
+                q.send(&())?;
+                q.send(&i)?;
+            } else {
+                q.recv::<()>()?;
+                assert_eq!(q.recv::<u32>()?, i);
+            }
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+#[test]
+fn a_value_of_many_small_pieces_over_the_cap_is_refused_and_nothing_is_sent() {
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let mut config = small_ring();
+        config.options.max_total_bytes = 1000;
+        let mut q = BroadcastQueue::create(&comm, config)?;
+        if q.is_writer() {
+            match q.send(&vec![1u32; 1500]) {
+                Err(QueueError::MessageTooLarge {
+                    bytes: 1502,
+                    cap: 1000,
+                    ..
+                }) => {}
+                other => panic!("expected MessageTooLarge, got {other:?}"),
+            }
+            q.send(&vec![2u32; 900])?;
+        } else {
+            assert_eq!(q.recv::<Vec<u32>>()?, vec![2u32; 900]);
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+/// A byte string one byte shorter each time it is serialized: the size pass and the
+/// encoding disagree.
+struct Shrinking(std::cell::Cell<usize>);
+
+impl Serialize for Shrinking {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let len = self.0.get();
+        self.0.set(len - 1);
+        s.serialize_bytes(&vec![9; len])
+    }
+}
+
+#[test]
+fn a_value_that_encodes_shorter_than_sized_is_refused_before_any_chunk_is_published() {
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
+        if q.is_writer() {
+            match q.send(&Shrinking(std::cell::Cell::new(40))) {
+                Err(QueueError::UnstableEncoding {
+                    message: 0,
+                    sized: 41,
+                    ..
+                }) => {}
+                other => panic!("expected UnstableEncoding, got {other:?}"),
+            }
+            q.send(&7u32)?;
+        } else {
+            assert_eq!(q.recv::<u32>()?, 7);
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+#[test]
+fn a_value_that_encodes_shorter_than_sized_after_a_published_chunk_fails_the_queue() {
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, tiny_ring()).unwrap();
+        if q.is_writer() {
+            let sent = q.send(&Shrinking(std::cell::Cell::new(200)));
+            assert!(
+                matches!(sent, Err(QueueError::UnstableEncoding { sized: 202, .. })),
+                "{sent:?}"
+            );
+            assert!(matches!(q.send(&1u32), Err(QueueError::Failed { .. })));
+            comm.barrier().unwrap();
+        } else {
+            let got = q.recv::<ByteBuf>();
+            assert!(
+                matches!(got, Err(QueueError::WriterFailed { culprit: 0, .. })),
+                "{got:?}"
+            );
+            comm.barrier().unwrap();
+        }
+    });
+    assert!(results.into_iter().all(|r| r.is_ok()));
+}
+
+#[test]
+fn large_pieces_arrive_whole_through_the_non_temporal_copies() {
+    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+        let config = QueueConfig {
+            depth: 3,
+            chunk_bytes: 40_000,
+            ..small_ring()
+        };
+        let mut q = BroadcastQueue::create(&comm, config)?;
+        // Lengths past the 16 KiB of a non-temporal copy, chunk boundaries inside pieces,
+        // the ring lapped; one value through the writer's buffer (a Vec<u16>).
+        for i in 0..12usize {
+            let bytes = ByteBuf::from(
+                (0..17_000 * i + 5)
+                    .map(|b| (b ^ i) as u8)
+                    .collect::<Vec<u8>>(),
+            );
+            let words: Vec<u16> = (0..(30_000 + i) as u16).collect();
+            if q.is_writer() {
+                q.send(&bytes)?;
+                q.send(&words)?;
+            } else {
+                assert_eq!(q.recv::<ByteBuf>()?, bytes, "message {i}");
+                assert_eq!(q.recv::<Vec<u16>>()?, words);
+            }
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}

@@ -395,12 +395,18 @@ impl Serialize for Shrinking {
 #[test]
 fn a_value_that_encodes_shorter_than_sized_is_refused_before_any_chunk_is_published() {
     let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
-        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
+        // One chunk that holds the whole value, which is large enough to be streamed.
+        let one_chunk = QueueConfig {
+            depth: 2,
+            chunk_bytes: 64 << 10,
+            ..small_ring()
+        };
+        let mut q = BroadcastQueue::create(&comm, one_chunk)?;
         if q.is_writer() {
-            match q.send(&Shrinking(std::cell::Cell::new(40))) {
+            match q.send(&Shrinking(std::cell::Cell::new(20_000))) {
                 Err(QueueError::UnstableEncoding {
                     message: 0,
-                    sized: 41,
+                    sized: 20_003,
                     ..
                 }) => {}
                 other => panic!("expected UnstableEncoding, got {other:?}"),

@@ -25,9 +25,9 @@
 //!   with loom (`cargo xtask loom`).
 //! - **Streaming.** A value of few, large pieces (byte strings) is sized first (postcard's
 //!   size pass, given up on values of many small pieces, where it would cost as much as the
-//!   copy it saves) and then encoded straight into the chunks, each published as soon as it
-//!   is full: the readers copy a chunk out while the writer encodes the next, and the
-//!   bytes are copied once on the writer's side. Other values are encoded into the writer's
+//!   copy it saves) and, from 16 KiB or more than a chunk on, encoded straight into the
+//!   chunks, each published as soon as it is full: the readers copy a chunk out while the
+//!   writer encodes the next, and the bytes are copied once on the writer's side. Other values are encoded into the writer's
 //!   buffer and copied into the ring chunk by chunk.
 //! - **Messages larger than a chunk** (or than the whole ring) take the overflow path of
 //!   consecutive chunks: the writer waits for free chunks as the readers copy, and a reader

@@ -50,6 +50,7 @@ mod checkpoint;
 mod compare;
 mod error;
 mod gpu;
+mod handoff_floor;
 mod harness;
 mod ipc;
 mod launch;

@@ -1,15 +1,21 @@
 //! The least a shared-memory hand-off of one encoded value costs, for `tpcomm-bench queue`
 //! to time next to the queue in the same run.
 //!
-//! The writer (rank 0) encodes the value with postcard straight into a shared-memory buffer
-//! of its own and stores a sequence number (release); every reader spins on that number
-//! (acquire), copies the bytes out of the shared buffer and decodes them. That is the work
-//! no shared-memory broadcast of a serde value can leave out: the encoding, one cache-line
-//! hand-off between the cores, the copy out of memory a peer can write (decoding in place
-//! would let the writer change bytes under the decoder) and the decoding. It has none of the
-//! queue's ring, checks, flow control or parking: the writer never waits for its readers,
-//! because every iteration of the bench starts at a barrier that every reader reaches only
-//! after its copy.
+//! The writer (rank 0) encodes the value with postcard into a private buffer, copies the
+//! bytes into a shared-memory buffer of its own and stores a sequence number (release);
+//! every reader spins on that number (acquire), copies the bytes out of the shared buffer
+//! and decodes them. That is the work no shared-memory broadcast of a serde value can leave
+//! out: the encoding, the hand-off of the bytes between the cores, the copy out of memory a
+//! peer can write (decoding in place would let the writer change bytes under the decoder)
+//! and the decoding. (Encoding straight into the shared buffer is slower: each line the
+//! encoder touches is first taken back from the readers' caches, one small store at a
+//! time.) It has none of the queue's ring, checks, flow control or parking: the writer
+//! never waits for its readers, because every iteration of the bench starts at a barrier
+//! that every reader reaches only after its copy.
+//!
+//! It bounds the queue's latency from below for values that fit in one of the queue's
+//! chunks. Larger values stream through the queue's ring, the readers copying one chunk
+//! while the writer fills the next, which this floor does not do.
 //!
 //! The buffer is a `tpcomm-ipc` host buffer shared through [`PeerMappings::exchange`], so the
 //! floor runs on threads and on MPI processes of one host alike.
@@ -44,6 +50,8 @@ pub(crate) struct HandoffFloor {
     base: *mut u8,
     /// Payload bytes the buffer holds.
     capacity: usize,
+    /// The writer's encoding of the value (`capacity` bytes).
+    encoded: Vec<u8>,
     writer: bool,
     /// The sequence number of the last value sent (writer) or received (reader).
     seq: u64,
@@ -81,6 +89,7 @@ impl HandoffFloor {
             peers,
             base,
             capacity,
+            encoded: vec![0; if writer { capacity } else { 0 }],
             writer,
             seq: 0,
         })
@@ -103,12 +112,13 @@ impl HandoffFloor {
     /// Writer: encodes `value` into the shared buffer and publishes it.
     pub(crate) fn send<T: Serialize>(&mut self, value: &T) -> Result<(), BenchError> {
         debug_assert!(self.writer);
-        // SAFETY: the payload area lies inside the writer's own buffer (HEADER + capacity
-        // bytes). No reader reads it now: each read the last value before the barrier that
-        // started this iteration, and reads the next only after the sequence number below.
-        let payload =
-            unsafe { std::slice::from_raw_parts_mut(self.base.add(HEADER), self.capacity) };
-        let len = postcard::to_slice(value, payload)?.len();
+        let len = postcard::to_slice(value, &mut self.encoded)?.len();
+        // SAFETY: `len` bytes from the payload area lie inside the writer's own buffer
+        // (HEADER + capacity bytes, `len <= capacity = encoded.len()`), which `encoded`, a
+        // private vector, cannot overlap. No reader reads it now: each read the last value
+        // before the barrier that started this iteration, and reads the next only after the
+        // sequence number below.
+        unsafe { std::ptr::copy_nonoverlapping(self.encoded.as_ptr(), self.base.add(HEADER), len) };
         self.seq += 1;
         self.len_word().store(len as u64, Ordering::Relaxed);
         self.seq_word().store(self.seq, Ordering::Release);

@@ -80,7 +80,7 @@ impl Bus {
 
 /// One row of every table and of the JSON report: one variant on one case.
 ///
-/// The fields are the JSON schema (`docs/benchmarks.md`, "JSON schema"); `(table, case,
+/// The fields are the JSON schema (`bench/results/README.md`); `(table, case,
 /// variant)` names a row across runs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Row {

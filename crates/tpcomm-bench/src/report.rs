@@ -1,6 +1,6 @@
 //! The JSON report: one document per run, its schema versioned by [`SCHEMA_VERSION`]
-//! (documented in `docs/benchmarks.md`, "JSON schema"), written by every subcommand and read
-//! back by `compare` and `plot`.
+//! (documented in `bench/results/README.md`), written by every subcommand and read back by
+//! `compare` and `plot`.
 
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};

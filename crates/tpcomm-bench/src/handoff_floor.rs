@@ -109,7 +109,7 @@ impl HandoffFloor {
         unsafe { &*self.base.add(8).cast::<AtomicU64>() }
     }
 
-    /// Writer: encodes `value` into the shared buffer and publishes it.
+    /// Writer: encodes `value`, copies it into the shared buffer and publishes it.
     pub(crate) fn send<T: Serialize>(&mut self, value: &T) -> Result<(), BenchError> {
         debug_assert!(self.writer);
         let len = postcard::to_slice(value, &mut self.encoded)?.len();
@@ -167,7 +167,8 @@ impl HandoffFloor {
         Ok(())
     }
 
-    /// Collective: unmaps the readers' mappings (the writer's buffer goes when `self` drops).
+    /// Unmaps this rank's mapping of the writer's buffer (none on the writer, whose buffer
+    /// goes when `self` drops).
     pub(crate) fn close(mut self) -> Result<(), BenchError> {
         self.peers.close_all()?;
         Ok(())

@@ -16,10 +16,11 @@
 //! - `memcpy floor`: every rank copies the value's postcard bytes once, at the same time,
 //!   between two warm buffers of its own: the data movement no shared-memory broadcast of
 //!   the encoded value can avoid (the writer's copy in, each reader's copy out, overlapped);
-//! - `hand-off floor`: the writer encodes the value into shared memory and stores a sequence
-//!   number, each reader spins on it, copies the bytes out and decodes them
+//! - `hand-off floor`: the writer encodes the value, copies it into shared memory and stores
+//!   a sequence number, each reader spins on it, copies the bytes out and decodes them
 //!   ([`HandoffFloor`]): the queue's work without its ring, checks and flow control, which
-//!   bounds what any shared-memory queue of serde values can reach on this machine.
+//!   bounds what any shared-memory queue of serde values can reach on this machine for a
+//!   value that fits in one chunk.
 //!
 //! With `--transport local`, mpi4py's `comm.bcast` of the equivalent Python object (bytes, or
 //! a dict of lists of dicts) is timed first, in its own `mpirun` job with as many ranks.
@@ -474,9 +475,9 @@ impl Bench for QueueBench<'_> {
             "memcpy floor: every rank copies the value's postcard bytes once, at the same time, \
              between two warm buffers"
                 .into(),
-            "hand-off floor: the writer encodes the value into shared memory and stores a \
-             sequence number; each reader spins on it, copies the bytes out and decodes them \
-             (the queue's work without ring, checks or flow control)"
+            "hand-off floor: the writer encodes the value, copies it into shared memory and \
+             stores a sequence number; each reader spins on it, copies the bytes out and \
+             decodes them (the queue's work without ring, checks or flow control)"
                 .into(),
             "bytes: postcard bytes of the value".into(),
             match &self.mpi4py {

@@ -6,13 +6,11 @@ use serde::Serialize;
 use tpcomm_transport::Communicator;
 
 use super::codec::{mine_of, serialize};
-use super::engine::{agree_reserved, all_gather_fixed, header_len, record, slot_of, span, Mine};
+use super::engine::{agree_reserved, exchange_entries, record, record_rounds, slot_of, span, Mine};
 use crate::buffers::{receive_offset, Kept};
 use crate::error::{ObjectError, Result};
 use crate::gathered::decode_exact;
-use crate::header::{
-    agree, alloc, entry_field, entry_inline, read_entry, within_cap, write_entry, Announce, ENTRY,
-};
+use crate::header::{agree, entry_inline, read_entry, within_cap, write_entry, Announce, ENTRY};
 use crate::options::{Checked, Collective, Options};
 use crate::rounds::round_count;
 
@@ -71,7 +69,7 @@ where
 {
     let span = span(comm, "broadcast");
     let _g = span.enter();
-    let (me, size) = (comm.rank(), comm.size());
+    let me = comm.rank();
     let is_root = me == root;
     let checked = Checked::new(opts, Some(root), Collective::Broadcast);
     let slot = slot_of(opts, &checked);
@@ -81,22 +79,15 @@ where
     };
     // Every rank sends an entry (the root's with its length and inline bytes, the others'
     // with their options only), so that every rank sees every rank's options.
-    let mut own = [0u8; ENTRY];
-    if is_root {
+    let own = if is_root {
         let mine = serialized.as_ref().map_or(Mine::Missing, mine_of);
-        write_entry(
-            &mut own,
-            mine.announce(),
-            &checked.field,
-            mine.payload(),
-            slot,
-        );
+        mine.entry(&checked.field, slot)
     } else {
+        let mut own = [0u8; ENTRY];
         write_entry(&mut own, Announce::Len(0), &checked.field, None, 0);
-    }
-    let mut header = alloc(header_len(size, ENTRY)?)?;
-    all_gather_fixed(comm, &own, &mut header)?;
-    checked.agree(size, |r| entry_field(&header, r))?;
+        own
+    };
+    let header = exchange_entries(comm, checked, &own)?;
     let own_cause = match &serialized {
         Some(Err(e)) => Some(e.clone()),
         _ => None,
@@ -156,12 +147,7 @@ where
         len,
         opts.round_limit(comm.max_count()),
     )?;
-    record(
-        &span,
-        if rounds == 1 { "single" } else { "rounds" },
-        len,
-        rounds,
-    );
+    record_rounds(&span, len, rounds);
     let value = decode(&buf[base..]);
     kept.give_back(buf);
     value

@@ -9,7 +9,7 @@ use tpcomm_transport::{Communicator, GatherRecv};
 use tracing::field::Empty;
 
 use crate::error::{ObjectError, Result};
-use crate::header::{alloc, Announce, WORD};
+use crate::header::{alloc, entry_field, write_entry, Announce, ENTRY, WORD};
 use crate::options::{Checked, Options, FIELD};
 use crate::rounds::{dense_offsets, round, round_count};
 
@@ -21,7 +21,7 @@ pub(super) enum Mine<'a> {
 }
 
 impl<'a> Mine<'a> {
-    pub(super) fn announce(&self) -> Announce {
+    fn announce(&self) -> Announce {
         match self {
             Mine::Bytes(b) => Announce::Len(b.len() as u64),
             Mine::Failed(_) => Announce::Failed,
@@ -42,6 +42,14 @@ impl<'a> Mine<'a> {
             _ => None,
         }
     }
+
+    /// This rank's header entry: its announcement, its options `field`, and its bytes inline
+    /// when they fit `slot`.
+    pub(super) fn entry(&self, field: &[u8; FIELD], slot: usize) -> [u8; ENTRY] {
+        let mut own = [0u8; ENTRY];
+        write_entry(&mut own, self.announce(), field, self.payload(), slot);
+        own
+    }
 }
 
 pub(super) fn span<C: Communicator + ?Sized>(comm: &C, op: &'static str) -> tracing::Span {
@@ -60,6 +68,16 @@ pub(super) fn record(span: &tracing::Span, path: &'static str, bytes: usize, rou
     span.record("path", path);
     span.record("bytes", bytes);
     span.record("rounds", rounds);
+}
+
+/// Records a payload moved in `rounds` calls: the `single` path for one, `rounds` otherwise.
+pub(super) fn record_rounds(span: &tracing::Span, bytes: usize, rounds: usize) {
+    record(
+        span,
+        if rounds == 1 { "single" } else { "rounds" },
+        bytes,
+        rounds,
+    );
 }
 
 pub(super) fn header_len(entries: usize, entry: usize) -> Result<usize> {
@@ -176,6 +194,21 @@ pub(super) fn agree_reserved<C: Communicator + ?Sized>(
         Ok(_) if !failed.is_empty() => Err(ObjectError::PeerAllocation { ranks: failed }),
         reserved => reserved,
     }
+}
+
+/// The header of the gathering protocol and the broadcast: every rank all-gathers its
+/// [`ENTRY`]-byte entry (`own`, made with the options field of `checked`), and every rank
+/// checks every rank's options. Returns the header.
+pub(super) fn exchange_entries<C: Communicator + ?Sized>(
+    comm: &C,
+    checked: Checked,
+    own: &[u8; ENTRY],
+) -> Result<Vec<u8>> {
+    let size = comm.size();
+    let mut header = alloc(header_len(size, ENTRY)?)?;
+    all_gather_fixed(comm, own, &mut header)?;
+    checked.agree(size, |r| entry_field(&header, r))?;
+    Ok(header)
 }
 
 /// The header of `scatter` and `all_to_all`: every rank all-gathers a block of its options

@@ -9,9 +9,9 @@ use tpcomm_transport::Communicator;
 
 use super::all_gather_with;
 use super::all_to_all::all_to_all_bytes;
-use super::codec::{mine_of, serialize};
+use super::codec::serialize;
 use super::engine::span;
-use super::gather::gather_bytes;
+use super::gather::gather_value;
 use crate::error::{ObjectError, Result};
 use crate::gathered::decode_exact;
 use crate::options::{Checked, Collective, Options};
@@ -50,10 +50,15 @@ where
     F: FnMut(T, T) -> T,
 {
     let values: Vec<T> = all_gather_with(comm, value, opts)?;
-    Ok(values
+    Ok(fold_in_rank_order(values, f))
+}
+
+/// `f(...f(f(v0, v1), v2)..., vN)` over one value per rank.
+fn fold_in_rank_order<T>(values: Vec<T>, f: impl FnMut(T, T) -> T) -> T {
+    values
         .into_iter()
         .reduce(f)
-        .expect("a communicator has at least one rank"))
+        .expect("a communicator has at least one rank")
 }
 
 /// Reduce to `root` with a closure, mpi4py's `comm.reduce(value, op, root)`: the root gets
@@ -101,19 +106,10 @@ where
     T: Serialize + DeserializeOwned,
     F: FnMut(T, T) -> T,
 {
-    let span = span(comm, "reduce");
-    let _g = span.enter();
-    let serialized = serialize(value);
-    let Some(gathered) = gather_bytes(comm, Some(root), mine_of(&serialized), opts, &span)? else {
-        return Ok(None);
-    };
-    let values: Vec<T> = gathered.decode()?;
-    Ok(Some(
-        values
-            .into_iter()
-            .reduce(f)
-            .expect("a communicator has at least one rank"),
-    ))
+    gather_value(comm, "reduce", Some(root), value, opts, |gathered| {
+        let values: Vec<T> = gathered.decode()?;
+        Ok(fold_in_rank_order(values, f))
+    })
 }
 
 /// Inclusive scan with a closure, mpi4py's `comm.scan(value, op)`: rank `i` gets

@@ -8,15 +8,13 @@ use tpcomm_transport::Communicator;
 
 use super::codec::{mine_of, serialize};
 use super::engine::{
-    agree_reserved, all_gather_fixed, header_len, payload_rounds, record, slot_of, span, Mine,
+    agree_reserved, exchange_entries, payload_rounds, record, record_rounds, slot_of, span, Mine,
 };
 use super::{all_gather_into_with, gather_into_with};
 use crate::buffers::{receive_offset, Kept};
 use crate::error::{ObjectError, Result};
 use crate::gathered::Gathered;
-use crate::header::{
-    agree_words, alloc, entry_field, read_entry, within_cap, write_entry, ENTRY, SLOT_AT,
-};
+use crate::header::{agree_words, read_entry, within_cap, ENTRY, SLOT_AT};
 use crate::options::{Checked, Collective, Options};
 use crate::rounds::dense_offsets;
 
@@ -33,17 +31,8 @@ pub(super) fn gather_bytes<C: Communicator + ?Sized>(
     let (me, size) = (comm.rank(), comm.size());
     let checked = Checked::new(opts, root, Collective::Gather);
     let slot = slot_of(opts, &checked);
-    let mut own = [0u8; ENTRY];
-    write_entry(
-        &mut own,
-        mine.announce(),
-        &checked.field,
-        mine.payload(),
-        slot,
-    );
-    let mut header = alloc(header_len(size, ENTRY)?)?;
-    all_gather_fixed(comm, &own, &mut header)?;
-    checked.agree(size, |r| entry_field(&header, r))?;
+    let own = mine.entry(&checked.field, slot);
+    let header = exchange_entries(comm, checked, &own)?;
 
     let payload = mine.payload();
     let lens = agree_words(
@@ -98,12 +87,7 @@ pub(super) fn gather_bytes<C: Communicator + ?Sized>(
         base,
         limit,
     )?;
-    record(
-        span,
-        if rounds == 1 { "single" } else { "rounds" },
-        total,
-        rounds,
-    );
+    record_rounds(span, total, rounds);
     if !receives {
         return Ok(None);
     }
@@ -112,6 +96,34 @@ pub(super) fn gather_bytes<C: Communicator + ?Sized>(
         .map(|r| base + offsets[r]..base + offsets[r] + lens[r])
         .collect();
     Ok(Some(Gathered::new(buf, base, ranges, opts.max_depth)))
+}
+
+/// `value` serialized into the kept send buffer, gathered to `root` (to every rank when
+/// `None`) in a span named `op`, and handed to `decode` on the ranks that receive (`None`
+/// elsewhere). The send buffer is freed only after `decode`: releasing it first hands its
+/// memory back to the allocator in the middle of the decode's many small allocations
+/// (measured slower).
+pub(super) fn gather_value<C, T, R>(
+    comm: &C,
+    op: &'static str,
+    root: Option<usize>,
+    value: &T,
+    opts: &Options,
+    decode: impl FnOnce(Gathered) -> Result<R>,
+) -> Result<Option<R>>
+where
+    C: Communicator + ?Sized,
+    T: Serialize + ?Sized,
+{
+    let span = span(comm, op);
+    let _g = span.enter();
+    let serialized = serialize(value);
+    let Some(gathered) = gather_bytes(comm, root, mine_of(&serialized), opts, &span)? else {
+        return Ok(None);
+    };
+    let decoded = decode(gathered);
+    drop(serialized);
+    decoded.map(Some)
 }
 
 /// All-gather of raw bytes: every rank receives every rank's bytes in one buffer with a view
@@ -161,10 +173,8 @@ where
     C: Communicator + ?Sized,
     T: Serialize + ?Sized,
 {
-    let span = span(comm, "all_gather");
-    let _g = span.enter();
-    let serialized = serialize(value);
-    Ok(gather_bytes(comm, None, mine_of(&serialized), opts, &span)?.expect("every rank receives"))
+    let gathered = gather_value(comm, "all_gather", None, value, opts, Ok)?;
+    Ok(gathered.expect("every rank receives"))
 }
 
 /// All-gather: every rank gets every rank's value, in rank order.

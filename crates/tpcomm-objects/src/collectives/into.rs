@@ -7,9 +7,7 @@ use serde::Serialize;
 use tpcomm_transport::Communicator;
 
 use super::broadcast::broadcast_decode;
-use super::codec::{mine_of, serialize};
-use super::engine::span;
-use super::gather::gather_bytes;
+use super::gather::gather_value;
 use crate::error::Result;
 use crate::gathered::decode_exact_in_place;
 use crate::options::Options;
@@ -66,16 +64,11 @@ where
     C: Communicator + ?Sized,
     T: Serialize + DeserializeOwned,
 {
-    let span = span(comm, "all_gather");
-    let _g = span.enter();
-    let serialized = serialize(value);
-    let gathered =
-        gather_bytes(comm, None, mine_of(&serialized), opts, &span)?.expect("every rank receives");
-    let decoded = gathered.decode_into(out);
-    // Freed only after decoding: releasing the send buffer first hands its memory back to
-    // the allocator in the middle of the decode's many small allocations (measured slower).
-    drop(serialized);
-    decoded
+    let decoded = gather_value(comm, "all_gather", None, value, opts, |g| {
+        g.decode_into(out)
+    })?;
+    decoded.expect("every rank receives");
+    Ok(())
 }
 
 /// [`gather`] into the values of the last call: on the root, `out` ends with one value per
@@ -125,16 +118,10 @@ where
     C: Communicator + ?Sized,
     T: Serialize + DeserializeOwned,
 {
-    let span = span(comm, "gather");
-    let _g = span.enter();
-    let serialized = serialize(value);
-    let Some(gathered) = gather_bytes(comm, Some(root), mine_of(&serialized), opts, &span)? else {
-        return Ok(false);
-    };
-    let decoded = gathered.decode_into(out);
-    // Freed after decoding, as in `all_gather_into_with`.
-    drop(serialized);
-    decoded.map(|()| true)
+    let decoded = gather_value(comm, "gather", Some(root), value, opts, |g| {
+        g.decode_into(out)
+    })?;
+    Ok(decoded.is_some())
 }
 
 /// [`broadcast`] into the value of the last call: every rank's `out` ends equal to the root's

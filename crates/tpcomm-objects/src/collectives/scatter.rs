@@ -6,7 +6,7 @@ use serde::Serialize;
 use tpcomm_transport::{Communicator, Layout};
 
 use super::codec::serialize_all;
-use super::engine::{agree_reserved, exchange_blocks, record, span};
+use super::engine::{agree_reserved, exchange_blocks, record_rounds, span};
 use crate::error::{ObjectError, Result};
 use crate::gathered::decode_exact;
 use crate::header::{agree_words, read_word, reserve, within_cap, Announce, WORD};
@@ -141,11 +141,6 @@ where
             },
         )?;
     }
-    record(
-        &span,
-        if rounds == 1 { "single" } else { "rounds" },
-        lens[me],
-        rounds,
-    );
+    record_rounds(&span, lens[me], rounds);
     decode_exact(root, &mine, opts.max_depth)
 }

@@ -81,6 +81,15 @@ impl Budget {
         self.left.set(self.left.get() + 1);
     }
 
+    /// `inner`, bounded by this budget.
+    #[inline]
+    fn bound<D>(&self, inner: D) -> Bounded<'_, D> {
+        Bounded {
+            inner,
+            budget: self,
+        }
+    }
+
     /// Runs `f` one level deeper.
     #[inline]
     fn nested<T, E: de::Error>(&self, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
@@ -110,21 +119,33 @@ impl<'b, X> Wrap<'b, X> {
     }
 }
 
+/// Methods that decode a leaf: forwarded with the visitor wrapped. Arguments before the
+/// visitor are written in parentheses after the method's name.
 macro_rules! leaf {
-    ($($method:ident),* $(,)?) => {$(
+    ($($method:ident $(($($arg:ident: $ty:ty),*))?),* $(,)?) => {$(
         #[inline]
-        fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, D::Error> {
-            self.inner.$method(Wrap::new(visitor, self.budget))
+        fn $method<V: Visitor<'de>>(
+            self,
+            $($($arg: $ty,)*)?
+            visitor: V,
+        ) -> Result<V::Value, D::Error> {
+            self.inner.$method($($($arg,)*)? Wrap::new(visitor, self.budget))
         }
     )*};
 }
 
+/// Methods that decode a container: forwarded one level deeper, with the visitor wrapped.
+/// Arguments as for `leaf!`.
 macro_rules! container {
-    ($($method:ident),* $(,)?) => {$(
+    ($($method:ident $(($($arg:ident: $ty:ty),*))?),* $(,)?) => {$(
         #[inline]
-        fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, D::Error> {
+        fn $method<V: Visitor<'de>>(
+            self,
+            $($($arg: $ty,)*)?
+            visitor: V,
+        ) -> Result<V::Value, D::Error> {
             let budget = self.budget;
-            budget.nested(|| self.inner.$method(Wrap::new(visitor, budget)))
+            budget.nested(|| self.inner.$method($($($arg,)*)? Wrap::new(visitor, budget)))
         }
     )*};
 }
@@ -153,6 +174,7 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Bounded<'_, D> {
         deserialize_byte_buf,
         deserialize_unit,
         deserialize_identifier,
+        deserialize_unit_struct(name: &'static str),
     );
 
     container!(
@@ -161,85 +183,12 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Bounded<'_, D> {
         deserialize_option,
         deserialize_seq,
         deserialize_map,
+        deserialize_newtype_struct(name: &'static str),
+        deserialize_tuple(len: usize),
+        deserialize_tuple_struct(name: &'static str, len: usize),
+        deserialize_struct(name: &'static str, fields: &'static [&'static str]),
+        deserialize_enum(name: &'static str, variants: &'static [&'static str]),
     );
-
-    #[inline]
-    fn deserialize_unit_struct<V: Visitor<'de>>(
-        self,
-        name: &'static str,
-        visitor: V,
-    ) -> Result<V::Value, D::Error> {
-        self.inner
-            .deserialize_unit_struct(name, Wrap::new(visitor, self.budget))
-    }
-
-    #[inline]
-    fn deserialize_newtype_struct<V: Visitor<'de>>(
-        self,
-        name: &'static str,
-        visitor: V,
-    ) -> Result<V::Value, D::Error> {
-        let budget = self.budget;
-        budget.nested(|| {
-            self.inner
-                .deserialize_newtype_struct(name, Wrap::new(visitor, budget))
-        })
-    }
-
-    #[inline]
-    fn deserialize_tuple<V: Visitor<'de>>(
-        self,
-        len: usize,
-        visitor: V,
-    ) -> Result<V::Value, D::Error> {
-        let budget = self.budget;
-        budget.nested(|| {
-            self.inner
-                .deserialize_tuple(len, Wrap::new(visitor, budget))
-        })
-    }
-
-    #[inline]
-    fn deserialize_tuple_struct<V: Visitor<'de>>(
-        self,
-        name: &'static str,
-        len: usize,
-        visitor: V,
-    ) -> Result<V::Value, D::Error> {
-        let budget = self.budget;
-        budget.nested(|| {
-            self.inner
-                .deserialize_tuple_struct(name, len, Wrap::new(visitor, budget))
-        })
-    }
-
-    #[inline]
-    fn deserialize_struct<V: Visitor<'de>>(
-        self,
-        name: &'static str,
-        fields: &'static [&'static str],
-        visitor: V,
-    ) -> Result<V::Value, D::Error> {
-        let budget = self.budget;
-        budget.nested(|| {
-            self.inner
-                .deserialize_struct(name, fields, Wrap::new(visitor, budget))
-        })
-    }
-
-    #[inline]
-    fn deserialize_enum<V: Visitor<'de>>(
-        self,
-        name: &'static str,
-        variants: &'static [&'static str],
-        visitor: V,
-    ) -> Result<V::Value, D::Error> {
-        let budget = self.budget;
-        budget.nested(|| {
-            self.inner
-                .deserialize_enum(name, variants, Wrap::new(visitor, budget))
-        })
-    }
 
     #[inline]
     fn is_human_readable(&self) -> bool {
@@ -298,18 +247,12 @@ impl<'de, V: Visitor<'de>> Visitor<'de> for Wrap<'_, V> {
 
     #[inline]
     fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        self.inner.visit_some(Bounded {
-            inner: d,
-            budget: self.budget,
-        })
+        self.inner.visit_some(self.budget.bound(d))
     }
 
     #[inline]
     fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        self.inner.visit_newtype_struct(Bounded {
-            inner: d,
-            budget: self.budget,
-        })
+        self.inner.visit_newtype_struct(self.budget.bound(d))
     }
 
     #[inline]
@@ -334,10 +277,7 @@ impl<'de, S: DeserializeSeed<'de>> DeserializeSeed<'de> for Wrap<'_, S> {
 
     #[inline]
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        self.inner.deserialize(Bounded {
-            inner: d,
-            budget: self.budget,
-        })
+        self.inner.deserialize(self.budget.bound(d))
     }
 }
 

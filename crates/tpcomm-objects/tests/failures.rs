@@ -5,12 +5,10 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::Rewriting;
+use common::{serial, PeakAlloc, Rewriting, LARGEST};
 
 use serde::{Serialize, Serializer};
 use tpcomm_objects::{
@@ -19,35 +17,8 @@ use tpcomm_objects::{
 };
 use tpcomm_transport::{Communicator, LocalGroup};
 
-/// Tracks the largest single allocation, to prove that no buffer is sized from a hostile
-/// length.
-struct PeakAlloc;
-
-static LARGEST: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: delegates every call to the system allocator unchanged; only records sizes.
-unsafe impl GlobalAlloc for PeakAlloc {
-    unsafe fn alloc(&self, layout: AllocLayout) -> *mut u8 {
-        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: AllocLayout) {
-        // SAFETY: `ptr` came from `System.alloc` with this layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: AllocLayout, new_size: usize) -> *mut u8 {
-        LARGEST.fetch_max(new_size, Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
 static GLOBAL: PeakAlloc = PeakAlloc;
-
-/// Tests that measure `LARGEST` run one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
 
 /// A value whose serialization fails when `fail` is set.
 struct FailOn {
@@ -269,7 +240,7 @@ fn run_damaged<T: Send>(
 
 #[test]
 fn an_inflated_length_is_rejected_on_every_rank_without_allocating_it() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     LARGEST.store(0, Ordering::Relaxed);
     let results = run_damaged(3, Damage::LengthWord(1 << 40), |c| {
         all_gather(c, &vec![5u8; 1000]).map(drop)
@@ -289,7 +260,7 @@ fn an_inflated_length_is_rejected_on_every_rank_without_allocating_it() {
 
 #[test]
 fn a_length_word_that_overflows_usize_sums_is_rejected() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let results = run_damaged(3, Damage::LengthWord(u64::MAX - 3), |c| {
         all_gather(c, &7u8).map(drop)
     });
@@ -302,7 +273,7 @@ fn a_length_word_that_overflows_usize_sums_is_rejected() {
 fn scatter_lengths_whose_sum_overflows_are_refused_by_every_rank_without_a_panic() {
     // Each length is within the cap (the largest there is), but three of them add up past
     // usize: every rank, the root included, must refuse the announcement alike.
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let opts = Options {
         max_total_bytes: isize::MAX as usize,
         ..Options::default()
@@ -356,7 +327,7 @@ fn a_truncated_length_is_caught_by_its_sender_and_nobody_hangs() {
 
 #[test]
 fn corrupted_payload_bytes_are_decode_errors_not_panics() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     LARGEST.store(0, Ordering::Relaxed);
     let results = run_damaged(2, Damage::PayloadFf, |c| {
         all_gather(

@@ -8,10 +8,11 @@
 //! (before anything sized by them is allocated) and `PeerInvalidOptions` on the others,
 //! which are never left waiting.
 
-use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+mod common;
+use common::{serial, PeakAlloc, LARGEST};
 
 use serde_bytes::ByteBuf;
 use tpcomm_objects::{
@@ -21,35 +22,8 @@ use tpcomm_objects::{
 };
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
-/// Tracks the largest single allocation, to prove that no buffer is sized from an invalid
-/// option.
-struct PeakAlloc;
-
-static LARGEST: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: delegates every call to the system allocator unchanged; only records sizes.
-unsafe impl GlobalAlloc for PeakAlloc {
-    unsafe fn alloc(&self, layout: AllocLayout) -> *mut u8 {
-        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: AllocLayout) {
-        // SAFETY: `ptr` came from `System.alloc` with this layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: AllocLayout, new_size: usize) -> *mut u8 {
-        LARGEST.fetch_max(new_size, Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
 static GLOBAL: PeakAlloc = PeakAlloc;
-
-/// Tests that measure `LARGEST` run one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
 
 type R = Result<(), ObjectError>;
 
@@ -183,7 +157,7 @@ fn several_differing_ranks_are_all_named() {
 /// the option allocated.
 #[test]
 fn out_of_range_options_are_invalid_arguments_before_anything_is_allocated() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let invalid = [
         Options {
             small_slot_bytes: 1 << 40,
@@ -250,7 +224,7 @@ fn round_bytes_of_zero_is_refused_not_clamped() {
 /// so its peers return `PeerInvalidOptions` naming it instead of waiting for it.
 #[test]
 fn invalid_options_on_one_rank_never_leave_the_others_waiting() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     LARGEST.store(0, Ordering::Relaxed);
     for name in COLLECTIVES {
         let results = run(name, |rank| {

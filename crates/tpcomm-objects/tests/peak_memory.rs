@@ -11,18 +11,20 @@
 //! Also: the up-front reservations of containers a peer's bytes announce, across every
 //! nesting level, stay bounded by the bytes it sent.
 //!
-//! A dedicated test binary whose tests take turns (`SERIAL`), so that the live-bytes counter
-//! of its global allocator sees one of them at a time.
+//! A dedicated test binary whose tests take turns (`common::serial`), so that the live-bytes
+//! counter of its global allocator sees one of them at a time.
 
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use serde::Deserialize;
 use serde_bytes::ByteBuf;
+mod common;
+use common::{forward_queries, serial};
+
 use tpcomm_objects::{
     all_gather, all_to_all, broadcast, decode_from, gather, scan_with, scatter, DecodeError,
     ObjectError, Options, AGREED_RESERVE_BYTES,
@@ -95,15 +97,6 @@ unsafe impl GlobalAlloc for LiveBytes {
 #[global_allocator]
 static GLOBAL: LiveBytes = LiveBytes;
 
-/// One test at a time: each measures the peak of the whole process.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// What the hostile rank announces: well under the default cap (8 GiB), well over a round.
 const ANNOUNCED: u64 = 256 << 20;
 const HOSTILE: usize = 1;
@@ -117,24 +110,7 @@ struct Peer {
 }
 
 impl Communicator for Peer {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn max_count(&self) -> usize {
-        self.inner.max_count()
-    }
-    fn backend_name(&self) -> &'static str {
-        "staging"
-    }
-    fn split(&self, _: Option<u32>, _: i32) -> TResult<Option<Self>> {
-        unimplemented!("not used by this test")
-    }
-    fn raw_barrier(&self) -> TResult<()> {
-        self.inner.barrier()
-    }
+    forward_queries!("staging");
     fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> TResult<()> {
         let (send, recv) = args.parts();
         let mut send = send.to_vec();

@@ -104,69 +104,66 @@ fn some(roots: &[usize]) -> Vec<Option<usize>> {
     roots.iter().copied().map(Some).collect()
 }
 
-#[test]
-fn ranks_passing_different_roots_to_broadcast_get_a_root_mismatch_on_every_rank() {
+/// Runs `case(roots, path, options)` for every root pattern and every value path.
+fn for_every_pattern_and_path(case: impl Fn(&[usize], Path, &Options)) {
     for roots in PATTERNS {
         for path in PATHS {
-            let opts = path.options();
-            expect_root_mismatch("broadcast_with", path, roots, |comm, root| {
-                let mine = path.value(comm.rank());
-                let value = (comm.rank() == root).then_some(&mine);
-                broadcast_with(comm, root, value, &opts).map(drop)
-            });
-            expect_root_mismatch("broadcast_into", path, roots, |comm, root| {
-                let mine = path.value(comm.rank());
-                let mut out = ByteBuf::new();
-                broadcast_into(comm, root, (comm.rank() == root).then_some(&mine), &mut out)
-            });
+            case(roots, path, &path.options());
         }
     }
+}
+
+#[test]
+fn ranks_passing_different_roots_to_broadcast_get_a_root_mismatch_on_every_rank() {
+    for_every_pattern_and_path(|roots, path, opts| {
+        expect_root_mismatch("broadcast_with", path, roots, |comm, root| {
+            let mine = path.value(comm.rank());
+            let value = (comm.rank() == root).then_some(&mine);
+            broadcast_with(comm, root, value, opts).map(drop)
+        });
+        expect_root_mismatch("broadcast_into", path, roots, |comm, root| {
+            let mine = path.value(comm.rank());
+            let mut out = ByteBuf::new();
+            broadcast_into(comm, root, (comm.rank() == root).then_some(&mine), &mut out)
+        });
+    });
 }
 
 #[test]
 fn ranks_passing_different_roots_to_gather_get_a_root_mismatch_on_every_rank() {
-    for roots in PATTERNS {
-        for path in PATHS {
-            let opts = path.options();
-            expect_root_mismatch("gather_with", path, roots, |comm, root| {
-                gather_with(comm, root, &path.value(comm.rank()), &opts).map(drop)
-            });
-            expect_root_mismatch("gather_into", path, roots, |comm, root| {
-                let mut out = Vec::new();
-                gather_into(comm, root, &path.value(comm.rank()), &mut out).map(drop)
-            });
-        }
-    }
+    for_every_pattern_and_path(|roots, path, opts| {
+        expect_root_mismatch("gather_with", path, roots, |comm, root| {
+            gather_with(comm, root, &path.value(comm.rank()), opts).map(drop)
+        });
+        expect_root_mismatch("gather_into", path, roots, |comm, root| {
+            let mut out = Vec::new();
+            gather_into(comm, root, &path.value(comm.rank()), &mut out).map(drop)
+        });
+    });
 }
 
 #[test]
 fn ranks_passing_different_roots_to_scatter_get_a_root_mismatch_on_every_rank() {
-    for roots in PATTERNS {
-        for path in PATHS {
-            let opts = path.options();
-            expect_root_mismatch("scatter_with", path, roots, |comm, root| {
-                // Every rank offers values: a rank that takes itself for the root sends them.
-                let shards: Vec<ByteBuf> = (0..comm.size()).map(|d| path.value(d)).collect();
-                scatter_with(comm, root, Some(&shards[..]), &opts).map(drop)
-            });
-        }
-    }
+    for_every_pattern_and_path(|roots, path, opts| {
+        expect_root_mismatch("scatter_with", path, roots, |comm, root| {
+            // Every rank offers values: a rank that takes itself for the root sends them.
+            let shards: Vec<ByteBuf> = (0..comm.size()).map(|d| path.value(d)).collect();
+            scatter_with(comm, root, Some(&shards[..]), opts).map(drop)
+        });
+    });
 }
 
 #[test]
 fn ranks_passing_different_roots_to_reduce_get_a_root_mismatch_on_every_rank() {
-    for roots in PATTERNS {
-        for path in PATHS {
-            let opts = path.options();
-            expect_root_mismatch("reduce_with_options", path, roots, |comm, root| {
-                reduce_with_options(comm, root, &path.value(comm.rank()), &opts, |mut a, b| {
-                    a.extend_from_slice(&b);
-                    a
-                })
-                .map(drop)
-            });
-        }
-    }
+    for_every_pattern_and_path(|roots, path, opts| {
+        expect_root_mismatch("reduce_with_options", path, roots, |comm, root| {
+            reduce_with_options(comm, root, &path.value(comm.rank()), opts, |mut a, b| {
+                a.extend_from_slice(&b);
+                a
+            })
+            .map(drop)
+        });
+    });
 }
 
 /// Each rooted collective once, every rank passing `root`.
@@ -188,12 +185,9 @@ fn each_rooted_collective(comm: &LocalCommunicator, root: usize) -> [(&'static s
     ]
 }
 
-/// A rank whose root is out of range still joins the header exchange (returning
-/// `InvalidArgument` on its own before it would leave the others waiting there, a hang
-/// without a timeout), and every rank sees the disagreement.
-#[test]
-fn a_rank_passing_an_out_of_range_root_never_leaves_the_others_waiting() {
-    let roots = [0, 7, 0];
+/// Runs [`each_rooted_collective`] on 3 ranks, rank `r` passing `roots[r]` (no rank may
+/// panic), and hands every result to `check(name, rank, result)`.
+fn check_each_rooted_collective(roots: [usize; 3], check: impl Fn(&str, usize, &R)) {
     let results = group(3)
         .run(|comm| each_rooted_collective(&comm, roots[comm.rank()]))
         .into_iter()
@@ -201,12 +195,23 @@ fn a_rank_passing_an_out_of_range_root_never_leaves_the_others_waiting() {
         .collect::<Vec<_>>();
     for (rank, per_rank) in results.iter().enumerate() {
         for (name, r) in per_rank {
-            assert!(
-                matches!(r, Err(ObjectError::RootMismatch { roots: got }) if got == &some(&roots)),
-                "{name}: rank {rank} got {r:?}"
-            );
+            check(name, rank, r);
         }
     }
+}
+
+/// A rank whose root is out of range still joins the header exchange (returning
+/// `InvalidArgument` on its own before it would leave the others waiting there, a hang
+/// without a timeout), and every rank sees the disagreement.
+#[test]
+fn a_rank_passing_an_out_of_range_root_never_leaves_the_others_waiting() {
+    let roots = [0, 7, 0];
+    check_each_rooted_collective(roots, |name, rank, r| {
+        assert!(
+            matches!(r, Err(ObjectError::RootMismatch { roots: got }) if got == &some(&roots)),
+            "{name}: rank {rank} got {r:?}"
+        );
+    });
 }
 
 #[test]
@@ -218,19 +223,12 @@ fn every_rank_passing_the_same_out_of_range_root_gets_an_invalid_argument() {
         u32::MAX as usize,
         usize::MAX,
     ] {
-        let results = group(3)
-            .run(|comm| each_rooted_collective(&comm, root))
-            .into_iter()
-            .map(|r| r.expect("no rank panics"))
-            .collect::<Vec<_>>();
-        for (rank, per_rank) in results.iter().enumerate() {
-            for (name, r) in per_rank {
-                assert!(
-                    matches!(r, Err(ObjectError::InvalidArgument(msg)) if msg.contains("root")),
-                    "{name}, root {root}: rank {rank} got {r:?}"
-                );
-            }
-        }
+        check_each_rooted_collective([root; 3], |name, rank, r| {
+            assert!(
+                matches!(r, Err(ObjectError::InvalidArgument(msg)) if msg.contains("root")),
+                "{name}, root {root}: rank {rank} got {r:?}"
+            );
+        });
     }
 }
 

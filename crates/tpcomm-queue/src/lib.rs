@@ -14,9 +14,9 @@
 //! - **Ring.** The writer owns one shared-memory segment (a sealed memfd of `tpcomm-ipc`'s
 //!   host backend): a header, one slot per reader on its host (that reader's progress), and
 //!   `depth` chunks of `chunk_bytes`. A message takes `max(1, ceil(len / chunk_bytes))`
-//!   consecutive chunks (the layout and its rules are in `docs/protocol.md`, "Broadcast
-//!   queue"). Each chunk carries a stamp (its sequence number plus one), the message number,
-//!   the message length, the chunk's offset and length and FIRST/LAST flags.
+//!   consecutive chunks (the layout and its rules are in `docs/queue.md`). Each chunk
+//!   carries a stamp (its sequence number plus one), the message number, the message length,
+//!   the chunk's offset and length and FIRST/LAST flags.
 //! - **Flags.** The writer writes chunk `c` once every reader's progress word shows chunk
 //!   `c - depth` released, then stores the stamp (release). A reader waits for the stamp,
 //!   checks every field, copies the bytes out, checks the stamp again and stores its progress

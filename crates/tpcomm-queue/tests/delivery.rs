@@ -8,6 +8,9 @@ use serde_bytes::ByteBuf;
 use tpcomm_queue::{BroadcastQueue, QueueConfig, QueueError, QueuePath};
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
+mod common;
+use common::{run_ok, tiny_ring};
+
 /// A value shaped like a scheduler's step output.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct StepOutput {
@@ -41,21 +44,15 @@ fn blob(i: usize, chunk: usize) -> ByteBuf {
     ByteBuf::from((0..len).map(|b| (b * 7 + i) as u8).collect::<Vec<u8>>())
 }
 
-/// Two chunks of 64 bytes: most messages lap the ring.
-fn tiny_ring() -> QueueConfig {
-    QueueConfig {
-        depth: 2,
-        chunk_bytes: 64,
-        ..small_ring()
-    }
-}
+/// Every wait of these tests.
+const TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Four chunks of 256 bytes.
 fn small_ring() -> QueueConfig {
     QueueConfig {
         depth: 4,
         chunk_bytes: 256,
-        timeout: Duration::from_secs(20),
-        ..QueueConfig::default()
+        ..tiny_ring(TIMEOUT)
     }
 }
 
@@ -119,8 +116,8 @@ fn a_queue_whose_readers_all_use_the_transport_needs_no_ring() {
 
 #[test]
 fn a_message_larger_than_the_whole_ring_streams_through_it() {
-    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
-        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
+    run_ok(3, |comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, tiny_ring(TIMEOUT))?;
         let big = ByteBuf::from(vec![0xab; 100_000]);
         if q.is_writer() {
             q.send(&big)?;
@@ -131,13 +128,12 @@ fn a_message_larger_than_the_whole_ring_streams_through_it() {
         }
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
 #[test]
 fn a_writer_that_laps_a_slow_reader_waits_for_it_and_loses_nothing() {
-    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
-        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
+    run_ok(3, |comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, tiny_ring(TIMEOUT))?;
         for i in 0..40u64 {
             if q.is_writer() {
                 q.send(&step_output(i, (i % 5) as usize))?;
@@ -150,7 +146,6 @@ fn a_writer_that_laps_a_slow_reader_waits_for_it_and_loses_nothing() {
         }
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
 #[test]
@@ -166,7 +161,7 @@ fn recv_borrowed_gives_values_that_borrow_from_the_queue() {
         #[serde(borrow)]
         bytes: &'a serde_bytes::Bytes,
     }
-    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+    run_ok(3, |comm: LocalCommunicator| {
         let config = QueueConfig {
             via_transport: comm.rank() == 2,
             ..small_ring()
@@ -186,12 +181,11 @@ fn recv_borrowed_gives_values_that_borrow_from_the_queue() {
         }
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
 #[test]
 fn a_message_that_does_not_decode_is_an_error_and_the_next_one_arrives() {
-    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+    run_ok(2, |comm: LocalCommunicator| {
         let mut q = BroadcastQueue::create(&comm, small_ring())?;
         if q.is_writer() {
             q.send("not a number")?;
@@ -209,7 +203,6 @@ fn a_message_that_does_not_decode_is_an_error_and_the_next_one_arrives() {
         }
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
 #[test]
@@ -219,7 +212,7 @@ fn a_value_nested_past_the_depth_limit_is_refused_by_the_decoder() {
         Leaf,
         Node(Vec<Tree>),
     }
-    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+    run_ok(2, |comm: LocalCommunicator| {
         let mut config = small_ring();
         config.options.max_depth = 16;
         let mut q = BroadcastQueue::create(&comm, config)?;
@@ -239,12 +232,11 @@ fn a_value_nested_past_the_depth_limit_is_refused_by_the_decoder() {
         }
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
 #[test]
 fn a_message_over_the_cap_is_refused_by_the_writer_and_nothing_is_sent() {
-    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+    run_ok(2, |comm: LocalCommunicator| {
         let mut config = small_ring();
         config.options.max_total_bytes = 1000;
         let mut q = BroadcastQueue::create(&comm, config)?;
@@ -264,7 +256,6 @@ fn a_message_over_the_cap_is_refused_by_the_writer_and_nothing_is_sent() {
         }
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
 #[test]
@@ -291,14 +282,13 @@ fn roles_are_checked() {
 
 #[test]
 fn a_queue_of_one_rank_has_a_writer_and_no_reader() {
-    let results = LocalGroup::new(1).run(|comm: LocalCommunicator| {
+    run_ok(1, |comm: LocalCommunicator| {
         let mut q = BroadcastQueue::create(&comm, small_ring())?;
         q.send(&step_output(0, 2))?;
         assert_eq!(q.messages(), 1);
         assert!(q.locality().shared_memory.is_empty());
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
 /// A value of a few large pieces (byte strings and strings): `send` sizes it and encodes it
@@ -321,8 +311,8 @@ fn tensors(i: usize) -> Tensors {
 
 #[test]
 fn values_encoded_straight_into_the_ring_arrive_whole_whatever_the_chunk_boundaries() {
-    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
-        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
+    run_ok(3, |comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, tiny_ring(TIMEOUT))?;
         for i in 0..60 {
             // Interleaved with values of many small pieces, encoded into the writer's buffer.
             if q.is_writer() {
@@ -335,13 +325,12 @@ fn values_encoded_straight_into_the_ring_arrive_whole_whatever_the_chunk_boundar
         }
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
 #[test]
 fn an_empty_message_is_one_empty_chunk() {
-    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
-        let mut q = BroadcastQueue::create(&comm, tiny_ring())?;
+    run_ok(2, |comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, tiny_ring(TIMEOUT))?;
         for i in 0..5u32 {
             if q.is_writer() {
                 q.send(&())?;
@@ -353,12 +342,11 @@ fn an_empty_message_is_one_empty_chunk() {
         }
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
 #[test]
 fn a_value_of_many_small_pieces_over_the_cap_is_refused_and_nothing_is_sent() {
-    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+    run_ok(2, |comm: LocalCommunicator| {
         let mut config = small_ring();
         config.options.max_total_bytes = 1000;
         let mut q = BroadcastQueue::create(&comm, config)?;
@@ -377,7 +365,6 @@ fn a_value_of_many_small_pieces_over_the_cap_is_refused_and_nothing_is_sent() {
         }
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
 /// A byte string one byte shorter each time it is serialized: the size pass and the
@@ -394,7 +381,7 @@ impl Serialize for Shrinking {
 
 #[test]
 fn a_value_that_encodes_shorter_than_sized_is_refused_before_any_chunk_is_published() {
-    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+    run_ok(2, |comm: LocalCommunicator| {
         // One chunk that holds the whole value, which is large enough to be streamed.
         let one_chunk = QueueConfig {
             depth: 2,
@@ -417,13 +404,12 @@ fn a_value_that_encodes_shorter_than_sized_is_refused_before_any_chunk_is_publis
         }
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
 #[test]
 fn a_value_that_encodes_shorter_than_sized_after_a_published_chunk_fails_the_queue() {
     let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
-        let mut q = BroadcastQueue::create(&comm, tiny_ring()).unwrap();
+        let mut q = BroadcastQueue::create(&comm, tiny_ring(TIMEOUT)).unwrap();
         if q.is_writer() {
             let sent = q.send(&Shrinking(std::cell::Cell::new(200)));
             assert!(
@@ -446,7 +432,7 @@ fn a_value_that_encodes_shorter_than_sized_after_a_published_chunk_fails_the_que
 
 #[test]
 fn large_pieces_arrive_whole_through_the_non_temporal_copies() {
-    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+    run_ok(3, |comm: LocalCommunicator| {
         let config = QueueConfig {
             depth: 3,
             chunk_bytes: 40_000,
@@ -472,5 +458,4 @@ fn large_pieces_arrive_whole_through_the_non_temporal_copies() {
         }
         q.close_with(&comm)
     });
-    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }

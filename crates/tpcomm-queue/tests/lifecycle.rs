@@ -6,13 +6,11 @@ use std::time::{Duration, Instant};
 use tpcomm_queue::{BroadcastQueue, Departure, QueueConfig, QueueError};
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
+mod common;
+use common::{run_ok, tiny_ring};
+
 fn config(timeout_ms: u64) -> QueueConfig {
-    QueueConfig {
-        depth: 2,
-        chunk_bytes: 64,
-        timeout: Duration::from_millis(timeout_ms),
-        ..QueueConfig::default()
-    }
+    tiny_ring(Duration::from_millis(timeout_ms))
 }
 
 #[test]
@@ -229,7 +227,7 @@ fn the_writer_closing_ends_every_readers_stream_after_its_last_message() {
 
 #[test]
 fn suspend_and_resume_keep_the_messages_not_received_yet() {
-    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+    run_ok(3, |comm: LocalCommunicator| {
         let c = QueueConfig {
             depth: 8,
             via_transport: comm.rank() == 2,
@@ -265,21 +263,15 @@ fn suspend_and_resume_keep_the_messages_not_received_yet() {
         }
         q.close_with(&comm)
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
 }
 
 #[test]
 fn a_suspended_queue_closes_on_every_rank() {
-    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+    run_ok(3, |comm: LocalCommunicator| {
         let mut q = BroadcastQueue::create(&comm, config(20_000))?;
         q.suspend(&comm)?;
         q.close_with(&comm)
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
 }
 
 #[test]

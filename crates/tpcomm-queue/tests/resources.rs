@@ -6,13 +6,11 @@ use std::time::Duration;
 use tpcomm_queue::{BroadcastQueue, QueueConfig, QueueError};
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
+mod common;
+use common::tiny_ring;
+
 fn config() -> QueueConfig {
-    QueueConfig {
-        depth: 2,
-        chunk_bytes: 64,
-        timeout: Duration::from_secs(20),
-        ..QueueConfig::default()
-    }
+    tiny_ring(Duration::from_secs(20))
 }
 
 /// Open descriptors and mappings of this process.

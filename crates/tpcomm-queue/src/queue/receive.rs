@@ -1,0 +1,224 @@
+//! The readers' path: `recv` and `recv_borrowed`, and reading a message out of the ring
+//! chunk by chunk, each checked, copied out and released at once.
+
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use tpcomm_transport::process::Liveness;
+use tpcomm_transport::Communicator;
+
+use super::{park_of_readers, park_of_writer, BroadcastQueue, Life, Role};
+use crate::error::{Corruption, Departure, QueueError, Result};
+use crate::layout::WriterState;
+use crate::ring::{self, Look, Position, RingMemory};
+use crate::shm::SharedRing;
+use crate::wait::{wait_until, wake_if_parked, Interrupted};
+
+impl<C: Communicator> BroadcastQueue<C> {
+    /// Receives the next message as an owned value (a reader only).
+    ///
+    /// Waits (bounded by the timeout) for the writer. Fails with
+    /// [`Decode`](QueueError::Decode) when the bytes are not a `T` (the message is consumed;
+    /// the next call reads the next one), [`WriterTimeout`](QueueError::WriterTimeout)
+    /// when nothing of it came in time (call again), [`Closed`](QueueError::Closed) once the
+    /// writer closed the queue and every message was received, and otherwise
+    /// ([`Corrupt`](QueueError::Corrupt), [`WriterGone`](QueueError::WriterGone),
+    /// [`WriterFailed`](QueueError::WriterFailed), a timeout in the middle of a message)
+    /// fails the queue.
+    pub fn recv<T: DeserializeOwned>(&mut self) -> Result<T> {
+        self.recv_bytes()?;
+        self.decode()
+    }
+
+    /// Receives the next message as a value that borrows from this queue's receive buffer
+    /// (`&str`, `&[u8]` with `serde_bytes`, ...), valid until the next call on the queue.
+    /// The bytes are copied out of shared memory first: the value never points into memory
+    /// a peer can write. Fails as [`recv`](Self::recv).
+    pub fn recv_borrowed<'a, T: Deserialize<'a>>(&'a mut self) -> Result<T> {
+        self.recv_bytes()?;
+        self.decode()
+    }
+
+    /// Decodes the message just received, with the agreed depth limit.
+    fn decode<'a, T: Deserialize<'a>>(&'a self) -> Result<T> {
+        let message = self.messages - 1;
+        tpcomm_objects::decode_from_with(self.writer, &self.buf, &self.options).map_err(|source| {
+            QueueError::Decode {
+                rank: self.rank,
+                writer: self.writer,
+                message,
+                source,
+            }
+        })
+    }
+
+    /// Receives the next message's bytes into `self.buf`.
+    fn recv_bytes(&mut self) -> Result<()> {
+        if let Life::Ended = self.life {
+            return Err(QueueError::Closed {
+                rank: self.rank,
+                writer: self.writer,
+                messages: self.messages,
+            });
+        }
+        self.usable("recv")?;
+        let received = match self.role {
+            Role::Writer { .. } => return Err(QueueError::NotReader { rank: self.rank }),
+            Role::Reader { .. } => self.ring_recv(),
+            Role::Remote => self.remote_recv(),
+        };
+        match received {
+            Ok(()) => {
+                self.messages += 1;
+                Ok(())
+            }
+            Err(e @ QueueError::Closed { .. }) => {
+                self.life = Life::Ended;
+                Err(e)
+            }
+            Err(e @ (QueueError::WriterTimeout { .. } | QueueError::Allocation { .. })) => Err(e),
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    /// Reads the next message out of the ring, chunk by chunk, releasing each as soon as
+    /// it is copied.
+    fn ring_recv(&mut self) -> Result<()> {
+        let Role::Reader {
+            ring: Some(ring),
+            slot,
+            next_chunk,
+            ..
+        } = &mut self.role
+        else {
+            return Err(self.refused("recv"));
+        };
+        let (rank, writer, message) = (self.rank, self.writer, self.messages);
+        let cap = self.options.max_total_bytes as u64;
+        let park = park_of_readers(ring);
+        let writer_park = park_of_writer(ring);
+        let writer_id = self.peers[writer];
+        let other_process = !writer_id.same_process(&self.peers[rank]);
+        let corrupt = |problem| QueueError::Corrupt {
+            rank,
+            peer: writer,
+            message,
+            problem,
+        };
+        let mut at = Position::start(message);
+        self.buf.clear();
+        loop {
+            let c = *next_chunk;
+            let started = at.total.is_some();
+            let ready = || -> Result<bool> {
+                match ring::look(ring, c).map_err(corrupt)? {
+                    Look::Ready => return Ok(true),
+                    Look::NotYet => {}
+                }
+                // The park handshake's look: published (sequentially consistent) after the
+                // stamp, so a count past `c` means the stamp is there.
+                if ring.published().load(std::sync::atomic::Ordering::SeqCst) > c {
+                    return Ok(ring::look(ring, c).map_err(corrupt)? == Look::Ready);
+                }
+                writer_ended(ring, (rank, writer, message), started)?;
+                Ok(false)
+            };
+            let check = || -> Result<()> {
+                // A writer that failed the queue (or closed it) and then exited said so first.
+                writer_ended(ring, (rank, writer, message), started)?;
+                if writer_id.liveness() == Liveness::Gone {
+                    return Err(QueueError::WriterGone {
+                        rank,
+                        writer,
+                        message,
+                        how: Departure::Exited,
+                    });
+                }
+                Ok(())
+            };
+            match wait_until(
+                &self.budget,
+                self.timeout,
+                park,
+                other_process.then_some(self.liveness),
+                ready,
+                check,
+            ) {
+                Ok(()) => {}
+                Err(Interrupted::Failed(e)) => return Err(e),
+                Err(Interrupted::Timeout(waited)) => {
+                    let e = QueueError::WriterTimeout {
+                        rank,
+                        writer,
+                        message,
+                        waited,
+                    };
+                    // In the middle of a message the stream cannot be resumed.
+                    return Err(if started { self.fail(e) } else { e });
+                }
+            }
+            let reserved = ring::read_chunk(ring, c, &mut at, cap, &mut self.buf, |v, n| {
+                v.try_reserve(n).map_err(|_| n)
+            })
+            .map_err(corrupt)?;
+            if let Err(bytes) = reserved {
+                return Err(QueueError::Allocation {
+                    rank,
+                    message,
+                    bytes,
+                });
+            }
+            ring::release(ring, *slot, c);
+            wake_if_parked(writer_park);
+            *next_chunk = c + 1;
+            if at.complete() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// The writer's state seen by a reader waiting for message `message` (`started`: some of it
+/// arrived): an error when the writer will send nothing more.
+fn writer_ended(
+    ring: &SharedRing,
+    (rank, writer, message): (usize, usize, u64),
+    started: bool,
+) -> Result<()> {
+    let how = match ring.writer_state() {
+        Ok(WriterState::Creating | WriterState::Open) => return Ok(()),
+        Ok(WriterState::Closed) if !started => {
+            return Err(QueueError::Closed {
+                rank,
+                writer,
+                messages: message,
+            })
+        }
+        Ok(WriterState::Closed) => Departure::Closed,
+        Ok(WriterState::Dropped) => Departure::Dropped,
+        Ok(WriterState::Failed) => {
+            return Err(QueueError::WriterFailed {
+                rank,
+                writer,
+                message,
+                culprit: ring.culprit().unwrap_or(writer),
+            })
+        }
+        Err(found) => {
+            return Err(QueueError::Corrupt {
+                rank,
+                peer: writer,
+                message,
+                problem: Corruption::State {
+                    which: "writer",
+                    found,
+                },
+            })
+        }
+    };
+    Err(QueueError::WriterGone {
+        rank,
+        writer,
+        message,
+        how,
+    })
+}

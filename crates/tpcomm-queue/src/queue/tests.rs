@@ -1,0 +1,109 @@
+//! The size pass, a streamed value's chunks published mid-encoding, and the frames.
+
+use serde::Serialize;
+
+use super::stream::{encoded_size, SizePass};
+use super::transport::{read_frame, write_frame, DATA, FRAME};
+use super::{BroadcastQueue, QueueConfig};
+use crate::ring::RingMemory;
+use serde_bytes::ByteBuf;
+use tpcomm_transport::{LocalCommunicator, LocalGroup};
+
+#[test]
+fn the_size_pass_counts_values_of_few_large_pieces_and_gives_up_on_many_small_ones() {
+    let blob = ByteBuf::from(vec![5u8; 1 << 20]);
+    assert!(matches!(encoded_size(&blob), SizePass::Bytes(Ok(n)) if n == (1 << 20) + 3));
+    let fields = (1u8, 2u16, "three", [4u32; 8], ByteBuf::from(vec![0; 100]));
+    let len = tpcomm_objects::encode_append(&fields, Vec::new())
+        .unwrap()
+        .len();
+    assert!(matches!(encoded_size(&fields), SizePass::Bytes(Ok(n)) if n == len));
+    // Every element a piece: a Vec<u8> without serde_bytes, a Vec<u32>.
+    assert!(matches!(encoded_size(&vec![1u8; 1000]), SizePass::GaveUp));
+    assert!(matches!(encoded_size(&vec![1u32; 65]), SizePass::GaveUp));
+    // Small pieces among large ones: counted while they average 64 bytes.
+    // (each byte string is two pieces, its length and its bytes)
+    let mixed: Vec<ByteBuf> = (0..200).map(|_| ByteBuf::from(vec![1; 200])).collect();
+    assert!(matches!(encoded_size(&mixed), SizePass::Bytes(Ok(_))));
+    let mixed: Vec<ByteBuf> = (0..200).map(|_| ByteBuf::from(vec![1; 100])).collect();
+    assert!(matches!(encoded_size(&mixed), SizePass::GaveUp));
+}
+
+/// Two chunk-sized byte strings; between them, the writer's encoding (its second
+/// serialization: the first is the size pass) waits at a barrier with the reader.
+struct Pausing<'a> {
+    bytes: ByteBuf,
+    pause: &'a std::sync::Barrier,
+    calls: std::cell::Cell<u32>,
+}
+
+impl Serialize for Pausing<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
+        let mut t = s.serialize_tuple(2)?;
+        t.serialize_element(&self.bytes)?;
+        self.calls.set(self.calls.get() + 1);
+        if self.calls.get() == 2 {
+            // The reader looks at the ring here.
+            self.pause.wait();
+            self.pause.wait();
+        }
+        t.serialize_element(&self.bytes)?;
+        t.end()
+    }
+}
+
+#[test]
+fn a_streamed_value_s_first_chunks_are_published_while_it_is_still_encoded() {
+    const CHUNK: usize = 256;
+    let pause = std::sync::Barrier::new(2);
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let config = QueueConfig {
+            depth: 8,
+            chunk_bytes: CHUNK,
+            ..QueueConfig::default()
+        };
+        let mut q = BroadcastQueue::create(&comm, config)?;
+        let bytes = ByteBuf::from(vec![3u8; 2 * CHUNK]);
+        if q.is_writer() {
+            q.send(&Pausing {
+                bytes: bytes.clone(),
+                pause: &pause,
+                calls: std::cell::Cell::new(0),
+            })?;
+        } else {
+            pause.wait();
+            let published = q
+                .ring_for_test()
+                .unwrap()
+                .published()
+                .load(std::sync::atomic::Ordering::SeqCst);
+            pause.wait();
+            // The first byte string and its length prefix: two whole chunks.
+            assert_eq!(
+                published, 2,
+                "chunks published in the middle of the encoding"
+            );
+            let got: (ByteBuf, ByteBuf) = q.recv()?;
+            assert_eq!(got, (bytes.clone(), bytes));
+        }
+        q.close_with(&comm)
+    });
+    assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+#[test]
+fn frames_round_trip_and_garbage_is_refused() {
+    let mut frame = [0u8; FRAME];
+    write_frame(&mut frame, DATA, 7, 1000);
+    assert_eq!(read_frame(&frame), Ok((DATA, 7, 1000)));
+    let mut bad = frame;
+    bad[0] = b'x';
+    assert!(read_frame(&bad).is_err());
+    let mut bad = frame;
+    bad[6] = 9;
+    assert!(read_frame(&bad).is_err());
+    let mut bad = frame;
+    bad[4] = 2;
+    assert!(read_frame(&bad).is_err());
+}

@@ -1,0 +1,129 @@
+//! The transport path, for the readers that do not map the ring (on other hosts, or asked
+//! to): each message is one broadcast of a 256-byte frame (a header and the first bytes) in
+//! the sub-communicator of the writer and those readers, plus one broadcast of the rest.
+
+use tpcomm_transport::Communicator;
+
+use super::BroadcastQueue;
+use crate::error::{Corruption, QueueError, Result};
+
+/// Bytes of a transport frame: a 24-byte header and the first [`INLINE`] bytes.
+pub(super) const FRAME: usize = 256;
+/// Message bytes a frame carries.
+const INLINE: usize = FRAME - 24;
+/// A frame's first bytes.
+const FRAME_MAGIC: [u8; 4] = *b"tpQF";
+/// The frame format's version.
+const FRAME_VERSION: u16 = 1;
+/// Frame kinds.
+pub(super) const DATA: u8 = 1;
+pub(super) const END: u8 = 2;
+
+impl<C: Communicator> BroadcastQueue<C> {
+    /// Broadcasts `self.buf` (message `message`) to the transport readers: one frame, and
+    /// the rest of the bytes when they do not fit in it.
+    pub(super) fn remote_send(&mut self, message: u64) -> Result<()> {
+        let Some(remote) = &self.remote else {
+            return Ok(());
+        };
+        let total = self.buf.len();
+        let inline = total.min(INLINE);
+        write_frame(&mut self.frame, DATA, message, total as u64);
+        self.frame[24..24 + inline].copy_from_slice(&self.buf[..inline]);
+        let transport = |source| QueueError::Transport {
+            rank: self.rank,
+            message,
+            source,
+        };
+        remote.broadcast(0, &mut self.frame).map_err(transport)?;
+        if total > INLINE {
+            remote
+                .broadcast(0, &mut self.buf[INLINE..])
+                .map_err(transport)?;
+        }
+        Ok(())
+    }
+
+    /// Receives the next message's frame (and the rest of its bytes) from the transport.
+    pub(super) fn remote_recv(&mut self) -> Result<()> {
+        let (rank, message) = (self.rank, self.messages);
+        let Some(remote) = &self.remote else {
+            return Err(self.refused("recv"));
+        };
+        let transport = |source| QueueError::Transport {
+            rank,
+            message,
+            source,
+        };
+        remote.broadcast(0, &mut self.frame).map_err(transport)?;
+        let corrupt = |problem| QueueError::Corrupt {
+            rank,
+            peer: self.writer,
+            message,
+            problem,
+        };
+        let (kind, number, total) = read_frame(&self.frame).map_err(corrupt)?;
+        if kind == END {
+            return Err(QueueError::Closed {
+                rank,
+                writer: self.writer,
+                messages: message,
+            });
+        }
+        if number != message {
+            return Err(corrupt(Corruption::Frame("a message number out of order")));
+        }
+        let cap = self.options.max_total_bytes as u64;
+        if total > cap {
+            return Err(corrupt(Corruption::TooLarge { total, cap }));
+        }
+        // `total <= cap <= isize::MAX`.
+        let total = total as usize;
+        self.buf.clear();
+        if self.buf.try_reserve(total).is_err() {
+            return Err(QueueError::Allocation {
+                rank,
+                message,
+                bytes: total,
+            });
+        }
+        let inline = total.min(INLINE);
+        self.buf.extend_from_slice(&self.frame[24..24 + inline]);
+        if total > INLINE {
+            self.buf.resize(total, 0);
+            remote
+                .broadcast(0, &mut self.buf[INLINE..])
+                .map_err(transport)?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes a frame's header.
+pub(super) fn write_frame(frame: &mut [u8; FRAME], kind: u8, message: u64, total: u64) {
+    frame[..4].copy_from_slice(&FRAME_MAGIC);
+    frame[4..6].copy_from_slice(&FRAME_VERSION.to_le_bytes());
+    frame[6] = kind;
+    frame[7] = 0;
+    frame[8..16].copy_from_slice(&message.to_le_bytes());
+    frame[16..24].copy_from_slice(&total.to_le_bytes());
+}
+
+/// A frame's kind, message number and total length, checked.
+pub(super) fn read_frame(frame: &[u8; FRAME]) -> std::result::Result<(u8, u64, u64), Corruption> {
+    if frame[..4] != FRAME_MAGIC {
+        return Err(Corruption::Frame("no frame magic"));
+    }
+    if frame[4..6] != FRAME_VERSION.to_le_bytes() {
+        return Err(Corruption::Frame("another frame version"));
+    }
+    if frame[7] != 0 || !matches!(frame[6], DATA | END) {
+        return Err(Corruption::Frame("an unknown frame kind"));
+    }
+    let word = |at: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&frame[at..at + 8]);
+        u64::from_le_bytes(w)
+    };
+    Ok((frame[6], word(8), word(16)))
+}

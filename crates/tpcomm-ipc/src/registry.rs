@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use tpcomm_transport::Communicator;
 
 use crate::error::{IpcError, Result};
-use crate::memory::PeerMemory;
+use crate::memory::{PeerMemory, Region};
 use crate::step::{tagged_all_gather, tagged_all_gather_as, Step, StepTag};
 
 /// A handle as it travels: tagged with the group that exchanged it and its exporter.
@@ -25,15 +25,6 @@ pub struct Envelope<H> {
 /// Identifies one exchange of a [`PeerMappings`] (the regions shared in one call).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ExchangeId(usize);
-
-/// One address range this rank shares, as passed to [`PeerMappings::exchange`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Region {
-    /// Start address (inside one exportable allocation of the backend).
-    pub addr: u64,
-    /// Length in bytes.
-    pub len: usize,
-}
 
 /// A peer region whose mapping would keep this process from being checkpointed and
 /// restored with its peers ([`PeerMappings::checkpoint_blockers`]).

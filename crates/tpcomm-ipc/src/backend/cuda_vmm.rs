@@ -71,7 +71,7 @@ use serde::{Deserialize, Serialize};
 use super::cuda::{result, CudaBuffer, CudaHandle, CudaMapping, CudaMemory, PrimaryContext};
 use crate::error::{IpcError, Result};
 use crate::memory::{check_range, MemoryRegion, PeerMemory};
-use crate::registry::Region;
+use crate::memory::Region;
 
 /// The backend's name in errors.
 const NAME: &str = "cuda-vmm";

@@ -77,7 +77,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{os, IpcError, Result, SegmentProblem};
 use crate::memory::{check_range, MemoryRegion, PeerMemory, Sealed};
-use crate::registry::Region;
+use crate::memory::Region;
 
 mod arena;
 mod stable;

@@ -58,20 +58,18 @@
 
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::sys::CUdeviceptr;
-use rustix::fs::{AtFlags, FileType, StatxFlags};
-use rustix::io::Errno;
-use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags};
+use rustix::fs::FileType;
 use serde::{Deserialize, Serialize};
 
 use super::cuda::{result, CudaBuffer, CudaHandle, CudaMapping, CudaMemory, PrimaryContext};
+use super::descriptor::{self, Got, Identity, IfStatxRefused, Pidfd};
 use crate::error::{IpcError, Result};
-use crate::memory::{check_range, MemoryRegion, PeerMemory};
-use crate::memory::Region;
+use crate::memory::{check_range, MemoryRegion, PeerMemory, Region};
 
 /// The backend's name in errors.
 const NAME: &str = "cuda-vmm";
@@ -393,33 +391,6 @@ pub(crate) fn imported_now() -> usize {
     IMPORTED.load(Ordering::SeqCst)
 }
 
-/// What the kernel's cached attributes say a descriptor is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Identity {
-    dev: u64,
-    inode: u64,
-    rdev: u64,
-    mode: u32,
-}
-
-/// The identity of `fd` from the kernel's cached attributes (`statx` with
-/// `AT_STATX_DONT_SYNC`: FUSE and NFS answer it without asking their server).
-fn identity(fd: BorrowedFd<'_>) -> Result<Identity> {
-    let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC;
-    let x = rustix::fs::statx(fd, c"", flags, StatxFlags::TYPE | StatxFlags::INO).map_err(
-        |source| IpcError::Os {
-            call: "statx(AT_STATX_DONT_SYNC)",
-            source,
-        },
-    )?;
-    Ok(Identity {
-        dev: rustix::fs::makedev(x.stx_dev_major, x.stx_dev_minor),
-        inode: x.stx_ino,
-        rdev: rustix::fs::makedev(x.stx_rdev_major, x.stx_rdev_minor),
-        mode: u32::from(x.stx_mode),
-    })
-}
-
 /// The major numbers of the character devices `/proc/devices` text lists under a name
 /// starting with `nvidia` (`nvidia`, `nvidiactl`, `nvidia-uvm`, `nvidia-frontend`, ...).
 pub fn nvidia_majors(proc_devices: &str) -> Vec<u32> {
@@ -466,7 +437,7 @@ fn check_descriptor(
     id: &Identity,
     majors: &[u32],
 ) -> std::result::Result<(), DescriptorProblem> {
-    if id.dev != h.dev || id.inode != h.inode {
+    if !id.is(h.dev, h.inode) {
         return Err(DescriptorProblem::Stale);
     }
     let kind = FileType::from_raw_mode(id.mode);
@@ -528,37 +499,25 @@ fn check_fields(h: &CudaVmmHandle, granularity: usize) -> Result<usize> {
 
 /// Fetches descriptor `fd` of process `pid` with `pidfd_getfd`.
 fn fetch(pid: u32, fd: i32) -> Result<OwnedFd> {
-    let raw = i32::try_from(pid)
-        .ok()
-        .and_then(Pid::from_raw)
-        .ok_or_else(|| IpcError::InvalidHandle(format!("pid {pid} is not a process id")))?;
-    let pidfd = match rustix::process::pidfd_open(raw, PidfdFlags::empty()) {
-        Ok(p) => p,
-        Err(Errno::SRCH) => return Err(IpcError::OwnerGone { pid }),
-        Err(source) => {
+    let owner = descriptor::process(pid)
+        .map_err(|_| IpcError::InvalidHandle(format!("pid {pid} is not a process id")))?;
+    let pidfd = match descriptor::open_pidfd(owner, pid)? {
+        Pidfd::Open(p) => p,
+        Pidfd::Refused(source) => {
             return Err(IpcError::Os {
                 call: "pidfd_open",
                 source,
             })
         }
     };
-    match rustix::process::pidfd_getfd(&pidfd, fd, PidfdGetfdFlags::empty()) {
-        Ok(got) => Ok(got),
-        Err(Errno::BADF) if super::host::has_exited(&pidfd) => Err(IpcError::OwnerGone { pid }),
-        Err(Errno::SRCH) => Err(IpcError::OwnerGone { pid }),
-        Err(Errno::BADF) => Err(IpcError::StaleHandle(format!(
-            "descriptor {fd} of pid {pid} is closed"
-        ))),
-        Err(Errno::PERM | Errno::ACCESS | Errno::NOSYS) => Err(IpcError::Unsupported {
+    match descriptor::get_fd(&pidfd, pid, fd)? {
+        Got::Fd(got) => Ok(got),
+        Got::Refused => Err(IpcError::Unsupported {
             backend: NAME,
             what: format!(
                 "fetching descriptor {fd} of pid {pid}: pidfd_getfd is not allowed here \
                  (ptrace restrictions, or a kernel before 5.6)"
             ),
-        }),
-        Err(source) => Err(IpcError::Os {
-            call: "pidfd_getfd",
-            source,
         }),
     }
 }
@@ -825,31 +784,20 @@ impl CudaVmmMemory {
     /// Fetches, checks and imports the allocation `h` names (`size` bytes, checked by
     /// [`check_fields`]); its allocation handle.
     fn import(&self, e: &Entries, h: &CudaVmmHandle) -> Result<u64> {
-        let fd = fetch(h.pid, h.fd)?;
-        let id = match identity(fd.as_fd()) {
-            Ok(id) => id,
-            Err(err) => {
-                super::host::close_refused(fd);
-                return Err(err);
-            }
-        };
-        match check_descriptor(h, &id, machine_majors()) {
-            Ok(()) => {}
-            Err(problem) => {
-                super::host::close_refused(fd);
-                return Err(match problem {
-                    DescriptorProblem::Stale => IpcError::StaleHandle(format!(
-                        "descriptor {} of pid {} names inode {} now, not inode {}",
-                        h.fd, h.pid, id.inode, h.inode
-                    )),
-                    DescriptorProblem::Foreign(found) => IpcError::NotAnAllocation {
-                        pid: h.pid,
-                        fd: h.fd,
-                        found,
-                    },
-                });
-            }
-        }
+        let fd = descriptor::checked(fetch(h.pid, h.fd)?, |fd| {
+            let id = descriptor::cached_identity(fd.as_fd(), IfStatxRefused::Fail)?;
+            check_descriptor(h, &id, machine_majors()).map_err(|problem| match problem {
+                DescriptorProblem::Stale => IpcError::StaleHandle(format!(
+                    "descriptor {} of pid {} names inode {} now, not inode {}",
+                    h.fd, h.pid, id.inode, h.inode
+                )),
+                DescriptorProblem::Foreign(found) => IpcError::NotAnAllocation {
+                    pid: h.pid,
+                    fd: h.fd,
+                    found,
+                },
+            })
+        })?;
         self.ctx().make_current()?;
         let mut phys = 0u64;
         // SAFETY: out-pointer to a local; for a POSIX descriptor handle the driver takes the
@@ -1033,7 +981,7 @@ fn export_descriptor(e: &Entries, phys: u64) -> Result<(OwnedFd, Identity)> {
     // SAFETY: the driver made this descriptor for this process and gave it to us; nothing
     // else owns it.
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    let id = identity(fd.as_fd())?;
+    let id = descriptor::cached_identity(fd.as_fd(), IfStatxRefused::Fail)?;
     Ok((fd, id))
 }
 

@@ -66,18 +66,15 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::time::Duration;
 
-use rustix::event::{PollFd, PollFlags, Timespec};
-use rustix::fs::{AtFlags, FileType, MemfdFlags, Mode, OFlags, SealFlags, StatxFlags};
+use rustix::fs::{FileType, MemfdFlags, Mode, OFlags, SealFlags};
 use rustix::io::Errno;
 use rustix::mm::{MapFlags, ProtFlags};
-use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags};
 use serde::{Deserialize, Serialize};
 
+use super::descriptor::{self, has_exited, BadPid, Got, Identity, IfStatxRefused, Pidfd};
 use crate::error::{os, IpcError, Result, SegmentProblem};
-use crate::memory::{check_range, MemoryRegion, PeerMemory, Sealed};
-use crate::memory::Region;
+use crate::memory::{check_range, MemoryRegion, PeerMemory, Region, Sealed};
 
 mod arena;
 mod stable;
@@ -292,17 +289,6 @@ impl PidfdCache {
     }
 }
 
-/// Whether the process of `pidfd` has exited: a pidfd polls readable from then on. An
-/// error of `poll` (none is expected) counts as alive; the cache is bounded anyway.
-pub(crate) fn has_exited(pidfd: &OwnedFd) -> bool {
-    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
-    let now = Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    matches!(rustix::event::poll(&mut fds, Some(&now)), Ok(n) if n > 0)
-}
-
 /// A descriptor fetched for a handle, and the owner's pidfd it was fetched with (to cache
 /// once the open succeeded).
 struct Fetched {
@@ -356,10 +342,7 @@ impl HostMemory {
             return Ok(map);
         }
         let Fetched { fd, pidfd } = self.fetch_fd(h)?;
-        if let Err(e) = check_segment(&fd, h) {
-            close_refused(fd);
-            return Err(e);
-        }
+        let fd = descriptor::checked(fd, |fd| check_segment(fd, h))?;
         let ptr = map_shared(&fd, 0, segment_len)?;
         let map = Arc::new(PeerMap {
             ptr,
@@ -393,18 +376,15 @@ impl HostMemory {
         if let Some(fd) = self.cache().get(pid) {
             return Ok(Some(fd));
         }
-        let raw_pid = i32::try_from(pid)
-            .map_err(|_| IpcError::InvalidHandle(format!("pid {pid} out of range")))?;
-        let owner = Pid::from_raw(raw_pid)
-            .ok_or_else(|| IpcError::InvalidHandle(format!("pid {pid} is not a process id")))?;
-        match rustix::process::pidfd_open(owner, PidfdFlags::empty()) {
-            Ok(fd) => Ok(Some(Arc::new(fd))),
-            Err(Errno::SRCH) => Err(IpcError::OwnerGone { pid }),
-            Err(Errno::NOSYS | Errno::PERM | Errno::ACCESS) => Ok(None),
-            Err(e) => Err(IpcError::Os {
-                call: "pidfd_open",
-                source: e,
-            }),
+        let owner = descriptor::process(pid).map_err(|bad| {
+            IpcError::InvalidHandle(match bad {
+                BadPid::OutOfRange => format!("pid {pid} out of range"),
+                BadPid::NotAProcessId => format!("pid {pid} is not a process id"),
+            })
+        })?;
+        match descriptor::open_pidfd(owner, pid)? {
+            Pidfd::Open(fd) => Ok(Some(Arc::new(fd))),
+            Pidfd::Refused(_) => Ok(None),
         }
     }
 
@@ -423,67 +403,21 @@ impl HostMemory {
                 pidfd: None,
             });
         };
-        match rustix::process::pidfd_getfd(&*pidfd, fd, PidfdGetfdFlags::empty()) {
-            Ok(got) => Ok(Fetched {
+        match descriptor::get_fd(&pidfd, pid, fd) {
+            Ok(Got::Fd(got)) => Ok(Fetched {
                 fd: got,
                 pidfd: Some(pidfd),
             }),
-            // An exiting or exited owner not reaped yet has no descriptors left: kernels
-            // before 6.9 say EBADF for it (later ones ESRCH).
-            Err(Errno::BADF) if has_exited(&pidfd) => {
-                self.cache().forget(pid);
-                Err(IpcError::OwnerGone { pid })
-            }
-            Err(Errno::BADF) => Err(IpcError::StaleHandle(format!(
-                "descriptor {fd} of pid {pid} is closed"
-            ))),
-            Err(Errno::SRCH) => {
-                self.cache().forget(pid);
-                Err(IpcError::OwnerGone { pid })
-            }
             // Not allowed to ptrace the owner (or no pidfd_getfd): reopen through /proc.
-            Err(Errno::PERM | Errno::NOSYS | Errno::ACCESS) => Ok(Fetched {
+            Ok(Got::Refused) => Ok(Fetched {
                 fd: open_via_proc(h)?,
                 pidfd: None,
             }),
-            Err(e) => Err(IpcError::Os {
-                call: "pidfd_getfd",
-                source: e,
-            }),
-        }
-    }
-}
-
-/// How long a refusal waits for a refused descriptor's close on its own thread before it
-/// returns without it.
-const CLOSE_WAIT: Duration = Duration::from_secs(1);
-
-/// Closes a descriptor fetched for a handle and refused. Closing a file calls its file
-/// system's `flush`, which for a FUSE file (or one on a hard NFS mount) waits on a server
-/// that may never answer: a file that is not shmem (which has no `flush`) is therefore
-/// closed on a thread of its own, waited for [`CLOSE_WAIT`] at most (an ordinary file's
-/// close ends long before: the descriptor is gone when the refusal returns), and left to
-/// that thread after. A thread that cannot be spawned closes it here (the closure is dropped
-/// with the descriptor).
-pub(crate) fn close_refused(fd: OwnedFd) {
-    if rustix::fs::fcntl_get_seals(&fd).is_ok() {
-        return drop(fd);
-    }
-    let (closed, wait) = std::sync::mpsc::channel::<()>();
-    let spawned = std::thread::Builder::new()
-        .name("tpcomm-ipc-close".into())
-        .spawn(move || {
-            drop(fd);
-            let _ = closed.send(());
-        });
-    match spawned {
-        Ok(_) => {
-            if wait.recv_timeout(CLOSE_WAIT).is_err() {
-                tracing::warn!("a refused descriptor's close is still waiting on its file system");
+            Err(e @ IpcError::OwnerGone { .. }) => {
+                self.cache().forget(pid);
+                Err(e)
             }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "a refused descriptor was closed on the caller's thread")
+            Err(e) => Err(e),
         }
     }
 }
@@ -536,7 +470,7 @@ fn open_via_proc(h: &HostHandle) -> Result<OwnedFd> {
     if !names_a_memfd(&format!("/proc/self/fd/{}", path.as_raw_fd()))? {
         return Err(not_memfd);
     }
-    let id = cached_identity(path.as_fd())?;
+    let id = descriptor::cached_identity(path.as_fd(), IfStatxRefused::Fstat)?;
     check_identity(h, &id)?;
     // A memfd lives on the kernel's internal tmpfs (or on hugetlbfs): `fstatfs` asks no
     // server. hugetlbfs files are let through so that `check_segment` names them as on the
@@ -749,45 +683,9 @@ fn prefault(mappings: &[HostMapping]) {
     }
 }
 
-/// The inode, device and file type of the file `fd` refers to, as the kernel has them
-/// cached: `statx` with `AT_STATX_DONT_SYNC`, which FUSE and NFS answer without asking
-/// their server, so that looking at a forged handle's file never waits on a server that
-/// does not answer (other network file systems may still ask theirs). Only where `statx`
-/// is refused (a seccomp filter, a kernel before 4.11) does a plain `fstat` serve, which
-/// does ask.
-fn cached_identity(fd: BorrowedFd<'_>) -> Result<Identity> {
-    let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC;
-    match rustix::fs::statx(fd, c"", flags, StatxFlags::TYPE | StatxFlags::INO) {
-        Ok(x) => Ok(Identity {
-            inode: x.stx_ino,
-            dev: rustix::fs::makedev(x.stx_dev_major, x.stx_dev_minor),
-            mode: u32::from(x.stx_mode),
-        }),
-        Err(Errno::NOSYS | Errno::PERM) => {
-            let stat = rustix::fs::fstat(fd).map_err(os("fstat"))?;
-            Ok(Identity {
-                inode: stat.st_ino,
-                dev: stat.st_dev,
-                mode: stat.st_mode,
-            })
-        }
-        Err(e) => Err(IpcError::Os {
-            call: "statx(AT_STATX_DONT_SYNC)",
-            source: e,
-        }),
-    }
-}
-
-/// What [`cached_identity`] reads.
-struct Identity {
-    inode: u64,
-    dev: u64,
-    mode: u32,
-}
-
 /// The handle's descriptor names the handle's inode, or the handle is stale.
 fn check_identity(h: &HostHandle, id: &Identity) -> Result<()> {
-    if id.inode != h.inode || id.dev != h.dev {
+    if !id.is(h.dev, h.inode) {
         return Err(IpcError::StaleHandle(format!(
             "descriptor {} of pid {} names inode {} now, not segment inode {}",
             h.fd, h.pid, id.inode, h.inode
@@ -810,7 +708,8 @@ fn check_segment(fd: &OwnedFd, h: &HostHandle) -> Result<()> {
         fd: h.fd,
         problem,
     };
-    check_identity(h, &cached_identity(fd.as_fd())?)?;
+    let id = descriptor::cached_identity(fd.as_fd(), IfStatxRefused::Fstat)?;
+    check_identity(h, &id)?;
     // Before anything that may reach the file's file system: only shmem files (tmpfs,
     // hugetlbfs) have seals, and the VFS answers for every other file without asking its
     // file system (an O_PATH descriptor is refused outright).
@@ -1434,6 +1333,8 @@ mod tests {
     //! The `/proc` fallback, which `open` takes only where `pidfd_getfd` is not allowed.
 
     use std::process::{Child, Command, Stdio};
+
+    use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags};
 
     use super::stalled_fuse::{self, StalledFuse};
     use super::*;

@@ -4,4 +4,5 @@
 pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod cuda_vmm;
+mod descriptor;
 pub mod host;

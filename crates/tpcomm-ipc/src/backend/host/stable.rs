@@ -31,10 +31,10 @@ use std::sync::Arc;
 use rustix::mm::{MapFlags, ProtFlags};
 
 use super::{
-    check_fields, check_segment, close_refused, page_size, prefault, segments, Exportable, Fetched,
-    HostBuffer, HostHandle, HostMapping, HostMemory, OwnedSegment, PeerMap, PRIVATE_SEGMENT_NAME,
-    SEGMENT_NAME,
+    check_fields, check_segment, page_size, prefault, segments, Exportable, Fetched, HostBuffer,
+    HostHandle, HostMapping, HostMemory, OwnedSegment, PeerMap, PRIVATE_SEGMENT_NAME, SEGMENT_NAME,
 };
+use crate::backend::descriptor;
 use crate::error::{os, IpcError, Result};
 use crate::memory::MemoryRegion;
 
@@ -179,12 +179,9 @@ impl HostMemory {
     /// Fetches and checks the segment `h` names (the checks of `open`).
     fn fetch_checked(&self, h: &HostHandle) -> Result<Fetched> {
         check_fields(h)?;
-        let fetched = self.fetch_fd(h)?;
-        if let Err(e) = check_segment(&fetched.fd, h) {
-            close_refused(fetched.fd);
-            return Err(e);
-        }
-        Ok(fetched)
+        let Fetched { fd, pidfd } = self.fetch_fd(h)?;
+        let fd = descriptor::checked(fd, |fd| check_segment(fd, h))?;
+        Ok(Fetched { fd, pidfd })
     }
 
     /// `open_all` of a stable backend: each handle's own pages, mapped at an address the

@@ -30,9 +30,14 @@ use std::sync::Arc;
 
 use rustix::mm::{MapFlags, ProtFlags};
 
+use super::fetch::Fetched;
+use super::prefault::prefault;
+use super::segment::{map_shared, page_size, segment_file};
+use super::segment_checks::{check_fields, check_segment};
+use super::segment_table::{segments, Exportable};
 use super::{
-    check_fields, check_segment, page_size, prefault, segments, Exportable, Fetched, HostBuffer,
-    HostHandle, HostMapping, HostMemory, OwnedSegment, PeerMap, PRIVATE_SEGMENT_NAME, SEGMENT_NAME,
+    HostBuffer, HostHandle, HostMapping, HostMemory, OwnedSegment, PeerMap, PRIVATE_SEGMENT_NAME,
+    SEGMENT_NAME,
 };
 use crate::backend::descriptor;
 use crate::error::{os, IpcError, Result};
@@ -192,7 +197,7 @@ impl HostMemory {
             check_fields(h)?;
             let pages = page_span(h)?;
             let Fetched { fd, pidfd } = self.fetch_checked(h)?;
-            let ptr = super::map_shared(&fd, pages.start, pages.span)?;
+            let ptr = map_shared(&fd, pages.start, pages.span)?;
             if let Some(pidfd) = &pidfd {
                 self.cache().keep(h.pid, pidfd.clone());
             }
@@ -317,7 +322,7 @@ impl HostMemory {
         } else {
             SEGMENT_NAME
         };
-        let (fd, dev, inode) = super::segment_file(buffer.len, name)?;
+        let (fd, dev, inode) = segment_file(buffer.len, name)?;
         // SAFETY: `ptr..ptr + len` is the reservation `release_buffer` left, owned by the
         // buffer; `fd` was just sized to `len` bytes and sealed.
         unsafe { map_over(buffer.ptr, buffer.len, fd.as_fd(), 0) }?;

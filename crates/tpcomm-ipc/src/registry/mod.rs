@@ -145,6 +145,8 @@ struct Slot<B: PeerMemory> {
 /// });
 /// assert_eq!(results[0].as_ref().unwrap().as_ref().unwrap(), &vec![2u8; 8]);
 /// ```
+///
+/// [`IpcError::StepMismatch`]: crate::IpcError::StepMismatch
 #[derive(Debug)]
 pub struct PeerMappings<B: PeerMemory> {
     backend: B,

@@ -35,6 +35,8 @@ impl<B: PeerMemory> PeerMappings<B> {
     /// last exported knows them unchanged without exporting again (host memory with nothing
     /// allocated or freed since: [`Counters::exports_skipped`]). A failure leaves the
     /// registry closed, on every rank.
+    ///
+    /// [`Counters::exports_skipped`]: super::Counters::exports_skipped
     pub fn reopen_all<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
         self.check_communicator(comm)?;
         if !self.closed {

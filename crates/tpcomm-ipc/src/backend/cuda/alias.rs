@@ -23,6 +23,8 @@ use crate::error::{IpcError, Result};
 /// opens anywhere: `CUDA_ERROR_INVALID_HANDLE`); the registry's resume exports again and
 /// inserts the new handle next to the old one, both naming the same base (a restore keeps
 /// every allocation at its virtual address).
+///
+/// [`CudaBuffer`]: super::CudaBuffer
 pub(super) fn export_table(
 ) -> MutexGuard<'static, HashMap<[u8; result::IPC_HANDLE_BYTES], CUdeviceptr>> {
     static TABLE: OnceLock<Mutex<HashMap<[u8; result::IPC_HANDLE_BYTES], CUdeviceptr>>> =

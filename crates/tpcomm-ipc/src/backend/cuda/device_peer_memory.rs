@@ -25,6 +25,8 @@ pub trait DevicePeerMemory:
     /// Whether `len` bytes at `addr` can be exported to peers as they are (zero-copy), or
     /// [`IpcError::NotExportable`] saying why not. Only queries the driver's records:
     /// allowed while a stream is being captured.
+    ///
+    /// [`IpcError::NotExportable`]: crate::IpcError::NotExportable
     fn check_shareable(&self, addr: u64, len: usize) -> Result<()>;
 }
 

@@ -21,6 +21,8 @@ pub(super) struct Opened {
 }
 
 /// The allocations this process has open, with the number of [`CudaMapping`]s of each.
+///
+/// [`CudaMapping`]: super::CudaMapping
 pub(super) fn open_table() -> MutexGuard<'static, HashMap<OpenKey, Opened>> {
     static TABLE: OnceLock<Mutex<HashMap<OpenKey, Opened>>> = OnceLock::new();
     // Nothing panics while holding the lock.
@@ -42,6 +44,10 @@ pub(super) fn open_table() -> MutexGuard<'static, HashMap<OpenKey, Opened>> {
 /// (`CUDA_ERROR_INVALID_VALUE`) and leaves the process checkpointed for good, so
 /// `tpcomm-checkpoint` refuses before locking. The count is taken under the table's lock;
 /// another thread may open or close a mapping right after it is read.
+///
+/// [`CudaMemory`]: super::CudaMemory
+/// [`CudaMapping`]: super::CudaMapping
+/// [`CudaMemory::same_process`]: super::CudaMemory::same_process
 pub fn imported_allocations() -> usize {
     open_table().len() + crate::backend::cuda_vmm::imported_now()
 }

@@ -32,8 +32,11 @@ impl CudaMemory {
     ///
     /// cudarc's `CudaStream::alloc*` allocate from the device's stream-ordered pool on every
     /// device that has one, so their `CudaSlice`s are *not* exportable; allocate with
-    /// [`allocate`](PeerMemory::allocate) and pass [`CudaBuffer::view`] wherever cudarc
+    /// [`allocate`](crate::PeerMemory::allocate) and pass [`CudaBuffer::view`] wherever cudarc
     /// takes a `DevicePtr` / `DevicePtrMut`.
+    ///
+    /// [`PeerMemory::export`]: crate::PeerMemory::export
+    /// [`CudaBuffer::view`]: super::CudaBuffer::view
     pub fn check_exportable(&self, addr: u64, len: usize) -> Result<(u64, usize)> {
         let not = |reason: String| IpcError::NotExportable { addr, len, reason };
         self.ctx.make_current()?;

@@ -49,6 +49,8 @@ pub(super) struct Owned {
     pub(super) device: i32,
     /// The descriptor exported for peers to fetch, and what it is; made by the first export
     /// and closed by [`PeerMemory::close_exports`] (every peer has imported by then).
+    ///
+    /// [`PeerMemory::close_exports`]: crate::PeerMemory::close_exports
     pub(super) exported: Option<(OwnedFd, Identity)>,
 }
 
@@ -304,6 +306,8 @@ pub(super) fn unback(e: &Entries, va: CUdeviceptr, o: Owned) -> Result<()> {
 
 /// `Drop` of a [`CudaBuffer`] of this backend: unmaps and releases its memory (if backed) and
 /// frees its range.
+///
+/// [`CudaBuffer`]: crate::CudaBuffer
 pub(crate) fn free_buffer(ptr: CUdeviceptr, len: usize, ctx: &PrimaryContext) {
     let Ok(e) = entries() else {
         return;

@@ -79,6 +79,8 @@ impl HostMemory {
     }
 
     /// Fetches the descriptor `h` names (not checked yet: see [`check_segment`]).
+    ///
+    /// [`check_segment`]: super::segment_checks::check_segment
     pub(super) fn fetch_fd(&self, h: &HostHandle) -> Result<Fetched> {
         let (pid, fd) = (h.pid, h.fd);
         if pid == std::process::id() {

@@ -82,6 +82,8 @@ impl HostBuffer {
 
     /// Whether this buffer was carved out of a shared chunk (see
     /// [`HostMemory::CARVE_MAX_BYTES`]) rather than given a segment of its own.
+    ///
+    /// [`HostMemory::CARVE_MAX_BYTES`]: super::HostMemory::CARVE_MAX_BYTES
     pub fn is_carved(&self) -> bool {
         self.carved.is_some()
     }

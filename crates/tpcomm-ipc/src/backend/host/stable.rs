@@ -22,6 +22,11 @@
 //!
 //! A copy through a detached mapping or a released buffer is [`IpcError::Unbacked`]; the
 //! all-reduce never launches while its mappings are detached (the lifecycle refuses it).
+//!
+//! [`PeerMemory::detach`]: crate::PeerMemory::detach
+//! [`PeerMemory::reattach`]: crate::PeerMemory::reattach
+//! [`PeerMemory::release_backing`]: crate::PeerMemory::release_backing
+//! [`PeerMemory::restore_backing`]: crate::PeerMemory::restore_backing
 
 use std::ffi::c_void;
 use std::os::fd::{AsFd, AsRawFd};

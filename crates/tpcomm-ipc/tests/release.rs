@@ -4,6 +4,9 @@
 use tpcomm_ipc::{HostMemory, IpcError, MemoryRegion, PeerMappings, PeerMemory, Region};
 use tpcomm_transport::{Communicator, LocalGroup};
 
+mod common;
+use common::{done, region};
+
 #[test]
 fn releasing_an_exchange_closes_only_its_own_mappings_and_is_not_reopened() {
     let results = LocalGroup::new(2).run(|comm| -> tpcomm_ipc::Result<()> {
@@ -11,10 +14,6 @@ fn releasing_an_exchange_closes_only_its_own_mappings_and_is_not_reopened() {
         let a = memory.allocate(4096)?;
         let b = memory.allocate(8192)?;
         memory.write(&a, 0, &[comm.rank() as u8 + 1; 8])?;
-        let region = |buf: &tpcomm_ipc::HostBuffer| Region {
-            addr: buf.addr(),
-            len: buf.len(),
-        };
         let mut peers = PeerMappings::new(memory, &comm)?;
         // `a` twice: the memo opens its handle once, both exchanges name that mapping.
         let first = peers.exchange(&comm, &[region(&a)])?;
@@ -53,10 +52,7 @@ fn releasing_an_exchange_closes_only_its_own_mappings_and_is_not_reopened() {
         assert_eq!(got, [other as u8 + 1; 8]);
         Ok(())
     });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank thread")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    done(results);
 }
 
 /// Host memory whose export stamp is this value's own counter, not the process's: ranks
@@ -119,10 +115,6 @@ fn a_reopen_after_a_release_agrees_when_only_one_rank_exports_again() {
             let memory = OwnStamp::default();
             let a = memory.allocate(4096)?;
             let b = memory.allocate(4096)?;
-            let region = |buf: &tpcomm_ipc::HostBuffer| Region {
-                addr: buf.addr(),
-                len: buf.len(),
-            };
             let mut peers = PeerMappings::new(memory.clone(), &comm)?;
             let kept = peers.exchange(&comm, &[region(&a)])?;
             let released = peers.exchange(&comm, &[region(&b)])?;
@@ -142,10 +134,7 @@ fn a_reopen_after_a_release_agrees_when_only_one_rank_exports_again() {
             assert!(peers.peer(released, other, 0).is_err());
             Ok(())
         });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank thread")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    done(results);
 }
 
 #[test]
@@ -156,10 +145,6 @@ fn a_replaced_region_is_what_peers_open_after_the_next_reopen() {
         let second = memory.allocate(4096)?;
         memory.write(&first, 0, &[1; 8])?;
         memory.write(&second, 0, &[2; 8])?;
-        let region = |buf: &tpcomm_ipc::HostBuffer| Region {
-            addr: buf.addr(),
-            len: buf.len(),
-        };
         let mut peers = PeerMappings::new(memory, &comm)?;
         let id = peers.exchange(&comm, &[region(&first)])?;
         let other = 1 - comm.rank();
@@ -191,10 +176,7 @@ fn a_replaced_region_is_what_peers_open_after_the_next_reopen() {
         assert_eq!(peers.address(id, comm.rank(), 0)?, second.addr());
         Ok(())
     });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank thread")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    done(results);
 }
 
 #[test]
@@ -227,7 +209,5 @@ fn releasing_an_exchange_twice_is_a_typed_error_and_changes_nothing() {
         peers.peer(second, 1 - comm.rank(), 0)?;
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    done(results);
 }

@@ -12,6 +12,9 @@ use tpcomm_ipc::{
 };
 use tpcomm_transport::{Communicator, LocalGroup};
 
+mod common;
+use common::{done, R};
+
 /// Host memory whose handles carry an epoch: bumping it changes every handle the backend
 /// exports from then on (as a CUDA export does after a process checkpoint); opens can be made
 /// to fail.
@@ -61,8 +64,6 @@ impl PeerMemory for Epochs {
     }
 }
 
-type R<T> = tpcomm_ipc::Result<T>;
-
 /// Runs `f` on 3 ranks, each with two exchanges of small buffers holding its rank number;
 /// panics naming every failed rank.
 fn run(f: impl Fn(&dyn Communicator, &Epochs, &mut PeerMappings<Epochs>) -> R<()> + Sync) {
@@ -95,16 +96,7 @@ fn run(f: impl Fn(&dyn Communicator, &Epochs, &mut PeerMappings<Epochs>) -> R<()
             comm.barrier().map_err(IpcError::from)?;
             Ok(())
         });
-    let failures: Vec<String> = results
-        .into_iter()
-        .enumerate()
-        .filter_map(|(rank, r)| match r {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(format!("rank {rank}: {e}")),
-            Err(e) => Some(format!("rank {rank} died: {e}")),
-        })
-        .collect();
-    assert!(failures.is_empty(), "{}", failures.join("; "));
+    done(results);
 }
 
 #[test]

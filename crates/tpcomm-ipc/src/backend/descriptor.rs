@@ -1,6 +1,7 @@
-//! Fetching a peer's descriptor and checking it before anything can block: the owner's
-//! pidfd (`pidfd_open`), the descriptor (`pidfd_getfd`), the file's identity from the
-//! kernel's cached attributes, and the close of a refused descriptor off the caller's thread.
+//! Fetching a peer's descriptor and checking it before anything can block: the handle's own
+//! range and descriptor number, the owner's pidfd (`pidfd_open`), the descriptor
+//! (`pidfd_getfd`), the file's identity from the kernel's cached attributes, and the close of
+//! a refused descriptor off the caller's thread.
 //! Shared by the backends that fetch descriptors (host memfds, CUDA virtual-memory
 //! allocations); where they answer differently (the host backend falls back to `/proc` and to
 //! `fstat`, the virtual-memory one cannot), these functions say what happened and each backend
@@ -41,6 +42,28 @@ pub(super) enum BadPid {
 pub(super) fn process(pid: u32) -> std::result::Result<Pid, BadPid> {
     let raw = i32::try_from(pid).map_err(|_| BadPid::OutOfRange)?;
     Pid::from_raw(raw).ok_or(BadPid::NotAProcessId)
+}
+
+/// The fields of a handle that can be checked without its file: a non-empty range of `len`
+/// bytes at `offset` inside the `whole` bytes of the file it announces (a `what`, in the
+/// refusal), and a descriptor number `fd` that can be one; [`IpcError::InvalidHandle`]
+/// otherwise.
+pub(super) fn check_range_and_fd(
+    offset: u64,
+    len: u64,
+    whole: u64,
+    what: &str,
+    fd: i32,
+) -> Result<()> {
+    if len == 0 || offset.checked_add(len).is_none_or(|end| end > whole) {
+        return Err(IpcError::InvalidHandle(format!(
+            "range {offset}+{len} outside a {whole}-byte {what}"
+        )));
+    }
+    if fd < 0 {
+        return Err(IpcError::InvalidHandle(format!("negative descriptor {fd}")));
+    }
+    Ok(())
 }
 
 /// What `pidfd_open` of a handle's owner gave.

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use rustix::fs::FileType;
 
 use super::CudaVmmHandle;
-use crate::backend::descriptor::Identity;
+use crate::backend::descriptor::{self, Identity};
 use crate::error::{IpcError, Result};
 
 /// The major numbers of the character devices `/proc/devices` text lists under a name
@@ -94,18 +94,8 @@ pub(super) enum DescriptorProblem {
 /// allocation, a descriptor number, an allocation size that is a whole number of
 /// `granularity` and addressable here. Returns the allocation's size.
 pub(super) fn check_fields(h: &CudaVmmHandle, granularity: usize) -> Result<usize> {
-    if h.len == 0 || h.offset.checked_add(h.len).is_none_or(|e| e > h.base_len) {
-        return Err(IpcError::InvalidHandle(format!(
-            "range {}+{} outside a {}-byte allocation (or empty)",
-            h.offset, h.len, h.base_len
-        )));
-    }
-    if h.fd < 0 {
-        return Err(IpcError::InvalidHandle(format!(
-            "negative descriptor {}",
-            h.fd
-        )));
-    }
+    let whole = "allocation (or empty)";
+    descriptor::check_range_and_fd(h.offset, h.len, h.base_len, whole, h.fd)?;
     let size = usize::try_from(h.base_len)
         .map_err(|_| IpcError::InvalidHandle("allocation size out of range".into()))?;
     if size % granularity != 0 {

@@ -24,19 +24,7 @@ pub(super) const HUGETLBFS_MAGIC: u32 = 0x9584_58f6;
 /// the segment, a descriptor number, sizes this process can address. Returns the segment's
 /// length.
 pub(super) fn check_fields(h: &HostHandle) -> Result<usize> {
-    let end = h.offset.checked_add(h.len);
-    if h.len == 0 || end.is_none_or(|e| e > h.segment_len) {
-        return Err(IpcError::InvalidHandle(format!(
-            "range {}+{} outside a {}-byte segment",
-            h.offset, h.len, h.segment_len
-        )));
-    }
-    if h.fd < 0 {
-        return Err(IpcError::InvalidHandle(format!(
-            "negative descriptor {}",
-            h.fd
-        )));
-    }
+    descriptor::check_range_and_fd(h.offset, h.len, h.segment_len, "segment", h.fd)?;
     usize::try_from(h.segment_len)
         .map_err(|_| IpcError::InvalidHandle("segment length out of range".into()))
 }

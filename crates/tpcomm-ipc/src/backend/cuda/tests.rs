@@ -1,3 +1,5 @@
+//! Unit tests of how a same-process alias reaches its allocation (`alias_access`).
+
 use super::*;
 
 #[test]

@@ -1,3 +1,6 @@
+//! Unit tests that need no GPU: the NVIDIA majors of `/proc/devices`, the checks of a handle
+//! and of its descriptor, the lookup of owned ranges, the legacy checkpoint blocker.
+
 use std::collections::BTreeMap;
 
 use super::allocation::{owned_range, Owned};

@@ -3,7 +3,7 @@
 
 use super::{CheckpointBlocker, ExchangeId, PeerMappings};
 use crate::error::{IpcError, Result};
-use crate::memory::PeerMemory;
+use crate::memory::{PeerMemory, Region};
 
 impl<B: PeerMemory> PeerMappings<B> {
     /// The mapping of region `index` of `rank` in exchange `id`.
@@ -34,13 +34,7 @@ impl<B: PeerMemory> PeerMappings<B> {
     pub fn address(&self, id: ExchangeId, rank: usize, index: usize) -> Result<u64> {
         use crate::memory::MemoryRegion;
         if rank == self.rank {
-            let x = self
-                .exchanges
-                .get(id.0)
-                .ok_or_else(|| IpcError::NoSuchMapping(format!("exchange {}", id.0)))?;
-            return x.local.get(index).map(|r| r.addr).ok_or_else(|| {
-                IpcError::NoSuchMapping(format!("exchange {}, own region {index}", id.0))
-            });
+            return self.own_region(id, index).map(|r| r.addr);
         }
         self.peer(id, rank, index).map(MemoryRegion::addr)
     }
@@ -86,14 +80,19 @@ impl<B: PeerMemory> PeerMappings<B> {
     pub fn region_len(&self, id: ExchangeId, rank: usize, index: usize) -> Result<usize> {
         use crate::memory::MemoryRegion;
         if rank == self.rank {
-            let x = self
-                .exchanges
-                .get(id.0)
-                .ok_or_else(|| IpcError::NoSuchMapping(format!("exchange {}", id.0)))?;
-            return x.local.get(index).map(|r| r.len).ok_or_else(|| {
-                IpcError::NoSuchMapping(format!("exchange {}, own region {index}", id.0))
-            });
+            return self.own_region(id, index).map(|r| r.len);
         }
         self.peer(id, rank, index).map(MemoryRegion::len)
+    }
+
+    /// This rank's region `index` of exchange `id`, as it shared it.
+    fn own_region(&self, id: ExchangeId, index: usize) -> Result<Region> {
+        let x = self
+            .exchanges
+            .get(id.0)
+            .ok_or_else(|| IpcError::NoSuchMapping(format!("exchange {}", id.0)))?;
+        x.local.get(index).copied().ok_or_else(|| {
+            IpcError::NoSuchMapping(format!("exchange {}, own region {index}", id.0))
+        })
     }
 }

@@ -10,7 +10,7 @@ use tpcomm_ipc::{HostMemory, IpcError, PeerMappings, PeerMemory};
 use tpcomm_transport::{Communicator, LocalGroup};
 
 mod common;
-use common::{done, region};
+use common::{done, read_peer, region};
 
 #[test]
 fn a_reopen_skips_the_export_until_something_is_allocated_or_freed() {
@@ -29,11 +29,7 @@ fn a_reopen_skips_the_export_until_something_is_allocated_or_freed() {
             peers.reopen_all(&comm)
         };
         let read = |peers: &PeerMappings<HostMemory>, index| -> tpcomm_ipc::Result<[u8; 8]> {
-            let mut got = [0u8; 8];
-            peers
-                .backend()
-                .read(peers.peer(id, other, index)?, 0, &mut got)?;
-            Ok(got)
+            read_peer(peers, id, other, index)
         };
         // The peer may still have been allocating when this rank exported: the first reopen
         // may export again; after it every rank's handles are stamped.

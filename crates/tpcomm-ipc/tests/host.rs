@@ -14,7 +14,7 @@ use tpcomm_ipc::{
 use tpcomm_transport::Communicator;
 
 mod common;
-use common::{done, group, memfd, pattern, Holder, R, SEGMENT_SEALS};
+use common::{done, group, memfd, pattern, read_peer, Holder, R, SEGMENT_SEALS};
 
 #[test]
 fn every_rank_reads_every_peers_pattern_through_its_mapping() {
@@ -156,10 +156,7 @@ fn a_reopened_mapping_moves_when_its_old_address_is_taken() {
         peers.reopen_all(&comm)?;
         let new = peers.address(id, other, 0)?;
         assert_ne!(new, old, "the reopened mapping must be at a new address");
-        let mut got = [0u8; 64];
-        peers
-            .backend()
-            .read(peers.peer(id, other, 0)?, 0, &mut got)?;
+        let got: [u8; 64] = read_peer(&peers, id, other, 0)?;
         assert_eq!(
             got,
             [other as u8 + 1; 64],

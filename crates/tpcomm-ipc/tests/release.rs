@@ -5,7 +5,7 @@ use tpcomm_ipc::{HostMemory, IpcError, MemoryRegion, PeerMappings, PeerMemory, R
 use tpcomm_transport::{Communicator, LocalGroup};
 
 mod common;
-use common::{done, region};
+use common::{done, read_peer, region};
 
 #[test]
 fn releasing_an_exchange_closes_only_its_own_mappings_and_is_not_reopened() {
@@ -35,10 +35,7 @@ fn releasing_an_exchange_closes_only_its_own_mappings_and_is_not_reopened() {
         ));
         assert_eq!(peers.release(third)?, 1);
         assert_eq!(peers.counters().open, 1);
-        let mut got = [0u8; 8];
-        peers
-            .backend()
-            .read(peers.peer(second, other, 0)?, 0, &mut got)?;
+        let got: [u8; 8] = read_peer(&peers, second, other, 0)?;
         assert_eq!(got, [other as u8 + 1; 8]);
 
         // A reopen exchanges nothing for the released exchanges, `second` as before.
@@ -46,9 +43,7 @@ fn releasing_an_exchange_closes_only_its_own_mappings_and_is_not_reopened() {
         peers.reopen_all(&comm)?;
         assert_eq!(peers.counters().open, 1);
         assert!(peers.peer(third, other, 0).is_err());
-        peers
-            .backend()
-            .read(peers.peer(second, other, 0)?, 0, &mut got)?;
+        let got: [u8; 8] = read_peer(&peers, second, other, 0)?;
         assert_eq!(got, [other as u8 + 1; 8]);
         Ok(())
     });
@@ -161,17 +156,12 @@ fn a_replaced_region_is_what_peers_open_after_the_next_reopen() {
             Err(IpcError::NoSuchMapping(_))
         ));
         peers.replace_region(id, 0, region(&second))?;
-        let mut got = [0u8; 8];
-        peers
-            .backend()
-            .read(peers.peer(id, other, 0)?, 0, &mut got)?;
+        let got: [u8; 8] = read_peer(&peers, id, other, 0)?;
         assert_eq!(got, [1; 8], "peers keep their mapping until the reopen");
         peers.close_all()?;
         drop(first);
         peers.reopen_all(&comm)?;
-        peers
-            .backend()
-            .read(peers.peer(id, other, 0)?, 0, &mut got)?;
+        let got: [u8; 8] = read_peer(&peers, id, other, 0)?;
         assert_eq!(got, [2; 8]);
         assert_eq!(peers.address(id, comm.rank(), 0)?, second.addr());
         Ok(())

@@ -13,7 +13,7 @@ use tpcomm_ipc::{
 use tpcomm_transport::{Communicator, LocalGroup};
 
 mod common;
-use common::{done, R};
+use common::{done, read_peer, R};
 
 /// Host memory whose handles carry an epoch: bumping it changes every handle the backend
 /// exports from then on (as a CUDA export does after a process checkpoint); opens can be made
@@ -86,10 +86,7 @@ fn run(f: impl Fn(&dyn Communicator, &Epochs, &mut PeerMappings<Epochs>) -> R<()
             // Every peer's buffers read back through the current mappings.
             for r in (0..comm.size()).filter(|&r| r != comm.rank()) {
                 for (id, index) in [(a, 0), (a, 1), (b, 0)] {
-                    let mut got = [0u8; 8];
-                    peers
-                        .backend()
-                        .read(peers.peer(id, r, index)?, 0, &mut got)?;
+                    let got: [u8; 8] = read_peer(&peers, id, r, index)?;
                     assert_eq!(got, [r as u8 + 1; 8], "rank {r}'s buffer {id:?}/{index}");
                 }
             }

@@ -6,7 +6,7 @@ use tpcomm_ipc::{HostMemory, IpcError, MemoryRegion, PeerMappings, PeerMemory, S
 use tpcomm_transport::Communicator;
 
 mod common;
-use common::{done, group, region};
+use common::{done, group, read_peer, region};
 
 /// Bigger than `HostMemory::CARVE_MAX_BYTES`: a segment of its own, gone once freed.
 const OWN_SEGMENT: usize = 2 << 20;
@@ -78,10 +78,7 @@ fn an_imported_handle_later_exchanged_survives_close_and_reopen() {
         for _ in 0..2 {
             peers.close_all()?;
             peers.reopen_all(&comm)?;
-            let mut got = [0u8; 8];
-            peers
-                .backend()
-                .read(peers.peer(id, other, 0)?, 0, &mut got)?;
+            let got: [u8; 8] = read_peer(&peers, id, other, 0)?;
             assert_eq!(got, [other as u8 + 1; 8]);
         }
         Ok(())

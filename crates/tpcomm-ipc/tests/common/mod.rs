@@ -10,7 +10,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use rustix::fs::{MemfdFlags, SealFlags};
-use tpcomm_ipc::{HostBuffer, HostHandle, MemoryRegion, Region};
+use tpcomm_ipc::{
+    ExchangeId, HostBuffer, HostHandle, MemoryRegion, PeerMappings, PeerMemory, Region,
+};
 use tpcomm_transport::LocalGroup;
 
 pub(crate) type R<T> = tpcomm_ipc::Result<T>;
@@ -42,6 +44,21 @@ pub(crate) fn region(buf: &HostBuffer) -> Region {
         addr: buf.addr(),
         len: buf.len(),
     }
+}
+
+/// The first `N` bytes of region `index` of `rank` in exchange `id`, read through this rank's
+/// mapping of it.
+pub(crate) fn read_peer<B: PeerMemory, const N: usize>(
+    peers: &PeerMappings<B>,
+    id: ExchangeId,
+    rank: usize,
+    index: usize,
+) -> R<[u8; N]> {
+    let mut got = [0u8; N];
+    peers
+        .backend()
+        .read(peers.peer(id, rank, index)?, 0, &mut got)?;
+    Ok(got)
 }
 
 /// `len` bytes that differ by rank and buffer.

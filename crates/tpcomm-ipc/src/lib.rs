@@ -43,8 +43,8 @@ pub use backend::cuda_vmm::{CudaPeerHandle, CudaVmmHandle, CudaVmmMemory};
 pub use backend::host::{AddressHold, HostBuffer, HostHandle, HostMapping, HostMemory};
 pub use error::{IpcError, Result, SegmentProblem};
 pub use fault::{FaultInjection, FaultPoint};
-pub use memory::{MemoryRegion, PeerMemory};
+pub use memory::{MemoryRegion, PeerMemory, Region};
 pub use registry::{
-    fresh_group_id, CheckpointBlocker, Counters, Envelope, ExchangeId, PeerMappings, Region,
+    fresh_group_id, CheckpointBlocker, Counters, Envelope, ExchangeId, PeerMappings,
 };
 pub use step::{tagged_all_gather, Step, StepTag, TAG_BYTES};

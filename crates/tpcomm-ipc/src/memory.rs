@@ -1,4 +1,5 @@
-//! The [`PeerMemory`] trait: what a backend (host shared memory, CUDA IPC) provides.
+//! The [`PeerMemory`] trait: what a backend (host shared memory, CUDA IPC) provides, and the
+//! words it speaks in ([`MemoryRegion`], [`Region`]).
 
 use std::fmt::Debug;
 use std::hash::Hash;
@@ -7,12 +8,21 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::Result;
-use crate::registry::Region;
 
 mod sealed {
     pub trait Sealed {}
 }
 pub(crate) use sealed::Sealed;
+
+/// One address range this rank shares, as passed to
+/// [`PeerMappings::exchange`](crate::PeerMappings::exchange).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// Start address (inside one exportable allocation of the backend).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: usize,
+}
 
 /// A range of backend memory: a local allocation or a mapping of a peer's.
 ///

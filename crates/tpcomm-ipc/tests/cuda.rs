@@ -14,6 +14,9 @@ use tpcomm_ipc::{
 };
 use tpcomm_transport::LocalGroup;
 
+mod common;
+use common::Holder;
+
 fn require_gpu() -> bool {
     std::env::var("TPCOMM_REQUIRE_GPU").is_ok_and(|v| v == "1")
 }
@@ -762,14 +765,10 @@ fn a_vmm_handle_naming_an_ordinary_file_of_another_process_is_refused_before_the
     let file = std::fs::File::create(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
     let meta = file.metadata().unwrap();
-    let mut holder = Command::new("sleep")
-        .arg("60")
-        .stdin(Stdio::from(file))
-        .spawn()
-        .unwrap();
+    let holder = Holder::new(file);
     use std::os::unix::fs::MetadataExt;
     let forged = CudaPeerHandle::Vmm(CudaVmmHandle {
-        pid: holder.id(),
+        pid: holder.pid(),
         fd: 0,
         dev: meta.dev(),
         inode: meta.ino(),
@@ -785,6 +784,4 @@ fn a_vmm_handle_naming_an_ordinary_file_of_another_process_is_refused_before_the
         }
         other => panic!("{other:?}"),
     }
-    holder.kill().unwrap();
-    holder.wait().unwrap();
 }

@@ -6,11 +6,8 @@ use std::time::Duration;
 use tpcomm_ipc::{HostMemory, MemoryRegion, PeerMappings, PeerMemory, Region};
 use tpcomm_transport::{Communicator, LocalGroup};
 
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .map(|d| d.count())
-        .unwrap_or(0)
-}
+mod common;
+use common::open_fds;
 
 fn mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps")

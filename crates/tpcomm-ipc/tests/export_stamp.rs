@@ -6,8 +6,11 @@
 
 use std::sync::Barrier;
 
-use tpcomm_ipc::{HostMemory, IpcError, MemoryRegion, PeerMappings, PeerMemory, Region};
+use tpcomm_ipc::{HostMemory, IpcError, PeerMappings, PeerMemory};
 use tpcomm_transport::{Communicator, LocalGroup};
+
+mod common;
+use common::{done, read_peer, region};
 
 #[test]
 fn a_reopen_skips_the_export_until_something_is_allocated_or_freed() {
@@ -19,10 +22,6 @@ fn a_reopen_skips_the_export_until_something_is_allocated_or_freed() {
         let b = memory.allocate(4096)?;
         memory.write(&a, 0, &[rank as u8 + 1; 8])?;
         memory.write(&b, 0, &[rank as u8 + 11; 8])?;
-        let region = |buf: &tpcomm_ipc::HostBuffer| Region {
-            addr: buf.addr(),
-            len: buf.len(),
-        };
         let mut peers = PeerMappings::new(memory.clone(), &comm)?;
         let id = peers.exchange(&comm, &[region(&a), region(&b)])?;
         let cycle = |peers: &mut PeerMappings<HostMemory>| -> tpcomm_ipc::Result<()> {
@@ -30,11 +29,7 @@ fn a_reopen_skips_the_export_until_something_is_allocated_or_freed() {
             peers.reopen_all(&comm)
         };
         let read = |peers: &PeerMappings<HostMemory>, index| -> tpcomm_ipc::Result<[u8; 8]> {
-            let mut got = [0u8; 8];
-            peers
-                .backend()
-                .read(peers.peer(id, other, index)?, 0, &mut got)?;
-            Ok(got)
+            read_peer(peers, id, other, index)
         };
         // The peer may still have been allocating when this rank exported: the first reopen
         // may export again; after it every rank's handles are stamped.
@@ -92,8 +87,5 @@ fn a_reopen_skips_the_export_until_something_is_allocated_or_freed() {
         drop(b);
         Ok(())
     });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank thread")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    done(results);
 }

@@ -2,7 +2,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::os::fd::OwnedFd;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use rustix::fs::{MemfdFlags, OFlags, SealFlags};
@@ -11,35 +11,10 @@ use tpcomm_ipc::{
     AddressHold, Envelope, HostHandle, HostMemory, IpcError, MemoryRegion, PeerMappings,
     PeerMemory, Region, SegmentProblem,
 };
-use tpcomm_transport::{Communicator, LocalGroup};
+use tpcomm_transport::Communicator;
 
-fn pattern(rank: usize, buffer: usize, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(3) ^ (rank as u8 * 16 + buffer as u8))
-        .collect()
-}
-
-fn group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(30))
-}
-
-type R<T> = tpcomm_ipc::Result<T>;
-
-/// Every rank's value; panics naming every rank that failed (the first failure is often a
-/// peer's consequence of another rank's).
-fn done<T: std::fmt::Debug>(results: Vec<tpcomm_transport::Result<R<T>>>) -> Vec<T> {
-    let mut values = Vec::new();
-    let mut failures = Vec::new();
-    for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(Ok(v)) => values.push(v),
-            Ok(Err(e)) => failures.push(format!("rank {rank}: {e}")),
-            Err(e) => failures.push(format!("rank {rank} died: {e}")),
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("; "));
-    values
-}
+mod common;
+use common::{done, group, memfd, pattern, read_peer, Holder, R, SEGMENT_SEALS};
 
 #[test]
 fn every_rank_reads_every_peers_pattern_through_its_mapping() {
@@ -181,10 +156,7 @@ fn a_reopened_mapping_moves_when_its_old_address_is_taken() {
         peers.reopen_all(&comm)?;
         let new = peers.address(id, other, 0)?;
         assert_ne!(new, old, "the reopened mapping must be at a new address");
-        let mut got = [0u8; 64];
-        peers
-            .backend()
-            .read(peers.peer(id, other, 0)?, 0, &mut got)?;
+        let got: [u8; 64] = read_peer(&peers, id, other, 0)?;
         assert_eq!(
             got,
             [other as u8 + 1; 64],
@@ -442,62 +414,6 @@ fn segment_of_a_killed_owner_is_gone_and_nothing_is_left_behind() {
         "no name was ever created in /dev/shm"
     );
 }
-
-/// Another process that holds a file as its descriptor 0 (standard input) until dropped
-/// (then it is killed and reaped): the owner named by a forged handle.
-struct Holder {
-    child: Child,
-}
-
-impl Holder {
-    fn new(fd: OwnedFd) -> Self {
-        let child = Command::new("sleep")
-            .arg("600")
-            .stdin(Stdio::from(fd))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn sleep");
-        Self { child }
-    }
-
-    /// A handle naming all `len` bytes of `file` (a copy of the holder's descriptor 0), with
-    /// its true device and inode: what a forger who knows the file can write.
-    fn handle(&self, file: &OwnedFd, len: u64) -> HostHandle {
-        let stat = rustix::fs::fstat(file).unwrap();
-        HostHandle {
-            pid: self.child.id(),
-            fd: 0,
-            dev: stat.st_dev,
-            inode: stat.st_ino,
-            segment_len: len,
-            offset: 0,
-            len,
-        }
-    }
-}
-
-impl Drop for Holder {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A memfd of `len` bytes named `name`, made to be sealed, with `seals` added.
-fn memfd(name: &str, len: u64, seals: SealFlags) -> OwnedFd {
-    let fd =
-        rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
-    rustix::fs::ftruncate(&fd, len).unwrap();
-    if !seals.is_empty() {
-        rustix::fs::fcntl_add_seals(&fd, seals).unwrap();
-    }
-    fd
-}
-
-const SEGMENT_SEALS: SealFlags = SealFlags::SHRINK
-    .union(SealFlags::GROW)
-    .union(SealFlags::SEAL);
 
 /// Opens `file` (held by another process as descriptor 0) by a handle and returns what
 /// `open` said, with the problem when it is `NotASegment`.

@@ -3,69 +3,16 @@
 //! this process's open descriptors, so the tests of this binary run one at a time (a lock)
 //! and no other test binary's tests share the process.
 
-use std::os::fd::OwnedFd;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::{Mutex, PoisonError};
 
-use rustix::fs::{MemfdFlags, SealFlags};
 use tpcomm_ipc::{HostHandle, HostMemory, IpcError, PeerMemory};
+
+mod common;
+use common::{open_fds, Holder};
 
 /// Held by each test while it counts descriptors.
 static COUNTING: Mutex<()> = Mutex::new(());
-
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
-}
-
-/// A process holding `stdin` as its descriptor 0 until dropped (killed and reaped then).
-struct Owner {
-    child: Child,
-}
-
-impl Owner {
-    fn new(stdin: Stdio) -> Self {
-        let child = Command::new("sleep")
-            .arg("600")
-            .stdin(stdin)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn sleep");
-        Self { child }
-    }
-
-    /// An owner of a memfd made like a segment of the host backend, and the handle of it.
-    fn with_segment() -> (Self, HostHandle) {
-        let len = 4096;
-        let fd: OwnedFd = rustix::fs::memfd_create(
-            "tpcomm-peer",
-            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-        )
-        .unwrap();
-        rustix::fs::ftruncate(&fd, len).unwrap();
-        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
-            .unwrap();
-        let stat = rustix::fs::fstat(&fd).unwrap();
-        let owner = Self::new(Stdio::from(fd));
-        let h = HostHandle {
-            pid: owner.child.id(),
-            fd: 0,
-            dev: stat.st_dev,
-            inode: stat.st_ino,
-            segment_len: len,
-            offset: 0,
-            len,
-        };
-        (owner, h)
-    }
-}
-
-impl Drop for Owner {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 #[test]
 fn no_pidfd_of_an_exited_owner_is_kept() {
@@ -73,7 +20,7 @@ fn no_pidfd_of_an_exited_owner_is_kept() {
     let mem = HostMemory::new();
     let before = open_fds();
     for _ in 0..20 {
-        let (owner, h) = Owner::with_segment();
+        let (owner, h) = Holder::with_segment(4096);
         mem.close(mem.open(&h).expect("a live owner's segment opens"))
             .unwrap();
         drop(owner); // exits: its cached pidfd polls readable from now on
@@ -92,7 +39,7 @@ fn a_failed_open_keeps_no_pidfd_of_the_process_it_named() {
     let mem = HostMemory::new();
     // Live processes that own no segment: forged handles name their descriptor 0
     // (/dev/null, another inode) and a descriptor they do not have.
-    let live: Vec<Owner> = (0..40).map(|_| Owner::new(Stdio::null())).collect();
+    let live: Vec<Holder> = (0..40).map(|_| Holder::new(Stdio::null())).collect();
     let before = open_fds();
     for owner in &live {
         for fd in [0, 999] {
@@ -119,8 +66,8 @@ fn a_failed_open_keeps_no_pidfd_of_the_process_it_named() {
 fn live_owners_keep_at_most_the_cache_capacity_of_pidfds() {
     let _counting = COUNTING.lock().unwrap_or_else(PoisonError::into_inner);
     let mem = HostMemory::new();
-    let owners: Vec<(Owner, HostHandle)> = (0..HostMemory::PIDFD_CACHE_CAPACITY + 10)
-        .map(|_| Owner::with_segment())
+    let owners: Vec<(Holder, HostHandle)> = (0..HostMemory::PIDFD_CACHE_CAPACITY + 10)
+        .map(|_| Holder::with_segment(4096))
         .collect();
     let before = open_fds();
     for (_, h) in &owners {

@@ -4,6 +4,9 @@
 use tpcomm_ipc::{HostMemory, IpcError, MemoryRegion, PeerMappings, PeerMemory, Region};
 use tpcomm_transport::{Communicator, LocalGroup};
 
+mod common;
+use common::{done, read_peer, region};
+
 #[test]
 fn releasing_an_exchange_closes_only_its_own_mappings_and_is_not_reopened() {
     let results = LocalGroup::new(2).run(|comm| -> tpcomm_ipc::Result<()> {
@@ -11,10 +14,6 @@ fn releasing_an_exchange_closes_only_its_own_mappings_and_is_not_reopened() {
         let a = memory.allocate(4096)?;
         let b = memory.allocate(8192)?;
         memory.write(&a, 0, &[comm.rank() as u8 + 1; 8])?;
-        let region = |buf: &tpcomm_ipc::HostBuffer| Region {
-            addr: buf.addr(),
-            len: buf.len(),
-        };
         let mut peers = PeerMappings::new(memory, &comm)?;
         // `a` twice: the memo opens its handle once, both exchanges name that mapping.
         let first = peers.exchange(&comm, &[region(&a)])?;
@@ -36,10 +35,7 @@ fn releasing_an_exchange_closes_only_its_own_mappings_and_is_not_reopened() {
         ));
         assert_eq!(peers.release(third)?, 1);
         assert_eq!(peers.counters().open, 1);
-        let mut got = [0u8; 8];
-        peers
-            .backend()
-            .read(peers.peer(second, other, 0)?, 0, &mut got)?;
+        let got: [u8; 8] = read_peer(&peers, second, other, 0)?;
         assert_eq!(got, [other as u8 + 1; 8]);
 
         // A reopen exchanges nothing for the released exchanges, `second` as before.
@@ -47,16 +43,11 @@ fn releasing_an_exchange_closes_only_its_own_mappings_and_is_not_reopened() {
         peers.reopen_all(&comm)?;
         assert_eq!(peers.counters().open, 1);
         assert!(peers.peer(third, other, 0).is_err());
-        peers
-            .backend()
-            .read(peers.peer(second, other, 0)?, 0, &mut got)?;
+        let got: [u8; 8] = read_peer(&peers, second, other, 0)?;
         assert_eq!(got, [other as u8 + 1; 8]);
         Ok(())
     });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank thread")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    done(results);
 }
 
 /// Host memory whose export stamp is this value's own counter, not the process's: ranks
@@ -119,10 +110,6 @@ fn a_reopen_after_a_release_agrees_when_only_one_rank_exports_again() {
             let memory = OwnStamp::default();
             let a = memory.allocate(4096)?;
             let b = memory.allocate(4096)?;
-            let region = |buf: &tpcomm_ipc::HostBuffer| Region {
-                addr: buf.addr(),
-                len: buf.len(),
-            };
             let mut peers = PeerMappings::new(memory.clone(), &comm)?;
             let kept = peers.exchange(&comm, &[region(&a)])?;
             let released = peers.exchange(&comm, &[region(&b)])?;
@@ -142,10 +129,7 @@ fn a_reopen_after_a_release_agrees_when_only_one_rank_exports_again() {
             assert!(peers.peer(released, other, 0).is_err());
             Ok(())
         });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank thread")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    done(results);
 }
 
 #[test]
@@ -156,10 +140,6 @@ fn a_replaced_region_is_what_peers_open_after_the_next_reopen() {
         let second = memory.allocate(4096)?;
         memory.write(&first, 0, &[1; 8])?;
         memory.write(&second, 0, &[2; 8])?;
-        let region = |buf: &tpcomm_ipc::HostBuffer| Region {
-            addr: buf.addr(),
-            len: buf.len(),
-        };
         let mut peers = PeerMappings::new(memory, &comm)?;
         let id = peers.exchange(&comm, &[region(&first)])?;
         let other = 1 - comm.rank();
@@ -176,25 +156,17 @@ fn a_replaced_region_is_what_peers_open_after_the_next_reopen() {
             Err(IpcError::NoSuchMapping(_))
         ));
         peers.replace_region(id, 0, region(&second))?;
-        let mut got = [0u8; 8];
-        peers
-            .backend()
-            .read(peers.peer(id, other, 0)?, 0, &mut got)?;
+        let got: [u8; 8] = read_peer(&peers, id, other, 0)?;
         assert_eq!(got, [1; 8], "peers keep their mapping until the reopen");
         peers.close_all()?;
         drop(first);
         peers.reopen_all(&comm)?;
-        peers
-            .backend()
-            .read(peers.peer(id, other, 0)?, 0, &mut got)?;
+        let got: [u8; 8] = read_peer(&peers, id, other, 0)?;
         assert_eq!(got, [2; 8]);
         assert_eq!(peers.address(id, comm.rank(), 0)?, second.addr());
         Ok(())
     });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank thread")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    done(results);
 }
 
 #[test]
@@ -227,7 +199,5 @@ fn releasing_an_exchange_twice_is_a_typed_error_and_changes_nothing() {
         peers.peer(second, 1 - comm.rank(), 0)?;
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    done(results);
 }

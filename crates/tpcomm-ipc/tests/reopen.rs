@@ -12,6 +12,9 @@ use tpcomm_ipc::{
 };
 use tpcomm_transport::{Communicator, LocalGroup};
 
+mod common;
+use common::{done, read_peer, R};
+
 /// Host memory whose handles carry an epoch: bumping it changes every handle the backend
 /// exports from then on (as a CUDA export does after a process checkpoint); opens can be made
 /// to fail.
@@ -61,8 +64,6 @@ impl PeerMemory for Epochs {
     }
 }
 
-type R<T> = tpcomm_ipc::Result<T>;
-
 /// Runs `f` on 3 ranks, each with two exchanges of small buffers holding its rank number;
 /// panics naming every failed rank.
 fn run(f: impl Fn(&dyn Communicator, &Epochs, &mut PeerMappings<Epochs>) -> R<()> + Sync) {
@@ -85,26 +86,14 @@ fn run(f: impl Fn(&dyn Communicator, &Epochs, &mut PeerMappings<Epochs>) -> R<()
             // Every peer's buffers read back through the current mappings.
             for r in (0..comm.size()).filter(|&r| r != comm.rank()) {
                 for (id, index) in [(a, 0), (a, 1), (b, 0)] {
-                    let mut got = [0u8; 8];
-                    peers
-                        .backend()
-                        .read(peers.peer(id, r, index)?, 0, &mut got)?;
+                    let got: [u8; 8] = read_peer(&peers, id, r, index)?;
                     assert_eq!(got, [r as u8 + 1; 8], "rank {r}'s buffer {id:?}/{index}");
                 }
             }
             comm.barrier().map_err(IpcError::from)?;
             Ok(())
         });
-    let failures: Vec<String> = results
-        .into_iter()
-        .enumerate()
-        .filter_map(|(rank, r)| match r {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(format!("rank {rank}: {e}")),
-            Err(e) => Some(format!("rank {rank} died: {e}")),
-        })
-        .collect();
-    assert!(failures.is_empty(), "{}", failures.join("; "));
+    done(results);
 }
 
 #[test]

@@ -2,23 +2,11 @@
 //! exchange refers to. A failed exchange leaves nothing open behind it, and a handle first
 //! opened by `import` and then named by an exchange is reopened with the exchange.
 
-use std::time::Duration;
+use tpcomm_ipc::{HostMemory, IpcError, MemoryRegion, PeerMappings, PeerMemory, Step};
+use tpcomm_transport::Communicator;
 
-use tpcomm_ipc::{
-    HostBuffer, HostMemory, IpcError, MemoryRegion, PeerMappings, PeerMemory, Region, Step,
-};
-use tpcomm_transport::{Communicator, LocalGroup};
-
-fn group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(60))
-}
-
-fn region(buf: &HostBuffer) -> Region {
-    Region {
-        addr: buf.addr(),
-        len: buf.len(),
-    }
-}
+mod common;
+use common::{done, group, read_peer, region};
 
 /// Bigger than `HostMemory::CARVE_MAX_BYTES`: a segment of its own, gone once freed.
 const OWN_SEGMENT: usize = 2 << 20;
@@ -65,10 +53,7 @@ fn a_failed_exchange_verdict_leaves_nothing_open_and_reopen_still_works() {
         assert_eq!(peers.region_len(first, other, 0)?, 4096);
         Ok(())
     });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank thread")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    done(results);
 }
 
 /// Rank 0 imports rank 1's handle out of band, then both exchange the same region: the
@@ -93,16 +78,10 @@ fn an_imported_handle_later_exchanged_survives_close_and_reopen() {
         for _ in 0..2 {
             peers.close_all()?;
             peers.reopen_all(&comm)?;
-            let mut got = [0u8; 8];
-            peers
-                .backend()
-                .read(peers.peer(id, other, 0)?, 0, &mut got)?;
+            let got: [u8; 8] = read_peer(&peers, id, other, 0)?;
             assert_eq!(got, [other as u8 + 1; 8]);
         }
         Ok(())
     });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank thread")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    done(results);
 }

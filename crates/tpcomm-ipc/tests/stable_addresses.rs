@@ -6,12 +6,14 @@
 //! dead owner's handle is refused by a reattach as by an open, and the range stays kept.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::process::{Child, Command, Stdio};
 
 use tpcomm_ipc::{
     HostBuffer, HostHandle, HostMemory, IpcError, MemoryRegion, PeerMappings, PeerMemory, Region,
 };
 use tpcomm_transport::{Communicator, LocalGroup};
+
+mod common;
+use common::Holder;
 
 /// Every rank's view after a suspend (close_all) and resume (reopen_all): the peer addresses
 /// before and after, what it read from each peer after, and its counters.
@@ -179,44 +181,16 @@ fn a_fresh_handle_that_does_not_fit_its_kept_range_opens_elsewhere_and_counts_as
     );
 }
 
-/// A process holding a descriptor as its stdin until dropped (killed and reaped then).
-struct Owner(Child);
-
-impl Owner {
-    fn holding(fd: OwnedFd) -> Self {
-        Self(
-            Command::new("sleep")
-                .arg("600")
-                .stdin(Stdio::from(fd))
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("spawn sleep"),
-        )
-    }
-
-    fn pid(&self) -> u32 {
-        self.0.id()
-    }
-}
-
-impl Drop for Owner {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// This process's own segment `h` (of `buffer`), handed to a child as its descriptor 0: a
 /// handle another process owns.
-fn owned_by_child(h: &HostHandle) -> (Owner, HostHandle) {
+fn owned_by_child(h: &HostHandle) -> (Holder, HostHandle) {
     let link = format!("/proc/self/fd/{}", h.fd);
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(&link)
         .unwrap();
-    let owner = Owner::holding(OwnedFd::from(file));
+    let owner = Holder::new(OwnedFd::from(file));
     let handle = HostHandle {
         pid: owner.pid(),
         fd: 0,
@@ -269,7 +243,7 @@ fn a_reattach_refuses_a_forged_descriptor_and_keeps_the_range() {
     // A handle naming an ordinary file of another process, with that file's identity.
     let file = tempfile_with(8192);
     let stat = rustix::fs::fstat(file.as_fd()).unwrap();
-    let forger = Owner::holding(file);
+    let forger = Holder::new(file);
     let forged = HostHandle {
         pid: forger.pid(),
         fd: 0,

@@ -2,17 +2,14 @@
 //! in another step is named by every rank in a tagged step, and nothing it sent is decoded
 //! or opened.
 
-use std::time::Duration;
-
 use tpcomm_ipc::{
     tagged_all_gather, HostMemory, IpcError, MemoryRegion, PeerMappings, PeerMemory, Region, Step,
     StepTag,
 };
-use tpcomm_transport::{Communicator, LocalGroup};
+use tpcomm_transport::Communicator;
 
-fn group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(60))
-}
+mod common;
+use common::{done, group, region};
 
 fn mismatch(e: IpcError) -> (usize, StepTag, Option<StepTag>) {
     match e {
@@ -33,10 +30,6 @@ fn a_peer_in_another_registry_step_is_named_and_nothing_is_opened() {
         let mem = HostMemory::new();
         let a = mem.allocate(4096)?;
         let b = mem.allocate(4096)?;
-        let region = |buf: &tpcomm_ipc::HostBuffer| Region {
-            addr: buf.addr(),
-            len: buf.len(),
-        };
         let mut peers = PeerMappings::new(mem, &comm)?;
         peers.exchange(&comm, &[region(&a)])?;
         let open_before = peers.counters().open;
@@ -64,9 +57,7 @@ fn a_peer_in_another_registry_step_is_named_and_nothing_is_opened() {
         assert_eq!(found.sequence, expected.sequence, "same position");
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    done(results);
 }
 
 /// The same operation at another position of the sequence (a rank that skipped a step) or
@@ -141,9 +132,7 @@ fn an_untagged_collective_paired_with_a_registry_step_is_named_as_such() {
         }
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    done(results);
 }
 
 /// A registry made for a group of 2 is passed a sub-communicator of one rank (every result
@@ -198,9 +187,7 @@ fn a_registry_passed_another_communicator_is_refused_without_a_panic() {
         peers.peer(id, 1 - comm.rank(), 0)?;
         Ok(())
     });
-    for r in results {
-        r.expect("rank thread").expect("rank");
-    }
+    done(results);
 }
 
 /// A step passed as `Step::Unknown(code)` with the code of a known step (4, `Reopen`) is that

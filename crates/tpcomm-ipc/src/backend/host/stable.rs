@@ -22,6 +22,11 @@
 //!
 //! A copy through a detached mapping or a released buffer is [`IpcError::Unbacked`]; the
 //! all-reduce never launches while its mappings are detached (the lifecycle refuses it).
+//!
+//! [`PeerMemory::detach`]: crate::PeerMemory::detach
+//! [`PeerMemory::reattach`]: crate::PeerMemory::reattach
+//! [`PeerMemory::release_backing`]: crate::PeerMemory::release_backing
+//! [`PeerMemory::restore_backing`]: crate::PeerMemory::restore_backing
 
 use std::ffi::c_void;
 use std::os::fd::{AsFd, AsRawFd};
@@ -30,11 +35,16 @@ use std::sync::Arc;
 
 use rustix::mm::{MapFlags, ProtFlags};
 
+use super::fetch::Fetched;
+use super::prefault::prefault;
+use super::segment::{map_shared, page_size, segment_file};
+use super::segment_checks::{check_fields, check_segment};
+use super::segment_table::{segments, Exportable};
 use super::{
-    check_fields, check_segment, close_refused, page_size, prefault, segments, Exportable, Fetched,
     HostBuffer, HostHandle, HostMapping, HostMemory, OwnedSegment, PeerMap, PRIVATE_SEGMENT_NAME,
     SEGMENT_NAME,
 };
+use crate::backend::descriptor;
 use crate::error::{os, IpcError, Result};
 use crate::memory::MemoryRegion;
 
@@ -179,12 +189,9 @@ impl HostMemory {
     /// Fetches and checks the segment `h` names (the checks of `open`).
     fn fetch_checked(&self, h: &HostHandle) -> Result<Fetched> {
         check_fields(h)?;
-        let fetched = self.fetch_fd(h)?;
-        if let Err(e) = check_segment(&fetched.fd, h) {
-            close_refused(fetched.fd);
-            return Err(e);
-        }
-        Ok(fetched)
+        let Fetched { fd, pidfd } = self.fetch_fd(h)?;
+        let fd = descriptor::checked(fd, |fd| check_segment(fd, h))?;
+        Ok(Fetched { fd, pidfd })
     }
 
     /// `open_all` of a stable backend: each handle's own pages, mapped at an address the
@@ -195,7 +202,7 @@ impl HostMemory {
             check_fields(h)?;
             let pages = page_span(h)?;
             let Fetched { fd, pidfd } = self.fetch_checked(h)?;
-            let ptr = super::map_shared(&fd, pages.start, pages.span)?;
+            let ptr = map_shared(&fd, pages.start, pages.span)?;
             if let Some(pidfd) = &pidfd {
                 self.cache().keep(h.pid, pidfd.clone());
             }
@@ -320,7 +327,7 @@ impl HostMemory {
         } else {
             SEGMENT_NAME
         };
-        let (fd, dev, inode) = super::segment_file(buffer.len, name)?;
+        let (fd, dev, inode) = segment_file(buffer.len, name)?;
         // SAFETY: `ptr..ptr + len` is the reservation `release_buffer` left, owned by the
         // buffer; `fd` was just sized to `len` bytes and sealed.
         unsafe { map_over(buffer.ptr, buffer.len, fd.as_fd(), 0) }?;

@@ -58,15 +58,16 @@ use tpcomm::allreduce::{
 use tpcomm::ipc::{HostBuffer, HostMemory, PeerMemory};
 use tpcomm::Communicator;
 
-use crate::error::BenchError;
-use crate::harness::{
-    elapsed_ns, floor_bound, geomean, per_size, time_once, within, Bus, RatioLine, Row, Spec,
-    Target,
-};
-use crate::launch::{Bench, RunArgs, Session};
+use crate::engine::error::BenchError;
+use crate::engine::launch::{Bench, RunArgs};
+use crate::engine::row::{Bus, Row};
+use crate::engine::session::Session;
+use crate::engine::summary::{geomean, per_size};
+use crate::engine::sweep::{format_bytes, short_bytes, SweepArgs};
+use crate::engine::table::{col, Column};
+use crate::engine::targets::{floor_bound, within, RatioLine, Target};
+use crate::engine::timing::{elapsed_ns, time_once, Spec};
 use crate::mpi_peer::{CLoop, MpiWorld, StagedFloor};
-use crate::sweep::{format_bytes, short_bytes, SweepArgs};
-use crate::table::{col, Column};
 use crate::transport::splitmix64;
 
 /// The custom all-reduce on the host backend.
@@ -844,7 +845,7 @@ impl Bench for AllReduceArgs {
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
-        let mpi = s.mpi.take();
+        let mpi = MpiWorld::for_run(s.info);
         let sizes = self.sweep.sizes();
         let max_bytes = sizes.last().copied().unwrap_or(self.sweep.max_bytes);
         let wants = |p: &[Variant]| p.iter().any(|x| self.paths.contains(x));
@@ -1237,7 +1238,7 @@ mod tests {
     use half::bf16;
 
     use super::*;
-    use crate::harness::judge;
+    use crate::engine::targets::judge;
 
     #[test]
     fn defaults_are_f32_every_path_1_kib_to_8_mib_locally() {

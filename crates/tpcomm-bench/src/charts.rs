@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use plotters::prelude::*;
 
-use crate::error::BenchError;
-use crate::harness::Row;
-use crate::report::{self, Report};
+use crate::engine::error::BenchError;
+use crate::engine::report::{self, Report};
+use crate::engine::row::Row;
 
 /// Options of `tpcomm-bench plot`.
 #[derive(Debug, Clone, Args)]

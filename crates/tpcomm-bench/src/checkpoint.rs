@@ -24,11 +24,13 @@ use serde::Serialize;
 
 use tpcomm_checkpoint::Step;
 
-use crate::error::BenchError;
-use crate::harness::{link_peers, Row, Spec};
-use crate::launch::{self, RunInfo, Session};
-use crate::sweep::format_bytes;
-use crate::table::{col, Column};
+use crate::engine::error::BenchError;
+use crate::engine::launch::{self, RunInfo};
+use crate::engine::row::{link_peers, Row};
+use crate::engine::session::Session;
+use crate::engine::sweep::format_bytes;
+use crate::engine::table::{col, Column};
+use crate::engine::timing::Spec;
 
 /// Options of `tpcomm-bench checkpoint`.
 #[derive(Debug, Clone, Args, Serialize)]
@@ -209,7 +211,7 @@ pub(crate) fn run(args: &CheckpointArgs) -> Result<(), BenchError> {
 #[cfg(not(feature = "cuda"))]
 mod imp {
     use super::{CheckpointArgs, Measured};
-    use crate::error::BenchError;
+    use crate::engine::error::BenchError;
 
     pub(super) fn run(_: &CheckpointArgs) -> Result<Measured, BenchError> {
         Err(BenchError::WithoutCuda)
@@ -232,9 +234,10 @@ mod imp {
     };
 
     use super::{CheckpointArgs, Measured, Memory, SEQUENCE, STEPS};
-    use crate::error::BenchError;
-    use crate::harness::{agree, slowest};
-    use crate::launch;
+    use crate::engine::error::BenchError;
+    use crate::engine::launch;
+    use crate::engine::timing::slowest;
+    use crate::engine::verify::agree;
 
     fn failed(call: &'static str) -> impl Fn(String) -> BenchError {
         move |detail| BenchError::Cuda { call, detail }
@@ -324,7 +327,7 @@ mod imp {
                     },
                 )
             }
-            .map_err(|e| failed("checkpoint_group")(crate::error::chain(&e)))?;
+            .map_err(|e| failed("checkpoint_group")(crate::engine::error::chain(&e)))?;
             let (after, first_replay) = replay(&mut ar)?;
             let differs = (after != before)
                 .then(|| "the output differs from the replay before it".to_string());

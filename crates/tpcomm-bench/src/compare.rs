@@ -10,10 +10,11 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::error::BenchError;
-use crate::harness::{geomean, Row};
-use crate::report::{self, Report};
-use crate::table::{self, Column};
+use crate::engine::error::BenchError;
+use crate::engine::report::{self, Report};
+use crate::engine::row::Row;
+use crate::engine::summary::geomean;
+use crate::engine::table::{self, Column};
 
 /// Options of `tpcomm-bench compare`.
 #[derive(Debug, Clone, Args)]
@@ -137,8 +138,8 @@ pub(crate) fn run(args: &CompareArgs) -> Result<(), BenchError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::Bus;
-    use crate::report::{Machine, SCHEMA_VERSION};
+    use crate::engine::report::{Machine, SCHEMA_VERSION};
+    use crate::engine::row::Bus;
 
     /// A report of one all_gather table: tpcomm at `tpcomm_ns` per size, rsmpi at 1 us.
     pub(crate) fn report(tpcomm_ns: u64) -> Report {
@@ -160,7 +161,7 @@ mod tests {
                 );
             }
         }
-        crate::harness::link_peers(&mut rows, |r| r.is("tpcomm").then(|| "rsmpi".into()));
+        crate::engine::row::link_peers(&mut rows, |r| r.is("tpcomm").then(|| "rsmpi".into()));
         Report {
             schema_version: SCHEMA_VERSION,
             tool: "tpcomm-bench".into(),
@@ -175,13 +176,13 @@ mod tests {
             settings: serde_json::json!({ "iters": 3 }),
             rows,
             summary: vec!["all_gather: avg busbw 0.1 GB/s".into()],
-            targets: vec![crate::harness::Verdict {
+            targets: vec![crate::engine::targets::Verdict {
                 target: "tpcomm within 1.10x of rsmpi".into(),
                 reason: "a wrapper should cost next to nothing".into(),
                 met: tpcomm_ns <= 1100,
                 detail: String::new(),
                 binding: false,
-                line: crate::harness::RatioLine::new("rsmpi", 1.1),
+                line: crate::engine::targets::RatioLine::new("rsmpi", 1.1),
             }],
         }
     }

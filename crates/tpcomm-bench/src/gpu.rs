@@ -44,9 +44,9 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 
 use crate::allreduce::DTypeArg;
-use crate::error::BenchError;
-use crate::harness::distinct;
-use crate::sweep::{parse_bytes, SweepArgs};
+use crate::engine::error::BenchError;
+use crate::engine::summary::distinct;
+use crate::engine::sweep::{parse_bytes, SweepArgs};
 
 /// Options of `tpcomm-bench gpu`.
 #[derive(Debug, Clone, Args, Serialize)]
@@ -306,13 +306,15 @@ mod imp {
 
     use super::{AlgorithmArg, GpuArgs, MemoryArg};
     use crate::allreduce::{check, expected, input, DTypeArg};
-    use crate::error::BenchError;
-    use crate::harness::{
-        agree, distinct, elapsed_ns, per_size, slowest, Bus, Order, Row, Spec, Stats,
-    };
-    use crate::launch::{self, RunInfo, Session};
-    use crate::sweep::format_bytes;
-    use crate::table::{self, col, Column};
+    use crate::engine::error::BenchError;
+    use crate::engine::launch::{self, RunInfo};
+    use crate::engine::row::{Bus, Row, Stats};
+    use crate::engine::session::Session;
+    use crate::engine::summary::{distinct, per_size};
+    use crate::engine::sweep::format_bytes;
+    use crate::engine::table::{self, col, Column};
+    use crate::engine::timing::{elapsed_ns, slowest, Order, Spec};
+    use crate::engine::verify::agree;
     use crate::with_element;
 
     type CudaAllReduce<M = CudaMemory> = CustomAllReduce<CudaBackend<M>>;
@@ -888,7 +890,7 @@ mod imp {
         let (engine_rows, engine_failure) = match engine::run(&mut s, args) {
             Ok(found) => (found, None),
             Err(e) => {
-                let text = crate::error::chain(&e);
+                let text = crate::engine::error::chain(&e);
                 s.note(&format!("engine path: FAILED: {text}"));
                 eprintln!("tpcomm-bench gpu: engine path failed: {text}");
                 (Vec::new(), Some(e))
@@ -919,7 +921,7 @@ mod imp {
             match reference {
                 Ok(found) => found,
                 Err(e) => {
-                    let e = crate::error::chain(&e);
+                    let e = crate::engine::error::chain(&e);
                     s.note(&format!("nccl: reference FAILED: {e}"));
                     eprintln!("tpcomm-bench gpu: nccl reference failed: {e}");
                     (Vec::new(), None)
@@ -1063,12 +1065,15 @@ mod imp {
             Plan, Replayed,
         };
         use crate::allreduce::input;
-        use crate::error::BenchError;
+        use crate::engine::error::BenchError;
+        use crate::engine::row::{Bus, Row};
+        use crate::engine::session::Session;
+        use crate::engine::summary::{distinct, per_size};
+        use crate::engine::sweep::format_bytes;
+        use crate::engine::table::{self, col, Column};
+        use crate::engine::targets::Target;
+        use crate::engine::timing::Spec;
         use crate::gpu::GpuArgs;
-        use crate::harness::{distinct, per_size, Bus, Row, Spec, Target};
-        use crate::launch::Session;
-        use crate::sweep::format_bytes;
-        use crate::table::{self, col, Column};
 
         /// Today's path.
         pub(super) const PRIVATE: &str = "private";
@@ -1293,7 +1298,7 @@ mod imp {
                 .with("graph_launches", k)
             };
             let mut rows = spec.rows(world, warmup, samples);
-            crate::harness::link_peers(&mut rows, |r| match r.variant.as_str() {
+            crate::engine::row::link_peers(&mut rows, |r| match r.variant.as_str() {
                 CALLER => Some(PRIVATE.into()),
                 STAGED => Some(CALLER.into()),
                 _ => None,
@@ -1320,16 +1325,17 @@ mod imp {
                 ),
                 why: "an engine that hands the all-reduce its own stream and tensors must not \
                       pay for it; 2% is about the noise of these replays",
-                line: crate::harness::RatioLine::new(PRIVATE, 1.02),
-                judge: crate::harness::within(|r| r.is(CALLER), |x| x, 1.02),
+                line: crate::engine::targets::RatioLine::new(PRIVATE, 1.02),
+                judge: crate::engine::targets::within(|r| r.is(CALLER), |x| x, 1.02),
             }]
         }
 
         #[test]
         fn the_engine_target_is_the_caller_path_within_2_percent_of_the_private_one() {
-            let row =
-                |variant, vs| crate::harness::row_vs("engine 2 ranks bf16", "32768", variant, vs);
-            let judge = |rows: &[Row]| crate::harness::judge(&targets(), rows);
+            let row = |variant, vs| {
+                crate::engine::row::row_vs("engine 2 ranks bf16", "32768", variant, vs)
+            };
+            let judge = |rows: &[Row]| crate::engine::targets::judge(&targets(), rows);
             assert!(judge(&[row(CALLER, 1.019), row(STAGED, 1.4)])[0].met);
             let v = judge(&[row(CALLER, 1.019), row(CALLER, 1.021)]);
             assert!(!v[0].met);
@@ -1374,7 +1380,7 @@ mod imp {
                 let results = crate::with_element!(dtype, T => {
                     group.run(|comm| run_world::<_, T>(&comm, args))
                 });
-                let found = crate::launch::first_rank_output(results)?;
+                let found = crate::engine::launch::first_rank_output(results)?;
                 if s.prints() {
                     table::print_rows(&COLUMNS, &found, &[]);
                 }
@@ -1431,11 +1437,12 @@ mod imp {
 
         use super::{check_bytes, cuda_error, input_bytes, poison_bytes, Timer};
         use crate::allreduce::expected;
-        use crate::error::BenchError;
+        use crate::engine::error::BenchError;
+        use crate::engine::row::Row;
+        use crate::engine::session::Session;
+        use crate::engine::sweep::format_bytes;
+        use crate::engine::verify::agree;
         use crate::gpu::GpuArgs;
-        use crate::harness::{agree, Row};
-        use crate::launch::Session;
-        use crate::sweep::format_bytes;
 
         struct Buffers {
             memory: CudaMemory,

@@ -27,7 +27,7 @@ use serde::Serialize;
 use tpcomm::Communicator;
 use tpcomm_ipc::{HostBuffer, HostMemory, MemoryRegion, PeerMappings, PeerMemory, Region};
 
-use crate::error::BenchError;
+use crate::engine::error::BenchError;
 
 /// Bytes before the payload: the sequence number, the length, and the rest of a cache line
 /// (the payload starts on a line of its own).

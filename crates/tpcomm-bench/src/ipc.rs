@@ -23,11 +23,15 @@ use tpcomm_ipc::{
     ExchangeId, HostBuffer, HostMemory, MemoryRegion, PeerMappings, PeerMemory, Region,
 };
 
-use crate::error::BenchError;
-use crate::harness::{agree, elapsed_ns, time_once, Order, Row, Spec, Target};
-use crate::launch::{Bench, RunArgs, Session};
-use crate::sweep::BufferArgs;
-use crate::table::{col, Column};
+use crate::engine::error::BenchError;
+use crate::engine::launch::{Bench, RunArgs};
+use crate::engine::row::Row;
+use crate::engine::session::Session;
+use crate::engine::sweep::BufferArgs;
+use crate::engine::table::{col, Column};
+use crate::engine::targets::Target;
+use crate::engine::timing::{elapsed_ns, time_once, Order, Spec};
+use crate::engine::verify::agree;
 
 /// The target: `reopen_all` of this many mappings...
 const REOPEN_TARGET_MAPPINGS: usize = 1000;
@@ -254,7 +258,7 @@ mod tests {
     #[test]
     fn the_target_is_judged_on_reopen_all_of_1000() {
         let row = |op, us| Row::of_us(TABLE, "1000", op, us).with("mappings", 1000);
-        let judge = |rows: &[Row]| crate::harness::judge(&targets(), rows);
+        let judge = |rows: &[Row]| crate::engine::targets::judge(&targets(), rows);
         assert!(judge(&[row("reopen_all", 4_999.0)])[0].met);
         assert!(!judge(&[row("reopen_all", 5_000.0)])[0].met);
         assert!(judge(&[row("exchange", 1.0)]).is_empty());

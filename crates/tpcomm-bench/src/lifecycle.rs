@@ -39,15 +39,16 @@ use tpcomm::Communicator;
 use crate::allreduce::{
     check, expected, input, new_all_reduce, new_sync, time_synced, HostAllReduce,
 };
-use crate::error::BenchError;
-use crate::harness::{
-    agree, elapsed_ns, floor_bound, iteration_count, link_peers, slowest, time_once, within, Order,
-    Row, Spec, Target,
-};
-use crate::launch::{Bench, RunArgs, Session};
+use crate::engine::error::BenchError;
+use crate::engine::launch::{Bench, RunArgs};
+use crate::engine::row::{link_peers, Row};
+use crate::engine::session::Session;
+use crate::engine::sweep::{format_bytes, parse_bytes, BufferArgs, IterArgs};
+use crate::engine::table::{col, Column};
+use crate::engine::targets::{floor_bound, within, Target};
+use crate::engine::timing::{elapsed_ns, iteration_count, slowest, time_once, Order, Spec};
+use crate::engine::verify::agree;
 use crate::page_floor::{resident_pages, PageFloor};
-use crate::sweep::{format_bytes, parse_bytes, BufferArgs, IterArgs};
-use crate::table::{col, Column};
 
 /// The target: suspend + resume with this many graph buffers...
 const TARGET_BUFFERS: usize = 1000;
@@ -512,7 +513,7 @@ impl Bench for LifecycleArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::judge;
+    use crate::engine::targets::judge;
 
     fn parse(extra: &[&str]) -> LifecycleArgs {
         parse!(Lifecycle, [&["lifecycle"], extra].concat())
@@ -557,7 +558,7 @@ mod tests {
     #[test]
     fn the_first_replay_of_1000_buffers_is_judged_from_its_ratio_to_the_steady_replay() {
         let first =
-            |case, ratio| crate::harness::row_vs(TRANSITION_TABLE, case, "first replay", ratio);
+            |case, ratio| crate::engine::row::row_vs(TRANSITION_TABLE, case, "first replay", ratio);
         let met = judge(&targets(), &[first("1000", 1.2)]);
         assert_eq!(met.len(), 1);
         assert!(met[0].met && met[0].target.starts_with("first replay"));

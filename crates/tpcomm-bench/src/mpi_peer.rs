@@ -9,8 +9,8 @@ use std::ffi::c_void;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::error::BenchError;
-use crate::launch::RunInfo;
+use crate::engine::error::BenchError;
+use crate::engine::launch::RunInfo;
 use crate::transport::Case;
 
 /// The C source of the C loop, compiled by each rank into its own temporary directory.
@@ -342,7 +342,7 @@ impl MpiWorld {
         let start = std::time::Instant::now();
         let rc = call();
         let ns = if timed {
-            crate::harness::elapsed_ns(start)
+            crate::engine::timing::elapsed_ns(start)
         } else {
             0
         };

@@ -32,17 +32,18 @@ use tpcomm::transport::backend::copy::SMALL;
 use tpcomm::transport::dense_displacements;
 use tpcomm::Communicator;
 
-use crate::error::BenchError;
-use crate::harness::{
-    elapsed_ns, floor_bound, link_peers, slowest, time_once, within, RatioLine, Row, Spec, Target,
-};
-use crate::launch::{self, Bench, RunArgs, Session};
+use crate::engine::error::BenchError;
+use crate::engine::launch::{self, Bench, RunArgs};
+use crate::engine::row::{link_peers, Row};
+use crate::engine::session::Session;
+use crate::engine::sweep::format_bytes;
+use crate::engine::table::{col, Column};
+use crate::engine::targets::{floor_bound, within, RatioLine, Target};
+use crate::engine::timing::{elapsed_ns, slowest, time_once, Spec};
 use crate::payload::{
     fingerprint, mpi4py_peer, parse_payload, BlobShape, Mpi4pyRun, Payload, RecordsShape, Shape,
     StepShape, MPI4PY,
 };
-use crate::sweep::format_bytes;
-use crate::table::{col, Column};
 
 /// The default payloads: a small and a large blob, few and many records.
 const DEFAULT_PAYLOADS: &str = "blob:64,blob:65536,blob:16MiB,records:1000,records:100000";
@@ -504,14 +505,14 @@ mod tests {
 
     #[test]
     fn targets_are_checked_on_every_tpcomm_row() {
-        let row = |case, variant, ratio| crate::harness::row_vs(TABLE, case, variant, ratio);
+        let row = |case, variant, ratio| crate::engine::row::row_vs(TABLE, case, variant, ratio);
         let rows = [
             row("blob:64", "tpcomm owned", 0.7),
             row("blob:64", "tpcomm borrowed", 0.9),
             row("blob:64", "floor", 1.0),
             row("records:100000", "tpcomm owned", 1.31),
         ];
-        let v = crate::harness::judge(&targets(), &rows);
+        let v = crate::engine::targets::judge(&targets(), &rows);
         assert_eq!(v.len(), 2);
         assert!(!v[0].met);
         assert!(
@@ -526,7 +527,7 @@ mod tests {
     #[test]
     fn the_mpi4py_target_needs_a_measured_mpi4py_row() {
         let row = |variant, us| Row::of_us(TABLE, "records:100000", variant, us);
-        let judge = |rows: &[Row]| crate::harness::judge(&targets()[2..], rows);
+        let judge = |rows: &[Row]| crate::engine::targets::judge(&targets()[2..], rows);
         assert!(judge(&[row("tpcomm owned", 10.0)]).is_empty());
         let v = judge(&[
             row("tpcomm owned", 10.0),

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use rustix::fs::MemfdFlags;
 use rustix::mm::{MapFlags, ProtFlags};
 
-use crate::error::BenchError;
+use crate::engine::error::BenchError;
 
 /// The size of a page of `/proc/self/smaps` (`kB` figures) and of this floor's pages.
 fn page_size() -> usize {

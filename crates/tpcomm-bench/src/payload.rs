@@ -9,8 +9,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_bytes::{ByteBuf, Bytes};
 
-use crate::launch::{self, RunArgs, Transport};
-use crate::sweep::parse_bytes;
+use crate::engine::launch::{self, RunArgs, Transport};
+use crate::engine::sweep::parse_bytes;
 use crate::transport::{pattern, splitmix64};
 
 /// One value per rank, of one of three shapes.

@@ -16,12 +16,14 @@ use clap::Args;
 use serde::Serialize;
 use tpcomm::Communicator;
 
-use crate::error::BenchError;
-use crate::harness::{elapsed_ns, time_once, within, RatioLine, Spec, Target};
-use crate::launch::{self, Bench, RunArgs, Session, Transport};
-use crate::mpi_peer::CLoop;
-use crate::sweep::SweepArgs;
-use crate::table::{col, Column};
+use crate::engine::error::BenchError;
+use crate::engine::launch::{self, Bench, RunArgs, Transport};
+use crate::engine::session::Session;
+use crate::engine::sweep::SweepArgs;
+use crate::engine::table::{col, Column};
+use crate::engine::targets::{within, RatioLine, Target};
+use crate::engine::timing::{elapsed_ns, time_once, Spec};
+use crate::mpi_peer::{CLoop, MpiWorld};
 use crate::transport::{Case, TransportOp};
 
 /// The calls checked: the transport operation whose peer is the call, the C loop's op code.
@@ -158,9 +160,7 @@ impl Bench for PeerCheck<'_> {
     }
 
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
-        let mpi = s
-            .mpi
-            .take()
+        let mpi = MpiWorld::for_run(s.info)
             .ok_or_else(|| BenchError::Usage("peer-check runs on MPI ranks only".into()))?;
         let sizes = self.args.sweep.sizes();
         s.progress.plan(CALLS.len() * sizes.len());
@@ -202,13 +202,13 @@ impl Bench for PeerCheck<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::{row_vs, Row};
+    use crate::engine::row::{row_vs, Row};
 
     #[test]
     fn the_target_judges_the_rsmpi_rows_either_way_within_the_tolerance() {
         let row =
             |variant: &str, bytes: usize, vs| row_vs("all_gather", &bytes.to_string(), variant, vs);
-        let judge = |rows: &[Row]| crate::harness::judge(&targets(5.0), rows);
+        let judge = |rows: &[Row]| crate::engine::targets::judge(&targets(5.0), rows);
         // C call rows (the harness's own cost) are not what the target is about.
         let v = judge(&[row("rsmpi", 64, 1.04), row("C call", 64, 1.2)]);
         assert!(v[0].met, "{v:?}");

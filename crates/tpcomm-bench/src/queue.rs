@@ -38,18 +38,19 @@ use tpcomm::queue::{BroadcastQueue, QueueConfig};
 use tpcomm::transport::backend::copy::copy_slice;
 use tpcomm::Communicator;
 
-use crate::error::BenchError;
+use crate::engine::error::BenchError;
+use crate::engine::launch::{self, Bench, RunArgs};
+use crate::engine::row::{link_peers, Row};
+use crate::engine::session::Session;
+use crate::engine::sweep::{format_bytes, parse_bytes};
+use crate::engine::table::{col, Column};
+use crate::engine::targets::{floor_bound, within, Target};
+use crate::engine::timing::{elapsed_ns, slowest, time_once, Spec};
 use crate::handoff_floor::HandoffFloor;
-use crate::harness::{
-    elapsed_ns, floor_bound, link_peers, slowest, time_once, within, Row, Spec, Target,
-};
-use crate::launch::{self, Bench, RunArgs, Session};
 use crate::payload::{
     fingerprint, mpi4py_peer, parse_payload, BlobShape, Mpi4pyRun, Payload, RecordsShape, Shape,
     StepShape, MPI4PY,
 };
-use crate::sweep::{format_bytes, parse_bytes};
-use crate::table::{col, Column};
 
 /// The default payloads: bytes and scheduler steps of about 64 B, 4 KiB, 64 KiB, 1 MiB and
 /// 8 MiB.
@@ -559,7 +560,7 @@ mod tests {
             row("blob:1MiB", 1 << 20, PEER, 600.0),
         ];
         link_peers(&mut rows, |r| (!r.is(PEER)).then(|| PEER.to_string()));
-        let v = crate::harness::judge(&targets(), &rows);
+        let v = crate::engine::targets::judge(&targets(), &rows);
         assert_eq!(v.len(), 2, "no mpi4py row: its target is not judged");
         assert!(v[0].met, "{v:?}");
         assert!(!v[1].met);
@@ -585,7 +586,7 @@ mod tests {
                 row("blob:64", HANDOFF, floor_us),
             ];
             link_peers(&mut rows, |r| (!r.is(PEER)).then(|| PEER.to_string()));
-            crate::harness::judge(&targets(), &rows).remove(0)
+            crate::engine::targets::judge(&targets(), &rows).remove(0)
         };
         let slow_floor = verdict(0.25);
         assert!(!slow_floor.met);

@@ -22,12 +22,15 @@ use tpcomm::transport::{dense_displacements, GatherRecv, Layout};
 use tpcomm::Communicator;
 
 use crate::allreduce::{check, expected, input};
-use crate::error::BenchError;
-use crate::harness::{elapsed_ns, time_once, within, Bus, RatioLine, Row, Spec, Target};
-use crate::launch::{Bench, RunArgs, Session};
+use crate::engine::error::BenchError;
+use crate::engine::launch::{Bench, RunArgs};
+use crate::engine::row::{Bus, Row};
+use crate::engine::session::Session;
+use crate::engine::sweep::SweepArgs;
+use crate::engine::table::{col, Column};
+use crate::engine::targets::{within, RatioLine, Target};
+use crate::engine::timing::{elapsed_ns, time_once, Spec};
 use crate::mpi_peer::MpiWorld;
-use crate::sweep::SweepArgs;
-use crate::table::{col, Column};
 
 /// Root of broadcast and gather.
 pub(crate) const ROOT: usize = 0;
@@ -197,7 +200,7 @@ impl Bench for TransportArgs {
     fn measure<C: Communicator>(&self, comm: &C, s: &mut Session<'_>) -> Result<(), BenchError> {
         let sizes = self.sweep.sizes();
         s.progress.plan(self.ops.len() * sizes.len());
-        let mpi = s.mpi.take();
+        let mpi = MpiWorld::for_run(s.info);
         let columns = columns(mpi.is_some());
         let variants = &VARIANTS[..if mpi.is_some() { 2 } else { 1 }];
         for (op_index, &op) in self.ops.iter().enumerate() {

@@ -11,8 +11,8 @@
 
 use tpcomm::Communicator;
 
-use crate::error::BenchError;
-use crate::harness::Row;
+use crate::engine::error::BenchError;
+use crate::engine::row::Row;
 
 /// What one wake-up is taken to cost when judging whether wake-ups weigh in a case's times:
 /// the low end of what a futex wake took to run the woken rank on the development VMs

@@ -8,8 +8,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::error::BenchError;
-use crate::harness::{Row, Verdict};
+use crate::engine::error::BenchError;
+use crate::engine::row::Row;
+use crate::engine::targets::Verdict;
 
 /// The version of the report's layout. Raised when a field changes meaning or goes away;
 /// adding a field keeps it.

@@ -12,7 +12,7 @@ use std::time::Duration;
 use clap::Args;
 use serde::Serialize;
 
-use crate::error::BenchError;
+use crate::engine::error::BenchError;
 
 /// Collective time aimed at per size (and per path) when `--iters` is not given.
 pub(crate) const TARGET_TIME: Duration = Duration::from_millis(40);

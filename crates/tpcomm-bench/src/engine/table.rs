@@ -9,7 +9,7 @@ use std::cell::{Cell as StdCell, RefCell};
 use std::io::{IsTerminal as _, Write as _};
 use std::time::{Duration, Instant};
 
-use crate::harness::Row;
+use crate::engine::row::Row;
 
 /// Formats one cell: the row, and the row of its peer when the table shows both.
 pub(crate) type Cell = fn(&Row, Option<&Row>) -> String;

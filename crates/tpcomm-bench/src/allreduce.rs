@@ -24,7 +24,7 @@
 //!   inputs are registered: no copy). No algorithm can beat them on this machine, so they
 //!   bound the speedups the targets ask for;
 //! - `floor 1stage`, `floor 2stage` (f32, with the C loop): the same staged all-reduce
-//!   across cores, doing the least it must and nothing else, in C (`src/staged_floor.c`):
+//!   across cores, doing the least it must and nothing else, in C (`src/peers/staged_floor.c`):
 //!   copy in, flag barriers, sums (below 1 MiB with double buffers, so that no barrier
 //!   closes a call).
 //!   Unlike the floors above they move the data between cores and wait for peers, so they
@@ -47,31 +47,27 @@
 //! `dispatch::ONE_STAGE_MAX_BYTES` for replays); under `mpirun`, the targets
 //! against `MPI_Allreduce` (2 ranks, f32).
 
-use std::time::Instant;
-
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use tpcomm::allreduce::dispatch::{ONE_STAGE_MAX_BYTES, STAGED_ONE_STAGE_MAX_BYTES};
-use tpcomm::allreduce::{
-    Algorithm, CapturedPlan, Config, CustomAllReduce, DType, Element, HostBackend,
-};
+use tpcomm::allreduce::{Algorithm, CapturedPlan, Config, DType, Element, HostBackend};
 use tpcomm::ipc::{HostBuffer, HostMemory, PeerMemory};
 use tpcomm::Communicator;
 
+use crate::data::elements::{check, expected, input, with_element};
 use crate::engine::error::BenchError;
 use crate::engine::launch::{Bench, RunArgs};
+use crate::engine::lineup::{new_all_reduce, new_sync, time_synced, HostAllReduce};
+use crate::engine::options::DTypeArg;
 use crate::engine::row::{Bus, Row};
 use crate::engine::session::Session;
 use crate::engine::summary::{geomean, per_size};
 use crate::engine::sweep::{format_bytes, short_bytes, SweepArgs};
 use crate::engine::table::{col, Column};
 use crate::engine::targets::{floor_bound, within, RatioLine, Target};
-use crate::engine::timing::{elapsed_ns, time_once, Spec};
-use crate::mpi_peer::{CLoop, MpiWorld, StagedFloor};
-use crate::transport::splitmix64;
-
-/// The custom all-reduce on the host backend.
-pub(crate) type HostAllReduce = CustomAllReduce<HostBackend>;
+use crate::engine::timing::Spec;
+use crate::peers::c_loop::{CLoop, StagedFloor};
+use crate::peers::mpi_world::MpiWorld;
 
 /// The peer's variant name.
 const MPI: &str = "MPI_Allreduce";
@@ -156,25 +152,6 @@ pub(crate) struct AllReduceArgs {
     /// buffer, what the targets are stated for).
     #[arg(long)]
     pub(crate) rewrite: bool,
-}
-
-/// An element type on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub(crate) enum DTypeArg {
-    F32,
-    F16,
-    Bf16,
-}
-
-impl DTypeArg {
-    pub(crate) fn dtype(self) -> DType {
-        match self {
-            DTypeArg::F32 => DType::F32,
-            DTypeArg::F16 => DType::F16,
-            DTypeArg::Bf16 => DType::Bf16,
-        }
-    }
 }
 
 /// What one row of a table times: a custom all-reduce path (`--paths`), or one of the two
@@ -369,111 +346,11 @@ fn columns(with_mpi: bool) -> Vec<Column> {
     c
 }
 
-/// Evaluates `$body` with `$t` naming the Rust element type of the [`DType`] `$dtype`.
-#[macro_export]
-macro_rules! with_element {
-    ($dtype:expr, $t:ident => $body:expr) => {
-        match $dtype {
-            ::tpcomm::allreduce::DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            ::tpcomm::allreduce::DType::F16 => {
-                type $t = ::half::f16;
-                $body
-            }
-            ::tpcomm::allreduce::DType::Bf16 => {
-                type $t = ::half::bf16;
-                $body
-            }
-        }
-    };
-}
-
-/// Element `i` of rank `rank`'s input for verification `salt`: an integer in -8..=7, so
-/// sums over up to 8 ranks are exact in f32, f16 and bf16 whatever the order.
-pub(crate) fn input_value(rank: usize, i: usize, salt: u64) -> f32 {
-    (splitmix64(salt ^ ((rank as u64) << 48) ^ i as u64) % 16) as f32 - 8.0
-}
-
-/// This rank's input of `count` elements for `salt`.
-pub(crate) fn input<T: Element>(rank: usize, count: usize, salt: u64) -> Vec<T> {
-    (0..count)
-        .map(|i| T::from_f32(input_value(rank, i, salt)))
-        .collect()
-}
-
-/// The exact sum over `ranks` of [`input`].
-pub(crate) fn expected(ranks: usize, count: usize, salt: u64) -> Vec<f32> {
-    (0..count)
-        .map(|i| (0..ranks).map(|r| input_value(r, i, salt)).sum())
-        .collect()
-}
-
-/// What is wrong with `got` against `want`, if anything.
-pub(crate) fn check<T: Element>(got: &[T], want: &[f32]) -> Option<String> {
-    if got.len() != want.len() {
-        return Some(format!("{} elements, expected {}", got.len(), want.len()));
-    }
-    let bad = got
-        .iter()
-        .zip(want)
-        .position(|(g, w)| g.to_f32().to_bits() != w.to_bits())?;
-    Some(format!(
-        "element {bad} is {}, expected {}",
-        got[bad].to_f32(),
-        want[bad]
-    ))
-}
-
-/// A new host all-reduce (collective).
-pub(crate) fn new_all_reduce<C: Communicator>(
-    comm: &C,
-    config: Config,
-) -> Result<HostAllReduce, BenchError> {
-    Ok(CustomAllReduce::new(
-        HostBackend::new(),
-        HostMemory::new(),
-        comm,
-        config,
-    )?)
-}
-
-/// A small all-reduce used only to line the ranks up before each timed iteration.
-pub(crate) fn new_sync<C: Communicator>(comm: &C) -> Result<HostAllReduce, BenchError> {
-    new_all_reduce(
-        comm,
-        Config {
-            max_bytes: 16,
-            slots: 1,
-            ..Config::default()
-        },
-    )
-}
-
 /// Stores every element of `values` again, unchanged (`black_box` keeps the stores).
 fn rewrite_in_place<T: Copy>(values: &mut [T]) {
     for v in values {
         *v = std::hint::black_box(*v);
     }
-}
-
-/// One timed iteration, its ranks lined up more tightly than by [`time_once`]'s barrier
-/// alone: the transport's barrier, then an untimed 16-byte all-reduce on `sync` (whose
-/// flag barrier spins, so the ranks leave it within about a microsecond), then `work`,
-/// timed. Nanoseconds on this rank.
-pub(crate) fn time_synced<C: Communicator>(
-    comm: &C,
-    sync: &mut HostAllReduce,
-    work: impl FnOnce() -> Result<(), BenchError>,
-) -> Result<u64, BenchError> {
-    time_once(comm, |_| {
-        let mut out = [0f32; 4];
-        sync.all_reduce(&[0f32; 4], &mut out)?;
-        let start = Instant::now();
-        work()?;
-        Ok(elapsed_ns(start))
-    })
 }
 
 /// One captured plan per (element type, size), replayed by the `replay` rows, and the
@@ -810,14 +687,14 @@ impl Bench for AllReduceArgs {
                     .into(),
             );
             lines.push(
-                "C loop: the same MPI_Allreduce from a C benchmark loop (src/peer_loop.c built \
+                "C loop: the same MPI_Allreduce from a C benchmark loop (src/peers/peer_loop.c built \
                  with mpicc -O2: MPI_Barrier, then the call timed with CLOCK_MONOTONIC) on the \
                  same buffers, where mpicc builds it: what the call costs a C program now"
                     .into(),
             );
             lines.push(
                 "floor 1stage / floor 2stage (f32, with the C loop): a staged all-reduce doing \
-                 only what it must, in C (src/staged_floor.c, timed like the C loop): copy in, \
+                 only what it must, in C (src/peers/staged_floor.c, timed like the C loop): copy in, \
                  flag barriers, sums between cores (below 1 MiB double buffers: no barrier closes \
                  a call); the eager targets quote the faster of the two at each size as their \
                  bound"
@@ -1235,9 +1112,8 @@ fn targets() -> Vec<Target> {
 
 #[cfg(test)]
 mod tests {
-    use half::bf16;
-
     use super::*;
+    use crate::data::elements::input_value;
     use crate::engine::targets::judge;
 
     #[test]
@@ -1296,22 +1172,6 @@ mod tests {
         let small = floor_line("f32", &rows[..1]).unwrap();
         assert!(small.contains("not quoted"), "{small}");
         assert_eq!(floor_line("f32", &rows[2..]), None);
-    }
-
-    #[test]
-    fn integer_inputs_sum_exactly_in_every_dtype() {
-        let want = expected(8, 64, 3);
-        let mut sum = vec![0f32; 64];
-        for r in 0..8 {
-            for (s, v) in sum.iter_mut().zip(input::<bf16>(r, 64, 3)) {
-                *s += v.to_f32();
-            }
-        }
-        let got: Vec<bf16> = sum.iter().map(|&v| bf16::from_f32(v)).collect();
-        assert_eq!(check(&got, &want), None);
-        let mut wrong = got.clone();
-        wrong[5] = bf16::from_f32(100.0);
-        assert!(check(&wrong, &want).unwrap().starts_with("element 5"));
     }
 
     #[test]

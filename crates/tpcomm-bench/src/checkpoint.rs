@@ -53,7 +53,7 @@ pub(crate) struct CheckpointArgs {
     /// Peer memory of the all-reduce and its graph buffers (the ballast is plain
     /// `cuMemAlloc` memory either way).
     #[arg(long, value_enum, default_value = "vmm", value_name = "KIND")]
-    pub(crate) memory: crate::gpu::MemoryArg,
+    pub(crate) memory: crate::engine::options::MemoryArg,
     /// Also write every figure (and every repeat's time) to this JSON file (schema in
     /// docs/benchmarks.md).
     #[arg(long, value_name = "FILE")]
@@ -225,7 +225,7 @@ mod imp {
     use tpcomm::allreduce::{Config, CudaBackend, CudaOptions, CustomAllReduce, DType};
     use tpcomm::ipc::{CudaBuffer, CudaMemory, CudaVmmMemory, DevicePeerMemory, PeerMemory};
 
-    use crate::gpu::MemoryArg;
+    use crate::engine::options::MemoryArg;
     use tpcomm::transport::{LocalCommunicator, LocalGroup};
     use tpcomm::Communicator;
     use tpcomm_checkpoint::{

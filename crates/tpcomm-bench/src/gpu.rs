@@ -43,8 +43,8 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 
-use crate::allreduce::DTypeArg;
 use crate::engine::error::BenchError;
+use crate::engine::options::{DTypeArg, MemoryArg};
 use crate::engine::summary::distinct;
 use crate::engine::sweep::{parse_bytes, SweepArgs};
 
@@ -170,26 +170,6 @@ fn parse_world_or_none(text: &str) -> Result<Option<u32>, String> {
     }
 }
 
-/// A kind of CUDA peer memory on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub(crate) enum MemoryArg {
-    /// Legacy CUDA IPC (`cuMemAlloc`, `cuIpcOpenMemHandle`).
-    Legacy,
-    /// Virtual memory (`cuMemCreate`, POSIX descriptors, kept addresses).
-    Vmm,
-}
-
-impl MemoryArg {
-    /// The name in tables and JSON.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Legacy => "legacy",
-            Self::Vmm => "vmm",
-        }
-    }
-}
-
 /// An algorithm on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 pub(crate) enum AlgorithmArg {
@@ -304,10 +284,13 @@ mod imp {
     use tpcomm::transport::LocalGroup;
     use tpcomm::Communicator;
 
-    use super::{AlgorithmArg, GpuArgs, MemoryArg};
-    use crate::allreduce::{check, expected, input, DTypeArg};
+    use super::{AlgorithmArg, GpuArgs};
+    use crate::data::elements::with_element;
+    use crate::data::elements::{check, expected, input};
     use crate::engine::error::BenchError;
     use crate::engine::launch::{self, RunInfo};
+    use crate::engine::options::DTypeArg;
+    use crate::engine::options::MemoryArg;
     use crate::engine::row::{Bus, Row, Stats};
     use crate::engine::session::Session;
     use crate::engine::summary::{distinct, per_size};
@@ -315,7 +298,6 @@ mod imp {
     use crate::engine::table::{self, col, Column};
     use crate::engine::timing::{elapsed_ns, slowest, Order, Spec};
     use crate::engine::verify::agree;
-    use crate::with_element;
 
     type CudaAllReduce<M = CudaMemory> = CustomAllReduce<CudaBackend<M>>;
 
@@ -1064,7 +1046,7 @@ mod imp {
             config, cuda_error, options, teardown, verify_and_time, write_input, CudaAllReduce,
             Plan, Replayed,
         };
-        use crate::allreduce::input;
+        use crate::data::elements::input;
         use crate::engine::error::BenchError;
         use crate::engine::row::{Bus, Row};
         use crate::engine::session::Session;
@@ -1377,7 +1359,7 @@ mod imp {
             let mut rows = Vec::new();
             for world in worlds {
                 let group = tpcomm::transport::LocalGroup::new(world as usize);
-                let results = crate::with_element!(dtype, T => {
+                let results = crate::data::elements::with_element!(dtype, T => {
                     group.run(|comm| run_world::<_, T>(&comm, args))
                 });
                 let found = crate::engine::launch::first_rank_output(results)?;
@@ -1436,7 +1418,7 @@ mod imp {
         use tpcomm::TransportError;
 
         use super::{check_bytes, cuda_error, input_bytes, poison_bytes, Timer};
-        use crate::allreduce::expected;
+        use crate::data::elements::expected;
         use crate::engine::error::BenchError;
         use crate::engine::row::Row;
         use crate::engine::session::Session;
@@ -1473,7 +1455,7 @@ mod imp {
             count: usize,
             k: usize,
         ) -> Result<(), BenchError> {
-            crate::with_element!(dtype, T => enqueue::<T>(comm, b, count, k))
+            crate::data::elements::with_element!(dtype, T => enqueue::<T>(comm, b, count, k))
         }
 
         /// A graph of `k` all-reduces, or `None` when the capture failed (the reason on

@@ -20,7 +20,7 @@
 //!    `prepare_for_suspend`, `reinit_after_resume`, and the `first replay` after the resume
 //!    (reopened mappings touched for the first time); `suspend+resume` is the sum of the
 //!    two transitions, and the first replay is compared with the steady one (after/before);
-//!    then the kernel's floor of the transition ([`crate::page_floor`]): `floor munmap` and
+//!    then the kernel's floor of the transition ([`crate::peers::page_floor`]): `floor munmap` and
 //!    `floor mmap+touch` of as many pages as this rank maps from its peers, right after a
 //!    replay as the transition is, their sum `floor suspend+resume` the peer of
 //!    `suspend+resume`;
@@ -36,11 +36,10 @@ use tpcomm::allreduce::{Config, DType};
 use tpcomm::ipc::{HostBuffer, PeerMemory};
 use tpcomm::Communicator;
 
-use crate::allreduce::{
-    check, expected, input, new_all_reduce, new_sync, time_synced, HostAllReduce,
-};
+use crate::data::elements::{check, expected, input};
 use crate::engine::error::BenchError;
 use crate::engine::launch::{Bench, RunArgs};
+use crate::engine::lineup::{new_all_reduce, new_sync, time_synced, HostAllReduce};
 use crate::engine::row::{link_peers, Row};
 use crate::engine::session::Session;
 use crate::engine::sweep::{format_bytes, parse_bytes, BufferArgs, IterArgs};
@@ -48,7 +47,7 @@ use crate::engine::table::{col, Column};
 use crate::engine::targets::{floor_bound, within, Target};
 use crate::engine::timing::{elapsed_ns, iteration_count, slowest, time_once, Order, Spec};
 use crate::engine::verify::agree;
-use crate::page_floor::{resident_pages, PageFloor};
+use crate::peers::page_floor::{resident_pages, PageFloor};
 
 /// The target: suspend + resume with this many graph buffers...
 const TARGET_BUFFERS: usize = 1000;
@@ -73,7 +72,7 @@ pub(crate) const STEPS: [&str; 6] = [
     "floor mmap+touch",
 ];
 /// The rows that are sums of two steps: the transition, and its floor
-/// ([`crate::page_floor`]), which the transition is compared with.
+/// ([`crate::peers::page_floor`]), which the transition is compared with.
 const SUMS: [(&str, usize, usize); 2] = [("suspend+resume", 1, 2), (FLOOR, 4, 5)];
 const FLOOR: &str = "floor suspend+resume";
 const TRANSITION_TABLE: &str = "suspend/resume";

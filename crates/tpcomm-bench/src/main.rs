@@ -48,16 +48,14 @@ mod allreduce;
 mod charts;
 mod checkpoint;
 mod compare;
+mod data;
 mod engine;
 mod gpu;
-mod handoff_floor;
 mod ipc;
 mod lifecycle;
-mod mpi_peer;
 mod objects;
-mod page_floor;
-mod payload;
 mod peer_check;
+mod peers;
 mod queue;
 mod transport;
 
@@ -185,10 +183,10 @@ mod tests {
     use clap::{CommandFactory, Parser, ValueEnum};
 
     use super::Cli;
+    use crate::data::collective::TransportOp;
     use crate::engine::launch::Transport;
     use crate::engine::row::Row;
     use crate::lifecycle::STEPS;
-    use crate::transport::TransportOp;
 
     #[test]
     fn cli_definition_is_consistent() {

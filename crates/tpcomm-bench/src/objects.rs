@@ -32,6 +32,9 @@ use tpcomm::transport::backend::copy::SMALL;
 use tpcomm::transport::dense_displacements;
 use tpcomm::Communicator;
 
+use crate::data::payload::{
+    fingerprint, parse_payload, BlobShape, Payload, RecordsShape, Shape, StepShape,
+};
 use crate::engine::error::BenchError;
 use crate::engine::launch::{self, Bench, RunArgs};
 use crate::engine::row::{link_peers, Row};
@@ -40,10 +43,7 @@ use crate::engine::sweep::format_bytes;
 use crate::engine::table::{col, Column};
 use crate::engine::targets::{floor_bound, within, RatioLine, Target};
 use crate::engine::timing::{elapsed_ns, slowest, time_once, Spec};
-use crate::payload::{
-    fingerprint, mpi4py_peer, parse_payload, BlobShape, Mpi4pyRun, Payload, RecordsShape, Shape,
-    StepShape, MPI4PY,
-};
+use crate::peers::mpi4py::{mpi4py_peer, Mpi4pyRun, MPI4PY};
 
 /// The default payloads: a small and a large blob, few and many records.
 const DEFAULT_PAYLOADS: &str = "blob:64,blob:65536,blob:16MiB,records:1000,records:100000";

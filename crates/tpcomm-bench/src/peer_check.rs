@@ -1,8 +1,8 @@
 //! `tpcomm-bench peer-check`: checks the MPI peer of the other subcommands (the plain MPI
-//! call from Rust through rsmpi's bindings of MPI's C API, [`crate::mpi_peer`]) against the
+//! call from Rust through rsmpi's bindings of MPI's C API, [`crate::peers::mpi_world`]) against the
 //! same call made from C.
 //!
-//! `src/peer_loop.c` is one iteration of a C benchmark loop (a barrier, one MPI call timed
+//! `src/peers/peer_loop.c` is one iteration of a C benchmark loop (a barrier, one MPI call timed
 //! with `CLOCK_MONOTONIC`); each rank compiles it with `mpicc` into a shared library and
 //! loads it. The harness then runs three variants on the same buffers, iterations
 //! interleaved, at every size of the sweep: `rsmpi`, the peer as `transport` and `allreduce`
@@ -16,6 +16,7 @@ use clap::Args;
 use serde::Serialize;
 use tpcomm::Communicator;
 
+use crate::data::collective::{Case, TransportOp};
 use crate::engine::error::BenchError;
 use crate::engine::launch::{self, Bench, RunArgs, Transport};
 use crate::engine::session::Session;
@@ -23,8 +24,8 @@ use crate::engine::sweep::SweepArgs;
 use crate::engine::table::{col, Column};
 use crate::engine::targets::{within, RatioLine, Target};
 use crate::engine::timing::{elapsed_ns, time_once, Spec};
-use crate::mpi_peer::{CLoop, MpiWorld};
-use crate::transport::{Case, TransportOp};
+use crate::peers::c_loop::CLoop;
+use crate::peers::mpi_world::MpiWorld;
 
 /// The calls checked: the transport operation whose peer is the call, the C loop's op code.
 const CALLS: [(TransportOp, i32); 3] = [
@@ -82,27 +83,6 @@ pub(crate) fn run(args: &PeerCheckArgs) -> Result<(), BenchError> {
     })
 }
 
-impl PeerCheck<'_> {
-    /// One iteration of the C loop on `case`'s buffers: with `timed`, barrier and clock in C
-    /// (its nanoseconds on this rank), otherwise the call alone (0).
-    fn c_iteration(&self, op: i32, case: &mut Case, timed: bool) -> Result<u64, BenchError> {
-        let [counts, displs] = &case.mpi_counts;
-        let (send, recv) = match case.op {
-            TransportOp::AllReduce => (
-                (case.send_f32.as_ptr().cast(), case.send_f32.len()),
-                case.recv_f32.as_mut_ptr().cast(),
-            ),
-            _ => (
-                (case.send.as_ptr().cast(), case.send.len()),
-                case.recv.as_mut_ptr().cast(),
-            ),
-        };
-        // SAFETY: the buffers are the case's, as large as the counts say (`Case::new`), and
-        // every rank makes the same call.
-        unsafe { self.c_loop.call(op, send, recv, [counts, displs], timed) }
-    }
-}
-
 /// The target: `rsmpi` within `tol` percent of the C loop, either way, at every size.
 fn targets(tol: f64) -> Vec<Target> {
     vec![Target {
@@ -143,7 +123,7 @@ impl Bench for PeerCheck<'_> {
              bindings on MPI_COMM_WORLD, warm buffers): MPI_Barrier, then Instant around the \
              call"
                 .into(),
-            "C loop: one iteration of a C loop (src/peer_loop.c built with mpicc -O2: \
+            "C loop: one iteration of a C loop (src/peers/peer_loop.c built with mpicc -O2: \
              MPI_Barrier, then the call timed with CLOCK_MONOTONIC) on the same buffers"
                 .into(),
             "C call: the same C call after the harness's barrier (tpcomm's), then Instant \
@@ -180,15 +160,15 @@ impl Bench for PeerCheck<'_> {
                     if v == 0 {
                         mpi.run(case, false)?;
                     } else {
-                        self.c_iteration(code, case, v == 1)?;
+                        self.c_loop.run_case(code, case, v == 1)?;
                     }
                     Ok(case.check(salt ^ v as u64))
                 })?;
                 let rows = s.measure(comm, &spec, &mut case, |case, v| match v {
                     0 => mpi.run(case, true),
-                    1 => self.c_iteration(code, case, true),
+                    1 => self.c_loop.run_case(code, case, true),
                     _ => time_once(comm, |start| {
-                        self.c_iteration(code, case, false)?;
+                        self.c_loop.run_case(code, case, false)?;
                         Ok(elapsed_ns(start))
                     }),
                 })?;

@@ -38,6 +38,9 @@ use tpcomm::queue::{BroadcastQueue, QueueConfig};
 use tpcomm::transport::backend::copy::copy_slice;
 use tpcomm::Communicator;
 
+use crate::data::payload::{
+    fingerprint, parse_payload, BlobShape, Payload, RecordsShape, Shape, StepShape,
+};
 use crate::engine::error::BenchError;
 use crate::engine::launch::{self, Bench, RunArgs};
 use crate::engine::row::{link_peers, Row};
@@ -46,11 +49,8 @@ use crate::engine::sweep::{format_bytes, parse_bytes};
 use crate::engine::table::{col, Column};
 use crate::engine::targets::{floor_bound, within, Target};
 use crate::engine::timing::{elapsed_ns, slowest, time_once, Spec};
-use crate::handoff_floor::HandoffFloor;
-use crate::payload::{
-    fingerprint, mpi4py_peer, parse_payload, BlobShape, Mpi4pyRun, Payload, RecordsShape, Shape,
-    StepShape, MPI4PY,
-};
+use crate::peers::handoff_floor::HandoffFloor;
+use crate::peers::mpi4py::{mpi4py_peer, Mpi4pyRun, MPI4PY};
 
 /// The default payloads: bytes and scheduler steps of about 64 B, 4 KiB, 64 KiB, 1 MiB and
 /// 8 MiB.

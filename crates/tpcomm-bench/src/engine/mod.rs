@@ -6,15 +6,19 @@
 //!   what a measuring subcommand declares;
 //! - [`session`]: one rank's run: verification, timing, printing, the report at the end;
 //! - [`timing`]: the interleaved timing loop and the declared case ([`timing::Spec`]);
+//! - [`lineup`]: ranks lined up by a spinning all-reduce before a timed iteration;
 //! - [`verify`]: wrong data agreed across ranks;
 //! - [`row`]: the one row type of every table and of the JSON report;
 //! - [`targets`]: targets, their judges and verdicts; [`summary`]: helpers of closing lines;
 //! - [`table`]: the printed tables and progress; [`report`]: the JSON report;
 //! - [`placement`]: where the ranks ran while a case was timed;
-//! - [`sweep`]: the size sweep and the iteration policy; [`error`]: the one error type.
+//! - [`sweep`]: the size sweep and the iteration policy; [`options`]: option values several
+//!   subcommands share; [`error`]: the one error type.
 
 pub(crate) mod error;
 pub(crate) mod launch;
+pub(crate) mod lineup;
+pub(crate) mod options;
 pub(crate) mod placement;
 pub(crate) mod report;
 pub(crate) mod row;

@@ -44,25 +44,19 @@ macro_rules! parse {
     }};
 }
 
-mod allreduce;
-mod charts;
-mod checkpoint;
-mod compare;
+mod commands;
 mod data;
 mod engine;
-mod gpu;
-mod ipc;
-mod lifecycle;
-mod objects;
-mod peer_check;
 mod peers;
-mod queue;
-mod transport;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use crate::commands::{
+    allreduce, checkpoint, compare, gpu, ipc, lifecycle, objects, peer_check, plot, queue,
+    transport,
+};
 use crate::engine::error::BenchError;
 
 /// nccl-tests-style benchmarks of tpcomm's collectives.
@@ -137,7 +131,7 @@ enum Command {
     PeerCheck(peer_check::PeerCheckArgs),
     /// Draws SVG charts of JSON reports: time and bus bandwidth against size, log axes, one
     /// line per variant and per peer.
-    Plot(charts::PlotArgs),
+    Plot(plot::PlotArgs),
 }
 
 fn main() -> ExitCode {
@@ -164,7 +158,7 @@ fn run(command: Command) -> Result<(), BenchError> {
         Command::Checkpoint(args) => checkpoint::run(&args),
         Command::Compare(args) => compare::run(&args),
         Command::PeerCheck(args) => peer_check::run(&args),
-        Command::Plot(args) => charts::run(&args),
+        Command::Plot(args) => plot::run(&args),
     }
 }
 
@@ -183,10 +177,10 @@ mod tests {
     use clap::{CommandFactory, Parser, ValueEnum};
 
     use super::Cli;
+    use crate::commands::lifecycle::STEPS;
     use crate::data::collective::TransportOp;
     use crate::engine::launch::Transport;
     use crate::engine::row::Row;
-    use crate::lifecycle::STEPS;
 
     #[test]
     fn cli_definition_is_consistent() {

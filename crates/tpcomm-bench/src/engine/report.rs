@@ -198,6 +198,61 @@ fn count_cpu_list(list: &str) -> Option<usize> {
     Some(n)
 }
 
+/// A report of one all_gather table: tpcomm at `tpcomm_ns` per size, rsmpi at 1 us.
+#[cfg(test)]
+pub(crate) fn sample(tpcomm_ns: u64) -> Report {
+    let mut rows = Vec::new();
+    for bytes in [8usize, 64, 512] {
+        for (variant, ns) in [("tpcomm", tpcomm_ns), ("rsmpi", 1000)] {
+            let row = Row::new(
+                "all_gather",
+                &bytes.to_string(),
+                variant,
+                bytes,
+                1,
+                vec![ns; 3],
+            );
+            rows.push(
+                row.unwrap()
+                    .bus(crate::engine::row::Bus::AllButOwnShare, 2)
+                    .with("type", "uint8"),
+            );
+        }
+    }
+    crate::engine::row::link_peers(&mut rows, |r| r.is("tpcomm").then(|| "rsmpi".into()));
+    Report {
+        schema_version: SCHEMA_VERSION,
+        tool: "tpcomm-bench".into(),
+        version: "0".into(),
+        subcommand: "transport".into(),
+        command_line: vec!["tpcomm-bench".into(), "transport".into()],
+        unix_time: 1,
+        machine: Machine::current(),
+        transport: "local".into(),
+        ranks: 2,
+        mpi_library: None,
+        settings: serde_json::json!({ "iters": 3 }),
+        rows,
+        summary: vec!["all_gather: avg busbw 0.1 GB/s".into()],
+        targets: vec![crate::engine::targets::Verdict {
+            target: "tpcomm within 1.10x of rsmpi".into(),
+            reason: "a wrapper should cost next to nothing".into(),
+            met: tpcomm_ns <= 1100,
+            detail: String::new(),
+            binding: false,
+            line: crate::engine::targets::RatioLine::new("rsmpi", 1.1),
+        }],
+    }
+}
+
+/// A folder of its own for test `name` in the temporary directory.
+#[cfg(test)]
+pub(crate) fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tpcomm-bench-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,5 +264,21 @@ mod tests {
         assert_eq!(count_cpu_list("0"), Some(1));
         assert_eq!(count_cpu_list("x"), None);
         assert_eq!(count_cpu_list("3-1"), None);
+    }
+
+    #[test]
+    fn a_report_written_reads_back_the_same_unless_its_schema_is_newer() {
+        let path = scratch("roundtrip").join("r.json");
+        let written = sample(1100);
+        write(&path, &written).unwrap();
+        let read = read(&path).unwrap();
+        assert_eq!(read, written);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("\"schema_version\": 1"), "{text}");
+        // A report of a newer schema is refused.
+        let mut newer = sample(1000);
+        newer.schema_version = SCHEMA_VERSION + 1;
+        write(&path, &newer).unwrap();
+        assert!(super::read(&path).is_err());
     }
 }

@@ -1046,6 +1046,7 @@ mod imp {
             config, cuda_error, options, teardown, verify_and_time, write_input, CudaAllReduce,
             Plan, Replayed,
         };
+        use crate::commands::gpu::GpuArgs;
         use crate::data::elements::input;
         use crate::engine::error::BenchError;
         use crate::engine::row::{Bus, Row};
@@ -1055,7 +1056,6 @@ mod imp {
         use crate::engine::table::{self, col, Column};
         use crate::engine::targets::Target;
         use crate::engine::timing::Spec;
-        use crate::gpu::GpuArgs;
 
         /// Today's path.
         pub(super) const PRIVATE: &str = "private";
@@ -1418,13 +1418,13 @@ mod imp {
         use tpcomm::TransportError;
 
         use super::{check_bytes, cuda_error, input_bytes, poison_bytes, Timer};
+        use crate::commands::gpu::GpuArgs;
         use crate::data::elements::expected;
         use crate::engine::error::BenchError;
         use crate::engine::row::Row;
         use crate::engine::session::Session;
         use crate::engine::sweep::format_bytes;
         use crate::engine::verify::agree;
-        use crate::gpu::GpuArgs;
 
         struct Buffers {
             memory: CudaMemory,

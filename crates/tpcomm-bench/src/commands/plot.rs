@@ -257,3 +257,37 @@ fn chart(
     root.present().map_err(|e| err(&e))?;
     Ok(true)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::report::{sample, scratch};
+
+    #[test]
+    fn plot_writes_a_time_and_a_bandwidth_chart_per_table() {
+        let dir = scratch("plot");
+        let files = plot_report(&sample(1100), &dir).unwrap();
+        let names: Vec<String> = files
+            .iter()
+            .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "transport-local2-all-gather-time.svg",
+                "transport-local2-all-gather-busbw.svg"
+            ]
+        );
+        let svg: Vec<String> = files
+            .iter()
+            .map(|f| std::fs::read_to_string(f).unwrap())
+            .collect();
+        for s in &svg {
+            assert!(s.starts_with("<svg") && s.contains("tpcomm") && s.contains("rsmpi"));
+        }
+        assert!(svg[0].contains("size (B)"));
+        // The ratio target on the time chart only.
+        assert!(svg[0].contains("target: 1.10x rsmpi"), "{}", svg[0]);
+        assert!(!svg[1].contains("target:"));
+    }
+}

@@ -138,83 +138,14 @@ pub(crate) fn run(args: &CompareArgs) -> Result<(), BenchError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::report::{Machine, SCHEMA_VERSION};
-    use crate::engine::row::Bus;
-
-    /// A report of one all_gather table: tpcomm at `tpcomm_ns` per size, rsmpi at 1 us.
-    pub(crate) fn report(tpcomm_ns: u64) -> Report {
-        let mut rows = Vec::new();
-        for bytes in [8usize, 64, 512] {
-            for (variant, ns) in [("tpcomm", tpcomm_ns), ("rsmpi", 1000)] {
-                let row = Row::new(
-                    "all_gather",
-                    &bytes.to_string(),
-                    variant,
-                    bytes,
-                    1,
-                    vec![ns; 3],
-                );
-                rows.push(
-                    row.unwrap()
-                        .bus(Bus::AllButOwnShare, 2)
-                        .with("type", "uint8"),
-                );
-            }
-        }
-        crate::engine::row::link_peers(&mut rows, |r| r.is("tpcomm").then(|| "rsmpi".into()));
-        Report {
-            schema_version: SCHEMA_VERSION,
-            tool: "tpcomm-bench".into(),
-            version: "0".into(),
-            subcommand: "transport".into(),
-            command_line: vec!["tpcomm-bench".into(), "transport".into()],
-            unix_time: 1,
-            machine: Machine::current(),
-            transport: "local".into(),
-            ranks: 2,
-            mpi_library: None,
-            settings: serde_json::json!({ "iters": 3 }),
-            rows,
-            summary: vec!["all_gather: avg busbw 0.1 GB/s".into()],
-            targets: vec![crate::engine::targets::Verdict {
-                target: "tpcomm within 1.10x of rsmpi".into(),
-                reason: "a wrapper should cost next to nothing".into(),
-                met: tpcomm_ns <= 1100,
-                detail: String::new(),
-                binding: false,
-                line: crate::engine::targets::RatioLine::new("rsmpi", 1.1),
-            }],
-        }
-    }
-
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("tpcomm-bench-{}-{name}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
-    #[test]
-    fn a_report_written_reads_back_the_same_unless_its_schema_is_newer() {
-        let path = scratch("roundtrip").join("r.json");
-        let written = report(1100);
-        report::write(&path, &written).unwrap();
-        let read = report::read(&path).unwrap();
-        assert_eq!(read, written);
-        let text = std::fs::read_to_string(&path).unwrap();
-        assert!(text.contains("\"schema_version\": 1"), "{text}");
-        // A report of a newer schema is refused.
-        let mut newer = report(1000);
-        newer.schema_version = SCHEMA_VERSION + 1;
-        report::write(&path, &newer).unwrap();
-        assert!(report::read(&path).is_err());
-    }
+    use crate::engine::report::{sample, scratch};
 
     #[test]
     fn compare_flags_rows_slower_than_the_threshold() {
         let dir = scratch("compare");
         let (old, new) = (dir.join("old.json"), dir.join("new.json"));
-        report::write(&old, &report(1000)).unwrap();
-        report::write(&new, &report(1200)).unwrap();
+        report::write(&old, &sample(1000)).unwrap();
+        report::write(&new, &sample(1200)).unwrap();
         let (changes, unmatched) =
             changes(&report::read(&old).unwrap(), &report::read(&new).unwrap());
         assert_eq!((changes.len(), unmatched), (6, 0));
@@ -232,33 +163,5 @@ mod tests {
         assert!(matches!(run(&args(10.0)), Err(BenchError::Regressions(3))));
         assert!(run(&args(25.0)).is_ok());
         assert_eq!(flag(0.8, 10.0), "faster");
-    }
-
-    #[test]
-    fn plot_writes_a_time_and_a_bandwidth_chart_per_table() {
-        let dir = scratch("plot");
-        let files = crate::charts::plot_report(&report(1100), &dir).unwrap();
-        let names: Vec<String> = files
-            .iter()
-            .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
-            .collect();
-        assert_eq!(
-            names,
-            [
-                "transport-local2-all-gather-time.svg",
-                "transport-local2-all-gather-busbw.svg"
-            ]
-        );
-        let svg: Vec<String> = files
-            .iter()
-            .map(|f| std::fs::read_to_string(f).unwrap())
-            .collect();
-        for s in &svg {
-            assert!(s.starts_with("<svg") && s.contains("tpcomm") && s.contains("rsmpi"));
-        }
-        assert!(svg[0].contains("size (B)"));
-        // The ratio target on the time chart only.
-        assert!(svg[0].contains("target: 1.10x rsmpi"), "{}", svg[0]);
-        assert!(!svg[1].contains("target:"));
     }
 }

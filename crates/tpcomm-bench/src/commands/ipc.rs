@@ -59,7 +59,7 @@ pub(crate) struct IpcArgs {
 
 const COLUMNS: [Column; 7] = [
     Column::new("regions", "(per rank)", 12, |r, _| r.case.clone()),
-    Column::new("mappings", "(per rank)", 11, |r, _| r.text("mappings")),
+    Column::fact("mappings", "(per rank)", 11, "mappings"),
     col::variant("op", 21),
     col::iters(),
     col::time::<3>("median", 12),

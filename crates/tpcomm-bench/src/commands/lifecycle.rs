@@ -105,7 +105,7 @@ const RATIO: Column = Column::new("ratio", "vs peer", 10, |r, _| {
 
 const TRANSITION_COLUMNS: [Column; 7] = [
     Column::new("graph", "buffers", 8, |r, _| r.case.clone()),
-    Column::new("mappings", "(per rank)", 11, |r, _| r.text("mappings")),
+    Column::fact("mappings", "(per rank)", 11, "mappings"),
     col::variant("op", 20),
     col::iters(),
     col::time::<2>("median", 11),
@@ -501,10 +501,7 @@ impl Bench for LifecycleArgs {
             &LATENCY_COLUMNS,
         );
         s.rows(&LATENCY_COLUMNS, latencies, |_| true);
-        if let Some(line) = first_replay_line(s.kept()) {
-            s.note("");
-            s.summary(line);
-        }
+        s.closing(first_replay_line(s.kept()).into_iter().collect());
         Ok(())
     }
 }

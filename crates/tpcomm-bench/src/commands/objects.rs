@@ -43,7 +43,7 @@ use crate::engine::sweep::format_bytes;
 use crate::engine::table::{col, Column};
 use crate::engine::targets::{floor_bound, within, RatioLine, Target};
 use crate::engine::timing::{elapsed_ns, slowest, time_once, Spec};
-use crate::peers::mpi4py::{mpi4py_peer, Mpi4pyRun, MPI4PY};
+use crate::peers::mpi4py::{faster_on_every_payload, Mpi4py, Mpi4pyRun, MPI4PY};
 
 /// The default payloads: a small and a large blob, few and many records.
 const DEFAULT_PAYLOADS: &str = "blob:64,blob:65536,blob:16MiB,records:1000,records:100000";
@@ -117,7 +117,7 @@ pub(crate) fn run(args: &ObjectsArgs) -> Result<(), BenchError> {
             format_bytes(1 << 30)
         )));
     }
-    let mpi4py = mpi4py_peer(
+    let mpi4py = Mpi4py::measure(
         "objects",
         "allgather",
         &args.run,
@@ -222,27 +222,7 @@ fn targets() -> Vec<Target> {
             why: "an engine moving its control plane from Python to Rust should never pay more \
                   for it, whatever the values",
             line: None,
-            judge: Box::new(|rows: &[Row]| {
-                let slower: Vec<String> = rows
-                    .iter()
-                    .filter(|r| r.variant.starts_with("tpcomm"))
-                    .filter_map(|r| {
-                        let py = rows.iter().find(|p| p.is(MPI4PY) && p.case == r.case)?;
-                        Some((r, py.stats.median_us / r.stats.median_us))
-                    })
-                    .filter(|(_, x)| *x <= 1.0)
-                    .map(|(r, x)| format!("{} {} {x:.2}x", r.case, r.variant))
-                    .collect();
-                let judged = rows.iter().any(|r| r.is(MPI4PY));
-                judged.then(|| {
-                    let detail = if slower.is_empty() {
-                        "every tpcomm row faster (mpi4py time / tpcomm time above 1)".to_string()
-                    } else {
-                        format!("not faster: {}", slower.join(", "))
-                    };
-                    (slower.is_empty(), detail)
-                })
-            }),
+            judge: faster_on_every_payload("tpcomm"),
         },
     ]
 }
@@ -385,23 +365,14 @@ fn bench_payload<C: Communicator, S: Shape>(
         Ok(gather_once::<C, S>(comm, chosen[k], &value, into, Some(&expected))?.1)
     })?;
     if let Some(py) = mpi4py {
-        let ours = fingerprint::<S>(&expected);
-        if py.fingerprint != ours {
-            return Err(BenchError::Usage(format!(
-                "the mpi4py peer's {payload} values differ from the bench's (fingerprint {} vs \
-                 {ours})",
-                py.fingerprint
-            )));
-        }
+        py.check(payload, "values differ", &fingerprint::<S>(&expected))?;
     }
     drop(expected);
     let mut rows = s.measure(comm, &spec, &mut into, |into, k| {
         Ok(gather_once::<C, S>(comm, chosen[k], &value, into, None)?.0)
     })?;
     if let Some(py) = mpi4py {
-        let case = payload.to_string();
-        let samples = py.samples_ns.clone();
-        let row = Row::new(TABLE, &case, MPI4PY, bytes_per_rank, py.warmup, samples);
+        let row = py.row(TABLE, payload, bytes_per_rank);
         rows.extend(row.map(|r| r.with("values_per_rank", values_per_rank)));
         link_peers(&mut rows, |r| {
             (floor && r.is(MPI4PY)).then(|| VARIANTS[FLOOR].into())
@@ -417,7 +388,7 @@ struct ObjectsBench<'a> {
     args: &'a ObjectsArgs,
     /// The mpi4py peer's runs, or why there are none.
     #[serde(skip)]
-    mpi4py: Result<Vec<Mpi4pyRun>, String>,
+    mpi4py: Mpi4py,
 }
 
 impl Bench for ObjectsBench<'_> {
@@ -447,13 +418,11 @@ impl Bench for ObjectsBench<'_> {
              postcard decode (owned), same communicator, buffers kept between calls"
                 .into(),
             "bytes/rank: postcard bytes of one rank's value (largest over ranks)".into(),
-            match &self.mpi4py {
-                Ok(_) => "mpi4py: comm.allgather of the same values as Python objects (bytes; \
-                          dicts), pickled, in its own mpirun job before this one, same \
-                          timing; data checked identical (fingerprint) and gathered correctly"
-                    .into(),
-                Err(why) => format!("mpi4py: {why}"),
-            },
+            self.mpi4py.describe(
+                "mpi4py: comm.allgather of the same values as Python objects (bytes; dicts), \
+                 pickled, in its own mpirun job before this one, same timing; data checked \
+                 identical (fingerprint) and gathered correctly",
+            ),
         ]
     }
 
@@ -472,11 +441,7 @@ impl Bench for ObjectsBench<'_> {
         variants.sort_unstable();
         variants.dedup();
         for &payload in &self.args.payloads {
-            let py = self
-                .mpi4py
-                .as_ref()
-                .ok()
-                .and_then(|runs| runs.iter().find(|r| r.payload == payload.to_string()));
+            let py = self.mpi4py.of(payload);
             let rows = match payload {
                 Payload::Blob(n) => {
                     bench_payload(s, comm, &BlobShape(n), payload, 1, &variants, py)?
@@ -490,11 +455,7 @@ impl Bench for ObjectsBench<'_> {
             };
             s.rows(&COLUMNS, rows, |_| true);
         }
-        let lines = mpi4py_lines(s.kept());
-        if !lines.is_empty() {
-            s.note("");
-            lines.into_iter().for_each(|l| s.summary(l));
-        }
+        s.closing(mpi4py_lines(s.kept()));
         Ok(())
     }
 }

@@ -50,7 +50,7 @@ use crate::engine::table::{col, Column};
 use crate::engine::targets::{floor_bound, within, Target};
 use crate::engine::timing::{elapsed_ns, slowest, time_once, Spec};
 use crate::peers::handoff_floor::HandoffFloor;
-use crate::peers::mpi4py::{mpi4py_peer, Mpi4pyRun, MPI4PY};
+use crate::peers::mpi4py::{faster_on_every_payload, Mpi4py, Mpi4pyRun, MPI4PY};
 
 /// The default payloads: bytes and scheduler steps of about 64 B, 4 KiB, 64 KiB, 1 MiB and
 /// 8 MiB.
@@ -118,7 +118,7 @@ pub(crate) fn run(args: &QueueArgs) -> Result<(), BenchError> {
     if args.payloads.is_empty() {
         return Err(BenchError::Usage("--payloads is empty".into()));
     }
-    let mpi4py = mpi4py_peer("queue", "bcast", &args.run, &args.payloads, args.no_mpi4py);
+    let mpi4py = Mpi4py::measure("queue", "bcast", &args.run, &args.payloads, args.no_mpi4py);
     launch::run(&QueueBench { args, mpi4py })
 }
 
@@ -182,27 +182,7 @@ fn targets() -> Vec<Target> {
             why: "Python engines send their step with pickle over a collective; a Rust engine \
                   must never pay more for it",
             line: None,
-            judge: Box::new(move |rows: &[Row]| {
-                let judged = rows.iter().any(|r| r.is(MPI4PY));
-                let slower: Vec<String> = rows
-                    .iter()
-                    .filter(|r| queue(r))
-                    .filter_map(|r| {
-                        let py = rows.iter().find(|p| p.is(MPI4PY) && p.case == r.case)?;
-                        Some((r, py.stats.median_us / r.stats.median_us))
-                    })
-                    .filter(|(_, x)| *x <= 1.0)
-                    .map(|(r, x)| format!("{} {} {x:.2}x", r.case, r.variant))
-                    .collect();
-                judged.then(|| {
-                    let detail = if slower.is_empty() {
-                        "every queue row faster (mpi4py time / queue time above 1)".to_string()
-                    } else {
-                        format!("not faster: {}", slower.join(", "))
-                    };
-                    (slower.is_empty(), detail)
-                })
-            }),
+            judge: faster_on_every_payload("queue"),
         },
     ]
 }
@@ -379,13 +359,7 @@ where
     let len = slowest(comm, &[bytes.len() as u64])?[0] as usize;
     if let Some(py) = mpi4py {
         let ours = fingerprint::<S>(std::slice::from_ref(&value));
-        if py.fingerprint != ours {
-            return Err(BenchError::Usage(format!(
-                "the mpi4py peer's {payload} value differs from the bench's (fingerprint {} vs \
-                 {ours})",
-                py.fingerprint
-            )));
-        }
+        py.check(payload, "value differs", &ours)?;
     }
     let spec = Spec {
         peer: Some(PEER),
@@ -408,9 +382,7 @@ where
     )?;
     st.handoff.close()?;
     if let Some(py) = mpi4py {
-        let case = payload.to_string();
-        let row = Row::new(TABLE, &case, MPI4PY, len, py.warmup, py.samples_ns.clone());
-        rows.extend(row);
+        rows.extend(py.row(TABLE, payload, len));
         link_peers(&mut rows, |r| r.is(MPI4PY).then(|| PEER.into()));
     }
     Ok(rows)
@@ -423,7 +395,7 @@ struct QueueBench<'a> {
     args: &'a QueueArgs,
     /// The mpi4py peer's runs, or why there are none.
     #[serde(skip)]
-    mpi4py: Result<Vec<Mpi4pyRun>, String>,
+    mpi4py: Mpi4py,
 }
 
 impl QueueBench<'_> {
@@ -481,13 +453,11 @@ impl Bench for QueueBench<'_> {
              decodes them (the queue's work without ring, checks or flow control)"
                 .into(),
             "bytes: postcard bytes of the value".into(),
-            match &self.mpi4py {
-                Ok(_) => "mpi4py: comm.bcast from rank 0 of the same value as a Python object \
-                          (bytes; a dict of lists of dicts), pickled, in its own mpirun job before \
-                          this one, same timing; data checked identical (fingerprint)"
-                    .into(),
-                Err(why) => format!("mpi4py: {why}"),
-            },
+            self.mpi4py.describe(
+                "mpi4py: comm.bcast from rank 0 of the same value as a Python object (bytes; a \
+                 dict of lists of dicts), pickled, in its own mpirun job before this one, same \
+                 timing; data checked identical (fingerprint)",
+            ),
         ]
     }
 
@@ -510,11 +480,7 @@ impl Bench for QueueBench<'_> {
             ));
         }
         for &payload in &self.args.payloads {
-            let py = self
-                .mpi4py
-                .as_ref()
-                .ok()
-                .and_then(|runs| runs.iter().find(|r| r.payload == payload.to_string()));
+            let py = self.mpi4py.of(payload);
             let q = &mut queue;
             let rows = match payload {
                 Payload::Blob(n) => bench_payload(s, comm, q, &BlobShape(n), payload, py)?,
@@ -524,11 +490,7 @@ impl Bench for QueueBench<'_> {
             s.rows(&COLUMNS, rows, |_| true);
         }
         queue.close_with(comm)?;
-        let lines = summary_lines(s.kept());
-        if !lines.is_empty() {
-            s.note("");
-            lines.into_iter().for_each(|l| s.summary(l));
-        }
+        s.closing(summary_lines(s.kept()));
         Ok(())
     }
 }

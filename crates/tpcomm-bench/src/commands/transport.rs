@@ -59,9 +59,9 @@ pub(crate) struct TransportArgs {
 pub(crate) fn columns(with_peer: bool) -> Vec<Column> {
     let mut c = vec![
         col::size(12),
-        Column::new("count", "(elements)", 12, |r, _| r.text("count")),
-        Column::new("type", "", 6, |r, _| r.text("type")),
-        Column::new("root", "", 5, |r, _| r.text("root")),
+        Column::fact("count", "(elements)", 12, "count"),
+        Column::fact("type", "", 6, "type"),
+        Column::fact("root", "", 5, "root"),
         col::iters(),
         col::time::<3>("time", 10),
         col::min::<3>(10),

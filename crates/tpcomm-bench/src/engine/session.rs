@@ -180,6 +180,14 @@ impl<'a> Session<'a> {
         }
     }
 
+    /// Prints a blank line, then `lines` as summary lines, when there are any (rank 0).
+    pub(crate) fn closing(&mut self, lines: Vec<String>) {
+        if !lines.is_empty() {
+            self.note("");
+            lines.into_iter().for_each(|l| self.summary(l));
+        }
+    }
+
     /// Keeps rows for the report without printing them (rank 0).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn keep(&mut self, rows: Vec<Row>) {

@@ -21,10 +21,20 @@ pub(crate) struct Column {
     pub(crate) name: &'static str,
     pub(crate) unit: &'static str,
     pub(crate) width: usize,
-    pub(crate) cell: Cell,
+    content: Content,
+}
+
+/// What a column's cells show.
+#[derive(Debug, Clone, Copy)]
+enum Content {
+    /// What a function makes of the row and the row of its peer.
+    Cell(Cell),
+    /// The row's `info` fact of this key, as text (`-` when absent).
+    Fact(&'static str),
 }
 
 impl Column {
+    /// A column whose cells `cell` formats.
     pub(crate) const fn new(
         name: &'static str,
         unit: &'static str,
@@ -35,7 +45,30 @@ impl Column {
             name,
             unit,
             width,
-            cell,
+            content: Content::Cell(cell),
+        }
+    }
+
+    /// A column of the rows' `info` fact `key`, as text (`-` when absent).
+    pub(crate) const fn fact(
+        name: &'static str,
+        unit: &'static str,
+        width: usize,
+        key: &'static str,
+    ) -> Self {
+        Self {
+            name,
+            unit,
+            width,
+            content: Content::Fact(key),
+        }
+    }
+
+    /// The cell of `row`, next to `peer`, the row of its peer.
+    fn cell(&self, row: &Row, peer: Option<&Row>) -> String {
+        match self.content {
+            Content::Cell(cell) => cell(row, peer),
+            Content::Fact(key) => row.text(key),
         }
     }
 }
@@ -115,7 +148,7 @@ pub(crate) fn header(title: &str, columns: &[Column]) -> [String; 4] {
 
 /// One row's line.
 pub(crate) fn row_line(columns: &[Column], row: &Row, peer: Option<&Row>) -> String {
-    let cells: Vec<String> = columns.iter().map(|c| (c.cell)(row, peer)).collect();
+    let cells: Vec<String> = columns.iter().map(|c| c.cell(row, peer)).collect();
     line(columns, &cells, false)
 }
 

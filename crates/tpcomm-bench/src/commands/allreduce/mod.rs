@@ -250,8 +250,8 @@ impl Serialize for Variant {
 fn columns(with_mpi: bool) -> Vec<Column> {
     let mut c = vec![
         col::size(10),
-        Column::new("count", "(elements)", 10, |r, _| r.text("count")),
-        Column::new("type", "", 5, |r, _| r.text("type")),
+        Column::fact("count", "(elements)", 10, "count"),
+        Column::fact("type", "", 5, "type"),
         Column::new("algorithm", "", 15, |r, _| match r.text("algorithm") {
             a if a != r.variant && a != "-" => format!("{} ({a})", r.variant),
             _ => r.variant.clone(),

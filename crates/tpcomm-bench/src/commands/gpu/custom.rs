@@ -33,12 +33,12 @@ fn f2(x: Option<f64>) -> String {
 }
 
 pub(super) const COLUMNS: [Column; 14] = [
-    Column::new("ranks", "", 5, |r, _| r.text("ranks")),
-    Column::new("type", "", 5, |r, _| r.text("type")),
-    Column::new("mem", "", 6, |r, _| r.text("memory")),
+    Column::fact("ranks", "", 5, "ranks"),
+    Column::fact("type", "", 5, "type"),
+    Column::fact("mem", "", 6, "memory"),
     col::size(9),
     col::variant("alg", 6),
-    Column::new("blk", "", 4, |r, _| r.text("blocks")),
+    Column::fact("blk", "", 4, "blocks"),
     Column::new("iters", "", 5, |r, _| r.iters.to_string()),
     col::time::<2>("time", 9),
     col::min::<2>(9),

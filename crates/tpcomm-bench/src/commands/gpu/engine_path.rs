@@ -51,11 +51,11 @@ pub(super) const STAGED: &str = "caller+stage";
 const ROUNDS: usize = 3;
 
 pub(super) const COLUMNS: [Column; 10] = [
-    Column::new("ranks", "", 5, |r, _| r.text("ranks")),
-    Column::new("type", "", 5, |r, _| r.text("type")),
+    Column::fact("ranks", "", 5, "ranks"),
+    Column::fact("type", "", 5, "type"),
     col::size(9),
     col::variant("path", 12),
-    Column::new("alg", "", 6, |r, _| r.text("algorithm")),
+    Column::fact("alg", "", 6, "algorithm"),
     Column::new("iters", "", 5, |r, _| r.iters.to_string()),
     col::time::<2>("time", 9),
     col::min::<2>(9),

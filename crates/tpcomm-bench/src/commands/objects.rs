@@ -43,7 +43,7 @@ use crate::engine::sweep::format_bytes;
 use crate::engine::table::{col, Column};
 use crate::engine::targets::{floor_bound, within, RatioLine, Target};
 use crate::engine::timing::{elapsed_ns, slowest, time_once, Spec};
-use crate::peers::mpi4py::{faster_on_every_payload, Mpi4py, Mpi4pyRun, MPI4PY};
+use crate::peers::mpi4py::{faster_on_every_payload, Mpi4py, Mpi4pyRun, WithMpi4py, MPI4PY};
 
 /// The default payloads: a small and a large blob, few and many records.
 const DEFAULT_PAYLOADS: &str = "blob:64,blob:65536,blob:16MiB,records:1000,records:100000";
@@ -124,7 +124,7 @@ pub(crate) fn run(args: &ObjectsArgs) -> Result<(), BenchError> {
         &args.payloads,
         args.no_mpi4py,
     );
-    launch::run(&ObjectsBench { args, mpi4py })
+    launch::run(&WithMpi4py { args, mpi4py })
 }
 
 const COLUMNS: [Column; 7] = [
@@ -382,16 +382,7 @@ fn bench_payload<C: Communicator, S: Shape>(
 }
 
 /// `objects` with the mpi4py peer's figures, measured before the ranks start.
-#[derive(Serialize)]
-struct ObjectsBench<'a> {
-    #[serde(flatten)]
-    args: &'a ObjectsArgs,
-    /// The mpi4py peer's runs, or why there are none.
-    #[serde(skip)]
-    mpi4py: Mpi4py,
-}
-
-impl Bench for ObjectsBench<'_> {
+impl Bench for WithMpi4py<'_, ObjectsArgs> {
     const NAME: &'static str = "objects";
     const MPI_TARGETS: bool = true;
     const STATED_FOR: &'static str = "2 MPI ranks (mpirun -np 2 ... --transport mpi)";

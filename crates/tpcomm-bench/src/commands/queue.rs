@@ -50,7 +50,7 @@ use crate::engine::table::{col, Column};
 use crate::engine::targets::{floor_bound, within, Target};
 use crate::engine::timing::{elapsed_ns, slowest, time_once, Spec};
 use crate::peers::handoff_floor::HandoffFloor;
-use crate::peers::mpi4py::{faster_on_every_payload, Mpi4py, Mpi4pyRun, MPI4PY};
+use crate::peers::mpi4py::{faster_on_every_payload, Mpi4py, Mpi4pyRun, WithMpi4py, MPI4PY};
 
 /// The default payloads: bytes and scheduler steps of about 64 B, 4 KiB, 64 KiB, 1 MiB and
 /// 8 MiB.
@@ -119,7 +119,7 @@ pub(crate) fn run(args: &QueueArgs) -> Result<(), BenchError> {
         return Err(BenchError::Usage("--payloads is empty".into()));
     }
     let mpi4py = Mpi4py::measure("queue", "bcast", &args.run, &args.payloads, args.no_mpi4py);
-    launch::run(&QueueBench { args, mpi4py })
+    launch::run(&WithMpi4py { args, mpi4py })
 }
 
 const COLUMNS: [Column; 7] = [
@@ -388,17 +388,7 @@ where
     Ok(rows)
 }
 
-/// `queue` with the mpi4py peer's figures, measured before the ranks start.
-#[derive(Serialize)]
-struct QueueBench<'a> {
-    #[serde(flatten)]
-    args: &'a QueueArgs,
-    /// The mpi4py peer's runs, or why there are none.
-    #[serde(skip)]
-    mpi4py: Mpi4py,
-}
-
-impl QueueBench<'_> {
+impl WithMpi4py<'_, QueueArgs> {
     fn config(&self) -> QueueConfig {
         let default = QueueConfig::default();
         QueueConfig {
@@ -409,7 +399,8 @@ impl QueueBench<'_> {
     }
 }
 
-impl Bench for QueueBench<'_> {
+/// `queue` with the mpi4py peer's figures, measured before the ranks start.
+impl Bench for WithMpi4py<'_, QueueArgs> {
     const NAME: &'static str = "queue";
     const MPI_TARGETS: bool = true;
     const STATED_FOR: &'static str = "2 MPI ranks (mpirun -np 2 ... --transport mpi)";

@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::data::payload::Payload;
 use crate::engine::error::BenchError;
@@ -91,6 +91,18 @@ impl Mpi4py {
             Err(why) => format!("mpi4py: {why}"),
         }
     }
+}
+
+/// A subcommand's options with the mpi4py peer's figures, measured before its ranks start:
+/// what `objects` and `queue` run as their [`Bench`](crate::engine::launch::Bench).
+#[derive(Serialize)]
+pub(crate) struct WithMpi4py<'a, A> {
+    /// The options (the JSON report's settings).
+    #[serde(flatten)]
+    pub(crate) args: &'a A,
+    /// The mpi4py peer's runs, or why there are none.
+    #[serde(skip)]
+    pub(crate) mpi4py: Mpi4py,
 }
 
 /// The judge of "every row whose variant starts with `prefix` faster than mpi4py on its

@@ -1,10 +1,10 @@
 //! `tpcomm-bench peer-check`: checks the MPI peer of the other subcommands (the plain MPI
-//! call from Rust through rsmpi's bindings of MPI's C API, [`crate::peers::mpi_world`]) against the
-//! same call made from C.
+//! call from Rust through rsmpi's bindings of MPI's C API, [`crate::peers::mpi_world`])
+//! against the same call made from C.
 //!
-//! `src/peers/peer_loop.c` is one iteration of a C benchmark loop (a barrier, one MPI call timed
-//! with `CLOCK_MONOTONIC`); each rank compiles it with `mpicc` into a shared library and
-//! loads it. The harness then runs three variants on the same buffers, iterations
+//! `src/peers/peer_loop.c` is one iteration of a C benchmark loop (a barrier, one MPI call
+//! timed with `CLOCK_MONOTONIC`); each rank compiles it with `mpicc` into a shared library
+//! and loads it. The harness then runs three variants on the same buffers, iterations
 //! interleaved, at every size of the sweep: `rsmpi`, the peer as `transport` and `allreduce`
 //! time it (an `MPI_Barrier`, then `Instant` around the call); `C loop`, the C iteration
 //! timing itself; and `C call`, the same C call after the harness's own barrier (tpcomm's,

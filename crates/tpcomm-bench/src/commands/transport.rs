@@ -150,16 +150,19 @@ impl Bench for TransportArgs {
                 s.verify(comm, &spec, &mut case, |case, path| {
                     let salt = salt ^ ((path as u64) << 63);
                     case.fill(salt);
-                    case.run(comm, mpi.as_ref(), path)?;
+                    match (path, &mpi) {
+                        (1, Some(mpi)) => mpi.run(case, false)?,
+                        _ => case.run(comm)?,
+                    };
                     Ok(case.check(salt))
                 })?;
                 let rows = s.measure(comm, &spec, &mut case, |case, path| match &mpi {
                     Some(mpi) if path == 1 => mpi.run(case, true),
                     Some(mpi) => {
                         mpi.barrier()?;
-                        case.run(comm, None, path)
+                        case.run(comm)
                     }
-                    None => time_once(comm, |_| case.run(comm, None, path)),
+                    None => time_once(comm, |_| case.run(comm)),
                 })?;
                 s.rows(&columns, rows, |r| r.is("tpcomm"));
             }

@@ -15,7 +15,6 @@ use crate::data::pattern::pattern;
 use crate::engine::error::BenchError;
 use crate::engine::row::Bus;
 use crate::engine::timing::elapsed_ns;
-use crate::peers::mpi_world::MpiWorld;
 
 /// Root of broadcast and gather.
 pub(crate) const ROOT: usize = 0;
@@ -187,18 +186,10 @@ impl Case {
         }
     }
 
-    /// Runs the operation once: through tpcomm (`path` 0) or as the plain MPI call (1,
-    /// untimed: [`MpiWorld::run`](crate::peers::mpi_world::MpiWorld::run) times it as a C loop does); the call's nanoseconds, the
-    /// clock started right before it.
-    pub(crate) fn run<C: Communicator>(
-        &mut self,
-        comm: &C,
-        mpi: Option<&MpiWorld>,
-        path: usize,
-    ) -> Result<u64, BenchError> {
-        if let (1, Some(mpi)) = (path, mpi) {
-            return mpi.run(self, false);
-        }
+    /// Runs the operation once through tpcomm (the MPI peer runs the same case as the plain
+    /// MPI call: [`MpiWorld::run`](crate::peers::mpi_world::MpiWorld::run)); the call's
+    /// nanoseconds, the clock started right before it.
+    pub(crate) fn run<C: Communicator>(&mut self, comm: &C) -> Result<u64, BenchError> {
         let start = Instant::now();
         match self.op {
             TransportOp::AllGather => comm.all_gather(&self.send, &mut self.recv)?,

@@ -31,9 +31,9 @@ pub(crate) enum StagedFloor {
     TwoStage = 2,
 }
 
-/// The MPI calls of a C benchmark loop (`src/peers/peer_loop.c`), compiled with `mpicc -O2` into a
-/// shared library by this rank and loaded: the reference the in-run peer is checked against
-/// (`peer-check`, and the `C loop` row of `allreduce`).
+/// The MPI calls of a C benchmark loop (`src/peers/peer_loop.c`), compiled with `mpicc -O2`
+/// into a shared library by this rank and loaded: the reference the in-run peer is checked
+/// against (`peer-check`, and the `C loop` row of `allreduce`).
 pub(crate) struct CLoop {
     /// The library, kept loaded while `iteration` may be called.
     _library: libloading::Library,
@@ -131,8 +131,9 @@ impl CLoop {
         }
     }
 
-    /// One iteration of the C loop on a transport `case`'s buffers, the call `op`: with `timed`, barrier and clock in C
-    /// (its nanoseconds on this rank), otherwise the call alone (0).
+    /// One iteration of the C loop on a transport `case`'s buffers, the call `op`: with
+    /// `timed`, barrier and clock in C (its nanoseconds on this rank), otherwise the call
+    /// alone (0).
     pub(crate) fn run_case(
         &self,
         op: i32,

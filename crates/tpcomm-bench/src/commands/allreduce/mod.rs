@@ -24,9 +24,9 @@
 //!   inputs are registered: no copy). No algorithm can beat them on this machine, so they
 //!   bound the speedups the targets ask for;
 //! - `floor 1stage`, `floor 2stage` (f32, with the C loop): the same staged all-reduce
-//!   across cores, doing the least it must and nothing else, in C (`src/peers/staged_floor.c`):
-//!   copy in, flag barriers, sums (below 1 MiB with double buffers, so that no barrier
-//!   closes a call).
+//!   across cores, doing the least it must and nothing else, in C
+//!   (`src/peers/staged_floor.c`): copy in, flag barriers, sums (below 1 MiB with double
+//!   buffers, so that no barrier closes a call).
 //!   Unlike the floors above they move the data between cores and wait for peers, so they
 //!   bound what a staged eager all-reduce can gain over `MPI_Allreduce` here;
 //! - `MPI_Allreduce` (the peer; `--transport mpi`, f32 only): the plain MPI call
@@ -340,17 +340,17 @@ impl Bench for AllReduceArgs {
                     .into(),
             );
             lines.push(
-                "C loop: the same MPI_Allreduce from a C benchmark loop (src/peers/peer_loop.c built \
-                 with mpicc -O2: MPI_Barrier, then the call timed with CLOCK_MONOTONIC) on the \
-                 same buffers, where mpicc builds it: what the call costs a C program now"
+                "C loop: the same MPI_Allreduce from a C benchmark loop (src/peers/peer_loop.c \
+                 built with mpicc -O2: MPI_Barrier, then the call timed with CLOCK_MONOTONIC) on \
+                 the same buffers, where mpicc builds it: what the call costs a C program now"
                     .into(),
             );
             lines.push(
                 "floor 1stage / floor 2stage (f32, with the C loop): a staged all-reduce doing \
-                 only what it must, in C (src/peers/staged_floor.c, timed like the C loop): copy in, \
-                 flag barriers, sums between cores (below 1 MiB double buffers: no barrier closes \
-                 a call); the eager targets quote the faster of the two at each size as their \
-                 bound"
+                 only what it must, in C (src/peers/staged_floor.c, timed like the C loop): copy \
+                 in, flag barriers, sums between cores (below 1 MiB double buffers: no barrier \
+                 closes a call); the eager targets quote the faster of the two at each size as \
+                 their bound"
                     .into(),
             );
         }

@@ -187,8 +187,7 @@ impl Case {
     }
 
     /// Runs the operation once through tpcomm (the MPI peer runs the same case as the plain
-    /// MPI call: [`MpiWorld::run`](crate::peers::mpi_world::MpiWorld::run)); the call's
-    /// nanoseconds, the clock started right before it.
+    /// MPI call); the call's nanoseconds, the clock started right before it.
     pub(crate) fn run<C: Communicator>(&mut self, comm: &C) -> Result<u64, BenchError> {
         let start = Instant::now();
         match self.op {

@@ -5,7 +5,7 @@ use tpcomm::allreduce::Element;
 
 use crate::data::pattern::splitmix64;
 
-/// Evaluates `$body` with `$t` naming the Rust element type of the [`DType`] `$dtype`.
+/// Evaluates `$body` with `$t` naming the Rust element type of the [`DType`](tpcomm::allreduce::DType) `$dtype`.
 macro_rules! with_element {
     ($dtype:expr, $t:ident => $body:expr) => {
         match $dtype {

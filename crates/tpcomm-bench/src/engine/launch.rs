@@ -244,9 +244,6 @@ pub(crate) fn warn_if_under_mpirun() {
     }
 }
 
-/// Runs `f` on `ranks` local threads in a session that prints nothing (2 timed iterations
-/// after 1 warm-up); rank 0's result.
-
 /// Rank 0's output, or the most telling error of any rank: one that is not just "the group
 /// was aborted by someone else".
 pub(crate) fn first_rank_output<T>(

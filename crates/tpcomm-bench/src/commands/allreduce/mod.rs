@@ -46,6 +46,8 @@
 //! dispatcher's thresholds, `dispatch::STAGED_ONE_STAGE_MAX_BYTES` for eager calls and
 //! `dispatch::ONE_STAGE_MAX_BYTES` for replays); under `mpirun`, the targets
 //! against `MPI_Allreduce` (2 ranks, f32).
+//!
+//! [`CustomAllReduce`]: tpcomm::allreduce::CustomAllReduce
 
 mod floor;
 mod runner;

@@ -1,3 +1,6 @@
+//! The unit tests of `allreduce`: its options, the floors, the closing lines and the targets,
+//! judged on rows made by hand.
+
 use super::floor::Floor;
 use super::runner::rewrite_in_place;
 use super::summary::{crossover, floor_line};

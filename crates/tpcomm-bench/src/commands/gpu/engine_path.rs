@@ -16,6 +16,9 @@
 //! rounds, rotating which runs first, `iters` replays each per round (each variant on its
 //! own stream, drained before the next starts). `caller` is compared with `private` (the
 //! target: within 2%), `caller+stage` with `caller` (the staging copy's cost).
+//!
+//! [`CudaBuffer`]: tpcomm::ipc::CudaBuffer
+//! [`CudaBuffer::view`]: tpcomm::ipc::CudaBuffer::view
 
 use std::sync::Arc;
 

@@ -21,9 +21,9 @@
 //! mpirun -np 2 tpcomm-bench peer-check --transport mpi   # the MPI peer against a C loop
 //! ```
 //!
-//! Every subcommand runs through one harness ([`harness`], [`launch::Session`]): cases
+//! Every subcommand runs through one engine ([`engine`], [`engine::session::Session`]): cases
 //! declared as data, one interleaved timing loop, verification agreed across ranks, one
-//! table printer, one JSON writer ([`report`]). Benchmarks are programs that print tables,
+//! table printer, one JSON writer ([`engine::report`]). Benchmarks are programs that print tables,
 //! never timed assertions inside tests: the figures depend on the machine.
 //!
 //! Logging goes to stderr through `tracing`, off unless `RUST_LOG` asks for it.
@@ -44,34 +44,20 @@ macro_rules! parse {
     }};
 }
 
-mod allreduce;
-mod charts;
-mod checkpoint;
-mod compare;
-mod error;
-mod gpu;
-mod handoff_floor;
-mod harness;
-mod ipc;
-mod launch;
-mod lifecycle;
-mod mpi_peer;
-mod objects;
-mod page_floor;
-mod payload;
-mod peer_check;
-mod placement;
-mod queue;
-mod report;
-mod sweep;
-mod table;
-mod transport;
+mod commands;
+mod data;
+mod engine;
+mod peers;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::error::BenchError;
+use crate::commands::{
+    allreduce, checkpoint, compare, gpu, ipc, lifecycle, objects, peer_check, plot, queue,
+    transport,
+};
+use crate::engine::error::BenchError;
 
 /// nccl-tests-style benchmarks of tpcomm's collectives.
 #[derive(Debug, Parser)]
@@ -145,7 +131,7 @@ enum Command {
     PeerCheck(peer_check::PeerCheckArgs),
     /// Draws SVG charts of JSON reports: time and bus bandwidth against size, log axes, one
     /// line per variant and per peer.
-    Plot(charts::PlotArgs),
+    Plot(plot::PlotArgs),
 }
 
 fn main() -> ExitCode {
@@ -153,7 +139,7 @@ fn main() -> ExitCode {
     match run(Cli::parse().command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tpcomm-bench: error: {}", error::chain(&e));
+            eprintln!("tpcomm-bench: error: {}", engine::error::chain(&e));
             ExitCode::FAILURE
         }
     }
@@ -162,17 +148,17 @@ fn main() -> ExitCode {
 /// Runs one subcommand.
 fn run(command: Command) -> Result<(), BenchError> {
     match command {
-        Command::Transport(args) => launch::run(&args),
+        Command::Transport(args) => engine::launch::run(&args),
         Command::Objects(args) => objects::run(&args),
         Command::Queue(args) => queue::run(&args),
-        Command::Ipc(args) => launch::run(&args),
-        Command::AllReduce(args) => launch::run(&args),
-        Command::Lifecycle(args) => launch::run(&args),
+        Command::Ipc(args) => engine::launch::run(&args),
+        Command::AllReduce(args) => engine::launch::run(&args),
+        Command::Lifecycle(args) => engine::launch::run(&args),
         Command::Gpu(args) => gpu::run(&args),
         Command::Checkpoint(args) => checkpoint::run(&args),
         Command::Compare(args) => compare::run(&args),
         Command::PeerCheck(args) => peer_check::run(&args),
-        Command::Plot(args) => charts::run(&args),
+        Command::Plot(args) => plot::run(&args),
     }
 }
 
@@ -191,10 +177,10 @@ mod tests {
     use clap::{CommandFactory, Parser, ValueEnum};
 
     use super::Cli;
-    use crate::harness::Row;
-    use crate::launch::Transport;
-    use crate::lifecycle::STEPS;
-    use crate::transport::TransportOp;
+    use crate::commands::lifecycle::STEPS;
+    use crate::data::collective::TransportOp;
+    use crate::engine::launch::Transport;
+    use crate::engine::row::Row;
 
     #[test]
     fn cli_definition_is_consistent() {
@@ -306,7 +292,7 @@ mod tests {
             let argv = [argv, &common, &[json.to_str().unwrap()]].concat();
             let command = Cli::try_parse_from([&["tpcomm-bench"], argv.as_slice()].concat());
             super::run(command.unwrap().command).unwrap();
-            let report = crate::report::read(&json).unwrap();
+            let report = crate::engine::report::read(&json).unwrap();
             let first = &report.rows[0];
             let case: Vec<&Row> = report
                 .rows

@@ -16,6 +16,11 @@ use crate::copy::to_vec;
 use crate::error::{Op, Result};
 use crate::reduce::narrow_half;
 
+/// The blocking path of a prepared call (see `args`): its MPI call on the caller's buffers.
+pub(super) trait Blocking {
+    fn blocking(self, mpi: &MpiCommunicator) -> Result<()>;
+}
+
 impl MpiCommunicator {
     pub(super) fn blocking_barrier(&self) -> Result<()> {
         let _guard = self.lock(Op::Barrier)?;
@@ -23,25 +28,29 @@ impl MpiCommunicator {
         let code = unsafe { ffi::MPI_Barrier(self.comm) };
         check(Op::Barrier, "MPI_Barrier", code)
     }
+}
 
-    pub(super) fn blocking_all_gather(&self, call: AllGatherCall<'_>) -> Result<()> {
+impl Blocking for AllGatherCall<'_> {
+    fn blocking(self, mpi: &MpiCommunicator) -> Result<()> {
         let op = Op::AllGather;
-        let count = call.count;
+        let count = self.count;
         let mut scratch = Scratch::default();
-        let send = send_ptr(call.send, &scratch.send);
-        let recv = recv_ptr(call.recv, &mut scratch.recv);
+        let send = send_ptr(self.send, &scratch.send);
+        let recv = recv_ptr(self.recv, &mut scratch.recv);
         let byte = byte_type();
-        let _guard = self.lock(op)?;
+        let _guard = mpi.lock(op)?;
         // SAFETY: `send` is valid for `count` bytes (this rank's slice, or scratch when
         // empty); `recv` is valid for writes of `size * count` bytes (checked by
         // `AllGatherArgs`), and is a distinct, non-overlapping allocation from `send`
         // (a `&[u8]` and a `&mut [u8]` cannot overlap; the scratch bytes are distinct).
-        // Both outlive the blocking call. `self.comm` is live.
-        let code = unsafe { ffi::MPI_Allgather(send, count, byte, recv, count, byte, self.comm) };
+        // Both outlive the blocking call. `mpi.comm` is live.
+        let code = unsafe { ffi::MPI_Allgather(send, count, byte, recv, count, byte, mpi.comm) };
         check(op, "MPI_Allgather", code)
     }
+}
 
-    pub(super) fn blocking_all_gather_varcount(&self, call: VarcountCall<'_>) -> Result<()> {
+impl Blocking for VarcountCall<'_> {
+    fn blocking(self, mpi: &MpiCommunicator) -> Result<()> {
         let op = Op::AllGatherVarcount;
         let VarcountCall {
             send,
@@ -49,16 +58,16 @@ impl MpiCommunicator {
             send_count,
             counts,
             displs,
-        } = call;
+        } = self;
         let mut scratch = Scratch::default();
         let send = send_ptr(send, &scratch.send);
         let recv = recv_ptr(recv, &mut scratch.recv);
         let byte = byte_type();
-        let _guard = self.lock(op)?;
+        let _guard = mpi.lock(op)?;
         // SAFETY: `VarcountArgs` guarantees one count and displacement per rank, each region
         // inside `recv` and non-overlapping, and `send.len() == counts[rank]`; `counts` and
         // `displs` hold `size` ints and outlive the call. `send` and `recv` point to
-        // distinct memory (scratch bytes when empty) valid for the call. `self.comm` is
+        // distinct memory (scratch bytes when empty) valid for the call. `mpi.comm` is
         // live.
         let code = unsafe {
             ffi::MPI_Allgatherv(
@@ -69,20 +78,22 @@ impl MpiCommunicator {
                 counts.as_ptr(),
                 displs.as_ptr(),
                 byte,
-                self.comm,
+                mpi.comm,
             )
         };
         check(op, "MPI_Allgatherv", code)
     }
+}
 
-    pub(super) fn blocking_gather_varcount(&self, call: GatherCall<'_>) -> Result<()> {
+impl Blocking for GatherCall<'_> {
+    fn blocking(self, mpi: &MpiCommunicator) -> Result<()> {
         let op = Op::GatherVarcount;
         let GatherCall {
             send,
             send_count,
             root,
             recv,
-        } = call;
+        } = self;
         let mut scratch = Scratch::default();
         let send = send_ptr(send, &scratch.send);
         // Receive arguments are significant at the root only; elsewhere MPI ignores them
@@ -96,59 +107,63 @@ impl MpiCommunicator {
             None => (ptr::null_mut(), ptr::null(), ptr::null()),
         };
         let byte = byte_type();
-        let _guard = self.lock(op)?;
+        let _guard = mpi.lock(op)?;
         // SAFETY: `send` is valid for `send_count` bytes. At the root, `GatherArgs`
         // guarantees a receive layout with one in-bounds, non-overlapping region per rank,
         // `counts_ptr`/`displs_ptr` point to `size` ints in `counts_table`/`displs_table`,
         // all outliving the call, and `recv` is distinct from `send`; at other ranks the
         // receive arguments are null, which MPI ignores there. `root` is in range
-        // (checked). `self.comm` is live.
+        // (checked). `mpi.comm` is live.
         let code = unsafe {
             ffi::MPI_Gatherv(
-                send, send_count, byte, recv, counts_ptr, displs_ptr, byte, root, self.comm,
+                send, send_count, byte, recv, counts_ptr, displs_ptr, byte, root, mpi.comm,
             )
         };
         check(op, "MPI_Gatherv", code)
     }
+}
 
-    pub(super) fn blocking_broadcast(&self, call: BroadcastCall<'_>) -> Result<()> {
+impl Blocking for BroadcastCall<'_> {
+    fn blocking(self, mpi: &MpiCommunicator) -> Result<()> {
         let op = Op::Broadcast;
-        let BroadcastCall { buf, root, count } = call;
+        let BroadcastCall { buf, root, count } = self;
         let mut scratch = Scratch::default();
         let buf = recv_ptr(buf, &mut scratch.recv);
         let byte = byte_type();
-        let _guard = self.lock(op)?;
+        let _guard = mpi.lock(op)?;
         // SAFETY: `buf` is valid for reads and writes of `count` bytes (the caller's
         // slice, or a scratch byte when `count == 0`) for the whole blocking call; `root`
-        // is in range (checked); `self.comm` is live.
-        let code = unsafe { ffi::MPI_Bcast(buf, count, byte, root, self.comm) };
+        // is in range (checked); `mpi.comm` is live.
+        let code = unsafe { ffi::MPI_Bcast(buf, count, byte, root, mpi.comm) };
         check(op, "MPI_Bcast", code)
     }
+}
 
-    /// `MPI_Allreduce` (see `raw_all_reduce`).
-    pub(super) fn blocking_all_reduce(&self, call: AllReduceCall<'_>) -> Result<()> {
+/// `MPI_Allreduce` (see `raw_all_reduce`).
+impl Blocking for AllReduceCall<'_> {
+    fn blocking(self, mpi: &MpiCommunicator) -> Result<()> {
         let op = Op::AllReduce;
-        let datatype = call.datatype();
-        let (count, dtype, mpi_op) = (call.count, call.dtype, call.op);
-        if let Some(wide) = &call.wide {
+        let datatype = self.datatype();
+        let (count, dtype, mpi_op) = (self.count, self.dtype, self.op);
+        if let Some(wide) = &self.wide {
             let mut out = vec![0f32; wide.len()];
             let mut scratch = Scratch::default();
             let send = send_ptr(bytemuck::cast_slice(wide), &scratch.send);
             let recv = recv_ptr(bytemuck::cast_slice_mut(&mut out), &mut scratch.recv);
             let float = float_type();
-            let guard = self.lock(op)?;
+            let guard = mpi.lock(op)?;
             // SAFETY: `send` and `recv` point to `count` f32 each (two distinct vectors, or
             // distinct scratch bytes when `count == 0`), properly aligned, alive for the
-            // blocking call; `float` is the predefined `MPI_FLOAT`; `self.comm` is live.
-            let code = unsafe { ffi::MPI_Allreduce(send, recv, count, float, mpi_op, self.comm) };
+            // blocking call; `float` is the predefined `MPI_FLOAT`; `mpi.comm` is live.
+            let code = unsafe { ffi::MPI_Allreduce(send, recv, count, float, mpi_op, mpi.comm) };
             // The error is looked up (MPI calls too) before the lock goes.
             let checked = check(op, "MPI_Allreduce", code);
             drop(guard);
             checked?;
-            narrow_half(dtype, bytemuck::cast_slice(&out), call.recv);
+            narrow_half(dtype, bytemuck::cast_slice(&out), self.recv);
             return Ok(());
         }
-        let (send, recv) = (call.send, call.recv);
+        let (send, recv) = (self.send, self.recv);
         let copied;
         let send = match send {
             Some(send) => send,
@@ -160,17 +175,19 @@ impl MpiCommunicator {
         let mut scratch = Scratch::default();
         let send = send_ptr(send, &scratch.send);
         let recv = recv_ptr(recv, &mut scratch.recv);
-        let _guard = self.lock(op)?;
+        let _guard = mpi.lock(op)?;
         // SAFETY: `AllReduceArgs` checked that send and receive hold the same `count`
         // elements of `dtype`, whose predefined MPI type `datatype` has the same size;
         // `send` and `recv` are distinct memory (the caller's two slices, a copy of the
         // input in place, or distinct scratch bytes when empty) alive for the blocking call.
-        // `self.comm` is live.
-        let code = unsafe { ffi::MPI_Allreduce(send, recv, count, datatype, mpi_op, self.comm) };
+        // `mpi.comm` is live.
+        let code = unsafe { ffi::MPI_Allreduce(send, recv, count, datatype, mpi_op, mpi.comm) };
         check(op, "MPI_Allreduce", code)
     }
+}
 
-    pub(super) fn blocking_all_to_all_varcount(&self, call: AllToAllCall<'_>) -> Result<()> {
+impl Blocking for AllToAllCall<'_> {
+    fn blocking(self, mpi: &MpiCommunicator) -> Result<()> {
         let op = Op::AllToAllVarcount;
         let AllToAllCall {
             send,
@@ -179,16 +196,16 @@ impl MpiCommunicator {
             send_displs,
             recv_counts,
             recv_displs,
-        } = call;
+        } = self;
         let mut scratch = Scratch::default();
         let send = send_ptr(send, &scratch.send);
         let recv = recv_ptr(recv, &mut scratch.recv);
         let byte = byte_type();
-        let _guard = self.lock(op)?;
+        let _guard = mpi.lock(op)?;
         // SAFETY: `AllToAllArgs` guarantees both layouts have `size` entries whose regions
         // lie inside their buffers, receive regions not overlapping; the four int tables
         // hold `size` entries and outlive the call. `send` and `recv` point to distinct
-        // memory (scratch bytes when empty) valid for the call. `self.comm` is live.
+        // memory (scratch bytes when empty) valid for the call. `mpi.comm` is live.
         let code = unsafe {
             ffi::MPI_Alltoallv(
                 send,
@@ -199,7 +216,7 @@ impl MpiCommunicator {
                 recv_counts.as_ptr(),
                 recv_displs.as_ptr(),
                 byte,
-                self.comm,
+                mpi.comm,
             )
         };
         check(op, "MPI_Alltoallv", code)

@@ -136,11 +136,13 @@ use crate::error::{ArgumentError, Op, Result, TransportError};
 use crate::process::ProcessIdentity;
 
 use args::IntTable;
+use blocking::Blocking;
 use conv::{check, comm_null};
 use process_state::{
     ensure_live, ensure_not_finalizing, finalized, lock_mpi, thread_multiple, watch_finalize,
     FINALIZING,
 };
+use timed::Timed;
 
 /// MPI-3 counts and displacements are `int`.
 const MAX_COUNT: usize = c_int::MAX as usize;
@@ -370,12 +372,7 @@ impl Communicator for MpiCommunicator {
     fn raw_all_gather(&self, mut args: AllGatherArgs<'_>) -> Result<()> {
         let timeout = self.begin(Op::AllGather, args.group())?;
         let call = self.all_gather_call(&mut args)?;
-        self.run(
-            timeout,
-            call,
-            Self::blocking_all_gather,
-            Self::timed_all_gather,
-        )
+        self.run(timeout, call)
     }
 
     fn raw_all_gather_varcount(&self, mut args: VarcountArgs<'_>) -> Result<()> {
@@ -389,35 +386,20 @@ impl Communicator for MpiCommunicator {
         }
         let mut tables = [IntTable::new(), IntTable::new()];
         let call = self.varcount_call(send, recv, counts, displs, &mut tables)?;
-        self.run(
-            timeout,
-            call,
-            Self::blocking_all_gather_varcount,
-            Self::timed_all_gather_varcount,
-        )
+        self.run(timeout, call)
     }
 
     fn raw_gather_varcount(&self, mut args: GatherArgs<'_>) -> Result<()> {
         let timeout = self.begin(Op::GatherVarcount, args.group())?;
         let mut tables = [IntTable::new(), IntTable::new()];
         let call = self.gather_call(&mut args, &mut tables)?;
-        self.run(
-            timeout,
-            call,
-            Self::blocking_gather_varcount,
-            Self::timed_gather_varcount,
-        )
+        self.run(timeout, call)
     }
 
     fn raw_broadcast(&self, mut args: BroadcastArgs<'_>) -> Result<()> {
         let timeout = self.begin(Op::Broadcast, args.group())?;
         let call = self.broadcast_call(&mut args)?;
-        self.run(
-            timeout,
-            call,
-            Self::blocking_broadcast,
-            Self::timed_broadcast,
-        )
+        self.run(timeout, call)
     }
 
     /// `MPI_Allreduce`. `f16` and `bf16` (which MPI has no type for) are widened to
@@ -427,12 +409,7 @@ impl Communicator for MpiCommunicator {
     fn raw_all_reduce(&self, mut args: AllReduceArgs<'_>) -> Result<()> {
         let timeout = self.begin(Op::AllReduce, args.group())?;
         let call = self.all_reduce_call(&mut args)?;
-        self.run(
-            timeout,
-            call,
-            Self::blocking_all_reduce,
-            Self::timed_all_reduce,
-        )
+        self.run(timeout, call)
     }
 
     fn raw_all_to_all_varcount(&self, mut args: AllToAllArgs<'_>) -> Result<()> {
@@ -444,12 +421,7 @@ impl Communicator for MpiCommunicator {
             IntTable::new(),
         ];
         let call = self.all_to_all_call(&mut args, &mut tables)?;
-        self.run(
-            timeout,
-            call,
-            Self::blocking_all_to_all_varcount,
-            Self::timed_all_to_all_varcount,
-        )
+        self.run(timeout, call)
     }
 }
 
@@ -463,16 +435,10 @@ impl MpiCommunicator {
     }
 
     /// Runs a prepared call on the blocking path, or on the timed one with `timeout`.
-    fn run<C>(
-        &self,
-        timeout: Option<Duration>,
-        call: C,
-        blocking: fn(&Self, C) -> Result<()>,
-        timed: fn(&Self, Duration, C) -> Result<()>,
-    ) -> Result<()> {
+    fn run<C: Blocking + Timed>(&self, timeout: Option<Duration>, call: C) -> Result<()> {
         match timeout {
-            None => blocking(self, call),
-            Some(timeout) => timed(self, timeout, call),
+            None => call.blocking(self),
+            Some(timeout) => call.timed(self, timeout),
         }
     }
 }

@@ -22,6 +22,12 @@ use crate::error::{Op, Result, TransportError};
 use crate::process::{Liveness, ProcessIdentity};
 use crate::reduce::narrow_half;
 
+/// The timed path of a prepared call (see `args`): its nonblocking variant on owned copies
+/// of the buffers and tables, polled until it completes or `timeout` passes.
+pub(super) trait Timed {
+    fn timed(self, mpi: &MpiCommunicator, timeout: Duration) -> Result<()>;
+}
+
 /// Collectives bounded by a timeout (see [`MpiCommunicator::with_timeout`]).
 ///
 /// MPI offers no blocking call with a deadline, and a blocked MPI call never returns when a
@@ -254,16 +260,14 @@ impl MpiCommunicator {
         })?;
         Ok(())
     }
+}
 
-    pub(super) fn timed_all_gather(
-        &self,
-        timeout: Duration,
-        call: AllGatherCall<'_>,
-    ) -> Result<()> {
+impl Timed for AllGatherCall<'_> {
+    fn timed(self, mpi: &MpiCommunicator, timeout: Duration) -> Result<()> {
         let op = Op::AllGather;
-        let AllGatherCall { send, recv, count } = call;
+        let AllGatherCall { send, recv, count } = self;
         let job = InFlight::new(op, to_vec(send), recv, Vec::new())?;
-        let job = self.run_timed(op, "MPI_Iallgather", timeout, job, |job, comm| {
+        let job = mpi.run_timed(op, "MPI_Iallgather", timeout, job, |job, comm| {
             let byte = byte_type();
             // SAFETY: `job.send` holds `count` bytes (at least one: never MPI_IN_PLACE's
             // address), `job.recv` holds `size * count` bytes (the checked receive length)
@@ -285,23 +289,21 @@ impl MpiCommunicator {
         job.copy_out(recv);
         Ok(())
     }
+}
 
-    pub(super) fn timed_all_gather_varcount(
-        &self,
-        timeout: Duration,
-        call: VarcountCall<'_>,
-    ) -> Result<()> {
+impl Timed for VarcountCall<'_> {
+    fn timed(self, mpi: &MpiCommunicator, timeout: Duration) -> Result<()> {
         let op = Op::AllGatherVarcount;
-        let tables = call.tables();
+        let tables = self.tables();
         let VarcountCall {
             send,
             recv,
             send_count,
             ..
-        } = call;
-        let size = self.size;
+        } = self;
+        let size = mpi.size;
         let job = InFlight::new(op, to_vec(send), recv, tables)?;
-        let job = self.run_timed(op, "MPI_Iallgatherv", timeout, job, |job, comm| {
+        let job = mpi.run_timed(op, "MPI_Iallgatherv", timeout, job, |job, comm| {
             let byte = byte_type();
             let (counts, displs) = job.ints.split_at(size);
             // SAFETY: `VarcountArgs` checked one count and displacement per rank, each region
@@ -326,27 +328,25 @@ impl MpiCommunicator {
         job.copy_out(recv);
         Ok(())
     }
+}
 
-    pub(super) fn timed_gather_varcount(
-        &self,
-        timeout: Duration,
-        call: GatherCall<'_>,
-    ) -> Result<()> {
+impl Timed for GatherCall<'_> {
+    fn timed(self, mpi: &MpiCommunicator, timeout: Duration) -> Result<()> {
         let op = Op::GatherVarcount;
         let GatherCall {
             send,
             send_count,
             root,
             recv: layout,
-        } = call;
+        } = self;
         let (recv_init, tables) = match &layout {
             Some(layout) => (&*layout.buf, layout.tables()),
             None => (&[][..], Vec::new()),
         };
         let at_root = layout.is_some();
-        let size = self.size;
+        let size = mpi.size;
         let job = InFlight::new(op, to_vec(send), recv_init, tables)?;
-        let job = self.run_timed(op, "MPI_Igatherv", timeout, job, |job, comm| {
+        let job = mpi.run_timed(op, "MPI_Igatherv", timeout, job, |job, comm| {
             let byte = byte_type();
             let (recv, counts, displs) = if at_root {
                 let (counts, displs) = job.ints.split_at(size);
@@ -383,12 +383,14 @@ impl MpiCommunicator {
         }
         Ok(())
     }
+}
 
-    pub(super) fn timed_broadcast(&self, timeout: Duration, call: BroadcastCall<'_>) -> Result<()> {
+impl Timed for BroadcastCall<'_> {
+    fn timed(self, mpi: &MpiCommunicator, timeout: Duration) -> Result<()> {
         let op = Op::Broadcast;
-        let BroadcastCall { buf, root, count } = call;
+        let BroadcastCall { buf, root, count } = self;
         let job = InFlight::new(op, Vec::new(), buf, Vec::new())?;
-        let job = self.run_timed(op, "MPI_Ibcast", timeout, job, |job, comm| {
+        let job = mpi.run_timed(op, "MPI_Ibcast", timeout, job, |job, comm| {
             // SAFETY: `job.recv` holds at least `count` bytes (a copy of the caller's
             // buffer), owned by `job` until the request completes or forever; `root` is in
             // range; `comm` is live.
@@ -406,21 +408,19 @@ impl MpiCommunicator {
         job.copy_out(buf);
         Ok(())
     }
+}
 
-    pub(super) fn timed_all_reduce(
-        &self,
-        timeout: Duration,
-        call: AllReduceCall<'_>,
-    ) -> Result<()> {
+impl Timed for AllReduceCall<'_> {
+    fn timed(self, mpi: &MpiCommunicator, timeout: Duration) -> Result<()> {
         let op = Op::AllReduce;
-        let (count, dtype, mpi_op, datatype) = (call.count, call.dtype, call.op, call.datatype());
-        let send = match &call.wide {
+        let (count, dtype, mpi_op, datatype) = (self.count, self.dtype, self.op, self.datatype());
+        let send = match &self.wide {
             Some(wide) => bytemuck::cast_slice::<f32, u8>(wide).to_vec(),
-            None => to_vec(call.input()),
+            None => to_vec(self.input()),
         };
         let recv_init = send.clone();
         let job = InFlight::new(op, send, &recv_init, Vec::new())?;
-        let job = self.run_timed(op, "MPI_Iallreduce", timeout, job, |job, comm| {
+        let job = mpi.run_timed(op, "MPI_Iallreduce", timeout, job, |job, comm| {
             // SAFETY: `job.send` and `job.recv` each hold `count` elements of `datatype`
             // (the input's bytes, widened to f32 for the half types; at least one byte, so
             // never MPI_IN_PLACE's address), distinct allocations owned by `job` until the
@@ -437,25 +437,23 @@ impl MpiCommunicator {
                 )
             }
         })?;
-        if call.wide.is_some() {
-            narrow_half(dtype, &job.recv.as_slice()[..recv_init.len()], call.recv);
+        if self.wide.is_some() {
+            narrow_half(dtype, &job.recv.as_slice()[..recv_init.len()], self.recv);
         } else {
-            job.copy_out(call.recv);
+            job.copy_out(self.recv);
         }
         Ok(())
     }
+}
 
-    pub(super) fn timed_all_to_all_varcount(
-        &self,
-        timeout: Duration,
-        call: AllToAllCall<'_>,
-    ) -> Result<()> {
+impl Timed for AllToAllCall<'_> {
+    fn timed(self, mpi: &MpiCommunicator, timeout: Duration) -> Result<()> {
         let op = Op::AllToAllVarcount;
-        let tables = call.tables();
-        let AllToAllCall { send, recv, .. } = call;
-        let size = self.size;
+        let tables = self.tables();
+        let AllToAllCall { send, recv, .. } = self;
+        let size = mpi.size;
         let job = InFlight::new(op, to_vec(send), recv, tables)?;
-        let job = self.run_timed(op, "MPI_Ialltoallv", timeout, job, |job, comm| {
+        let job = mpi.run_timed(op, "MPI_Ialltoallv", timeout, job, |job, comm| {
             let byte = byte_type();
             let t = &job.ints;
             let (sc, sd, rc, rd) = (

@@ -24,11 +24,15 @@
 pub mod backend;
 pub mod check;
 mod communicator;
+pub mod copy;
+#[cfg(feature = "cuda-driver")]
+pub mod cuda_driver;
 #[cfg(feature = "nccl")]
 pub mod device;
 mod error;
 pub mod process;
 pub mod reduce;
+pub mod spin;
 #[doc(hidden)]
 pub mod testing;
 

@@ -1,5 +1,6 @@
 //! Test support shared by the suites of every crate (not part of the API): the GPU skip
-//! rule, [`hooked::Hooked`] (a wrapper that counts or fails calls) and [`pair::Pair`] (two
+//! rule, the error-chain check ([`assert_each_level_says_its_own_thing`]),
+//! [`hooked::Hooked`] (a wrapper that counts or fails calls) and [`pair::Pair`] (two
 //! processes over a socket).
 //!
 //! A test that needs a GPU and finds none calls [`skip_without_gpu`]: under
@@ -8,6 +9,7 @@
 //! names a file, one line (the test's name and the reason) is appended to it, so that
 //! `cargo xtask test` counts the test as skipped rather than passed.
 
+use std::error::Error;
 use std::io::Write;
 
 pub mod hooked;
@@ -47,5 +49,20 @@ pub fn skip(why: &str) {
         if let Err(e) = written {
             panic!("{test}: cannot record the skip in {path:?}: {e}");
         }
+    }
+}
+
+/// Walks `err`'s chain of sources and asserts that no level's message contains the text of
+/// its source: each level describes itself, and its cause hangs off `source()` only (the
+/// workspace's rule for error chains, checked by the `error_chains` tests of every crate).
+pub fn assert_each_level_says_its_own_thing(err: &(dyn Error + 'static)) {
+    let mut level: &(dyn Error + 'static) = err;
+    while let Some(source) = level.source() {
+        let (outer, inner) = (level.to_string(), source.to_string());
+        assert!(
+            !outer.contains(&inner),
+            "{outer:?} repeats its source's text {inner:?}"
+        );
+        level = source;
     }
 }

@@ -2,6 +2,9 @@
 //! and out of place, against a reference written the slow obvious way; mismatched calls and
 //! bad arguments.
 
+mod common;
+
+use common::{assert_count_too_large, rank_zero};
 use half::{bf16, f16};
 use proptest::prelude::*;
 use tpcomm_transport::{
@@ -263,7 +266,7 @@ fn bytes_that_are_not_whole_elements_are_rejected_before_sending() {
         let mut recv = [0u8; 6];
         comm.all_reduce_bytes(None, &mut recv, DataType::F32, ReduceOp::Sum)
     });
-    match results.into_iter().next().unwrap().unwrap() {
+    match rank_zero(results) {
         Err(TransportError::InvalidArgument {
             op: Op::AllReduce,
             source:
@@ -285,7 +288,7 @@ fn send_and_receive_of_different_lengths_are_rejected() {
         let mut recv = [0f64; 2];
         comm.all_reduce(&[1.0f64; 3], &mut recv, ReduceOp::Sum)
     });
-    match results.into_iter().next().unwrap().unwrap() {
+    match rank_zero(results) {
         Err(TransportError::InvalidArgument {
             source:
                 ArgumentError::SendLength {
@@ -303,16 +306,7 @@ fn a_count_above_max_count_elements_is_rejected() {
     let results = LocalGroup::new(1)
         .max_count(3)
         .run(|comm| comm.all_reduce_in_place(&mut [0u16; 4], ReduceOp::Sum));
-    match results.into_iter().next().unwrap().unwrap() {
-        Err(TransportError::InvalidArgument {
-            source:
-                ArgumentError::CountTooLarge {
-                    value: 4, max: 3, ..
-                },
-            ..
-        }) => {}
-        other => panic!("expected a count error, got {other:?}"),
-    }
+    assert_count_too_large(rank_zero(results), 4, 3);
 }
 
 #[test]

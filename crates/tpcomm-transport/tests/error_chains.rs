@@ -1,27 +1,18 @@
 //! Error chains say each thing once: a message describes its own level, and its cause is
 //! reachable through `source()` only (so anyhow, eyre or tracing print a clean chain).
 
+mod common;
+
 use std::error::Error;
 
+use common::rank_zero;
+use tpcomm_transport::testing::assert_each_level_says_its_own_thing;
 use tpcomm_transport::{Communicator, LocalGroup, Op, TransportError};
-
-/// Walks `err`'s chain and asserts that no message contains the text of its source.
-fn assert_each_level_says_its_own_thing(err: &(dyn Error + 'static)) {
-    let mut level: &(dyn Error + 'static) = err;
-    while let Some(source) = level.source() {
-        let (outer, inner) = (level.to_string(), source.to_string());
-        assert!(
-            !outer.contains(&inner),
-            "{outer:?} repeats its source's text {inner:?}"
-        );
-        level = source;
-    }
-}
 
 #[test]
 fn an_invalid_argument_does_not_repeat_its_source() {
     let results = LocalGroup::new(2).run(|comm| comm.broadcast(5, &mut [0u8; 4]));
-    let err = results.into_iter().next().unwrap().unwrap().unwrap_err();
+    let err = rank_zero(results).unwrap_err();
     assert!(matches!(err, TransportError::InvalidArgument { .. }));
     assert!(
         err.source().is_some(),

@@ -1,8 +1,11 @@
 //! Behaviour of the local group that the shared conformance suite cannot show: bounded
 //! waits, failing ranks, mismatched calls, configuration.
 
+mod common;
+
 use std::time::Duration;
 
+use common::{assert_count_too_large, rank_zero};
 use proptest::prelude::*;
 use tpcomm_transport::{
     dense_displacements, ArgumentError, Communicator, LocalGroup, Op, TransportError,
@@ -182,16 +185,7 @@ fn max_count_is_configurable_and_enforced() {
     for result in results {
         let (ok, too_big) = result.unwrap();
         ok.unwrap();
-        match too_big {
-            Err(TransportError::InvalidArgument {
-                source:
-                    ArgumentError::CountTooLarge {
-                        value: 17, max: 16, ..
-                    },
-                ..
-            }) => {}
-            other => panic!("expected CountTooLarge, got {other:?}"),
-        }
+        assert_count_too_large(too_big, 17, 16);
     }
 }
 
@@ -252,7 +246,7 @@ fn a_spin_longer_than_the_timeout_still_times_out_naming_the_absent_rank() {
             }
             comm.barrier()
         });
-    match results.into_iter().next().unwrap().unwrap() {
+    match rank_zero(results) {
         Err(TransportError::Timeout { rank, missing, .. }) => {
             assert_eq!(rank, 0);
             assert_eq!(missing, vec![1]);

@@ -1,11 +1,17 @@
-//! Transport backends. `unsafe` code of this crate lives here only.
+//! Transport backends: the local threads group, MPI and NCCL, each in a folder of its own.
+//! `unsafe` code of this crate lives in backend modules: these, the byte copies of
+//! [`crate::copy`] and the CUDA driver's loader and entry points, `crate::cuda_driver`.
 
-pub mod copy;
-#[cfg(feature = "cuda-driver")]
-pub mod cuda_driver;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
-pub mod spin;
+
+// Old path, kept for the other crates until they move to the new one.
+pub use crate::copy;
+// Old path, kept for the other crates until they move to the new one.
+#[cfg(feature = "cuda-driver")]
+pub use crate::cuda_driver;
+// Old path, kept for the other crates until they move to the new one.
+pub use crate::spin;

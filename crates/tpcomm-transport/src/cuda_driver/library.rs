@@ -1,6 +1,6 @@
-//! Probing the CUDA driver library (`libcuda`) before any call through cudarc, whose lazy
-//! loader panics when the library or a function is missing. Shared by the NCCL transport and
-//! the CUDA peer-memory backend of `tpcomm-ipc`.
+//! Loading the CUDA driver library (`libcuda`) once per process, and probing it for
+//! functions before any call through cudarc, whose lazy loader panics when the library or a
+//! function is missing.
 //!
 //! The probe opens the library itself (with `libloading`) instead of asking cudarc's loader,
 //! because cudarc's loader only exists when cudarc is built with `dynamic-loading`: a program
@@ -56,23 +56,4 @@ fn load() -> Result<libloading::Library, String> {
         CANDIDATES.join(", "),
         failures.first().map_or("none", String::as_str)
     ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::missing_symbols;
-
-    /// Without a driver, the probe fails with the names it tried; with one, a made-up symbol
-    /// is reported missing and a real one is not. Either way it returns instead of panicking.
-    #[test]
-    fn probe_reports_instead_of_panicking() {
-        match missing_symbols(&["cuInit", "tpcommNoSuchSymbol"]) {
-            Ok(missing) => assert_eq!(missing, ["tpcommNoSuchSymbol"]),
-            Err(message) => {
-                assert!(message.contains("libcuda.so.1"), "{message}");
-                // Asked again, the cached failure comes back the same.
-                assert_eq!(missing_symbols(&["cuInit"]), Err(message));
-            }
-        }
-    }
 }

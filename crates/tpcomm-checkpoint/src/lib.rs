@@ -68,6 +68,7 @@ mod coordinator;
 mod driver;
 mod error;
 pub mod fake;
+mod process_hold;
 mod sequence;
 mod suspend;
 

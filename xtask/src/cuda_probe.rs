@@ -21,3 +21,10 @@ pub(crate) fn cargo() -> Command {
     cmd.env("CARGO_TARGET_DIR", util::root().join(TARGET_DIR));
     cmd
 }
+
+/// `cargo SUBCOMMAND --manifest-path xtask/cuda-probe/Cargo.toml`, as [`cargo`].
+pub(crate) fn cargo_on(subcommand: &str) -> Command {
+    let mut cmd = cargo();
+    cmd.args([subcommand, "--manifest-path", MANIFEST]);
+    cmd
+}

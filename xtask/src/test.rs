@@ -100,14 +100,8 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let mut fmt = util::cargo();
     fmt.args(["fmt", "--all", "--check"]);
     util::run(fmt)?;
-    let mut probe_fmt = cuda_probe::cargo();
-    probe_fmt.args([
-        "fmt",
-        "--manifest-path",
-        cuda_probe::MANIFEST,
-        "--all",
-        "--check",
-    ]);
+    let mut probe_fmt = cuda_probe::cargo_on("fmt");
+    probe_fmt.args(["--all", "--check"]);
     util::run(probe_fmt)?;
 
     let mut clippy = util::cargo();
@@ -121,16 +115,8 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         "warnings",
     ]);
     util::run(clippy)?;
-    let mut probe_clippy = cuda_probe::cargo();
-    probe_clippy.args([
-        "clippy",
-        "--manifest-path",
-        cuda_probe::MANIFEST,
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ]);
+    let mut probe_clippy = cuda_probe::cargo_on("clippy");
+    probe_clippy.args(["--all-targets", "--", "-D", "warnings"]);
     util::run(probe_clippy)?;
 
     // The API docs of every crate with every feature, broken links and other rustdoc
@@ -158,13 +144,8 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     }
     // The driver probe's unit tests (its fake driver, its child processes), counted in the
     // tally like the workspace's.
-    let mut probe_tests = cuda_probe::cargo();
-    probe_tests.args([
-        "test",
-        "--manifest-path",
-        cuda_probe::MANIFEST,
-        "--no-fail-fast",
-    ]);
+    let mut probe_tests = cuda_probe::cargo_on("test");
+    probe_tests.arg("--no-fail-fast");
     if !util::run_lines(probe_tests, |line| tally.cargo_line(line))? {
         tally
             .problems

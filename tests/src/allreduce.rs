@@ -11,6 +11,19 @@ fn ar<T>(what: &str, r: Result<T, AllReduceError>) -> Result<T, String> {
     r.map_err(|e| format!("{what}: {e}"))
 }
 
+/// A host all-reduce between the ranks of `comm`, default configuration.
+fn host_all_reduce<C: Communicator>(comm: &C) -> Result<CustomAllReduce<HostBackend>, String> {
+    ar(
+        "new",
+        CustomAllReduce::new(
+            HostBackend::new(),
+            HostMemory::new(),
+            comm,
+            Config::default(),
+        ),
+    )
+}
+
 /// Rank `rank`'s value at `i` for `seed`, in [-2, 2).
 fn value(seed: u64, rank: usize, i: usize) -> f32 {
     let mut rng = Rng::new(seed ^ ((rank as u64) << 40) ^ (i as u64).wrapping_mul(0x9E37_79B9));
@@ -64,15 +77,7 @@ pub(crate) fn host_matches_reference_and_survives_suspend_resume<C: Communicator
     comm: &C,
 ) -> CaseResult {
     let (me, n) = (comm.rank(), comm.size());
-    let mut x = ar(
-        "new",
-        CustomAllReduce::new(
-            HostBackend::new(),
-            HostMemory::new(),
-            comm,
-            Config::default(),
-        ),
-    )?;
+    let mut x = host_all_reduce(comm)?;
     for (k, bytes) in [16usize, 4096, 65_536, 1 << 20].into_iter().enumerate() {
         let seed = 1000 + k as u64;
         eager::<f32, C>(&mut x, comm, seed, bytes)?;
@@ -127,15 +132,7 @@ pub(crate) fn host_launches_of_different_sizes_fail_on_every_rank<C: Communicato
         return Ok(()); // one rank cannot disagree with itself
     }
     let me = comm.rank();
-    let mut x = ar(
-        "new",
-        CustomAllReduce::new(
-            HostBackend::new(),
-            HostMemory::new(),
-            comm,
-            Config::default(),
-        ),
-    )?;
+    let mut x = host_all_reduce(comm)?;
     let count = |rank: usize| if rank == 0 { 1024usize } else { 2048 };
     let input = vec![1f32; count(me)];
     let mut out = vec![0f32; count(me)];

@@ -527,16 +527,8 @@ fn all_to_all_varcount_random<C: Communicator>(comm: &C) -> CaseResult {
         ok(
             "all_to_all_varcount",
             comm.all_to_all_varcount(
-                Layout {
-                    buf: &send,
-                    counts: &send_counts,
-                    displs: &send_displs,
-                },
-                Layout {
-                    buf: &mut recv,
-                    counts: &recv_counts,
-                    displs: &recv_displs,
-                },
+                layout(&send, &send_counts, &send_displs),
+                layout(&mut recv, &recv_counts, &recv_displs),
             ),
         )?;
         for s in 0..n {
@@ -637,6 +629,26 @@ fn split_without_color_returns_none<C: Communicator>(comm: &C) -> CaseResult {
             }
             ok("barrier in sub-group", sub.barrier())
         }
+    }
+}
+
+/// An all-gather of every rank's number after calls refused before anything was sent: the
+/// ranks are still in step.
+pub(crate) fn still_in_step<C: Communicator>(comm: &C, what: &str) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    let mine = [me as u8; 4];
+    let mut recv = vec![0u8; 4 * n];
+    ok(what, comm.all_gather(&mine, &mut recv))?;
+    let want: Vec<u8> = (0..n).flat_map(|r| [r as u8; 4]).collect();
+    expect_bytes(what, &recv, &want)
+}
+
+/// The layout of `buf`: `counts[peer]` bytes at `displs[peer]`.
+pub(crate) fn layout<'a, B>(buf: B, counts: &'a [usize], displs: &'a [usize]) -> Layout<'a, B> {
+    Layout {
+        buf,
+        counts,
+        displs,
     }
 }
 
@@ -786,32 +798,16 @@ fn argument_errors_are_typed<C: Communicator>(comm: &C) -> CaseResult {
     expect_arg_error(
         "all_to_all with a send buffer too short for its layout",
         comm.all_to_all_varcount(
-            Layout {
-                buf: &a2a_send[..a2a_total - 1],
-                counts: &a2a_counts,
-                displs: &a2a_displs,
-            },
-            Layout {
-                buf: &mut a2a_recv,
-                counts: &a2a_counts,
-                displs: &a2a_displs,
-            },
+            layout(&a2a_send[..a2a_total - 1], &a2a_counts, &a2a_displs),
+            layout(&mut a2a_recv, &a2a_counts, &a2a_displs),
         ),
         |e| matches!(e, ArgumentError::OutOfBounds { which: "send", .. }),
     )?;
     expect_arg_error(
         "all_to_all with a receive table of the wrong length",
         comm.all_to_all_varcount(
-            Layout {
-                buf: &a2a_send,
-                counts: &a2a_counts,
-                displs: &a2a_displs,
-            },
-            Layout {
-                buf: &mut a2a_recv,
-                counts: &a2a_counts[1..],
-                displs: &a2a_displs,
-            },
+            layout(&a2a_send, &a2a_counts, &a2a_displs),
+            layout(&mut a2a_recv, &a2a_counts[1..], &a2a_displs),
         ),
         |e| {
             matches!(
@@ -828,26 +824,12 @@ fn argument_errors_are_typed<C: Communicator>(comm: &C) -> CaseResult {
     expect_arg_error(
         "all_to_all sending to itself a count it does not expect",
         comm.all_to_all_varcount(
-            Layout {
-                buf: &a2a_send,
-                counts: &a2a_counts,
-                displs: &a2a_displs,
-            },
-            Layout {
-                buf: &mut a2a_recv,
-                counts: &self_mismatch,
-                displs: &a2a_displs,
-            },
+            layout(&a2a_send, &a2a_counts, &a2a_displs),
+            layout(&mut a2a_recv, &self_mismatch, &a2a_displs),
         ),
         |e| matches!(e, ArgumentError::SendLength { .. }),
     )?;
 
     // Nothing was sent by the rejected calls: the ranks are still in step.
-    let mine = [me as u8; 4];
-    ok(
-        "all_gather after rejected calls",
-        comm.all_gather(&mine, &mut recv),
-    )?;
-    let want: Vec<u8> = (0..n).flat_map(|r| [r as u8; 4]).collect();
-    expect_bytes("all_gather after rejected calls", &recv, &want)
+    still_in_step(comm, "all_gather after rejected calls")
 }

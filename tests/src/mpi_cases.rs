@@ -119,6 +119,26 @@ fn expect_truncate(what: &str, r: Result<(), TransportError>) -> CaseResult {
     }
 }
 
+/// Rank 0's side of a gather to rank 0 of `expected` bytes from every rank (its own block
+/// the pattern `tag`): expects `MPI_ERR_TRUNCATE`.
+fn root_gathers_truncated(
+    sub: &MpiCommunicator,
+    tag: usize,
+    expected: usize,
+    what: &str,
+) -> CaseResult {
+    let counts = vec![expected; sub.size()];
+    let displs: Vec<usize> = (0..sub.size()).map(|r| r * expected).collect();
+    let mut recv = vec![0u8; expected * sub.size()];
+    let send = filled(sub.rank(), tag, expected);
+    let layout = GatherRecv {
+        recv: &mut recv,
+        counts: &counts,
+        displs: &displs,
+    };
+    expect_truncate(what, sub.gather_varcount(0, &send, Some(layout)))
+}
+
 /// A gather to rank 0 where every other rank sends `sent` bytes and the root expects
 /// `expected` from each of them (its own block agrees). The root must get
 /// `MPI_ERR_TRUNCATE`; the senders complete.
@@ -130,16 +150,7 @@ fn mismatched_gather(
 ) -> CaseResult {
     let me = sub.rank();
     if me == 0 {
-        let counts = vec![expected; sub.size()];
-        let displs: Vec<usize> = (0..sub.size()).map(|r| r * expected).collect();
-        let mut recv = vec![0u8; expected * sub.size()];
-        let send = filled(me, 7, expected);
-        let layout = GatherRecv {
-            recv: &mut recv,
-            counts: &counts,
-            displs: &displs,
-        };
-        expect_truncate(what, sub.gather_varcount(0, &send, Some(layout)))
+        root_gathers_truncated(sub, 7, expected, what)
     } else {
         let send = filled(me, 7, sent);
         sub.gather_varcount(0, &send, None)
@@ -330,19 +341,7 @@ fn lying_gather(sub: &MpiCommunicator) -> CaseResult {
     let me = sub.rank();
     let expected = 16;
     let result = if me == 0 {
-        let counts = vec![expected; sub.size()];
-        let displs: Vec<usize> = (0..sub.size()).map(|r| r * expected).collect();
-        let mut recv = vec![0u8; expected * sub.size()];
-        let send = filled(me, 9, expected);
-        let layout = GatherRecv {
-            recv: &mut recv,
-            counts: &counts,
-            displs: &displs,
-        };
-        expect_truncate(
-            "gather from a lying rank 1",
-            sub.gather_varcount(0, &send, Some(layout)),
-        )
+        root_gathers_truncated(sub, 9, expected, "gather from a lying rank 1")
     } else {
         let len = if me == 1 { 8 << 20 } else { expected };
         let send = filled(me, 9, len);

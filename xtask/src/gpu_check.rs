@@ -1,7 +1,7 @@
 //! `cargo xtask gpu-check [--bundle DIR]`: the one-shot GPU check.
 //!
 //! Builds, on a machine without a GPU, everything the GPU check runs: the driver probe
-//! (`tpcomm-checkpoint` example `ipc_probe`, run first), the GPU test
+//! (`xtask/cuda-probe`, binary `ipc-probe`, a workspace of its own; run first), the GPU test
 //! executables (`tpcomm-allreduce` tests `cuda` and `engine` with `nccl`, `tpcomm-ipc` test `cuda`,
 //! `tpcomm-transport` test `nccl`) and `tpcomm-bench` with `cuda,nccl`, in the `gpu-check`
 //! profile (release, debug info stripped, debug assertions and overflow checks on), under
@@ -19,7 +19,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{cuda, util};
+use crate::{cuda, cuda_probe, util};
 
 /// The profile the bundle is built in, defined on the command line (`--config`), so that
 /// the workspace's own profiles stay as they are and its artifacts are kept apart.
@@ -35,10 +35,22 @@ const PROFILE_CONFIG: [&str; 5] = [
 /// The bundle stays small enough to copy to a GPU machine quickly (48 MiB at most).
 const MAX_BUNDLE_BYTES: u64 = 48 << 20;
 
+/// The workspace a target's package belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Workspace {
+    /// The root workspace (`-p PACKAGE`).
+    Root,
+    /// The driver probe's own (`--manifest-path xtask/cuda-probe/Cargo.toml`), built into
+    /// `target/cuda-probe`.
+    Probe,
+}
+
 /// One executable of the bundle.
 struct Target {
     /// File name in `bin/`, and the step name `run.sh` knows it by.
     name: &'static str,
+    /// Where its package is.
+    workspace: Workspace,
     /// `cargo` arguments after `test --no-run` or `build`.
     cargo_args: &'static [&'static str],
     /// A test executable (run with `--test-threads=1`) rather than the bench.
@@ -52,19 +64,19 @@ const TARGETS: [Target; 8] = [
     // checkpoint), the `probe` step that runs before the test suites.
     Target {
         name: "ipc-probe",
+        workspace: Workspace::Probe,
         cargo_args: &[
-            "-p",
-            "tpcomm-checkpoint",
-            "--features",
-            "cuda",
-            "--example",
-            "ipc_probe",
+            "--manifest-path",
+            cuda_probe::MANIFEST,
+            "--bin",
+            "ipc-probe",
         ],
         test: false,
-        package_dir: "crates/tpcomm-checkpoint",
+        package_dir: "xtask/cuda-probe",
     },
     Target {
         name: "tpcomm-allreduce-cuda",
+        workspace: Workspace::Root,
         cargo_args: &[
             "-p",
             "tpcomm-allreduce",
@@ -78,6 +90,7 @@ const TARGETS: [Target; 8] = [
     },
     Target {
         name: "tpcomm-allreduce-engine",
+        workspace: Workspace::Root,
         cargo_args: &[
             "-p",
             "tpcomm-allreduce",
@@ -91,12 +104,14 @@ const TARGETS: [Target; 8] = [
     },
     Target {
         name: "tpcomm-ipc-cuda",
+        workspace: Workspace::Root,
         cargo_args: &["-p", "tpcomm-ipc", "--features", "cuda", "--test", "cuda"],
         test: true,
         package_dir: "crates/tpcomm-ipc",
     },
     Target {
         name: "tpcomm-transport-nccl",
+        workspace: Workspace::Root,
         cargo_args: &[
             "-p",
             "tpcomm-transport",
@@ -110,6 +125,7 @@ const TARGETS: [Target; 8] = [
     },
     Target {
         name: "tpcomm-checkpoint-cuda",
+        workspace: Workspace::Root,
         cargo_args: &[
             "-p",
             "tpcomm-checkpoint",
@@ -123,6 +139,7 @@ const TARGETS: [Target; 8] = [
     },
     Target {
         name: "engine-step",
+        workspace: Workspace::Root,
         cargo_args: &[
             "-p",
             "tpcomm-allreduce",
@@ -136,6 +153,7 @@ const TARGETS: [Target; 8] = [
     },
     Target {
         name: "tpcomm-bench",
+        workspace: Workspace::Root,
         cargo_args: &[
             "-p",
             "tpcomm-bench",
@@ -209,7 +227,10 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
 
 /// Builds one target in the `gpu-check` profile; returns its executable.
 fn build(target: &Target) -> Result<PathBuf, String> {
-    let mut cmd = util::cargo();
+    let mut cmd = match target.workspace {
+        Workspace::Root => util::cargo(),
+        Workspace::Probe => cuda_probe::cargo(),
+    };
     if target.test {
         cmd.args(["test", "--no-run"]);
     } else {
@@ -503,7 +524,7 @@ run_test() {
 }
 
 if wanted probe; then
-    # The standalone driver probe (crates/tpcomm-checkpoint/examples/ipc_probe): two processes
+    # The standalone driver probe (xtask/cuda-probe): two processes
     # on the GPU, legacy CUDA IPC and VMM (POSIX fd) sharing across a process checkpoint, every
     # CUresult recorded; a summary of its answers, and $RESULTS/ipc-probe.json. It ends within
     # 90 s whatever the driver does (each scenario has 15 s, a hung child is killed).
@@ -563,7 +584,21 @@ mod tests {
             .expect("the probe step");
         let first_test = s.find("\nrun_test ").expect("a test step");
         assert!(probe < first_test);
-        assert!(TARGETS.iter().any(|t| t.name == "ipc-probe" && !t.test));
+        // The probe is built first, from its own workspace.
+        let probe = &TARGETS[0];
+        assert_eq!(probe.name, "ipc-probe");
+        assert!(!probe.test);
+        assert_eq!(probe.workspace, Workspace::Probe);
+        assert_eq!(
+            probe.cargo_args,
+            [
+                "--manifest-path",
+                "xtask/cuda-probe/Cargo.toml",
+                "--bin",
+                "ipc-probe"
+            ]
+        );
+        assert!(TARGETS[1..].iter().all(|t| t.workspace == Workspace::Root));
         for step in ["allreduce", "engine", "ipc", "nccl", "checkpoint"] {
             assert!(s.contains(&format!("run_test {step} ")), "{step}");
         }

@@ -16,6 +16,7 @@
 
 mod bench;
 mod cuda;
+mod cuda_probe;
 mod downstream;
 mod faults;
 mod fuzz;

@@ -2,7 +2,9 @@
 //!
 //! Steps: set up MPI when missing, set up nvcc when missing and build the CUDA kernels
 //! (`cuda.rs`), `cargo fmt --check`, clippy with warnings denied (every
-//! feature), `cargo doc` with rustdoc warnings denied (every feature), every unit/property/integration/doc test (every feature), then the MPI
+//! feature), `cargo doc` with rustdoc warnings denied (every feature), every unit/property/integration/doc test (every feature),
+//! the same formatting check, lints and unit tests for the driver probe (`xtask/cuda-probe`, a
+//! workspace of its own: `cuda_probe.rs`), then the MPI
 //! conformance programs under `mpirun -np 2` and `-np 4`, and once more with `-np 3` and a
 //! timeout on the communicator (the nonblocking, deadline-polled path), `mpi-single-copy-off`
 //! under `-np 2` and `-np 4` (Open MPI only), the bench's MPI subcommands on a few small
@@ -10,12 +12,12 @@
 //! (`faults.rs`: ranks SIGKILLed at each phase), and a fuzz smoke pass (`fuzz.rs`, every
 //! target for a few seconds), and the downstream builds (`downstream.rs`: tpcomm's GPU
 //! features next to cudarc configured as engines configure it). The closing line, `total: N
-//! passed, N failed`, covers the cargo tests, the MPI cases, the bench runs, the fault cases,
+//! passed, N failed`, covers the cargo tests (the probe's included), the MPI cases, the bench runs, the fault cases,
 //! the fuzz targets and the downstream programs together.
 
 use std::process::Command;
 
-use crate::{cuda, downstream, faults, fuzz, setup, util};
+use crate::{cuda, cuda_probe, downstream, faults, fuzz, setup, util};
 
 /// Rank counts the MPI suite runs with (4 is oversubscribed on a 2-core machine).
 const MPI_RANKS: [usize; 2] = [2, 4];
@@ -98,6 +100,9 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let mut fmt = util::cargo();
     fmt.args(["fmt", "--all", "--check"]);
     util::run(fmt)?;
+    let mut probe_fmt = cuda_probe::cargo_on("fmt");
+    probe_fmt.args(["--all", "--check"]);
+    util::run(probe_fmt)?;
 
     let mut clippy = util::cargo();
     clippy.args([
@@ -110,6 +115,9 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         "warnings",
     ]);
     util::run(clippy)?;
+    let mut probe_clippy = cuda_probe::cargo_on("clippy");
+    probe_clippy.args(["--all-targets", "--", "-D", "warnings"]);
+    util::run(probe_clippy)?;
 
     // The API docs of every crate with every feature, broken links and other rustdoc
     // warnings denied.
@@ -133,6 +141,15 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
         tally
             .problems
             .push("cargo test exited with a failure".into());
+    }
+    // The driver probe's unit tests (its fake driver, its child processes), counted in the
+    // tally like the workspace's.
+    let mut probe_tests = cuda_probe::cargo_on("test");
+    probe_tests.arg("--no-fail-fast");
+    if !util::run_lines(probe_tests, |line| tally.cargo_line(line))? {
+        tally
+            .problems
+            .push("cargo test of the driver probe exited with a failure".into());
     }
 
     if skip_mpi {

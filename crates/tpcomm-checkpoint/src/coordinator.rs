@@ -1,5 +1,6 @@
 //! Runs a [`Sequence`] over a [`Communicator`]: each step's local action on this rank, one
-//! all-gather of every rank's [`StepReport`], then the next step.
+//! all-gather of every rank's [`StepReport`], then the next step. This process's driver
+//! state and its undoing live in `process_hold.rs`.
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
@@ -8,10 +9,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tpcomm_transport::Communicator;
 
-use crate::driver::{
-    CheckpointDriver, DriverError, DriverInfo, ProcessState, CUDA_ERROR_ILLEGAL_STATE,
-};
+use crate::driver::{CheckpointDriver, DriverInfo, ProcessState, CUDA_ERROR_ILLEGAL_STATE};
 use crate::error::{CheckpointError, ExchangeError, Reason};
+use crate::process_hold::ProcessHold;
 use crate::sequence::{Sequence, Step, StepReport};
 use crate::suspend::{BoxError, Suspendable};
 
@@ -100,114 +100,6 @@ impl CheckpointReport {
     /// The timing of `step`, if it ran.
     pub fn timing(&self, step: Step) -> Option<StepTiming> {
         self.timings.iter().find(|t| t.step == step).copied()
-    }
-}
-
-/// This process's lock and checkpoint, undone on drop unless the sequence's own back half
-/// ran: a panic in the pause or a failed exchange never leaves the process locked.
-///
-/// The state is tracked from the calls' results, so the successful path makes exactly the
-/// four driver calls (lock, checkpoint, restore, unlock: the sequence measured on driver
-/// 580 for a process checkpointing itself); `cuCheckpointProcessGetState` is asked only
-/// after a failed call, to learn what the failure left.
-struct ProcessHold<'d, D: CheckpointDriver + ?Sized> {
-    driver: &'d D,
-    pid: u32,
-    state: ProcessState,
-    /// This sequence's lock succeeded (the state is ours to report and undo).
-    held: bool,
-    /// A lock succeeded and the back half has not run.
-    armed: bool,
-    /// `state` was seen (a call's success or the driver's answer), not assumed after a
-    /// failed call whose state could not be read: only a seen state is reported.
-    seen: bool,
-}
-
-impl<D: CheckpointDriver + ?Sized> ProcessHold<'_, D> {
-    /// Runs one driver call; on success the process is in `after`, on failure its state is
-    /// asked from the driver. When that query fails too, the state is `unknown`: what the
-    /// back half must assume so that it still undoes what the call may have done before it
-    /// failed (a checkpoint that failed late may have checkpointed the process: assume so,
-    /// and the restore is tried; a restore that failed late may have restored it: assume
-    /// it is locked, and the unlock is tried; an unlock that failed is assumed not done).
-    /// A restore or unlock of a process not in that state fails harmlessly.
-    fn call(
-        &mut self,
-        result: Result<(), DriverError>,
-        (after, unknown): (ProcessState, ProcessState),
-        failure: &mut Option<Reason>,
-    ) {
-        match result {
-            Ok(()) => (self.state, self.seen) = (after, true),
-            Err(e) => {
-                failure.get_or_insert(Reason::Driver(e));
-                (self.state, self.seen) = match self.driver.state(self.pid) {
-                    Ok(state) => (state, true),
-                    Err(_) => (unknown, false),
-                };
-            }
-        }
-    }
-
-    /// The state to report: the tracked one when it was seen, else unreadable (the back
-    /// half still acts on the assumption).
-    fn reported(&self) -> ProcessState {
-        if self.seen {
-            self.state
-        } else {
-            ProcessState::UNREADABLE
-        }
-    }
-
-    /// Restores the process if it is checkpointed, then unlocks it if it is locked; returns
-    /// the state it is left in.
-    fn roll_back(&mut self) -> Result<ProcessState, String> {
-        self.armed = false;
-        if let Ok(state) = self.driver.state(self.pid) {
-            self.state = state;
-        }
-        let mut restore_failed = None;
-        if self.state == ProcessState::Checkpointed {
-            if let Err(e) = self.driver.restore(self.pid) {
-                match self.driver.state(self.pid) {
-                    Ok(state) if state != ProcessState::Locked => {
-                        self.state = state;
-                        return Err(e.to_string());
-                    }
-                    // Restored after all, or unknown: as in the sequence's own back half, the
-                    // restore may have done its work; the unlock is tried (and refused
-                    // harmlessly if it had not).
-                    _ => restore_failed = Some(e),
-                }
-            }
-            self.state = ProcessState::Locked;
-        }
-        if self.state == ProcessState::Locked {
-            self.driver
-                .unlock(self.pid)
-                .map_err(|e| match &restore_failed {
-                    Some(restore) => format!("{restore}; then the unlock: {e}"),
-                    None => e.to_string(),
-                })?;
-            self.state = ProcessState::Running;
-        }
-        Ok(self.state)
-    }
-}
-
-impl<D: CheckpointDriver + ?Sized> Drop for ProcessHold<'_, D> {
-    fn drop(&mut self) {
-        if self.armed {
-            let pid = self.pid;
-            match self.roll_back() {
-                Ok(state) => {
-                    tracing::warn!(pid, %state, "process checkpoint abandoned; rolled back")
-                }
-                Err(e) => {
-                    tracing::error!(pid, error = %e, "process checkpoint abandoned; rollback failed")
-                }
-            }
-        }
     }
 }
 

@@ -12,7 +12,7 @@
 //! process -> `reinit_after_resume`. Each step's outcome on every rank is all-gathered
 //! before the next step: no process is checkpointed before every process is locked, none is
 //! unlocked before every process is restored, and a failure anywhere is rolled back the same
-//! way on every rank (see `docs/lifecycle.md`).
+//! way on every rank (see `docs/checkpoint.md`).
 //!
 //! - The coordination is a sans-IO state machine ([`Sequence`]) over a driver trait
 //!   ([`CheckpointDriver`]); [`fake::FakeDriver`] runs it without a GPU.
@@ -68,6 +68,7 @@ mod coordinator;
 mod driver;
 mod error;
 pub mod fake;
+mod process_hold;
 mod sequence;
 mod suspend;
 

@@ -7,165 +7,42 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tpcomm_allreduce::{Config, CustomAllReduce, HostBackend, Phase};
-use tpcomm_checkpoint::fake::{Call, Event, FakeDriver};
+use tpcomm_checkpoint::fake::{Call, FakeDriver};
 use tpcomm_checkpoint::{
-    check_support, checkpoint_group, BoxError, CheckpointError, CheckpointOptions,
-    CheckpointReport, ObjectsLeft, ProcessState, Reason, Step, Suspendable,
+    check_support, checkpoint_group, CheckpointOptions, ObjectsLeft, ProcessState, Reason, Step,
+    Suspendable,
 };
 use tpcomm_ipc::HostMemory;
 use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
-const WORLDS: [usize; 3] = [2, 3, 4];
+mod common;
 
-fn group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(20))
-}
-
-fn pid_of(rank: usize) -> u32 {
-    1000 + rank as u32
-}
-
-fn options(rank: usize) -> CheckpointOptions {
-    CheckpointOptions {
-        pid: Some(pid_of(rank)),
-        ..CheckpointOptions::default()
-    }
-}
-
-/// A suspendable object that records what was called and fails where told. Its
-/// transitions are collective (a barrier), like a real object's.
-#[derive(Debug, Default)]
-struct Probe {
-    fail_prepare: bool,
-    fail_reinit: bool,
-    cannot_suspend: bool,
-    prepared: usize,
-    resumed: usize,
-}
-
-impl<C: Communicator + ?Sized> Suspendable<C> for Probe {
-    fn name(&self) -> String {
-        "probe".into()
-    }
-    fn suspend_support(&self) -> Result<(), String> {
-        if self.cannot_suspend {
-            Err("it holds device state it cannot release".into())
-        } else {
-            Ok(())
-        }
-    }
-    fn prepare_for_suspend(&mut self, comm: &C) -> Result<(), BoxError> {
-        probe_step(comm, &mut self.prepared, self.fail_prepare, "prepare")
-    }
-    fn reinit_after_resume(&mut self, comm: &C) -> Result<(), BoxError> {
-        probe_step(comm, &mut self.resumed, self.fail_reinit, "reinit")
-    }
-}
-
-/// One collective step of a probe: a barrier, counted, failing after it when told to.
-fn probe_step<C: Communicator + ?Sized>(
-    comm: &C,
-    count: &mut usize,
-    fail: bool,
-    what: &str,
-) -> Result<(), BoxError> {
-    comm.barrier()?;
-    *count += 1;
-    if fail {
-        return Err(format!("injected {what} failure").into());
-    }
-    Ok(())
-}
-
-fn host_ar(comm: &LocalCommunicator) -> CustomAllReduce<HostBackend> {
-    CustomAllReduce::new(
-        HostBackend::new(),
-        HostMemory::new(),
-        comm,
-        Config::default(),
-    )
-    .expect("host all-reduce")
-}
-
-/// Index of the first / last event of `call` in the log.
-fn first(log: &[Event], call: Call) -> Option<usize> {
-    log.iter().position(|e| e.call == call)
-}
-fn last(log: &[Event], call: Call) -> Option<usize> {
-    log.iter().rposition(|e| e.call == call)
-}
-
-/// The ordering rules on the log: every lock before any checkpoint; every restore before any
-/// unlock.
-fn assert_ordering(log: &[Event]) {
-    if let (Some(l), Some(c)) = (last(log, Call::Lock), first(log, Call::Checkpoint)) {
-        assert!(l < c, "a checkpoint before every lock: {log:?}");
-    }
-    if let (Some(r), Some(u)) = (last(log, Call::Restore), first(log, Call::Unlock)) {
-        assert!(r < u, "an unlock before every restore: {log:?}");
-    }
-}
-
-type Outcome = (Result<CheckpointReport, CheckpointError>, Probe);
-
-/// Runs one checkpoint on `world` ranks with one probe each (set up by `probe`), every rank
-/// a process of its own on `driver`.
-fn run_probe(
-    world: usize,
-    driver: &FakeDriver,
-    probe: impl Fn(usize) -> Probe + Sync,
-) -> Vec<Outcome> {
-    group(world)
-        .run(|comm| {
-            let mut p = probe(comm.rank());
-            let out = checkpoint_group(&comm, driver, &mut [&mut p], &options(comm.rank()), |_| {
-                Ok(())
-            });
-            (out, p)
-        })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect()
-}
-
-fn failed(out: &Result<CheckpointReport, CheckpointError>) -> &CheckpointError {
-    out.as_ref().expect_err("the checkpoint should have failed")
-}
+use common::*;
 
 #[test]
 fn every_process_is_locked_before_any_checkpoint_and_restored_before_any_unlock() {
     for world in WORLDS {
         let driver = FakeDriver::new();
         let paused = AtomicUsize::new(0);
-        let outcomes: Vec<_> = group(world)
-            .run(|comm| {
-                let mut ar = host_ar(&comm);
-                let mut probe = Probe::default();
-                let report = checkpoint_group(
-                    &comm,
-                    &driver,
-                    &mut [&mut ar, &mut probe],
-                    &options(comm.rank()),
-                    |p| {
-                        // Every process is checkpointed while any rank pauses.
-                        for r in 0..world {
-                            assert_eq!(driver.state_of(pid_of(r)), ProcessState::Checkpointed);
-                        }
-                        assert_eq!(p.pid, pid_of(p.rank));
-                        paused.fetch_add(1, Ordering::SeqCst);
-                        Ok(())
-                    },
-                );
-                // The all-reduce works after the resume.
-                let mut out = [0f32; 64];
-                ar.all_reduce(&[1f32; 64], &mut out)
-                    .expect("all-reduce after");
-                assert!(out.iter().all(|&v| v == world as f32));
-                (report, ar.phase(), probe.prepared, probe.resumed)
-            })
-            .into_iter()
-            .map(|r| r.expect("rank finished"))
-            .collect();
+        let outcomes: Vec<_> = every_rank(world, |comm| {
+            let mut ar = host_ar(&comm);
+            let mut probe = Probe::default();
+            let report = checkpoint_own_process(&comm, &driver, &mut [&mut ar, &mut probe], |p| {
+                // Every process is checkpointed while any rank pauses.
+                for r in 0..world {
+                    assert_eq!(driver.state_of(pid_of(r)), ProcessState::Checkpointed);
+                }
+                assert_eq!(p.pid, pid_of(p.rank));
+                paused.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            });
+            // The all-reduce works after the resume.
+            let mut out = [0f32; 64];
+            ar.all_reduce(&[1f32; 64], &mut out)
+                .expect("all-reduce after");
+            assert!(out.iter().all(|&v| v == world as f32));
+            (report, ar.phase(), probe.prepared, probe.resumed)
+        });
         assert_eq!(paused.load(Ordering::SeqCst), world);
         for (rank, (report, phase, prepared, resumed)) in outcomes.into_iter().enumerate() {
             let report = report.unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
@@ -186,9 +63,7 @@ fn every_process_is_locked_before_any_checkpoint_and_restored_before_any_unlock(
         {
             assert!(log[i * world..][..world].iter().all(|e| e.call == call));
         }
-        for r in 0..world {
-            assert_eq!(driver.state_of(pid_of(r)), ProcessState::Running);
-        }
+        (0..world).for_each(|r| assert_running(&driver, r));
         assert_eq!(driver.lock_timeouts(), vec![Duration::from_secs(10); world]);
     }
 }
@@ -209,12 +84,7 @@ fn a_driver_failure_at_each_step_on_each_rank_is_named_on_every_rank_and_rolled_
                 let outcomes = run_probe(world, &driver, |_| Probe::default());
                 let what = format!("world {world}, {step} failing on rank {bad}");
                 for (rank, (out, probe)) in outcomes.iter().enumerate() {
-                    let CheckpointError::Failed {
-                        first, aftermath, ..
-                    } = failed(out)
-                    else {
-                        panic!("{what}: rank {rank}: {:?}", out)
-                    };
+                    let (first, aftermath) = agreed_failure(out);
                     assert_eq!((first.step, first.rank), (step, bad), "{what}");
                     let Reason::Driver(e) = &first.reason else {
                         panic!("{what}: {:?}", first.reason)
@@ -264,33 +134,21 @@ fn a_failed_prepare_on_one_rank_locks_nothing_and_resumes_what_every_rank_suspen
     for world in WORLDS {
         for bad in 0..world {
             let driver = FakeDriver::new();
-            let outcomes: Vec<_> = group(world)
-                .run(|comm| {
-                    let mut good = Probe::default();
-                    let mut flaky = Probe {
-                        fail_prepare: comm.rank() == bad,
-                        ..Probe::default()
-                    };
-                    let out = checkpoint_group(
-                        &comm,
-                        &driver,
-                        &mut [&mut good, &mut flaky],
-                        &options(comm.rank()),
-                        |_| panic!("no pause after a failed prepare"),
-                    );
-                    (out, good.resumed, flaky.prepared, flaky.resumed)
-                })
-                .into_iter()
-                .map(|r| r.expect("rank finished"))
-                .collect();
+            let outcomes: Vec<_> = every_rank(world, |comm| {
+                let mut good = Probe::default();
+                let mut flaky = Probe {
+                    fail_prepare: comm.rank() == bad,
+                    ..Probe::default()
+                };
+                let out =
+                    checkpoint_own_process(&comm, &driver, &mut [&mut good, &mut flaky], |_| {
+                        panic!("no pause after a failed prepare")
+                    });
+                (out, good.resumed, flaky.prepared, flaky.resumed)
+            });
             assert!(driver.log().is_empty(), "{:?}", driver.log());
             for (out, good_resumed, flaky_prepared, flaky_resumed) in &outcomes {
-                let CheckpointError::Failed {
-                    first, aftermath, ..
-                } = failed(out)
-                else {
-                    panic!("{out:?}")
-                };
+                let (first, aftermath) = agreed_failure(out);
                 assert_eq!((first.step, first.rank), (Step::Prepare, bad));
                 assert!(
                     matches!(&first.reason, Reason::Object { object: 1, message, .. } if message.contains("injected")),
@@ -312,37 +170,26 @@ fn a_failed_pause_restores_and_unlocks_every_process_and_resumes_the_objects() {
     for world in WORLDS {
         for bad in 0..world {
             let driver = FakeDriver::new();
-            let outcomes: Vec<_> = group(world)
-                .run(|comm| {
-                    let mut probe = Probe::default();
-                    let out = checkpoint_group(
-                        &comm,
-                        &driver,
-                        &mut [&mut probe],
-                        &options(comm.rank()),
-                        |p| {
-                            if p.rank == bad {
-                                Err("the dump failed".into())
-                            } else {
-                                Ok(())
-                            }
-                        },
-                    );
-                    (out, probe)
-                })
-                .into_iter()
-                .map(|r| r.expect("rank finished"))
-                .collect();
+            let outcomes: Vec<_> = every_rank(world, |comm| {
+                let mut probe = Probe::default();
+                let out = checkpoint_own_process(&comm, &driver, &mut [&mut probe], |p| {
+                    if p.rank == bad {
+                        Err("the dump failed".into())
+                    } else {
+                        Ok(())
+                    }
+                });
+                (out, probe)
+            });
             for (out, probe) in &outcomes {
-                let e = failed(out);
-                assert_eq!((e.step(), e.rank()), (Step::Pause, bad));
+                let e = failed_at(out, Step::Pause, bad);
                 assert!(matches!(e.reason(), Some(Reason::Pause(m)) if m.contains("dump")));
                 assert_eq!(probe.resumed, 1);
             }
             let log = driver.log();
             assert_eq!(log.len(), 4 * world);
             assert_ordering(&log);
-            assert!((0..world).all(|r| driver.state_of(pid_of(r)) == ProcessState::Running));
+            (0..world).for_each(|r| assert_running(&driver, r));
         }
     }
 }
@@ -356,10 +203,9 @@ fn a_failed_reinit_on_one_rank_is_named_after_every_process_runs_again() {
             ..Probe::default()
         });
         for (out, _) in &outcomes {
-            let e = failed(out);
-            assert_eq!((e.step(), e.rank()), (Step::Reinit, bad));
+            failed_at(out, Step::Reinit, bad);
         }
-        assert!((0..3).all(|r| driver.state_of(pid_of(r)) == ProcessState::Running));
+        (0..3).for_each(|r| assert_running(&driver, r));
     }
 }
 
@@ -367,22 +213,18 @@ fn a_failed_reinit_on_one_rank_is_named_after_every_process_runs_again() {
 fn ranks_sharing_a_process_make_one_driver_call_per_process() {
     let driver = FakeDriver::new();
     // Ranks 0 and 1 in process 500, ranks 2 and 3 in process 600.
-    let outcomes: Vec<_> = group(4)
-        .run(|comm| {
-            let pid = if comm.rank() < 2 { 500 } else { 600 };
-            let opts = CheckpointOptions {
-                pid: Some(pid),
-                ..CheckpointOptions::default()
-            };
-            let mut probe = Probe::default();
-            checkpoint_group(&comm, &driver, &mut [&mut probe], &opts, |p| {
-                assert_eq!(p.driver_rank, p.rank % 2 == 0);
-                Ok(())
-            })
+    let outcomes: Vec<_> = every_rank(4, |comm| {
+        let pid = if comm.rank() < 2 { 500 } else { 600 };
+        let opts = CheckpointOptions {
+            pid: Some(pid),
+            ..CheckpointOptions::default()
+        };
+        let mut probe = Probe::default();
+        checkpoint_group(&comm, &driver, &mut [&mut probe], &opts, |p| {
+            assert_eq!(p.driver_rank, p.rank % 2 == 0);
+            Ok(())
         })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect();
+    });
     for (rank, out) in outcomes.into_iter().enumerate() {
         let report = out.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert_eq!(report.driver_rank, rank % 2 == 0, "rank {rank}");
@@ -419,29 +261,16 @@ fn an_absent_or_too_old_driver_is_refused_on_every_rank_before_anything_is_touch
             // Only rank `bad` has the unusable driver; the others a good one.
             let good = FakeDriver::new();
             let broken = FakeDriver::unsupported(why.clone());
-            let outcomes: Vec<_> = group(3)
-                .run(|comm| {
-                    let driver = if comm.rank() == bad { &broken } else { &good };
-                    let mut probe = Probe::default();
-                    let out = checkpoint_group(
-                        &comm,
-                        driver,
-                        &mut [&mut probe],
-                        &options(comm.rank()),
-                        |_| panic!("no pause"),
-                    );
-                    (out, probe)
-                })
-                .into_iter()
-                .map(|r| r.expect("rank finished"))
-                .collect();
+            let outcomes: Vec<_> = every_rank(3, |comm| {
+                let driver = if comm.rank() == bad { &broken } else { &good };
+                let mut probe = Probe::default();
+                let out = checkpoint_own_process(&comm, driver, &mut [&mut probe], |_| {
+                    panic!("no pause")
+                });
+                (out, probe)
+            });
             for (out, probe) in &outcomes {
-                let CheckpointError::Failed {
-                    first, aftermath, ..
-                } = failed(out)
-                else {
-                    panic!("{out:?}")
-                };
+                let (first, aftermath) = agreed_failure(out);
                 assert_eq!((first.step, first.rank), (Step::Check, bad));
                 assert!(
                     matches!(&first.reason, Reason::Unsupported(u) if u.reason.contains(needle))
@@ -461,12 +290,7 @@ fn imported_ipc_mappings_are_refused_before_their_process_is_locked() {
         driver.set_imported(pid_of(bad), 3);
         let outcomes = run_probe(3, &driver, |_| Probe::default());
         for (out, probe) in &outcomes {
-            let CheckpointError::Failed {
-                first, aftermath, ..
-            } = failed(out)
-            else {
-                panic!("{out:?}")
-            };
+            let (first, aftermath) = agreed_failure(out);
             assert_eq!((first.step, first.rank), (Step::Lock, bad));
             assert_eq!(
                 first.reason,
@@ -482,7 +306,7 @@ fn imported_ipc_mappings_are_refused_before_their_process_is_locked() {
         assert!(log.iter().all(|e| e.pid != pid_of(bad)), "{log:?}");
         assert_eq!(first(&log, Call::Checkpoint), None);
         // The others were locked and are unlocked again.
-        assert!((0..3).all(|r| driver.state_of(pid_of(r)) == ProcessState::Running));
+        (0..3).for_each(|r| assert_running(&driver, r));
     }
 }
 
@@ -512,31 +336,25 @@ fn an_object_that_cannot_suspend_or_a_differing_object_count_is_refused_at_the_c
         ..Probe::default()
     });
     for (out, probe) in &outcomes {
-        let e = failed(out);
-        assert_eq!((e.step(), e.rank()), (Step::Check, 1));
+        let e = failed_at(out, Step::Check, 1);
         assert!(matches!(
             e.reason(),
             Some(Reason::CannotSuspend { object: 0, .. })
         ));
         assert_eq!(probe.prepared, 0);
     }
-    let outcomes: Vec<_> = group(2)
-        .run(|comm| {
-            let mut a = Probe::default();
-            let mut b = Probe::default();
-            let objects: &mut [&mut dyn Suspendable<LocalCommunicator>] = if comm.rank() == 0 {
-                &mut [&mut a, &mut b]
-            } else {
-                &mut [&mut a]
-            };
-            checkpoint_group(&comm, &driver, objects, &options(comm.rank()), |_| Ok(()))
-        })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect();
+    let outcomes: Vec<_> = every_rank(2, |comm| {
+        let mut a = Probe::default();
+        let mut b = Probe::default();
+        let objects: &mut [&mut dyn Suspendable<LocalCommunicator>] = if comm.rank() == 0 {
+            &mut [&mut a, &mut b]
+        } else {
+            &mut [&mut a]
+        };
+        checkpoint_own_process(&comm, &driver, objects, |_| Ok(()))
+    });
     for out in &outcomes {
-        let e = failed(out);
-        assert_eq!((e.step(), e.rank()), (Step::Check, 1));
+        let e = failed_at(out, Step::Check, 1);
         assert!(
             matches!(e.reason(), Some(Reason::ObjectCountMismatch { counts }) if counts == &[2, 1])
         );
@@ -547,34 +365,26 @@ fn an_object_that_cannot_suspend_or_a_differing_object_count_is_refused_at_the_c
 #[test]
 fn a_zero_lock_timeout_is_refused_and_the_timeout_reaches_the_driver() {
     let driver = FakeDriver::new();
-    let outcomes: Vec<_> = group(2)
-        .run(|comm| {
-            let opts = CheckpointOptions {
-                lock_timeout: Duration::ZERO,
-                ..options(comm.rank())
-            };
-            checkpoint_group(&comm, &driver, &mut [], &opts, |_| Ok(()))
-        })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect();
+    let outcomes: Vec<_> = every_rank(2, |comm| {
+        let opts = CheckpointOptions {
+            lock_timeout: Duration::ZERO,
+            ..options(comm.rank())
+        };
+        checkpoint_group(&comm, &driver, &mut [], &opts, |_| Ok(()))
+    });
     for out in &outcomes {
         assert!(matches!(
             failed(out).reason(),
             Some(Reason::InvalidOptions(_))
         ));
     }
-    let outcomes: Vec<_> = group(2)
-        .run(|comm| {
-            let opts = CheckpointOptions {
-                lock_timeout: Duration::from_millis(250),
-                ..options(comm.rank())
-            };
-            checkpoint_group(&comm, &driver, &mut [], &opts, |_| Ok(()))
-        })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect();
+    let outcomes: Vec<_> = every_rank(2, |comm| {
+        let opts = CheckpointOptions {
+            lock_timeout: Duration::from_millis(250),
+            ..options(comm.rank())
+        };
+        checkpoint_group(&comm, &driver, &mut [], &opts, |_| Ok(()))
+    });
     assert!(outcomes.iter().all(Result::is_ok));
     assert_eq!(driver.lock_timeouts(), vec![Duration::from_millis(250); 2]);
 }
@@ -584,39 +394,18 @@ fn a_rank_panicking_in_the_pause_leaves_no_process_locked_or_checkpointed() {
     let driver = FakeDriver::new();
     let outcomes = group(3).run(|comm| {
         let mut probe = Probe::default();
-        checkpoint_group(
-            &comm,
-            &driver,
-            &mut [&mut probe],
-            &options(comm.rank()),
-            |p| {
-                if p.rank == 1 {
-                    panic!("the pause panicked");
-                }
-                Ok(())
-            },
-        )
+        checkpoint_own_process(&comm, &driver, &mut [&mut probe], pause_panicking_on(1))
     });
     assert!(outcomes[1].is_err(), "rank 1 panicked");
     for rank in [0, 2] {
         let out = outcomes[rank].as_ref().expect("rank finished");
-        match out {
-            Err(CheckpointError::Exchange { step, local, .. }) => {
-                assert_eq!(*step, Step::Pause);
-                assert!(local.contains("running"), "{local}");
-            }
-            other => panic!("rank {rank}: {other:?}"),
-        }
+        let (step, local) = exchange_failure(out);
+        assert_eq!(step, Step::Pause);
+        assert!(local.contains("running"), "{local}");
     }
     // The panicking rank's guard rolled its process back while unwinding; the others
     // rolled back alone when the exchange failed.
-    for r in 0..3 {
-        assert_eq!(
-            driver.state_of(pid_of(r)),
-            ProcessState::Running,
-            "rank {r}"
-        );
-    }
+    (0..3).for_each(|r| assert_running(&driver, r));
 }
 
 #[test]
@@ -627,12 +416,7 @@ fn a_process_locked_by_someone_else_is_not_unlocked_by_the_sequence() {
     driver.lock(pid_of(1), Duration::from_secs(1)).unwrap();
     let outcomes = run_probe(2, &driver, |_| Probe::default());
     for (out, probe) in &outcomes {
-        let CheckpointError::Failed {
-            first, aftermath, ..
-        } = failed(out)
-        else {
-            panic!("{out:?}")
-        };
+        let (first, aftermath) = agreed_failure(out);
         assert_eq!((first.step, first.rank), (Step::Lock, 1));
         assert!(matches!(&first.reason, Reason::Driver(e) if e.code == 401));
         assert_eq!(
@@ -644,7 +428,7 @@ fn a_process_locked_by_someone_else_is_not_unlocked_by_the_sequence() {
     }
     // Its lock is still the other tool's; ours on rank 0 was undone.
     assert_eq!(driver.state_of(pid_of(1)), ProcessState::Locked);
-    assert_eq!(driver.state_of(pid_of(0)), ProcessState::Running);
+    assert_running(&driver, 0);
     let unlocks = driver
         .log()
         .iter()
@@ -666,23 +450,13 @@ fn a_lock_that_failed_but_left_the_process_locked_is_unlocked() {
 /// objects resumed.
 fn assert_rank_1s_failed_lock_was_undone(outcomes: &[Outcome], fake: &FakeDriver) {
     for (out, probe) in outcomes {
-        let CheckpointError::Failed {
-            first, aftermath, ..
-        } = failed(out)
-        else {
-            panic!("{out:?}")
-        };
+        let (first, aftermath) = agreed_failure(out);
         assert_eq!((first.step, first.rank), (Step::Lock, 1));
         assert_eq!(aftermath.processes, [Some(ProcessState::Running); 2]);
         assert_eq!(aftermath.objects, ObjectsLeft::Resumed);
         assert_eq!(probe.resumed, 1);
     }
-    assert_eq!(
-        fake.state_of(pid_of(1)),
-        ProcessState::Running,
-        "left locked: {:?}",
-        fake.log()
-    );
+    assert_running(fake, 1);
     assert_ordering(&fake.log());
 }
 
@@ -691,28 +465,24 @@ fn ranks_of_separate_processes_with_the_same_pid_each_checkpoint_their_own() {
     // Two containers, each running its engine as pid 1 in its own PID namespace: each
     // process has a driver of its own (its own namespace), and the pid says nothing.
     let drivers = [FakeDriver::new(), FakeDriver::new()];
-    let outcomes: Vec<_> = group(2)
-        .run(|comm| {
-            let rank = comm.rank();
-            let opts = CheckpointOptions {
-                pid: Some(1),
-                process: Some(100 + rank as u64),
-                ..CheckpointOptions::default()
-            };
-            let mut ar = host_ar(&comm);
-            let out = checkpoint_group(&comm, &drivers[rank], &mut [&mut ar], &opts, |p| {
-                assert!(
-                    p.driver_rank,
-                    "rank {}: not its process's driver rank",
-                    p.rank
-                );
-                Ok(())
-            });
-            (out, ar.phase())
-        })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect();
+    let outcomes: Vec<_> = every_rank(2, |comm| {
+        let rank = comm.rank();
+        let opts = CheckpointOptions {
+            pid: Some(1),
+            process: Some(100 + rank as u64),
+            ..CheckpointOptions::default()
+        };
+        let mut ar = host_ar(&comm);
+        let out = checkpoint_group(&comm, &drivers[rank], &mut [&mut ar], &opts, |p| {
+            assert!(
+                p.driver_rank,
+                "rank {}: not its process's driver rank",
+                p.rank
+            );
+            Ok(())
+        });
+        (out, ar.phase())
+    });
     for (rank, (out, phase)) in outcomes.into_iter().enumerate() {
         let report = out.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert!(report.driver_rank, "rank {rank}");
@@ -746,25 +516,13 @@ fn a_failed_lock_whose_state_cannot_be_read_is_unlocked_and_never_reported_runni
 #[test]
 fn a_closed_all_reduce_is_refused_at_the_check_on_every_rank() {
     let driver = FakeDriver::new();
-    let outcomes: Vec<_> = group(2)
-        .run(|comm| {
-            let mut ar = host_ar(&comm);
-            ar.close_with(&comm).expect("close");
-            checkpoint_group(
-                &comm,
-                &driver,
-                &mut [&mut ar],
-                &options(comm.rank()),
-                |_| Ok(()),
-            )
-        })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect();
+    let outcomes: Vec<_> = every_rank(2, |comm| {
+        let mut ar = host_ar(&comm);
+        ar.close_with(&comm).expect("close");
+        checkpoint_own_process(&comm, &driver, &mut [&mut ar], |_| Ok(()))
+    });
     for out in &outcomes {
-        let CheckpointError::Failed { first, .. } = failed(out) else {
-            panic!("{out:?}")
-        };
+        let (first, _) = agreed_failure(out);
         assert_eq!((first.step, first.rank), (Step::Check, 0));
         let Reason::CannotSuspend { object, why, .. } = &first.reason else {
             panic!("{out:?}")
@@ -775,133 +533,16 @@ fn a_closed_all_reduce_is_refused_at_the_check_on_every_rank() {
     assert!(driver.log().is_empty(), "{:?}", driver.log());
 }
 
-/// The fake driver with faults the fake itself does not model: `cuCheckpointProcessGetState`
-/// always failing (unless `state_readable`), one call on one pid that does its work and
-/// then fails anyway (a call that failed late), a pause before the unlocks of one pid, and
-/// one pid whose CUDA IPC imports the driver cannot see (as the real driver cannot see
-/// another process's).
-struct Faulty {
-    fake: FakeDriver,
-    state_readable: bool,
-    late: Option<(Call, u32)>,
-    slow_unlock: Option<(u32, Duration)>,
-    imports_unseen: Option<u32>,
-}
-
-impl Faulty {
-    /// The fake with its state unreadable and nothing else changed.
-    fn new(fake: &FakeDriver) -> Self {
-        Self {
-            fake: fake.clone(),
-            state_readable: false,
-            late: None,
-            slow_unlock: None,
-            imports_unseen: None,
-        }
-    }
-
-    fn late(fake: &FakeDriver, call: Call, pid: u32) -> Self {
-        Self {
-            late: Some((call, pid)),
-            ..Self::new(fake)
-        }
-    }
-
-    /// `done`, or a failure when `call` on `pid` is the late one.
-    fn outcome(
-        &self,
-        call: Call,
-        pid: u32,
-        done: Result<(), tpcomm_checkpoint::DriverError>,
-    ) -> Result<(), tpcomm_checkpoint::DriverError> {
-        done?;
-        if self.late == Some((call, pid)) {
-            return Err(tpcomm_checkpoint::DriverError {
-                entry_point: "late".into(),
-                pid,
-                code: 909,
-                name: "CUDA_ERROR_TIMEOUT".into(),
-            });
-        }
-        Ok(())
-    }
-}
-
-impl tpcomm_checkpoint::CheckpointDriver for Faulty {
-    fn support(&self) -> Result<tpcomm_checkpoint::DriverInfo, tpcomm_checkpoint::Unsupported> {
-        self.fake.support()
-    }
-    fn lock(&self, pid: u32, timeout: Duration) -> Result<(), tpcomm_checkpoint::DriverError> {
-        self.outcome(Call::Lock, pid, self.fake.lock(pid, timeout))
-    }
-    fn checkpoint(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
-        self.outcome(Call::Checkpoint, pid, self.fake.checkpoint(pid))
-    }
-    fn restore(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
-        self.outcome(Call::Restore, pid, self.fake.restore(pid))
-    }
-    fn unlock(&self, pid: u32) -> Result<(), tpcomm_checkpoint::DriverError> {
-        if let Some((slow, pause)) = self.slow_unlock {
-            if slow == pid {
-                std::thread::sleep(pause);
-            }
-        }
-        self.outcome(Call::Unlock, pid, self.fake.unlock(pid))
-    }
-    fn state(&self, pid: u32) -> Result<ProcessState, tpcomm_checkpoint::DriverError> {
-        if self.state_readable {
-            return self.fake.state(pid);
-        }
-        Err(tpcomm_checkpoint::DriverError {
-            entry_point: "cuCheckpointProcessGetState".into(),
-            pid,
-            code: 999,
-            name: "CUDA_ERROR_UNKNOWN".into(),
-        })
-    }
-    fn imported_ipc_mappings(&self, pid: u32) -> Option<usize> {
-        if self.imports_unseen == Some(pid) {
-            return None;
-        }
-        self.fake.imported_ipc_mappings(pid)
-    }
-}
-
-/// Runs one checkpoint on two ranks (each its own process) with `driver`.
-fn run_two(driver: &(dyn tpcomm_checkpoint::CheckpointDriver + Sync)) -> Vec<Outcome> {
-    group(2)
-        .run(|comm| {
-            let mut probe = Probe::default();
-            let out = checkpoint_group(
-                &comm,
-                driver,
-                &mut [&mut probe],
-                &options(comm.rank()),
-                |_| Ok(()),
-            );
-            (out, probe)
-        })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect()
-}
-
 #[test]
 fn a_restore_that_failed_late_with_an_unreadable_state_is_still_unlocked() {
     let fake = FakeDriver::new();
     let outcomes = run_two(&Faulty::late(&fake, Call::Restore, pid_of(1)));
     for (out, _) in &outcomes {
-        let e = failed(out);
-        assert_eq!((e.step(), e.rank()), (Step::Restore, 1));
+        failed_at(out, Step::Restore, 1);
     }
     // The restore may have worked before it failed: the sequence tried the unlock, which
     // freed the process.
-    assert_eq!(
-        fake.state_of(pid_of(1)),
-        ProcessState::Running,
-        "{:?}",
-        fake.log()
-    );
+    assert_running(&fake, 1);
     assert_ordering(&fake.log());
 }
 
@@ -910,8 +551,7 @@ fn a_checkpoint_that_failed_late_with_an_unreadable_state_is_still_restored_and_
     let fake = FakeDriver::new();
     let outcomes = run_two(&Faulty::late(&fake, Call::Checkpoint, pid_of(0)));
     for (out, _) in &outcomes {
-        let e = failed(out);
-        assert_eq!((e.step(), e.rank()), (Step::Checkpoint, 0));
+        failed_at(out, Step::Checkpoint, 0);
     }
     let log = fake.log();
     assert!(
@@ -919,7 +559,7 @@ fn a_checkpoint_that_failed_late_with_an_unreadable_state_is_still_restored_and_
             .any(|e| (e.call, e.pid) == (Call::Restore, pid_of(0))),
         "the checkpoint may have worked: a restore must be tried: {log:?}"
     );
-    assert_eq!(fake.state_of(pid_of(0)), ProcessState::Running, "{log:?}");
+    assert_running(&fake, 0);
 }
 
 #[test]
@@ -936,33 +576,19 @@ fn an_exchange_lost_after_a_failed_unlock_unlocks_again_and_says_so() {
         .timeout(Duration::from_secs(2))
         .run(|comm| {
             let mut probe = Probe::default();
-            checkpoint_group(
-                &comm,
-                &driver,
-                &mut [&mut probe],
-                &options(comm.rank()),
-                |_| Ok(()),
-            )
+            checkpoint_own_process(&comm, &driver, &mut [&mut probe], |_| Ok(()))
         })
         .into_iter()
         .map(|r| r.expect("rank finished"))
         .collect();
-    match &outcomes[0] {
-        Err(CheckpointError::Exchange { step, local, .. }) => {
-            assert_eq!(*step, Step::Unlock);
-            assert!(
-                local.contains("running") && local.contains("rolled back"),
-                "{local}"
-            );
-        }
-        other => panic!("rank 0: {other:?}"),
-    }
-    assert_eq!(
-        fake.state_of(pid_of(0)),
-        ProcessState::Running,
-        "{:?}",
-        fake.log()
+    let (step, local) = exchange_failure(&outcomes[0]);
+    assert_eq!(step, Step::Unlock);
+    assert!(
+        local.contains("running") && local.contains("rolled back"),
+        "{local}"
     );
+
+    assert_running(&fake, 0);
 }
 
 #[test]
@@ -975,66 +601,40 @@ fn a_rank_sharing_its_process_names_the_driver_rank_when_its_exchange_fails() {
             ..CheckpointOptions::default()
         };
         let mut probe = Probe::default();
-        checkpoint_group(&comm, &driver, &mut [&mut probe], &opts, |p| {
-            if p.rank == 2 {
-                panic!("the pause panicked");
-            }
-            Ok(())
-        })
+        checkpoint_group(
+            &comm,
+            &driver,
+            &mut [&mut probe],
+            &opts,
+            pause_panicking_on(2),
+        )
     });
-    match outcomes[1].as_ref().expect("rank 1 finished") {
-        Err(CheckpointError::Exchange { step, local, .. }) => {
-            assert_eq!(*step, Step::Pause);
-            assert!(
-                local.contains("rank 0") && !local.contains("as it was"),
-                "{local}"
-            );
-        }
-        other => panic!("rank 1: {other:?}"),
-    }
+    let (step, local) = exchange_failure(outcomes[1].as_ref().expect("rank 1 finished"));
+    assert_eq!(step, Step::Pause);
+    assert!(
+        local.contains("rank 0") && !local.contains("as it was"),
+        "{local}"
+    );
+
     assert_eq!(driver.state_of(500), ProcessState::Running);
-}
-
-/// A suspendable object of another kind than [`Probe`] (its transitions are barriers too).
-#[derive(Debug, Default)]
-struct Other(usize);
-
-impl<C: Communicator + ?Sized> Suspendable<C> for Other {
-    fn name(&self) -> String {
-        "other".into()
-    }
-    fn suspend_support(&self) -> Result<(), String> {
-        Ok(())
-    }
-    fn prepare_for_suspend(&mut self, comm: &C) -> Result<(), BoxError> {
-        probe_step(comm, &mut self.0, false, "prepare")
-    }
-    fn reinit_after_resume(&mut self, comm: &C) -> Result<(), BoxError> {
-        probe_step(comm, &mut self.0, false, "reinit")
-    }
 }
 
 #[test]
 fn ranks_registering_different_objects_in_the_same_number_are_refused_at_the_check() {
     let driver = FakeDriver::new();
-    let outcomes: Vec<_> = group(2)
-        .run(|comm| {
-            let mut probe = Probe::default();
-            let mut other = Other::default();
-            let objects: &mut [&mut dyn Suspendable<LocalCommunicator>] = if comm.rank() == 0 {
-                &mut [&mut probe, &mut other]
-            } else {
-                &mut [&mut other, &mut probe]
-            };
-            let out = checkpoint_group(&comm, &driver, objects, &options(comm.rank()), |_| Ok(()));
-            (out, probe.prepared + other.0)
-        })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect();
+    let outcomes: Vec<_> = every_rank(2, |comm| {
+        let mut probe = Probe::default();
+        let mut other = Other::default();
+        let objects: &mut [&mut dyn Suspendable<LocalCommunicator>] = if comm.rank() == 0 {
+            &mut [&mut probe, &mut other]
+        } else {
+            &mut [&mut other, &mut probe]
+        };
+        let out = checkpoint_own_process(&comm, &driver, objects, |_| Ok(()));
+        (out, probe.prepared + other.0)
+    });
     for (out, transitions) in &outcomes {
-        let e = failed(out);
-        assert_eq!((e.step(), e.rank()), (Step::Check, 1));
+        let e = failed_at(out, Step::Check, 1);
         match e.reason() {
             Some(Reason::ObjectMismatch { object: 0, names }) => {
                 assert_eq!(names, &["probe", "other"]);
@@ -1055,13 +655,12 @@ fn a_process_whose_imports_the_driver_cannot_see_is_never_locked() {
         ..Faulty::new(&fake)
     });
     for (out, _) in &outcomes {
-        let e = failed(out);
-        assert_eq!((e.step(), e.rank()), (Step::Lock, 1));
+        let e = failed_at(out, Step::Lock, 1);
         assert_eq!(e.reason(), Some(&Reason::ImportsUnknown { pid: pid_of(1) }));
     }
     let log = fake.log();
     assert!(log.iter().all(|e| e.pid != pid_of(1)), "{log:?}");
-    assert_eq!(fake.state_of(pid_of(0)), ProcessState::Running);
+    assert_running(&fake, 0);
 }
 
 #[test]
@@ -1072,12 +671,7 @@ fn a_restore_that_failed_with_an_unreadable_state_is_reported_unreadable_not_loc
     fake.fail_next(Call::Restore, pid_of(1), 999);
     let driver = Faulty::new(&fake);
     for (out, probe) in &run_two(&driver) {
-        let CheckpointError::Failed {
-            first, aftermath, ..
-        } = failed(out)
-        else {
-            panic!("{out:?}")
-        };
+        let (first, aftermath) = agreed_failure(out);
         assert_eq!((first.step, first.rank), (Step::Restore, 1));
         assert_eq!(
             aftermath.processes,
@@ -1098,118 +692,35 @@ fn a_rollback_whose_restore_failed_late_with_an_unreadable_state_still_unlocks()
     let driver = Faulty::late(&fake, Call::Restore, pid_of(0));
     let outcomes = group(2).run(|comm| {
         let mut probe = Probe::default();
-        checkpoint_group(
-            &comm,
-            &driver,
-            &mut [&mut probe],
-            &options(comm.rank()),
-            |p| {
-                if p.rank == 1 {
-                    panic!("the pause panicked");
-                }
-                Ok(())
-            },
-        )
+        checkpoint_own_process(&comm, &driver, &mut [&mut probe], pause_panicking_on(1))
     });
-    match outcomes[0].as_ref().expect("rank 0 finished") {
-        Err(CheckpointError::Exchange { step, local, .. }) => {
-            assert_eq!(*step, Step::Pause);
-            assert!(local.contains("running"), "{local}");
-        }
-        other => panic!("rank 0: {other:?}"),
-    }
-    assert_eq!(
-        fake.state_of(pid_of(0)),
-        ProcessState::Running,
-        "{:?}",
-        fake.log()
-    );
-}
+    let (step, local) = exchange_failure(outcomes[0].as_ref().expect("rank 0 finished"));
+    assert_eq!(step, Step::Pause);
+    assert!(local.contains("running"), "{local}");
 
-/// Host memory whose peer handles a checkpoint cannot bring back, as legacy CUDA IPC
-/// handles of another process cannot be opened again after a restore.
-#[derive(Debug, Clone, Default)]
-struct Unrestorable(HostMemory);
-
-impl tpcomm_ipc::PeerMemory for Unrestorable {
-    type Handle = tpcomm_ipc::HostHandle;
-    type Buffer = tpcomm_ipc::HostBuffer;
-    type Mapping = tpcomm_ipc::HostMapping;
-
-    fn name(&self) -> &'static str {
-        "host-unrestorable"
-    }
-    fn allocate(&self, bytes: usize) -> tpcomm_ipc::Result<Self::Buffer> {
-        self.0.allocate(bytes)
-    }
-    fn allocate_private(&self, bytes: usize) -> tpcomm_ipc::Result<Self::Buffer> {
-        self.0.allocate_private(bytes)
-    }
-    fn export(&self, addr: u64, len: usize) -> tpcomm_ipc::Result<Self::Handle> {
-        self.0.export(addr, len)
-    }
-    fn open(&self, handle: &Self::Handle) -> tpcomm_ipc::Result<Self::Mapping> {
-        self.0.open(handle)
-    }
-    fn close(&self, mapping: Self::Mapping) -> tpcomm_ipc::Result<()> {
-        self.0.close(mapping)
-    }
-    fn write<R: tpcomm_ipc::MemoryRegion>(
-        &self,
-        region: &R,
-        offset: usize,
-        src: &[u8],
-    ) -> tpcomm_ipc::Result<()> {
-        self.0.write(region, offset, src)
-    }
-    fn read<R: tpcomm_ipc::MemoryRegion>(
-        &self,
-        region: &R,
-        offset: usize,
-        dst: &mut [u8],
-    ) -> tpcomm_ipc::Result<()> {
-        self.0.read(region, offset, dst)
-    }
-    fn checkpoint_blocker(&self, handle: &Self::Handle) -> Option<String> {
-        Some(format!(
-            "memory of process {} that cannot be opened again after a restore",
-            handle.pid
-        ))
-    }
+    assert_running(&fake, 0);
 }
 
 #[test]
 fn an_all_reduce_mapping_memory_a_restore_cannot_bring_back_is_refused_naming_the_buffer() {
     let driver = FakeDriver::new();
-    let outcomes: Vec<_> = group(2)
-        .run(|comm| {
-            let mut ar = CustomAllReduce::new(
-                HostBackend::<Unrestorable>::new(),
-                Unrestorable::default(),
-                &comm,
-                Config::default(),
-            )
-            .expect("all-reduce");
-            let out = checkpoint_group(
-                &comm,
-                &driver,
-                &mut [&mut ar],
-                &options(comm.rank()),
-                |_| Ok(()),
-            );
-            // Refused before anything was touched: the communicator is still usable.
-            let mut sum = [0f32; 4];
-            ar.all_reduce(&[1.0; 4], &mut sum).expect("still Active");
-            (out, sum)
-        })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect();
+    let outcomes: Vec<_> = every_rank(2, |comm| {
+        let mut ar = CustomAllReduce::new(
+            HostBackend::<Unrestorable>::new(),
+            Unrestorable::default(),
+            &comm,
+            Config::default(),
+        )
+        .expect("all-reduce");
+        let out = checkpoint_own_process(&comm, &driver, &mut [&mut ar], |_| Ok(()));
+        // Refused before anything was touched: the communicator is still usable.
+        let mut sum = [0f32; 4];
+        ar.all_reduce(&[1.0; 4], &mut sum).expect("still Active");
+        (out, sum)
+    });
     for (out, sum) in &outcomes {
         assert_eq!(*sum, [2.0; 4]);
-        let CheckpointError::Failed { first, .. } = failed(out) else {
-            panic!("{out:?}")
-        };
+        let (first, _) = agreed_failure(out);
         assert_eq!((first.step, first.rank), (Step::Check, 0));
         let Reason::CannotSuspend { why, .. } = &first.reason else {
             panic!("{out:?}")
@@ -1230,47 +741,37 @@ fn an_all_reduce_mapping_memory_a_restore_cannot_bring_back_is_refused_naming_th
 fn a_checkpoint_of_an_all_reduce_on_stable_memory_releases_its_buffers_and_keeps_every_address() {
     use tpcomm_ipc::{IpcError, PeerMemory};
     let driver = FakeDriver::new();
-    let outcomes: Vec<_> = group(2)
-        .run(|comm| {
-            let memory = HostMemory::stable();
-            let mut ar =
-                CustomAllReduce::new(HostBackend::new(), memory.clone(), &comm, Config::default())
-                    .expect("all-reduce");
-            let peer = 1 - comm.rank();
-            let before: Vec<u64> = (0..3).map(|i| ar.base_address(peer, i).unwrap()).collect();
-            let own: Vec<u64> = (0..3)
-                .map(|i| ar.base_address(comm.rank(), i).unwrap())
-                .collect();
-            let writes = ar.table_writes();
-            let mut released_in_pause = false;
-            checkpoint_group(
-                &comm,
-                &driver,
-                &mut [&mut ar],
-                &options(comm.rank()),
-                |_| {
-                    // While every process is checkpointed, this rank's Signal, staging and
-                    // temp buffers have no memory behind them (nothing to export).
-                    released_in_pause = own.iter().all(|&a| {
-                        matches!(memory.export(a, 8), Err(IpcError::NotExportable { .. }))
-                    });
-                    Ok(())
-                },
-            )
-            .expect("checkpoint");
-            let after: Vec<u64> = (0..3).map(|i| ar.base_address(peer, i).unwrap()).collect();
-            let mut sum = [0f32; 64];
-            ar.all_reduce(&[1.0; 64], &mut sum).expect("resumed");
-            (
-                released_in_pause,
-                before == after,
-                ar.table_writes() == writes,
-                sum,
-            )
+    let outcomes: Vec<_> = every_rank(2, |comm| {
+        let memory = HostMemory::stable();
+        let mut ar =
+            CustomAllReduce::new(HostBackend::new(), memory.clone(), &comm, Config::default())
+                .expect("all-reduce");
+        let peer = 1 - comm.rank();
+        let before: Vec<u64> = (0..3).map(|i| ar.base_address(peer, i).unwrap()).collect();
+        let own: Vec<u64> = (0..3)
+            .map(|i| ar.base_address(comm.rank(), i).unwrap())
+            .collect();
+        let writes = ar.table_writes();
+        let mut released_in_pause = false;
+        checkpoint_own_process(&comm, &driver, &mut [&mut ar], |_| {
+            // While every process is checkpointed, this rank's Signal, staging and
+            // temp buffers have no memory behind them (nothing to export).
+            released_in_pause = own
+                .iter()
+                .all(|&a| matches!(memory.export(a, 8), Err(IpcError::NotExportable { .. })));
+            Ok(())
         })
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect();
+        .expect("checkpoint");
+        let after: Vec<u64> = (0..3).map(|i| ar.base_address(peer, i).unwrap()).collect();
+        let mut sum = [0f32; 64];
+        ar.all_reduce(&[1.0; 64], &mut sum).expect("resumed");
+        (
+            released_in_pause,
+            before == after,
+            ar.table_writes() == writes,
+            sum,
+        )
+    });
     for (released, same, unwritten, sum) in outcomes {
         assert!(released, "a buffer kept its memory through the checkpoint");
         assert!(same, "a peer address moved");

@@ -1,10 +1,10 @@
-//! `ipc_probe`: a standalone probe of the CUDA driver for two processes on one GPU across
+//! `ipc-probe`: a standalone probe of the CUDA driver for two processes on one GPU across
 //! a process checkpoint (`cuCheckpointProcess*`), with no tpcomm logic: raw driver calls
 //! (cudarc's `driver::sys`, the checkpoint entry points through `libloading`) and system
 //! calls (`rustix`: `pidfd_open`, `pidfd_getfd`, `fstat`).
 //!
 //! ```text
-//! cargo run -p tpcomm-checkpoint --features cuda --example ipc_probe -- [--json FILE] [--only a,b] [--fake[=SPEC]] [--list]
+//! cargo run --manifest-path xtask/cuda-probe/Cargo.toml -- [--json FILE] [--only a,b] [--fake[=SPEC]] [--list]
 //! ```
 //!
 //! The parent starts itself twice per scenario (`--child A real`, `--child B real`) and

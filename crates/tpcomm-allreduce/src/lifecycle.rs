@@ -51,7 +51,8 @@ pub enum Transition {
 }
 
 impl Transition {
-    fn name(self) -> &'static str {
+    /// The call that runs it.
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Transition::Suspend => "prepare_for_suspend",
             Transition::Resume => "reinit_after_resume",

@@ -15,7 +15,9 @@ use tpcomm_transport::{Communicator, LocalGroup};
 
 use super::*;
 use crate::backend::host::HostBackend;
-use crate::dispatch::FallbackReason;
+use crate::backend::Launch;
+use crate::dispatch::{Algorithm, FallbackReason};
+use crate::dtype::DType;
 
 /// One recorded operation of the simulated graph.
 #[derive(Debug, Clone, Copy, PartialEq)]

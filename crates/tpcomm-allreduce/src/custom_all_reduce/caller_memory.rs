@@ -11,7 +11,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use tpcomm_ipc::{CudaBuffer, DevicePeerMemory};
 use tpcomm_ipc::{MemoryRegion, Region};
 
-use super::launch::check_no_alias;
+use super::launch::{byte_count, check_no_alias};
 use super::tables::PEER_ALIGN;
 use super::CustomAllReduce;
 #[cfg(feature = "cuda")]
@@ -49,9 +49,7 @@ impl<B: Backend> CustomAllReduce<B> {
         dtype: DType,
         count: usize,
     ) -> Result<Algorithm> {
-        let bytes = count
-            .checked_mul(dtype.size())
-            .ok_or_else(|| AllReduceError::InvalidArgument(format!("{count} elements overflow")))?;
+        let bytes = byte_count(dtype, count)?;
         let recording = self.backend.capturing()?;
         let registered = self.slot_of(input_addr, bytes);
         // The route first, from the call's shape alone (every rank of a same-shaped call
@@ -112,7 +110,7 @@ impl<B: Backend> CustomAllReduce<B> {
             recording,
             "all-reduce of caller memory"
         );
-        let launched = self.launch_slot(call, slot, dtype, count, algorithm, out, recording, None);
+        let launched = self.launch(call, slot, dtype, count, algorithm, out, recording, None);
         if launched.is_err() && registered.is_none() && recording {
             self.give_back_pending(slot);
         }

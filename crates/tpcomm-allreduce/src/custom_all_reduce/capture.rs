@@ -66,6 +66,8 @@ impl<B: Backend> CapturedPlan<'_, B> {
                 l.count,
                 l.algorithm,
                 l.output.addr(),
+                false,
+                None,
             )?;
         }
         Ok(())

@@ -81,7 +81,7 @@ impl<B: Backend> CustomAllReduce<B> {
         }
         let own_input = private.map(|part| (input.as_ptr() as u64, part));
         let out = output.as_mut_ptr() as u64;
-        self.launch_slot(
+        self.launch(
             "all_reduce",
             0,
             T::DTYPE,
@@ -203,7 +203,7 @@ impl<B: Backend> CustomAllReduce<B> {
         };
         match slot {
             Some(slot) => {
-                let launched = self.launch_slot(
+                let launched = self.launch(
                     "all_reduce_buffer",
                     slot,
                     dtype,
@@ -234,7 +234,7 @@ impl<B: Backend> CustomAllReduce<B> {
                         return Err(self.lifecycle.fail("all_reduce_buffer", e));
                     }
                 }
-                self.launch_slot(
+                self.launch(
                     "all_reduce_buffer",
                     0,
                     dtype,

@@ -22,6 +22,13 @@ pub(super) fn check_no_alias(
     Ok(())
 }
 
+/// The bytes of `count` elements of `dtype`, refused when they overflow.
+pub(super) fn byte_count(dtype: DType, count: usize) -> Result<usize> {
+    count
+        .checked_mul(dtype.size())
+        .ok_or_else(|| AllReduceError::InvalidArgument(format!("{count} elements overflow")))
+}
+
 impl<B: Backend> CustomAllReduce<B> {
     pub(super) fn checked_bytes(
         &self,
@@ -30,9 +37,7 @@ impl<B: Backend> CustomAllReduce<B> {
         input_len: usize,
         output_len: usize,
     ) -> Result<usize> {
-        let bytes = count
-            .checked_mul(dtype.size())
-            .ok_or_else(|| AllReduceError::InvalidArgument(format!("{count} elements overflow")))?;
+        let bytes = byte_count(dtype, count)?;
         if bytes > input_len || bytes > output_len {
             return Err(AllReduceError::InvalidArgument(format!(
                 "{count} {} elements ({bytes} bytes) do not fit the input ({input_len} bytes) or output ({output_len} bytes)",
@@ -42,25 +47,13 @@ impl<B: Backend> CustomAllReduce<B> {
         Ok(bytes)
     }
 
-    /// Runs one launch; a failure leaves the communicator Failed.
-    pub(super) fn launch(
-        &mut self,
-        call: &'static str,
-        slot: usize,
-        dtype: DType,
-        count: usize,
-        algorithm: Algorithm,
-        out: u64,
-    ) -> Result<()> {
-        self.launch_slot(call, slot, dtype, count, algorithm, out, false, None)
-    }
-
-    /// [`launch`](Self::launch); `recording` (a device graph capture) may name a slot still
-    /// waiting for `register_graph_buffers`, since nothing runs until the graph is replayed.
-    /// `own_input`: [`Launch::own_input`] with the private part of the input it serves
-    /// ([`Backend::private_part`], already computed by the caller to stage the rest).
+    /// Runs one launch; a failure leaves the communicator Failed. `recording` (a device
+    /// graph capture) may name a slot still waiting for `register_graph_buffers`, since
+    /// nothing runs until the graph is replayed. `own_input`: [`Launch::own_input`] with the
+    /// private part of the input it serves ([`Backend::private_part`], already computed by
+    /// the caller to stage the rest).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn launch_slot(
+    pub(super) fn launch(
         &mut self,
         call: &'static str,
         slot: usize,

@@ -335,6 +335,8 @@ impl<B: Backend> CustomAllReduce<B> {
             output.len(),
             algorithm,
             out,
+            false,
+            None,
         )?;
         Ok(algorithm)
     }

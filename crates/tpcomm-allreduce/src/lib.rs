@@ -7,7 +7,7 @@
 //! valid. The lifecycle is fail-fast: a failed transition leaves the communicator Failed
 //! for good.
 //!
-//! The driver ([`CustomAllReduce`]) is the same for every backend; a [`Backend`] only
+//! The communicator ([`CustomAllReduce`]) is the same for every backend; a [`Backend`] only
 //! knows its Signal layout and how to run one launch. [`HostBackend`] is a real CPU
 //! all-reduce over shared memory (CPU inference, and every piece of the lifecycle tested
 //! without a GPU); the CUDA backend plugs into the same trait.

@@ -1,8 +1,8 @@
-//! The driver's device-graph bookkeeping, without a GPU: a backend that records launches
-//! while "capturing" (as CUDA stream capture does) and runs them on the host otherwise. It
-//! checks slot assignment during a capture, the refusals before registration, the table
-//! contents after registration and after a resume that moves every peer mapping, and the
-//! results of the registered launches.
+//! The device-graph bookkeeping of `CustomAllReduce`, without a GPU: a backend that records
+//! launches while "capturing" (as CUDA stream capture does) and runs them on the host
+//! otherwise. It checks slot assignment during a capture, the refusals before registration,
+//! the table contents after registration and after a resume that moves every peer mapping,
+//! and the results of the registered launches.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -20,7 +20,7 @@ mod holds;
 use common::{check, forward_to_inner, inputs, read, run_seed, unwrap_all, R};
 
 /// The host backend, plus a capture switch: while on, launches are recorded (slot, count)
-/// instead of run, and the driver sees [`Backend::capturing`] true.
+/// instead of run, and `CustomAllReduce` sees [`Backend::capturing`] true.
 #[derive(Debug, Default)]
 struct Recording {
     inner: HostBackend,

@@ -1,6 +1,6 @@
 //! A backend that wraps another hands its launches on with `Launch::run_on`, which refuses
-//! an inner backend that needs more than the driver checked for the wrapper. (Launches
-//! themselves are made only by the driver: a `Launch` literal does not compile outside the
+//! an inner backend that needs more than `CustomAllReduce` checked for the wrapper. (Launches
+//! themselves are made only by `CustomAllReduce`: a `Launch` literal does not compile outside the
 //! crate, see the `compile_fail` example on `Launch`.)
 
 mod common;

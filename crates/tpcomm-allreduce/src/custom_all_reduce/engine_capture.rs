@@ -150,7 +150,7 @@ fn reduce(
 }
 
 /// Replays a simulated graph: the recorded stage copies run, every launch goes through the
-/// driver's replay checks.
+/// replay checks of `CustomAllReduce`.
 fn replay(ar: &mut Ar, graph: &[Op], inputs: &[&HostBuffer]) -> Result<()> {
     ar.check_replay()?;
     for op in graph {

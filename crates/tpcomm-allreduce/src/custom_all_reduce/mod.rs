@@ -242,7 +242,7 @@ impl<B: Backend> CustomAllReduce<B> {
         }
     }
 
-    /// Records a failure from outside the driver (a wrapper's own collective step): the
+    /// Records a failure from outside this type (a wrapper's own collective step): the
     /// communicator is Failed from now on. An error that already is this communicator's
     /// failure is returned as it is.
     #[cfg_attr(not(feature = "nccl"), allow(dead_code))]

@@ -108,7 +108,7 @@ impl<M: DevicePeerMemory> CudaBackend<M> {
         // arguments (kernels/allreduce.cu: RankData*, RankSignals*, Signal*, void*, int,
         // long long, unsigned long long), each pointed to by `params` for the call; the
         // pointers name this rank's stable tables, own Signal block and an output of
-        // `bytes` bytes that the driver checked; grid and block come from launch_config.
+        // `bytes` bytes that `CustomAllReduce` checked; grid and block come from launch_config.
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 function,

@@ -22,9 +22,9 @@
 //!   takes cudarc views (`DevicePtr` / `DevicePtrMut`): staged eagerly; inside a capture of
 //!   the stream, shared zero-copy when legacy IPC can export the input, else with the
 //!   staging copy captured.
-//! - **Capture.** While the stream is being captured (`cuStreamIsCapturing`), the driver gives
-//!   each new input the next RankData slot and records the launch; nothing is copied between
-//!   host and device and no table is written until
+//! - **Capture.** While the stream is being captured (`cuStreamIsCapturing`),
+//!   `CustomAllReduce` gives each new input the next RankData slot and records the launch;
+//!   nothing is copied between host and device and no table is written until
 //!   [`register_graph_buffers`](crate::CustomAllReduce::register_graph_buffers).
 //!   [`capture_graph`](crate::CustomAllReduce::capture_graph) captures and instantiates a
 //!   graph; [`replay_graph`](crate::CustomAllReduce::replay_graph) refuses to launch it

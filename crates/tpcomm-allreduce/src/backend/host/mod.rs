@@ -193,7 +193,7 @@ impl<M: HostLike> Backend for HostBackend<M> {
         // the launch.
         let counters = [0, 4, 8].map(|at| unsafe { flag(own, COUNTER + at) });
         // SAFETY: the own block is alive for the launch, and the tables hold live Signal
-        // mappings for every rank of the group (the driver rewrites them after every
+        // mappings for every rank of the group (`CustomAllReduce` rewrites them after every
         // reopen before any launch, and checked that each holds SIGNAL_BYTES); every block
         // is 8-byte aligned (checked above).
         let blocks = unsafe { SignalBlocks::new(own, &signals) };

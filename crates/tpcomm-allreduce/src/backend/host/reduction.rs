@@ -141,7 +141,7 @@ pub(super) fn run<T: Wide, M: HostLike>(
             verify,
             || {
                 // SAFETY: the start barrier ordered every rank's input writes before these
-                // reads; the driver checked that every rank's region in the slot holds
+                // reads; `CustomAllReduce` checked that every rank's region in the slot holds
                 // `count` elements and that the output does, `verify` that every rank
                 // launched `count` elements; no rank writes an input before the end
                 // barrier.
@@ -163,7 +163,7 @@ pub(super) fn run<T: Wide, M: HostLike>(
                 verify,
                 || {
                     let mine = part(l.count, T::DTYPE.size(), l.world, l.rank);
-                    // SAFETY: as above; the driver checked that every rank's temp buffer
+                    // SAFETY: as above; `CustomAllReduce` checked that every rank's temp buffer
                     // holds `count` elements; only this rank writes its own, before the mid
                     // barrier. The output is the caller's (never a temp buffer or a peer's
                     // input); with `direct` it is this rank's input or apart from it.
@@ -187,7 +187,7 @@ fn gather<T: Element, M: HostLike>(
         let bytes = p.len() * T::DTYPE.size();
         let offset = p.start * T::DTYPE.size();
         // SAFETY: rank r finished writing its part of its temp buffer before the
-        // mid barrier (release/acquire); the driver checked that every rank's temp buffer
+        // mid barrier (release/acquire); `CustomAllReduce` checked that every rank's temp buffer
         // and the output hold `count` elements; the output is the caller's, never a temp
         // buffer. `copy_bytes` keeps the speed of an output 16 bytes into a page (a large `Vec`).
         unsafe {

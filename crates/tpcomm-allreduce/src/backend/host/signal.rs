@@ -167,7 +167,7 @@ impl flags::Blocks for SignalBlocks<'_> {
     #[inline(always)]
     fn peer(&self, peer: usize, kind: flags::Kind, writer: usize) -> &AtomicU32 {
         // SAFETY: per `SignalBlocks::new`, the tables hold live Signal mappings for every
-        // rank of the group (the driver rewrites them after every reopen before any
+        // rank of the group (`CustomAllReduce` rewrites them after every reopen before any
         // launch); `writer < world <= 8` keeps the slot inside its 64-byte array.
         unsafe { flag(self.signals[peer], array(kind) + 4 * writer) }
     }

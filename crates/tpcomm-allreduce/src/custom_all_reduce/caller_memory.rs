@@ -1,9 +1,6 @@
-//! All-reduces of caller memory that is not a buffer of the backend's peer memory: the
-//! generic path (`all_reduce_external`: a registered buffer at the input's address, one slot
-//! per call while the backend is being captured, the input shared or its staging copy
-//! recorded, else the eager staging copy) and, on CUDA, `all_reduce_device` over cudarc
-//! views. The bookkeeping is tested on the host backend with a simulated stream capture
-//! (`engine_capture`).
+//! All-reduces of caller memory that is not peer memory (`all_reduce_device` on CUDA): a
+//! registered buffer at the input's address, one slot per call while the stream is being
+//! captured, else the staging copy. Tested without a GPU in `engine_capture`.
 
 #[cfg(feature = "cuda")]
 use cudarc::driver::{DevicePtr, DevicePtrMut};

@@ -1,9 +1,6 @@
-//! Capture and replay: [`CustomAllReduce::capture`] records launches into a
-//! [`CapturedPlan`], the host equivalent of a CUDA graph, which replays through the tables.
-//! Every captured call of an input not registered takes the next free RankData slot,
-//! pending until `register_graph_buffers` (collective) exports it; a capture that does not
-//! complete gives its slots back ([`CaptureGuard`]); the input of a capture that was dropped
-//! is replaced by staging bytes. CUDA graphs use the same slots (`device_graph`).
+//! Capture and replay: a [`CapturedPlan`] replays through the tables; each captured call of
+//! an unregistered input takes the next RankData slot, pending until `register_graph_buffers`;
+//! a capture that does not complete gives its slots back ([`CaptureGuard`]).
 
 use std::sync::{Arc, Weak};
 

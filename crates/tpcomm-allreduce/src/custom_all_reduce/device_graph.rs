@@ -1,7 +1,5 @@
-//! CUDA graphs of the all-reduce: a [`DeviceGraph`] from `capture_graph` (a capture of the
-//! backend's stream) or from an engine's own capture (`capture_mark` before it,
-//! `adopt_graph` after it), launched by `replay_graph` under the checks of every replay
-//! (`capture`).
+//! CUDA graphs of the all-reduce ([`DeviceGraph`]): `capture_graph`, an engine's own capture
+//! adopted (`capture_mark`, `adopt_graph`), and `replay_graph` under the checks of a replay.
 
 use cudarc::driver::{sys, CudaGraph};
 use tpcomm_ipc::DevicePeerMemory;

@@ -1,8 +1,6 @@
-//! The eager entry points: host slices (`all_reduce`; `all_reduce_or_transport`, which sends
-//! what the custom path cannot serve to the transport's numeric all-reduce) and buffers of
-//! the backend's memory (`all_reduce_buffer`: a registered input in place, a recorded launch
-//! while the backend captures a device graph, else eager). An eager input is staged: every
-//! part that peers read is copied into the staging buffer, RankData slot 0.
+//! The eager entry points: host slices (`all_reduce`, `all_reduce_or_transport`) and buffers
+//! of the backend's memory (`all_reduce_buffer`, which also reads registered inputs in place
+//! and records launches during a capture). The parts of an eager input peers read are staged.
 
 use tpcomm_ipc::{MemoryRegion, PeerMemory, Region};
 use tpcomm_transport::Communicator;

@@ -1,7 +1,6 @@
-//! The nonce proof of fresh peer mappings, at creation (where the backend asks,
-//! [`Backend::prove_at_creation`]) and after every resume: each rank writes a fresh nonce
-//! into its Signal block, the nonces are all-gathered in a tagged step, and each rank reads
-//! every peer's through its new mapping.
+//! The nonce proof of fresh peer mappings, at creation (where the backend asks) and after
+//! every resume: each rank writes a nonce into its Signal block and reads every peer's
+//! through its new mapping.
 
 use tpcomm_ipc::PeerMemory;
 use tpcomm_transport::Communicator;

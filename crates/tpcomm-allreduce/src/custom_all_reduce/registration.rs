@@ -1,7 +1,6 @@
-//! Registered buffers: a buffer shared with every peer up front (`register_buffer`,
-//! collective) is reduced zero-copy (`all_reduce_registered`, or `all_reduce_buffer`, which
-//! finds it by address) until `unregister` (collective) hands it back. Every registration,
-//! of a buffer or of captured inputs, is agreed in a tagged step first.
+//! Registered buffers: `register_buffer` (collective) shares a buffer so that its
+//! all-reduces are zero-copy, until `unregister` (collective) hands it back; every
+//! registration is agreed in a tagged step first.
 
 use std::sync::Arc;
 

@@ -1,8 +1,6 @@
-//! Suspend and resume: `prepare_for_suspend` (drain, close every peer mapping, release the
-//! buffers' memory where the backend can) and `reinit_after_resume` (restore the memory,
-//! reopen, rewrite the tables in place, reset the flags, prove the new mappings), every
-//! collective step tagged; and what a coordinator asks first (`check_suspend`,
-//! `check_checkpoint`).
+//! Suspend and resume: drain, close the mappings, release memory (`prepare_for_suspend`);
+//! restore, reopen, rewrite the tables, reset and prove (`reinit_after_resume`); and what a
+//! coordinator asks first (`check_suspend`, `check_checkpoint`).
 
 use tpcomm_ipc::PeerMemory;
 use tpcomm_transport::Communicator;

@@ -1,7 +1,5 @@
-//! The stable tables: RankSignals (every rank's Signal and temp address as mapped here) and
-//! the pool of RankData slots (every rank's input address, per slot), written from the
-//! current mappings at creation, after a registration and after a resume (where an address
-//! moved), and read back for diagnostics; the limits every launch is checked against.
+//! The stable tables (RankSignals, the RankData slots), written from the current mappings at
+//! creation, registration and resume, and the limits every launch is checked against.
 
 use tpcomm_ipc::{MemoryRegion, PeerMemory};
 

@@ -1,7 +1,5 @@
-//! Opening the device: the driver's entry points checked, the device's primary context, the
-//! stream (a fresh one, or the caller's, which must belong to that context), the fatbin of
-//! `tpcomm-kernels` loaded with every entry point resolved up front, and what the launch
-//! configuration and the topology probe need (multiprocessors, the device's UUID).
+//! Opening the device: the driver's entry points checked, its primary context, the stream
+//! (fresh, or the caller's, checked), and the fatbin loaded with every kernel resolved.
 
 use std::ffi::{c_void, CString};
 use std::sync::Arc;

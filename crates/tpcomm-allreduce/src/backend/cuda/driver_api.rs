@@ -1,8 +1,5 @@
-//! The CUDA driver as this backend calls it: the entry points it (and the cudarc calls it
-//! makes, the CUDA graph methods of [`CustomAllReduce`](crate::CustomAllReduce) included)
-//! needs, checked before the first call, and the wrapping of the driver's return codes into
-//! typed errors. The entry points themselves are cudarc's (`cudarc::driver::sys`), loaded at
-//! run time by `tpcomm_ipc`'s loader.
+//! The CUDA driver as this backend calls it: the entry points it needs (cudarc's
+//! declarations, checked before the first call) and their return codes as typed errors.
 
 use cudarc::driver::{sys, DriverError};
 use tpcomm_ipc::backend::cuda::result as cu;

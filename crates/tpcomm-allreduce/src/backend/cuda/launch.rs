@@ -1,7 +1,5 @@
-//! Kernel launches: which kernel and grid serve a request (`tpcomm_kernels::launch_config`,
-//! bounded by the blocks each rank may use), and the launch itself on the backend's stream,
-//! whose arguments name the RankData slot, this rank's RankSignals table and Signal block
-//! and the output, never a peer address.
+//! Kernel launches: the kernel and grid of a request (`route`, `block_bound`), and the launch
+//! on the stream, whose arguments name the tables, never a peer address.
 
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;

@@ -446,21 +446,33 @@ fn peer_addresses(ar: &AllReduce, world: usize) -> Result<Vec<u64>, Error> {
     Ok(out)
 }
 
-/// One rank's run, from the warm-up to the close; returns its report line.
-#[allow(clippy::too_many_arguments)]
-fn run<P>(
-    comm: &LocalCommunicator,
+/// What one rank's [`run`] works with besides its tensors.
+#[derive(Clone, Copy)]
+struct Engine<'a> {
+    comm: &'a LocalCommunicator,
     devices: usize,
-    memory: &CudaMemory,
-    stream: &Arc<CudaStream>,
+    memory: &'a CudaMemory,
+    stream: &'a Arc<CudaStream>,
+    model: &'a Model,
+}
+
+/// One rank's run, from the warm-up to the close; returns its report line.
+fn run<P>(
+    engine: Engine<'_>,
     block: &mut Block,
     partial: &mut P,
     y: &mut CudaSlice<f32>,
-    model: &Model,
 ) -> Result<String, Error>
 where
     P: DevicePtr<f32> + DevicePtrMut<f32>,
 {
+    let Engine {
+        comm,
+        devices,
+        memory,
+        stream,
+        model,
+    } = engine;
     let world = comm.size();
     // Warm-up before any all-reduce exists: cuBLAS picks and loads its kernels for these
     // shapes and this workspace, the driver compiles the PTX.
@@ -547,34 +559,23 @@ fn rank(
     let memory = CudaMemory::same_process(ordinal as i32)?;
     let mut block = Block::new(&ctx, &stream, model, rank, world)?;
     let mut y = stream.alloc_zeros::<f32>(TOKENS * HIDDEN)?;
+    let engine = Engine {
+        comm,
+        devices,
+        memory: &memory,
+        stream: &stream,
+        model,
+    };
     let (where_, line) = if pool {
         // cudarc's pool memory: the all-reduce captures its staging copy into the graph.
         let mut partial = stream.alloc_zeros::<f32>(TOKENS * HIDDEN)?;
-        let line = run(
-            comm,
-            devices,
-            &memory,
-            &stream,
-            &mut block,
-            &mut partial,
-            &mut y,
-            model,
-        );
+        let line = run(engine, &mut block, &mut partial, &mut y);
         ("cudarc pool memory (staging copy in the graph)", line?)
     } else {
         // Exportable memory seen as a cudarc view: the graph shares it with the peers.
         let buffer = memory.allocate(TOKENS * HIDDEN * std::mem::size_of::<f32>())?;
         let mut partial = buffer.view::<f32>(TOKENS * HIDDEN, &stream)?;
-        let line = run(
-            comm,
-            devices,
-            &memory,
-            &stream,
-            &mut block,
-            &mut partial,
-            &mut y,
-            model,
-        );
+        let line = run(engine, &mut block, &mut partial, &mut y);
         ("exportable memory (zero-copy in the graph)", line?)
     };
     Ok(format!(

@@ -8,9 +8,9 @@ use tpcomm_ipc::{CudaBuffer, CudaMemory, DevicePeerMemory};
 use tpcomm_transport::device::{DeviceCommunicator, DeviceElement, ReduceOp};
 use tpcomm_transport::{Communicator, NcclCommunicator};
 
-use crate::backend::cuda::{CaptureMark, CudaBackend, CudaOptions, DeviceGraph};
+use crate::backend::cuda::{CudaBackend, CudaOptions};
+use crate::custom_all_reduce::{CaptureMark, Config, CustomAllReduce, DeviceGraph};
 use crate::dispatch::{Algorithm, FallbackReason};
-use crate::driver::{Config, CustomAllReduce};
 use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
 use crate::lifecycle::{join_every_step, Phase};

@@ -7,7 +7,7 @@
 //! valid. The lifecycle is fail-fast: a failed transition leaves the communicator Failed
 //! for good.
 //!
-//! The driver ([`CustomAllReduce`]) is the same for every backend; a [`Backend`] only
+//! The communicator ([`CustomAllReduce`]) is the same for every backend; a [`Backend`] only
 //! knows its Signal layout and how to run one launch. [`HostBackend`] is a real CPU
 //! all-reduce over shared memory (CPU inference, and every piece of the lifecycle tested
 //! without a GPU); the CUDA backend plugs into the same trait.
@@ -15,8 +15,8 @@
 //! See `docs/all-reduce.md` and `docs/lifecycle.md`.
 
 pub mod backend;
+mod custom_all_reduce;
 pub mod dispatch;
-mod driver;
 pub mod dtype;
 mod error;
 #[cfg(feature = "nccl")]
@@ -25,11 +25,15 @@ pub mod lifecycle;
 pub mod topology;
 
 #[cfg(feature = "cuda")]
-pub use backend::cuda::{CaptureMark, CudaBackend, CudaOptions, DeviceGraph};
+pub use backend::cuda::{CudaBackend, CudaOptions};
 pub use backend::host::HostBackend;
 pub use backend::Backend;
+pub use custom_all_reduce::{
+    Capture, CapturedPlan, Config, CustomAllReduce, HostRoute, RegisteredInput,
+};
+#[cfg(feature = "cuda")]
+pub use custom_all_reduce::{CaptureMark, DeviceGraph};
 pub use dispatch::{Algorithm, FallbackReason};
-pub use driver::{Capture, CapturedPlan, Config, CustomAllReduce, HostRoute, RegisteredInput};
 pub use dtype::{DType, Element};
 pub use error::{AllReduceError, Refused, Result};
 #[cfg(feature = "nccl")]

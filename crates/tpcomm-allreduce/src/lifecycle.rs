@@ -8,8 +8,8 @@
 //!     +--------------- close() from any state ---------------> Closed (final)
 //! ```
 //!
-//! Repeating a successful transition is a no-op. The driver
-//! ([`CustomAllReduce`](crate::CustomAllReduce)) asks this machine what to do before each
+//! Repeating a successful transition is a no-op.
+//! [`CustomAllReduce`](crate::CustomAllReduce) asks this machine what to do before each
 //! call and reports the outcome after it.
 
 use std::fmt;
@@ -41,7 +41,7 @@ impl fmt::Display for Phase {
     }
 }
 
-/// A transition the driver may be asked to run.
+/// A transition `CustomAllReduce` may be asked to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transition {
     /// `prepare_for_suspend`.
@@ -51,7 +51,8 @@ pub enum Transition {
 }
 
 impl Transition {
-    fn name(self) -> &'static str {
+    /// The call that runs it.
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Transition::Suspend => "prepare_for_suspend",
             Transition::Resume => "reinit_after_resume",
@@ -59,7 +60,7 @@ impl Transition {
     }
 }
 
-/// What the driver must do for a requested transition.
+/// What `CustomAllReduce` must do for a requested transition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
     /// Run it, then report with [`Lifecycle::finish`].

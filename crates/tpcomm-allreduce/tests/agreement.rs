@@ -1,21 +1,17 @@
 //! Settings that differ across ranks are refused by `CustomAllReduce::new` on every rank,
 //! naming the field and every rank's value; a rank that cannot set up fails every rank.
 
+mod common;
+
 use std::time::Duration;
 
-use tpcomm_allreduce::backend::{Buffer, Launch};
+use common::{forward_to_inner, group, R};
 use tpcomm_allreduce::{
     Algorithm, AllReduceError, Backend, Config, CustomAllReduce, DType, FallbackReason,
     HostBackend, TopologyCheck,
 };
 use tpcomm_ipc::HostMemory;
-use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
-
-type R<T> = tpcomm_allreduce::Result<T>;
-
-fn group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(60))
-}
+use tpcomm_transport::{Communicator, LocalCommunicator};
 
 /// Runs `new` on two ranks with `config(rank)` and returns each rank's outcome.
 fn new_with(config: impl Fn(usize) -> Config + Sync) -> Vec<R<()>> {
@@ -138,23 +134,13 @@ struct Renamed {
 impl Backend for Renamed {
     type Memory = HostMemory;
 
+    forward_to_inner!(signal_bytes, nonce_offset, reset_signal, launch, stage);
+
     fn name(&self) -> &'static str {
         self.name
     }
-    fn signal_bytes(&self) -> usize {
-        self.inner.signal_bytes()
-    }
-    fn nonce_offset(&self) -> usize {
-        self.inner.nonce_offset()
-    }
     fn agreed_shape(&self) -> Vec<(&'static str, String)> {
         vec![("layout", self.shape.to_string())]
-    }
-    fn reset_signal(&self, memory: &HostMemory, signal: &Buffer<Self>) -> R<()> {
-        self.inner.reset_signal(memory, signal)
-    }
-    fn launch(&self, memory: &HostMemory, l: &Launch<'_, Self>) -> R<()> {
-        l.run_on(&self.inner, memory)
     }
     fn supports(
         &self,
@@ -164,15 +150,6 @@ impl Backend for Renamed {
         algorithm: Algorithm,
     ) -> Result<(), FallbackReason> {
         self.inner.supports(world, dtype, bytes, algorithm)
-    }
-    fn stage(
-        &self,
-        memory: &HostMemory,
-        input: &Buffer<Self>,
-        staging: &Buffer<Self>,
-        range: std::ops::Range<usize>,
-    ) -> R<()> {
-        self.inner.stage(memory, input, staging, range)
     }
 }
 

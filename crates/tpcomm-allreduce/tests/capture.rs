@@ -1,8 +1,8 @@
-//! The driver's device-graph bookkeeping, without a GPU: a backend that records launches
-//! while "capturing" (as CUDA stream capture does) and runs them on the host otherwise. It
-//! checks slot assignment during a capture, the refusals before registration, the table
-//! contents after registration and after a resume that moves every peer mapping, and the
-//! results of the registered launches.
+//! The device-graph bookkeeping of `CustomAllReduce`, without a GPU: a backend that records
+//! launches while "capturing" (as CUDA stream capture does) and runs them on the host
+//! otherwise. It checks slot assignment during a capture, the refusals before registration,
+//! the table contents after registration and after a resume that moves every peer mapping,
+//! and the results of the registered launches.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -17,12 +17,10 @@ use tpcomm_transport::{Communicator, LocalGroup};
 
 mod common;
 mod holds;
-use common::{check, inputs, run_seed};
-
-type R<T> = tpcomm_allreduce::Result<T>;
+use common::{check, forward_to_inner, inputs, read, run_seed, unwrap_all, R};
 
 /// The host backend, plus a capture switch: while on, launches are recorded (slot, count)
-/// instead of run, and the driver sees [`Backend::capturing`] true.
+/// instead of run, and `CustomAllReduce` sees [`Backend::capturing`] true.
 #[derive(Debug, Default)]
 struct Recording {
     inner: HostBackend,
@@ -33,17 +31,10 @@ struct Recording {
 impl Backend for Recording {
     type Memory = HostMemory;
 
+    forward_to_inner!(signal_bytes, nonce_offset, reset_signal);
+
     fn name(&self) -> &'static str {
         "recording"
-    }
-    fn signal_bytes(&self) -> usize {
-        self.inner.signal_bytes()
-    }
-    fn nonce_offset(&self) -> usize {
-        self.inner.nonce_offset()
-    }
-    fn reset_signal(&self, memory: &HostMemory, signal: &HostBuffer) -> R<()> {
-        self.inner.reset_signal(memory, signal)
     }
     fn launch(&self, memory: &HostMemory, l: &Launch<'_, Self>) -> R<()> {
         if self.capturing.load(Ordering::SeqCst) {
@@ -95,15 +86,6 @@ fn fill<T: Element>(memory: &HostMemory, buf: &HostBuffer, v: &[T]) -> R<()> {
     Ok(memory.write(buf, 0, bytemuck::cast_slice(v))?)
 }
 
-fn read_f32(memory: &HostMemory, buf: &HostBuffer, count: usize) -> R<Vec<f32>> {
-    let mut raw = vec![0u8; count * 4];
-    memory.read(buf, 0, &mut raw)?;
-    Ok(raw
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect())
-}
-
 #[test]
 fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
     let seed = run_seed();
@@ -153,7 +135,7 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
             fill(&memory, &a, &data)?;
             comm.barrier()?;
             ar.all_reduce_buffer(&a, &out, DType::F32, count)?;
-            check(seed + 2, comm.size(), &read_f32(&memory, &out, count)?)
+            check(seed + 2, comm.size(), &read(&memory, &out, count)?)
                 .map_err(AllReduceError::InvalidArgument)?;
             comm.barrier()?;
             assert_eq!(ar.phase(), Phase::Active);
@@ -193,15 +175,12 @@ fn captured_inputs_take_slots_in_order_and_run_only_after_registration() {
             fill(&memory, &a, &data)?;
             comm.barrier()?;
             ar.all_reduce_buffer(&a, &out, DType::F32, count)?;
-            check(seed + 1, comm.size(), &read_f32(&memory, &out, count)?)
+            check(seed + 1, comm.size(), &read(&memory, &out, count)?)
                 .map_err(AllReduceError::InvalidArgument)?;
             comm.barrier()?;
             Ok(())
         });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank finished")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    unwrap_all(results);
 }
 
 #[test]
@@ -234,10 +213,7 @@ fn a_captured_registered_buffer_keeps_its_slot_retired_after_unregister() {
             assert_eq!(ar.rank_data_slot(captured_slot)?, vec![0; 2]);
             Ok(())
         });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank finished")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    unwrap_all(results);
 }
 
 /// Calls refused during a capture change nothing: the next call takes the slot the refused
@@ -276,8 +252,5 @@ fn a_call_refused_during_a_capture_takes_no_slot_and_leaves_the_communicator_act
             ar.synchronize()?;
             Ok(())
         });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.expect("rank finished")
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    unwrap_all(results);
 }

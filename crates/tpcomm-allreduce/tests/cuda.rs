@@ -13,33 +13,16 @@ use tpcomm_allreduce::{
     FallbackReason, Phase,
 };
 use tpcomm_ipc::{CudaBuffer, CudaMemory, CudaVmmMemory, DevicePeerMemory, IpcError, PeerMemory};
-use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
+use tpcomm_transport::{Communicator, LocalCommunicator};
 
 mod common;
-use common::{check, inputs, run_seed};
+use common::cuda::{gpu, group};
+use common::{check, inputs, run_seed, unwrap_all, unwrap_world, R};
 
 type Ar = CustomAllReduce<CudaBackend>;
-type R<T> = tpcomm_allreduce::Result<T>;
 
 use tpcomm_transport::testing::pair;
 use tpcomm_transport::testing::skip_without_gpu;
-
-/// True when device 0 is usable; otherwise records why the test skips (a failure under
-/// `TPCOMM_REQUIRE_GPU=1`).
-fn gpu() -> bool {
-    match CudaMemory::same_process(0) {
-        Ok(_) => true,
-        Err(IpcError::NoDevice(why)) => {
-            skip_without_gpu(&format!("no CUDA device: {why}"));
-            false
-        }
-        Err(e) => panic!("CudaMemory::same_process(0) failed with {e}"),
-    }
-}
-
-fn group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(120))
-}
 
 /// The backend and the all-reduce of one rank on device 0, sized for `world` ranks sharing
 /// it.
@@ -209,9 +192,7 @@ fn world_sizes_without_a_kernel_fall_back_and_the_communicator_stays_usable() {
         ));
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 #[test]
@@ -228,9 +209,7 @@ fn host_slices_are_refused_by_the_device_backend() {
         assert_eq!(ar.phase(), Phase::Active);
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 /// Sets every element of `buf` on this rank to `rank + 1 + shift`: sums are exact.
@@ -327,10 +306,7 @@ fn a_graph_captured_before_suspend_replays_correctly_after_resume() {
             }
             Ok(())
         });
-        for (rank, r) in results.into_iter().enumerate() {
-            r.expect("rank finished")
-                .unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
-        }
+        unwrap_world(world, results);
     }
 }
 
@@ -383,9 +359,7 @@ fn inputs_captured_twice_take_a_slot_per_call_and_registration_waits_for_the_cap
         ));
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 #[test]
@@ -495,9 +469,7 @@ fn one_rank_falls_back_to_nccl_and_sums_correctly_across_a_suspend() {
         expect_all::<f32>(&memory, &out, 1024, 3.5)?;
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 /// One rank of the host all-reduce across two processes (memfd peer memory): checks the
@@ -702,9 +674,7 @@ fn ranks_launching_different_counts_fail_with_a_launch_mismatch_on_the_gpu() {
         assert_eq!(ar.phase(), Phase::Failed);
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 #[test]
@@ -731,9 +701,7 @@ fn a_graph_reading_an_unregistered_buffer_is_refused() {
         assert_eq!(ar.phase(), Phase::Active);
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 // ------------------------------------------------------ virtual memory (CudaVmmMemory)
@@ -823,10 +791,7 @@ fn a_graph_on_virtual_memory_replays_after_a_suspend_that_released_its_buffers_w
         let results = group(world).run(|comm| -> R<usize> {
             replay_across_a_releasing_suspend(&comm, CudaVmmMemory::same_process(0)?)
         });
-        for (rank, r) in results.into_iter().enumerate() {
-            r.expect("rank finished")
-                .unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
-        }
+        unwrap_world(world, results);
     }
 }
 
@@ -871,7 +836,5 @@ fn ranks_on_different_kinds_of_cuda_peer_memory_are_refused_at_creation() {
         }
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }

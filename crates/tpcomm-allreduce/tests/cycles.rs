@@ -2,11 +2,13 @@
 //! unchanged (in their own binary, one test at a time, so that nothing else opens files
 //! meanwhile).
 
+mod common;
+
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tpcomm_allreduce::{AllReduceError, Config, CustomAllReduce, HostBackend};
-use tpcomm_ipc::HostMemory;
+use common::new_ar;
+use tpcomm_allreduce::{AllReduceError, Config};
 use tpcomm_transport::{Communicator, LocalGroup};
 
 /// Counts are process-wide: the tests of this binary take turns.
@@ -22,22 +24,40 @@ fn counts() -> (usize, usize) {
     (fds, maps)
 }
 
+/// Rank 0's (open fds, mappings), `None` on the other ranks.
+type Counts = Option<(usize, usize)>;
+
+/// Rank 0's [`counts`], taken between two barriers: no rank allocates meanwhile.
+fn counts_in_step<C: Communicator>(comm: &C) -> tpcomm_allreduce::Result<Counts> {
+    comm.barrier()?;
+    let counts = (comm.rank() == 0).then(counts);
+    comm.barrier()?;
+    Ok(counts)
+}
+
+/// Every rank's (before, after) counts are equal.
+fn assert_unchanged(
+    results: Vec<tpcomm_transport::Result<tpcomm_allreduce::Result<(Counts, Counts)>>>,
+    after_what: &str,
+) {
+    for r in results {
+        let (before, after) = r.unwrap().unwrap();
+        assert_eq!(
+            before, after,
+            "(open fds, mappings) before vs after {after_what}"
+        );
+    }
+}
+
 #[test]
 fn a_thousand_suspend_resume_cycles_leak_nothing_and_keep_results_right() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let results = LocalGroup::new(2).timeout(Duration::from_secs(60)).run(
         |comm| -> tpcomm_allreduce::Result<_> {
-            let mut ar = CustomAllReduce::new(
-                HostBackend::new(),
-                HostMemory::new(),
-                &comm,
-                Config::default(),
-            )?;
+            let mut ar = new_ar(&comm, Config::default())?;
             let mut out = [0f32; 64];
             ar.all_reduce(&[1f32; 64], &mut out)?;
-            comm.barrier()?;
-            let before = (comm.rank() == 0).then(counts);
-            comm.barrier()?;
+            let before = counts_in_step(&comm)?;
             for cycle in 0..1000 {
                 ar.prepare_for_suspend(&comm)?;
                 ar.reinit_after_resume(&comm)?;
@@ -46,19 +66,11 @@ fn a_thousand_suspend_resume_cycles_leak_nothing_and_keep_results_right() {
                     assert_eq!(out, [2.0 * cycle as f32; 64]);
                 }
             }
-            comm.barrier()?;
-            let after = (comm.rank() == 0).then(counts);
-            comm.barrier()?;
+            let after = counts_in_step(&comm)?;
             Ok((before, after))
         },
     );
-    for r in results {
-        let (before, after) = r.unwrap().unwrap();
-        assert_eq!(
-            before, after,
-            "(open fds, mappings) before vs after 1000 cycles"
-        );
-    }
+    assert_unchanged(results, "1000 cycles");
 }
 
 /// A creation refused for mismatched settings frees everything both ranks allocated: their
@@ -74,9 +86,7 @@ fn a_hundred_creations_refused_for_mismatched_settings_leak_nothing() {
                 max_bytes: if comm.rank() == 0 { 1 << 20 } else { 1 << 16 },
                 ..Config::default()
             };
-            let attempt = || {
-                CustomAllReduce::new(HostBackend::new(), HostMemory::new(), &comm, config.clone())
-            };
+            let attempt = || new_ar(&comm, config.clone());
             // A few first: lazily created process state (allocator arenas, ...) is not a leak.
             for _ in 0..WARM_UP {
                 assert!(matches!(
@@ -84,9 +94,7 @@ fn a_hundred_creations_refused_for_mismatched_settings_leak_nothing() {
                     Err(AllReduceError::ConfigMismatch { .. })
                 ));
             }
-            comm.barrier()?;
-            let before = (comm.rank() == 0).then(counts);
-            comm.barrier()?;
+            let before = counts_in_step(&comm)?;
             for _ in 0..100 {
                 match attempt() {
                     Err(AllReduceError::ConfigMismatch { field, .. }) => {
@@ -95,17 +103,9 @@ fn a_hundred_creations_refused_for_mismatched_settings_leak_nothing() {
                     other => panic!("{other:?}"),
                 }
             }
-            comm.barrier()?;
-            let after = (comm.rank() == 0).then(counts);
-            comm.barrier()?;
+            let after = counts_in_step(&comm)?;
             Ok((before, after))
         },
     );
-    for r in results {
-        let (before, after) = r.unwrap().unwrap();
-        assert_eq!(
-            before, after,
-            "(open fds, mappings) before vs after 100 refused creations"
-        );
-    }
+    assert_unchanged(results, "100 refused creations");
 }

@@ -1,16 +1,16 @@
 //! A backend that wraps another hands its launches on with `Launch::run_on`, which refuses
-//! an inner backend that needs more than the driver checked for the wrapper. (Launches
-//! themselves are made only by the driver: a `Launch` literal does not compile outside the
+//! an inner backend that needs more than `CustomAllReduce` checked for the wrapper. (Launches
+//! themselves are made only by `CustomAllReduce`: a `Launch` literal does not compile outside the
 //! crate, see the `compile_fail` example on `Launch`.)
+
+mod common;
 
 use std::time::Duration;
 
-use tpcomm_allreduce::backend::{Buffer, Launch};
+use common::{forward_to_inner, R};
 use tpcomm_allreduce::{AllReduceError, Backend, Config, CustomAllReduce, HostBackend, Phase};
 use tpcomm_ipc::HostMemory;
 use tpcomm_transport::{Communicator, LocalGroup};
-
-type R<T> = tpcomm_allreduce::Result<T>;
 
 /// The host backend behind a wrapper that may misstate what it needs.
 #[derive(Debug, Default)]
@@ -25,20 +25,13 @@ struct Wrapper {
 impl Backend for Wrapper {
     type Memory = HostMemory;
 
+    forward_to_inner!(nonce_offset, reset_signal, launch, stage);
+
     fn name(&self) -> &'static str {
         "host"
     }
     fn signal_bytes(&self) -> usize {
         self.signal_bytes.unwrap_or(self.inner.signal_bytes())
-    }
-    fn nonce_offset(&self) -> usize {
-        self.inner.nonce_offset()
-    }
-    fn reset_signal(&self, memory: &HostMemory, signal: &Buffer<Self>) -> R<()> {
-        self.inner.reset_signal(memory, signal)
-    }
-    fn launch(&self, memory: &HostMemory, l: &Launch<'_, Self>) -> R<()> {
-        l.run_on(&self.inner, memory)
     }
     fn private_part(
         &self,
@@ -58,15 +51,6 @@ impl Backend for Wrapper {
         &self,
     ) -> &'static [usize; tpcomm_allreduce::dispatch::MAX_RANKS + 1] {
         self.inner.staged_one_stage_table()
-    }
-    fn stage(
-        &self,
-        memory: &HostMemory,
-        input: &Buffer<Self>,
-        staging: &Buffer<Self>,
-        range: std::ops::Range<usize>,
-    ) -> R<()> {
-        self.inner.stage(memory, input, staging, range)
     }
 }
 

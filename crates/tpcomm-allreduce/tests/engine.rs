@@ -6,31 +6,22 @@
 //! `cargo xtask gpu-check`.
 #![cfg(feature = "cuda")]
 
-use std::sync::Arc;
-use std::time::Duration;
+mod common;
 
+use std::sync::Arc;
+
+use common::cuda::{gpu, group};
+use common::{unwrap_all, unwrap_world, R};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DriverError};
 use half::bf16;
 use tpcomm_allreduce::{
     Algorithm, AllReduceError, Config, CudaBackend, CudaOptions, CustomAllReduce, Phase,
 };
-use tpcomm_ipc::{CudaMemory, IpcError, PeerMemory};
+use tpcomm_ipc::{CudaMemory, PeerMemory};
 use tpcomm_transport::testing::skip_without_gpu;
-use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
+use tpcomm_transport::{Communicator, LocalCommunicator};
 
 type Ar = CustomAllReduce<CudaBackend>;
-type R<T> = tpcomm_allreduce::Result<T>;
-
-fn gpu() -> bool {
-    match CudaMemory::same_process(0) {
-        Ok(_) => true,
-        Err(IpcError::NoDevice(why)) => {
-            skip_without_gpu(&format!("no CUDA device: {why}"));
-            false
-        }
-        Err(e) => panic!("CudaMemory::same_process(0) failed with {e}"),
-    }
-}
 
 fn drv<T>(call: &str, r: Result<T, DriverError>) -> R<T> {
     r.map_err(|e| AllReduceError::InvalidArgument(format!("{call}: {e:?}")))
@@ -66,10 +57,6 @@ fn expect_all(stream: &Arc<CudaStream>, y: &CudaSlice<f32>, want: f32) -> R<()> 
             host[i]
         ))),
     }
-}
-
-fn group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(120))
 }
 
 #[test]
@@ -154,10 +141,7 @@ fn cudarc_slices_on_the_engine_stream_reduce_eagerly_and_inside_the_engines_own_
             ar.close_with(&comm)?;
             Ok(())
         });
-        for (rank, r) in results.into_iter().enumerate() {
-            r.expect("rank finished")
-                .unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
-        }
+        unwrap_world(world, results);
     }
 }
 
@@ -194,9 +178,7 @@ fn a_short_or_misaligned_output_is_refused_before_anything_runs() {
         ar.close_with(&comm)?;
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 #[cfg(feature = "nccl")]
@@ -245,9 +227,7 @@ fn device_all_reduce_routes_to_nccl_inside_the_engines_capture() {
         dar.close_with(&comm)?;
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 #[test]
@@ -323,7 +303,5 @@ fn a_stream_of_another_context_is_refused_on_every_rank() {
         }
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }

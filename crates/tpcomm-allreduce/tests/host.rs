@@ -8,23 +8,15 @@ use tpcomm_allreduce::{
     Algorithm, AllReduceError, Config, CustomAllReduce, DType, Element, FallbackReason,
     HostBackend, Phase,
 };
-use tpcomm_ipc::{FaultInjection, FaultPoint, HostMemory, IpcError, MemoryRegion, PeerMemory};
-use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
+use tpcomm_ipc::{FaultInjection, FaultPoint, HostMemory, IpcError, PeerMemory};
+use tpcomm_transport::Communicator;
 
 mod common;
 mod holds;
-use common::{check, inputs, run_seed};
-
-type Ar = CustomAllReduce<HostBackend>;
-type R<T> = tpcomm_allreduce::Result<T>;
-
-fn group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(60))
-}
-
-fn new_ar(comm: &LocalCommunicator, config: Config) -> R<Ar> {
-    CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, config)
-}
+use common::{
+    chain, check, group, inputs, new_ar, read_f32, run_seed, unwrap_all, unwrap_world,
+    with_timeout, R,
+};
 
 fn correctness_for<T: Element>(world: usize, sizes: &[usize], algorithm: Algorithm) {
     let seed = run_seed();
@@ -159,9 +151,7 @@ fn unsupported_inputs_are_sent_to_the_fallback_with_a_reason() {
         );
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 #[test]
@@ -214,12 +204,6 @@ fn eager_calls_switch_to_two_stage_before_registered_inputs_do() {
             ]
         );
     }
-}
-
-fn read_f32(mem: &HostMemory, buf: &impl MemoryRegion, count: usize) -> Vec<f32> {
-    let mut raw = vec![0u8; count * 4];
-    mem.read(buf, 0, &mut raw).unwrap();
-    bytemuck::cast_slice(&raw).to_vec()
 }
 
 /// Eager two-stage stages only the parts that peers read and takes this rank's own part
@@ -394,10 +378,7 @@ fn a_plan_captured_before_suspend_replays_correctly_after_resume_at_new_addresse
                 .all(|&v| v == expected(2.0)));
             Ok(())
         });
-        for (rank, r) in results.into_iter().enumerate() {
-            r.unwrap()
-                .unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
-        }
+        unwrap_world(world, results);
     }
 }
 
@@ -425,9 +406,7 @@ fn the_pointer_tables_share_no_segment_with_what_peers_map() {
         );
         Ok(())
     });
-    for (rank, r) in results.into_iter().enumerate() {
-        r.unwrap().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
+    unwrap_all(results);
 }
 
 #[test]
@@ -457,9 +436,7 @@ fn repeated_transitions_are_no_ops_and_use_while_suspended_is_refused() {
         assert_eq!(out, [2f32; 4]);
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 /// Injects a fault at `point` on rank 0 during `transition` (0 suspend, 1 resume) and
@@ -499,18 +476,6 @@ fn with_fault(point: FaultPoint, during_resume: bool) -> Vec<(R<()>, R<()>, Phas
 
 fn is_injected(e: &AllReduceError) -> bool {
     chain(e).contains("injected fault")
-}
-
-/// `e` and every error below it (`source()`), joined: what a chain printer shows.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(s) = next {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        next = s.source();
-    }
-    text
 }
 
 #[test]
@@ -563,13 +528,7 @@ fn a_failed_export_or_open_during_resume_fails_every_rank() {
 fn close_works_from_every_phase_and_is_final() {
     let results = group(2).run(|comm| -> R<()> {
         for setup in 0..3 {
-            let mut ar = new_ar(
-                &comm,
-                Config {
-                    timeout: Duration::from_millis(200),
-                    ..Config::default()
-                },
-            )?;
+            let mut ar = new_ar(&comm, with_timeout(Duration::from_millis(200)))?;
             match setup {
                 1 => ar.prepare_for_suspend(&comm)?,
                 // Rank 1 never joins: rank 0 fails with a timeout, rank 1 is untouched.
@@ -594,21 +553,13 @@ fn close_works_from_every_phase_and_is_final() {
         }
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 #[test]
 fn a_rank_that_stops_responding_mid_barrier_is_named_in_a_timeout() {
     let results = group(3).run(|comm| -> R<()> {
-        let mut ar = new_ar(
-            &comm,
-            Config {
-                timeout: Duration::from_millis(300),
-                ..Config::default()
-            },
-        )?;
+        let mut ar = new_ar(&comm, with_timeout(Duration::from_millis(300)))?;
         comm.barrier()?;
         if comm.rank() == 2 {
             std::thread::sleep(Duration::from_millis(1500)); // never launches
@@ -629,7 +580,5 @@ fn a_rank_that_stops_responding_mid_barrier_is_named_in_a_timeout() {
             other => panic!("rank {}: {other:?}", comm.rank()),
         }
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }

@@ -9,21 +9,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{cause, fill, read, unwrap_all};
+use common::{cause, fill, forward_to_inner, group, new_ar, read, unwrap_all, R};
 use tpcomm_allreduce::{AllReduceError, Config, CustomAllReduce, DType, HostBackend, Phase};
 use tpcomm_ipc::{FaultInjection, FaultPoint, HostBuffer, HostMemory, MemoryRegion, PeerMemory};
-use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
-
-type Ar = CustomAllReduce<HostBackend>;
-type R<T> = tpcomm_allreduce::Result<T>;
-
-fn group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(60))
-}
-
-fn new_ar(comm: &LocalCommunicator, config: Config) -> R<Ar> {
-    CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, config)
-}
+use tpcomm_transport::{Communicator, LocalGroup};
 
 #[test]
 fn a_launch_past_the_smallest_registered_region_is_refused_before_reading() {
@@ -481,17 +470,13 @@ struct LargerSignal {
 impl tpcomm_allreduce::Backend for LargerSignal {
     type Memory = HostMemory;
 
+    forward_to_inner!(nonce_offset, reset_signal, stage);
+
     fn name(&self) -> &'static str {
         "host-larger-signal"
     }
     fn signal_bytes(&self) -> usize {
         self.inner.signal_bytes() + self.extra
-    }
-    fn nonce_offset(&self) -> usize {
-        self.inner.nonce_offset()
-    }
-    fn reset_signal(&self, memory: &HostMemory, signal: &HostBuffer) -> R<()> {
-        self.inner.reset_signal(memory, signal)
     }
     fn launch(
         &self,
@@ -499,15 +484,6 @@ impl tpcomm_allreduce::Backend for LargerSignal {
         _launch: &tpcomm_allreduce::backend::Launch<'_, Self>,
     ) -> R<()> {
         unreachable!("the communicator is never created")
-    }
-    fn stage(
-        &self,
-        memory: &HostMemory,
-        input: &HostBuffer,
-        staging: &HostBuffer,
-        range: std::ops::Range<usize>,
-    ) -> R<()> {
-        self.inner.stage(memory, input, staging, range)
     }
 }
 

@@ -9,18 +9,13 @@ mod common;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{cause, fill, read, unwrap_all};
+use common::{cause, fill, new_ar, read, unwrap_all, R};
 use tpcomm_allreduce::{AllReduceError, Config, CustomAllReduce, DType, HostBackend, Phase};
 use tpcomm_ipc::{HostBuffer, HostMemory, MemoryRegion, PeerMemory};
 use tpcomm_transport::testing::hooked::Hooked;
 use tpcomm_transport::{Communicator, LocalGroup, Op, TransportError};
 
 type Ar = CustomAllReduce<HostBackend>;
-type R<T> = tpcomm_allreduce::Result<T>;
-
-fn new_ar<C: Communicator>(comm: &C, config: Config) -> R<Ar> {
-    CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, config)
-}
 
 /// Whether `memory` still holds a live buffer at `addr` (a freed one cannot be exported).
 fn alive(memory: &HostMemory, addr: u64, len: usize) -> bool {

@@ -5,25 +5,13 @@
 //! captured before the suspend replays bit-identically after it. On plain host memory the
 //! rewrite path stays: mappings that move are written into the tables.
 
-use std::time::Duration;
-
 use tpcomm_allreduce::{Algorithm, Config, CustomAllReduce, DType, HostBackend, Phase};
-use tpcomm_ipc::{HostMemory, IpcError, MemoryRegion, PeerMemory};
-use tpcomm_transport::{Communicator, LocalGroup};
+use tpcomm_ipc::{HostMemory, IpcError, PeerMemory};
+use tpcomm_transport::Communicator;
 
+mod common;
 mod holds;
-
-type R<T> = tpcomm_allreduce::Result<T>;
-
-fn group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(60))
-}
-
-fn read_f32(mem: &HostMemory, buf: &impl MemoryRegion, count: usize) -> Vec<f32> {
-    let mut raw = vec![0u8; count * 4];
-    mem.read(buf, 0, &mut raw).unwrap();
-    bytemuck::cast_slice(&raw).to_vec()
-}
+use common::{group, read_f32, unwrap_all, unwrap_world, R};
 
 /// Every address the communicator's launches read: every rank's Signal, staging and temp
 /// buffer as this rank sees them, the RankSignals table, and the RankData slots `slots`.
@@ -128,10 +116,7 @@ fn a_plan_captured_before_a_suspend_replays_bit_identically_with_every_address_a
             ar.close_with(&comm)?;
             Ok(())
         });
-        for (rank, r) in results.into_iter().enumerate() {
-            r.unwrap()
-                .unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
-        }
+        unwrap_world(world, results);
     }
 }
 
@@ -152,9 +137,7 @@ fn repeated_suspends_and_resumes_keep_the_addresses_and_release_each_time() {
         }
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 #[test]
@@ -168,9 +151,7 @@ fn a_communicator_closed_while_its_memory_is_released_frees_everything_without_a
         assert_eq!(ar.phase(), Phase::Closed);
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 #[test]
@@ -200,7 +181,5 @@ fn on_plain_host_memory_a_resume_that_moves_the_mappings_rewrites_the_tables() {
         assert_eq!(out, [2f32; 16]);
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }

@@ -4,33 +4,14 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+mod common;
+use common::{chain, group, new_ar, unwrap_all, with_timeout, R};
 use tpcomm_allreduce::{AllReduceError, Config, CustomAllReduce, HostBackend, Phase};
 use tpcomm_ipc::{FaultInjection, FaultPoint, HostMemory, IpcError, Step, StepTag};
 use tpcomm_objects::ObjectError;
-use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
+use tpcomm_transport::{Communicator, LocalCommunicator};
 
-type R<T> = tpcomm_allreduce::Result<T>;
 type Faulty = CustomAllReduce<HostBackend<FaultInjection<HostMemory>>>;
-
-fn group(n: usize) -> LocalGroup {
-    LocalGroup::new(n).timeout(Duration::from_secs(60))
-}
-
-fn new_ar(comm: &LocalCommunicator, config: Config) -> R<CustomAllReduce<HostBackend>> {
-    CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, config)
-}
-
-/// `e` and every error below it (`source()`), joined: what a chain printer shows.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(s) = next {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        next = s.source();
-    }
-    text
-}
 
 /// The setup: a close fault on rank 0 during the suspend. Rank 0 ends Failed, rank 1
 /// Suspended (fail-fast, no voting).
@@ -185,13 +166,7 @@ fn close_with_and_a_suspend_on_the_peer_name_each_other() {
 fn close_with_frees_nothing_before_a_slower_peer_is_done_reading() {
     let done_reading = AtomicBool::new(false);
     let results = group(2).run(|comm| -> R<()> {
-        let mut ar = new_ar(
-            &comm,
-            Config {
-                timeout: Duration::from_millis(300),
-                ..Config::default()
-            },
-        )?;
+        let mut ar = new_ar(&comm, with_timeout(Duration::from_millis(300)))?;
         if comm.rank() == 0 {
             ar.close_with(&comm)?;
             assert!(
@@ -208,9 +183,7 @@ fn close_with_frees_nothing_before_a_slower_peer_is_done_reading() {
         assert_eq!(ar.phase(), Phase::Closed);
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 /// What a non-collective drop does to a peer on the host backend (documented on `close`):
@@ -219,13 +192,7 @@ fn close_with_frees_nothing_before_a_slower_peer_is_done_reading() {
 #[test]
 fn a_peer_of_a_rank_dropped_without_close_with_times_out_naming_it() {
     let results = group(2).run(|comm| -> R<()> {
-        let mut ar = new_ar(
-            &comm,
-            Config {
-                timeout: Duration::from_millis(300),
-                ..Config::default()
-            },
-        )?;
+        let mut ar = new_ar(&comm, with_timeout(Duration::from_millis(300)))?;
         if comm.rank() == 0 {
             drop(ar);
             comm.barrier()?;
@@ -241,9 +208,7 @@ fn a_peer_of_a_rank_dropped_without_close_with_times_out_naming_it() {
         }
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }
 
 /// Collective close in the ordinary case: every phase, then every later call is refused.
@@ -268,7 +233,5 @@ fn close_with_from_every_phase_releases_everything_on_every_rank() {
         }
         Ok(())
     });
-    for r in results {
-        r.unwrap().unwrap();
-    }
+    unwrap_all(results);
 }

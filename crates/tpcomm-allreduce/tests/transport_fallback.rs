@@ -1,13 +1,13 @@
 //! Inputs the custom kernels cannot serve go through the transport's numeric all-reduce with
 //! `all_reduce_or_transport`, and a failed communicator's error chain says each level once.
 
+mod common;
+
 use std::error::Error as _;
 use std::time::Duration;
 
-use tpcomm_allreduce::{
-    AllReduceError, Config, CustomAllReduce, FallbackReason, HostBackend, HostRoute,
-};
-use tpcomm_ipc::HostMemory;
+use common::new_ar;
+use tpcomm_allreduce::{AllReduceError, Config, FallbackReason, HostRoute};
 use tpcomm_transport::{Communicator, LocalGroup};
 
 /// Each rank's input: distinct per rank and element, exact in f32.
@@ -30,8 +30,7 @@ fn inputs_the_kernels_cannot_serve_are_summed_by_the_transport_and_say_why() {
     };
     let results = LocalGroup::new(WORLD).timeout(Duration::from_secs(30)).run(
         move |comm| -> tpcomm_allreduce::Result<Vec<HostRoute>> {
-            let mut ar =
-                CustomAllReduce::new(HostBackend::new(), HostMemory::new(), &comm, config.clone())?;
+            let mut ar = new_ar(&comm, config.clone())?;
             let mut routes = Vec::new();
             // 64 B (served), 12 B (not a multiple of 16), 8 KiB (above max_bytes), empty.
             for len in [16, 3, 2048, 0] {
@@ -78,12 +77,7 @@ fn a_failed_communicators_error_chain_says_each_level_once() {
     let results = LocalGroup::new(2)
         .timeout(Duration::from_secs(30))
         .run(|comm| {
-            let mut ar = CustomAllReduce::new(
-                HostBackend::new(),
-                HostMemory::new(),
-                &comm,
-                Config::default(),
-            )?;
+            let mut ar = new_ar(&comm, Config::default())?;
             // Ranks reduce different counts: a launch mismatch fails the communicator.
             let len = if comm.rank() == 0 { 64 } else { 128 };
             let mine = input(comm.rank(), len);

@@ -1,7 +1,8 @@
-//! The backend trait the driver runs on, and its backends. `unsafe` lives here only.
+//! The backend trait [`CustomAllReduce`](crate::CustomAllReduce) runs on, and its backends.
+//! `unsafe` lives here only.
 //!
-//! A backend knows its Signal block layout and how to run one launch. The driver
-//! ([`CustomAllReduce`](crate::CustomAllReduce)) owns everything else: allocations, the
+//! A backend knows its Signal block layout and how to run one launch.
+//! [`CustomAllReduce`](crate::CustomAllReduce) owns everything else: allocations, the
 //! stable tables, registration, capture and the lifecycle, identical for every backend.
 
 #[cfg(feature = "cuda")]
@@ -31,9 +32,9 @@ pub const RANK_DATA_BYTES: usize = 8 * 8;
 /// them from the tables when the launch runs, so a recorded launch stays valid when a
 /// resume rewrites the tables.
 ///
-/// Only the driver makes launches (a private field): [`Backend::launch`] is safe because
-/// everything a launch names was checked by the driver, so safe code cannot hand a backend
-/// an address of its own choosing. A backend that wraps another hands its launch on with
+/// Only `CustomAllReduce` makes launches (a private field): [`Backend::launch`] is safe
+/// because everything a launch names was checked by `CustomAllReduce`, so safe code cannot
+/// hand a backend an address of its own choosing. A backend that wraps another hands its launch on with
 /// [`Launch::run_on`].
 ///
 /// ```compile_fail
@@ -73,14 +74,14 @@ pub struct Launch<'a, B: Backend + ?Sized> {
     pub rank_signals: &'a Buffer<B>,
     /// The RankData pool (stable address).
     pub rank_data: &'a Buffer<B>,
-    /// The slot of the pool holding the inputs' addresses. The driver checked that every
-    /// rank's region there, and every rank's temp buffer for two-stage, holds
+    /// The slot of the pool holding the inputs' addresses. `CustomAllReduce` checked that
+    /// every rank's region there, and every rank's temp buffer for two-stage, holds
     /// `count * dtype.size()` bytes.
     pub slot: usize,
     /// This rank's Signal block.
     pub own_signal: &'a Buffer<B>,
-    /// Where the result goes: an address of `count * dtype.size()` writable bytes that the
-    /// driver guarantees valid for the launch.
+    /// Where the result goes: an address of `count * dtype.size()` writable bytes that
+    /// `CustomAllReduce` guarantees valid for the launch.
     pub out: u64,
     /// This rank's input when the launch reads it from the caller's memory instead of from
     /// its slot: set by the eager path only when [`Backend::private_part`] named a part that
@@ -89,12 +90,13 @@ pub struct Launch<'a, B: Backend + ?Sized> {
     pub own_input: Option<u64>,
     /// Bound on every barrier wait.
     pub timeout: Duration,
-    /// What the driver checked the launch against.
+    /// What `CustomAllReduce` checked the launch against.
     pub(crate) checked: Checked,
 }
 
-/// What the driver checked a launch against, taken from the backend it launched on: a
-/// backend that receives the launch from a wrapper ([`Launch::run_on`]) must need no more.
+/// What `CustomAllReduce` checked a launch against, taken from the backend it launched on:
+/// a backend that receives the launch from a wrapper ([`Launch::run_on`]) must need no
+/// more.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Checked {
     /// Every rank's Signal block holds at least this many bytes.
@@ -109,9 +111,9 @@ impl<B: Backend + ?Sized> Launch<'_, B> {
     /// Runs this launch on `inner`, a backend over the same memory that the backend it was
     /// made for (a wrapper, such as a test's recording backend) delegates to. Refused with
     /// [`AllReduceError::InvalidArgument`](crate::AllReduceError::InvalidArgument) before
-    /// anything runs when `inner` needs more than the driver checked: larger Signal
-    /// blocks than every rank's holds, device addresses where the output may be host memory,
-    /// or another private part of this rank's input than the one left unstaged.
+    /// anything runs when `inner` needs more than `CustomAllReduce` checked: larger Signal
+    /// blocks than every rank's holds, device addresses where the output may be host
+    /// memory, or another private part of this rank's input than the one left unstaged.
     pub fn run_on<C>(&self, inner: &C, memory: &C::Memory) -> Result<()>
     where
         C: Backend<Memory = B::Memory> + ?Sized,
@@ -178,12 +180,12 @@ pub trait Backend: Send + Sync + Debug + 'static {
     /// Bytes of a Signal block.
     fn signal_bytes(&self) -> usize;
 
-    /// Settings of this backend that every rank's must equal, as (name, value) pairs, on top
-    /// of [`name`](Self::name), [`signal_bytes`](Self::signal_bytes) and
-    /// [`nonce_offset`](Self::nonce_offset) (which the driver always compares): a launch
-    /// reads its peers' Signal blocks with this rank's layout and synchronizes with their
-    /// launches step for step. [`CustomAllReduce::new`](crate::CustomAllReduce::new) compares
-    /// them across ranks and refuses a mismatch on every rank.
+    /// Settings of this backend that every rank's must equal, as (name, value) pairs, on
+    /// top of [`name`](Self::name), [`signal_bytes`](Self::signal_bytes) and
+    /// [`nonce_offset`](Self::nonce_offset) (which `CustomAllReduce` always compares): a
+    /// launch reads its peers' Signal blocks with this rank's layout and synchronizes with
+    /// their launches step for step. [`CustomAllReduce::new`](crate::CustomAllReduce::new)
+    /// compares them across ranks and refuses a mismatch on every rank.
     fn agreed_shape(&self) -> Vec<(&'static str, String)> {
         Vec::new()
     }

@@ -1,12 +1,53 @@
-//! Reference data shared by the test suites: deterministic random inputs per (seed, rank,
-//! element) and a check of an all-reduce output against the f64 sum of every rank's inputs
-//! as rounded to the element type.
+//! What the test suites share: deterministic random inputs per (seed, rank, element) and a
+//! check of an all-reduce output against the f64 sum of every rank's inputs as rounded to
+//! the element type; the group and the host communicator every suite starts from; reading
+//! and writing peer memory; error chains; the `Backend` methods a test wrapper of the host
+//! backend forwards unchanged ([`forward_to_inner`]). `cuda`: the same for the GPU suites.
 #![allow(dead_code)]
 
-use std::time::{SystemTime, UNIX_EPOCH};
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 
-use tpcomm_allreduce::{AllReduceError, DType, Element};
-use tpcomm_ipc::{MemoryRegion, PeerMemory};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tpcomm_allreduce::{AllReduceError, Config, CustomAllReduce, DType, Element, HostBackend};
+use tpcomm_ipc::{HostMemory, MemoryRegion, PeerMemory};
+use tpcomm_transport::{Communicator, LocalGroup};
+
+pub(crate) type R<T> = tpcomm_allreduce::Result<T>;
+
+/// The threads group of `n` ranks the host suites run on (a 60 s transport timeout).
+pub(crate) fn group(n: usize) -> LocalGroup {
+    LocalGroup::new(n).timeout(Duration::from_secs(60))
+}
+
+/// A host all-reduce of `comm`'s group on fresh host memory.
+pub(crate) fn new_ar<C: Communicator + ?Sized>(
+    comm: &C,
+    config: Config,
+) -> R<CustomAllReduce<HostBackend>> {
+    CustomAllReduce::new(HostBackend::new(), HostMemory::new(), comm, config)
+}
+
+/// The default settings with every barrier wait bounded by `timeout`.
+pub(crate) fn with_timeout(timeout: Duration) -> Config {
+    Config {
+        timeout,
+        ..Config::default()
+    }
+}
+
+/// `e` and every error below it (`source()`), joined: what a chain printer shows.
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        next = s.source();
+    }
+    text
+}
 
 /// A fresh seed per run, so every run sees new data.
 pub(crate) fn run_seed() -> u64 {
@@ -59,6 +100,15 @@ pub(crate) fn fill<M: PeerMemory>(
     Ok(memory.write(buf, 0, bytemuck::cast_slice(&vec![value; count]))?)
 }
 
+/// The first `count` f32 of `buf`, panicking when it cannot be read.
+pub(crate) fn read_f32<M: PeerMemory>(
+    memory: &M,
+    buf: &impl MemoryRegion,
+    count: usize,
+) -> Vec<f32> {
+    read(memory, buf, count).unwrap()
+}
+
 /// The first `count` f32 of `buf`.
 pub(crate) fn read<M: PeerMemory>(
     memory: &M,
@@ -82,12 +132,81 @@ pub(crate) fn cause(e: &AllReduceError) -> &AllReduceError {
 pub(crate) fn unwrap_all<T>(
     results: Vec<tpcomm_transport::Result<tpcomm_allreduce::Result<T>>>,
 ) -> Vec<T> {
+    unwrap_saying(results, "")
+}
+
+/// [`unwrap_all`] of a run on `world` ranks, naming the world size in a rank's panic.
+pub(crate) fn unwrap_world<T>(
+    world: usize,
+    results: Vec<tpcomm_transport::Result<tpcomm_allreduce::Result<T>>>,
+) -> Vec<T> {
+    unwrap_saying(results, &format!("world {world} "))
+}
+
+/// Every rank's value; a rank's error panics with `what`, the rank and the error.
+fn unwrap_saying<T>(
+    results: Vec<tpcomm_transport::Result<tpcomm_allreduce::Result<T>>>,
+    what: &str,
+) -> Vec<T> {
     results
         .into_iter()
         .enumerate()
         .map(|(rank, r)| {
             r.expect("rank thread")
-                .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+                .unwrap_or_else(|e| panic!("{what}rank {rank}: {e}"))
         })
         .collect()
 }
+
+/// The `Backend` methods that a test wrapper of the host backend (a struct with an `inner`
+/// backend of the same memory) hands to `inner` unchanged, named one by one in an
+/// `impl Backend` block: `signal_bytes`, `nonce_offset`, `reset_signal`, `launch` (through
+/// `Launch::run_on`), `stage`. Every other method is the wrapper's own (or the trait's
+/// default), as the test needs it.
+#[allow(unused_macros)] // Not every suite wraps a backend.
+macro_rules! forward_to_inner {
+    ($($method:ident),* $(,)?) => {
+        $(forward_to_inner!(@ $method);)*
+    };
+    (@ signal_bytes) => {
+        fn signal_bytes(&self) -> usize {
+            tpcomm_allreduce::Backend::signal_bytes(&self.inner)
+        }
+    };
+    (@ nonce_offset) => {
+        fn nonce_offset(&self) -> usize {
+            tpcomm_allreduce::Backend::nonce_offset(&self.inner)
+        }
+    };
+    (@ reset_signal) => {
+        fn reset_signal(
+            &self,
+            memory: &Self::Memory,
+            signal: &tpcomm_allreduce::backend::Buffer<Self>,
+        ) -> tpcomm_allreduce::Result<()> {
+            tpcomm_allreduce::Backend::reset_signal(&self.inner, memory, signal)
+        }
+    };
+    (@ launch) => {
+        fn launch(
+            &self,
+            memory: &Self::Memory,
+            l: &tpcomm_allreduce::backend::Launch<'_, Self>,
+        ) -> tpcomm_allreduce::Result<()> {
+            l.run_on(&self.inner, memory)
+        }
+    };
+    (@ stage) => {
+        fn stage(
+            &self,
+            memory: &Self::Memory,
+            input: &tpcomm_allreduce::backend::Buffer<Self>,
+            staging: &tpcomm_allreduce::backend::Buffer<Self>,
+            range: std::ops::Range<usize>,
+        ) -> tpcomm_allreduce::Result<()> {
+            tpcomm_allreduce::Backend::stage(&self.inner, memory, input, staging, range)
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use forward_to_inner;

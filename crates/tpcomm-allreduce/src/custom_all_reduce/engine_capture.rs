@@ -11,11 +11,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use tpcomm_ipc::{HostBuffer, HostMemory, MemoryRegion, PeerMemory};
-use tpcomm_transport::{Communicator, LocalGroup};
+use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
 
 use super::*;
 use crate::backend::host::HostBackend;
-use crate::dispatch::FallbackReason;
+use crate::backend::Launch;
+use crate::dispatch::{Algorithm, FallbackReason};
+use crate::dtype::DType;
 
 /// One recorded operation of the simulated graph.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -54,26 +56,6 @@ impl GraphSim {
         self.capturing.store(false, Ordering::SeqCst);
         std::mem::take(&mut *self.graph.lock().unwrap())
     }
-
-    /// The stage copy of caller memory: recorded while capturing, run otherwise.
-    fn stage_caller(
-        &self,
-        memory: &HostMemory,
-        input: &HostBuffer,
-        staging: &HostBuffer,
-        range: std::ops::Range<usize>,
-    ) -> Result<()> {
-        if self.capturing.load(Ordering::SeqCst) {
-            self.graph.lock().unwrap().push(Op::Stage {
-                src: input.addr(),
-                offset: range.start,
-                bytes: range.len(),
-            });
-            Ok(())
-        } else {
-            self.inner.stage(memory, input, staging, range)
-        }
-    }
 }
 
 impl Backend for GraphSim {
@@ -111,7 +93,17 @@ impl Backend for GraphSim {
         staging: &HostBuffer,
         range: std::ops::Range<usize>,
     ) -> Result<()> {
-        self.stage_caller(memory, input, staging, range)
+        // The stage copy (of caller memory too): recorded while capturing, run otherwise.
+        if self.capturing.load(Ordering::SeqCst) {
+            self.graph.lock().unwrap().push(Op::Stage {
+                src: input.addr(),
+                offset: range.start,
+                bytes: range.len(),
+            });
+            Ok(())
+        } else {
+            self.inner.stage(memory, input, staging, range)
+        }
     }
     fn capturing(&self) -> Result<bool> {
         Ok(self.capturing.load(Ordering::SeqCst))
@@ -149,7 +141,7 @@ fn reduce(
         input.addr(),
         || Ok(shareable),
         |backend: &GraphSim, staging: &HostBuffer, bytes: usize| {
-            backend.stage_caller(&memory, input, staging, 0..bytes)
+            backend.stage(&memory, input, staging, 0..bytes)
         },
         out.addr(),
         DType::F32,
@@ -158,7 +150,7 @@ fn reduce(
 }
 
 /// Replays a simulated graph: the recorded stage copies run, every launch goes through the
-/// driver's replay checks.
+/// replay checks of `CustomAllReduce`.
 fn replay(ar: &mut Ar, graph: &[Op], inputs: &[&HostBuffer]) -> Result<()> {
     ar.check_replay()?;
     for op in graph {
@@ -179,7 +171,7 @@ fn replay(ar: &mut Ar, graph: &[Op], inputs: &[&HostBuffer]) -> Result<()> {
                 count,
                 algorithm,
                 out,
-            } => ar.launch("replay", slot, dtype, count, algorithm, out)?,
+            } => ar.launch("replay", slot, dtype, count, algorithm, out, false, None)?,
         }
     }
     Ok(())
@@ -199,29 +191,37 @@ fn read(ar: &Ar, buf: &HostBuffer, count: usize) -> Vec<f32> {
     bytemuck::cast_slice(&raw).to_vec()
 }
 
-#[test]
-fn eager_calls_of_caller_memory_are_staged_and_read_slot_zero() {
+/// Runs `f` on 2 ranks (threads), each with a fresh communicator and its peer memory;
+/// a rank that panics fails the test.
+fn on_two_ranks(f: impl Fn(&LocalCommunicator, &mut Ar, &HostMemory) + Sync) {
     let results = LocalGroup::new(2).run(|comm| {
         let mut ar = new_ar(&comm);
-        let memory = ar.memory().unwrap().clone();
+        let memory = ar.memory().expect("memory").clone();
+        f(&comm, &mut ar, &memory);
+    });
+    for r in results {
+        r.expect("rank thread");
+    }
+}
+
+#[test]
+fn eager_calls_of_caller_memory_are_staged_and_read_slot_zero() {
+    on_two_ranks(|comm, ar, memory| {
         let (input, out) = (
             memory.allocate(4096).unwrap(),
             memory.allocate(4096).unwrap(),
         );
-        fill(&ar, &input, comm.rank() as f32 + 1.0, 1024);
+        fill(ar, &input, comm.rank() as f32 + 1.0, 1024);
         // Shareable or not makes no difference eagerly: the input is copied into staging.
         let shareable = comm.rank() == 0;
         assert_eq!(
-            reduce(&mut ar, &input, shareable, &out, 1024).unwrap(),
+            reduce(ar, &input, shareable, &out, 1024).unwrap(),
             Algorithm::OneStage
         );
-        assert_eq!(read(&ar, &out, 1024), vec![3.0; 1024]);
+        assert_eq!(read(ar, &out, 1024), vec![3.0; 1024]);
         assert_eq!(ar.pending_graph_buffers(), 0);
         assert_eq!(ar.recorded_launches(), 0);
     });
-    for r in results {
-        r.unwrap();
-    }
 }
 
 #[test]
@@ -229,9 +229,7 @@ fn captured_calls_take_one_slot_each_whether_their_input_is_shared_or_staged() {
     // Rank 0's inputs can be exported (zero-copy), rank 1's cannot (cudarc pool memory):
     // both ranks still take one slot per call, in the same order; rank 1's graph holds the
     // staging copies and its entry in each slot names its staging buffer.
-    let results = LocalGroup::new(2).run(|comm| {
-        let mut ar = new_ar(&comm);
-        let memory = ar.memory().unwrap().clone();
+    on_two_ranks(|comm, ar, memory| {
         let shareable = comm.rank() == 0;
         let a = memory.allocate(4096).unwrap();
         let b = memory.allocate(1 << 20).unwrap();
@@ -242,13 +240,13 @@ fn captured_calls_take_one_slot_each_whether_their_input_is_shared_or_staged() {
         let (small, large) = (1024, (1 << 20) / 4);
         let mark = ar.recorded_launches();
         ar.backend().begin_capture();
-        reduce(&mut ar, &a, shareable, &out_a, small).unwrap();
-        reduce(&mut ar, &b, shareable, &out_b, large).unwrap();
+        reduce(ar, &a, shareable, &out_a, small).unwrap();
+        reduce(ar, &b, shareable, &out_b, large).unwrap();
         // The same input again: a slot of its own (never deduplicated).
-        reduce(&mut ar, &a, shareable, &out_a, small).unwrap();
+        reduce(ar, &a, shareable, &out_a, small).unwrap();
         // Tables are not written while the caller's stream is capturing.
         assert!(matches!(
-            ar.register_graph_buffers(&comm),
+            ar.register_graph_buffers(comm),
             Err(AllReduceError::InvalidArgument(_))
         ));
         let graph = ar.backend().end_capture();
@@ -260,10 +258,10 @@ fn captured_calls_take_one_slot_each_whether_their_input_is_shared_or_staged() {
         assert_eq!(stages, if shareable { 0 } else { 3 });
         assert_eq!(ar.pending_graph_buffers(), 3);
         assert!(matches!(
-            replay(&mut ar, &graph, &[&a, &b]),
+            replay(ar, &graph, &[&a, &b]),
             Err(AllReduceError::UnregisteredGraphBuffers)
         ));
-        assert_eq!(ar.register_graph_buffers(&comm).unwrap(), 3);
+        assert_eq!(ar.register_graph_buffers(comm).unwrap(), 3);
         for slot in 1..=3 {
             let entries = ar.rank_data_slot(slot).unwrap();
             // This rank's own entry: its input when shared, its staging buffer otherwise
@@ -282,30 +280,25 @@ fn captured_calls_take_one_slot_each_whether_their_input_is_shared_or_staged() {
             assert_eq!(read(ar, &out_b, large), vec![6.0 + 4.0 * shift; large]);
             comm.barrier().unwrap();
         };
-        check(&mut ar, 0.0);
+        check(ar, 0.0);
         // The graph survives a suspend/resume: the tables are rewritten in place.
-        ar.prepare_for_suspend(&comm).unwrap();
-        ar.reinit_after_resume(&comm).unwrap();
-        check(&mut ar, 10.0);
-        ar.close_with(&comm).unwrap();
+        ar.prepare_for_suspend(comm).unwrap();
+        ar.reinit_after_resume(comm).unwrap();
+        check(ar, 10.0);
+        ar.close_with(comm).unwrap();
     });
-    for r in results {
-        r.unwrap();
-    }
 }
 
 #[test]
 fn a_registered_input_is_zero_copy_inside_a_caller_capture() {
-    let results = LocalGroup::new(2).run(|comm| {
-        let mut ar = new_ar(&comm);
-        let memory = ar.memory().unwrap().clone();
+    on_two_ranks(|comm, ar, memory| {
         let registered = ar
-            .register_buffer(&comm, memory.allocate(4096).unwrap())
+            .register_buffer(comm, memory.allocate(4096).unwrap())
             .unwrap();
         let out = memory.allocate(4096).unwrap();
         ar.backend().begin_capture();
         // Not shareable as caller memory, but found by address: its own slot, no copy.
-        reduce(&mut ar, registered.buffer(), false, &out, 1024).unwrap();
+        reduce(ar, registered.buffer(), false, &out, 1024).unwrap();
         let graph = ar.backend().end_capture();
         assert_eq!(ar.pending_graph_buffers(), 0);
         assert_eq!(
@@ -318,28 +311,23 @@ fn a_registered_input_is_zero_copy_inside_a_caller_capture() {
                 out: out.addr(),
             }]
         );
-        fill(&ar, registered.buffer(), comm.rank() as f32 + 1.0, 1024);
+        fill(ar, registered.buffer(), comm.rank() as f32 + 1.0, 1024);
         comm.barrier().unwrap();
-        replay(&mut ar, &graph, &[]).unwrap();
-        assert_eq!(read(&ar, &out, 1024), vec![3.0; 1024]);
+        replay(ar, &graph, &[]).unwrap();
+        assert_eq!(read(ar, &out, 1024), vec![3.0; 1024]);
     });
-    for r in results {
-        r.unwrap();
-    }
 }
 
 #[test]
 fn caller_memory_that_no_kernel_serves_falls_back_before_anything_is_recorded() {
-    let results = LocalGroup::new(2).run(|comm| {
-        let mut ar = new_ar(&comm);
-        let memory = ar.memory().unwrap().clone();
+    on_two_ranks(|_comm, ar, memory| {
         let (input, out) = (
             memory.allocate(4096).unwrap(),
             memory.allocate(4096).unwrap(),
         );
         ar.backend().begin_capture();
         assert!(matches!(
-            reduce(&mut ar, &input, true, &out, 3),
+            reduce(ar, &input, true, &out, 3),
             Err(AllReduceError::Fallback(
                 FallbackReason::SizeNotMultipleOf16 { bytes: 12 }
             ))
@@ -348,32 +336,24 @@ fn caller_memory_that_no_kernel_serves_falls_back_before_anything_is_recorded() 
         assert_eq!(ar.pending_graph_buffers(), 0);
         assert_eq!(ar.phase(), Phase::Active);
     });
-    for r in results {
-        r.unwrap();
-    }
 }
 
 #[test]
 fn an_in_place_call_inside_a_capture_is_staged_even_when_its_input_could_be_shared() {
-    let results = LocalGroup::new(2).run(|comm| {
-        let mut ar = new_ar(&comm);
-        let memory = ar.memory().unwrap().clone();
+    on_two_ranks(|comm, ar, memory| {
         let x = memory.allocate(4096).unwrap();
         ar.backend().begin_capture();
-        reduce(&mut ar, &x, true, &x, 1024).unwrap();
+        reduce(ar, &x, true, &x, 1024).unwrap();
         let graph = ar.backend().end_capture();
         assert!(matches!(graph[0], Op::Stage { .. }), "{graph:?}");
-        ar.register_graph_buffers(&comm).unwrap();
+        ar.register_graph_buffers(comm).unwrap();
         let staging = ar.base_address(comm.rank(), STAGING).unwrap();
         assert_eq!(ar.rank_data_slot(1).unwrap()[comm.rank()], staging);
-        fill(&ar, &x, comm.rank() as f32 + 1.0, 1024);
+        fill(ar, &x, comm.rank() as f32 + 1.0, 1024);
         comm.barrier().unwrap();
-        replay(&mut ar, &graph, &[&x]).unwrap();
-        assert_eq!(read(&ar, &x, 1024), vec![3.0; 1024]);
+        replay(ar, &graph, &[&x]).unwrap();
+        assert_eq!(read(ar, &x, 1024), vec![3.0; 1024]);
     });
-    for r in results {
-        r.unwrap();
-    }
 }
 
 /// The route is decided from the call's shape alone: a rank whose communicator failed, or
@@ -382,9 +362,7 @@ fn an_in_place_call_inside_a_capture_is_staged_even_when_its_input_could_be_shar
 /// waiting for good); the refusals local to a rank come only for sizes the kernels serve.
 #[test]
 fn a_fallback_shape_is_a_fallback_whatever_the_ranks_phase_or_output_alignment() {
-    let results = LocalGroup::new(2).run(|comm| {
-        let mut ar = new_ar(&comm);
-        let memory = ar.memory().expect("memory").clone();
+    on_two_ranks(|_comm, ar, memory| {
         let input = memory.allocate(4096).expect("input");
         let out = memory.allocate(4096).expect("output");
         let call = |ar: &mut Ar, out: u64, count: usize| {
@@ -393,7 +371,7 @@ fn a_fallback_shape_is_a_fallback_whatever_the_ranks_phase_or_output_alignment()
                 input.addr(),
                 || Ok(false),
                 |backend: &GraphSim, staging: &HostBuffer, bytes: usize| {
-                    backend.stage_caller(&memory, &input, staging, 0..bytes)
+                    backend.stage(memory, &input, staging, 0..bytes)
                 },
                 out,
                 DType::F32,
@@ -403,25 +381,22 @@ fn a_fallback_shape_is_a_fallback_whatever_the_ranks_phase_or_output_alignment()
         // 3 f32: 12 bytes, not a multiple of 16.
         let misaligned = out.addr() + 4;
         assert!(matches!(
-            call(&mut ar, misaligned, 3),
+            call(ar, misaligned, 3),
             Err(AllReduceError::Fallback(_))
         ));
         assert!(matches!(
-            call(&mut ar, misaligned, 64),
+            call(ar, misaligned, 64),
             Err(AllReduceError::Misaligned { .. })
         ));
         let _ = ar.fail("a test", AllReduceError::InvalidArgument("injected".into()));
         assert!(matches!(
-            call(&mut ar, out.addr(), 3),
+            call(ar, out.addr(), 3),
             Err(AllReduceError::Fallback(_))
         ));
-        let served = call(&mut ar, out.addr(), 64);
+        let served = call(ar, out.addr(), 64);
         assert!(
             matches!(served, Err(AllReduceError::Failed { .. })),
             "{served:?}"
         );
     });
-    for r in results {
-        r.expect("rank thread");
-    }
 }

@@ -191,7 +191,7 @@ fn gather<T: Element, M: HostLike>(
         // and the output hold `count` elements; the output is the caller's, never a temp
         // buffer. `copy_bytes` keeps the speed of an output 16 bytes into a page (a large `Vec`).
         unsafe {
-            tpcomm_transport::backend::copy::copy_bytes(
+            tpcomm_transport::copy::copy_bytes(
                 (l.out as *mut u8).add(offset),
                 (temps[r] as *const u8).add(offset),
                 bytes,

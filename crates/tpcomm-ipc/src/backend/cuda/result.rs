@@ -47,7 +47,7 @@ const SYMBOLS: &[&str] = &[
 ];
 
 fn try_load() -> std::result::Result<(), String> {
-    let missing = tpcomm_transport::backend::cuda_driver::missing_symbols(SYMBOLS)?;
+    let missing = tpcomm_transport::cuda_driver::missing_symbols(SYMBOLS)?;
     if missing.is_empty() {
         Ok(())
     } else {
@@ -62,8 +62,8 @@ fn try_load() -> std::result::Result<(), String> {
 /// ones. Never calls them, never panics.
 pub fn require(names: &[&str]) -> Result<()> {
     load()?;
-    let missing = tpcomm_transport::backend::cuda_driver::missing_symbols(names)
-        .map_err(IpcError::NoDevice)?;
+    let missing =
+        tpcomm_transport::cuda_driver::missing_symbols(names).map_err(IpcError::NoDevice)?;
     if missing.is_empty() {
         Ok(())
     } else {

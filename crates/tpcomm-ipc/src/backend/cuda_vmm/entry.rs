@@ -142,8 +142,8 @@ pub(super) fn entries() -> Result<Entries> {
     ENTRIES
         .get_or_init(|| {
             result::load().map_err(|e| e.to_string())?;
-            let lib = tpcomm_transport::backend::cuda_driver::library()?;
-            let missing = tpcomm_transport::backend::cuda_driver::missing_symbols(&NAMES)?;
+            let lib = tpcomm_transport::cuda_driver::library()?;
+            let missing = tpcomm_transport::cuda_driver::missing_symbols(&NAMES)?;
             if !missing.is_empty() {
                 return Err(format!(
                     "virtual memory management (the driver lacks {missing:?}: it is older \

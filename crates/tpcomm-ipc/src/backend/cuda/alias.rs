@@ -7,7 +7,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::sys::CUdeviceptr;
 
-use super::{result, CudaHandle, CudaMapping, CudaMemory};
+use super::{CudaHandle, CudaMapping, CudaMemory};
+use crate::backend::cuda_driver::result;
 use crate::error::{IpcError, Result};
 
 /// Allocations this process exported: the 64 handle bytes -> the allocation's base, so that a

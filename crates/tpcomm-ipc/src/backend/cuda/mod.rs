@@ -51,13 +51,13 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUdeviceptr;
 use serde::{Deserialize, Serialize};
 
+use super::cuda_driver::context::PrimaryContext;
 use crate::error::{IpcError, Result};
 use crate::memory::{check_range, MemoryRegion, PeerMemory};
 
 mod address_hold;
 mod alias;
 mod buffer_view;
-mod context;
 mod device_peer_memory;
 mod opened;
 mod pointer_checks;
@@ -67,7 +67,6 @@ pub use address_hold::CudaAddressHold;
 use alias::export_table;
 pub use alias::{alias_access, AliasAccess};
 pub use buffer_view::BufferView;
-pub(crate) use context::PrimaryContext;
 pub use device_peer_memory::DevicePeerMemory;
 pub use opened::imported_allocations;
 pub(crate) use opened::OpenKey;
@@ -77,7 +76,7 @@ use opened::{open_table, owner_gone_or, Opened};
 /// allocation (and so an IPC handle).
 pub const ALLOCATION_GRANULARITY: usize = 2 << 20;
 
-pub mod result;
+pub use super::cuda_driver::result;
 
 /// The handle of `len` bytes at `offset` in one `cuMemAlloc` allocation of process `pid`.
 ///

@@ -7,7 +7,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::sys::CUdeviceptr;
 
-use super::result;
+use crate::backend::cuda_driver::result;
 use crate::error::IpcError;
 
 /// An opened allocation: the 64 handle bytes and the opening device's ordinal.

@@ -6,7 +6,8 @@ use std::fmt;
 
 use super::alias::export_table;
 use super::opened::open_table;
-use super::{result, CudaBuffer, CudaMapping};
+use super::{CudaBuffer, CudaMapping};
+use crate::backend::cuda_driver::result;
 use crate::error::Result;
 use crate::memory::{MemoryRegion, Sealed};
 

@@ -9,21 +9,22 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::sys::CUdeviceptr;
 
-use super::entry::{
+use super::{CudaVmmHandle, CudaVmmMemory};
+use crate::backend::cuda_driver::context::PrimaryContext;
+use crate::backend::cuda_driver::result;
+use crate::backend::cuda_driver::vmm::{
     self, check, entries, AccessDesc, AllocFlags, AllocationProp, Entries, Location,
 };
-use super::{CudaVmmHandle, CudaVmmMemory};
-use crate::backend::cuda::{result, PrimaryContext};
 use crate::backend::descriptor::{self, Identity, IfStatxRefused};
 use crate::error::{IpcError, Result};
 
 /// The properties of every allocation of this backend on device `ordinal`.
 pub(super) fn allocation_prop(ordinal: i32) -> AllocationProp {
     AllocationProp {
-        kind: entry::ALLOCATION_PINNED,
-        requested_handle_types: entry::HANDLE_POSIX_FD,
+        kind: vmm::ALLOCATION_PINNED,
+        requested_handle_types: vmm::HANDLE_POSIX_FD,
         location: Location {
-            kind: entry::LOCATION_DEVICE,
+            kind: vmm::LOCATION_DEVICE,
             id: ordinal,
         },
         win32_handle_meta_data: std::ptr::null_mut(),
@@ -35,10 +36,10 @@ pub(super) fn allocation_prop(ordinal: i32) -> AllocationProp {
 pub(super) fn access(ordinal: i32) -> AccessDesc {
     AccessDesc {
         location: Location {
-            kind: entry::LOCATION_DEVICE,
+            kind: vmm::LOCATION_DEVICE,
             id: ordinal,
         },
-        flags: entry::ACCESS_READWRITE,
+        flags: vmm::ACCESS_READWRITE,
     }
 }
 
@@ -234,7 +235,7 @@ fn export_descriptor(e: &Entries, phys: u64) -> Result<(OwnedFd, Identity)> {
     let mut raw: c_int = -1;
     let out = (&mut raw as *mut c_int).cast::<c_void>();
     // SAFETY: for a POSIX descriptor handle the driver writes an `int` at `out`.
-    let code = unsafe { (e.export)(out, phys, entry::HANDLE_POSIX_FD, 0) };
+    let code = unsafe { (e.export)(out, phys, vmm::HANDLE_POSIX_FD, 0) };
     check(e, "cuMemExportToShareableHandle", code)?;
     if raw < 0 {
         return Err(IpcError::InvalidAllocation(format!(
@@ -315,9 +316,9 @@ pub(crate) fn free_buffer(ptr: CUdeviceptr, len: usize, ctx: &PrimaryContext) {
     let entry = owned().remove(&ptr);
     let freed = ctx.make_current().and_then(|()| {
         if let Some(o) = entry {
-            unback(&e, ptr, o)?;
+            unback(e, ptr, o)?;
         }
-        free_range(&e, ptr, len);
+        free_range(e, ptr, len);
         Ok(())
     });
     if let Err(err) = freed {

@@ -9,10 +9,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use cudarc::driver::sys::CUdeviceptr;
 
 use super::allocation::{access, free_range, own_allocation};
-use super::entry::{self, check, entries, Entries};
 use super::handle_checks::{check_descriptor, check_fields, machine_majors, DescriptorProblem};
 use super::{CudaVmmHandle, CudaVmmMemory, VmmMapping, NAME};
-use crate::backend::cuda::{result, CudaMapping, PrimaryContext};
+use crate::backend::cuda::CudaMapping;
+use crate::backend::cuda_driver::context::PrimaryContext;
+use crate::backend::cuda_driver::result;
+use crate::backend::cuda_driver::vmm::{self, check, entries, Entries};
 use crate::backend::descriptor::{self, Got, IfStatxRefused, Pidfd};
 use crate::error::{IpcError, Result};
 
@@ -75,7 +77,7 @@ impl CudaVmmMemory {
             (e.import)(
                 &mut phys,
                 fd.as_raw_fd() as usize as *mut c_void,
-                entry::HANDLE_POSIX_FD,
+                vmm::HANDLE_POSIX_FD,
             )
         };
         // The import holds the allocation; the descriptor is not needed any more.
@@ -135,8 +137,8 @@ impl CudaVmmMemory {
         if h.pid == std::process::id() {
             return self.open_alias(h, size, len);
         }
-        let phys = self.import(&e, h)?;
-        let va = match self.reserve(&e, size) {
+        let phys = self.import(e, h)?;
+        let va = match self.reserve(e, size) {
             Ok(va) => va,
             Err(err) => {
                 // SAFETY: imported above, released once on failure.
@@ -144,8 +146,8 @@ impl CudaVmmMemory {
                 return Err(err);
             }
         };
-        if let Err(err) = self.map_import(&e, va, size, phys) {
-            free_range(&e, va, size);
+        if let Err(err) = self.map_import(e, va, size, phys) {
+            free_range(e, va, size);
             return Err(err);
         }
         tracing::trace!(
@@ -229,12 +231,12 @@ pub(crate) fn release_mapping(
     if let Some(phys) = phys {
         // SAFETY: the import's mapping over the mapping's own range, unmapped once.
         let code = unsafe { (e.unmap)(base, size) };
-        outcome = check(&e, "cuMemUnmap", code);
+        outcome = check(e, "cuMemUnmap", code);
         // SAFETY: the import's handle, released once.
         let code = unsafe { (e.release)(phys) };
-        outcome = outcome.and(check(&e, "cuMemRelease", code));
+        outcome = outcome.and(check(e, "cuMemRelease", code));
         IMPORTED.fetch_sub(1, Ordering::SeqCst);
     }
-    free_range(&e, base, size);
+    free_range(e, base, size);
     outcome
 }

@@ -51,34 +51,32 @@
 //!   their address through a release and restore of the allocation by construction.
 //!
 //! The entry points are resolved at run time in the driver library tpcomm's probe loaded,
-//! with the C signatures of `cuda.h` (CUDA 11.4+) and this module's own `#[repr(C)]`
-//! structures, so that the layout does not depend on the CUDA version cudarc's bindings were
-//! generated for. A driver that lacks them, or a device without virtual memory management or
-//! POSIX descriptor handles, is [`IpcError::Unsupported`] naming what is missing.
+//! with the C signatures of `cuda.h` (CUDA 11.4+) and the `#[repr(C)]` structures that
+//! `tpcomm_transport::cuda_driver::vmm` declares, so that the layout does not depend on the
+//! CUDA version cudarc's bindings were generated for. A driver that lacks them, or a device
+//! without virtual memory management or POSIX descriptor handles, is
+//! [`IpcError::Unsupported`] naming what is missing.
 
 use std::ffi::c_int;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::cuda::{CudaBuffer, CudaHandle, CudaMapping, CudaMemory, PrimaryContext};
+use super::cuda::{CudaBuffer, CudaHandle, CudaMapping, CudaMemory};
+use super::cuda_driver::context::PrimaryContext;
+use super::cuda_driver::vmm::{self, check, entries, NAME};
 use crate::error::{IpcError, Result};
 use crate::memory::{check_range, MemoryRegion, PeerMemory, Region};
 
 mod allocation;
-mod entry;
 mod handle_checks;
 mod import;
 mod stable;
 
 pub(crate) use allocation::free_buffer;
 use allocation::{allocation_prop, free_range, owned, owned_range};
-use entry::{check, entries};
 pub use handle_checks::nvidia_majors;
 pub(crate) use import::{imported_now, release_mapping};
-
-/// The backend's name in errors.
-const NAME: &str = "cuda-vmm";
 
 /// The handle of `len` bytes at `offset` in one virtual-memory allocation of process `pid`,
 /// exported as descriptor `fd` there.
@@ -162,7 +160,7 @@ impl CudaVmmMemory {
             // SAFETY: out-pointer to a local; the driver validates the attribute and device.
             let code = unsafe { (e.attribute)(&mut value, attribute, ctx.device) };
             // A driver that does not know the attribute cannot provide what it names.
-            check(&e, "cuDeviceGetAttribute", code).map_err(|err| IpcError::Unsupported {
+            check(e, "cuDeviceGetAttribute", code).map_err(|err| IpcError::Unsupported {
                 backend: NAME,
                 what: format!("{what} (the driver cannot tell: {err})"),
             })?;
@@ -174,17 +172,17 @@ impl CudaVmmMemory {
             }
             Ok(())
         };
-        attribute(entry::ATTRIBUTE_VMM, "virtual memory management")?;
+        attribute(vmm::ATTRIBUTE_VMM, "virtual memory management")?;
         attribute(
-            entry::ATTRIBUTE_POSIX_FD,
+            vmm::ATTRIBUTE_POSIX_FD,
             "POSIX file descriptor handles of allocations",
         )?;
         let prop = allocation_prop(ctx.ordinal);
         let mut granularity = 0usize;
         ctx.make_current()?;
         // SAFETY: out-pointer to a local; `prop` is a valid property block for the call.
-        let code = unsafe { (e.granularity)(&mut granularity, &prop, entry::GRANULARITY_MINIMUM) };
-        check(&e, "cuMemGetAllocationGranularity", code)?;
+        let code = unsafe { (e.granularity)(&mut granularity, &prop, vmm::GRANULARITY_MINIMUM) };
+        check(e, "cuMemGetAllocationGranularity", code)?;
         if granularity == 0 || !granularity.is_power_of_two() {
             return Err(IpcError::Unsupported {
                 backend: NAME,
@@ -295,9 +293,9 @@ impl PeerMemory for CudaVmmMemory {
                 ))
             })?;
         let e = entries()?;
-        let va = self.reserve(&e, size)?;
-        if let Err(err) = self.back(&e, va, size) {
-            free_range(&e, va, size);
+        let va = self.reserve(e, size)?;
+        if let Err(err) = self.back(e, va, size) {
+            free_range(e, va, size);
             return Err(err);
         }
         tracing::trace!(size, va, "CUDA virtual-memory buffer allocated");
@@ -324,7 +322,7 @@ impl PeerMemory for CudaVmmMemory {
         let e = entries()?;
         self.ctx().make_current()?;
         let o = table.get_mut(&base).expect("found just above");
-        let (fd, id) = self.exported(&e, base, o)?;
+        let (fd, id) = self.exported(e, base, o)?;
         Ok(CudaPeerHandle::Vmm(CudaVmmHandle {
             pid: std::process::id(),
             fd,

@@ -62,9 +62,11 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::cuda::{CudaBuffer, CudaHandle, CudaMapping, CudaMemory};
+use super::cuda::{CudaBuffer, CudaHandle, CudaMapping, CudaMemory, DevicePeerMemory};
 use super::cuda_driver::context::PrimaryContext;
 use super::cuda_driver::vmm::{self, check, entries, NAME};
+use super::cuda_region::vmm::{free_range, owned};
+use super::cuda_region::{sealed, VmmMapping};
 use crate::error::{IpcError, Result};
 use crate::memory::{check_range, MemoryRegion, PeerMemory, Region};
 
@@ -73,10 +75,9 @@ mod handle_checks;
 mod import;
 mod stable;
 
-pub(crate) use allocation::free_buffer;
-use allocation::{allocation_prop, free_range, owned, owned_range};
+pub use super::cuda::legacy_checkpoint_blocker;
+use allocation::{allocation_prop, owned_range};
 pub use handle_checks::nvidia_majors;
-pub(crate) use import::{imported_now, release_mapping};
 
 /// The handle of `len` bytes at `offset` in one virtual-memory allocation of process `pid`,
 /// exported as descriptor `fd` there.
@@ -112,16 +113,6 @@ pub enum CudaPeerHandle {
     Legacy(CudaHandle),
     /// Memory of `cuMemCreate` exported as a POSIX descriptor.
     Vmm(CudaVmmHandle),
-}
-
-/// How a mapping of [`CudaVmmMemory`] maps its peer's virtual-memory allocation.
-#[derive(Debug)]
-pub(crate) enum VmmMapping {
-    /// Imported and mapped over the whole reserved range at the mapping's base: `phys` is the
-    /// imported allocation handle, `None` while detached.
-    Imported { phys: Option<u64>, size: usize },
-    /// This process's own allocation, seen at its own address (ranks as threads).
-    Alias { detached: bool, size: usize },
 }
 
 /// The CUDA virtual-memory peer-memory backend for one device (see the module
@@ -408,19 +399,18 @@ impl PeerMemory for CudaVmmMemory {
     }
 }
 
-/// Why a legacy CUDA IPC mapping of process `pid`'s memory, opened in process `own`, keeps
-/// the two from being checkpointed and restored together; `None` for this process's own
-/// memory (a same-process alias).
-pub fn legacy_checkpoint_blocker(pid: u32, own: u32) -> Option<String> {
-    (pid != own).then(|| {
-        format!(
-            "it is legacy CUDA IPC memory of process {pid}: after both processes are \
-             checkpointed and restored, the driver refuses to open fresh legacy IPC handles \
-             (cuIpcOpenMemHandle: CUDA_ERROR_NOT_PERMITTED, measured on driver 580); share \
-             memory of CudaVmmMemory instead, or capture with the staging copy \
-             (CudaOptions::stage_captured_inputs)"
-        )
-    })
+impl sealed::Sealed for CudaVmmMemory {}
+
+impl DevicePeerMemory for CudaVmmMemory {
+    fn device_ordinal(&self) -> i32 {
+        CudaVmmMemory::device_ordinal(self)
+    }
+    fn bind_to_thread(&self) -> Result<()> {
+        CudaVmmMemory::bind_to_thread(self)
+    }
+    fn check_shareable(&self, addr: u64, len: usize) -> Result<()> {
+        self.check_exportable(addr, len)
+    }
 }
 
 #[cfg(test)]

@@ -4,12 +4,12 @@
 
 use std::sync::atomic::Ordering;
 
-use super::allocation::{own_allocation, owned, unback};
+use super::allocation::own_allocation;
 use super::handle_checks::check_fields;
-use super::import::IMPORTED;
 use super::{CudaPeerHandle, CudaVmmMemory, VmmMapping, NAME};
 use crate::backend::cuda::{CudaBuffer, CudaMapping};
 use crate::backend::cuda_driver::vmm::{check, entries};
+use crate::backend::cuda_region::vmm::{owned, unback, IMPORTED};
 use crate::error::{IpcError, Result};
 use crate::memory::MemoryRegion;
 

@@ -51,7 +51,7 @@ enum Chain {
     Link(Box<Chain>),
 }
 
-/// The benchmark's `records:N` payload (`crates/tpcomm-bench/src/objects.rs`), mirrored.
+/// The benchmark's `records:N` payload (`crates/tpcomm-bench/src/data/payload.rs`), mirrored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Record {
     id: u64,

@@ -5,19 +5,8 @@ use std::error::Error;
 
 use tpcomm_ipc::IpcError;
 use tpcomm_objects::ObjectError;
+use tpcomm_transport::testing::assert_each_level_says_its_own_thing;
 use tpcomm_transport::{Communicator, LocalGroup};
-
-fn assert_each_level_says_its_own_thing(err: &(dyn Error + 'static)) {
-    let mut level: &(dyn Error + 'static) = err;
-    while let Some(source) = level.source() {
-        let (outer, inner) = (level.to_string(), source.to_string());
-        assert!(
-            !outer.contains(&inner),
-            "{outer:?} repeats its source's text {inner:?}"
-        );
-        level = source;
-    }
-}
 
 fn os_error() -> IpcError {
     IpcError::Os {

@@ -21,7 +21,7 @@
 
 use std::cell::{Cell, RefCell};
 
-use tpcomm_transport::backend::copy::SMALL;
+use tpcomm_transport::copy::SMALL;
 
 use crate::error::{ObjectError, Result};
 
@@ -50,7 +50,7 @@ thread_local! {
 /// (`Vec<u8>`, `String`) with glibc's `memcpy`, into memory that the allocator hands out at
 /// the same place call after call. Where `memcpy` runs about 20 times slower for a
 /// destination 1 to 63 bytes after its source modulo 4 KiB (AMD EPYC with glibc 2.36; see
-/// `tpcomm_transport::backend::copy`), a receive buffer that never moves makes every call of
+/// `tpcomm_transport::copy`), a receive buffer that never moves makes every call of
 /// a run slow for some destinations (`examples/layouts.rs`, two 64 KiB byte strings copied
 /// to every 16-byte offset of a page: 2-3 of 256 offsets at 60-108 us against 18-21 us).
 /// Moved by 64 bytes at each call, the bytes are in that relation with a given destination

@@ -12,7 +12,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 use rustix::mm::{madvise, Advice};
-use tpcomm_transport::backend::copy::copy_bytes;
+use tpcomm_transport::copy::copy_bytes;
 
 use tpcomm_ipc::{
     HostBuffer, HostHandle, HostMapping, HostMemory, IpcError, MemoryRegion, PeerMemory,

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::thread::futex;
-use tpcomm_transport::backend::spin::{later, SpinBudget};
+use tpcomm_transport::spin::{later, SpinBudget};
 
 /// How often a parked waiter checks a peer process's liveness: a tenth of the timeout,
 /// between 1 ms and 100 ms.

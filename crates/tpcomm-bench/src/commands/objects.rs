@@ -28,7 +28,7 @@ use std::hint::black_box;
 use clap::{Args, ValueEnum};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tpcomm::transport::backend::copy::SMALL;
+use tpcomm::transport::copy::SMALL;
 use tpcomm::transport::dense_displacements;
 use tpcomm::Communicator;
 
@@ -230,7 +230,7 @@ fn targets() -> Vec<Target> {
 /// The floor: postcard encode, lengths then bytes through `comm`, postcard decode. Its send
 /// and receive buffers are kept between calls (per thread), as a loop of the call keeps
 /// them warm: fresh ones would sit next to the values decoded from them, where glibc's
-/// `memcpy` can take its slow path (`tpcomm_transport::backend::copy`; `docs/protocol.md`, "A
+/// `memcpy` can take its slow path (`tpcomm_transport::copy`; `docs/protocol.md`, "A
 /// receive window that moves"). For the same reason the received bytes start 64 bytes further into the receive
 /// buffer at each call when a value is 2 KiB or longer, as tpcomm's do: with both buffers
 /// fixed, the copy of a rank's own part from the send to the receive buffer (inside

@@ -35,7 +35,7 @@ use clap::Args;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tpcomm::queue::{BroadcastQueue, QueueConfig};
-use tpcomm::transport::backend::copy::copy_slice;
+use tpcomm::transport::copy::copy_slice;
 use tpcomm::Communicator;
 
 use crate::data::payload::{

@@ -72,8 +72,9 @@ impl Mpi4py {
             _ if skip => Err("skipped (--no-mpi4py)".to_string()),
             Transport::Local => run_mpi4py(name, collective, run, payloads),
             Transport::Mpi => Err(
-            "not run under --transport mpi (it needs an mpirun job of its own): run without              it to measure mpi4py next to local ranks"
-                .into(),
+                "not run under --transport mpi (it needs an mpirun job of its own): run without \
+             it to measure mpi4py next to local ranks"
+                    .into(),
             ),
         })
     }

@@ -3,7 +3,7 @@
 //! move bytes themselves.
 
 use serde::{Deserialize, Serialize};
-use tpcomm_transport::backend::copy::extend_from_slice;
+use tpcomm_transport::copy::extend_from_slice;
 
 use super::engine::Mine;
 use crate::buffers::Kept;

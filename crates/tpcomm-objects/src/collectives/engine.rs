@@ -4,7 +4,7 @@
 //! the agreed reservation that turns one rank's refused allocation into an error on every
 //! rank, and the `tracing` span every collective records its path in.
 
-use tpcomm_transport::backend::copy::copy_slice;
+use tpcomm_transport::copy::copy_slice;
 use tpcomm_transport::{Communicator, GatherRecv};
 use tracing::field::Empty;
 

@@ -4,7 +4,7 @@
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tpcomm_transport::backend::copy::extend_from_slice;
+use tpcomm_transport::copy::extend_from_slice;
 use tpcomm_transport::Communicator;
 
 use super::all_gather_with;

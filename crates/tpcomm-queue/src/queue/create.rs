@@ -5,8 +5,8 @@
 use serde::{Deserialize, Serialize};
 use tpcomm_ipc::{HostHandle, HostMemory, Step};
 use tpcomm_objects::Options;
-use tpcomm_transport::backend::spin::SpinBudget;
 use tpcomm_transport::process::ProcessIdentity;
+use tpcomm_transport::spin::SpinBudget;
 use tpcomm_transport::Communicator;
 
 use super::config::{Settings, SETTING_NAMES};

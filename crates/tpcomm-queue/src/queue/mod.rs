@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use tpcomm_ipc::{HostHandle, HostMemory};
 use tpcomm_objects::Options;
-use tpcomm_transport::backend::spin::SpinBudget;
 use tpcomm_transport::process::ProcessIdentity;
+use tpcomm_transport::spin::SpinBudget;
 use tpcomm_transport::Communicator;
 
 use crate::layout::header;

@@ -5,7 +5,11 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUdeviceptr;
 
-use super::{result, CudaMemory, PrimaryContext, ALLOCATION_GRANULARITY};
+use tpcomm_transport::cuda_driver::cudarc_probes::ADDRESS_RESERVATION;
+
+use super::{CudaMemory, ALLOCATION_GRANULARITY};
+use crate::backend::cuda_driver::context::PrimaryContext;
+use crate::backend::cuda_driver::result;
 use crate::error::{IpcError, Result};
 
 /// A reservation of device virtual addresses (`cuMemAddressReserve` at a fixed address),
@@ -46,7 +50,7 @@ impl CudaMemory {
     /// 2 MiB, the length up). Fails with [`IpcError::InvalidAllocation`] when the driver
     /// places the reservation elsewhere (the range is in use), releasing it.
     pub fn hold_address(&self, addr: u64, len: usize) -> Result<CudaAddressHold> {
-        result::require(&["cuMemAddressReserve", "cuMemAddressFree"])?;
+        result::require(ADDRESS_RESERVATION)?;
         let granule = ALLOCATION_GRANULARITY as u64;
         let start = addr / granule * granule;
         let len = addr

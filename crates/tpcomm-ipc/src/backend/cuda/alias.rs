@@ -2,39 +2,10 @@
 //! as the local allocation itself, after checking that it is still the one exported, with
 //! peer access where it lies on another device.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
-
-use cudarc::driver::sys::CUdeviceptr;
-
-use super::{result, CudaHandle, CudaMapping, CudaMemory};
+use super::{CudaHandle, CudaMapping, CudaMemory};
+use crate::backend::cuda_driver::result;
+use crate::backend::cuda_region::legacy::export_table;
 use crate::error::{IpcError, Result};
-
-/// Allocations this process exported: the 64 handle bytes -> the allocation's base, so that a
-/// [`CudaMemory::same_process`] backend can open its own handles as aliases.
-///
-/// Entries are never looked up by peers of other processes, only by this process's own
-/// aliases, and an alias is checked against the allocation now at `base`: the driver must
-/// give the same handle for it ([`CudaMemory::open_alias`]), which a new allocation at a
-/// freed one's address does not. Entries are dropped when a [`CudaBuffer`] is freed; a
-/// stale entry (memory tpcomm did not allocate, freed by its owner, or a handle from
-/// before a process checkpoint) is refused that way. After a checkpoint and restore the
-/// driver hands out a *different* handle for the same allocation (the old one no longer
-/// opens anywhere: `CUDA_ERROR_INVALID_HANDLE`); the registry's resume exports again and
-/// inserts the new handle next to the old one, both naming the same base (a restore keeps
-/// every allocation at its virtual address).
-///
-/// [`CudaBuffer`]: super::CudaBuffer
-pub(super) fn export_table(
-) -> MutexGuard<'static, HashMap<[u8; result::IPC_HANDLE_BYTES], CUdeviceptr>> {
-    static TABLE: OnceLock<Mutex<HashMap<[u8; result::IPC_HANDLE_BYTES], CUdeviceptr>>> =
-        OnceLock::new();
-    // Nothing panics while holding the lock.
-    TABLE
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-}
 
 impl CudaMemory {
     /// Opens a handle this process exported as an alias of the local allocation, after

@@ -48,36 +48,31 @@
 use std::fmt;
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUdeviceptr;
 use serde::{Deserialize, Serialize};
 
+use super::cuda_driver::context::PrimaryContext;
+use super::cuda_region::legacy::{export_table, open_table, Opened};
+use super::cuda_region::sealed;
 use crate::error::{IpcError, Result};
 use crate::memory::{check_range, MemoryRegion, PeerMemory};
 
 mod address_hold;
 mod alias;
-mod buffer_view;
-mod context;
-mod device_peer_memory;
-mod opened;
+mod owner_gone;
 mod pointer_checks;
-mod regions;
 
+pub use super::cuda_region::{
+    imported_allocations, BufferView, CudaBuffer, CudaMapping, DevicePeerMemory,
+};
 pub use address_hold::CudaAddressHold;
-use alias::export_table;
 pub use alias::{alias_access, AliasAccess};
-pub use buffer_view::BufferView;
-pub(crate) use context::PrimaryContext;
-pub use device_peer_memory::DevicePeerMemory;
-pub use opened::imported_allocations;
-pub(crate) use opened::OpenKey;
-use opened::{open_table, owner_gone_or, Opened};
+use owner_gone::owner_gone_or;
 
 /// Granularity of [`CudaMemory::allocate`]: 2 MiB, so that no two buffers share an
 /// allocation (and so an IPC handle).
 pub const ALLOCATION_GRANULARITY: usize = 2 << 20;
 
-pub mod result;
+pub use super::cuda_driver::result;
 
 /// The handle of `len` bytes at `offset` in one `cuMemAlloc` allocation of process `pid`.
 ///
@@ -121,35 +116,6 @@ impl fmt::Debug for CudaHandle {
 pub struct CudaMemory {
     ctx: Arc<PrimaryContext>,
     same_process: bool,
-}
-
-/// A device allocation of this process (`cuMemAlloc`, a multiple of 2 MiB, zeroed), freed
-/// on drop. Peers map it through [`CudaHandle`]s.
-#[derive(Debug)]
-pub struct CudaBuffer {
-    pub(crate) ptr: CUdeviceptr,
-    pub(crate) len: usize,
-    pub(crate) ctx: Arc<PrimaryContext>,
-    /// Allocated by `CudaVmmMemory` (virtual memory: a reserved range with physical memory
-    /// mapped into it), not by `cuMemAlloc`.
-    pub(crate) vmm: bool,
-}
-
-/// This process's mapping of (a range of) a peer's allocation; closed on drop, or by
-/// [`PeerMemory::close`], which reports failures.
-pub struct CudaMapping {
-    pub(crate) key: OpenKey,
-    pub(crate) base: CUdeviceptr,
-    pub(crate) offset: u64,
-    pub(crate) len: usize,
-    pub(crate) ctx: Arc<PrimaryContext>,
-    pub(crate) released: bool,
-    /// A same-process alias of this process's own allocation ([`CudaMemory::same_process`]):
-    /// nothing was opened in the driver, nothing is closed.
-    pub(crate) alias: bool,
-    /// Opened by `CudaVmmMemory` from a virtual-memory handle: how it maps the peer's
-    /// allocation (`key` and `alias` are then unused).
-    pub(crate) vmm: Option<crate::backend::cuda_vmm::VmmMapping>,
 }
 
 impl CudaMemory {
@@ -386,7 +352,7 @@ impl PeerMemory for CudaMemory {
     /// A mapping of another process's memory: after both processes are checkpointed and
     /// restored, the driver refuses to open fresh legacy IPC handles.
     fn checkpoint_blocker(&self, handle: &CudaHandle) -> Option<String> {
-        crate::backend::cuda_vmm::legacy_checkpoint_blocker(handle.pid, std::process::id())
+        legacy_checkpoint_blocker(handle.pid, std::process::id())
     }
 
     fn write<R: MemoryRegion>(&self, region: &R, offset: usize, src: &[u8]) -> Result<()> {
@@ -414,6 +380,35 @@ impl PeerMemory for CudaMemory {
         // SAFETY: as in `write`.
         unsafe { result::memcpy_dtoh(dst, region.addr() + offset as u64) }
     }
+}
+
+impl sealed::Sealed for CudaMemory {}
+
+impl DevicePeerMemory for CudaMemory {
+    fn device_ordinal(&self) -> i32 {
+        CudaMemory::device_ordinal(self)
+    }
+    fn bind_to_thread(&self) -> Result<()> {
+        CudaMemory::bind_to_thread(self)
+    }
+    fn check_shareable(&self, addr: u64, len: usize) -> Result<()> {
+        self.check_exportable(addr, len).map(drop)
+    }
+}
+
+/// Why a legacy CUDA IPC mapping of process `pid`'s memory, opened in process `own`, keeps
+/// the two from being checkpointed and restored together; `None` for this process's own
+/// memory (a same-process alias).
+pub fn legacy_checkpoint_blocker(pid: u32, own: u32) -> Option<String> {
+    (pid != own).then(|| {
+        format!(
+            "it is legacy CUDA IPC memory of process {pid}: after both processes are \
+             checkpointed and restored, the driver refuses to open fresh legacy IPC handles \
+             (cuIpcOpenMemHandle: CUDA_ERROR_NOT_PERMITTED, measured on driver 580); share \
+             memory of CudaVmmMemory instead, or capture with the staging copy \
+             (CudaOptions::stage_captured_inputs)"
+        )
+    })
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! What the driver's pointer attributes say an address is: memory legacy CUDA IPC can export
 //! (and, if not, which kind it is), and device memory a copy may touch.
 
-use super::{result, CudaMemory};
+use super::CudaMemory;
+use crate::backend::cuda_driver::result;
 use crate::error::{IpcError, Result};
 
 impl CudaMemory {

@@ -5,25 +5,25 @@
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::sys::CUdeviceptr;
 
-use super::entry::{
-    self, check, entries, AccessDesc, AllocFlags, AllocationProp, Entries, Location,
-};
 use super::{CudaVmmHandle, CudaVmmMemory};
-use crate::backend::cuda::{result, PrimaryContext};
+use crate::backend::cuda_driver::result;
+use crate::backend::cuda_driver::vmm::{
+    self, check, AccessDesc, AllocFlags, AllocationProp, Entries, Location,
+};
+use crate::backend::cuda_region::vmm::{free_range, owned, Owned};
 use crate::backend::descriptor::{self, Identity, IfStatxRefused};
 use crate::error::{IpcError, Result};
 
 /// The properties of every allocation of this backend on device `ordinal`.
 pub(super) fn allocation_prop(ordinal: i32) -> AllocationProp {
     AllocationProp {
-        kind: entry::ALLOCATION_PINNED,
-        requested_handle_types: entry::HANDLE_POSIX_FD,
+        kind: vmm::ALLOCATION_PINNED,
+        requested_handle_types: vmm::HANDLE_POSIX_FD,
         location: Location {
-            kind: entry::LOCATION_DEVICE,
+            kind: vmm::LOCATION_DEVICE,
             id: ordinal,
         },
         win32_handle_meta_data: std::ptr::null_mut(),
@@ -35,31 +35,11 @@ pub(super) fn allocation_prop(ordinal: i32) -> AllocationProp {
 pub(super) fn access(ordinal: i32) -> AccessDesc {
     AccessDesc {
         location: Location {
-            kind: entry::LOCATION_DEVICE,
+            kind: vmm::LOCATION_DEVICE,
             id: ordinal,
         },
-        flags: entry::ACCESS_READWRITE,
+        flags: vmm::ACCESS_READWRITE,
     }
-}
-
-/// One allocation of this process, mapped now.
-pub(super) struct Owned {
-    pub(super) size: usize,
-    pub(super) phys: u64,
-    pub(super) device: i32,
-    /// The descriptor exported for peers to fetch, and what it is; made by the first export
-    /// and closed by [`PeerMemory::close_exports`] (every peer has imported by then).
-    ///
-    /// [`PeerMemory::close_exports`]: crate::PeerMemory::close_exports
-    pub(super) exported: Option<(OwnedFd, Identity)>,
-}
-
-/// The allocations of this process that are mapped now, by base address (for `export`, and
-/// for same-process opens). A buffer whose backing is released has no entry.
-pub(super) fn owned() -> MutexGuard<'static, BTreeMap<u64, Owned>> {
-    static TABLE: Mutex<BTreeMap<u64, Owned>> = Mutex::new(BTreeMap::new());
-    // Nothing panics while holding the lock.
-    TABLE.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl CudaVmmMemory {
@@ -234,7 +214,7 @@ fn export_descriptor(e: &Entries, phys: u64) -> Result<(OwnedFd, Identity)> {
     let mut raw: c_int = -1;
     let out = (&mut raw as *mut c_int).cast::<c_void>();
     // SAFETY: for a POSIX descriptor handle the driver writes an `int` at `out`.
-    let code = unsafe { (e.export)(out, phys, entry::HANDLE_POSIX_FD, 0) };
+    let code = unsafe { (e.export)(out, phys, vmm::HANDLE_POSIX_FD, 0) };
     check(e, "cuMemExportToShareableHandle", code)?;
     if raw < 0 {
         return Err(IpcError::InvalidAllocation(format!(
@@ -279,48 +259,4 @@ pub(super) fn owned_range(
     let (&base, o) = table.range(..=addr).next_back()?;
     let end = addr.checked_add(len as u64)?;
     (len > 0 && end <= base + o.size as u64).then_some((base, o))
-}
-
-/// Frees a reservation (logging a failure).
-pub(super) fn free_range(e: &Entries, va: CUdeviceptr, size: usize) {
-    // SAFETY: a reservation of this backend with nothing mapped in it, freed once.
-    let code = unsafe { (e.address_free)(va, size) };
-    if let Err(err) = check(e, "cuMemAddressFree", code) {
-        tracing::warn!(error = %err, "freeing a device address reservation failed");
-    }
-}
-
-/// Unmaps and releases an allocation of this process that was mapped at `va` (its entry
-/// was just removed from the table).
-pub(super) fn unback(e: &Entries, va: CUdeviceptr, o: Owned) -> Result<()> {
-    // SAFETY: the allocation's mapping made by `back`, unmapped once (its entry is gone);
-    // peers that imported it keep their own reference to the memory.
-    let code = unsafe { (e.unmap)(va, o.size) };
-    let unmapped = check(e, "cuMemUnmap", code);
-    // SAFETY: the allocation handle made by `back`, released once.
-    let code = unsafe { (e.release)(o.phys) };
-    let released = check(e, "cuMemRelease", code);
-    drop(o.exported);
-    unmapped.and(released)
-}
-
-/// `Drop` of a [`CudaBuffer`] of this backend: unmaps and releases its memory (if backed) and
-/// frees its range.
-///
-/// [`CudaBuffer`]: crate::CudaBuffer
-pub(crate) fn free_buffer(ptr: CUdeviceptr, len: usize, ctx: &PrimaryContext) {
-    let Ok(e) = entries() else {
-        return;
-    };
-    let entry = owned().remove(&ptr);
-    let freed = ctx.make_current().and_then(|()| {
-        if let Some(o) = entry {
-            unback(&e, ptr, o)?;
-        }
-        free_range(&e, ptr, len);
-        Ok(())
-    });
-    if let Err(err) = freed {
-        tracing::warn!(error = %err, "freeing a CUDA virtual-memory buffer failed");
-    }
 }

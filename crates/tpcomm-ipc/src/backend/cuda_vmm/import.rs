@@ -4,25 +4,19 @@
 
 use std::ffi::c_void;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use cudarc::driver::sys::CUdeviceptr;
 
-use super::allocation::{access, free_range, own_allocation};
-use super::entry::{self, check, entries, Entries};
+use super::allocation::{access, own_allocation};
 use super::handle_checks::{check_descriptor, check_fields, machine_majors, DescriptorProblem};
 use super::{CudaVmmHandle, CudaVmmMemory, VmmMapping, NAME};
-use crate::backend::cuda::{result, CudaMapping, PrimaryContext};
+use crate::backend::cuda::CudaMapping;
+use crate::backend::cuda_driver::result;
+use crate::backend::cuda_driver::vmm::{self, check, entries, Entries};
+use crate::backend::cuda_region::vmm::{free_range, IMPORTED};
 use crate::backend::descriptor::{self, Got, IfStatxRefused, Pidfd};
 use crate::error::{IpcError, Result};
-
-/// Peer allocations imported and mapped now, over every backend of this process.
-pub(super) static IMPORTED: AtomicUsize = AtomicUsize::new(0);
-
-/// Peer allocations this process imports and maps now (detached ones hold only addresses).
-pub(crate) fn imported_now() -> usize {
-    IMPORTED.load(Ordering::SeqCst)
-}
 
 /// Fetches descriptor `fd` of process `pid` with `pidfd_getfd`.
 fn fetch(pid: u32, fd: i32) -> Result<OwnedFd> {
@@ -75,7 +69,7 @@ impl CudaVmmMemory {
             (e.import)(
                 &mut phys,
                 fd.as_raw_fd() as usize as *mut c_void,
-                entry::HANDLE_POSIX_FD,
+                vmm::HANDLE_POSIX_FD,
             )
         };
         // The import holds the allocation; the descriptor is not needed any more.
@@ -135,8 +129,8 @@ impl CudaVmmMemory {
         if h.pid == std::process::id() {
             return self.open_alias(h, size, len);
         }
-        let phys = self.import(&e, h)?;
-        let va = match self.reserve(&e, size) {
+        let phys = self.import(e, h)?;
+        let va = match self.reserve(e, size) {
             Ok(va) => va,
             Err(err) => {
                 // SAFETY: imported above, released once on failure.
@@ -144,8 +138,8 @@ impl CudaVmmMemory {
                 return Err(err);
             }
         };
-        if let Err(err) = self.map_import(&e, va, size, phys) {
-            free_range(&e, va, size);
+        if let Err(err) = self.map_import(e, va, size, phys) {
+            free_range(e, va, size);
             return Err(err);
         }
         tracing::trace!(
@@ -211,30 +205,4 @@ impl CudaVmmMemory {
             },
         ))
     }
-}
-
-/// [`CudaMapping`]'s release for a mapping of this backend: unmaps and releases the import
-/// (if mapped) and frees the range (an alias owns neither).
-pub(crate) fn release_mapping(
-    base: CUdeviceptr,
-    vmm: VmmMapping,
-    ctx: &PrimaryContext,
-) -> Result<()> {
-    let VmmMapping::Imported { phys, size } = vmm else {
-        return Ok(());
-    };
-    let e = entries()?;
-    ctx.make_current()?;
-    let mut outcome = Ok(());
-    if let Some(phys) = phys {
-        // SAFETY: the import's mapping over the mapping's own range, unmapped once.
-        let code = unsafe { (e.unmap)(base, size) };
-        outcome = check(&e, "cuMemUnmap", code);
-        // SAFETY: the import's handle, released once.
-        let code = unsafe { (e.release)(phys) };
-        outcome = outcome.and(check(&e, "cuMemRelease", code));
-        IMPORTED.fetch_sub(1, Ordering::SeqCst);
-    }
-    free_range(&e, base, size);
-    outcome
 }

@@ -51,34 +51,33 @@
 //!   their address through a release and restore of the allocation by construction.
 //!
 //! The entry points are resolved at run time in the driver library tpcomm's probe loaded,
-//! with the C signatures of `cuda.h` (CUDA 11.4+) and this module's own `#[repr(C)]`
-//! structures, so that the layout does not depend on the CUDA version cudarc's bindings were
-//! generated for. A driver that lacks them, or a device without virtual memory management or
-//! POSIX descriptor handles, is [`IpcError::Unsupported`] naming what is missing.
+//! with the C signatures of `cuda.h` (CUDA 11.4+) and the `#[repr(C)]` structures that
+//! `tpcomm_transport::cuda_driver::vmm` declares, so that the layout does not depend on the
+//! CUDA version cudarc's bindings were generated for. A driver that lacks them, or a device
+//! without virtual memory management or POSIX descriptor handles, is
+//! [`IpcError::Unsupported`] naming what is missing.
 
 use std::ffi::c_int;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::cuda::{CudaBuffer, CudaHandle, CudaMapping, CudaMemory, PrimaryContext};
+use super::cuda::{CudaBuffer, CudaHandle, CudaMapping, CudaMemory, DevicePeerMemory};
+use super::cuda_driver::context::PrimaryContext;
+use super::cuda_driver::vmm::{self, check, entries, NAME};
+use super::cuda_region::vmm::{free_range, owned};
+use super::cuda_region::{sealed, VmmMapping};
 use crate::error::{IpcError, Result};
 use crate::memory::{check_range, MemoryRegion, PeerMemory, Region};
 
 mod allocation;
-mod entry;
 mod handle_checks;
 mod import;
 mod stable;
 
-pub(crate) use allocation::free_buffer;
-use allocation::{allocation_prop, free_range, owned, owned_range};
-use entry::{check, entries};
+pub use super::cuda::legacy_checkpoint_blocker;
+use allocation::{allocation_prop, owned_range};
 pub use handle_checks::nvidia_majors;
-pub(crate) use import::{imported_now, release_mapping};
-
-/// The backend's name in errors.
-const NAME: &str = "cuda-vmm";
 
 /// The handle of `len` bytes at `offset` in one virtual-memory allocation of process `pid`,
 /// exported as descriptor `fd` there.
@@ -114,16 +113,6 @@ pub enum CudaPeerHandle {
     Legacy(CudaHandle),
     /// Memory of `cuMemCreate` exported as a POSIX descriptor.
     Vmm(CudaVmmHandle),
-}
-
-/// How a mapping of [`CudaVmmMemory`] maps its peer's virtual-memory allocation.
-#[derive(Debug)]
-pub(crate) enum VmmMapping {
-    /// Imported and mapped over the whole reserved range at the mapping's base: `phys` is the
-    /// imported allocation handle, `None` while detached.
-    Imported { phys: Option<u64>, size: usize },
-    /// This process's own allocation, seen at its own address (ranks as threads).
-    Alias { detached: bool, size: usize },
 }
 
 /// The CUDA virtual-memory peer-memory backend for one device (see the module
@@ -162,7 +151,7 @@ impl CudaVmmMemory {
             // SAFETY: out-pointer to a local; the driver validates the attribute and device.
             let code = unsafe { (e.attribute)(&mut value, attribute, ctx.device) };
             // A driver that does not know the attribute cannot provide what it names.
-            check(&e, "cuDeviceGetAttribute", code).map_err(|err| IpcError::Unsupported {
+            check(e, "cuDeviceGetAttribute", code).map_err(|err| IpcError::Unsupported {
                 backend: NAME,
                 what: format!("{what} (the driver cannot tell: {err})"),
             })?;
@@ -174,17 +163,17 @@ impl CudaVmmMemory {
             }
             Ok(())
         };
-        attribute(entry::ATTRIBUTE_VMM, "virtual memory management")?;
+        attribute(vmm::ATTRIBUTE_VMM, "virtual memory management")?;
         attribute(
-            entry::ATTRIBUTE_POSIX_FD,
+            vmm::ATTRIBUTE_POSIX_FD,
             "POSIX file descriptor handles of allocations",
         )?;
         let prop = allocation_prop(ctx.ordinal);
         let mut granularity = 0usize;
         ctx.make_current()?;
         // SAFETY: out-pointer to a local; `prop` is a valid property block for the call.
-        let code = unsafe { (e.granularity)(&mut granularity, &prop, entry::GRANULARITY_MINIMUM) };
-        check(&e, "cuMemGetAllocationGranularity", code)?;
+        let code = unsafe { (e.granularity)(&mut granularity, &prop, vmm::GRANULARITY_MINIMUM) };
+        check(e, "cuMemGetAllocationGranularity", code)?;
         if granularity == 0 || !granularity.is_power_of_two() {
             return Err(IpcError::Unsupported {
                 backend: NAME,
@@ -295,9 +284,9 @@ impl PeerMemory for CudaVmmMemory {
                 ))
             })?;
         let e = entries()?;
-        let va = self.reserve(&e, size)?;
-        if let Err(err) = self.back(&e, va, size) {
-            free_range(&e, va, size);
+        let va = self.reserve(e, size)?;
+        if let Err(err) = self.back(e, va, size) {
+            free_range(e, va, size);
             return Err(err);
         }
         tracing::trace!(size, va, "CUDA virtual-memory buffer allocated");
@@ -324,7 +313,7 @@ impl PeerMemory for CudaVmmMemory {
         let e = entries()?;
         self.ctx().make_current()?;
         let o = table.get_mut(&base).expect("found just above");
-        let (fd, id) = self.exported(&e, base, o)?;
+        let (fd, id) = self.exported(e, base, o)?;
         Ok(CudaPeerHandle::Vmm(CudaVmmHandle {
             pid: std::process::id(),
             fd,
@@ -410,19 +399,18 @@ impl PeerMemory for CudaVmmMemory {
     }
 }
 
-/// Why a legacy CUDA IPC mapping of process `pid`'s memory, opened in process `own`, keeps
-/// the two from being checkpointed and restored together; `None` for this process's own
-/// memory (a same-process alias).
-pub fn legacy_checkpoint_blocker(pid: u32, own: u32) -> Option<String> {
-    (pid != own).then(|| {
-        format!(
-            "it is legacy CUDA IPC memory of process {pid}: after both processes are \
-             checkpointed and restored, the driver refuses to open fresh legacy IPC handles \
-             (cuIpcOpenMemHandle: CUDA_ERROR_NOT_PERMITTED, measured on driver 580); share \
-             memory of CudaVmmMemory instead, or capture with the staging copy \
-             (CudaOptions::stage_captured_inputs)"
-        )
-    })
+impl sealed::Sealed for CudaVmmMemory {}
+
+impl DevicePeerMemory for CudaVmmMemory {
+    fn device_ordinal(&self) -> i32 {
+        CudaVmmMemory::device_ordinal(self)
+    }
+    fn bind_to_thread(&self) -> Result<()> {
+        CudaVmmMemory::bind_to_thread(self)
+    }
+    fn check_shareable(&self, addr: u64, len: usize) -> Result<()> {
+        self.check_exportable(addr, len)
+    }
 }
 
 #[cfg(test)]

@@ -4,12 +4,12 @@
 
 use std::sync::atomic::Ordering;
 
-use super::allocation::{own_allocation, owned, unback};
-use super::entry::{check, entries};
+use super::allocation::own_allocation;
 use super::handle_checks::check_fields;
-use super::import::IMPORTED;
 use super::{CudaPeerHandle, CudaVmmMemory, VmmMapping, NAME};
 use crate::backend::cuda::{CudaBuffer, CudaMapping};
+use crate::backend::cuda_driver::vmm::{check, entries};
+use crate::backend::cuda_region::vmm::{owned, unback, IMPORTED};
 use crate::error::{IpcError, Result};
 use crate::memory::MemoryRegion;
 
@@ -35,12 +35,12 @@ impl CudaVmmMemory {
                 // (the registry, after the all-reduce drained its launches) no longer use
                 // it; copies through it are refused from here on.
                 let code = unsafe { (e.unmap)(mapping.base, *size) };
-                check(&e, "cuMemUnmap", code)?;
+                check(e, "cuMemUnmap", code)?;
                 *phys = None;
                 IMPORTED.fetch_sub(1, Ordering::SeqCst);
                 // SAFETY: the import's handle, released once (its mapping is gone).
                 let code = unsafe { (e.release)(p) };
-                let released = check(&e, "cuMemRelease", code);
+                let released = check(e, "cuMemRelease", code);
                 if let Err(err) = released {
                     tracing::warn!(error = %err, addr, "releasing a detached import failed");
                 }
@@ -92,8 +92,8 @@ impl CudaVmmMemory {
             return Err(not_kept("a handle of this process maps as an alias".into()));
         }
         let e = entries()?;
-        let phys = self.import(&e, h)?;
-        self.map_import(&e, mapping.base, size, phys)?;
+        let phys = self.import(e, h)?;
+        self.map_import(e, mapping.base, size, phys)?;
         if let Some(VmmMapping::Imported { phys: kept, .. }) = &mut mapping.vmm {
             *kept = Some(phys);
         }
@@ -114,7 +114,7 @@ impl CudaVmmMemory {
         let e = entries()?;
         self.ctx().make_current()?;
         let size = o.size;
-        unback(&e, buffer.ptr, o)?;
+        unback(e, buffer.ptr, o)?;
         tracing::trace!(va = buffer.ptr, size, "CUDA virtual-memory buffer released");
         Ok(size)
     }
@@ -130,7 +130,7 @@ impl CudaVmmMemory {
             return Ok(());
         }
         let e = entries()?;
-        self.back(&e, buffer.ptr, buffer.len)?;
+        self.back(e, buffer.ptr, buffer.len)?;
         tracing::trace!(va = buffer.ptr, "CUDA virtual-memory buffer restored");
         Ok(())
     }

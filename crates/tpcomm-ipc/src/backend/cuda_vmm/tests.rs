@@ -3,9 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use super::allocation::{owned_range, Owned};
+use super::allocation::owned_range;
 use super::handle_checks::{check_descriptor, check_fields, DescriptorProblem};
 use super::*;
+use crate::backend::cuda_region::vmm::Owned;
 use crate::backend::descriptor::Identity;
 
 const PROC_DEVICES: &str = "Character devices:\n  1 mem\n  4 tty\n195 nvidia-frontend\n\

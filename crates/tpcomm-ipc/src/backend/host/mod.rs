@@ -432,7 +432,7 @@ impl PeerMemory for HostMemory {
         // `allocate`, checked by `open`), so no access faults with SIGBUS; `src` is a Rust
         // slice that cannot overlap shared memory we only reach through raw pointers.
         unsafe {
-            tpcomm_transport::backend::copy::copy_bytes(
+            tpcomm_transport::copy::copy_bytes(
                 (region.addr() as *mut u8).add(offset),
                 src.as_ptr(),
                 src.len(),
@@ -447,7 +447,7 @@ impl PeerMemory for HostMemory {
         // SAFETY: as in `write`: a live mapping of at least `offset + dst.len()` bytes of a
         // file that cannot shrink.
         unsafe {
-            tpcomm_transport::backend::copy::copy_bytes(
+            tpcomm_transport::copy::copy_bytes(
                 dst.as_mut_ptr(),
                 (region.addr() as *const u8).add(offset),
                 dst.len(),

@@ -1,17 +1,19 @@
-//! The checked layer over cudarc's `driver::sys`: one function per driver call this backend
-//! makes. Every function first makes sure the driver library is loaded and complete
-//! ([`load`]), so none of them can reach cudarc's loader panic; every `CUresult` other than
-//! `CUDA_SUCCESS` becomes [`IpcError::Cuda`] (`call`, raw `code`, `cuGetErrorName`,
-//! `cuGetErrorString`). Functions that take raw device addresses the driver cannot fully
-//! validate (frees, closes, copies) are `unsafe`.
+//! The checked layer over cudarc's `driver::sys`: one function per driver call the CUDA
+//! backends make through cudarc. Every function first makes sure the driver library is
+//! loaded and complete ([`load`]), so none of them can reach cudarc's loader panic; every
+//! `CUresult` other than `CUDA_SUCCESS` becomes [`IpcError::Cuda`] (`call`, raw `code`,
+//! `cuGetErrorName`, `cuGetErrorString`). Functions that take raw device addresses the
+//! driver cannot fully validate (frees, closes, copies) are `unsafe`.
 
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_char, c_void};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{
     self, CUcontext, CUdevice, CUdeviceptr, CUipcMem_flags, CUpointer_attribute, CUresult,
 };
+use tpcomm_transport::cuda_driver::cudarc_probes::LEGACY_IPC;
 
+use super::cuda_error;
 use crate::error::{IpcError, Result};
 
 /// Size of a CUDA IPC memory handle.
@@ -20,34 +22,8 @@ pub const IPC_HANDLE_BYTES: usize = 64;
 /// `CU_MEMORYTYPE_DEVICE`, as [`pointer_memory_type`] returns it.
 pub const MEMORYTYPE_DEVICE: u32 = 2;
 
-/// Every driver function this module calls (checked by [`load`]).
-const SYMBOLS: &[&str] = &[
-    "cuGetErrorName",
-    "cuGetErrorString",
-    "cuInit",
-    "cuDriverGetVersion",
-    "cuDeviceGetCount",
-    "cuDeviceGet",
-    "cuDevicePrimaryCtxRetain",
-    "cuDevicePrimaryCtxRelease_v2",
-    "cuCtxSetCurrent",
-    "cuCtxSynchronize",
-    "cuStreamSynchronize",
-    "cuMemAlloc_v2",
-    "cuMemFree_v2",
-    "cuMemsetD8_v2",
-    "cuMemGetAddressRange_v2",
-    "cuPointerGetAttribute",
-    "cuIpcGetMemHandle",
-    "cuIpcOpenMemHandle_v2",
-    "cuIpcCloseMemHandle",
-    "cuMemcpyHtoD_v2",
-    "cuMemcpyDtoH_v2",
-    "cuCtxEnablePeerAccess",
-];
-
 fn try_load() -> std::result::Result<(), String> {
-    let missing = tpcomm_transport::backend::cuda_driver::missing_symbols(SYMBOLS)?;
+    let missing = tpcomm_transport::cuda_driver::missing_symbols(LEGACY_IPC)?;
     if missing.is_empty() {
         Ok(())
     } else {
@@ -62,8 +38,8 @@ fn try_load() -> std::result::Result<(), String> {
 /// ones. Never calls them, never panics.
 pub fn require(names: &[&str]) -> Result<()> {
     load()?;
-    let missing = tpcomm_transport::backend::cuda_driver::missing_symbols(names)
-        .map_err(IpcError::NoDevice)?;
+    let missing =
+        tpcomm_transport::cuda_driver::missing_symbols(names).map_err(IpcError::NoDevice)?;
     if missing.is_empty() {
         Ok(())
     } else {
@@ -74,8 +50,9 @@ pub fn require(names: &[&str]) -> Result<()> {
 }
 
 /// Loads the driver library (once per process) and checks that it exports every function
-/// of this module. Fails with [`IpcError::NoDevice`] when the library is missing or
-/// incomplete; never panics. Every other function here calls it first.
+/// of this module (`tpcomm_transport::cuda_driver::cudarc_probes::LEGACY_IPC`). Fails with
+/// [`IpcError::NoDevice`] when the library is missing or incomplete; never panics. Every
+/// other function here calls it first.
 pub fn load() -> Result<()> {
     static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     LOADED
@@ -84,36 +61,19 @@ pub fn load() -> Result<()> {
         .map_err(IpcError::NoDevice)
 }
 
-fn c_text(p: *const c_char) -> Option<String> {
-    // SAFETY: the driver hands out pointers to static NUL-terminated strings.
-    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-}
-
 /// The error of driver function `call` that returned `code` (not `CUDA_SUCCESS`).
 pub fn error(call: &'static str, code: CUresult) -> IpcError {
-    let mut name: *const c_char = std::ptr::null();
-    let mut message: *const c_char = std::ptr::null();
-    // SAFETY: both out-pointers point to locals; the driver stores pointers to static
-    // strings (or fails for a code it does not know, leaving them null).
-    let (n, m) = unsafe {
-        (
-            sys::cuGetErrorName(code, &mut name),
-            sys::cuGetErrorString(code, &mut message),
-        )
-    };
     let ok = CUresult::CUDA_SUCCESS;
-    IpcError::Cuda {
+    cuda_error(
         call,
-        code: code as i32,
-        name: (n == ok)
-            .then(|| c_text(name))
-            .flatten()
-            .unwrap_or_else(|| format!("{code:?}")),
-        message: (m == ok)
-            .then(|| c_text(message))
-            .flatten()
-            .unwrap_or_else(|| "no description from the driver".into()),
-    }
+        code as i32,
+        // SAFETY: out-pointer to the caller's local; the driver stores a pointer to a static
+        // string (or fails for a code it does not know, leaving it null).
+        |name| unsafe { sys::cuGetErrorName(code, name) } == ok,
+        // SAFETY: as above.
+        |message| unsafe { sys::cuGetErrorString(code, message) } == ok,
+        || format!("{code:?}"),
+    )
 }
 
 /// `Ok` for `CUDA_SUCCESS`, else the error of `call`.

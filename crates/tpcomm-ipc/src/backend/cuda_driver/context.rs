@@ -9,7 +9,7 @@ use crate::error::Result;
 /// A retained primary context; released on drop.
 #[derive(Debug)]
 pub(crate) struct PrimaryContext {
-    pub(super) ctx: CUcontext,
+    pub(crate) ctx: CUcontext,
     pub(crate) device: CUdevice,
     pub(crate) ordinal: i32,
 }

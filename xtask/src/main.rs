@@ -25,6 +25,8 @@ mod loom;
 mod setup;
 mod soak;
 mod test;
+#[cfg(test)]
+mod tidy;
 mod util;
 mod valgrind;
 

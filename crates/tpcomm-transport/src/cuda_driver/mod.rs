@@ -1,6 +1,8 @@
 //! The CUDA driver (`libcuda`) as tpcomm reaches it without linking it (feature
 //! `cuda-driver`): the one loader, and the one declaration of every driver entry point that
-//! tpcomm resolves itself.
+//! tpcomm resolves itself. Without the feature only [`process_checkpoint`]'s declarations
+//! (names, argument blocks, function types) and [`ResolveError`] are compiled, for
+//! `tpcomm-checkpoint`, which names those entry points in every build.
 //!
 //! cudarc binds most of the driver, but its lazy loader panics when the library or a
 //! function is missing, and its structures follow the CUDA version its bindings were
@@ -42,6 +44,7 @@
 //! the entry point is missing).
 //!
 //! ```no_run
+//! # #[cfg(feature = "cuda-driver")] {
 //! use tpcomm_transport::cuda_driver::{error_strings, vmm, ResolveError};
 //!
 //! let e: &vmm::Entries = match vmm::entries() {
@@ -63,21 +66,31 @@
 //!     let name = error_strings::entries().ok().and_then(|s| s.name(code));
 //!     eprintln!("cuMemGetAllocationGranularity failed: {name:?}");
 //! }
+//! # }
 //! ```
 
+// Without the feature, the links of these docs to the loader and the resolvers have no target.
+#![cfg_attr(not(feature = "cuda-driver"), allow(rustdoc::broken_intra_doc_links))]
+
+#[cfg(feature = "cuda-driver")]
 pub mod cudarc_probes;
+#[cfg(feature = "cuda-driver")]
 pub mod error_strings;
+#[cfg(feature = "cuda-driver")]
 pub mod init;
+#[cfg(feature = "cuda-driver")]
 mod library;
 pub mod process_checkpoint;
 mod resolve;
+#[cfg(feature = "cuda-driver")]
 pub mod vmm;
 
+#[cfg(feature = "cuda-driver")]
 pub use library::{library, library_file, missing_symbols, LIBRARY_FILES};
 pub use resolve::ResolveError;
 
 /// `CUresult`, kept as the raw integer: a code this build does not know is still one.
 pub type CuResult = std::ffi::c_int;
 
-#[cfg(test)]
+#[cfg(all(test, feature = "cuda-driver"))]
 mod tests;

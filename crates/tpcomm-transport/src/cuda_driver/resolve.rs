@@ -2,6 +2,7 @@
 //! then each read with its C signature; [`ResolveError`] says which step failed. The macro
 //! [`entry_points!`] declares a group (names, table, resolver) with each name written once.
 
+#[cfg(feature = "cuda-driver")]
 use super::library::{library, missing_symbols};
 
 /// Why a group of driver entry points cannot be used. Returned by every resolver of this
@@ -38,6 +39,7 @@ pub enum ResolveError {
 
 /// What a group is, for [`ResolveError::Missing`]: its purpose, its entry points and the
 /// first CUDA version that has them all.
+#[cfg(feature = "cuda-driver")]
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Group {
     pub(super) purpose: &'static str,
@@ -45,6 +47,7 @@ pub(super) struct Group {
     pub(super) since: &'static str,
 }
 
+#[cfg(feature = "cuda-driver")]
 impl Group {
     /// Loads the library, checks that it exports every name of the group, then builds the
     /// table with `read` (which reads each entry point with [`symbol`]). Calls no driver
@@ -71,6 +74,7 @@ impl Group {
 /// # Safety
 /// `T` is the function pointer type of `name`'s C signature in `cuda.h`; the library stays
 /// loaded for the process (as [`library`] keeps it), so the pointer stays valid.
+#[cfg(feature = "cuda-driver")]
 pub(super) unsafe fn symbol<T: Copy>(
     lib: &'static libloading::Library,
     name: &'static str,
@@ -119,6 +123,7 @@ macro_rules! entry_points {
             "the entry points a driver older than ", $since, " lacks. Calls no driver ",
             "function, never panics."
         )]
+        #[cfg(feature = "cuda-driver")]
         pub fn entries(
         ) -> Result<&'static Entries, $crate::cuda_driver::ResolveError> {
             use $crate::cuda_driver::resolve::{symbol, Group};
@@ -160,6 +165,7 @@ macro_rules! entry_points {
             "[`ResolveError::NoLibrary`](crate::cuda_driver::ResolveError::NoLibrary) without ",
             "a driver library. Calls no driver function, never panics."
         )]
+        #[cfg(feature = "cuda-driver")]
         pub fn available(
         ) -> Result<&'static Available, $crate::cuda_driver::ResolveError> {
             use $crate::cuda_driver::resolve::symbol;

@@ -14,14 +14,9 @@ use serde::{Deserialize, Serialize};
 /// (`cuDriverGetVersion` = 12080: CUDA 12.8, the 570 driver series).
 pub const MIN_DRIVER_API_VERSION: i32 = 12080;
 
-/// The driver entry points the coordination calls, in the order of a checkpoint.
-pub const ENTRY_POINTS: [&str; 5] = [
-    "cuCheckpointProcessLock",
-    "cuCheckpointProcessCheckpoint",
-    "cuCheckpointProcessRestore",
-    "cuCheckpointProcessUnlock",
-    "cuCheckpointProcessGetState",
-];
+/// The driver entry points the coordination calls, in the order of a checkpoint: the names
+/// of their one declaration, `tpcomm_transport::cuda_driver::process_checkpoint::NAMES`.
+pub const ENTRY_POINTS: [&str; 5] = tpcomm_transport::cuda_driver::process_checkpoint::NAMES;
 
 /// A process's checkpoint state as the driver reports it (`CUprocessState`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

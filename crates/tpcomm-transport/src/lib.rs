@@ -25,7 +25,6 @@ pub mod backend;
 pub mod check;
 mod communicator;
 pub mod copy;
-#[cfg(feature = "cuda-driver")]
 pub mod cuda_driver;
 #[cfg(feature = "nccl")]
 pub mod device;

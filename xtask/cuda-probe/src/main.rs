@@ -1,7 +1,7 @@
 //! `ipc-probe`: a standalone probe of the CUDA driver for two processes on one GPU across
 //! a process checkpoint (`cuCheckpointProcess*`), with no tpcomm logic: raw driver calls
-//! (cudarc's `driver::sys`, the checkpoint entry points through `libloading`) and system
-//! calls (`rustix`: `pidfd_open`, `pidfd_getfd`, `fstat`).
+//! (cudarc's `driver::sys`, the checkpoint entry points as `tpcomm_transport::cuda_driver`
+//! declares them) and system calls (`rustix`: `pidfd_open`, `pidfd_getfd`, `fstat`).
 //!
 //! ```text
 //! cargo run --manifest-path xtask/cuda-probe/Cargo.toml -- [--json FILE] [--only a,b] [--fake[=SPEC]] [--list]
@@ -49,6 +49,7 @@ use std::time::Instant;
 use protocol::Launcher;
 use scenarios::{Outcome, Runner, ScenarioResult, Timing, DEVICE_CHECK, SCENARIOS};
 use summary::Report;
+use tpcomm_transport::cuda_driver::LIBRARY_FILES;
 
 /// How the parent runs.
 #[derive(Debug, Clone)]
@@ -60,7 +61,7 @@ struct Config {
     require_gpu: bool,
     json: Option<PathBuf>,
     only: Option<Vec<String>>,
-    /// Library names the no-device check tries.
+    /// Library names the no-device check tries (the driver loader's, [`LIBRARY_FILES`]).
     library_names: Vec<String>,
     /// The text of `/proc/driver/nvidia/version` (`None`: not readable).
     kernel_driver_text: Option<String>,
@@ -81,7 +82,7 @@ impl Config {
                 .filter(|o| !o.is_empty())
                 .map(|o| PathBuf::from(o).join("ipc-probe.json")),
             only: None,
-            library_names: vec!["libcuda.so.1".into(), "libcuda.so".into()],
+            library_names: LIBRARY_FILES.iter().map(|name| name.to_string()).collect(),
             kernel_driver_text: std::fs::read_to_string("/proc/driver/nvidia/version").ok(),
             proc_devices: std::fs::read_to_string("/proc/devices")
                 .map_err(|e| format!("/proc/devices: {e}")),

@@ -1,61 +1,31 @@
 //! [`CudaCheckpoint`]: the process-checkpoint entry points of the CUDA driver, resolved at
-//! run time in the driver library that tpcomm's probe loaded
-//! (`tpcomm_transport::backend::cuda_driver::library`), never linked: a machine without a
-//! driver, or with one older than the 570 series (CUDA 12.8), gets [`Unsupported`] with the
-//! versions, never a panic.
-//!
-//! The argument structs are 64 bytes each in CUDA 12.8 to 13.x (`CUcheckpointLockArgs`:
-//! `timeoutMs`, a reserved `u32`, seven reserved `u64`; the others reserved words, which
-//! must be zero; `CUcheckpointRestoreArgs` of 13.0 adds an optional GPU remapping table,
-//! left empty). Zeroed blocks work on driver 580 (measured).
+//! run time in the driver library that tpcomm's probe loaded, through their one declaration
+//! (`tpcomm_transport::cuda_driver::process_checkpoint`, with `init` for the driver's version
+//! and `cuInit`, `error_strings` for the names of result codes), never linked: a machine
+//! without a driver, or with one older than the 570 series (CUDA 12.8), gets [`Unsupported`]
+//! with the versions, never a panic.
 //!
 //! The entry points are called from the rank's own thread: on driver 580 a process's calls
 //! on its own pid work from any of its threads, one with its context current included
 //! (measured).
 
-use std::ffi::{c_char, c_int, c_uint, CStr};
+use std::ffi::{c_int, c_uint};
 use std::time::Duration;
+
+use tpcomm_transport::cuda_driver::process_checkpoint::{self, ArgsFn, LockArgs, ReservedArgs};
+use tpcomm_transport::cuda_driver::{error_strings, init, missing_symbols, CuResult, ResolveError};
 
 use crate::driver::{
     check_support, CheckpointDriver, DriverError, DriverInfo, ProcessState, Unsupported,
     ENTRY_POINTS,
 };
 
-type CuResult = c_int;
-
-/// `CUcheckpointLockArgs`.
-#[repr(C)]
-struct LockArgs {
-    timeout_ms: c_uint,
-    reserved0: c_uint,
-    reserved1: [u64; 7],
-}
-
-/// `CUcheckpointCheckpointArgs`, `CUcheckpointRestoreArgs` (no GPU remapping),
-/// `CUcheckpointUnlockArgs`: reserved, zero.
-#[repr(C)]
-struct ReservedArgs {
-    reserved: [u64; 8],
-}
-
-const _: () = assert!(std::mem::size_of::<LockArgs>() == 64);
-const _: () = assert!(std::mem::size_of::<ReservedArgs>() == 64);
-
-type LockFn = unsafe extern "C" fn(c_int, *mut LockArgs) -> CuResult;
-type ArgsFn = unsafe extern "C" fn(c_int, *mut ReservedArgs) -> CuResult;
-type StateFn = unsafe extern "C" fn(c_int, *mut c_int) -> CuResult;
-type VersionFn = unsafe extern "C" fn(*mut c_int) -> CuResult;
-type InitFn = unsafe extern "C" fn(c_uint) -> CuResult;
-type ErrorNameFn = unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult;
-
+/// What a loaded driver gives: the five entry points, and `cuGetErrorName` when the driver
+/// has it.
 #[derive(Clone, Copy)]
 struct Entries {
-    lock: LockFn,
-    checkpoint: ArgsFn,
-    restore: ArgsFn,
-    unlock: ArgsFn,
-    state: StateFn,
-    error_name: Option<ErrorNameFn>,
+    calls: &'static process_checkpoint::Entries,
+    error_strings: Option<&'static error_strings::Available>,
 }
 
 /// The real driver (see the module docs). Cheap to copy between rank threads.
@@ -94,67 +64,41 @@ impl CudaCheckpoint {
 
     fn try_load() -> Result<(Entries, DriverInfo), Unsupported> {
         let kernel = kernel_driver_version();
-        let lib = match tpcomm_transport::backend::cuda_driver::library() {
-            Ok(lib) => lib,
+        let missing = match missing_symbols(&ENTRY_POINTS) {
+            Ok(missing) => missing,
             Err(e) => return Err(check_support(None, Some(&e), &[], kernel).unwrap_err()),
         };
-        // SAFETY: the symbols are looked up with the C signatures of cuda.h (CUDA 12.8+);
-        // they are only called through these types below.
-        let sym = |name: &str| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.ok();
-        let missing: Vec<&str> = ENTRY_POINTS
-            .iter()
-            .copied()
-            .filter(|n| sym(n).is_none())
-            .collect();
-        // SAFETY: `cuDriverGetVersion(int*)` and `cuInit(unsigned)` as cuda.h declares them.
-        let version_fn = unsafe { lib.get::<VersionFn>(b"cuDriverGetVersion") }.ok();
-        let mut version: c_int = 0;
-        let version = match version_fn {
-            // SAFETY: out-pointer to a local; the call needs no initialised driver.
-            Some(f) if unsafe { f(&mut version) } == 0 => Some(version),
-            _ => None,
-        };
+        // Each on its own: a driver with `cuDriverGetVersion` but without `cuInit` is told
+        // apart (its version is reported).
+        let start = init::available().ok();
+        let version = start
+            .and_then(init::Available::driver_version)
+            .and_then(Result::ok);
         let load_error = version
             .is_none()
             .then_some("cuDriverGetVersion failed or is missing");
         let info = check_support(version, load_error, &missing, kernel)?;
-        // SAFETY: as above.
-        let init = unsafe { lib.get::<InitFn>(b"cuInit") }.ok();
-        // SAFETY: cuInit(0) is idempotent and thread-safe.
-        match init.map(|f| unsafe { f(0) }) {
-            Some(0) => {}
+        match start.and_then(init::Available::init) {
+            Some(Ok(())) => {}
             other => {
                 return Err(Unsupported {
                     reason: format!(
                         "cuInit failed ({}): no usable GPU",
-                        other.map_or("missing".into(), |c| format!("CUresult {c}"))
+                        other
+                            .and_then(Result::err)
+                            .map_or("missing".into(), |c| format!("CUresult {c}"))
                     ),
                     driver_api_version: Some(info.driver_api_version),
                     kernel_driver_version: info.kernel_driver_version,
                 })
             }
         }
-        // SAFETY: every entry point was found above (check_support passed); each is read
-        // with its cuda.h signature.
-        let entries = unsafe {
-            Entries {
-                lock: *lib
-                    .get::<LockFn>(b"cuCheckpointProcessLock")
-                    .map_err(|e| load_failure(&info, e))?,
-                checkpoint: *lib
-                    .get::<ArgsFn>(b"cuCheckpointProcessCheckpoint")
-                    .map_err(|e| load_failure(&info, e))?,
-                restore: *lib
-                    .get::<ArgsFn>(b"cuCheckpointProcessRestore")
-                    .map_err(|e| load_failure(&info, e))?,
-                unlock: *lib
-                    .get::<ArgsFn>(b"cuCheckpointProcessUnlock")
-                    .map_err(|e| load_failure(&info, e))?,
-                state: *lib
-                    .get::<StateFn>(b"cuCheckpointProcessGetState")
-                    .map_err(|e| load_failure(&info, e))?,
-                error_name: lib.get::<ErrorNameFn>(b"cuGetErrorName").ok().map(|s| *s),
-            }
+        // Every entry point was found above (check_support passed); each is read with its
+        // cuda.h signature.
+        let calls = process_checkpoint::entries().map_err(|e| load_failure(&info, e))?;
+        let entries = Entries {
+            calls,
+            error_strings: error_strings::available().ok(),
         };
         Ok((entries, info))
     }
@@ -181,14 +125,8 @@ impl CudaCheckpoint {
             .loaded
             .as_ref()
             .ok()
-            .and_then(|(e, _)| e.error_name)
-            .and_then(|f| {
-                let mut p: *const c_char = std::ptr::null();
-                // SAFETY: out-pointer to a local; the driver stores a static string or null.
-                let ok = unsafe { f(code, &mut p) } == 0 && !p.is_null();
-                // SAFETY: non-null pointer from cuGetErrorName: static, NUL-terminated.
-                ok.then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-            })
+            .and_then(|(e, _)| e.error_strings)
+            .and_then(|s| s.name(code))
             .unwrap_or_else(|| format!("CUresult {code}"));
         Err(DriverError {
             entry_point: entry_point.into(),
@@ -211,20 +149,25 @@ impl CudaCheckpoint {
         &self,
         entry_point: &'static str,
         pid: u32,
-        pick: fn(&Entries) -> ArgsFn,
+        pick: fn(&process_checkpoint::Entries) -> ArgsFn,
     ) -> Result<(), DriverError> {
-        let f = pick(&self.entries(entry_point, pid)?);
+        let f = pick(self.entries(entry_point, pid)?.calls);
         let raw = Self::raw_pid(pid, entry_point)?;
-        let mut args = ReservedArgs { reserved: [0; 8] };
+        let mut args = ReservedArgs::default();
         // SAFETY: a 64-byte zeroed argument block as the driver expects, valid for the call.
         let code = unsafe { f(raw, &mut args) };
         self.check(entry_point, pid, code)
     }
 }
 
-fn load_failure(info: &DriverInfo, e: libloading::Error) -> Unsupported {
+/// An entry point found but not readable: the loader's message (`ResolveError::Symbol`).
+fn load_failure(info: &DriverInfo, e: ResolveError) -> Unsupported {
+    let message = match e {
+        ResolveError::Symbol { message, .. } => message,
+        other => other.to_string(),
+    };
     Unsupported {
-        reason: format!("a process-checkpoint entry point could not be loaded: {e}"),
+        reason: format!("a process-checkpoint entry point could not be loaded: {message}"),
         driver_api_version: Some(info.driver_api_version),
         kernel_driver_version: info.kernel_driver_version.clone(),
     }
@@ -240,15 +183,11 @@ impl CheckpointDriver for CudaCheckpoint {
 
     fn lock(&self, pid: u32, timeout: Duration) -> Result<(), DriverError> {
         const CALL: &str = "cuCheckpointProcessLock";
-        let f = self.entries(CALL, pid)?.lock;
+        let f = self.entries(CALL, pid)?.calls.lock;
         let raw = Self::raw_pid(pid, CALL)?;
         // 0 would mean "no timeout": at least 1 ms, at most u32::MAX.
         let ms = timeout.as_millis().clamp(1, u128::from(u32::MAX)) as c_uint;
-        let mut args = LockArgs {
-            timeout_ms: ms,
-            reserved0: 0,
-            reserved1: [0; 7],
-        };
+        let mut args = LockArgs::new(ms);
         // SAFETY: a 64-byte argument block as the driver expects, valid for the call.
         let code = unsafe { f(raw, &mut args) };
         self.check(CALL, pid, code)
@@ -268,7 +207,7 @@ impl CheckpointDriver for CudaCheckpoint {
 
     fn state(&self, pid: u32) -> Result<ProcessState, DriverError> {
         const CALL: &str = "cuCheckpointProcessGetState";
-        let f = self.entries(CALL, pid)?.state;
+        let f = self.entries(CALL, pid)?.calls.state;
         let raw = Self::raw_pid(pid, CALL)?;
         let mut state: c_int = -1;
         // SAFETY: out-pointer to a local `CUprocessState` (an int-sized enum).

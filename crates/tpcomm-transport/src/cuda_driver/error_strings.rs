@@ -31,6 +31,18 @@ impl Entries {
     }
 }
 
+impl Available {
+    /// [`Entries::name`], `None` also when the library lacks `cuGetErrorName`.
+    pub fn name(&self, code: CuResult) -> Option<String> {
+        self.name.and_then(|f| text_of(f, code))
+    }
+
+    /// [`Entries::description`], `None` also when the library lacks `cuGetErrorString`.
+    pub fn description(&self, code: CuResult) -> Option<String> {
+        self.string.and_then(|f| text_of(f, code))
+    }
+}
+
 /// The text `f` gives for `code`, when it succeeds with a non-null string.
 fn text_of(f: GetErrorNameFn, code: CuResult) -> Option<String> {
     let mut p: *const c_char = std::ptr::null();

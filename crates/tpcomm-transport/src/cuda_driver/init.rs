@@ -22,21 +22,43 @@ impl Entries {
     /// `cuInit(0)`: `Err` with the raw code when it fails (no usable GPU, for one).
     /// Idempotent and thread-safe, as the driver documents it.
     pub fn init(&self) -> Result<(), CuResult> {
-        // SAFETY: no pointers; cuInit(0) may be called any number of times, from any thread.
-        match unsafe { (self.init)(0) } {
-            0 => Ok(()),
-            code => Err(code),
-        }
+        init_with(self.init)
     }
 
     /// `cuDriverGetVersion`: the CUDA version the driver implements, `1000 * major + 10 *
     /// minor` (e.g. 13000); `Err` with the raw code when it fails. Needs no `cuInit`.
     pub fn driver_version(&self) -> Result<i32, CuResult> {
-        let mut version: c_int = 0;
-        // SAFETY: out-pointer to a local; the call needs no initialized driver.
-        match unsafe { (self.driver_get_version)(&mut version) } {
-            0 => Ok(version),
-            code => Err(code),
-        }
+        driver_version_with(self.driver_get_version)
+    }
+}
+
+impl Available {
+    /// [`Entries::init`], `None` when the library lacks `cuInit`.
+    pub fn init(&self) -> Option<Result<(), CuResult>> {
+        self.init.map(init_with)
+    }
+
+    /// [`Entries::driver_version`], `None` when the library lacks `cuDriverGetVersion`.
+    pub fn driver_version(&self) -> Option<Result<i32, CuResult>> {
+        self.driver_get_version.map(driver_version_with)
+    }
+}
+
+/// `cuInit(0)` through `f`.
+fn init_with(f: InitFn) -> Result<(), CuResult> {
+    // SAFETY: no pointers; cuInit(0) may be called any number of times, from any thread.
+    match unsafe { f(0) } {
+        0 => Ok(()),
+        code => Err(code),
+    }
+}
+
+/// `cuDriverGetVersion` through `f`.
+fn driver_version_with(f: DriverGetVersionFn) -> Result<i32, CuResult> {
+    let mut version: c_int = 0;
+    // SAFETY: out-pointer to a local; the call needs no initialized driver.
+    match unsafe { f(&mut version) } {
+        0 => Ok(version),
+        code => Err(code),
     }
 }

@@ -1,14 +1,17 @@
 //! The CUDA driver (`libcuda`) as tpcomm reaches it without linking it (feature
 //! `cuda-driver`): the one loader, and the one declaration of every driver entry point that
-//! tpcomm resolves itself.
+//! tpcomm resolves itself. Without the feature only [`process_checkpoint`]'s declarations
+//! (names, argument blocks, function types) and [`ResolveError`] are compiled, for
+//! `tpcomm-checkpoint`, which names those entry points in every build.
 //!
 //! cudarc binds most of the driver, but its lazy loader panics when the library or a
 //! function is missing, and its structures follow the CUDA version its bindings were
 //! generated for. So tpcomm
 //!
-//! - loads the library once per process ([`library`]) and probes it for functions without
-//!   calling any ([`missing_symbols`]): a machine without a driver, or with an older one,
-//!   gets a typed error from the layer that needed it, never a panic;
+//! - loads the library once per process ([`library`], the first of [`LIBRARY_FILES`] that
+//!   loads; [`library_file`] says which, or why each failed) and probes it for functions
+//!   without calling any ([`missing_symbols`]): a machine without a driver, or with an older
+//!   one, gets a typed error from the layer that needed it, never a panic;
 //! - probes, before a layer's first cudarc call, the cudarc-bound functions that layer uses:
 //!   [`cudarc_probes`] holds one named list per layer ([`cudarc_probes::NCCL_TRANSPORT`],
 //!   [`cudarc_probes::LEGACY_IPC`], [`cudarc_probes::ADDRESS_RESERVATION`],
@@ -31,12 +34,17 @@
 //! which step failed: [`ResolveError::NoLibrary`] (the loader's message, naming every file
 //! tried), [`ResolveError::Missing`] (the entry points the driver lacks, in `NAMES` order,
 //! and the CUDA version that has them), [`ResolveError::Symbol`]. Resolving calls no driver
-//! function and never panics. Calling a table's function pointer is `unsafe` (the caller
-//! keeps the C function's contract); the tables of [`init`] and [`error_strings`] also have
-//! safe methods (`init::Entries::init`, `init::Entries::driver_version`,
-//! `error_strings::Entries::name`, `error_strings::Entries::description`).
+//! function and never panics. A layer that uses the entry points of a group it finds, each
+//! on its own, asks `available()` instead: the table `Available`, each entry point an
+//! `Option` (`None` where the library lacks it), [`ResolveError::NoLibrary`] its only error.
+//! Calling a table's function pointer is `unsafe` (the caller keeps the C function's
+//! contract); the tables of [`init`] and [`error_strings`] also have safe methods
+//! (`init::Entries::init`, `init::Entries::driver_version`, `error_strings::Entries::name`,
+//! `error_strings::Entries::description`, and the same on their `Available`, `None` where
+//! the entry point is missing).
 //!
 //! ```no_run
+//! # #[cfg(feature = "cuda-driver")] {
 //! use tpcomm_transport::cuda_driver::{error_strings, vmm, ResolveError};
 //!
 //! let e: &vmm::Entries = match vmm::entries() {
@@ -58,21 +66,31 @@
 //!     let name = error_strings::entries().ok().and_then(|s| s.name(code));
 //!     eprintln!("cuMemGetAllocationGranularity failed: {name:?}");
 //! }
+//! # }
 //! ```
 
+// Without the feature, the links of these docs to the loader and the resolvers have no target.
+#![cfg_attr(not(feature = "cuda-driver"), allow(rustdoc::broken_intra_doc_links))]
+
+#[cfg(feature = "cuda-driver")]
 pub mod cudarc_probes;
+#[cfg(feature = "cuda-driver")]
 pub mod error_strings;
+#[cfg(feature = "cuda-driver")]
 pub mod init;
+#[cfg(feature = "cuda-driver")]
 mod library;
 pub mod process_checkpoint;
 mod resolve;
+#[cfg(feature = "cuda-driver")]
 pub mod vmm;
 
-pub use library::{library, missing_symbols};
+#[cfg(feature = "cuda-driver")]
+pub use library::{library, library_file, missing_symbols, LIBRARY_FILES};
 pub use resolve::ResolveError;
 
 /// `CUresult`, kept as the raw integer: a code this build does not know is still one.
 pub type CuResult = std::ffi::c_int;
 
-#[cfg(test)]
+#[cfg(all(test, feature = "cuda-driver"))]
 mod tests;

@@ -2,6 +2,7 @@
 //! then each read with its C signature; [`ResolveError`] says which step failed. The macro
 //! [`entry_points!`] declares a group (names, table, resolver) with each name written once.
 
+#[cfg(feature = "cuda-driver")]
 use super::library::{library, missing_symbols};
 
 /// Why a group of driver entry points cannot be used. Returned by every resolver of this
@@ -38,6 +39,7 @@ pub enum ResolveError {
 
 /// What a group is, for [`ResolveError::Missing`]: its purpose, its entry points and the
 /// first CUDA version that has them all.
+#[cfg(feature = "cuda-driver")]
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Group {
     pub(super) purpose: &'static str,
@@ -45,6 +47,7 @@ pub(super) struct Group {
     pub(super) since: &'static str,
 }
 
+#[cfg(feature = "cuda-driver")]
 impl Group {
     /// Loads the library, checks that it exports every name of the group, then builds the
     /// table with `read` (which reads each entry point with [`symbol`]). Calls no driver
@@ -71,6 +74,7 @@ impl Group {
 /// # Safety
 /// `T` is the function pointer type of `name`'s C signature in `cuda.h`; the library stays
 /// loaded for the process (as [`library`] keeps it), so the pointer stays valid.
+#[cfg(feature = "cuda-driver")]
 pub(super) unsafe fn symbol<T: Copy>(
     lib: &'static libloading::Library,
     name: &'static str,
@@ -86,8 +90,10 @@ pub(super) unsafe fn symbol<T: Copy>(
 
 /// Declares a group of entry points in the module it is invoked in: `NAMES` (every entry
 /// point's name, in the table's order), the table `Entries` (one field per entry point,
-/// typed with its C signature) and `entries()`, which resolves the table once per process.
-/// Each entry point is named once, next to its field and type.
+/// typed with its C signature) and `entries()`, which resolves the table once per process
+/// (every entry point or an error), and `Available` with `available()`, the same table with
+/// each entry point on its own (`None` where the library lacks it). Each entry point is
+/// named once, next to its field and type.
 macro_rules! entry_points {
     (
         purpose: $purpose:literal,
@@ -117,6 +123,7 @@ macro_rules! entry_points {
             "the entry points a driver older than ", $since, " lacks. Calls no driver ",
             "function, never panics."
         )]
+        #[cfg(feature = "cuda-driver")]
         pub fn entries(
         ) -> Result<&'static Entries, $crate::cuda_driver::ResolveError> {
             use $crate::cuda_driver::resolve::{symbol, Group};
@@ -136,6 +143,43 @@ macro_rules! entry_points {
                         // the pointers stay valid.
                         unsafe { Ok(Entries { $($field: symbol(lib, $name)?,)+ }) }
                     })
+                })
+                .as_ref()
+                .map_err(Clone::clone)
+        }
+
+        /// Each entry point of [`Entries`] that the library exports, `None` for one it lacks,
+        /// resolved once per process by [`available`]: for a layer that uses the ones it
+        /// finds and decides itself what a missing one means.
+        #[derive(Debug, Clone, Copy)]
+        pub struct Available {
+            $(
+                #[doc = concat!("`", $name, "`, when the library exports it.")]
+                pub $field: Option<$ty>,
+            )+
+        }
+
+        #[doc = concat!(
+            "The entry points of ", $purpose, " that the library exports, each on its own ",
+            "(an entry point it lacks, or cannot read, is `None`), resolved once per process; ",
+            "[`ResolveError::NoLibrary`](crate::cuda_driver::ResolveError::NoLibrary) without ",
+            "a driver library. Calls no driver function, never panics."
+        )]
+        #[cfg(feature = "cuda-driver")]
+        pub fn available(
+        ) -> Result<&'static Available, $crate::cuda_driver::ResolveError> {
+            use $crate::cuda_driver::resolve::symbol;
+            static AVAILABLE: std::sync::OnceLock<
+                Result<Available, $crate::cuda_driver::ResolveError>,
+            > = std::sync::OnceLock::new();
+            AVAILABLE
+                .get_or_init(|| {
+                    let lib = $crate::cuda_driver::library()
+                        .map_err($crate::cuda_driver::ResolveError::NoLibrary)?;
+                    // SAFETY: each entry point is read with the type of its field, its C
+                    // signature in cuda.h; the library stays loaded for the process, so the
+                    // pointers stay valid.
+                    unsafe { Ok(Available { $($field: symbol(lib, $name).ok(),)+ }) }
                 })
                 .as_ref()
                 .map_err(Clone::clone)

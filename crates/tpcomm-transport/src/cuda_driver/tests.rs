@@ -2,7 +2,10 @@
 //! panicking, name what they tried, and agree with each other; the structures have the
 //! sizes of `cuda.h`.
 
-use super::{error_strings, init, library, missing_symbols, process_checkpoint, vmm, ResolveError};
+use super::{
+    error_strings, init, library, library_file, missing_symbols, process_checkpoint, vmm,
+    ResolveError, LIBRARY_FILES,
+};
 
 /// Without a driver, the probe fails with the names it tried; with one, a made-up symbol
 /// is reported missing and a real one is not. Either way it returns instead of panicking.
@@ -16,6 +19,81 @@ fn probe_reports_instead_of_panicking() {
             assert_eq!(missing_symbols(&["cuInit"]), Err(message));
         }
     }
+}
+
+/// The loader says which file it loaded, one of the names it tries; without a driver it
+/// lists every name tried, in order, each with the loader's error, and the message of
+/// [`library`] names the first of them.
+#[test]
+fn the_loaded_file_or_every_failure_is_reported() {
+    match library_file() {
+        Ok(file) => {
+            assert!(LIBRARY_FILES.contains(&file), "{file}");
+            assert!(library().is_ok());
+        }
+        Err(failures) => {
+            let names: Vec<&str> = failures.iter().map(|(name, _)| *name).collect();
+            assert_eq!(names, LIBRARY_FILES);
+            let (first, e) = &failures[0];
+            let message = library().unwrap_err();
+            assert!(message.contains(&format!("{first}: {e}")), "{message}");
+        }
+    }
+}
+
+/// A group's entry points on their own: each present exactly when the probe finds it, and
+/// without a driver the loader's message; the safe methods of a missing entry point give
+/// `None`.
+#[test]
+fn available_entry_points_are_the_ones_the_probe_finds() {
+    fn check(available: Result<Vec<bool>, ResolveError>, names: &[&'static str]) {
+        match available {
+            Ok(present) => {
+                let missing = missing_symbols(names).unwrap();
+                let absent: Vec<&str> = names
+                    .iter()
+                    .zip(&present)
+                    .filter(|(_, present)| !**present)
+                    .map(|(name, _)| *name)
+                    .collect();
+                assert_eq!(absent, missing);
+            }
+            Err(ResolveError::NoLibrary(message)) => {
+                assert_eq!(library().err(), Some(message));
+            }
+            Err(e) => panic!("available() fails only without a library: {e}"),
+        }
+    }
+    check(
+        init::available().map(|a| vec![a.init.is_some(), a.driver_get_version.is_some()]),
+        &init::NAMES,
+    );
+    check(
+        error_strings::available().map(|a| vec![a.name.is_some(), a.string.is_some()]),
+        &error_strings::NAMES,
+    );
+    check(
+        process_checkpoint::available().map(|a| {
+            vec![
+                a.lock.is_some(),
+                a.checkpoint.is_some(),
+                a.restore.is_some(),
+                a.unlock.is_some(),
+                a.state.is_some(),
+            ]
+        }),
+        &process_checkpoint::NAMES,
+    );
+    let none = init::Available {
+        init: None,
+        driver_get_version: None,
+    };
+    assert_eq!((none.init(), none.driver_version()), (None, None));
+    let none = error_strings::Available {
+        name: None,
+        string: None,
+    };
+    assert_eq!((none.name(0), none.description(0)), (None, None));
 }
 
 /// Without a driver every resolver reports the loader's message (the file names tried);

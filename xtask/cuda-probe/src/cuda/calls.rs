@@ -4,14 +4,15 @@
 use std::ffi::c_int;
 
 use cudarc::driver::sys;
+use tpcomm_transport::cuda_driver::error_strings;
 
-use super::entry_points::{name_of, ErrorNameFn};
+use super::entry_points::name_of;
 use crate::protocol::Call;
 
 /// The calls of one operation, recorded as they are made.
 pub(super) struct Calls<'a> {
     pub(super) calls: &'a mut Vec<Call>,
-    pub(super) error_name: Option<ErrorNameFn>,
+    pub(super) error_name: Option<&'static error_strings::Available>,
 }
 
 impl Calls<'_> {

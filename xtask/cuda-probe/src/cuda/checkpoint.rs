@@ -1,11 +1,12 @@
 //! The process checkpoint of this process, on its own pid: lock (with its timeout),
-//! checkpoint, restore, unlock, and the state query, through the entry points of
-//! `entry_points.rs`.
+//! checkpoint, restore, unlock, and the state query, through the entry points
+//! `entry_points.rs` resolves.
 
 use std::ffi::c_int;
 
+use tpcomm_transport::cuda_driver::process_checkpoint::{LockArgs, ReservedArgs};
+
 use super::calls::Calls;
-use super::entry_points::{LockArgs, ReservedArgs};
 use super::Cuda;
 
 impl Cuda {
@@ -62,11 +63,7 @@ impl Cuda {
         let started = std::time::Instant::now();
         let code = match step {
             Step::Lock(timeout_ms) => {
-                let mut args = LockArgs {
-                    timeout_ms: timeout_ms.max(1),
-                    reserved0: 0,
-                    reserved1: [0; 7],
-                };
+                let mut args = LockArgs::new(timeout_ms.max(1));
                 // SAFETY: a 64-byte argument block valid for the call, on this process's pid.
                 unsafe { (e.lock)(pid, &mut args) }
             }
@@ -76,7 +73,7 @@ impl Cuda {
                     Step::Restore => e.restore,
                     _ => e.unlock,
                 };
-                let mut args = ReservedArgs { reserved: [0; 8] };
+                let mut args = ReservedArgs::default();
                 // SAFETY: a zeroed 64-byte argument block valid for the call, on this
                 // process's pid.
                 unsafe { f(pid, &mut args) }

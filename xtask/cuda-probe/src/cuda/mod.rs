@@ -1,7 +1,8 @@
 //! The child's side on the real driver: every operation of [`Op`] as CUDA driver calls
 //! (cudarc's raw `driver::sys` bindings; the `cuCheckpointProcess*` entry points and
-//! `cuGetErrorName` resolved with `libloading`, since they take and return plain `int`s)
-//! and system calls (`rustix`), each call recorded with its result code and name.
+//! `cuGetErrorName`, which take and return plain `int`s, from tpcomm's declaration of them,
+//! `tpcomm_transport::cuda_driver`) and system calls (`rustix`), each call recorded with its
+//! result code and name.
 //!
 //! A call that fails ends its operation (what depends on it is not attempted); nothing here
 //! panics on a driver failure. cudarc resolves each symbol on its first call and panics when
@@ -20,12 +21,12 @@ mod vmm;
 use std::os::fd::OwnedFd;
 
 use cudarc::driver::sys;
+use tpcomm_transport::cuda_driver::{error_strings, process_checkpoint};
 
 use crate::facts::{bytes, check_pattern, pattern};
 use crate::protocol::{Op, Reply};
 use calls::Calls;
 use checkpoint::Step;
-use entry_points::{Checkpoint, ErrorNameFn};
 
 /// Bytes written and checked in every allocation (its start).
 pub(crate) const CHECK_BYTES: usize = 1 << 20;
@@ -44,9 +45,10 @@ struct Slot {
 
 /// The child's driver state.
 pub(crate) struct Cuda {
-    lib: Option<libloading::Library>,
-    error_name: Option<ErrorNameFn>,
-    checkpoint: Option<Checkpoint>,
+    /// The driver library loaded (by an `Init`; it stays loaded).
+    library_loaded: bool,
+    error_name: Option<&'static error_strings::Available>,
+    checkpoint: Option<process_checkpoint::Entries>,
     dev: sys::CUdevice,
     ctx: sys::CUcontext,
     /// Retains of the primary context this process holds.
@@ -65,7 +67,7 @@ pub(crate) struct Cuda {
 impl Default for Cuda {
     fn default() -> Self {
         Self {
-            lib: None,
+            library_loaded: false,
             error_name: None,
             checkpoint: None,
             dev: 0,
@@ -100,7 +102,7 @@ impl Cuda {
             calls: &mut reply.calls,
             error_name: self.error_name,
         };
-        if self.lib.is_none() && !matches!(op, Op::Init) {
+        if !self.library_loaded && !matches!(op, Op::Init) {
             calls.note(
                 "init",
                 false,

@@ -7,11 +7,3 @@ pub mod local;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
-
-// Old path, kept for the other crates until they move to the new one.
-pub use crate::copy;
-// Old path, kept for the other crates until they move to the new one.
-#[cfg(feature = "cuda-driver")]
-pub use crate::cuda_driver;
-// Old path, kept for the other crates until they move to the new one.
-pub use crate::spin;

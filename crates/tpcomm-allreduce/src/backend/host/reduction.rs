@@ -120,6 +120,7 @@ pub(super) unsafe fn reduce_blocks<T: Wide, const AVX2: bool>(
 
 /// The part of `count` elements that rank `r` of `world` reduces in two-stage: equal
 /// parts rounded to 16-byte packs, the last one taking the rest.
+#[inline]
 pub(crate) fn part(count: usize, elem: usize, world: usize, r: usize) -> Range<usize> {
     let per_pack = 16 / elem;
     let packs = count.div_ceil(per_pack);

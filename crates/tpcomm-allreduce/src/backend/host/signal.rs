@@ -29,6 +29,7 @@ const SHAPE_DTYPE_BITS: u32 = 4;
 const SHAPE_SLOT_SHIFT: u32 = SHAPE_BYTES_BITS + SHAPE_DTYPE_BITS;
 
 /// The shape word of a launch of `bytes` bytes of `dtype` from `slot` (never 0).
+#[inline]
 pub(super) fn shape_word(dtype: DType, bytes: usize, slot: usize) -> u64 {
     let code: u64 = match dtype {
         DType::F32 => 1,
@@ -45,6 +46,7 @@ pub(super) fn shape_word(dtype: DType, bytes: usize, slot: usize) -> u64 {
 /// launch is whole packs, at most 2^20 - 1 of them and from a slot below 512; otherwise a
 /// digest of the whole word with bit 31 set. So two tags are equal for different shapes only
 /// when both are digests that collide.
+#[inline]
 pub(super) fn shape_tag(word: u64) -> u32 {
     let bytes = word & ((1 << SHAPE_BYTES_BITS) - 1);
     let code = (word >> SHAPE_BYTES_BITS) & ((1 << SHAPE_DTYPE_BITS) - 1);
@@ -73,6 +75,7 @@ pub(super) fn decode_shape(word: u64) -> (u64, &'static str, usize) {
 /// # Safety
 /// `base` must be the 8-byte aligned address of a live, mapped Signal block of at least
 /// `SIGNAL_BYTES` bytes for as long as the reference is used.
+#[inline]
 pub(super) unsafe fn flag<'a>(base: u64, offset: usize) -> &'a AtomicU32 {
     // SAFETY: the caller guarantees an aligned live mapping; offsets are 4-byte aligned
     // inside SIGNAL_BYTES and the memory is only ever accessed atomically.
@@ -89,6 +92,7 @@ impl<'a> SignalBlocks<'a> {
     /// # Safety
     /// `own` and every `signals[p]` a barrier names (`p < world`) must be live, mapped
     /// Signal blocks of at least `SIGNAL_BYTES` bytes for as long as the value is used.
+    #[inline]
     pub(super) unsafe fn new(own: u64, signals: &'a [u64; 8]) -> Self {
         Self { own, signals }
     }
@@ -98,6 +102,7 @@ impl<'a> SignalBlocks<'a> {
     /// # Safety
     /// `base` is this rank's own block or one of `signals[..world]` (per [`Self::new`]),
     /// and `writer < 8`.
+    #[inline]
     unsafe fn shape(base: u64, writer: usize) -> &'a AtomicU64 {
         debug_assert!(writer < 8);
         // SAFETY: per the contract, a live block of SIGNAL_BYTES, 8-byte aligned (own block:
@@ -109,6 +114,7 @@ impl<'a> SignalBlocks<'a> {
 
     /// Stores this rank's shape word into its own block and its tag into every block's tag
     /// for `rank` (before the start barrier, whose release stores publish both).
+    #[inline]
     pub(super) fn publish_shape(&self, rank: usize, world: usize, word: u64) {
         // SAFETY: this rank's own block is live (`Self::new`); `rank < world <= 8` (the
         // driver refuses larger groups).
@@ -123,6 +129,7 @@ impl<'a> SignalBlocks<'a> {
     }
 
     /// After the start barrier: the first peer whose published shape differs from `word`.
+    #[inline]
     pub(super) fn check_shapes(&self, rank: usize, world: usize, word: u64) -> Result<()> {
         let tag = shape_tag(word);
         for peer in 0..world {
@@ -153,6 +160,7 @@ impl<'a> SignalBlocks<'a> {
     }
 }
 
+#[inline]
 fn array(kind: flags::Kind) -> usize {
     match kind {
         flags::Kind::Start => START,

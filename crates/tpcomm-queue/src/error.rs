@@ -130,6 +130,27 @@ pub enum Corruption {
     /// A transport frame of the remote path is malformed.
     #[error("a frame of the transport path is malformed: {0}")]
     Frame(&'static str),
+    /// A count of parked waiters is one no honest peer leaves: more waiters than can park
+    /// on it, or none while this waiter is parked on it.
+    #[error("the {which} count is {found}, outside what the waiters on it can make it (0..={most})")]
+    Parked {
+        /// Which count (`"readers parked"`, `"writer parked"`).
+        which: &'static str,
+        /// The count found (as this waiter counted itself in or out).
+        found: u32,
+        /// The most waiters that can park on it.
+        most: u32,
+    },
+    /// A rank number read from the ring is not a rank of the group.
+    #[error("the {which} word names rank {found}, in a group of {size}")]
+    Rank {
+        /// Which word (`"culprit"`).
+        which: &'static str,
+        /// The rank it names.
+        found: u64,
+        /// The group's size.
+        size: usize,
+    },
     /// A state word holds a value no peer writes.
     #[error("the {which} state word holds {found}, not a state")]
     State {
@@ -235,6 +256,20 @@ pub enum QueueError {
         #[source]
         source: postcard::Error,
     },
+    /// The value nests deeper than the agreed `max_depth` (counted as the decoder counts
+    /// it): nothing was sent, the queue is usable.
+    #[error(
+        "queue on rank {rank}: message #{message} nests deeper than {limit} levels \
+         (Options::max_depth): not sent"
+    )]
+    TooDeep {
+        /// This rank (the writer).
+        rank: usize,
+        /// The message that was not sent.
+        message: u64,
+        /// The agreed depth limit.
+        limit: usize,
+    },
     /// The serialized value is over the agreed cap; nothing was sent, the queue is usable.
     #[error(
         "queue on rank {rank}: message #{message} is {bytes} bytes, over the agreed cap of {cap} \
@@ -281,6 +316,25 @@ pub enum QueueError {
         /// The decoder's error.
         #[source]
         source: ObjectError,
+    },
+    /// A message decoded as the requested type, but its shape (the serde calls of the
+    /// writer's value, see `docs/queue.md`) is not the shape of the requested type: the
+    /// writer sent another type. The message is consumed, the queue is usable.
+    #[error(
+        "queue on rank {rank}: message #{message} from the writer, rank {writer}, is of another \
+         type than the one requested (shape {sent:#018x}, the requested type's {found:#018x})"
+    )]
+    TypeMismatch {
+        /// This rank.
+        rank: usize,
+        /// The writer.
+        writer: usize,
+        /// The message.
+        message: u64,
+        /// The shape the writer's value had.
+        sent: u64,
+        /// The shape the requested type decoded with.
+        found: u64,
     },
     /// A reader waited for the writer longer than the timeout.
     #[error(
@@ -507,6 +561,8 @@ impl QueueError {
             | QueueError::NotWriter { .. }
             | QueueError::NotReader { .. }
             | QueueError::Encode { .. }
+            | QueueError::TooDeep { .. }
+            | QueueError::TypeMismatch { .. }
             | QueueError::UnstableEncoding { .. }
             | QueueError::MessageTooLarge { .. }
             | QueueError::Decode { .. }

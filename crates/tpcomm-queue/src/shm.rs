@@ -481,6 +481,11 @@ impl SharedRing {
         self.u64_at(offset)
     }
 
+    /// Another mapping of the ring (as a third process would map it), claiming nothing.
+    pub(crate) fn map_for_test(memory: &HostMemory, handle: &HostHandle, layout: Layout) -> Self {
+        Self::map(memory, handle, layout).expect("the ring maps")
+    }
+
     /// The layout, for the tests that corrupt the segment.
     pub(crate) fn layout_for_test(&self) -> Layout {
         self.layout

@@ -206,6 +206,43 @@ fn a_message_that_does_not_decode_is_an_error_and_the_next_one_arrives() {
 }
 
 #[test]
+fn a_value_received_as_another_type_is_a_type_error_and_the_next_one_arrives() {
+    run_ok(2, |comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, small_ring())?;
+        if q.is_writer() {
+            q.send(&0u64)?;
+            q.send(&StepOutput {
+                step: 0,
+                request_ids: Vec::new(),
+                tokens: Vec::new(),
+                block_tables: Vec::new(),
+                temperature: Vec::new(),
+            })?;
+            q.send("owned or borrowed: one type")?;
+            q.send(&5u64)?;
+        } else {
+            // `0u64` is one byte, 0: the bytes of an empty string too.
+            match q.recv::<String>() {
+                Err(QueueError::TypeMismatch {
+                    writer: 0,
+                    message: 0,
+                    ..
+                }) => {}
+                other => panic!("expected a type mismatch, got {other:?}"),
+            }
+            // Five empty fields: the bytes of five zeros too.
+            match q.recv::<(u8, u8, u8, u8, u8)>() {
+                Err(QueueError::TypeMismatch { message: 1, .. }) => {}
+                other => panic!("expected a type mismatch, got {other:?}"),
+            }
+            assert_eq!(q.recv_borrowed::<&str>()?, "owned or borrowed: one type");
+            assert_eq!(q.recv::<u64>()?, 5);
+        }
+        q.close_with(&comm)
+    });
+}
+
+#[test]
 fn a_value_nested_past_the_depth_limit_is_refused_by_the_decoder() {
     #[derive(Debug, Serialize, Deserialize)]
     enum Tree {

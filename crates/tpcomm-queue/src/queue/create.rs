@@ -143,7 +143,7 @@ impl<C: Communicator> BroadcastQueue<C> {
         let joined = match (rank == writer, slot, &handle) {
             (true, _, _) => Joined::Writer,
             (false, Some(slot), Some(h)) => {
-                match SharedRing::join(&memory, h, layout, (id, writer), (slot, rank)) {
+                match join_ring(&memory, h, layout, (id, writer), (slot, rank)) {
                     Ok(ring) => {
                         joined_ring = Some(ring);
                         Joined::Mapped
@@ -309,4 +309,23 @@ fn agree_settings(
         }
     }
     Ok(settings[0])
+}
+
+/// [`SharedRing::join`]; in this crate's tests, a thread that set
+/// [`tests::REFUSE_MAPPING`](super::tests::REFUSE_MAPPING) cannot map the ring (as under a
+/// ptrace policy that refuses it).
+fn join_ring(
+    memory: &HostMemory,
+    handle: &HostHandle,
+    layout: Layout,
+    writer: (u64, usize),
+    reader: (usize, usize),
+) -> std::result::Result<SharedRing, JoinError> {
+    #[cfg(test)]
+    if super::tests::REFUSE_MAPPING.with(std::cell::Cell::get) {
+        return Err(JoinError::Unreachable(tpcomm_ipc::IpcError::InvalidAllocation(
+            "mapping refused by the test".into(),
+        )));
+    }
+    SharedRing::join(memory, handle, layout, writer, reader)
 }

@@ -214,6 +214,17 @@ fn park_of_writer(ring: &SharedRing) -> Park<'_> {
     }
 }
 
+/// The size of a transport frame, for the tests that craft one.
+#[cfg(test)]
+pub(crate) const FRAME_FOR_TEST: usize = FRAME;
+
+/// Writes a data frame's header (message `message`, `total` bytes), for the tests that
+/// craft one.
+#[cfg(test)]
+pub(crate) fn write_frame_for_test(frame: &mut [u8; FRAME], message: u64, total: u64) {
+    transport::write_frame(frame, transport::DATA, message, total);
+}
+
 #[cfg(test)]
 impl<C: Communicator> BroadcastQueue<C> {
     /// The ring this rank maps or owns, for the tests that corrupt it.
@@ -222,6 +233,17 @@ impl<C: Communicator> BroadcastQueue<C> {
             Role::Writer { ring, .. } | Role::Reader { ring, .. } => ring.as_ref(),
             Role::Remote => None,
         }
+    }
+
+    /// The sub-communicator of the transport path, for the tests that send crafted frames.
+    pub(crate) fn remote_for_test(&self) -> Option<&C> {
+        self.remote.as_ref()
+    }
+
+    /// The capacity of the receive buffer, for the tests of what a frame makes a reader
+    /// reserve.
+    pub(crate) fn buf_capacity_for_test(&self) -> usize {
+        self.buf.capacity()
     }
 
     /// The handle and layout of the ring, for the test of a late join.

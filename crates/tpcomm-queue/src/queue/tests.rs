@@ -1,4 +1,5 @@
-//! The size pass, a streamed value's chunks published mid-encoding, and the frames.
+//! The size pass, a streamed value's chunks published mid-encoding, the frames, and the
+//! ring of a queue one of whose readers could not map it.
 
 use serde::Serialize;
 
@@ -7,7 +8,12 @@ use super::transport::{read_frame, write_frame, DATA, FRAME};
 use super::{BroadcastQueue, QueueConfig};
 use crate::ring::RingMemory;
 use serde_bytes::ByteBuf;
-use tpcomm_transport::{LocalCommunicator, LocalGroup};
+use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
+
+thread_local! {
+    /// Set on a rank's thread before `create`: that reader cannot map the ring.
+    pub(super) static REFUSE_MAPPING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 #[test]
 fn the_size_pass_counts_values_of_few_large_pieces_and_gives_up_on_many_small_ones() {
@@ -106,4 +112,27 @@ fn frames_round_trip_and_garbage_is_refused() {
     let mut bad = frame;
     bad[4] = 2;
     assert!(read_frame(&bad).is_err());
+}
+
+#[test]
+fn a_reader_that_could_not_map_the_ring_leaves_the_others_able_to_resume() {
+    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+        // Rank 2 is on the writer's host but cannot map the ring: it reads through the
+        // transport, and the ring keeps its slot.
+        REFUSE_MAPPING.with(|r| r.set(comm.rank() == 2));
+        let mut q = BroadcastQueue::create(&comm, QueueConfig::default())?;
+        assert_eq!(q.locality().shared_memory, [1]);
+        assert_eq!(q.locality().transport, [2]);
+        q.suspend(&comm)?;
+        q.resume(&comm)?;
+        if q.is_writer() {
+            q.send(&7u32)?;
+        } else {
+            assert_eq!(q.recv::<u32>()?, 7);
+        }
+        q.close_with(&comm)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        assert!(matches!(r, Ok(Ok(()))), "rank {rank}: {r:?}");
+    }
 }

@@ -92,7 +92,7 @@ impl<C: Communicator> BroadcastQueue<C> {
         else {
             return Err(self.refused("recv"));
         };
-        let (rank, writer, message) = (self.rank, self.writer, self.messages);
+        let (rank, writer, message, size) = (self.rank, self.writer, self.messages, self.size);
         let cap = self.options.max_total_bytes as u64;
         let park = park_of_readers(ring);
         let writer_park = park_of_writer(ring);
@@ -119,12 +119,12 @@ impl<C: Communicator> BroadcastQueue<C> {
                 if ring.published().load(std::sync::atomic::Ordering::SeqCst) > c {
                     return Ok(ring::look(ring, c).map_err(corrupt)? == Look::Ready);
                 }
-                writer_ended(ring, (rank, writer, message), started)?;
+                writer_ended(ring, (rank, writer, message, size), started)?;
                 Ok(false)
             };
             let check = || -> Result<()> {
                 // A writer that failed the queue (or closed it) and then exited said so first.
-                writer_ended(ring, (rank, writer, message), started)?;
+                writer_ended(ring, (rank, writer, message, size), started)?;
                 if writer_id.liveness() == Liveness::Gone {
                     return Err(QueueError::WriterGone {
                         rank,
@@ -177,11 +177,12 @@ impl<C: Communicator> BroadcastQueue<C> {
     }
 }
 
-/// The writer's state seen by a reader waiting for message `message` (`started`: some of it
-/// arrived): an error when the writer will send nothing more.
+/// The writer's state seen by a reader of a group of `size` ranks waiting for message
+/// `message` (`started`: some of it arrived): an error when the writer will send nothing
+/// more.
 fn writer_ended(
     ring: &SharedRing,
-    (rank, writer, message): (usize, usize, u64),
+    (rank, writer, message, size): (usize, usize, u64, usize),
     started: bool,
 ) -> Result<()> {
     let how = match ring.writer_state() {
@@ -196,12 +197,29 @@ fn writer_ended(
         Ok(WriterState::Closed) => Departure::Closed,
         Ok(WriterState::Dropped) => Departure::Dropped,
         Ok(WriterState::Failed) => {
+            // The culprit is a rank number a peer wrote: one outside the group is no rank.
+            let culprit = match ring.culprit() {
+                None => writer,
+                Some(c) if c < size => c,
+                Some(c) => {
+                    return Err(QueueError::Corrupt {
+                        rank,
+                        peer: writer,
+                        message,
+                        problem: Corruption::Rank {
+                            which: "culprit",
+                            found: c as u64,
+                            size,
+                        },
+                    })
+                }
+            };
             return Err(QueueError::WriterFailed {
                 rank,
                 writer,
                 message,
-                culprit: ring.culprit().unwrap_or(writer),
-            })
+                culprit,
+            });
         }
         Err(found) => {
             return Err(QueueError::Corrupt {

@@ -259,6 +259,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             timeout: config.timeout,
             id,
             locality,
+            slots: candidates.len(),
             role,
             remote,
             memory,

@@ -76,12 +76,10 @@ impl<C: Communicator> BroadcastQueue<C> {
             next_chunk,
         } = &mut self.role
         {
-            let layout = Layout::new(
-                self.settings.depth,
-                self.settings.chunk_bytes,
-                self.locality.shared_memory.len(),
-            )
-            .expect("the layout existed at creation");
+            // The ring's slots, as created: one per reader on the writer's host, including
+            // those that could not map it.
+            let layout = Layout::new(self.settings.depth, self.settings.chunk_bytes, self.slots)
+                .expect("the layout existed at creation");
             match SharedRing::rejoin(
                 &self.memory,
                 handle,

@@ -137,6 +137,9 @@ pub struct BroadcastQueue<C: Communicator> {
     timeout: Duration,
     id: u64,
     locality: Locality,
+    /// Reader slots in the ring: every reader on the writer's host that did not ask for
+    /// the transport, including those that then could not map the ring.
+    slots: usize,
     role: Role,
     /// The writer and the transport readers.
     remote: Option<C>,
@@ -254,7 +257,7 @@ impl<C: Communicator> BroadcastQueue<C> {
         let layout = Layout::new(
             self.settings.depth,
             self.settings.chunk_bytes,
-            self.locality.shared_memory.len(),
+            self.slots,
         )
         .expect("the layout exists");
         (handle.clone(), layout, self.id)

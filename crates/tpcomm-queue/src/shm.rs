@@ -301,6 +301,11 @@ impl SharedRing {
         self.u32_at(at)
     }
 
+    /// Reader slots in the layout.
+    pub(crate) fn reader_slots(&self) -> usize {
+        self.layout.readers
+    }
+
     /// Reader slot `slot`'s progress word.
     pub(crate) fn consumed_word(&self, slot: usize) -> &AtomicU64 {
         assert!(slot < self.layout.readers);

@@ -201,11 +201,14 @@ impl<C: Communicator> BroadcastQueue<C> {
     }
 }
 
-/// The words the readers park on, which the writer bumps when it publishes a chunk.
+/// The words the readers park on, which the writer bumps when it publishes a chunk: at
+/// most one reader per slot is parked on them.
 fn park_of_readers(ring: &SharedRing) -> Park<'_> {
     Park {
         word: ring.header_u32(header::WAKE),
         parked: ring.header_u32(header::SLEEPERS),
+        most: u32::try_from(ring.reader_slots()).unwrap_or(u32::MAX),
+        which: "readers parked",
     }
 }
 
@@ -214,6 +217,18 @@ fn park_of_writer(ring: &SharedRing) -> Park<'_> {
     Park {
         word: ring.header_u32(header::WRITER_WAKE),
         parked: ring.header_u32(header::WRITER_PARKED),
+        most: 1,
+        which: "writer parked",
+    }
+}
+
+/// The corruption of a parked count that a wait found (`found` waiters, see
+/// [`Interrupted::Miscounted`](crate::wait::Interrupted::Miscounted)).
+fn miscounted(park: Park<'_>, found: u32) -> crate::error::Corruption {
+    crate::error::Corruption::Parked {
+        which: park.which,
+        found,
+        most: park.most,
     }
 }
 

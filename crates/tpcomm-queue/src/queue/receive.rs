@@ -6,7 +6,7 @@ use serde::Deserialize;
 use tpcomm_transport::process::Liveness;
 use tpcomm_transport::Communicator;
 
-use super::{park_of_readers, park_of_writer, BroadcastQueue, Life, Role};
+use super::{miscounted, park_of_readers, park_of_writer, BroadcastQueue, Life, Role};
 use crate::error::{Corruption, Departure, QueueError, Result};
 use crate::layout::WriterState;
 use crate::ring::{self, Look, Position, RingMemory};
@@ -97,7 +97,6 @@ impl<C: Communicator> BroadcastQueue<C> {
         let park = park_of_readers(ring);
         let writer_park = park_of_writer(ring);
         let writer_id = self.peers[writer];
-        let other_process = !writer_id.same_process(&self.peers[rank]);
         let corrupt = |problem| QueueError::Corrupt {
             rank,
             peer: writer,
@@ -139,12 +138,15 @@ impl<C: Communicator> BroadcastQueue<C> {
                 &self.budget,
                 self.timeout,
                 park,
-                other_process.then_some(self.liveness),
+                Some(self.liveness),
                 ready,
                 check,
             ) {
                 Ok(()) => {}
                 Err(Interrupted::Failed(e)) => return Err(e),
+                Err(Interrupted::Miscounted { found }) => {
+                    return Err(corrupt(miscounted(park, found)))
+                }
                 Err(Interrupted::Timeout(waited)) => {
                     let e = QueueError::WriterTimeout {
                         rank,

@@ -7,7 +7,7 @@ use tpcomm_transport::process::Liveness;
 use tpcomm_transport::Communicator;
 
 use super::stream::{encoded_size, SizePass, Streamed, STREAM_MIN_BYTES};
-use super::{park_of_readers, park_of_writer, BroadcastQueue, Role};
+use super::{miscounted, park_of_readers, park_of_writer, BroadcastQueue, Role};
 use crate::error::{Corruption, Departure, QueueError, Result};
 use crate::layout::{chunk_count, header, piece, ReaderState};
 use crate::ring::{self, RingMemory};
@@ -168,7 +168,6 @@ impl<C: Communicator> BroadcastQueue<C> {
             return Ok(need);
         };
         let me = &self.peers[self.rank];
-        let other_process = slot_ranks.iter().any(|&r| !self.peers[r].same_process(me));
         let parked = park_of_writer(ring);
         let (mut known, mut lag) = (need, None);
         let ready = || -> Result<bool> {
@@ -213,13 +212,21 @@ impl<C: Communicator> BroadcastQueue<C> {
             &self.budget,
             self.timeout,
             parked,
-            other_process.then_some(self.liveness),
+            Some(self.liveness),
             ready,
             check,
         );
         match waited {
             Ok(()) => Ok(known),
             Err(Interrupted::Failed(e)) => Err(e),
+            Err(Interrupted::Miscounted { found }) => Err(QueueError::Corrupt {
+                rank: self.rank,
+                peer: lag
+                    .or(active.first().copied())
+                    .map_or(self.writer, |s| slot_ranks[s]),
+                message,
+                problem: miscounted(parked, found),
+            }),
             Err(Interrupted::Timeout(waited)) => {
                 let slow = ring::released(ring, c, active)
                     .ok()

@@ -337,10 +337,11 @@ fn a_reader_that_joins_late_is_refused() {
 }
 
 /// The reader's first `recv` while the writer sends only after a pause (so that the reader
-/// parks), with `meddle(ring, stop)` running meanwhile on a third mapping of the segment,
-/// until `stop` is set. Returns the reader's result.
+/// parks), with `meddle(ring, stop, first)` running meanwhile on a third mapping of the
+/// segment, until `stop` is set; the reader starts once `meddle` has passed `first` (after
+/// its first write). Returns the reader's result.
 fn parked_reader(
-    meddle: impl Fn(&SharedRing, &std::sync::atomic::AtomicBool) + Sync,
+    meddle: impl Fn(&SharedRing, &std::sync::atomic::AtomicBool, &std::sync::Barrier) + Sync,
 ) -> Result<u32, QueueError> {
     let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
         let config = QueueConfig {
@@ -359,8 +360,10 @@ fn parked_reader(
         let memory = tpcomm_ipc::HostMemory::new();
         let view = SharedRing::map_for_test(&memory, &handle, layout);
         let stop = std::sync::atomic::AtomicBool::new(false);
+        let first = std::sync::Barrier::new(2);
         let got = std::thread::scope(|s| {
-            s.spawn(|| meddle(&view, &stop));
+            s.spawn(|| meddle(&view, &stop, &first));
+            first.wait();
             comm.barrier().unwrap();
             let got = q.recv::<u32>();
             stop.store(true, Ordering::SeqCst);
@@ -374,10 +377,11 @@ fn parked_reader(
 
 #[test]
 fn a_parked_count_set_to_wrap_is_corruption_not_a_lost_wake_up() {
-    let got = parked_reader(|ring, _| {
+    let got = parked_reader(|ring, _, first| {
         // The reader's own count brings it to 0: the writer would see nobody parked.
         ring.header_u32(header::SLEEPERS)
             .store(u32::MAX, Ordering::SeqCst);
+        first.wait();
     });
     match got {
         Err(QueueError::Corrupt {
@@ -396,7 +400,9 @@ fn a_parked_count_set_to_wrap_is_corruption_not_a_lost_wake_up() {
 
 #[test]
 fn a_parked_count_held_at_zero_is_corruption_not_a_lost_wake_up() {
-    let got = parked_reader(|ring, stop| {
+    let got = parked_reader(|ring, stop, first| {
+        ring.header_u32(header::SLEEPERS).store(0, Ordering::SeqCst);
+        first.wait();
         while !stop.load(Ordering::SeqCst) {
             ring.header_u32(header::SLEEPERS).store(0, Ordering::SeqCst);
             std::thread::yield_now();

@@ -209,13 +209,15 @@ impl Position {
 
 /// Reads chunk `c` (its stamp seen [`Look::Ready`]) into `dst` and advances `at`, after
 /// checking every field against `at` and `cap` (the largest message allowed); `reserve`
-/// makes room for the chunk's bytes in `dst` (or fails). Does not release the chunk.
+/// makes room for the chunk's bytes in `dst` (or fails, and then nothing is read and `at`
+/// stays). With no `dst` the chunk is checked and passed over, its bytes not copied (a
+/// reader skipping the rest of a message it could not hold). Does not release the chunk.
 pub(crate) fn read_chunk<M: RingMemory + ?Sized, E>(
     mem: &M,
     c: u64,
     at: &mut Position,
     cap: u64,
-    dst: &mut Vec<u8>,
+    dst: Option<&mut Vec<u8>>,
     reserve: impl FnOnce(&mut Vec<u8>, usize) -> Result<(), E>,
 ) -> Result<Result<(), E>, Corruption> {
     let slot = slot_of(mem, c);
@@ -260,10 +262,12 @@ pub(crate) fn read_chunk<M: RingMemory + ?Sized, E>(
     }
     // `len <= chunk_bytes`, which fits `usize` (the layout exists).
     let n = len as usize;
-    if let Err(e) = reserve(dst, n) {
-        return Ok(Err(e));
+    if let Some(dst) = dst {
+        if let Err(e) = reserve(dst, n) {
+            return Ok(Err(e));
+        }
+        mem.append_payload(slot, n, dst);
     }
-    mem.append_payload(slot, n, dst);
     mem.acquire_fence();
     let after = mem.field(slot, Field::Stamp).load(Ordering::Relaxed);
     if after != c + 1 {
@@ -418,7 +422,9 @@ mod loom_tests {
                 while look(mem, c).expect("an honest writer") == Look::NotYet {
                     loom::thread::yield_now();
                 }
-                read_chunk(mem, c, &mut at, 64, &mut bytes, |_, _| Ok::<(), ()>(()))
+                read_chunk(mem, c, &mut at, 64, Some(&mut bytes), |_, _| {
+                    Ok::<(), ()>(())
+                })
                     .expect("an honest writer")
                     .unwrap();
                 release(mem, reader, c);

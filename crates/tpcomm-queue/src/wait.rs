@@ -72,12 +72,12 @@ impl<E> From<E> for Interrupted<E> {
 
 /// Waits until `ready()` says so, bounded by `timeout`; `check()` runs every `liveness`
 /// while parked (a peer process that may die), and fails the wait with its error. A parked
-/// waiter sleeps at most `liveness` at a time, so that a wake-up lost to a parked count a
-/// peer overwrote costs at most that, and the count is checked each time the waiter counts
-/// itself in and out ([`Interrupted::Miscounted`]).
+/// waiter sleeps at most `nap` at a time (the [`liveness_interval`]), so that a wake-up
+/// lost to a parked count a peer overwrote costs at most that, and the count is checked
+/// each time the waiter counts itself in and out ([`Interrupted::Miscounted`]).
 pub(crate) fn wait_until<E>(
     budget: &SpinBudget,
-    timeout: Duration,
+    (timeout, nap): (Duration, Duration),
     park: Park<'_>,
     liveness: Option<Duration>,
     mut ready: impl FnMut() -> Result<bool, E>,
@@ -114,7 +114,7 @@ pub(crate) fn wait_until<E>(
         // What it waits for first: a peer that delivered and then left (or died) delivered.
         let outcome = match ready() {
             Ok(false) => pause(&mut next_check, deadline, started, liveness, &mut check)
-                .map(|sleep| sleep_on(park.word, seen, sleep)),
+                .map(|sleep| sleep_on(park.word, seen, sleep.min(nap))),
             Ok(true) => {
                 count_out(park)?;
                 budget.learn(spun, true);
@@ -239,7 +239,7 @@ mod tests {
         };
         let r = wait_until::<()>(
             &budget,
-            Duration::from_secs(30),
+            (Duration::from_secs(30), Duration::from_secs(30)),
             park,
             None,
             || Ok(w.2.load(Ordering::SeqCst)),
@@ -267,7 +267,7 @@ mod tests {
         };
         match wait_until::<()>(
             &budget,
-            Duration::from_millis(30),
+            (Duration::from_millis(30), Duration::from_millis(30)),
             park,
             None,
             || Ok(false),
@@ -292,7 +292,7 @@ mod tests {
         let started = Instant::now();
         let r = wait_until(
             &budget,
-            Duration::from_secs(30),
+            (Duration::from_secs(30), Duration::from_secs(30)),
             park,
             Some(Duration::from_millis(5)),
             || Ok(false),

@@ -16,14 +16,19 @@ use crate::wait::{wait_until, wake_if_parked, Interrupted};
 impl<C: Communicator> BroadcastQueue<C> {
     /// Receives the next message as an owned value (a reader only).
     ///
-    /// Waits (bounded by the timeout) for the writer. Fails with
-    /// [`Decode`](QueueError::Decode) when the bytes are not a `T` (the message is consumed;
-    /// the next call reads the next one), [`WriterTimeout`](QueueError::WriterTimeout)
-    /// when nothing of it came in time (call again), [`Closed`](QueueError::Closed) once the
-    /// writer closed the queue and every message was received, and otherwise
-    /// ([`Corrupt`](QueueError::Corrupt), [`WriterGone`](QueueError::WriterGone),
-    /// [`WriterFailed`](QueueError::WriterFailed), a timeout in the middle of a message)
-    /// fails the queue.
+    /// Waits (bounded by the timeout, on the ring and on the transport path alike) for the
+    /// writer. Fails with [`Decode`](QueueError::Decode) when the bytes are not a `T`, or
+    /// [`TypeMismatch`](QueueError::TypeMismatch) when they decode but the writer's value had
+    /// another shape (the message is consumed; the next call reads the next one);
+    /// [`Allocation`](QueueError::Allocation) when the receive buffer cannot grow to hold
+    /// it (a ring reader passes over the rest of the message, and the next call reads the
+    /// next one; a transport reader's queue fails);
+    /// [`WriterTimeout`](QueueError::WriterTimeout) when nothing of it came in time (a ring
+    /// reader may call again; a transport reader's queue fails, its sub-communicator
+    /// aborted); [`Closed`](QueueError::Closed) once the writer closed the queue and every
+    /// message was received; and otherwise ([`Corrupt`](QueueError::Corrupt),
+    /// [`WriterGone`](QueueError::WriterGone), [`WriterFailed`](QueueError::WriterFailed),
+    /// a timeout in the middle of a message) fails the queue.
     pub fn recv<T: DeserializeOwned>(&mut self) -> Result<T> {
         self.recv_bytes()?;
         self.decode()
@@ -75,7 +80,16 @@ impl<C: Communicator> BroadcastQueue<C> {
                 self.life = Life::Ended;
                 Err(e)
             }
-            Err(e @ (QueueError::WriterTimeout { .. } | QueueError::Allocation { .. })) => Err(e),
+            // A timeout before the message started: nothing of it was read.
+            Err(e @ QueueError::WriterTimeout { .. }) if !matches!(self.role, Role::Remote) => {
+                Err(e)
+            }
+            // The ring reader passed over the message it could not hold: the next `recv`
+            // reads the next one.
+            Err(e @ QueueError::Allocation { .. }) if matches!(self.role, Role::Reader { .. }) => {
+                self.messages += 1;
+                Err(e)
+            }
             Err(e) => Err(self.fail(e)),
         }
     }
@@ -97,6 +111,7 @@ impl<C: Communicator> BroadcastQueue<C> {
         let park = park_of_readers(ring);
         let writer_park = park_of_writer(ring);
         let writer_id = self.peers[writer];
+        let other_process = !writer_id.same_process(&self.peers[rank]);
         let corrupt = |problem| QueueError::Corrupt {
             rank,
             peer: writer,
@@ -104,6 +119,8 @@ impl<C: Communicator> BroadcastQueue<C> {
             problem,
         };
         let mut at = Position::start(message);
+        // Set when the buffer could not grow: the bytes the message needed by then.
+        let mut refused = None;
         self.buf.clear();
         loop {
             let c = *next_chunk;
@@ -136,9 +153,9 @@ impl<C: Communicator> BroadcastQueue<C> {
             };
             match wait_until(
                 &self.budget,
-                self.timeout,
+                (self.timeout, self.liveness),
                 park,
-                Some(self.liveness),
+                other_process.then_some(self.liveness),
                 ready,
                 check,
             ) {
@@ -158,22 +175,30 @@ impl<C: Communicator> BroadcastQueue<C> {
                     return Err(if started { self.fail(e) } else { e });
                 }
             }
-            let reserved = ring::read_chunk(ring, c, &mut at, cap, &mut self.buf, |v, n| {
-                v.try_reserve(n).map_err(|_| n)
+            let dst = refused.is_none().then_some(&mut self.buf);
+            let reserved = ring::read_chunk(ring, c, &mut at, cap, dst, |v, n| {
+                v.try_reserve(n).map_err(|_| v.len() + n)
             })
             .map_err(corrupt)?;
             if let Err(bytes) = reserved {
-                return Err(QueueError::Allocation {
-                    rank,
-                    message,
-                    bytes,
-                });
+                // The buffer cannot hold the message: the rest of it is passed over (checked,
+                // released, not copied), so that the next `recv` starts at the next message
+                // and the writer is not held up by what this reader cannot hold.
+                refused = Some(bytes);
+                continue;
             }
             ring::release(ring, *slot, c);
             wake_if_parked(writer_park);
             *next_chunk = c + 1;
             if at.complete() {
-                return Ok(());
+                return match refused {
+                    None => Ok(()),
+                    Some(bytes) => Err(QueueError::Allocation {
+                        rank,
+                        message,
+                        bytes,
+                    }),
+                };
             }
         }
     }

@@ -168,6 +168,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             return Ok(need);
         };
         let me = &self.peers[self.rank];
+        let other_process = slot_ranks.iter().any(|&r| !self.peers[r].same_process(me));
         let parked = park_of_writer(ring);
         let (mut known, mut lag) = (need, None);
         let ready = || -> Result<bool> {
@@ -210,9 +211,9 @@ impl<C: Communicator> BroadcastQueue<C> {
         };
         let waited = wait_until(
             &self.budget,
-            self.timeout,
+            (self.timeout, self.liveness),
             parked,
-            Some(self.liveness),
+            other_process.then_some(self.liveness),
             ready,
             check,
         );

@@ -220,18 +220,23 @@ impl<C: Communicator> BroadcastQueue<C> {
                 _ => Role::Remote,
             }
         };
-        let remote = if locality.transport.is_empty() {
+        let transport = |source| QueueError::Transport {
+            rank,
+            message: 0,
+            source,
+        };
+        let mut remote = if locality.transport.is_empty() {
             None
         } else {
             let member = rank == writer || locality.transport.contains(&rank);
             let key = if rank == writer { 0 } else { rank as i32 + 1 };
-            comm.split(member.then_some(0), key)
-                .map_err(|source| QueueError::Transport {
-                    rank,
-                    message: 0,
-                    source,
-                })?
+            comm.split(member.then_some(0), key).map_err(transport)?
         };
+        // The frames' broadcasts wait no longer than the queue's timeout (a backend with no
+        // bounded path keeps its own).
+        if let Some(remote) = &mut remote {
+            remote.bound_waits(config.timeout).map_err(transport)?;
+        }
         if let Role::Writer {
             ring: Some(ring), ..
         } = &role

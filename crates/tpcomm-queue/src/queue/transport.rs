@@ -2,7 +2,7 @@
 //! to): each message is one broadcast of a 256-byte frame (a header and the first bytes) in
 //! the sub-communicator of the writer and those readers, plus one broadcast of the rest.
 
-use tpcomm_transport::Communicator;
+use tpcomm_transport::{Communicator, TransportError};
 
 use super::BroadcastQueue;
 use crate::error::{Corruption, QueueError, Result};
@@ -50,11 +50,8 @@ impl<C: Communicator> BroadcastQueue<C> {
         let Some(remote) = &self.remote else {
             return Err(self.refused("recv"));
         };
-        let transport = |source| QueueError::Transport {
-            rank,
-            message,
-            source,
-        };
+        let writer = self.writer;
+        let transport = |source| reader_error(rank, writer, message, source);
         remote.broadcast(0, &mut self.frame).map_err(transport)?;
         let corrupt = |problem| QueueError::Corrupt {
             rank,
@@ -126,4 +123,25 @@ pub(super) fn read_frame(frame: &[u8; FRAME]) -> std::result::Result<(u8, u64, u
         u64::from_le_bytes(w)
     };
     Ok((frame[6], word(8), word(16)))
+}
+
+/// A transport reader's error for the broadcast of message `message` failing with `source`:
+/// a wait past the bound (the queue's timeout, see [`Communicator::bound_waits`]) is
+/// [`QueueError::WriterTimeout`] naming the writer, the root of every broadcast it waits in.
+fn reader_error(rank: usize, writer: usize, message: u64, source: TransportError) -> QueueError {
+    match source {
+        TransportError::Timeout { waited, .. } | TransportError::Unresponsive { waited, .. } => {
+            QueueError::WriterTimeout {
+                rank,
+                writer,
+                message,
+                waited,
+            }
+        }
+        source => QueueError::Transport {
+            rank,
+            message,
+            source,
+        },
+    }
 }

@@ -136,3 +136,20 @@ fn a_reader_that_could_not_map_the_ring_leaves_the_others_able_to_resume() {
         assert!(matches!(r, Ok(Ok(()))), "rank {rank}: {r:?}");
     }
 }
+
+#[test]
+fn the_pieces_after_a_frame_grow_with_what_arrived_and_cover_the_message() {
+    use super::transport::next_piece;
+    for (total, max_count) in [(300, 1 << 30), (5 << 20, 1 << 30), (3 << 30, 1 << 30), (100, 7)] {
+        let mut received = 100.min(total);
+        let mut pieces = 0;
+        while received < total {
+            let n = next_piece(received, total, max_count);
+            assert!(n > 0 && n <= received.max(1 << 20) && n <= max_count);
+            received += n;
+            pieces += 1;
+        }
+        assert_eq!(received, total);
+        assert!(pieces <= 64, "{pieces} pieces for {total} bytes");
+    }
+}

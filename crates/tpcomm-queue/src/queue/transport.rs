@@ -1,6 +1,7 @@
 //! The transport path, for the readers that do not map the ring (on other hosts, or asked
 //! to): each message is one broadcast of a 256-byte frame (a header and the first bytes) in
-//! the sub-communicator of the writer and those readers, plus one broadcast of the rest.
+//! the sub-communicator of the writer and those readers, plus broadcasts of the rest in
+//! pieces that grow with what arrived (one piece up to 1 MiB).
 
 use tpcomm_transport::{Communicator, TransportError};
 
@@ -36,10 +37,13 @@ impl<C: Communicator> BroadcastQueue<C> {
             source,
         };
         remote.broadcast(0, &mut self.frame).map_err(transport)?;
-        if total > INLINE {
+        let mut sent = inline;
+        while sent < total {
+            let n = next_piece(sent, total, remote.max_count());
             remote
-                .broadcast(0, &mut self.buf[INLINE..])
+                .broadcast(0, &mut self.buf[sent..sent + n])
                 .map_err(transport)?;
+            sent += n;
         }
         Ok(())
     }
@@ -76,24 +80,41 @@ impl<C: Communicator> BroadcastQueue<C> {
         }
         // `total <= cap <= isize::MAX`.
         let total = total as usize;
-        self.buf.clear();
-        if self.buf.try_reserve(total).is_err() {
-            return Err(QueueError::Allocation {
-                rank,
-                message,
-                bytes: total,
-            });
-        }
         let inline = total.min(INLINE);
+        self.buf.clear();
         self.buf.extend_from_slice(&self.frame[24..24 + inline]);
-        if total > INLINE {
-            self.buf.resize(total, 0);
+        // The rest arrives in pieces, each reserved only when the one before it is in: what
+        // a frame alone makes this reader reserve is one piece ([`AHEAD`]), not the length
+        // it announces.
+        while self.buf.len() < total {
+            let at = self.buf.len();
+            let n = next_piece(at, total, remote.max_count());
+            if self.buf.try_reserve(n).is_err() {
+                return Err(QueueError::Allocation {
+                    rank,
+                    message,
+                    bytes: at + n,
+                });
+            }
+            self.buf.resize(at + n, 0);
             remote
-                .broadcast(0, &mut self.buf[INLINE..])
+                .broadcast(0, &mut self.buf[at..])
                 .map_err(transport)?;
         }
         Ok(())
     }
+}
+
+/// The most bytes of a message a transport reader reserves before they arrive: the first
+/// piece after the frame.
+const AHEAD: usize = 1 << 20;
+
+/// The length of the piece of a `total`-byte message that follows its first `received`
+/// bytes: as many bytes as arrived before it (at least [`AHEAD`]), so that a reader never
+/// reserves more than twice what it received plus [`AHEAD`], and a message of `n` bytes
+/// takes about `log2(n / AHEAD)` broadcasts; never more than the transport's `max_count`.
+pub(super) fn next_piece(received: usize, total: usize, max_count: usize) -> usize {
+    (total - received).min(received.max(AHEAD)).min(max_count.max(1))
 }
 
 /// Writes a frame's header.

@@ -233,9 +233,9 @@ fn a_wrong_layout_version_is_refused_when_the_reader_maps_the_ring_again() {
         let mut q = BroadcastQueue::create(&comm, config()).unwrap();
         q.suspend(&comm).unwrap();
         if q.is_writer() {
-            // Version 2, same header size.
+            // Version 3, same header size.
             let word = q.ring_for_test().unwrap().word_for_test(header::VERSION);
-            word.store(2 | (512 << 32), Ordering::SeqCst);
+            word.store(3 | (512 << 32), Ordering::SeqCst);
         }
         comm.barrier().unwrap();
         q.resume(&comm)
@@ -244,8 +244,8 @@ fn a_wrong_layout_version_is_refused_when_the_reader_maps_the_ring_again() {
         Err(QueueError::Corrupt {
             problem:
                 Corruption::Version {
-                    found: 2,
-                    supported: 1,
+                    found: 3,
+                    supported: 2,
                 },
             ..
         }) => {}
@@ -425,28 +425,32 @@ fn a_parked_count_held_at_zero_is_corruption_not_a_lost_wake_up() {
 #[test]
 fn a_frame_announcing_a_large_message_makes_a_transport_reader_reserve_only_what_arrives() {
     let done = std::sync::Barrier::new(2);
-    let results = LocalGroup::new(2)
-        .timeout(Duration::from_secs(10))
-        .run(|comm: LocalCommunicator| {
-            let mut config = config();
-            config.via_transport = true;
-            config.timeout = Duration::from_millis(500);
-            config.options.max_total_bytes = 1 << 30;
-            let mut q = BroadcastQueue::create(&comm, config).unwrap();
-            if q.is_writer() {
-                // A frame announcing 1 GiB, and nothing after it.
-                let mut frame = [0u8; crate::queue::FRAME_FOR_TEST];
-                crate::queue::write_frame_for_test(&mut frame, 0, 1 << 30);
-                q.remote_for_test().unwrap().broadcast(0, &mut frame).unwrap();
-                done.wait();
-                None
-            } else {
-                let got = q.recv::<serde_bytes::ByteBuf>().map(drop);
-                let reserved = q.buf_capacity_for_test();
-                done.wait();
-                Some((got, reserved))
-            }
-        });
+    let results =
+        LocalGroup::new(2)
+            .timeout(Duration::from_secs(10))
+            .run(|comm: LocalCommunicator| {
+                let mut config = config();
+                config.via_transport = true;
+                config.timeout = Duration::from_millis(500);
+                config.options.max_total_bytes = 1 << 30;
+                let mut q = BroadcastQueue::create(&comm, config).unwrap();
+                if q.is_writer() {
+                    // A frame announcing 1 GiB, and nothing after it.
+                    let mut frame = [0u8; crate::queue::FRAME_FOR_TEST];
+                    crate::queue::write_frame_for_test(&mut frame, 0, 1 << 30);
+                    q.remote_for_test()
+                        .unwrap()
+                        .broadcast(0, &mut frame)
+                        .unwrap();
+                    done.wait();
+                    None
+                } else {
+                    let got = q.recv::<serde_bytes::ByteBuf>().map(drop);
+                    let reserved = q.buf_capacity_for_test();
+                    done.wait();
+                    Some((got, reserved))
+                }
+            });
     let (got, reserved) = results.into_iter().nth(1).unwrap().unwrap().unwrap();
     assert!(got.is_err(), "the rest never came: {got:?}");
     assert!(
@@ -465,6 +469,7 @@ proptest! {
         field in prop_oneof![
             Just(Field::Stamp), Just(Field::Message), Just(Field::Total),
             Just(Field::Offset), Just(Field::Len), Just(Field::Flags),
+            Just(Field::Shape),
         ],
         chunk in 0usize..2,
         value in prop_oneof![any::<u64>(), 0u64..200],
@@ -478,6 +483,9 @@ proptest! {
             Err(QueueError::Corrupt { peer: 0, .. }) => {}
             // A stamp set back to the slot's previous one: the chunk looks unwritten.
             Err(QueueError::WriterTimeout { writer: 0, .. }) if field == Field::Stamp => {}
+            // The first chunk's shape word is the message's: another shape is another type.
+            Err(QueueError::TypeMismatch { writer: 0, .. })
+                if field == Field::Shape && chunk == 0 => {}
             Err(other) => prop_assert!(false, "unexpected error {other:?}"),
         }
     }

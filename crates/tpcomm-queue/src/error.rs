@@ -90,6 +90,17 @@ pub enum Corruption {
         /// The flags expected.
         expected: u64,
     },
+    /// A chunk's shape (the writer's value's, `tpcomm_objects::Shape`) is not the one the
+    /// message's first chunk carried.
+    #[error("chunk #{chunk} says the message's shape is {found:#018x}, its first chunk {expected:#018x}")]
+    ChunkShape {
+        /// The chunk.
+        chunk: u64,
+        /// The shape it carries.
+        found: u64,
+        /// The first chunk's.
+        expected: u64,
+    },
     /// A message announces more bytes than the agreed cap ([`tpcomm_objects::Options::max_total_bytes`]),
     /// which the writer refuses to send.
     #[error("a {total}-byte message is announced, over the agreed cap of {cap} bytes")]
@@ -132,7 +143,9 @@ pub enum Corruption {
     Frame(&'static str),
     /// A count of parked waiters is one no honest peer leaves: more waiters than can park
     /// on it, or none while this waiter is parked on it.
-    #[error("the {which} count is {found}, outside what the waiters on it can make it (0..={most})")]
+    #[error(
+        "the {which} count is {found}, outside what the waiters on it can make it (0..={most})"
+    )]
     Parked {
         /// Which count (`"readers parked"`, `"writer parked"`).
         which: &'static str,

@@ -128,10 +128,16 @@ fn a_reader_that_cannot_allocate_in_the_middle_of_a_message_skips_it_and_reads_t
     });
     let mut results = results.into_iter().map(|r| r.unwrap());
     let (sent, _) = results.next().unwrap();
-    assert!(sent.is_ok(), "the writer blamed for the reader's allocation: {sent:?}");
+    assert!(
+        sent.is_ok(),
+        "the writer blamed for the reader's allocation: {sent:?}"
+    );
     let (_, got) = results.next().unwrap();
     assert!(
-        matches!(got[0], Err(tpcomm_queue::QueueError::Allocation { message: 0, .. })),
+        matches!(
+            got[0],
+            Err(tpcomm_queue::QueueError::Allocation { message: 0, .. })
+        ),
         "{:?}",
         got[0].as_ref().map(Vec::len)
     );

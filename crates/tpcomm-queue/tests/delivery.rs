@@ -249,6 +249,19 @@ fn a_value_nested_past_the_depth_limit_is_refused_by_the_decoder() {
         Leaf,
         Node(Vec<Tree>),
     }
+    /// Bytes sent as they are (a tuple of bytes: postcard adds nothing), one level deep:
+    /// what a writer that does not keep the depth limit could send.
+    struct Raw(Vec<u8>);
+    impl Serialize for Raw {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            use serde::ser::SerializeTuple;
+            let mut t = s.serialize_tuple(self.0.len())?;
+            for b in &self.0 {
+                t.serialize_element(b)?;
+            }
+            t.end()
+        }
+    }
     run_ok(2, |comm: LocalCommunicator| {
         let mut config = small_ring();
         config.options.max_depth = 16;
@@ -258,7 +271,9 @@ fn a_value_nested_past_the_depth_limit_is_refused_by_the_decoder() {
             for _ in 0..40 {
                 t = Tree::Node(vec![t]);
             }
-            q.send(&t)?;
+            // The writer keeps the limit too: the tree itself is refused.
+            assert!(matches!(q.send(&t), Err(QueueError::TooDeep { limit: 16, .. })));
+            q.send(&Raw(postcard::to_allocvec(&t).unwrap()))?;
         } else {
             match q.recv::<Tree>() {
                 Err(QueueError::Decode { source, .. }) => {

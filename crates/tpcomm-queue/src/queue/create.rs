@@ -272,6 +272,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             steps: JOIN + 1,
             messages: 0,
             buf: Vec::new(),
+            shape: 0,
             frame: [0; FRAME],
             budget: SpinBudget::for_waiters(config.spin, here),
             peers,
@@ -329,9 +330,9 @@ fn join_ring(
 ) -> std::result::Result<SharedRing, JoinError> {
     #[cfg(test)]
     if super::tests::REFUSE_MAPPING.with(std::cell::Cell::get) {
-        return Err(JoinError::Unreachable(tpcomm_ipc::IpcError::InvalidAllocation(
-            "mapping refused by the test".into(),
-        )));
+        return Err(JoinError::Unreachable(
+            tpcomm_ipc::IpcError::InvalidAllocation("mapping refused by the test".into()),
+        ));
     }
     SharedRing::join(memory, handle, layout, writer, reader)
 }

@@ -266,7 +266,7 @@ impl<C: Communicator> BroadcastQueue<C> {
         }
         if end_frame && self.is_writer() && !failed {
             if let Some(remote) = &self.remote {
-                write_frame(&mut self.frame, END, self.messages, 0);
+                write_frame(&mut self.frame, END, self.messages, (0, 0));
                 if let Err(e) = remote.broadcast(0, &mut self.frame) {
                     tracing::warn!(rank = self.rank, error = %e, "the end frame was not sent");
                 }

@@ -151,6 +151,8 @@ pub struct BroadcastQueue<C: Communicator> {
     messages: u64,
     /// The writer's encoding, a reader's received bytes (kept between messages).
     buf: Vec<u8>,
+    /// The shape of the message a reader just received (`tpcomm_objects::Shape`).
+    shape: u64,
     frame: [u8; FRAME],
     budget: SpinBudget,
     peers: Vec<ProcessIdentity>,
@@ -240,7 +242,7 @@ pub(crate) const FRAME_FOR_TEST: usize = FRAME;
 /// craft one.
 #[cfg(test)]
 pub(crate) fn write_frame_for_test(frame: &mut [u8; FRAME], message: u64, total: u64) {
-    transport::write_frame(frame, transport::DATA, message, total);
+    transport::write_frame(frame, transport::DATA, message, (total, 0));
 }
 
 #[cfg(test)]
@@ -269,12 +271,8 @@ impl<C: Communicator> BroadcastQueue<C> {
         let Role::Reader { handle, .. } = &self.role else {
             panic!("a reader on the writer's host has the handle");
         };
-        let layout = Layout::new(
-            self.settings.depth,
-            self.settings.chunk_bytes,
-            self.slots,
-        )
-        .expect("the layout exists");
+        let layout = Layout::new(self.settings.depth, self.settings.chunk_bytes, self.slots)
+            .expect("the layout exists");
         (handle.clone(), layout, self.id)
     }
 }

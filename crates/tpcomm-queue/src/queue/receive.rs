@@ -3,6 +3,7 @@
 
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use tpcomm_objects::{DecodeError, ObjectError, Shape};
 use tpcomm_transport::process::Liveness;
 use tpcomm_transport::Communicator;
 
@@ -43,15 +44,29 @@ impl<C: Communicator> BroadcastQueue<C> {
         self.decode()
     }
 
-    /// Decodes the message just received, with the agreed depth limit.
+    /// Decodes the message just received, with the agreed depth limit, as a `T` whose shape
+    /// must be the writer's value's.
     fn decode<'a, T: Deserialize<'a>>(&'a self) -> Result<T> {
-        let message = self.messages - 1;
-        tpcomm_objects::decode_from_with(self.writer, &self.buf, &self.options).map_err(|source| {
-            QueueError::Decode {
-                rank: self.rank,
-                writer: self.writer,
-                message,
-                source,
+        let (rank, writer, message) = (self.rank, self.writer, self.messages - 1);
+        let sent = Shape::from_bits(self.shape);
+        tpcomm_objects::decode_shaped(writer, &self.buf, &self.options, sent).map_err(|source| {
+            match source {
+                ObjectError::Decode {
+                    source: DecodeError::ShapeMismatch { sent, found },
+                    ..
+                } => QueueError::TypeMismatch {
+                    rank,
+                    writer,
+                    message,
+                    sent,
+                    found,
+                },
+                source => QueueError::Decode {
+                    rank,
+                    writer,
+                    message,
+                    source,
+                },
             }
         })
     }
@@ -72,7 +87,8 @@ impl<C: Communicator> BroadcastQueue<C> {
             Role::Remote => self.remote_recv(),
         };
         match received {
-            Ok(()) => {
+            Ok(shape) => {
+                self.shape = shape;
                 self.messages += 1;
                 Ok(())
             }
@@ -95,8 +111,8 @@ impl<C: Communicator> BroadcastQueue<C> {
     }
 
     /// Reads the next message out of the ring, chunk by chunk, releasing each as soon as
-    /// it is copied.
-    fn ring_recv(&mut self) -> Result<()> {
+    /// it is copied; returns its shape.
+    fn ring_recv(&mut self) -> Result<u64> {
         let Role::Reader {
             ring: Some(ring),
             slot,
@@ -192,7 +208,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             *next_chunk = c + 1;
             if at.complete() {
                 return match refused {
-                    None => Ok(()),
+                    None => Ok(at.shape),
                     Some(bytes) => Err(QueueError::Allocation {
                         rank,
                         message,

@@ -3,6 +3,7 @@
 //! free a chunk.
 
 use serde::Serialize;
+use tpcomm_objects::EncodeError;
 use tpcomm_transport::process::Liveness;
 use tpcomm_transport::Communicator;
 
@@ -45,11 +46,8 @@ impl<C: Communicator> BroadcastQueue<C> {
         }
         let message = self.messages;
         let cap = self.options.max_total_bytes;
-        let encode = |source| QueueError::Encode {
-            rank: self.rank,
-            message,
-            source,
-        };
+        let max_depth = self.options.max_depth;
+        let encode = |e| encode_error(self.rank, message, e);
         let too_large = |bytes| QueueError::MessageTooLarge {
             rank: self.rank,
             message,
@@ -60,31 +58,34 @@ impl<C: Communicator> BroadcastQueue<C> {
         // than a chunk is sized first and encoded straight into the ring; any other, into the
         // writer's buffer and then copied.
         let sized = if self.streams() {
-            encoded_size(value)
+            encoded_size(value, max_depth)
         } else {
             SizePass::GaveUp
         };
         match sized {
-            SizePass::Bytes(Err(source)) => return Err(encode(source)),
-            SizePass::Bytes(Ok(bytes)) if bytes > cap => return Err(too_large(bytes)),
-            SizePass::Bytes(Ok(bytes))
+            SizePass::Bytes(Err(e)) => return Err(encode(e)),
+            SizePass::Bytes(Ok((bytes, _))) if bytes > cap => return Err(too_large(bytes)),
+            SizePass::Bytes(Ok((bytes, shape)))
                 if bytes >= STREAM_MIN_BYTES || bytes as u64 > self.settings.chunk_bytes =>
             {
-                match self.ring_stream(message, value, bytes) {
+                match self.ring_stream(message, value, bytes, shape) {
                     Ok(()) => {}
                     Err(Streamed::Unpublished(e)) => return Err(e),
                     Err(Streamed::Failed(e)) => return Err(self.fail(e)),
                 }
             }
             SizePass::Bytes(Ok(_)) | SizePass::GaveUp => {
-                let buf = std::mem::take(&mut self.buf);
-                self.buf = tpcomm_objects::encode_append(value, clear(buf)).map_err(encode)?;
+                let buf = clear(std::mem::take(&mut self.buf));
+                let (buf, shape) =
+                    tpcomm_objects::encode_append_shaped(value, buf, max_depth).map_err(encode)?;
+                self.buf = buf;
                 if self.buf.len() > cap {
                     return Err(too_large(self.buf.len()));
                 }
+                let shape = shape.bits();
                 let sent = self
-                    .ring_send(message)
-                    .and_then(|()| self.remote_send(message));
+                    .ring_send(message, shape)
+                    .and_then(|()| self.remote_send(message, shape));
                 if let Err(e) = sent {
                     return Err(self.fail(e));
                 }
@@ -127,12 +128,18 @@ impl<C: Communicator> BroadcastQueue<C> {
         }
     }
 
-    /// Writes `self.buf` (message `message`) into the ring, chunk by chunk.
-    fn ring_send(&mut self, message: u64) -> Result<()> {
+    /// Writes `self.buf` (message `message`, of shape `shape`) into the ring, chunk by
+    /// chunk.
+    fn ring_send(&mut self, message: u64, shape: u64) -> Result<()> {
         let Some((ring, mut c, mut known)) = self.writer_ring() else {
             return Ok(());
         };
         let total = self.buf.len() as u64;
+        let whole = ring::Message {
+            number: message,
+            total,
+            shape,
+        };
         let chunk_bytes = ring.chunk_bytes();
         let readers = park_of_readers(ring);
         let mut offset = 0u64;
@@ -143,7 +150,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             }
             let (len, _) = piece(total, chunk_bytes, offset);
             let part = &self.buf[offset as usize..(offset + len) as usize];
-            ring::write_chunk(ring, c, message, total, offset, part);
+            ring::write_chunk(ring, c, whole, offset, part);
             wake_if_parked(readers);
             c += 1;
             offset += len;
@@ -241,6 +248,28 @@ impl<C: Communicator> BroadcastQueue<C> {
                 })
             }
         }
+    }
+}
+
+/// The writer's error for an encoding of message `message` that failed with `e`: nothing
+/// was sent.
+pub(super) fn encode_error(rank: usize, message: u64, e: EncodeError) -> QueueError {
+    match e {
+        EncodeError::TooDeep { limit } => QueueError::TooDeep {
+            rank,
+            message,
+            limit,
+        },
+        EncodeError::Postcard(source) => QueueError::Encode {
+            rank,
+            message,
+            source,
+        },
+        _ => QueueError::Encode {
+            rank,
+            message,
+            source: postcard::Error::SerdeSerCustom,
+        },
     }
 }
 

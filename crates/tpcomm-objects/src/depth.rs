@@ -27,7 +27,7 @@ use serde::de::{
     self, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess, Visitor,
 };
 
-use crate::shape::{deeper, Kind, Recorder};
+use crate::shape::{deeper, Kind, Recorder, RED_ZONE, STACK_LOOK_EVERY};
 
 /// The levels of nesting left, shared by every wrapper of one decode (or encode, see
 /// `encode_bound.rs`).
@@ -37,6 +37,8 @@ pub(crate) struct Budget {
     /// The levels allowed.
     max: usize,
     exceeded: Cell<bool>,
+    /// The level at which an encoding stopped because the stack ran short (0: it did not).
+    ran_short: Cell<usize>,
     /// Elements the containers decoded so far may still reserve up front, together.
     reserve_left: Cell<usize>,
     /// The shape of the value so far (see `shape.rs`); off unless asked for.
@@ -56,6 +58,7 @@ impl Budget {
             left: Cell::new(max_depth),
             max: max_depth,
             exceeded: Cell::new(false),
+            ran_short: Cell::new(0),
             reserve_left: Cell::new(input_bytes),
             shape: Recorder::off(),
         }
@@ -114,6 +117,25 @@ impl Budget {
     #[inline]
     pub(crate) fn level(&self) -> usize {
         self.max - self.left.get()
+    }
+
+    /// Whether the level just entered is one the stack is looked at and less than
+    /// [`RED_ZONE`] of it is left (remembered for [`ran_short`](Self::ran_short)).
+    #[inline]
+    pub(crate) fn stack_short(&self) -> bool {
+        if !self.level().is_multiple_of(STACK_LOOK_EVERY) {
+            return false;
+        }
+        let short = stacker::remaining_stack().is_some_and(|left| left < RED_ZONE);
+        if short {
+            self.ran_short.set(self.level());
+        }
+        short
+    }
+
+    /// The level at which an encoding through this budget stopped for the stack, if it did.
+    pub(crate) fn ran_short(&self) -> Option<usize> {
+        Some(self.ran_short.get()).filter(|&l| l > 0)
     }
 
     /// `inner`, bounded by this budget.

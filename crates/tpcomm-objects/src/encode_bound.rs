@@ -9,8 +9,12 @@
 //! tuple or struct variant, newtype struct) takes a level of the same [`Budget`] the
 //! decoder keeps, for as long as it is being encoded: a value that encodes within
 //! `max_depth` decodes within it, and one that does not is refused before it recurses
-//! further ([`EncodeError::TooDeep`]). Each level may go on on a fresh stack segment, as
-//! the decoder's do (see `shape.rs`).
+//! further ([`EncodeError::TooDeep`]). Every 8th level looks at the stack left, and where
+//! less than 256 KiB is, the encoder stops with [`EncodeError::StackShort`] instead of
+//! overflowing it: the encoder's frames are small (a `Serialize` borrows what it writes), so
+//! the 512 levels the limit allows fit a 2 MiB stack; a compound's elements are encoded one
+//! call at a time, so that a fresh segment (the decoder's way, `shape.rs`) would cost every
+//! element of every value its closure.
 
 use serde::ser::{
     self, Serialize, SerializeMap, SerializeSeq, SerializeStruct, SerializeStructVariant,
@@ -18,7 +22,7 @@ use serde::ser::{
 };
 
 use crate::depth::Budget;
-use crate::shape::{deeper, Kind, Shape};
+use crate::shape::{Kind, Shape};
 
 /// Why a value could not be encoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -33,6 +37,14 @@ pub enum EncodeError {
     TooDeep {
         /// The limit in force.
         limit: usize,
+    },
+    /// The value nests deeper than the encoding thread's stack holds: less than 256 KiB of
+    /// it was left at level `level` (within the limit). Nothing the encoder wrote should be
+    /// sent; a thread with a larger stack encodes it.
+    #[error("the value nests deeper than this thread's stack holds (at level {level})")]
+    StackShort {
+        /// The level reached.
+        level: usize,
     },
 }
 
@@ -61,7 +73,10 @@ where
             Ok((output, budget.shape.shape()))
         }
         Err(_) if budget.exceeded() => Err(EncodeError::TooDeep { limit: max_depth }),
-        Err(e) => Err(EncodeError::Postcard(e)),
+        Err(e) => match budget.ran_short() {
+            Some(level) => Err(EncodeError::StackShort { level }),
+            None => Err(EncodeError::Postcard(e)),
+        },
     }
 }
 
@@ -81,8 +96,7 @@ struct Limited<'b, S> {
     budget: &'b Budget,
 }
 
-/// A value serialized through a bounded serializer, one level down (on a fresh stack
-/// segment when the thread's runs short).
+/// A value serialized through a bounded serializer.
 struct Limit<'b, T: ?Sized> {
     value: &'b T,
     budget: &'b Budget,
@@ -91,9 +105,9 @@ struct Limit<'b, T: ?Sized> {
 impl<T: Serialize + ?Sized> Serialize for Limit<'_, T> {
     #[inline]
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let budget = self.budget;
-        deeper(budget.level() + 1, || {
-            self.value.serialize(Limited { inner: s, budget })
+        self.value.serialize(Limited {
+            inner: s,
+            budget: self.budget,
         })
     }
 }
@@ -117,17 +131,31 @@ impl<'b, S: Serializer> Limited<'b, S> {
         }
     }
 
-    /// Takes `levels` levels (recording `kind` with `fields`), failing past the budget.
+    /// Takes `levels` levels (recording `kind` with `fields`), failing past the budget or
+    /// where the thread's stack runs short (see [`Budget::stack_short`]).
+    #[inline]
     fn enter(&self, levels: usize, kind: Kind, fields: usize) -> Result<(), S::Error> {
         self.budget.shape.record(kind, fields);
         for taken in 0..levels {
-            if let Err(e) = self
+            let entered = self
                 .budget
                 .enter_or(|| <S::Error as ser::Error>::custom("nesting too deep"))
-            {
+                .and_then(|()| self.stack());
+            if let Err(e) = entered {
                 (0..taken).for_each(|_| self.budget.leave());
                 return Err(e);
             }
+        }
+        Ok(())
+    }
+
+    /// Fails when the level just entered is one the stack is looked at and the thread's
+    /// runs short ([`Budget::stack_short`]).
+    #[inline]
+    fn stack(&self) -> Result<(), S::Error> {
+        if self.budget.stack_short() {
+            self.budget.leave();
+            return Err(<S::Error as ser::Error>::custom("the stack runs short"));
         }
         Ok(())
     }
@@ -238,6 +266,7 @@ impl<'b, S: Serializer> Serializer for Limited<'b, S> {
     ) -> Result<S::Ok, S::Error> {
         self.budget
             .enter_or(|| <S::Error as ser::Error>::custom("nesting too deep"))?;
+        self.stack()?;
         let limited = self.limit(value);
         let r = self.inner.serialize_newtype_struct(name, &limited);
         self.budget.leave();
@@ -588,23 +617,46 @@ mod tests {
         assert!(decode_exact_shaped::<String>(0, &zero, 64, Some(shape)).is_err());
     }
 
-    #[test]
-    fn a_hundred_thousand_levels_are_refused_without_overflowing_the_stack() {
-        let deep = chain(100_000);
-        let refused = std::thread::Builder::new()
-            .stack_size(256 << 10)
-            .spawn(move || {
-                let r = encode_append_shaped(&deep, Vec::new(), 512);
-                // Unlinked one by one: the drop of a long chain recurses too.
-                let mut next = deep.0;
-                while let Some(n) = next {
-                    next = n.0;
-                }
-                r
-            })
+    /// Runs `f` on a thread of `stack` bytes.
+    fn on_stack<R: Send + 'static>(stack: usize, f: impl FnOnce() -> R + Send + 'static) -> R {
+        std::thread::Builder::new()
+            .stack_size(stack)
+            .spawn(f)
             .unwrap()
             .join()
-            .unwrap();
+            .unwrap()
+    }
+
+    /// Unlinks `n` one link at a time: the drop of a long chain recurses too.
+    fn unlink(n: Nest) {
+        let mut next = n.0;
+        while let Some(n) = next {
+            next = n.0;
+        }
+    }
+
+    #[test]
+    fn a_hundred_thousand_levels_are_refused_without_overflowing_the_stack() {
+        let refused = on_stack(2 << 20, || {
+            let deep = chain(100_000);
+            let r = encode_append_shaped(&deep, Vec::new(), 512);
+            unlink(deep);
+            r
+        });
         assert_eq!(refused.unwrap_err(), EncodeError::TooDeep { limit: 512 });
+    }
+
+    #[test]
+    fn a_value_deeper_than_a_small_stack_holds_is_refused_not_overflowed() {
+        let refused = on_stack(256 << 10, || {
+            let deep = chain(400);
+            let r = encode_append_shaped(&deep, Vec::new(), 512);
+            unlink(deep);
+            r
+        });
+        assert!(
+            matches!(refused, Err(EncodeError::StackShort { level }) if level % 8 == 0),
+            "{refused:?}"
+        );
     }
 }

@@ -19,10 +19,11 @@
 //! `[u8]` are sequences of `u8` on both sides).
 //!
 //! Each container entered is also where a deep value may run out of stack: every
-//! [`STACK_LOOK_EVERY`]th level, [`deeper`] looks at what is left of the thread's stack
-//! and, when it is less than [`RED_ZONE`], goes on on a fresh segment of [`SEGMENT`] bytes
-//! (`stacker`), so that the depth `Options::max_depth` allows is safe on any thread's stack,
-//! in debug builds too, whatever the frames of the type.
+//! [`STACK_LOOK_EVERY`]th level, the decoder's [`deeper`] looks at what is left of the
+//! thread's stack and, when it is less than [`RED_ZONE`], goes on on a fresh segment of
+//! [`SEGMENT`] bytes (`stacker`), so that the depth `Options::max_depth` allows is safe on
+//! any thread's stack, in debug builds too, whatever the frames of the type. (The encoder
+//! looks at the same levels and stops there instead: `encode_bound.rs`.)
 
 use std::cell::Cell;
 

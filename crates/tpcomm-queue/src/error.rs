@@ -201,11 +201,12 @@ impl std::fmt::Display for Departure {
 /// peer, and the message number (`message`: messages sent, or received, before this one).
 /// [`culprit`](Self::culprit) returns the rank to blame.
 ///
-/// Errors that leave the queue usable: [`Encode`](Self::Encode),
+/// Errors that leave the queue usable: [`Encode`](Self::Encode), [`TooDeep`](Self::TooDeep),
 /// [`MessageTooLarge`](Self::MessageTooLarge) (nothing was sent), [`Decode`](Self::Decode)
-/// (the message was consumed; the next `recv` reads the next one), a reader's
-/// [`WriterTimeout`](Self::WriterTimeout) before any chunk of the message arrived (call
-/// `recv` again), and the argument and role errors. Any other error leaves the queue
+/// and [`TypeMismatch`](Self::TypeMismatch) (the message was consumed; the next `recv`
+/// reads the next one), a ring reader's [`Allocation`](Self::Allocation) (the message was
+/// passed over), a ring reader's [`WriterTimeout`](Self::WriterTimeout) before any chunk of
+/// the message arrived (call `recv` again), and the argument and role errors. Any other error leaves the queue
 /// failed for good: every later call returns [`Failed`](Self::Failed) naming the first
 /// error's culprit, and a failing writer tells its local readers, so that those waiting
 /// fail too, naming the same culprit.
@@ -270,7 +271,8 @@ pub enum QueueError {
         source: postcard::Error,
     },
     /// The value nests deeper than the agreed `max_depth` (counted as the decoder counts
-    /// it): nothing was sent, the queue is usable.
+    /// it), or deeper than the writer thread's stack holds (less than 256 KiB of it left:
+    /// `limit` is then the level reached): nothing was sent, the queue is usable.
     #[error(
         "queue on rank {rank}: message #{message} nests deeper than {limit} levels \
          (Options::max_depth): not sent"
@@ -513,7 +515,9 @@ pub enum QueueError {
         #[source]
         source: IpcError,
     },
-    /// The receive buffer could not grow to hold a message.
+    /// The receive buffer could not grow to hold a message. A ring reader passes over the
+    /// rest of it (the next `recv` reads the next message); a transport reader's queue
+    /// fails.
     #[error("queue on rank {rank}: cannot allocate {bytes} more bytes for message #{message}")]
     Allocation {
         /// This rank.

@@ -272,7 +272,10 @@ fn a_value_nested_past_the_depth_limit_is_refused_by_the_decoder() {
                 t = Tree::Node(vec![t]);
             }
             // The writer keeps the limit too: the tree itself is refused.
-            assert!(matches!(q.send(&t), Err(QueueError::TooDeep { limit: 16, .. })));
+            assert!(matches!(
+                q.send(&t),
+                Err(QueueError::TooDeep { limit: 16, .. })
+            ));
             q.send(&Raw(postcard::to_allocvec(&t).unwrap()))?;
         } else {
             match q.recv::<Tree>() {

@@ -255,12 +255,13 @@ impl<C: Communicator> BroadcastQueue<C> {
 /// was sent.
 pub(super) fn encode_error(rank: usize, message: u64, e: EncodeError) -> QueueError {
     match e {
-        EncodeError::TooDeep { limit }
-        | EncodeError::StackShort { level: limit } => QueueError::TooDeep {
-            rank,
-            message,
-            limit,
-        },
+        EncodeError::TooDeep { limit } | EncodeError::StackShort { level: limit } => {
+            QueueError::TooDeep {
+                rank,
+                message,
+                limit,
+            }
+        }
         EncodeError::Postcard(source) => QueueError::Encode {
             rank,
             message,

@@ -138,13 +138,23 @@ pub(crate) const SEGMENT: usize = 4 << 20;
 
 /// Runs `f`, the level `level` (counted from 1) of a value, on a fresh stack segment when
 /// the level is one the stack is looked at and less than [`RED_ZONE`] is left.
-#[inline]
+///
+/// The look is out of line and cold, so that the usual level runs `f` inlined, as if no
+/// look were there.
+#[inline(always)]
 pub(crate) fn deeper<R>(level: usize, f: impl FnOnce() -> R) -> R {
     if level.is_multiple_of(STACK_LOOK_EVERY) {
-        stacker::maybe_grow(RED_ZONE, SEGMENT, f)
+        look_at_the_stack(f)
     } else {
         f()
     }
+}
+
+/// [`deeper`] at a level where the stack is looked at.
+#[cold]
+#[inline(never)]
+fn look_at_the_stack<R>(f: impl FnOnce() -> R) -> R {
+    stacker::maybe_grow(RED_ZONE, SEGMENT, f)
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! free a chunk.
 
 use serde::Serialize;
-use tpcomm_objects::EncodeError;
+use tpcomm_objects::{EncodeError, Shape};
 use tpcomm_transport::process::Liveness;
 use tpcomm_transport::Communicator;
 
@@ -74,21 +74,21 @@ impl<C: Communicator> BroadcastQueue<C> {
                     Err(Streamed::Failed(e)) => return Err(self.fail(e)),
                 }
             }
-            SizePass::Bytes(Ok(_)) | SizePass::GaveUp => {
+            SizePass::Bytes(Ok((_, sized))) => {
+                // The size pass went through the bounded encoder: the value nests within
+                // `max_depth`, its encoding fits this thread's stack (postcard alone takes
+                // less of it than the bounded encoder did), and its shape is known. What is
+                // left is postcard's plain encoding, as for any serde value.
+                let buf = clear(std::mem::take(&mut self.buf));
+                let buf = tpcomm_objects::encode_append(value, buf)
+                    .map_err(|source| encode(tpcomm_objects::EncodeError::Postcard(source)))?;
+                self.buffered_send(message, buf, sized)?;
+            }
+            SizePass::GaveUp => {
                 let buf = clear(std::mem::take(&mut self.buf));
                 let (buf, shape) =
                     tpcomm_objects::encode_append_shaped(value, buf, max_depth).map_err(encode)?;
-                self.buf = buf;
-                if self.buf.len() > cap {
-                    return Err(too_large(self.buf.len()));
-                }
-                let shape = shape.bits();
-                let sent = self
-                    .ring_send(message, shape)
-                    .and_then(|()| self.remote_send(message, shape));
-                if let Err(e) = sent {
-                    return Err(self.fail(e));
-                }
+                self.buffered_send(message, buf, shape)?;
             }
         }
         self.messages += 1;
@@ -100,6 +100,26 @@ impl<C: Communicator> BroadcastQueue<C> {
                 .store(self.messages, std::sync::atomic::Ordering::Release);
         }
         Ok(())
+    }
+
+    /// Sends the encoded message `buf` (message `message`, of shape `shape`) through the
+    /// ring and the transport, once it is checked against the cap.
+    fn buffered_send(&mut self, message: u64, buf: Vec<u8>, shape: Shape) -> Result<()> {
+        self.buf = buf;
+        let cap = self.options.max_total_bytes;
+        if self.buf.len() > cap {
+            return Err(QueueError::MessageTooLarge {
+                rank: self.rank,
+                message,
+                bytes: self.buf.len(),
+                cap,
+            });
+        }
+        let shape = shape.bits();
+        let sent = self
+            .ring_send(message, shape)
+            .and_then(|()| self.remote_send(message, shape));
+        sent.map_err(|e| self.fail(e))
     }
 
     /// The writer's ring, when some readers map it, with the next chunk to write and the

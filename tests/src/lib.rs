@@ -342,6 +342,10 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
             "queue_two_queues_on_split_sub_groups_run_side_by_side",
             queue::queues_on_split_sub_groups_run_side_by_side,
         ),
+        (
+            "queue_a_transport_reader_waits_no_longer_than_the_queue_timeout",
+            queue::a_transport_reader_waits_no_longer_than_the_queue_timeout,
+        ),
     ];
     let mut reports = Vec::with_capacity(cases.len());
     for (name, case) in cases {

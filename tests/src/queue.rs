@@ -143,3 +143,50 @@ pub(crate) fn queues_on_split_sub_groups_run_side_by_side<C: Communicator>(comm:
     }
     queue("close_with", q.close_with(&sub))
 }
+
+/// Rank 1 reads through the transport and the writer (rank 0) is absent until rank 1 gave
+/// up: rank 1's `recv` returns `WriterTimeout` naming the writer within the queue's timeout
+/// (300 ms), however long the communicator's own waits are (under MPI without
+/// `with_timeout`, for ever); then the writer's message completes the broadcast rank 1
+/// abandoned, and the ring readers (ranks 2 and up) receive it.
+pub(crate) fn a_transport_reader_waits_no_longer_than_the_queue_timeout<C: Communicator>(
+    comm: &C,
+) -> CaseResult {
+    let (me, n) = (comm.rank(), comm.size());
+    if n < 2 {
+        return Ok(());
+    }
+    let config = QueueConfig {
+        timeout: std::time::Duration::from_millis(300),
+        ..small(0, me == 1)
+    };
+    let mut q = queue("create", BroadcastQueue::create(comm, config))?;
+    if me == 1 {
+        let begun = std::time::Instant::now();
+        match q.recv::<u32>() {
+            Err(QueueError::WriterTimeout { writer: 0, .. }) => {}
+            other => {
+                return Err(format!(
+                    "expected a timeout naming the writer, got {other:?}"
+                ))
+            }
+        }
+        let waited = begun.elapsed();
+        if waited > std::time::Duration::from_secs(20) {
+            return Err(format!("the transport reader waited {waited:?}"));
+        }
+    }
+    comm.barrier().map_err(|e| format!("barrier: {e}"))?;
+    if me == 0 {
+        // The transport reader's split is aborted (threads) or its broadcast abandoned
+        // (MPI): the send reaches the ring and completes that broadcast, and may fail on
+        // the transport.
+        let _ = q.send(&1u32);
+    } else if me != 1 {
+        let got: u32 = queue("recv", q.recv())?;
+        if got != 1 {
+            return Err(format!("got {got}, expected 1"));
+        }
+    }
+    queue("close_with", q.close_with(comm))
+}

@@ -14,6 +14,11 @@
 //! Leaves (integers, strings, bytes, unit) pass through with their visitor wrapped only so
 //! that a visitor handed a nested access by an unusual deserializer stays bounded. Everything
 //! is generic and inlined: the cost on the decode path is a counter update per container.
+//!
+//! Every [`STACK_LOOK_EVERY`](crate::shape::STACK_LOOK_EVERY)th level looks at the stack
+//! left and goes on on a fresh segment when it runs short, so that the allowed depth is safe
+//! on any thread's stack; and the wrappers record the value's
+//! [`Shape`](crate::Shape) when asked (see `shape.rs`).
 
 use std::cell::Cell;
 use std::fmt;
@@ -22,13 +27,22 @@ use serde::de::{
     self, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess, Visitor,
 };
 
-/// The levels of nesting left, shared by every wrapper of one decode.
+use crate::shape::{deeper, Kind, Recorder, RED_ZONE, STACK_LOOK_EVERY};
+
+/// The levels of nesting left, shared by every wrapper of one decode (or encode, see
+/// `encode_bound.rs`).
 #[derive(Debug)]
 pub(crate) struct Budget {
     left: Cell<usize>,
+    /// The levels allowed.
+    max: usize,
     exceeded: Cell<bool>,
+    /// The level at which an encoding stopped because the stack ran short (0: it did not).
+    ran_short: Cell<usize>,
     /// Elements the containers decoded so far may still reserve up front, together.
     reserve_left: Cell<usize>,
+    /// The shape of the value so far (see `shape.rs`); off unless asked for.
+    pub(crate) shape: Recorder,
 }
 
 impl Budget {
@@ -42,8 +56,19 @@ impl Budget {
     pub(crate) fn new(max_depth: usize, input_bytes: usize) -> Self {
         Self {
             left: Cell::new(max_depth),
+            max: max_depth,
             exceeded: Cell::new(false),
+            ran_short: Cell::new(0),
             reserve_left: Cell::new(input_bytes),
+            shape: Recorder::off(),
+        }
+    }
+
+    /// [`Budget::new`], recording the value's [`Shape`](crate::Shape).
+    pub(crate) fn recording(max_depth: usize, input_bytes: usize) -> Self {
+        Self {
+            shape: Recorder::new(),
+            ..Self::new(max_depth, input_bytes)
         }
     }
 
@@ -62,12 +87,13 @@ impl Budget {
         self.exceeded.get()
     }
 
+    /// Takes one level; past the budget, remembers it and fails with `too_deep()`.
     #[inline]
-    fn enter<E: de::Error>(&self) -> Result<(), E> {
+    pub(crate) fn enter_or<E>(&self, too_deep: impl FnOnce() -> E) -> Result<(), E> {
         match self.left.get() {
             0 => {
                 self.exceeded.set(true);
-                Err(E::custom("nesting too deep"))
+                Err(too_deep())
             }
             left => {
                 self.left.set(left - 1);
@@ -77,8 +103,39 @@ impl Budget {
     }
 
     #[inline]
-    fn leave(&self) {
+    fn enter<E: de::Error>(&self) -> Result<(), E> {
+        self.enter_or(|| E::custom("nesting too deep"))
+    }
+
+    /// Gives a level back.
+    #[inline]
+    pub(crate) fn leave(&self) {
         self.left.set(self.left.get() + 1);
+    }
+
+    /// The levels taken now (the current one counted from 1).
+    #[inline]
+    pub(crate) fn level(&self) -> usize {
+        self.max - self.left.get()
+    }
+
+    /// Whether the level just entered is one the stack is looked at and less than
+    /// [`RED_ZONE`] of it is left (remembered for [`ran_short`](Self::ran_short)).
+    #[inline]
+    pub(crate) fn stack_short(&self) -> bool {
+        if !self.level().is_multiple_of(STACK_LOOK_EVERY) {
+            return false;
+        }
+        let short = stacker::remaining_stack().is_some_and(|left| left < RED_ZONE);
+        if short {
+            self.ran_short.set(self.level());
+        }
+        short
+    }
+
+    /// The level at which an encoding through this budget stopped for the stack, if it did.
+    pub(crate) fn ran_short(&self) -> Option<usize> {
+        Some(self.ran_short.get()).filter(|&l| l > 0)
     }
 
     /// `inner`, bounded by this budget.
@@ -90,11 +147,12 @@ impl Budget {
         }
     }
 
-    /// Runs `f` one level deeper.
+    /// Runs `f` one level deeper (on a fresh stack segment when the thread's runs short:
+    /// see `shape.rs`).
     #[inline]
     fn nested<T, E: de::Error>(&self, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
         self.enter()?;
-        let r = f();
+        let r = deeper(self.level(), f);
         self.leave();
         r
     }
@@ -122,13 +180,16 @@ impl<'b, X> Wrap<'b, X> {
 /// Methods that decode a leaf: forwarded with the visitor wrapped. Arguments before the
 /// visitor are written in parentheses after the method's name.
 macro_rules! leaf {
-    ($($method:ident $(($($arg:ident: $ty:ty),*))?),* $(,)?) => {$(
+    ($($method:ident $(($($arg:ident: $ty:ty),*))? => $kind:expr),* $(,)?) => {$(
         #[inline]
         fn $method<V: Visitor<'de>>(
             self,
             $($($arg: $ty,)*)?
             visitor: V,
         ) -> Result<V::Value, D::Error> {
+            if let Some(kind) = $kind {
+                self.budget.shape.record(kind, 0);
+            }
             self.inner.$method($($($arg,)*)? Wrap::new(visitor, self.budget))
         }
     )*};
@@ -137,7 +198,7 @@ macro_rules! leaf {
 /// Methods that decode a container: forwarded one level deeper, with the visitor wrapped.
 /// Arguments as for `leaf!`.
 macro_rules! container {
-    ($($method:ident $(($($arg:ident: $ty:ty),*))?),* $(,)?) => {$(
+    ($($method:ident $(($($arg:ident: $ty:ty),*))? => $record:expr),* $(,)?) => {$(
         #[inline]
         fn $method<V: Visitor<'de>>(
             self,
@@ -145,6 +206,9 @@ macro_rules! container {
             visitor: V,
         ) -> Result<V::Value, D::Error> {
             let budget = self.budget;
+            if let Some((kind, fields)) = $record {
+                budget.shape.record(kind, fields);
+            }
             budget.nested(|| self.inner.$method($($($arg,)*)? Wrap::new(visitor, budget)))
         }
     )*};
@@ -154,40 +218,42 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Bounded<'_, D> {
     type Error = D::Error;
 
     leaf!(
-        deserialize_bool,
-        deserialize_i8,
-        deserialize_i16,
-        deserialize_i32,
-        deserialize_i64,
-        deserialize_i128,
-        deserialize_u8,
-        deserialize_u16,
-        deserialize_u32,
-        deserialize_u64,
-        deserialize_u128,
-        deserialize_f32,
-        deserialize_f64,
-        deserialize_char,
-        deserialize_str,
-        deserialize_string,
-        deserialize_bytes,
-        deserialize_byte_buf,
-        deserialize_unit,
-        deserialize_identifier,
-        deserialize_unit_struct(name: &'static str),
+        deserialize_bool => Some(Kind::Bool),
+        deserialize_i8 => Some(Kind::I8),
+        deserialize_i16 => Some(Kind::I16),
+        deserialize_i32 => Some(Kind::I32),
+        deserialize_i64 => Some(Kind::I64),
+        deserialize_i128 => Some(Kind::I128),
+        deserialize_u8 => Some(Kind::U8),
+        deserialize_u16 => Some(Kind::U16),
+        deserialize_u32 => Some(Kind::U32),
+        deserialize_u64 => Some(Kind::U64),
+        deserialize_u128 => Some(Kind::U128),
+        deserialize_f32 => Some(Kind::F32),
+        deserialize_f64 => Some(Kind::F64),
+        deserialize_char => Some(Kind::Char),
+        deserialize_str => Some(Kind::Str),
+        deserialize_string => Some(Kind::Str),
+        deserialize_bytes => Some(Kind::Bytes),
+        deserialize_byte_buf => Some(Kind::Bytes),
+        deserialize_unit => Some(Kind::Unit),
+        deserialize_identifier => None::<Kind>,
+        deserialize_unit_struct(name: &'static str) => Some(Kind::Unit),
     );
 
     container!(
-        deserialize_any,
-        deserialize_ignored_any,
-        deserialize_option,
-        deserialize_seq,
-        deserialize_map,
-        deserialize_newtype_struct(name: &'static str),
-        deserialize_tuple(len: usize),
-        deserialize_tuple_struct(name: &'static str, len: usize),
-        deserialize_struct(name: &'static str, fields: &'static [&'static str]),
-        deserialize_enum(name: &'static str, variants: &'static [&'static str]),
+        deserialize_any => None::<(Kind, usize)>,
+        deserialize_ignored_any => None::<(Kind, usize)>,
+        deserialize_option => Some((Kind::Option, 0)),
+        deserialize_seq => Some((Kind::Seq, 0)),
+        deserialize_map => Some((Kind::Map, 0)),
+        deserialize_newtype_struct(name: &'static str) => None::<(Kind, usize)>,
+        deserialize_tuple(len: usize) => Some((Kind::Fields, len)),
+        deserialize_tuple_struct(name: &'static str, len: usize) => Some((Kind::Fields, len)),
+        deserialize_struct(name: &'static str, fields: &'static [&'static str])
+            => Some((Kind::Fields, fields.len())),
+        deserialize_enum(name: &'static str, variants: &'static [&'static str])
+            => Some((Kind::Enum, 0)),
     );
 
     #[inline]
@@ -352,6 +418,7 @@ impl<'de, A: VariantAccess<'de>> VariantAccess<'de> for Wrap<'_, A> {
     #[inline]
     fn tuple_variant<V: Visitor<'de>>(self, len: usize, visitor: V) -> Result<V::Value, A::Error> {
         let budget = self.budget;
+        budget.shape.record(Kind::Fields, len);
         budget.nested(|| self.inner.tuple_variant(len, Wrap::new(visitor, budget)))
     }
 
@@ -362,6 +429,7 @@ impl<'de, A: VariantAccess<'de>> VariantAccess<'de> for Wrap<'_, A> {
         visitor: V,
     ) -> Result<V::Value, A::Error> {
         let budget = self.budget;
+        budget.shape.record(Kind::Fields, fields.len());
         budget.nested(|| {
             self.inner
                 .struct_variant(fields, Wrap::new(visitor, budget))

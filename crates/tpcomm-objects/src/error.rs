@@ -12,6 +12,15 @@ pub enum DecodeError {
     /// The value decoded but bytes were left over: the bytes are not one value of this type.
     #[error("{0} bytes left over after the value")]
     TrailingBytes(usize),
+    /// The bytes decode as the requested type, but the writer's value had another
+    /// [`Shape`](crate::Shape): it was a value of another type.
+    #[error("the value was sent with shape {sent:#018x}; the requested type decodes with shape {found:#018x}")]
+    ShapeMismatch {
+        /// The writer's shape.
+        sent: u64,
+        /// The shape of the requested type's decode.
+        found: u64,
+    },
     /// The bytes nest containers deeper than [`Options::max_depth`](crate::Options::max_depth)
     /// allows: decoding stopped there instead of recursing further (a stack overflow).
     #[error("the value nests deeper than {limit} levels (Options::max_depth)")]

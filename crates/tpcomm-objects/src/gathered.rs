@@ -7,6 +7,7 @@ use serde::Deserialize;
 use crate::buffers::Kept;
 use crate::depth::{Bounded, Budget};
 use crate::error::{DecodeError, ObjectError, Result};
+use crate::shape::Shape;
 
 /// The bytes of every rank in one buffer, with a view per rank.
 ///
@@ -159,7 +160,18 @@ pub(crate) fn decode_exact<'a, T: Deserialize<'a>>(
     bytes: &'a [u8],
     max_depth: usize,
 ) -> Result<T> {
-    decode_with(rank, bytes, max_depth, |de| T::deserialize(de))
+    decode_with(rank, bytes, max_depth, None, |de| T::deserialize(de))
+}
+
+/// [`decode_exact`], and when `sent` is the writer's [`Shape`], the value's shape as `T`
+/// decodes it must be that one ([`DecodeError::ShapeMismatch`] otherwise).
+pub(crate) fn decode_exact_shaped<'a, T: Deserialize<'a>>(
+    rank: usize,
+    bytes: &'a [u8],
+    max_depth: usize,
+    sent: Option<Shape>,
+) -> Result<T> {
+    decode_with(rank, bytes, max_depth, sent, |de| T::deserialize(de))
 }
 
 /// [`decode_exact`] over `place` (`Deserialize::deserialize_in_place`): on success `place`
@@ -171,22 +183,26 @@ pub(crate) fn decode_exact_in_place<'a, T: Deserialize<'a>>(
     max_depth: usize,
     place: &mut T,
 ) -> Result<()> {
-    decode_with(rank, bytes, max_depth, |de| {
+    decode_with(rank, bytes, max_depth, None, |de| {
         T::deserialize_in_place(de, place)
     })
 }
 
 /// The checks around one decode of `bytes` (from `rank`) by `decode`: the depth budget,
-/// then exactly the bytes consumed.
+/// then exactly the bytes consumed, then the shape when `sent` gives the writer's.
 fn decode_with<'a, R>(
     rank: usize,
     bytes: &'a [u8],
     max_depth: usize,
+    sent: Option<Shape>,
     decode: impl FnOnce(
         Bounded<'_, &mut postcard::Deserializer<'a, postcard::de_flavors::Slice<'a>>>,
     ) -> postcard::Result<R>,
 ) -> Result<R> {
-    let budget = Budget::new(max_depth, bytes.len());
+    let budget = match sent {
+        Some(_) => Budget::recording(max_depth, bytes.len()),
+        None => Budget::new(max_depth, bytes.len()),
+    };
     let mut de = postcard::Deserializer::from_bytes(bytes);
     let decoded = decode(Bounded {
         inner: &mut de,
@@ -194,7 +210,13 @@ fn decode_with<'a, R>(
     });
     let source = match decoded {
         Ok(value) => match de.finalize() {
-            Ok([]) => return Ok(value),
+            Ok([]) => match sent {
+                Some(sent) if sent != budget.shape.shape() => DecodeError::ShapeMismatch {
+                    sent: sent.bits(),
+                    found: budget.shape.shape().bits(),
+                },
+                _ => return Ok(value),
+            },
             Ok(rest) => DecodeError::TrailingBytes(rest.len()),
             Err(e) => DecodeError::Postcard(e),
         },

@@ -46,24 +46,29 @@
 mod buffers;
 mod collectives;
 mod depth;
+mod encode_bound;
 mod error;
 mod gathered;
 mod header;
 mod options;
 mod rounds;
+mod shape;
 
 pub use buffers::release_buffers;
 pub use collectives::{
     all_gather, all_gather_borrowed, all_gather_borrowed_with, all_gather_bytes,
     all_gather_bytes_with, all_gather_into, all_gather_into_with, all_gather_with, all_reduce_with,
     all_reduce_with_options, all_to_all, all_to_all_with, broadcast, broadcast_into,
-    broadcast_into_with, broadcast_with, decode_from, decode_from_with, encode_append, exscan_with,
-    exscan_with_options, gather, gather_into, gather_into_with, gather_with, reduce_with,
-    reduce_with_options, scan_with, scan_with_options, scatter, scatter_with, AGREED_RESERVE_BYTES,
+    broadcast_into_with, broadcast_with, decode_from, decode_from_with, decode_shaped,
+    encode_append, exscan_with, exscan_with_options, gather, gather_into, gather_into_with,
+    gather_with, reduce_with, reduce_with_options, scan_with, scan_with_options, scatter,
+    scatter_with, AGREED_RESERVE_BYTES,
 };
+pub use encode_bound::{encode_append_shaped, encode_shaped_with_flavor, EncodeError};
 pub use error::{DecodeError, ObjectError, Result};
 pub use gathered::Gathered;
 pub use options::Options;
+pub use shape::{Shape, SHAPE_CALLS};
 
 /// The round schedule, exposed for the fuzz targets in `fuzz/` only: not part of the API,
 /// no stability promise.

@@ -177,6 +177,41 @@ fn a_writer_state_that_is_no_state_is_corruption() {
 }
 
 #[test]
+fn a_culprit_outside_the_group_is_corruption_not_a_rank() {
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, config()).unwrap();
+        if q.is_writer() {
+            let ring = q.ring_for_test().unwrap();
+            // "Failed, because of rank 1000", in a group of 2.
+            ring.header_u32(header::CULPRIT)
+                .store(1001, Ordering::SeqCst);
+            ring.header_u32(header::STATE).store(4, Ordering::SeqCst);
+            comm.barrier().unwrap();
+            comm.barrier().unwrap();
+            None
+        } else {
+            comm.barrier().unwrap();
+            let got = q.recv::<u32>();
+            comm.barrier().unwrap();
+            Some(got)
+        }
+    });
+    match results.into_iter().nth(1).unwrap().unwrap() {
+        Some(Err(QueueError::Corrupt {
+            peer: 0,
+            problem:
+                Corruption::Rank {
+                    which: "culprit",
+                    found: 1000,
+                    size: 2,
+                },
+            ..
+        })) => {}
+        other => panic!("expected a culprit refused as no rank, got {other:?}"),
+    }
+}
+
+#[test]
 fn a_failed_queue_refuses_every_later_call_naming_the_first_error() {
     let r = corrupted(vec![vec![1; 10], vec![2; 10]], |ring| {
         chunk_word(ring, 0, Field::Message).store(3, Ordering::SeqCst);
@@ -198,9 +233,9 @@ fn a_wrong_layout_version_is_refused_when_the_reader_maps_the_ring_again() {
         let mut q = BroadcastQueue::create(&comm, config()).unwrap();
         q.suspend(&comm).unwrap();
         if q.is_writer() {
-            // Version 2, same header size.
+            // Version 3, same header size.
             let word = q.ring_for_test().unwrap().word_for_test(header::VERSION);
-            word.store(2 | (512 << 32), Ordering::SeqCst);
+            word.store(3 | (512 << 32), Ordering::SeqCst);
         }
         comm.barrier().unwrap();
         q.resume(&comm)
@@ -209,8 +244,8 @@ fn a_wrong_layout_version_is_refused_when_the_reader_maps_the_ring_again() {
         Err(QueueError::Corrupt {
             problem:
                 Corruption::Version {
-                    found: 2,
-                    supported: 1,
+                    found: 3,
+                    supported: 2,
                 },
             ..
         }) => {}
@@ -301,6 +336,129 @@ fn a_reader_that_joins_late_is_refused() {
     }
 }
 
+/// The reader's first `recv` while the writer sends only after a pause (so that the reader
+/// parks), with `meddle(ring, stop, first)` running meanwhile on a third mapping of the
+/// segment, until `stop` is set; the reader starts once `meddle` has passed `first` (after
+/// its first write). Returns the reader's result.
+fn parked_reader(
+    meddle: impl Fn(&SharedRing, &std::sync::atomic::AtomicBool, &std::sync::Barrier) + Sync,
+) -> Result<u32, QueueError> {
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let config = QueueConfig {
+            timeout: Duration::from_secs(5),
+            ..config()
+        };
+        let mut q = BroadcastQueue::create(&comm, config).unwrap();
+        if q.is_writer() {
+            comm.barrier().unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+            q.send(&7u32).unwrap();
+            comm.barrier().unwrap();
+            return None;
+        }
+        let (handle, layout, _) = q.join_args_for_test();
+        let memory = tpcomm_ipc::HostMemory::new();
+        let view = SharedRing::map_for_test(&memory, &handle, layout);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let first = std::sync::Barrier::new(2);
+        let got = std::thread::scope(|s| {
+            s.spawn(|| meddle(&view, &stop, &first));
+            first.wait();
+            comm.barrier().unwrap();
+            let got = q.recv::<u32>();
+            stop.store(true, Ordering::SeqCst);
+            got
+        });
+        comm.barrier().unwrap();
+        Some(got)
+    });
+    results.into_iter().nth(1).unwrap().unwrap().unwrap()
+}
+
+#[test]
+fn a_parked_count_set_to_wrap_is_corruption_not_a_lost_wake_up() {
+    let got = parked_reader(|ring, _, first| {
+        // The reader's own count brings it to 0: the writer would see nobody parked.
+        ring.header_u32(header::SLEEPERS)
+            .store(u32::MAX, Ordering::SeqCst);
+        first.wait();
+    });
+    match got {
+        Err(QueueError::Corrupt {
+            peer: 0,
+            problem:
+                Corruption::Parked {
+                    which: "readers parked",
+                    found: u32::MAX,
+                    ..
+                },
+            ..
+        }) => {}
+        other => panic!("expected a parked count refused, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_parked_count_held_at_zero_is_corruption_not_a_lost_wake_up() {
+    let got = parked_reader(|ring, stop, first| {
+        ring.header_u32(header::SLEEPERS).store(0, Ordering::SeqCst);
+        first.wait();
+        while !stop.load(Ordering::SeqCst) {
+            ring.header_u32(header::SLEEPERS).store(0, Ordering::SeqCst);
+            std::thread::yield_now();
+        }
+    });
+    match got {
+        Err(QueueError::Corrupt {
+            peer: 0,
+            problem:
+                Corruption::Parked {
+                    which: "readers parked",
+                    ..
+                },
+            ..
+        }) => {}
+        other => panic!("expected a parked count refused, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_frame_announcing_a_large_message_makes_a_transport_reader_reserve_only_what_arrives() {
+    let done = std::sync::Barrier::new(2);
+    let results =
+        LocalGroup::new(2)
+            .timeout(Duration::from_secs(10))
+            .run(|comm: LocalCommunicator| {
+                let mut config = config();
+                config.via_transport = true;
+                config.timeout = Duration::from_millis(500);
+                config.options.max_total_bytes = 1 << 30;
+                let mut q = BroadcastQueue::create(&comm, config).unwrap();
+                if q.is_writer() {
+                    // A frame announcing 1 GiB, and nothing after it.
+                    let mut frame = [0u8; crate::queue::FRAME_FOR_TEST];
+                    crate::queue::write_frame_for_test(&mut frame, 0, 1 << 30);
+                    q.remote_for_test()
+                        .unwrap()
+                        .broadcast(0, &mut frame)
+                        .unwrap();
+                    done.wait();
+                    None
+                } else {
+                    let got = q.recv::<serde_bytes::ByteBuf>().map(drop);
+                    let reserved = q.buf_capacity_for_test();
+                    done.wait();
+                    Some((got, reserved))
+                }
+            });
+    let (got, reserved) = results.into_iter().nth(1).unwrap().unwrap().unwrap();
+    assert!(got.is_err(), "the rest never came: {got:?}");
+    assert!(
+        reserved <= 4 << 20,
+        "a reader reserved {reserved} bytes for a message of which 256 bytes arrived"
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
@@ -311,6 +469,7 @@ proptest! {
         field in prop_oneof![
             Just(Field::Stamp), Just(Field::Message), Just(Field::Total),
             Just(Field::Offset), Just(Field::Len), Just(Field::Flags),
+            Just(Field::Shape),
         ],
         chunk in 0usize..2,
         value in prop_oneof![any::<u64>(), 0u64..200],
@@ -324,6 +483,9 @@ proptest! {
             Err(QueueError::Corrupt { peer: 0, .. }) => {}
             // A stamp set back to the slot's previous one: the chunk looks unwritten.
             Err(QueueError::WriterTimeout { writer: 0, .. }) if field == Field::Stamp => {}
+            // The first chunk's shape word is the message's: another shape is another type.
+            Err(QueueError::TypeMismatch { writer: 0, .. })
+                if field == Field::Shape && chunk == 0 => {}
             Err(other) => prop_assert!(false, "unexpected error {other:?}"),
         }
     }

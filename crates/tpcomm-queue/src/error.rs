@@ -90,6 +90,17 @@ pub enum Corruption {
         /// The flags expected.
         expected: u64,
     },
+    /// A chunk's shape (the writer's value's, `tpcomm_objects::Shape`) is not the one the
+    /// message's first chunk carried.
+    #[error("chunk #{chunk} says the message's shape is {found:#018x}, its first chunk {expected:#018x}")]
+    ChunkShape {
+        /// The chunk.
+        chunk: u64,
+        /// The shape it carries.
+        found: u64,
+        /// The first chunk's.
+        expected: u64,
+    },
     /// A message announces more bytes than the agreed cap ([`tpcomm_objects::Options::max_total_bytes`]),
     /// which the writer refuses to send.
     #[error("a {total}-byte message is announced, over the agreed cap of {cap} bytes")]
@@ -130,6 +141,29 @@ pub enum Corruption {
     /// A transport frame of the remote path is malformed.
     #[error("a frame of the transport path is malformed: {0}")]
     Frame(&'static str),
+    /// A count of parked waiters is one no honest peer leaves: more waiters than can park
+    /// on it, or none while this waiter is parked on it.
+    #[error(
+        "the {which} count is {found}, outside what the waiters on it can make it (0..={most})"
+    )]
+    Parked {
+        /// Which count (`"readers parked"`, `"writer parked"`).
+        which: &'static str,
+        /// The count found (as this waiter counted itself in or out).
+        found: u32,
+        /// The most waiters that can park on it.
+        most: u32,
+    },
+    /// A rank number read from the ring is not a rank of the group.
+    #[error("the {which} word names rank {found}, in a group of {size}")]
+    Rank {
+        /// Which word (`"culprit"`).
+        which: &'static str,
+        /// The rank it names.
+        found: u64,
+        /// The group's size.
+        size: usize,
+    },
     /// A state word holds a value no peer writes.
     #[error("the {which} state word holds {found}, not a state")]
     State {
@@ -167,11 +201,12 @@ impl std::fmt::Display for Departure {
 /// peer, and the message number (`message`: messages sent, or received, before this one).
 /// [`culprit`](Self::culprit) returns the rank to blame.
 ///
-/// Errors that leave the queue usable: [`Encode`](Self::Encode),
+/// Errors that leave the queue usable: [`Encode`](Self::Encode), [`TooDeep`](Self::TooDeep),
 /// [`MessageTooLarge`](Self::MessageTooLarge) (nothing was sent), [`Decode`](Self::Decode)
-/// (the message was consumed; the next `recv` reads the next one), a reader's
-/// [`WriterTimeout`](Self::WriterTimeout) before any chunk of the message arrived (call
-/// `recv` again), and the argument and role errors. Any other error leaves the queue
+/// and [`TypeMismatch`](Self::TypeMismatch) (the message was consumed; the next `recv`
+/// reads the next one), a ring reader's [`Allocation`](Self::Allocation) (the message was
+/// passed over), a ring reader's [`WriterTimeout`](Self::WriterTimeout) before any chunk of
+/// the message arrived (call `recv` again), and the argument and role errors. Any other error leaves the queue
 /// failed for good: every later call returns [`Failed`](Self::Failed) naming the first
 /// error's culprit, and a failing writer tells its local readers, so that those waiting
 /// fail too, naming the same culprit.
@@ -235,6 +270,21 @@ pub enum QueueError {
         #[source]
         source: postcard::Error,
     },
+    /// The value nests deeper than the agreed `max_depth` (counted as the decoder counts
+    /// it), or deeper than the writer thread's stack holds (less than 256 KiB of it left:
+    /// `limit` is then the level reached): nothing was sent, the queue is usable.
+    #[error(
+        "queue on rank {rank}: message #{message} nests deeper than {limit} levels \
+         (Options::max_depth): not sent"
+    )]
+    TooDeep {
+        /// This rank (the writer).
+        rank: usize,
+        /// The message that was not sent.
+        message: u64,
+        /// The agreed depth limit.
+        limit: usize,
+    },
     /// The serialized value is over the agreed cap; nothing was sent, the queue is usable.
     #[error(
         "queue on rank {rank}: message #{message} is {bytes} bytes, over the agreed cap of {cap} \
@@ -281,6 +331,25 @@ pub enum QueueError {
         /// The decoder's error.
         #[source]
         source: ObjectError,
+    },
+    /// A message decoded as the requested type, but its shape (the serde calls of the
+    /// writer's value, see `docs/queue.md`) is not the shape of the requested type: the
+    /// writer sent another type. The message is consumed, the queue is usable.
+    #[error(
+        "queue on rank {rank}: message #{message} from the writer, rank {writer}, is of another \
+         type than the one requested (shape {sent:#018x}, the requested type's {found:#018x})"
+    )]
+    TypeMismatch {
+        /// This rank.
+        rank: usize,
+        /// The writer.
+        writer: usize,
+        /// The message.
+        message: u64,
+        /// The shape the writer's value had.
+        sent: u64,
+        /// The shape the requested type decoded with.
+        found: u64,
     },
     /// A reader waited for the writer longer than the timeout.
     #[error(
@@ -446,7 +515,9 @@ pub enum QueueError {
         #[source]
         source: IpcError,
     },
-    /// The receive buffer could not grow to hold a message.
+    /// The receive buffer could not grow to hold a message. A ring reader passes over the
+    /// rest of it (the next `recv` reads the next message); a transport reader's queue
+    /// fails.
     #[error("queue on rank {rank}: cannot allocate {bytes} more bytes for message #{message}")]
     Allocation {
         /// This rank.
@@ -507,6 +578,8 @@ impl QueueError {
             | QueueError::NotWriter { .. }
             | QueueError::NotReader { .. }
             | QueueError::Encode { .. }
+            | QueueError::TooDeep { .. }
+            | QueueError::TypeMismatch { .. }
             | QueueError::UnstableEncoding { .. }
             | QueueError::MessageTooLarge { .. }
             | QueueError::Decode { .. }

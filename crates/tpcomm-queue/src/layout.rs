@@ -1,4 +1,4 @@
-//! The ring's layout (version 1): where every word of the segment lies, computed from the
+//! The ring's layout (version 2): where every word of the segment lies, computed from the
 //! settings the ranks agreed, never read from the segment.
 //!
 //! ```text
@@ -53,11 +53,12 @@
 //! | 24 | 8 | offset of this chunk's bytes in the message |
 //! | 32 | 8 | bytes in this chunk |
 //! | 40 | 8 | flags: [`FIRST`] on the message's first chunk, [`LAST`] on its last |
+//! | 48 | 8 | the message's shape (`tpcomm_objects::Shape`), in every chunk of the message |
 
 /// The segment's first 8 bytes.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"tpcQueue");
 /// The layout version this build writes and reads.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// A cache line pair (adjacent-line prefetchers pair 64-byte lines).
 pub(crate) const LINE: usize = 128;
 /// Bytes of the header.
@@ -110,6 +111,7 @@ pub(crate) enum Field {
     Offset,
     Len,
     Flags,
+    Shape,
 }
 
 impl Field {
@@ -122,6 +124,7 @@ impl Field {
             Field::Offset => 24,
             Field::Len => 32,
             Field::Flags => 40,
+            Field::Shape => 48,
         }
     }
 }

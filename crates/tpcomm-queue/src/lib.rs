@@ -40,11 +40,19 @@
 //!   (another host, a mapping refused here, or [`QueueConfig::via_transport`]) receives
 //!   through the transport: the parent communicator is split into the writer and those
 //!   readers, and each message is one broadcast of a 256-byte frame there (a header and the
-//!   first 232 bytes), plus one broadcast of the rest when it is longer.
+//!   first 224 bytes), plus broadcasts of the rest in pieces that grow with what arrived;
+//!   the split's waits are bounded by [`QueueConfig::timeout`] too.
+//! - **Types.** Every message carries the shape of the writer's value (the data-model kinds
+//!   of its first serde calls, `tpcomm_objects::Shape`); a reader whose type decodes with
+//!   another shape gets [`QueueError::TypeMismatch`], not a value of the wrong type.
+//! - **Memory.** A ring commits its first 8 MiB at creation (the default 4 MiB ring whole)
+//!   and the pages of a larger one as the writer first reaches them (`docs/queue.md`, "What
+//!   a ring costs").
 //! - **Waits.** Spin, then park on a futex word in the segment, with the local transport's
 //!   adaptive spin budget; every wait bounded by [`QueueConfig::timeout`], its error naming
-//!   the peer waited for; a parked waiter checks a peer process's liveness every tenth of
-//!   the timeout (at most 100 ms), so that a peer killed with SIGKILL is reported as gone.
+//!   the peer waited for; a parked waiter wakes every tenth of the timeout (at most 100 ms),
+//!   checks the parked count a peer could have overwritten, and a peer process's liveness,
+//!   so that a peer killed with SIGKILL is reported as gone.
 //!   A writer that fails tells its readers through the header, naming the culprit.
 //! - **Lifecycle.** [`suspend`](BroadcastQueue::suspend) and
 //!   [`resume`](BroadcastQueue::resume) are collective: readers unmap the ring and map it
@@ -71,7 +79,11 @@
 //! - payload bytes are copied out of shared memory before they are decoded (a borrowed value
 //!   never points into memory a peer can write), and the stamp is checked again after the
 //!   copy: a writer rewriting a chunk under a reader is detected;
-//! - decoding keeps the agreed depth limit (`Options::max_depth`);
+//! - decoding keeps the agreed depth limit (`Options::max_depth`), on stack segments sized
+//!   for it, and so does the writer's encoding;
+//! - every rank number read from the segment is a rank of the group, every parked count one
+//!   its waiters can make, and a transport reader reserves the bytes of a message as they
+//!   arrive, never ahead of them by more than a piece;
 //! - the writer reads only numbers from its readers (progress and state words), compared,
 //!   never used as offsets: a progress word past what was published is corruption;
 //! - any such violation is [`QueueError::Corrupt`] with a [`Corruption`] naming the field,

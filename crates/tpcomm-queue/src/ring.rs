@@ -104,17 +104,27 @@ pub(crate) fn needed<M: RingMemory + ?Sized>(mem: &M, c: u64) -> u64 {
 pub(crate) fn write_chunk<M: RingMemory + ?Sized>(
     mem: &M,
     c: u64,
-    message: u64,
-    total: u64,
+    message: Message,
     offset: u64,
     payload: &[u8],
 ) {
     debug_assert_eq!(
-        piece(total, mem.chunk_bytes(), offset).0,
+        piece(message.total, mem.chunk_bytes(), offset).0,
         payload.len() as u64
     );
     mem.write_payload(slot_of(mem, c), 0, payload);
-    publish_chunk(mem, c, message, total, offset);
+    publish_chunk(mem, c, message, offset);
+}
+
+/// What every chunk of a message says of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Message {
+    /// Its number (messages sent before it).
+    pub(crate) number: u64,
+    /// Its length.
+    pub(crate) total: u64,
+    /// The shape of the writer's value (`tpcomm_objects::Shape`).
+    pub(crate) shape: u64,
 }
 
 /// Copies `src` into chunk `c`'s payload at byte `at` of the chunk, before it is published
@@ -124,22 +134,23 @@ pub(crate) fn fill_chunk<M: RingMemory + ?Sized>(mem: &M, c: u64, at: usize, src
     mem.write_payload(slot_of(mem, c), at, src);
 }
 
-/// Publishes chunk `c` of message `message` (`total` bytes), the bytes at `offset` of the
-/// message, its payload written already ([`fill_chunk`]): the header fields, then the stamp
-/// (release), then the published count (sequentially consistent).
+/// Publishes chunk `c` of `message`, the bytes at `offset` of the message, its payload
+/// written already ([`fill_chunk`]): the header fields, then the stamp (release), then the
+/// published count (sequentially consistent).
 pub(crate) fn publish_chunk<M: RingMemory + ?Sized>(
     mem: &M,
     c: u64,
-    message: u64,
-    total: u64,
+    message: Message,
     offset: u64,
 ) {
     let slot = slot_of(mem, c);
-    let (len, flags) = piece(total, mem.chunk_bytes(), offset);
+    let (len, flags) = piece(message.total, mem.chunk_bytes(), offset);
     mem.field(slot, Field::Message)
-        .store(message, Ordering::Relaxed);
+        .store(message.number, Ordering::Relaxed);
     mem.field(slot, Field::Total)
-        .store(total, Ordering::Relaxed);
+        .store(message.total, Ordering::Relaxed);
+    mem.field(slot, Field::Shape)
+        .store(message.shape, Ordering::Relaxed);
     mem.field(slot, Field::Offset)
         .store(offset, Ordering::Relaxed);
     mem.field(slot, Field::Len).store(len, Ordering::Relaxed);
@@ -189,6 +200,8 @@ pub(crate) struct Position {
     pub(crate) offset: u64,
     /// The message's length, once its first chunk arrived.
     pub(crate) total: Option<u64>,
+    /// The message's shape, as its first chunk said.
+    pub(crate) shape: u64,
 }
 
 impl Position {
@@ -198,6 +211,7 @@ impl Position {
             message,
             offset: 0,
             total: None,
+            shape: 0,
         }
     }
 
@@ -209,23 +223,26 @@ impl Position {
 
 /// Reads chunk `c` (its stamp seen [`Look::Ready`]) into `dst` and advances `at`, after
 /// checking every field against `at` and `cap` (the largest message allowed); `reserve`
-/// makes room for the chunk's bytes in `dst` (or fails). Does not release the chunk.
+/// makes room for the chunk's bytes in `dst` (or fails, and then nothing is read and `at`
+/// stays). With no `dst` the chunk is checked and passed over, its bytes not copied (a
+/// reader skipping the rest of a message it could not hold). Does not release the chunk.
 pub(crate) fn read_chunk<M: RingMemory + ?Sized, E>(
     mem: &M,
     c: u64,
     at: &mut Position,
     cap: u64,
-    dst: &mut Vec<u8>,
+    dst: Option<&mut Vec<u8>>,
     reserve: impl FnOnce(&mut Vec<u8>, usize) -> Result<(), E>,
 ) -> Result<Result<(), E>, Corruption> {
     let slot = slot_of(mem, c);
     let word = |f| mem.field(slot, f).load(Ordering::Relaxed);
-    let (message, total, offset, len, flags) = (
+    let (message, total, offset, len, flags, shape) = (
         word(Field::Message),
         word(Field::Total),
         word(Field::Offset),
         word(Field::Len),
         word(Field::Flags),
+        word(Field::Shape),
     );
     if message != at.message {
         return Err(Corruption::ChunkMessage {
@@ -258,12 +275,21 @@ pub(crate) fn read_chunk<M: RingMemory + ?Sized, E>(
             expected: expected_flags,
         });
     }
+    if at.total.is_some() && shape != at.shape {
+        return Err(Corruption::ChunkShape {
+            chunk: c,
+            found: shape,
+            expected: at.shape,
+        });
+    }
     // `len <= chunk_bytes`, which fits `usize` (the layout exists).
     let n = len as usize;
-    if let Err(e) = reserve(dst, n) {
-        return Ok(Err(e));
+    if let Some(dst) = dst {
+        if let Err(e) = reserve(dst, n) {
+            return Ok(Err(e));
+        }
+        mem.append_payload(slot, n, dst);
     }
-    mem.append_payload(slot, n, dst);
     mem.acquire_fence();
     let after = mem.field(slot, Field::Stamp).load(Ordering::Relaxed);
     if after != c + 1 {
@@ -273,6 +299,7 @@ pub(crate) fn read_chunk<M: RingMemory + ?Sized, E>(
         });
     }
     at.total = Some(total);
+    at.shape = shape;
     at.offset += len;
     debug_assert_eq!(flags & LAST != 0, at.complete());
     debug_assert_eq!(flags & FIRST != 0, offset == 0);
@@ -314,7 +341,7 @@ mod loom_tests {
     const READERS: usize = 2;
 
     struct Model {
-        fields: Vec<[AtomicU64; 6]>,
+        fields: Vec<[AtomicU64; 7]>,
         consumed: Vec<AtomicU64>,
         published: AtomicU64,
         payload: Vec<UnsafeCell<[u8; CHUNK as usize]>>,
@@ -364,7 +391,7 @@ mod loom_tests {
         let word = || AtomicU64::new(0);
         Model {
             fields: (0..DEPTH)
-                .map(|_| [word(), word(), word(), word(), word(), word()])
+                .map(|_| [word(), word(), word(), word(), word(), word(), word()])
                 .collect(),
             consumed: (0..READERS).map(|_| word()).collect(),
             published: word(),
@@ -390,13 +417,18 @@ mod loom_tests {
                 }
                 let (len, _) = piece(total, CHUNK, offset);
                 let part = &bytes[offset as usize..(offset + len) as usize];
+                let message = Message {
+                    number: m as u64,
+                    total,
+                    shape: 0,
+                };
                 if m % 2 == 0 {
-                    write_chunk(mem, c, m as u64, total, offset, part);
+                    write_chunk(mem, c, message, offset, part);
                 } else {
                     for (at, byte) in part.iter().enumerate() {
                         fill_chunk(mem, c, at, std::slice::from_ref(byte));
                     }
-                    publish_chunk(mem, c, m as u64, total, offset);
+                    publish_chunk(mem, c, message, offset);
                 }
                 c += 1;
                 offset += len;
@@ -418,9 +450,11 @@ mod loom_tests {
                 while look(mem, c).expect("an honest writer") == Look::NotYet {
                     loom::thread::yield_now();
                 }
-                read_chunk(mem, c, &mut at, 64, &mut bytes, |_, _| Ok::<(), ()>(()))
-                    .expect("an honest writer")
-                    .unwrap();
+                read_chunk(mem, c, &mut at, 64, Some(&mut bytes), |_, _| {
+                    Ok::<(), ()>(())
+                })
+                .expect("an honest writer")
+                .unwrap();
                 release(mem, reader, c);
                 c += 1;
             }

@@ -197,16 +197,22 @@ impl SharedRing {
         Ok(ring)
     }
 
-    /// Maps every page of the layout in this process now: the writer allocates the pages
-    /// (`MADV_POPULATE_WRITE`), a reader maps them (`MADV_POPULATE_READ`). A fresh memfd
-    /// has no pages; without this, the first lap of the ring pays a page fault per 4 KiB on
-    /// each side in the middle of messages (a 64 KiB message's wait took 65-180 us instead
-    /// of 5 us on a KVM guest), which also exhausts the waiters' spin budget. Best effort:
-    /// a kernel without the advice (before Linux 5.14) leaves the faults to the first lap.
+    /// Maps the first [`POPULATE_BYTES`] of the layout (the whole of a ring that size or
+    /// smaller, the default's 4 MiB among them) in this process now: the writer allocates
+    /// the pages (`MADV_POPULATE_WRITE`), a reader maps them (`MADV_POPULATE_READ`). A fresh
+    /// memfd has no pages; without this, the first lap of the ring pays a page fault per 4
+    /// KiB on each side in the middle of messages (a 64 KiB message's wait took 65-180 us
+    /// instead of 5 us on a KVM guest), which also exhausts the waiters' spin budget. The
+    /// pages of a larger ring past that are committed as the first lap reaches them, so
+    /// that a ring costs memory for the pages it uses, not for its size at creation. Best
+    /// effort: a kernel without the advice (before Linux 5.14) leaves the faults to the
+    /// first lap.
     fn populate(&self, advice: Advice) {
-        // SAFETY: the range is the layout, inside this mapping (checked in `new`) and
-        // starting at its page-aligned base; populating changes no byte of it.
-        let populated = unsafe { madvise(self.base.as_ptr().cast(), self.layout.total, advice) };
+        let len = self.layout.total.min(POPULATE_BYTES);
+        // SAFETY: the range is the first `len` bytes of the layout, inside this mapping
+        // (checked in `new`) and starting at its page-aligned base; populating changes no
+        // byte of it.
+        let populated = unsafe { madvise(self.base.as_ptr().cast(), len, advice) };
         if let Err(e) = populated {
             tracing::debug!(error = %e, "the ring's pages are not populated ahead");
         }
@@ -301,6 +307,11 @@ impl SharedRing {
         self.u32_at(at)
     }
 
+    /// Reader slots in the layout.
+    pub(crate) fn reader_slots(&self) -> usize {
+        self.layout.readers
+    }
+
     /// Reader slot `slot`'s progress word.
     pub(crate) fn consumed_word(&self, slot: usize) -> &AtomicU64 {
         assert!(slot < self.layout.readers);
@@ -352,6 +363,11 @@ impl SharedRing {
         self.layout.chunk(slot) + CHUNK_HEADER_BYTES
     }
 }
+
+/// The bytes of a ring committed at creation ([`SharedRing::populate`]): rings up to this
+/// size (the default ring, 16 chunks of 256 KiB, takes 4 MiB) whole, and the first part
+/// of larger ones; a multiple of the page size.
+const POPULATE_BYTES: usize = 8 << 20;
 
 /// Payload writes of at least this many bytes go through [`stream_bytes`].
 const STREAM_BYTES: usize = 16 << 10;
@@ -479,6 +495,11 @@ impl SharedRing {
     /// A word of the segment by byte offset, for the tests that corrupt it.
     pub(crate) fn word_for_test(&self, offset: usize) -> &AtomicU64 {
         self.u64_at(offset)
+    }
+
+    /// Another mapping of the ring (as a third process would map it), claiming nothing.
+    pub(crate) fn map_for_test(memory: &HostMemory, handle: &HostHandle, layout: Layout) -> Self {
+        Self::map(memory, handle, layout).expect("the ring maps")
     }
 
     /// The layout, for the tests that corrupt the segment.

@@ -14,10 +14,18 @@
 //! bump makes the sleep return: no wake-up is lost, and the common path (nobody parked)
 //! makes no system call. A state change (a close, a failure) bumps the word whoever waits.
 //!
-//! Every wait is bounded by the queue's timeout. While parked, a waiter whose peer is another
-//! process wakes at least every [`liveness_interval`] to check that the peer's process still
-//! runs (a peer killed with SIGKILL writes nothing), so that a dead peer is an error within
-//! that interval, not a timeout. An idle waiter costs a wake-up per interval, no busy CPU.
+//! The parked count lives in shared memory, where a peer (or a third process) can write it.
+//! A waiter checks it as it counts itself in (it must leave room for it: at most
+//! [`Park::most`] waiters park on one word) and out (it must still hold it); any other count
+//! fails the wait ([`Interrupted::Miscounted`]). And no sleep is longer than the
+//! [`liveness_interval`]: a wake-up lost to a count overwritten between two checks costs at
+//! most that interval, and the next check finds the count.
+//!
+//! Every wait is bounded by the queue's timeout. While parked, a waiter wakes at least every
+//! [`liveness_interval`]; when its peer is another process it checks then that the peer's
+//! process still runs (a peer killed with SIGKILL writes nothing), so that a dead peer is an
+//! error within that interval, not a timeout. An idle waiter costs a wake-up per interval,
+//! no busy CPU.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -36,6 +44,11 @@ pub(crate) fn liveness_interval(timeout: Duration) -> Duration {
 pub(crate) struct Park<'a> {
     pub(crate) word: &'a AtomicU32,
     pub(crate) parked: &'a AtomicU32,
+    /// The most waiters that can be parked on it at once (each waiter's count is its own
+    /// until it leaves; one killed while parked leaves its count behind, never more).
+    pub(crate) most: u32,
+    /// What the count is, for the error that names it.
+    pub(crate) which: &'static str,
 }
 
 /// Why a wait ended without what it waited for.
@@ -45,6 +58,10 @@ pub(crate) enum Interrupted<E> {
     Timeout(Duration),
     /// `ready` or `check` failed.
     Failed(E),
+    /// The parked count is one no honest waiter leaves: `found` waiters when this one
+    /// counted itself in (more than [`Park::most`] can be) or out (none, although it was
+    /// counted). A peer wrote it: the wake-ups that depend on it cannot be trusted.
+    Miscounted { found: u32 },
 }
 
 impl<E> From<E> for Interrupted<E> {
@@ -54,10 +71,13 @@ impl<E> From<E> for Interrupted<E> {
 }
 
 /// Waits until `ready()` says so, bounded by `timeout`; `check()` runs every `liveness`
-/// while parked (a peer process that may die), and fails the wait with its error.
+/// while parked (a peer process that may die), and fails the wait with its error. A parked
+/// waiter sleeps at most `nap` at a time (the [`liveness_interval`]), so that a wake-up
+/// lost to a parked count a peer overwrote costs at most that, and the count is checked
+/// each time the waiter counts itself in and out ([`Interrupted::Miscounted`]).
 pub(crate) fn wait_until<E>(
     budget: &SpinBudget,
-    timeout: Duration,
+    (timeout, nap): (Duration, Duration),
     park: Park<'_>,
     liveness: Option<Duration>,
     mut ready: impl FnMut() -> Result<bool, E>,
@@ -89,21 +109,38 @@ pub(crate) fn wait_until<E>(
     budget.shrink();
     let mut next_check = started;
     loop {
-        park.parked.fetch_add(1, Ordering::SeqCst);
+        count_in(park)?;
         let seen = park.word.load(Ordering::SeqCst);
         // What it waits for first: a peer that delivered and then left (or died) delivered.
         let outcome = match ready() {
             Ok(false) => pause(&mut next_check, deadline, started, liveness, &mut check)
-                .map(|sleep| sleep_on(park.word, seen, sleep)),
+                .map(|sleep| sleep_on(park.word, seen, sleep.min(nap))),
             Ok(true) => {
-                park.parked.fetch_sub(1, Ordering::SeqCst);
+                count_out(park)?;
                 budget.learn(spun, true);
                 return Ok(());
             }
             Err(e) => Err(Interrupted::Failed(e)),
         };
-        park.parked.fetch_sub(1, Ordering::SeqCst);
+        count_out(park)?;
         outcome?;
+    }
+}
+
+/// Counts this waiter parked; the count it found must leave room for it.
+fn count_in<E>(park: Park<'_>) -> Result<(), Interrupted<E>> {
+    let found = park.parked.fetch_add(1, Ordering::SeqCst);
+    if found >= park.most {
+        return Err(Interrupted::Miscounted { found });
+    }
+    Ok(())
+}
+
+/// Counts this waiter out; the count it found must still hold it.
+fn count_out<E>(park: Park<'_>) -> Result<(), Interrupted<E>> {
+    match park.parked.fetch_sub(1, Ordering::SeqCst) {
+        0 => Err(Interrupted::Miscounted { found: 0 }),
+        _ => Ok(()),
     }
 }
 
@@ -188,6 +225,8 @@ mod tests {
                 wake_if_parked(Park {
                     word: &w.0,
                     parked: &w.1,
+                    most: 1,
+                    which: "test",
                 });
             })
         };
@@ -195,10 +234,12 @@ mod tests {
         let park = Park {
             word: &w.0,
             parked: &w.1,
+            most: 1,
+            which: "test",
         };
         let r = wait_until::<()>(
             &budget,
-            Duration::from_secs(30),
+            (Duration::from_secs(30), Duration::from_secs(30)),
             park,
             None,
             || Ok(w.2.load(Ordering::SeqCst)),
@@ -221,10 +262,12 @@ mod tests {
         let park = Park {
             word: &w.0,
             parked: &w.1,
+            most: 1,
+            which: "test",
         };
         match wait_until::<()>(
             &budget,
-            Duration::from_millis(30),
+            (Duration::from_millis(30), Duration::from_millis(30)),
             park,
             None,
             || Ok(false),
@@ -242,12 +285,14 @@ mod tests {
         let park = Park {
             word: &w.0,
             parked: &w.1,
+            most: 1,
+            which: "test",
         };
         let mut checks = 0;
         let started = Instant::now();
         let r = wait_until(
             &budget,
-            Duration::from_secs(30),
+            (Duration::from_secs(30), Duration::from_secs(30)),
             park,
             Some(Duration::from_millis(5)),
             || Ok(false),

@@ -206,11 +206,61 @@ fn a_message_that_does_not_decode_is_an_error_and_the_next_one_arrives() {
 }
 
 #[test]
+fn a_value_received_as_another_type_is_a_type_error_and_the_next_one_arrives() {
+    run_ok(2, |comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, small_ring())?;
+        if q.is_writer() {
+            q.send(&0u64)?;
+            q.send(&StepOutput {
+                step: 0,
+                request_ids: Vec::new(),
+                tokens: Vec::new(),
+                block_tables: Vec::new(),
+                temperature: Vec::new(),
+            })?;
+            q.send("owned or borrowed: one type")?;
+            q.send(&5u64)?;
+        } else {
+            // `0u64` is one byte, 0: the bytes of an empty string too.
+            match q.recv::<String>() {
+                Err(QueueError::TypeMismatch {
+                    writer: 0,
+                    message: 0,
+                    ..
+                }) => {}
+                other => panic!("expected a type mismatch, got {other:?}"),
+            }
+            // Five empty fields: the bytes of five zeros too.
+            match q.recv::<(u8, u8, u8, u8, u8)>() {
+                Err(QueueError::TypeMismatch { message: 1, .. }) => {}
+                other => panic!("expected a type mismatch, got {other:?}"),
+            }
+            assert_eq!(q.recv_borrowed::<&str>()?, "owned or borrowed: one type");
+            assert_eq!(q.recv::<u64>()?, 5);
+        }
+        q.close_with(&comm)
+    });
+}
+
+#[test]
 fn a_value_nested_past_the_depth_limit_is_refused_by_the_decoder() {
     #[derive(Debug, Serialize, Deserialize)]
     enum Tree {
         Leaf,
         Node(Vec<Tree>),
+    }
+    /// Bytes sent as they are (a tuple of bytes: postcard adds nothing), one level deep:
+    /// what a writer that does not keep the depth limit could send.
+    struct Raw(Vec<u8>);
+    impl Serialize for Raw {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            use serde::ser::SerializeTuple;
+            let mut t = s.serialize_tuple(self.0.len())?;
+            for b in &self.0 {
+                t.serialize_element(b)?;
+            }
+            t.end()
+        }
     }
     run_ok(2, |comm: LocalCommunicator| {
         let mut config = small_ring();
@@ -221,7 +271,12 @@ fn a_value_nested_past_the_depth_limit_is_refused_by_the_decoder() {
             for _ in 0..40 {
                 t = Tree::Node(vec![t]);
             }
-            q.send(&t)?;
+            // The writer keeps the limit too: the tree itself is refused.
+            assert!(matches!(
+                q.send(&t),
+                Err(QueueError::TooDeep { limit: 16, .. })
+            ));
+            q.send(&Raw(postcard::to_allocvec(&t).unwrap()))?;
         } else {
             match q.recv::<Tree>() {
                 Err(QueueError::Decode { source, .. }) => {

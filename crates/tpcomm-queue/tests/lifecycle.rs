@@ -101,6 +101,40 @@ fn a_reader_waiting_on_an_absent_writer_times_out_naming_it_and_can_wait_again()
 }
 
 #[test]
+fn a_transport_reader_waits_no_longer_than_the_queue_timeout_and_names_the_writer() {
+    let done = std::sync::Barrier::new(2);
+    // The transport's own timeout is far longer than the queue's.
+    let results =
+        LocalGroup::new(2)
+            .timeout(Duration::from_secs(20))
+            .run(|comm: LocalCommunicator| {
+                let mut config = config(300);
+                config.via_transport = true;
+                let mut q = BroadcastQueue::create(&comm, config).unwrap();
+                if q.is_writer() {
+                    // Absent until the reader has given up.
+                    done.wait();
+                    return None;
+                }
+                let started = Instant::now();
+                let got = q.recv::<u32>();
+                let waited = started.elapsed();
+                done.wait();
+                Some((got, waited))
+            });
+    let (got, waited) = results.into_iter().nth(1).unwrap().unwrap().unwrap();
+    match got {
+        Err(QueueError::WriterTimeout {
+            writer: 0,
+            message: 0,
+            ..
+        }) => {}
+        other => panic!("expected a timeout naming the writer, got {other:?}"),
+    }
+    assert!(waited < Duration::from_secs(10), "waited {waited:?}");
+}
+
+#[test]
 fn a_writer_waits_no_longer_than_the_timeout_for_a_stalled_reader_and_names_it_to_everyone() {
     let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
         // The timeout is each rank's own: the reader that reads waits longer than the writer.

@@ -203,6 +203,21 @@ pub trait Communicator: Send + Sync {
     where
         Self: Sized;
 
+    /// Collective: bounds every later wait of this communicator's collectives by
+    /// `timeout` (not its parent's, nor those of communicators split from it before), where
+    /// the backend can bound them; returns whether it did. A wait past `timeout` fails as
+    /// the backend's own bound does (the local backend: [`TransportError::Timeout`]
+    /// naming the ranks that did not arrive, the group aborted; MPI: the timed path of
+    /// `MpiCommunicator::with_timeout`, [`TransportError::Unresponsive`], the communicator
+    /// broken). A library that runs its own collectives on a communicator it split (the
+    /// broadcast queue's transport path) bounds them by its own timeout this way. Every
+    /// rank passes its own `timeout`. Backends without a bounded path keep their waits as
+    /// they are and return `Ok(false)` (the default).
+    fn bound_waits(&mut self, timeout: std::time::Duration) -> Result<bool> {
+        let _ = timeout;
+        Ok(false)
+    }
+
     /// Backend hook of [`barrier`](Self::barrier).
     fn raw_barrier(&self) -> Result<()>;
 

@@ -8,9 +8,10 @@ use tpcomm_transport::copy::extend_from_slice;
 use super::engine::Mine;
 use crate::buffers::Kept;
 use crate::error::Result;
-use crate::gathered::decode_exact;
+use crate::gathered::{decode_exact, decode_exact_shaped};
 use crate::header::ENTRY;
 use crate::options::Options;
+use crate::shape::Shape;
 
 /// A value serialized into the thread's kept send buffer (see `buffers.rs`), which it gives
 /// back when dropped.
@@ -58,6 +59,11 @@ pub fn encode_append<T: Serialize + ?Sized>(
     buf: Vec<u8>,
 ) -> std::result::Result<Vec<u8>, postcard::Error> {
     append(value, buf)
+}
+
+/// postcard's output appended to `buf` (the flavor of [`encode_append`]).
+pub(crate) fn append_flavor(buf: Vec<u8>) -> impl postcard::ser_flavors::Flavor<Output = Vec<u8>> {
+    Append(buf)
 }
 
 /// [`encode_append`].
@@ -158,4 +164,18 @@ pub fn decode_from_with<'a, T: Deserialize<'a>>(
 ) -> Result<T> {
     opts.validate()?;
     decode_exact(rank, bytes, opts.max_depth)
+}
+
+/// [`decode_from_with`], checking that `T` decodes the value with the [`Shape`] its writer
+/// encoded it with ([`encode_append_shaped`](crate::encode_append_shaped)): a value of
+/// another type is [`DecodeError::ShapeMismatch`](crate::DecodeError::ShapeMismatch), even
+/// when its bytes decode.
+pub fn decode_shaped<'a, T: Deserialize<'a>>(
+    rank: usize,
+    bytes: &'a [u8],
+    opts: &Options,
+    sent: Shape,
+) -> Result<T> {
+    opts.validate()?;
+    decode_exact_shaped(rank, bytes, opts.max_depth, Some(sent))
 }

@@ -26,7 +26,8 @@ mod tests;
 
 pub use all_to_all::{all_to_all, all_to_all_with};
 pub use broadcast::{broadcast, broadcast_with};
-pub use codec::{decode_from, decode_from_with, encode_append};
+pub(crate) use codec::append_flavor;
+pub use codec::{decode_from, decode_from_with, decode_shaped, encode_append};
 pub use engine::AGREED_RESERVE_BYTES;
 pub use folds::{
     all_reduce_with, all_reduce_with_options, exscan_with, exscan_with_options, reduce_with,

@@ -29,11 +29,14 @@ pub struct QueueConfig {
     /// Valid range: `1..=`[`QueueConfig::MAX_CHUNK_BYTES`].
     pub chunk_bytes: usize,
     /// The encoding limits: `max_total_bytes` is the largest message (its postcard bytes)
-    /// the writer sends and a reader accepts, `max_depth` the decode's nesting bound. The
-    /// other fields are not used. Validated as [`Options::validate`] does.
+    /// the writer sends and a reader accepts, `max_depth` the nesting bound of the writer's
+    /// encoding and the readers' decoding. The other fields are not used. Validated as
+    /// [`Options::validate`] does.
     pub options: Options,
     /// Longest time one wait on a peer may take (default 60 s): a reader for the writer's
-    /// next chunk, the writer for the slowest reader to free one. Not agreed.
+    /// next chunk, the writer for the slowest reader to free one, and each broadcast of the
+    /// transport path (through `Communicator::bound_waits`, on backends that can bound
+    /// their waits: the local one and MPI). Not agreed.
     pub timeout: Duration,
     /// Longest time a wait spins before it parks (default 50 us; adapted per rank as the
     /// local transport's budget is, none when the ranks of this host outnumber its CPUs).

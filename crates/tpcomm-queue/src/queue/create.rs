@@ -143,7 +143,7 @@ impl<C: Communicator> BroadcastQueue<C> {
         let joined = match (rank == writer, slot, &handle) {
             (true, _, _) => Joined::Writer,
             (false, Some(slot), Some(h)) => {
-                match SharedRing::join(&memory, h, layout, (id, writer), (slot, rank)) {
+                match join_ring(&memory, h, layout, (id, writer), (slot, rank)) {
                     Ok(ring) => {
                         joined_ring = Some(ring);
                         Joined::Mapped
@@ -220,18 +220,23 @@ impl<C: Communicator> BroadcastQueue<C> {
                 _ => Role::Remote,
             }
         };
-        let remote = if locality.transport.is_empty() {
+        let transport = |source| QueueError::Transport {
+            rank,
+            message: 0,
+            source,
+        };
+        let mut remote = if locality.transport.is_empty() {
             None
         } else {
             let member = rank == writer || locality.transport.contains(&rank);
             let key = if rank == writer { 0 } else { rank as i32 + 1 };
-            comm.split(member.then_some(0), key)
-                .map_err(|source| QueueError::Transport {
-                    rank,
-                    message: 0,
-                    source,
-                })?
+            comm.split(member.then_some(0), key).map_err(transport)?
         };
+        // The frames' broadcasts wait no longer than the queue's timeout (a backend with no
+        // bounded path keeps its own).
+        if let Some(remote) = &mut remote {
+            remote.bound_waits(config.timeout).map_err(transport)?;
+        }
         if let Role::Writer {
             ring: Some(ring), ..
         } = &role
@@ -259,6 +264,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             timeout: config.timeout,
             id,
             locality,
+            slots: candidates.len(),
             role,
             remote,
             memory,
@@ -266,6 +272,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             steps: JOIN + 1,
             messages: 0,
             buf: Vec::new(),
+            shape: 0,
             frame: [0; FRAME],
             budget: SpinBudget::for_waiters(config.spin, here),
             peers,
@@ -309,4 +316,23 @@ fn agree_settings(
         }
     }
     Ok(settings[0])
+}
+
+/// [`SharedRing::join`]; in this crate's tests, a thread that set
+/// [`tests::REFUSE_MAPPING`](super::tests::REFUSE_MAPPING) cannot map the ring (as under a
+/// ptrace policy that refuses it).
+fn join_ring(
+    memory: &HostMemory,
+    handle: &HostHandle,
+    layout: Layout,
+    writer: (u64, usize),
+    reader: (usize, usize),
+) -> std::result::Result<SharedRing, JoinError> {
+    #[cfg(test)]
+    if super::tests::REFUSE_MAPPING.with(std::cell::Cell::get) {
+        return Err(JoinError::Unreachable(
+            tpcomm_ipc::IpcError::InvalidAllocation("mapping refused by the test".into()),
+        ));
+    }
+    SharedRing::join(memory, handle, layout, writer, reader)
 }

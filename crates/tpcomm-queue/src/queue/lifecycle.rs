@@ -76,12 +76,10 @@ impl<C: Communicator> BroadcastQueue<C> {
             next_chunk,
         } = &mut self.role
         {
-            let layout = Layout::new(
-                self.settings.depth,
-                self.settings.chunk_bytes,
-                self.locality.shared_memory.len(),
-            )
-            .expect("the layout existed at creation");
+            // The ring's slots, as created: one per reader on the writer's host, including
+            // those that could not map it.
+            let layout = Layout::new(self.settings.depth, self.settings.chunk_bytes, self.slots)
+                .expect("the layout existed at creation");
             match SharedRing::rejoin(
                 &self.memory,
                 handle,
@@ -268,7 +266,7 @@ impl<C: Communicator> BroadcastQueue<C> {
         }
         if end_frame && self.is_writer() && !failed {
             if let Some(remote) = &self.remote {
-                write_frame(&mut self.frame, END, self.messages, 0);
+                write_frame(&mut self.frame, END, self.messages, (0, 0));
                 if let Err(e) = remote.broadcast(0, &mut self.frame) {
                     tracing::warn!(rank = self.rank, error = %e, "the end frame was not sent");
                 }

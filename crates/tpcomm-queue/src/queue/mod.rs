@@ -137,6 +137,9 @@ pub struct BroadcastQueue<C: Communicator> {
     timeout: Duration,
     id: u64,
     locality: Locality,
+    /// Reader slots in the ring: every reader on the writer's host that did not ask for
+    /// the transport, including those that then could not map the ring.
+    slots: usize,
     role: Role,
     /// The writer and the transport readers.
     remote: Option<C>,
@@ -148,6 +151,8 @@ pub struct BroadcastQueue<C: Communicator> {
     messages: u64,
     /// The writer's encoding, a reader's received bytes (kept between messages).
     buf: Vec<u8>,
+    /// The shape of the message a reader just received (`tpcomm_objects::Shape`).
+    shape: u64,
     frame: [u8; FRAME],
     budget: SpinBudget,
     peers: Vec<ProcessIdentity>,
@@ -198,11 +203,14 @@ impl<C: Communicator> BroadcastQueue<C> {
     }
 }
 
-/// The words the readers park on, which the writer bumps when it publishes a chunk.
+/// The words the readers park on, which the writer bumps when it publishes a chunk: at
+/// most one reader per slot is parked on them.
 fn park_of_readers(ring: &SharedRing) -> Park<'_> {
     Park {
         word: ring.header_u32(header::WAKE),
         parked: ring.header_u32(header::SLEEPERS),
+        most: u32::try_from(ring.reader_slots()).unwrap_or(u32::MAX),
+        which: "readers parked",
     }
 }
 
@@ -211,7 +219,30 @@ fn park_of_writer(ring: &SharedRing) -> Park<'_> {
     Park {
         word: ring.header_u32(header::WRITER_WAKE),
         parked: ring.header_u32(header::WRITER_PARKED),
+        most: 1,
+        which: "writer parked",
     }
+}
+
+/// The corruption of a parked count that a wait found (`found` waiters, see
+/// [`Interrupted::Miscounted`](crate::wait::Interrupted::Miscounted)).
+fn miscounted(park: Park<'_>, found: u32) -> crate::error::Corruption {
+    crate::error::Corruption::Parked {
+        which: park.which,
+        found,
+        most: park.most,
+    }
+}
+
+/// The size of a transport frame, for the tests that craft one.
+#[cfg(test)]
+pub(crate) const FRAME_FOR_TEST: usize = FRAME;
+
+/// Writes a data frame's header (message `message`, `total` bytes), for the tests that
+/// craft one.
+#[cfg(test)]
+pub(crate) fn write_frame_for_test(frame: &mut [u8; FRAME], message: u64, total: u64) {
+    transport::write_frame(frame, transport::DATA, message, (total, 0));
 }
 
 #[cfg(test)]
@@ -224,17 +255,24 @@ impl<C: Communicator> BroadcastQueue<C> {
         }
     }
 
+    /// The sub-communicator of the transport path, for the tests that send crafted frames.
+    pub(crate) fn remote_for_test(&self) -> Option<&C> {
+        self.remote.as_ref()
+    }
+
+    /// The capacity of the receive buffer, for the tests of what a frame makes a reader
+    /// reserve.
+    pub(crate) fn buf_capacity_for_test(&self) -> usize {
+        self.buf.capacity()
+    }
+
     /// The handle and layout of the ring, for the test of a late join.
     pub(crate) fn join_args_for_test(&self) -> (HostHandle, Layout, u64) {
         let Role::Reader { handle, .. } = &self.role else {
             panic!("a reader on the writer's host has the handle");
         };
-        let layout = Layout::new(
-            self.settings.depth,
-            self.settings.chunk_bytes,
-            self.locality.shared_memory.len(),
-        )
-        .expect("the layout exists");
+        let layout = Layout::new(self.settings.depth, self.settings.chunk_bytes, self.slots)
+            .expect("the layout exists");
         (handle.clone(), layout, self.id)
     }
 }

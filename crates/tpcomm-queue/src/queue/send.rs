@@ -3,11 +3,12 @@
 //! free a chunk.
 
 use serde::Serialize;
+use tpcomm_objects::{EncodeError, Shape};
 use tpcomm_transport::process::Liveness;
 use tpcomm_transport::Communicator;
 
 use super::stream::{encoded_size, SizePass, Streamed, STREAM_MIN_BYTES};
-use super::{park_of_readers, park_of_writer, BroadcastQueue, Role};
+use super::{miscounted, park_of_readers, park_of_writer, BroadcastQueue, Role};
 use crate::error::{Corruption, Departure, QueueError, Result};
 use crate::layout::{chunk_count, header, piece, ReaderState};
 use crate::ring::{self, RingMemory};
@@ -45,11 +46,8 @@ impl<C: Communicator> BroadcastQueue<C> {
         }
         let message = self.messages;
         let cap = self.options.max_total_bytes;
-        let encode = |source| QueueError::Encode {
-            rank: self.rank,
-            message,
-            source,
-        };
+        let max_depth = self.options.max_depth;
+        let encode = |e| encode_error(self.rank, message, e);
         let too_large = |bytes| QueueError::MessageTooLarge {
             rank: self.rank,
             message,
@@ -60,34 +58,37 @@ impl<C: Communicator> BroadcastQueue<C> {
         // than a chunk is sized first and encoded straight into the ring; any other, into the
         // writer's buffer and then copied.
         let sized = if self.streams() {
-            encoded_size(value)
+            encoded_size(value, max_depth)
         } else {
             SizePass::GaveUp
         };
         match sized {
-            SizePass::Bytes(Err(source)) => return Err(encode(source)),
-            SizePass::Bytes(Ok(bytes)) if bytes > cap => return Err(too_large(bytes)),
-            SizePass::Bytes(Ok(bytes))
+            SizePass::Bytes(Err(e)) => return Err(encode(e)),
+            SizePass::Bytes(Ok((bytes, _))) if bytes > cap => return Err(too_large(bytes)),
+            SizePass::Bytes(Ok((bytes, shape)))
                 if bytes >= STREAM_MIN_BYTES || bytes as u64 > self.settings.chunk_bytes =>
             {
-                match self.ring_stream(message, value, bytes) {
+                match self.ring_stream(message, value, bytes, shape) {
                     Ok(()) => {}
                     Err(Streamed::Unpublished(e)) => return Err(e),
                     Err(Streamed::Failed(e)) => return Err(self.fail(e)),
                 }
             }
-            SizePass::Bytes(Ok(_)) | SizePass::GaveUp => {
-                let buf = std::mem::take(&mut self.buf);
-                self.buf = tpcomm_objects::encode_append(value, clear(buf)).map_err(encode)?;
-                if self.buf.len() > cap {
-                    return Err(too_large(self.buf.len()));
-                }
-                let sent = self
-                    .ring_send(message)
-                    .and_then(|()| self.remote_send(message));
-                if let Err(e) = sent {
-                    return Err(self.fail(e));
-                }
+            SizePass::Bytes(Ok((_, sized))) => {
+                // The size pass went through the bounded encoder: the value nests within
+                // `max_depth`, its encoding fits this thread's stack (postcard alone takes
+                // less of it than the bounded encoder did), and its shape is known. What is
+                // left is postcard's plain encoding, as for any serde value.
+                let buf = clear(std::mem::take(&mut self.buf));
+                let buf = tpcomm_objects::encode_append(value, buf)
+                    .map_err(|source| encode(tpcomm_objects::EncodeError::Postcard(source)))?;
+                self.buffered_send(message, buf, sized)?;
+            }
+            SizePass::GaveUp => {
+                let buf = clear(std::mem::take(&mut self.buf));
+                let (buf, shape) =
+                    tpcomm_objects::encode_append_shaped(value, buf, max_depth).map_err(encode)?;
+                self.buffered_send(message, buf, shape)?;
             }
         }
         self.messages += 1;
@@ -99,6 +100,26 @@ impl<C: Communicator> BroadcastQueue<C> {
                 .store(self.messages, std::sync::atomic::Ordering::Release);
         }
         Ok(())
+    }
+
+    /// Sends the encoded message `buf` (message `message`, of shape `shape`) through the
+    /// ring and the transport, once it is checked against the cap.
+    fn buffered_send(&mut self, message: u64, buf: Vec<u8>, shape: Shape) -> Result<()> {
+        self.buf = buf;
+        let cap = self.options.max_total_bytes;
+        if self.buf.len() > cap {
+            return Err(QueueError::MessageTooLarge {
+                rank: self.rank,
+                message,
+                bytes: self.buf.len(),
+                cap,
+            });
+        }
+        let shape = shape.bits();
+        let sent = self
+            .ring_send(message, shape)
+            .and_then(|()| self.remote_send(message, shape));
+        sent.map_err(|e| self.fail(e))
     }
 
     /// The writer's ring, when some readers map it, with the next chunk to write and the
@@ -127,12 +148,18 @@ impl<C: Communicator> BroadcastQueue<C> {
         }
     }
 
-    /// Writes `self.buf` (message `message`) into the ring, chunk by chunk.
-    fn ring_send(&mut self, message: u64) -> Result<()> {
+    /// Writes `self.buf` (message `message`, of shape `shape`) into the ring, chunk by
+    /// chunk.
+    fn ring_send(&mut self, message: u64, shape: u64) -> Result<()> {
         let Some((ring, mut c, mut known)) = self.writer_ring() else {
             return Ok(());
         };
         let total = self.buf.len() as u64;
+        let whole = ring::Message {
+            number: message,
+            total,
+            shape,
+        };
         let chunk_bytes = ring.chunk_bytes();
         let readers = park_of_readers(ring);
         let mut offset = 0u64;
@@ -143,7 +170,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             }
             let (len, _) = piece(total, chunk_bytes, offset);
             let part = &self.buf[offset as usize..(offset + len) as usize];
-            ring::write_chunk(ring, c, message, total, offset, part);
+            ring::write_chunk(ring, c, whole, offset, part);
             wake_if_parked(readers);
             c += 1;
             offset += len;
@@ -211,7 +238,7 @@ impl<C: Communicator> BroadcastQueue<C> {
         };
         let waited = wait_until(
             &self.budget,
-            self.timeout,
+            (self.timeout, self.liveness),
             parked,
             other_process.then_some(self.liveness),
             ready,
@@ -220,6 +247,14 @@ impl<C: Communicator> BroadcastQueue<C> {
         match waited {
             Ok(()) => Ok(known),
             Err(Interrupted::Failed(e)) => Err(e),
+            Err(Interrupted::Miscounted { found }) => Err(QueueError::Corrupt {
+                rank: self.rank,
+                peer: lag
+                    .or(active.first().copied())
+                    .map_or(self.writer, |s| slot_ranks[s]),
+                message,
+                problem: miscounted(parked, found),
+            }),
             Err(Interrupted::Timeout(waited)) => {
                 let slow = ring::released(ring, c, active)
                     .ok()
@@ -233,6 +268,30 @@ impl<C: Communicator> BroadcastQueue<C> {
                 })
             }
         }
+    }
+}
+
+/// The writer's error for an encoding of message `message` that failed with `e`: nothing
+/// was sent.
+pub(super) fn encode_error(rank: usize, message: u64, e: EncodeError) -> QueueError {
+    match e {
+        EncodeError::TooDeep { limit } | EncodeError::StackShort { level: limit } => {
+            QueueError::TooDeep {
+                rank,
+                message,
+                limit,
+            }
+        }
+        EncodeError::Postcard(source) => QueueError::Encode {
+            rank,
+            message,
+            source,
+        },
+        _ => QueueError::Encode {
+            rank,
+            message,
+            source: postcard::Error::SerdeSerCustom,
+        },
     }
 }
 

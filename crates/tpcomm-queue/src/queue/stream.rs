@@ -3,8 +3,10 @@
 //! soon as it is full, so that the readers copy a chunk out while the writer encodes the next.
 
 use serde::Serialize;
+use tpcomm_objects::{EncodeError, Shape};
 use tpcomm_transport::Communicator;
 
+use super::send::encode_error;
 use super::{park_of_readers, BroadcastQueue, Role};
 use crate::error::QueueError;
 use crate::ring::{self, RingMemory};
@@ -26,6 +28,7 @@ impl<C: Communicator> BroadcastQueue<C> {
         message: u64,
         value: &T,
         total: usize,
+        shape: Shape,
     ) -> std::result::Result<(), Streamed> {
         let Some((ring, first, known)) = self.writer_ring() else {
             return Ok(());
@@ -41,16 +44,20 @@ impl<C: Communicator> BroadcastQueue<C> {
             queue: self,
             ring,
             readers: park_of_readers(ring),
-            message,
-            total: total as u64,
+            message: ring::Message {
+                number: message,
+                total: total as u64,
+                shape: shape.bits(),
+            },
             at: &mut at,
         };
-        let encoded = postcard::serialize_with_flavor(value, sink);
+        let encoded =
+            tpcomm_objects::encode_shaped_with_flavor(value, sink, self.options.max_depth);
         // A failed encoding leaves the next chunk where it was.
         let next = if encoded.is_ok() { at.c } else { first };
         self.set_writer_progress(next, at.known);
         let source = match encoded {
-            Ok(()) => return Ok(()),
+            Ok(_) => return Ok(()),
             Err(source) => source,
         };
         match at.stopped {
@@ -59,11 +66,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             stopped => {
                 let e = match stopped {
                     Some(stop) => stop.into_error(),
-                    None => QueueError::Encode {
-                        rank: self.rank,
-                        message,
-                        source,
-                    },
+                    None => encode_error(self.rank, message, source),
                 };
                 // Nothing published: the chunks written are never read, the queue is usable.
                 if at.c == first {
@@ -96,22 +99,25 @@ const SIZE_PASS_PIECE_BYTES: usize = 64;
 /// What the size pass of `send` found.
 #[derive(Debug)]
 pub(super) enum SizePass {
-    /// The value's encoded length, or postcard's error.
-    Bytes(std::result::Result<usize, postcard::Error>),
+    /// The value's encoded length and shape, or the encoder's error (nesting past
+    /// `max_depth` among them).
+    Bytes(std::result::Result<(usize, Shape), EncodeError>),
     /// Too many small pieces: encode into the writer's buffer instead.
     GaveUp,
 }
 
-/// The encoded length of `value`, unless it has many small pieces ([`SIZE_PASS_PIECES`]).
-pub(super) fn encoded_size<T: Serialize + ?Sized>(value: &T) -> SizePass {
+/// The encoded length and shape of `value` (nesting bounded by `max_depth`), unless it has
+/// many small pieces ([`SIZE_PASS_PIECES`]).
+pub(super) fn encoded_size<T: Serialize + ?Sized>(value: &T, max_depth: usize) -> SizePass {
     let gave_up = std::cell::Cell::new(false);
-    let counted = postcard::serialize_with_flavor(
+    let counted = tpcomm_objects::encode_shaped_with_flavor(
         value,
         CountBytes {
             bytes: 0,
             pieces: 0,
             gave_up: &gave_up,
         },
+        max_depth,
     );
     if gave_up.get() {
         SizePass::GaveUp
@@ -210,8 +216,8 @@ struct RingSink<'q, C: Communicator> {
     queue: &'q BroadcastQueue<C>,
     ring: &'q SharedRing,
     readers: Park<'q>,
-    message: u64,
-    total: u64,
+    /// The message (its length and shape from the size pass).
+    message: ring::Message,
     at: &'q mut StreamAt,
 }
 
@@ -226,8 +232,8 @@ impl<C: Communicator> RingSink<'_, C> {
     fn unstable(&mut self) -> postcard::Error {
         let e = QueueError::UnstableEncoding {
             rank: self.queue.rank,
-            message: self.message,
-            sized: self.total as usize,
+            message: self.message.number,
+            sized: self.message.total as usize,
         };
         self.stop(Stop::Unstable(e))
     }
@@ -238,7 +244,7 @@ impl<C: Communicator> RingSink<'_, C> {
         if self.at.known < need {
             match self
                 .queue
-                .wait_for_readers(self.ring, self.at.c, need, self.message)
+                .wait_for_readers(self.ring, self.at.c, need, self.message.number)
             {
                 Ok(known) => self.at.known = known,
                 Err(e) => return Err(self.stop(Stop::Wait(e))),
@@ -250,7 +256,7 @@ impl<C: Communicator> RingSink<'_, C> {
     /// Publishes chunk `at.c` (the bytes at `at.offset`, `len` of them) and moves on.
     fn publish(&mut self, len: u64) {
         let at = &mut *self.at;
-        ring::publish_chunk(self.ring, at.c, self.message, self.total, at.offset);
+        ring::publish_chunk(self.ring, at.c, self.message, at.offset);
         wake_if_parked(self.readers);
         at.c += 1;
         at.offset += len;
@@ -260,13 +266,13 @@ impl<C: Communicator> RingSink<'_, C> {
     fn write(&mut self, mut piece: &[u8]) -> postcard::Result<()> {
         let chunk_bytes = self.ring.chunk_bytes();
         while !piece.is_empty() {
-            if self.at.offset >= self.total {
+            if self.at.offset >= self.message.total {
                 return Err(self.unstable());
             }
             if self.at.fill == 0 {
                 self.begin_chunk()?;
             }
-            let (len, _) = crate::layout::piece(self.total, chunk_bytes, self.at.offset);
+            let (len, _) = crate::layout::piece(self.message.total, chunk_bytes, self.at.offset);
             // `len - fill` is at most a chunk, which fits `usize` (the layout exists).
             let n = ((len - self.at.fill) as usize).min(piece.len());
             ring::fill_chunk(self.ring, self.at.c, self.at.fill as usize, &piece[..n]);
@@ -294,13 +300,13 @@ impl<C: Communicator> postcard::ser_flavors::Flavor for RingSink<'_, C> {
     }
 
     fn finalize(mut self) -> postcard::Result<()> {
-        if self.total == 0 {
+        if self.message.total == 0 {
             // An empty message is one empty chunk.
             self.begin_chunk()?;
             self.publish(0);
             return Ok(());
         }
-        if self.at.offset != self.total {
+        if self.at.offset != self.message.total {
             return Err(self.unstable());
         }
         Ok(())

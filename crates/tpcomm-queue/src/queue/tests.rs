@@ -1,4 +1,5 @@
-//! The size pass, a streamed value's chunks published mid-encoding, and the frames.
+//! The size pass, a streamed value's chunks published mid-encoding, the frames, and the
+//! ring of a queue one of whose readers could not map it.
 
 use serde::Serialize;
 
@@ -7,26 +8,34 @@ use super::transport::{read_frame, write_frame, DATA, FRAME};
 use super::{BroadcastQueue, QueueConfig};
 use crate::ring::RingMemory;
 use serde_bytes::ByteBuf;
-use tpcomm_transport::{LocalCommunicator, LocalGroup};
+use tpcomm_transport::{Communicator, LocalCommunicator, LocalGroup};
+
+thread_local! {
+    /// Set on a rank's thread before `create`: that reader cannot map the ring.
+    pub(super) static REFUSE_MAPPING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 #[test]
 fn the_size_pass_counts_values_of_few_large_pieces_and_gives_up_on_many_small_ones() {
     let blob = ByteBuf::from(vec![5u8; 1 << 20]);
-    assert!(matches!(encoded_size(&blob), SizePass::Bytes(Ok(n)) if n == (1 << 20) + 3));
+    assert!(matches!(encoded_size(&blob, 8), SizePass::Bytes(Ok((n, _))) if n == (1 << 20) + 3));
     let fields = (1u8, 2u16, "three", [4u32; 8], ByteBuf::from(vec![0; 100]));
     let len = tpcomm_objects::encode_append(&fields, Vec::new())
         .unwrap()
         .len();
-    assert!(matches!(encoded_size(&fields), SizePass::Bytes(Ok(n)) if n == len));
+    assert!(matches!(encoded_size(&fields, 8), SizePass::Bytes(Ok((n, _))) if n == len));
     // Every element a piece: a Vec<u8> without serde_bytes, a Vec<u32>.
-    assert!(matches!(encoded_size(&vec![1u8; 1000]), SizePass::GaveUp));
-    assert!(matches!(encoded_size(&vec![1u32; 65]), SizePass::GaveUp));
+    assert!(matches!(
+        encoded_size(&vec![1u8; 1000], 8),
+        SizePass::GaveUp
+    ));
+    assert!(matches!(encoded_size(&vec![1u32; 65], 8), SizePass::GaveUp));
     // Small pieces among large ones: counted while they average 64 bytes.
     // (each byte string is two pieces, its length and its bytes)
     let mixed: Vec<ByteBuf> = (0..200).map(|_| ByteBuf::from(vec![1; 200])).collect();
-    assert!(matches!(encoded_size(&mixed), SizePass::Bytes(Ok(_))));
+    assert!(matches!(encoded_size(&mixed, 8), SizePass::Bytes(Ok(_))));
     let mixed: Vec<ByteBuf> = (0..200).map(|_| ByteBuf::from(vec![1; 100])).collect();
-    assert!(matches!(encoded_size(&mixed), SizePass::GaveUp));
+    assert!(matches!(encoded_size(&mixed, 8), SizePass::GaveUp));
 }
 
 /// Two chunk-sized byte strings; between them, the writer's encoding (its second
@@ -95,8 +104,8 @@ fn a_streamed_value_s_first_chunks_are_published_while_it_is_still_encoded() {
 #[test]
 fn frames_round_trip_and_garbage_is_refused() {
     let mut frame = [0u8; FRAME];
-    write_frame(&mut frame, DATA, 7, 1000);
-    assert_eq!(read_frame(&frame), Ok((DATA, 7, 1000)));
+    write_frame(&mut frame, DATA, 7, (1000, 0xfeed));
+    assert_eq!(read_frame(&frame), Ok((DATA, 7, (1000, 0xfeed))));
     let mut bad = frame;
     bad[0] = b'x';
     assert!(read_frame(&bad).is_err());
@@ -104,6 +113,51 @@ fn frames_round_trip_and_garbage_is_refused() {
     bad[6] = 9;
     assert!(read_frame(&bad).is_err());
     let mut bad = frame;
-    bad[4] = 2;
+    bad[4] = 1;
     assert!(read_frame(&bad).is_err());
+}
+
+#[test]
+fn a_reader_that_could_not_map_the_ring_leaves_the_others_able_to_resume() {
+    let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
+        // Rank 2 is on the writer's host but cannot map the ring: it reads through the
+        // transport, and the ring keeps its slot.
+        REFUSE_MAPPING.with(|r| r.set(comm.rank() == 2));
+        let mut q = BroadcastQueue::create(&comm, QueueConfig::default())?;
+        assert_eq!(q.locality().shared_memory, [1]);
+        assert_eq!(q.locality().transport, [2]);
+        q.suspend(&comm)?;
+        q.resume(&comm)?;
+        if q.is_writer() {
+            q.send(&7u32)?;
+        } else {
+            assert_eq!(q.recv::<u32>()?, 7);
+        }
+        q.close_with(&comm)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        assert!(matches!(r, Ok(Ok(()))), "rank {rank}: {r:?}");
+    }
+}
+
+#[test]
+fn the_pieces_after_a_frame_grow_with_what_arrived_and_cover_the_message() {
+    use super::transport::next_piece;
+    for (total, max_count) in [
+        (300, 1 << 30),
+        (5 << 20, 1 << 30),
+        (3 << 30, 1 << 30),
+        (100, 7),
+    ] {
+        let mut received = 100.min(total);
+        let mut pieces = 0;
+        while received < total {
+            let n = next_piece(received, total, max_count);
+            assert!(n > 0 && n <= received.max(1 << 20) && n <= max_count);
+            received += n;
+            pieces += 1;
+        }
+        assert_eq!(received, total);
+        assert!(pieces <= 64, "{pieces} pieces for {total} bytes");
+    }
 }

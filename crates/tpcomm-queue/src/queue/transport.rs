@@ -1,60 +1,64 @@
 //! The transport path, for the readers that do not map the ring (on other hosts, or asked
 //! to): each message is one broadcast of a 256-byte frame (a header and the first bytes) in
-//! the sub-communicator of the writer and those readers, plus one broadcast of the rest.
+//! the sub-communicator of the writer and those readers, plus broadcasts of the rest in
+//! pieces that grow with what arrived (one piece up to 1 MiB).
 
-use tpcomm_transport::Communicator;
+use tpcomm_transport::{Communicator, TransportError};
 
 use super::BroadcastQueue;
 use crate::error::{Corruption, QueueError, Result};
 
-/// Bytes of a transport frame: a 24-byte header and the first [`INLINE`] bytes.
+/// Bytes of a transport frame: a [`HEADER`] and the first [`INLINE`] bytes.
 pub(super) const FRAME: usize = 256;
+/// Bytes of a frame's header: magic, version, kind, message number, length, shape.
+const HEADER: usize = 32;
 /// Message bytes a frame carries.
-const INLINE: usize = FRAME - 24;
+const INLINE: usize = FRAME - HEADER;
 /// A frame's first bytes.
 const FRAME_MAGIC: [u8; 4] = *b"tpQF";
 /// The frame format's version.
-const FRAME_VERSION: u16 = 1;
+const FRAME_VERSION: u16 = 2;
 /// Frame kinds.
 pub(super) const DATA: u8 = 1;
 pub(super) const END: u8 = 2;
 
 impl<C: Communicator> BroadcastQueue<C> {
-    /// Broadcasts `self.buf` (message `message`) to the transport readers: one frame, and
-    /// the rest of the bytes when they do not fit in it.
-    pub(super) fn remote_send(&mut self, message: u64) -> Result<()> {
+    /// Broadcasts `self.buf` (message `message`, of shape `shape`) to the transport
+    /// readers: one frame, and the rest of the bytes when they do not fit in it.
+    pub(super) fn remote_send(&mut self, message: u64, shape: u64) -> Result<()> {
         let Some(remote) = &self.remote else {
             return Ok(());
         };
         let total = self.buf.len();
         let inline = total.min(INLINE);
-        write_frame(&mut self.frame, DATA, message, total as u64);
-        self.frame[24..24 + inline].copy_from_slice(&self.buf[..inline]);
+        write_frame(&mut self.frame, DATA, message, (total as u64, shape));
+        self.frame[HEADER..HEADER + inline].copy_from_slice(&self.buf[..inline]);
         let transport = |source| QueueError::Transport {
             rank: self.rank,
             message,
             source,
         };
         remote.broadcast(0, &mut self.frame).map_err(transport)?;
-        if total > INLINE {
+        let mut sent = inline;
+        while sent < total {
+            let n = next_piece(sent, total, remote.max_count());
             remote
-                .broadcast(0, &mut self.buf[INLINE..])
+                .broadcast(0, &mut self.buf[sent..sent + n])
                 .map_err(transport)?;
+            sent += n;
         }
         Ok(())
     }
 
-    /// Receives the next message's frame (and the rest of its bytes) from the transport.
-    pub(super) fn remote_recv(&mut self) -> Result<()> {
+    /// Receives the next message's frame (and the rest of its bytes) from the transport;
+    /// returns its shape.
+    pub(super) fn remote_recv(&mut self) -> Result<u64> {
         let (rank, message) = (self.rank, self.messages);
         let Some(remote) = &self.remote else {
             return Err(self.refused("recv"));
         };
-        let transport = |source| QueueError::Transport {
-            rank,
-            message,
-            source,
-        };
+        let writer = self.writer;
+        let transport = |source| reader_error(rank, writer, message, source);
         remote.broadcast(0, &mut self.frame).map_err(transport)?;
         let corrupt = |problem| QueueError::Corrupt {
             rank,
@@ -62,7 +66,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             message,
             problem,
         };
-        let (kind, number, total) = read_frame(&self.frame).map_err(corrupt)?;
+        let (kind, number, (total, shape)) = read_frame(&self.frame).map_err(corrupt)?;
         if kind == END {
             return Err(QueueError::Closed {
                 rank,
@@ -79,38 +83,66 @@ impl<C: Communicator> BroadcastQueue<C> {
         }
         // `total <= cap <= isize::MAX`.
         let total = total as usize;
-        self.buf.clear();
-        if self.buf.try_reserve(total).is_err() {
-            return Err(QueueError::Allocation {
-                rank,
-                message,
-                bytes: total,
-            });
-        }
         let inline = total.min(INLINE);
-        self.buf.extend_from_slice(&self.frame[24..24 + inline]);
-        if total > INLINE {
-            self.buf.resize(total, 0);
+        self.buf.clear();
+        self.buf
+            .extend_from_slice(&self.frame[HEADER..HEADER + inline]);
+        // The rest arrives in pieces, each reserved only when the one before it is in: what
+        // a frame alone makes this reader reserve is one piece ([`AHEAD`]), not the length
+        // it announces.
+        while self.buf.len() < total {
+            let at = self.buf.len();
+            let n = next_piece(at, total, remote.max_count());
+            if self.buf.try_reserve(n).is_err() {
+                return Err(QueueError::Allocation {
+                    rank,
+                    message,
+                    bytes: at + n,
+                });
+            }
+            self.buf.resize(at + n, 0);
             remote
-                .broadcast(0, &mut self.buf[INLINE..])
+                .broadcast(0, &mut self.buf[at..])
                 .map_err(transport)?;
         }
-        Ok(())
+        Ok(shape)
     }
 }
 
-/// Writes a frame's header.
-pub(super) fn write_frame(frame: &mut [u8; FRAME], kind: u8, message: u64, total: u64) {
+/// The most bytes of a message a transport reader reserves before they arrive: the first
+/// piece after the frame.
+const AHEAD: usize = 1 << 20;
+
+/// The length of the piece of a `total`-byte message that follows its first `received`
+/// bytes: as many bytes as arrived before it (at least [`AHEAD`]), so that a reader never
+/// reserves more than twice what it received plus [`AHEAD`], and a message of `n` bytes
+/// takes about `log2(n / AHEAD)` broadcasts; never more than the transport's `max_count`.
+pub(super) fn next_piece(received: usize, total: usize, max_count: usize) -> usize {
+    (total - received)
+        .min(received.max(AHEAD))
+        .min(max_count.max(1))
+}
+
+/// Writes a frame's header: its kind, the message number, the message's length and shape.
+pub(super) fn write_frame(
+    frame: &mut [u8; FRAME],
+    kind: u8,
+    message: u64,
+    (total, shape): (u64, u64),
+) {
     frame[..4].copy_from_slice(&FRAME_MAGIC);
     frame[4..6].copy_from_slice(&FRAME_VERSION.to_le_bytes());
     frame[6] = kind;
     frame[7] = 0;
     frame[8..16].copy_from_slice(&message.to_le_bytes());
     frame[16..24].copy_from_slice(&total.to_le_bytes());
+    frame[24..32].copy_from_slice(&shape.to_le_bytes());
 }
 
-/// A frame's kind, message number and total length, checked.
-pub(super) fn read_frame(frame: &[u8; FRAME]) -> std::result::Result<(u8, u64, u64), Corruption> {
+/// A frame's kind, message number, and the message's length and shape, checked.
+pub(super) fn read_frame(
+    frame: &[u8; FRAME],
+) -> std::result::Result<(u8, u64, (u64, u64)), Corruption> {
     if frame[..4] != FRAME_MAGIC {
         return Err(Corruption::Frame("no frame magic"));
     }
@@ -125,5 +157,26 @@ pub(super) fn read_frame(frame: &[u8; FRAME]) -> std::result::Result<(u8, u64, u
         w.copy_from_slice(&frame[at..at + 8]);
         u64::from_le_bytes(w)
     };
-    Ok((frame[6], word(8), word(16)))
+    Ok((frame[6], word(8), (word(16), word(24))))
+}
+
+/// A transport reader's error for the broadcast of message `message` failing with `source`:
+/// a wait past the bound (the queue's timeout, see [`Communicator::bound_waits`]) is
+/// [`QueueError::WriterTimeout`] naming the writer, the root of every broadcast it waits in.
+fn reader_error(rank: usize, writer: usize, message: u64, source: TransportError) -> QueueError {
+    match source {
+        TransportError::Timeout { waited, .. } | TransportError::Unresponsive { waited, .. } => {
+            QueueError::WriterTimeout {
+                rank,
+                writer,
+                message,
+                waited,
+            }
+        }
+        source => QueueError::Transport {
+            rank,
+            message,
+            source,
+        },
+    }
 }

@@ -33,6 +33,12 @@ impl Communicator for LocalCommunicator {
         "local"
     }
 
+    /// This rank's waits are bounded by `timeout` instead of the group's.
+    fn bound_waits(&mut self, timeout: std::time::Duration) -> Result<bool> {
+        self.timeout = Some(timeout);
+        Ok(true)
+    }
+
     fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Self>> {
         const NO_COLOR: usize = usize::MAX;
         let op = Op::Split;

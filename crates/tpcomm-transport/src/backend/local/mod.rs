@@ -101,6 +101,9 @@ pub struct LocalCommunicator {
     spares: Mutex<Vec<Arc<Post>>>,
     /// The vectors a [`Joined`] holds the posts it read in, kept between calls.
     held: Mutex<(Vec<Got>, Vec<Post>)>,
+    /// This rank's bound on a wait, when [`Communicator::bound_waits`] set one (otherwise
+    /// the group's [`LocalGroupConfig::timeout`]).
+    timeout: Option<std::time::Duration>,
 }
 
 impl LocalCommunicator {
@@ -115,6 +118,7 @@ impl LocalCommunicator {
             known_done: AtomicU64::new(0),
             holding: AtomicU64::new(0),
             spares: Mutex::new(Vec::with_capacity(SPARES)),
+            timeout: None,
         }
     }
 }

@@ -263,3 +263,22 @@ fn a_root_runs_at_most_the_ring_ahead_of_its_readers() {
     assert_eq!(got, (0..calls as u64).collect::<Vec<_>>());
     assert!(results[0].as_ref().unwrap().is_ok());
 }
+
+/// A communicator whose waits `bound_waits` bounded times out at its own bound, naming the
+/// rank that did not come, however long the group's timeout.
+#[test]
+fn bound_waits_bounds_this_rank_s_waits_by_its_own_timeout() {
+    let mut comms = LocalGroup::new(2)
+        .timeout(Duration::from_secs(60))
+        .communicators()
+        .unwrap();
+    let mut reader = comms.pop().unwrap();
+    assert!(reader.bound_waits(Duration::from_millis(200)).unwrap());
+    let begun = Instant::now();
+    match reader.broadcast(0, &mut [0u8; 8]) {
+        Err(TransportError::Timeout { missing, .. }) => assert_eq!(missing, [0]),
+        other => panic!("expected a timeout naming the root, got {other:?}"),
+    }
+    let waited = begun.elapsed();
+    assert!(waited < Duration::from_secs(30), "waited {waited:?}");
+}

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::abort::Abort;
 use super::shared::Shared;
-use super::{LocalCommunicator, LocalGroupConfig};
+use super::LocalCommunicator;
 use crate::error::{Op, Result, TransportError};
 use crate::spin::later;
 
@@ -25,10 +25,10 @@ struct Wait {
 }
 
 impl Wait {
-    fn new(now: Instant, config: &LocalGroupConfig) -> Self {
+    fn new(now: Instant, timeout: Duration) -> Self {
         Self {
             started: now,
-            deadline: later(now, config.timeout),
+            deadline: later(now, timeout),
             spin_until: None,
             spun: false,
             parked: false,
@@ -76,7 +76,8 @@ impl LocalCommunicator {
         missing: impl Fn() -> Vec<usize>,
     ) -> Result<()> {
         let shared = &*self.shared;
-        let mut w = Wait::new(Instant::now(), &shared.config);
+        let timeout = self.timeout.unwrap_or(shared.config.timeout);
+        let mut w = Wait::new(Instant::now(), timeout);
         // The first spin takes no lock: its peers usually come within it.
         if !shared.flags.aborted.load(Ordering::Acquire) {
             let seen = shared.epoch.load(Ordering::Acquire);
@@ -124,8 +125,8 @@ impl LocalCommunicator {
             if now >= w.deadline {
                 let missing = missing();
                 let reason = format!(
-                    "rank {} timed out in {op} after {:?} waiting for ranks {missing:?}",
-                    self.rank, shared.config.timeout
+                    "rank {} timed out in {op} after {timeout:?} waiting for ranks {missing:?}",
+                    self.rank
                 );
                 state.abort.get_or_insert(Abort {
                     by: self.rank,

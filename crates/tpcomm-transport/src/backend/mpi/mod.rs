@@ -362,6 +362,12 @@ impl Communicator for MpiCommunicator {
         self.split_group(color, key)
     }
 
+    /// The timed path ([`MpiCommunicator::with_timeout`]) on this communicator.
+    fn bound_waits(&mut self, timeout: std::time::Duration) -> Result<bool> {
+        self.arm_timeout(timeout)?;
+        Ok(true)
+    }
+
     fn raw_barrier(&self) -> Result<()> {
         if let Some(timeout) = self.timed(Op::Barrier)? {
             return self.timed_barrier(timeout);

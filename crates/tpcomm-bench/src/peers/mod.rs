@@ -1,11 +1,12 @@
 //! What the subcommands measure tpcomm against: the MPI peer ([`mpi_world`]) and the C loop
 //! that checks it ([`c_loop`], with `peer_loop.c` and `staged_floor.c`), mpi4py
 //! ([`mpi4py`], with `objects_peer.py`), and the floors that bound what any implementation
-//! can reach on the machine ([`page_floor`], [`handoff_floor`]).
+//! can reach on the machine ([`page_floor`], [`handoff_floor`], [`copy_floor`]).
 
 use crate::engine::error::BenchError;
 
 pub(crate) mod c_loop;
+pub(crate) mod copy_floor;
 pub(crate) mod handoff_floor;
 pub(crate) mod mpi4py;
 pub(crate) mod mpi_world;

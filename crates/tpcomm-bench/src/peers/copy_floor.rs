@@ -10,10 +10,9 @@
 //! and each reader's copy out, on different cores, with the bytes crossing between their
 //! caches. It has nothing else: no encoding or decoding, no ring, no checks, no flow control
 //! (the writer never waits: every iteration of the bench starts at a barrier that a reader
-//! reaches only after its copy). Both copies are plain copies (`tpcomm_transport::copy`, as
-//! the queue's readers copy out); the queue's writer streams chunks of 16 KiB and more with
-//! non-temporal stores instead, so where those are faster between cores the queue can come
-//! in under this floor.
+//! reaches only after its copy). The copies are the queue's own: the writer's
+//! `tpcomm_transport::copy::copy_to_shared` (non-temporal stores from 16 KiB, past the lines
+//! the readers cached), each reader's `copy_bytes`.
 //!
 //! The buffer is a `tpcomm-ipc` host buffer shared through [`PeerMappings::exchange`], so the
 //! floor runs on threads and on MPI processes of one host alike.
@@ -21,7 +20,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tpcomm::transport::copy::copy_bytes;
+use tpcomm::transport::copy::{copy_bytes, copy_to_shared};
 use tpcomm::Communicator;
 use tpcomm_ipc::{HostBuffer, HostMemory, MemoryRegion, PeerMappings, PeerMemory, Region};
 
@@ -119,7 +118,7 @@ impl CopyFloor {
             // overlap. No reader reads this message's bytes before the progress word says
             // they are in, and the last reader finished the previous message before the
             // barrier that started this iteration.
-            unsafe { copy_bytes(self.base.add(HEADER + at), bytes.as_ptr().add(at), n) };
+            unsafe { copy_to_shared(self.base.add(HEADER + at), bytes.as_ptr().add(at), n) };
             at += n;
             self.progress()
                 .store(self.moved + at as u64, Ordering::Release);

@@ -9,7 +9,7 @@ use tpcomm_transport::device::{DeviceCommunicator, DeviceElement, ReduceOp};
 use tpcomm_transport::{Communicator, NcclCommunicator};
 
 use crate::backend::cuda::{CudaBackend, CudaOptions};
-use crate::custom_all_reduce::{CaptureMark, Config, CustomAllReduce, DeviceGraph};
+use crate::custom_all_reduce::{output_holds, CaptureMark, Config, CustomAllReduce, DeviceGraph};
 use crate::dispatch::{Algorithm, FallbackReason, Reproducibility};
 use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
@@ -119,13 +119,7 @@ impl<M: DevicePeerMemory> DeviceAllReduce<M> {
             }
             Err(AllReduceError::Fallback(reason)) => {
                 tracing::debug!(%reason, dtype = T::DTYPE.name(), count = input.len(), "all-reduce falls back to NCCL");
-                if output.len() < input.len() {
-                    return Err(AllReduceError::BufferTooSmall {
-                        buffer: "output",
-                        len: output.len(),
-                        count: input.len(),
-                    });
-                }
+                output_holds(output.len(), input.len())?;
                 if output.len() == input.len() {
                     self.nccl.all_reduce(input, output, ReduceOp::Sum)?;
                 } else {

@@ -127,13 +127,7 @@ impl<M: DevicePeerMemory> CustomAllReduce<CudaBackend<M>> {
         O: DevicePtrMut<T>,
     {
         let count = input.len();
-        if output.len() < count {
-            return Err(AllReduceError::BufferTooSmall {
-                buffer: "output",
-                len: output.len(),
-                count,
-            });
-        }
+        super::caller_memory::output_holds(output.len(), count)?;
         let bytes = count.saturating_mul(T::DTYPE.size());
         if !bytes.is_multiple_of(PACK) {
             return Err(AllReduceError::Fallback(

@@ -31,6 +31,8 @@ use std::sync::Weak;
 use tpcomm_ipc::{ExchangeId, PeerMappings, Region};
 use tpcomm_transport::Communicator;
 
+#[cfg(feature = "nccl")]
+pub(crate) use caller_memory::output_holds;
 pub use capture::{Capture, CapturedPlan};
 pub use config::Config;
 #[cfg(feature = "cuda")]

@@ -14,17 +14,18 @@
 //! `tpcomm_transport::copy::copy_to_shared` (non-temporal stores from 16 KiB, past the lines
 //! the readers cached), each reader's `copy_bytes`.
 //!
-//! The buffer is a `tpcomm-ipc` host buffer shared through [`PeerMappings::exchange`], so the
-//! floor runs on threads and on MPI processes of one host alike.
+//! The buffer is a `tpcomm-ipc` host buffer of rank 0's that the others map
+//! ([`WriterBuffer`]: one `PeerMappings::exchange`), so the floor runs on threads and on MPI
+//! processes of one host alike.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tpcomm::transport::copy::{copy_bytes, copy_to_shared};
 use tpcomm::Communicator;
-use tpcomm_ipc::{HostBuffer, HostMemory, MemoryRegion, PeerMappings, PeerMemory, Region};
 
 use crate::engine::error::BenchError;
+use crate::peers::WriterBuffer;
 
 /// Bytes before the payload: the progress word, and the rest of a cache line.
 const HEADER: usize = 64;
@@ -37,13 +38,8 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 /// One rank's side of the floor: the writer's buffer, or a reader's mapping of it.
 #[derive(Debug)]
 pub(crate) struct CopyFloor {
-    /// The writer's own buffer (kept for the floor's life; a reader's is a placeholder).
-    _buffer: HostBuffer,
-    /// The readers' mappings of the writer's buffer.
-    peers: PeerMappings<HostMemory>,
-    /// The first byte of the shared buffer in this process (valid while `peers` and
-    /// `_buffer` live).
-    base: *mut u8,
+    /// The writer's buffer, or this reader's mapping of it.
+    shared: WriterBuffer,
     /// Bytes of every message.
     len: usize,
     /// Bytes the writer publishes at a time.
@@ -60,32 +56,9 @@ impl CopyFloor {
         len: usize,
         chunk: usize,
     ) -> Result<Self, BenchError> {
-        let writer = comm.rank() == 0;
-        let memory = HostMemory::new();
-        let buffer = memory.allocate(if writer { HEADER + len } else { HEADER })?;
-        let region = Region {
-            addr: buffer.addr(),
-            len: buffer.len(),
-        };
-        let mut peers = PeerMappings::new(memory, comm)?;
-        let id = peers.exchange(comm, &[region])?;
-        let base = if writer {
-            buffer.as_ptr()
-        } else {
-            let mapping = peers.peer(id, 0, 0)?;
-            if mapping.len() < HEADER + len {
-                return Err(BenchError::Usage(format!(
-                    "copy floor: rank 0 shares {} bytes, {} needed",
-                    mapping.len(),
-                    HEADER + len
-                )));
-            }
-            mapping.as_ptr()
-        };
+        let shared = WriterBuffer::new(comm, HEADER, len, "copy floor")?;
         Ok(Self {
-            _buffer: buffer,
-            peers,
-            base,
+            shared,
             len,
             chunk: chunk.max(1),
             moved: 0,
@@ -95,9 +68,9 @@ impl CopyFloor {
     /// The progress word: bytes published over all messages.
     fn progress(&self) -> &AtomicU64 {
         // SAFETY: `base` is the start of a live shared mapping of at least HEADER bytes (the
-        // writer's buffer, or a mapping kept by `self.peers`), page aligned, so 8-aligned;
+        // writer's buffer, or a mapping kept by `self.shared`), page aligned, so 8-aligned;
         // every process touches this word only through atomics.
-        unsafe { &*self.base.cast::<AtomicU64>() }
+        unsafe { &*self.shared.base.cast::<AtomicU64>() }
     }
 
     /// Writer: copies `bytes` (the message, `len` bytes) into the shared buffer a chunk at
@@ -118,7 +91,7 @@ impl CopyFloor {
             // overlap. No reader reads this message's bytes before the progress word says
             // they are in, and the last reader finished the previous message before the
             // barrier that started this iteration.
-            unsafe { copy_to_shared(self.base.add(HEADER + at), bytes.as_ptr().add(at), n) };
+            unsafe { copy_to_shared(self.shared.base.add(HEADER + at), bytes.as_ptr().add(at), n) };
             at += n;
             self.progress()
                 .store(self.moved + at as u64, Ordering::Release);
@@ -162,7 +135,13 @@ impl CopyFloor {
             // (checked at creation); the writer wrote them before its release store that
             // the acquire load above saw, and writes them again only after the next
             // barrier, which this rank reaches after the copy; `out` holds `len` bytes.
-            unsafe { copy_bytes(out.as_mut_ptr().add(at), self.base.add(HEADER + at), n) };
+            unsafe {
+                copy_bytes(
+                    out.as_mut_ptr().add(at),
+                    self.shared.base.add(HEADER + at),
+                    n,
+                )
+            };
             at += n;
         }
         self.moved += self.len as u64;
@@ -171,9 +150,8 @@ impl CopyFloor {
 
     /// Unmaps this rank's mapping of the writer's buffer (none on the writer, whose buffer
     /// goes when `self` drops).
-    pub(crate) fn close(mut self) -> Result<(), BenchError> {
-        self.peers.close_all()?;
-        Ok(())
+    pub(crate) fn close(self) -> Result<(), BenchError> {
+        self.shared.close()
     }
 }
 

@@ -141,8 +141,8 @@ pub enum TableProblem {
 }
 
 impl DispatchTable {
-    /// Reads a table file (format in the [module docs](self)); errors name `path` and the
-    /// line.
+    /// Reads a table file (format in `docs/all-reduce.md`, "Dispatch"); errors name `path`
+    /// and the line.
     pub fn load(path: impl AsRef<Path>) -> Result<Self, TableError> {
         let path = path.as_ref();
         let origin = path.display().to_string();

@@ -174,8 +174,9 @@ pub const ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
     32 << 10,
 ];
 
-/// The host backend's built-in table ([`DispatchTable::host`]) for its eager launches, which copy the caller's
-/// input into the staging buffer (RankData slot 0) first: one-stage copies all of it (peers
+/// The host backend's built-in table ([`DispatchTable::host`]) for its eager launches, which
+/// copy the caller's input into the staging buffer (RankData slot 0) first: one-stage copies
+/// all of it (peers
 /// read all of it), two-stage only the parts peers read, so two-stage wins earlier. Measured
 /// like the table above: on 2 ranks two-stage is 5-25% faster from 8 KiB (two MPI runs and
 /// two local-thread runs) and 1-35% slower below. Other world sizes: as

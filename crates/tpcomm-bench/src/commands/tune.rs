@@ -265,7 +265,9 @@ impl Bench for TuneArgs {
             );
             for (si, &bytes) in sizes.iter().enumerate() {
                 let salt = ((di as u64) << 40) ^ ((si as u64) << 20) ^ 0x70e5;
-                let rows = with_element!(dtype, T => measure_size::<T, C>(s, comm, &mut tuner, &mut sync, bytes, salt))?;
+                let tuning = (&mut tuner, &mut sync);
+                let rows =
+                    with_element!(dtype, T => measure_size::<T, C>(s, comm, tuning, bytes, salt))?;
                 if s.prints() {
                     picks.push(Measured::of(comm.size(), dtype, bytes, &rows));
                 }
@@ -288,8 +290,7 @@ impl Bench for TuneArgs {
 fn measure_size<T, C>(
     s: &Session<'_>,
     comm: &C,
-    tuner: &mut Tuner<'_>,
-    sync: &mut HostAllReduce,
+    (tuner, sync): (&mut Tuner<'_>, &mut HostAllReduce),
     bytes: usize,
     salt: u64,
 ) -> Result<Vec<Row>, BenchError>

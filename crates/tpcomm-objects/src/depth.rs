@@ -18,7 +18,10 @@
 //! Every [`STACK_LOOK_EVERY`](crate::shape::STACK_LOOK_EVERY)th level looks at the stack
 //! left and goes on on a fresh segment when it runs short, so that the allowed depth is safe
 //! on any thread's stack; and the wrappers record the value's
-//! [`Shape`](crate::Shape) when asked (see `shape.rs`).
+//! [`Shape`](crate::Shape) when asked (see `shape.rs`). Recording is a type parameter of
+//! the wrappers (`REC`): a container entered once the shape's calls are all recorded (or
+//! when no shape is asked for) hands its elements wrappers that record nothing, so that the
+//! leaves of a large value pay no look at the recorder.
 
 use std::cell::Cell;
 use std::fmt;
@@ -138,9 +141,9 @@ impl Budget {
         Some(self.ran_short.get()).filter(|&l| l > 0)
     }
 
-    /// `inner`, bounded by this budget.
+    /// `inner`, bounded by this budget (recording the shape if `REC`).
     #[inline]
-    fn bound<D>(&self, inner: D) -> Bounded<'_, D> {
+    fn bound<D, const REC: bool>(&self, inner: D) -> Bounded<'_, D, REC> {
         Bounded {
             inner,
             budget: self,
@@ -158,23 +161,39 @@ impl Budget {
     }
 }
 
-/// A deserializer whose nesting is bounded by `budget`.
-pub(crate) struct Bounded<'b, D> {
+/// A deserializer whose nesting is bounded by `budget`; with `REC`, it records the calls
+/// it sees in the budget's shape (while the recorder takes any).
+pub(crate) struct Bounded<'b, D, const REC: bool> {
     pub(crate) inner: D,
     pub(crate) budget: &'b Budget,
 }
 
-/// A visitor, seed or access wrapped so that what it hands on stays bounded.
-struct Wrap<'b, X> {
+/// A visitor, seed or access wrapped so that what it hands on stays bounded (and, with
+/// `REC`, recorded).
+struct Wrap<'b, X, const REC: bool> {
     inner: X,
     budget: &'b Budget,
 }
 
-impl<'b, X> Wrap<'b, X> {
+impl<'b, X, const REC: bool> Wrap<'b, X, REC> {
     #[inline]
     fn new(inner: X, budget: &'b Budget) -> Self {
         Self { inner, budget }
     }
+}
+
+/// Hands `$inner` on to `$call` wrapped for the children of a container: recording while
+/// this wrapper records and the recorder still takes calls, recording nothing otherwise.
+macro_rules! to_children {
+    ($self:ident, $inner:expr, |$w:ident| $call:expr) => {
+        if REC && $self.budget.shape.recording() {
+            let $w = Wrap::<_, true>::new($inner, $self.budget);
+            $call
+        } else {
+            let $w = Wrap::<_, false>::new($inner, $self.budget);
+            $call
+        }
+    };
 }
 
 /// Methods that decode a leaf: forwarded with the visitor wrapped. Arguments before the
@@ -187,10 +206,12 @@ macro_rules! leaf {
             $($($arg: $ty,)*)?
             visitor: V,
         ) -> Result<V::Value, D::Error> {
-            if let Some(kind) = $kind {
-                self.budget.shape.record(kind, 0);
+            if REC {
+                if let Some(kind) = $kind {
+                    self.budget.shape.record(kind, 0);
+                }
             }
-            self.inner.$method($($($arg,)*)? Wrap::new(visitor, self.budget))
+            self.inner.$method($($($arg,)*)? Wrap::<_, REC>::new(visitor, self.budget))
         }
     )*};
 }
@@ -206,15 +227,17 @@ macro_rules! container {
             visitor: V,
         ) -> Result<V::Value, D::Error> {
             let budget = self.budget;
-            if let Some((kind, fields)) = $record {
-                budget.shape.record(kind, fields);
+            if REC {
+                if let Some((kind, fields)) = $record {
+                    budget.shape.record(kind, fields);
+                }
             }
-            budget.nested(|| self.inner.$method($($($arg,)*)? Wrap::new(visitor, budget)))
+            budget.nested(|| self.inner.$method($($($arg,)*)? Wrap::<_, REC>::new(visitor, budget)))
         }
     )*};
 }
 
-impl<'de, D: Deserializer<'de>> Deserializer<'de> for Bounded<'_, D> {
+impl<'de, D: Deserializer<'de>, const REC: bool> Deserializer<'de> for Bounded<'_, D, REC> {
     type Error = D::Error;
 
     leaf!(
@@ -271,7 +294,7 @@ macro_rules! forward_visit {
     )*};
 }
 
-impl<'de, V: Visitor<'de>> Visitor<'de> for Wrap<'_, V> {
+impl<'de, V: Visitor<'de>, const REC: bool> Visitor<'de> for Wrap<'_, V, REC> {
     type Value = V::Value;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -313,41 +336,42 @@ impl<'de, V: Visitor<'de>> Visitor<'de> for Wrap<'_, V> {
 
     #[inline]
     fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        self.inner.visit_some(self.budget.bound(d))
+        self.inner.visit_some(self.budget.bound::<_, REC>(d))
     }
 
     #[inline]
     fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        self.inner.visit_newtype_struct(self.budget.bound(d))
+        self.inner
+            .visit_newtype_struct(self.budget.bound::<_, REC>(d))
     }
 
     #[inline]
     fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-        self.inner.visit_seq(Wrap::new(seq, self.budget))
+        to_children!(self, seq, |w| self.inner.visit_seq(w))
     }
 
     #[inline]
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-        self.inner.visit_map(Wrap::new(map, self.budget))
+        to_children!(self, map, |w| self.inner.visit_map(w))
     }
 
     #[inline]
     fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<Self::Value, A::Error> {
-        self.inner.visit_enum(Wrap::new(data, self.budget))
+        to_children!(self, data, |w| self.inner.visit_enum(w))
     }
 }
 
 /// A seed deserializes its value through a bounded deserializer.
-impl<'de, S: DeserializeSeed<'de>> DeserializeSeed<'de> for Wrap<'_, S> {
+impl<'de, S: DeserializeSeed<'de>, const REC: bool> DeserializeSeed<'de> for Wrap<'_, S, REC> {
     type Value = S::Value;
 
     #[inline]
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        self.inner.deserialize(self.budget.bound(d))
+        self.inner.deserialize(self.budget.bound::<_, REC>(d))
     }
 }
 
-impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for Wrap<'_, A> {
+impl<'de, A: SeqAccess<'de>, const REC: bool> SeqAccess<'de> for Wrap<'_, A, REC> {
     type Error = A::Error;
 
     #[inline]
@@ -355,7 +379,8 @@ impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for Wrap<'_, A> {
         &mut self,
         seed: T,
     ) -> Result<Option<T::Value>, A::Error> {
-        self.inner.next_element_seed(Wrap::new(seed, self.budget))
+        self.inner
+            .next_element_seed(Wrap::<_, REC>::new(seed, self.budget))
     }
 
     #[inline]
@@ -364,7 +389,7 @@ impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for Wrap<'_, A> {
     }
 }
 
-impl<'de, A: MapAccess<'de>> MapAccess<'de> for Wrap<'_, A> {
+impl<'de, A: MapAccess<'de>, const REC: bool> MapAccess<'de> for Wrap<'_, A, REC> {
     type Error = A::Error;
 
     #[inline]
@@ -372,12 +397,14 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for Wrap<'_, A> {
         &mut self,
         seed: K,
     ) -> Result<Option<K::Value>, A::Error> {
-        self.inner.next_key_seed(Wrap::new(seed, self.budget))
+        self.inner
+            .next_key_seed(Wrap::<_, REC>::new(seed, self.budget))
     }
 
     #[inline]
     fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, A::Error> {
-        self.inner.next_value_seed(Wrap::new(seed, self.budget))
+        self.inner
+            .next_value_seed(Wrap::<_, REC>::new(seed, self.budget))
     }
 
     #[inline]
@@ -386,9 +413,9 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for Wrap<'_, A> {
     }
 }
 
-impl<'b, 'de, A: EnumAccess<'de>> EnumAccess<'de> for Wrap<'b, A> {
+impl<'b, 'de, A: EnumAccess<'de>, const REC: bool> EnumAccess<'de> for Wrap<'b, A, REC> {
     type Error = A::Error;
-    type Variant = Wrap<'b, A::Variant>;
+    type Variant = Wrap<'b, A::Variant, REC>;
 
     #[inline]
     fn variant_seed<V: DeserializeSeed<'de>>(
@@ -396,12 +423,12 @@ impl<'b, 'de, A: EnumAccess<'de>> EnumAccess<'de> for Wrap<'b, A> {
         seed: V,
     ) -> Result<(V::Value, Self::Variant), A::Error> {
         let budget = self.budget;
-        let (value, variant) = self.inner.variant_seed(Wrap::new(seed, budget))?;
+        let (value, variant) = self.inner.variant_seed(Wrap::<_, REC>::new(seed, budget))?;
         Ok((value, Wrap::new(variant, budget)))
     }
 }
 
-impl<'de, A: VariantAccess<'de>> VariantAccess<'de> for Wrap<'_, A> {
+impl<'de, A: VariantAccess<'de>, const REC: bool> VariantAccess<'de> for Wrap<'_, A, REC> {
     type Error = A::Error;
 
     #[inline]
@@ -412,14 +439,19 @@ impl<'de, A: VariantAccess<'de>> VariantAccess<'de> for Wrap<'_, A> {
     #[inline]
     fn newtype_variant_seed<T: DeserializeSeed<'de>>(self, seed: T) -> Result<T::Value, A::Error> {
         self.inner
-            .newtype_variant_seed(Wrap::new(seed, self.budget))
+            .newtype_variant_seed(Wrap::<_, REC>::new(seed, self.budget))
     }
 
     #[inline]
     fn tuple_variant<V: Visitor<'de>>(self, len: usize, visitor: V) -> Result<V::Value, A::Error> {
         let budget = self.budget;
-        budget.shape.record(Kind::Fields, len);
-        budget.nested(|| self.inner.tuple_variant(len, Wrap::new(visitor, budget)))
+        if REC {
+            budget.shape.record(Kind::Fields, len);
+        }
+        budget.nested(|| {
+            self.inner
+                .tuple_variant(len, Wrap::<_, REC>::new(visitor, budget))
+        })
     }
 
     #[inline]
@@ -429,10 +461,12 @@ impl<'de, A: VariantAccess<'de>> VariantAccess<'de> for Wrap<'_, A> {
         visitor: V,
     ) -> Result<V::Value, A::Error> {
         let budget = self.budget;
-        budget.shape.record(Kind::Fields, fields.len());
+        if REC {
+            budget.shape.record(Kind::Fields, fields.len());
+        }
         budget.nested(|| {
             self.inner
-                .struct_variant(fields, Wrap::new(visitor, budget))
+                .struct_variant(fields, Wrap::<_, REC>::new(visitor, budget))
         })
     }
 }
@@ -451,7 +485,7 @@ mod tests {
     fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8], depth: usize) -> (Option<T>, bool) {
         let budget = Budget::new(depth, bytes.len());
         let mut de = postcard::Deserializer::from_bytes(bytes);
-        let v = T::deserialize(Bounded {
+        let v = T::deserialize(Bounded::<_, false> {
             inner: &mut de,
             budget: &budget,
         })

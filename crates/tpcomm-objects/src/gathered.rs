@@ -196,7 +196,7 @@ fn decode_with<'a, R>(
     max_depth: usize,
     sent: Option<Shape>,
     decode: impl FnOnce(
-        Bounded<'_, &mut postcard::Deserializer<'a, postcard::de_flavors::Slice<'a>>>,
+        Bounded<'_, &mut postcard::Deserializer<'a, postcard::de_flavors::Slice<'a>>, true>,
     ) -> postcard::Result<R>,
 ) -> Result<R> {
     let budget = match sent {

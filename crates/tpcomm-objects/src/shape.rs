@@ -121,6 +121,12 @@ impl Recorder {
             .set((self.shape.get() ^ word).wrapping_mul(PRIME));
     }
 
+    /// Whether it still records calls.
+    #[inline]
+    pub(crate) fn recording(&self) -> bool {
+        self.left.get() > 0
+    }
+
     /// The shape recorded.
     pub(crate) fn shape(&self) -> Shape {
         Shape(self.shape.get())

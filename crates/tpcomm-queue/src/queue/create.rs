@@ -281,6 +281,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             messages: 0,
             buf: Vec::new(),
             shape: 0,
+            size_next: true,
             frame: [0; FRAME],
             budget: SpinBudget::for_ranks(config.spin, in_process, here),
             peers,

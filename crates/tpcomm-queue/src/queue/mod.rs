@@ -153,6 +153,9 @@ pub struct BroadcastQueue<C: Communicator> {
     buf: Vec<u8>,
     /// The shape of the message a reader just received (`tpcomm_objects::Shape`).
     shape: u64,
+    /// Whether the writer's next `send` sizes its value first: after a message too small to
+    /// stream, it encodes the next one straight into its buffer (`stream.rs`, "size pass").
+    size_next: bool,
     frame: [u8; FRAME],
     budget: SpinBudget,
     peers: Vec<ProcessIdentity>,

@@ -23,9 +23,12 @@ impl<C: Communicator> BroadcastQueue<C> {
     /// A value of few, large pieces (byte strings, strings: a size pass of postcard counts
     /// its bytes, giving up past 64 pieces that average under 64 bytes) of at least 16 KiB or
     /// more than a chunk is encoded straight into the ring's chunks when every reader maps
-    /// the ring: each chunk is published as
-    /// soon as it is full, so that the readers copy it out while the rest is encoded. Any
-    /// other value is encoded into the writer's buffer, then copied into the ring.
+    /// the ring: each chunk is published as soon as it is full, so that the readers copy it
+    /// out while the rest is encoded. Any other value is encoded into the writer's buffer,
+    /// then copied into the ring. The size pass runs for the first message and after a
+    /// message of 16 KiB or more than a chunk: after a smaller one the next value goes
+    /// straight into the buffer (a stream of small values, scheduler steps, pays one
+    /// traversal each; a large value after small ones is copied once, and sized next time).
     ///
     /// Fails with [`Encode`](QueueError::Encode) or
     /// [`MessageTooLarge`](QueueError::MessageTooLarge) before anything is sent (the queue
@@ -57,22 +60,23 @@ impl<C: Communicator> BroadcastQueue<C> {
         // A value of few, large pieces (a byte string) of at least `STREAM_MIN_BYTES` or more
         // than a chunk is sized first and encoded straight into the ring; any other, into the
         // writer's buffer and then copied.
-        let sized = if self.streams() {
+        let sized = if self.streams() && self.size_next {
             encoded_size(value, max_depth)
         } else {
-            SizePass::GaveUp
+            SizePass::Skipped
         };
+        let chunk_bytes = self.settings.chunk_bytes;
+        let large = |bytes: usize| bytes >= STREAM_MIN_BYTES || bytes as u64 > chunk_bytes;
         match sized {
             SizePass::Bytes(Err(e)) => return Err(encode(e)),
             SizePass::Bytes(Ok((bytes, _))) if bytes > cap => return Err(too_large(bytes)),
-            SizePass::Bytes(Ok((bytes, shape)))
-                if bytes >= STREAM_MIN_BYTES || bytes as u64 > self.settings.chunk_bytes =>
-            {
+            SizePass::Bytes(Ok((bytes, shape))) if large(bytes) => {
                 match self.ring_stream(message, value, bytes, shape) {
                     Ok(()) => {}
                     Err(Streamed::Unpublished(e)) => return Err(e),
                     Err(Streamed::Failed(e)) => return Err(self.fail(e)),
                 }
+                self.size_next = true;
             }
             SizePass::Bytes(Ok((_, sized))) => {
                 // The size pass went through the bounded encoder: the value nests within
@@ -82,12 +86,14 @@ impl<C: Communicator> BroadcastQueue<C> {
                 let buf = clear(std::mem::take(&mut self.buf));
                 let buf = tpcomm_objects::encode_append(value, buf)
                     .map_err(|source| encode(tpcomm_objects::EncodeError::Postcard(source)))?;
+                self.size_next = large(buf.len());
                 self.buffered_send(message, buf, sized)?;
             }
-            SizePass::GaveUp => {
+            SizePass::GaveUp | SizePass::Skipped => {
                 let buf = clear(std::mem::take(&mut self.buf));
                 let (buf, shape) =
                     tpcomm_objects::encode_append_shaped(value, buf, max_depth).map_err(encode)?;
+                self.size_next = large(buf.len());
                 self.buffered_send(message, buf, shape)?;
             }
         }

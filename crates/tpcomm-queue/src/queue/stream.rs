@@ -104,6 +104,9 @@ pub(super) enum SizePass {
     Bytes(std::result::Result<(usize, Shape), EncodeError>),
     /// Too many small pieces: encode into the writer's buffer instead.
     GaveUp,
+    /// Not run (the previous message was too small to stream, or the ring is not the only
+    /// path): encode into the writer's buffer.
+    Skipped,
 }
 
 /// The encoded length and shape of `value` (nesting bounded by `max_depth`), unless it has

@@ -101,6 +101,59 @@ fn a_streamed_value_s_first_chunks_are_published_while_it_is_still_encoded() {
     assert!(results.into_iter().all(|r| r.unwrap().is_ok()));
 }
 
+/// A byte string whose serializations are counted (the size pass is one).
+struct Counted {
+    bytes: ByteBuf,
+    calls: std::cell::Cell<u32>,
+}
+
+impl Counted {
+    fn new(len: usize) -> Self {
+        Self {
+            bytes: ByteBuf::from(vec![len as u8; len]),
+            calls: std::cell::Cell::new(0),
+        }
+    }
+}
+
+impl Serialize for Counted {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.calls.set(self.calls.get() + 1);
+        self.bytes.serialize(s)
+    }
+}
+
+#[test]
+fn the_size_pass_runs_after_a_large_message_and_is_skipped_after_a_small_one() {
+    // (length, serializations: 2 when sized first, 1 when encoded straight into the buffer)
+    const SENDS: [(usize, u32); 6] = [
+        (64, 2),     // the first message is sized
+        (64, 1),     // after a small one: straight into the buffer
+        (40_000, 1), // a large one after a small one: buffered, whole
+        (40_000, 2), // after a large one: sized, streamed
+        (100, 2),    // after a large one: sized (and buffered, it is small)
+        (50_000, 1), // after a small one again
+    ];
+    let results = LocalGroup::new(2).run(|comm: LocalCommunicator| {
+        let mut q = BroadcastQueue::create(&comm, QueueConfig::default())?;
+        for (len, serializations) in SENDS {
+            if q.is_writer() {
+                let value = Counted::new(len);
+                q.send(&value)?;
+                assert_eq!(value.calls.get(), serializations, "{len} bytes");
+            } else {
+                let got: ByteBuf = q.recv()?;
+                assert_eq!(got.len(), len);
+                assert!(got.iter().all(|&b| b == len as u8));
+            }
+        }
+        q.close_with(&comm)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        assert!(matches!(r, Ok(Ok(()))), "rank {rank}: {r:?}");
+    }
+}
+
 #[test]
 fn frames_round_trip_and_garbage_is_refused() {
     let mut frame = [0u8; FRAME];

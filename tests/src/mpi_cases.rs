@@ -20,7 +20,7 @@ const ERR_TRUNCATE: i32 = mpi::ffi::MPI_ERR_TRUNCATE as i32;
 /// Runs every MPI-only case on `comm`; the verdicts are the same on every rank.
 pub fn run_mpi_cases(comm: &MpiCommunicator) -> Vec<CaseReport> {
     type Case = (&'static str, fn(&MpiCommunicator) -> CaseResult);
-    let cases: [Case; 5] = [
+    let cases: [Case; 6] = [
         (
             "mpi_truncation_is_returned_as_a_typed_error_on_the_blocking_and_timed_paths",
             truncation_is_returned_on_both_paths,
@@ -40,6 +40,10 @@ pub fn run_mpi_cases(comm: &MpiCommunicator) -> Vec<CaseReport> {
         (
             "mpi_a_split_color_out_of_range_on_one_rank_fails_every_rank_and_keeps_them_in_step",
             invalid_split_color_fails_every_rank,
+        ),
+        (
+            "mpi_a_timed_collective_names_the_peer_that_is_not_in_it_as_silent_and_not_those_waiting",
+            timed_collective_names_the_absent_peer_as_silent,
         ),
     ];
     cases
@@ -238,6 +242,39 @@ fn timed_split_is_bounded_and_refused_once_broken(comm: &MpiCommunicator) -> Cas
     match sub.split(Some(0), 0) {
         Err(TransportError::Aborted { .. }) => Ok(()),
         other => Err(format!("a split of the broken communicator gave {other:?}")),
+    }
+}
+
+/// Every rank but the last waits in a timed barrier while the last one is [`LATE`] (alive,
+/// but not in a collective: as a stopped process, or one on a host cut off): each waiting
+/// rank must get `Unresponsive` within about [`SHORT_TIMEOUT`] naming the last rank as
+/// silent (it answered no roll call) and no other (the waiting ranks answer each other's
+/// roll calls), and nobody as gone. The late rank's barrier then meets the abandoned ones.
+fn timed_collective_names_the_absent_peer_as_silent(comm: &MpiCommunicator) -> CaseResult {
+    if comm.size() < 2 {
+        return Ok(());
+    }
+    let sub = short_timed_split(comm)?;
+    let late = sub.size() - 1;
+    if sub.rank() == late {
+        std::thread::sleep(LATE);
+        return sub
+            .barrier()
+            .map_err(|e| format!("rank {late}: the late barrier failed: {e}"));
+    }
+    let begun = Instant::now();
+    let outcome = sub.barrier();
+    let took = begun.elapsed();
+    match outcome {
+        Err(TransportError::Unresponsive {
+            ref gone,
+            ref silent,
+            ..
+        }) if gone.is_empty() && **silent == [late] && took < LATE => Ok(()),
+        other => Err(format!(
+            "rank {}: a barrier without rank {late} gave {other:?} after {took:?}",
+            sub.rank()
+        )),
     }
 }
 

@@ -96,7 +96,9 @@ fn die(rank: usize, phase: &str) -> ! {
 /// The ranks a typed error blames (empty when it blames nobody).
 fn blamed_by_transport(e: &TransportError) -> Vec<usize> {
     match e {
-        TransportError::Unresponsive { gone, .. } => gone.clone(),
+        TransportError::Unresponsive { gone, silent, .. } => {
+            gone.iter().chain(silent.iter()).copied().collect()
+        }
         TransportError::Timeout { missing, .. } => missing.clone(),
         other => other.culprit().into_iter().collect(),
     }

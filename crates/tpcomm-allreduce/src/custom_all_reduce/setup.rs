@@ -63,6 +63,9 @@ impl<B: Backend> CustomAllReduce<B> {
     /// agrees the settings with every rank, exchanges the buffers with every peer and fills
     /// the tables.
     ///
+    /// Every rank returns [`AllReduceError::SpansHosts`] when the ranks are on more than one
+    /// host (another kernel boot or PID namespace), naming each host and its ranks.
+    ///
     /// Every rank returns the same error when ranks differ in `max_bytes`, `slots`,
     /// `algorithm` or the backend's shape ([`AllReduceError::ConfigMismatch`] naming the
     /// field and every rank's value), or when a rank could not set up (its own error there,
@@ -104,6 +107,13 @@ impl<B: Backend> CustomAllReduce<B> {
         );
         let mine = (local.as_ref().err().map(ToString::to_string), fields);
         let (mut peers, all) = PeerMappings::new_agreeing(memory, comm, &mine)?;
+        // Every rank saw the same identities: every rank refuses a group on several hosts.
+        if peers.hosts().spans_hosts() {
+            return Err(AllReduceError::SpansHosts {
+                rank: comm.rank(),
+                hosts: peers.hosts().layout(),
+            });
+        }
         let allocations = local?;
         check_agreement(&all)?;
         let Allocations {

@@ -38,6 +38,7 @@ fn queues_closed_or_dropped_leave_no_descriptor_or_mapping_behind() {
                     comm.barrier().map_err(|source| QueueError::Transport {
                         rank: comm.rank(),
                         message: 1,
+                        culprit: source.culprit(),
                         source,
                     })?;
                     drop(q);

@@ -553,9 +553,9 @@ pub enum QueueError {
         /// path runs on a split of the writer and its transport readers, whose ranks are
         /// not the queue's), where it blames one.
         culprit: Option<usize>,
-        /// The transport's error.
+        /// The transport's error (boxed: it is large, and this path is rare).
         #[source]
-        source: TransportError,
+        source: Box<TransportError>,
     },
     /// The writer's broadcast of a message to the transport readers did not complete within
     /// the queue's timeout; the queue is failed. `readers` (queue ranks) are the transport
@@ -574,9 +574,9 @@ pub enum QueueError {
         /// The transport readers to blame, in the queue's numbering.
         readers: Vec<usize>,
         /// The transport's error, which says how long it waited (its ranks are those of the
-        /// transport path's split).
+        /// transport path's split; boxed).
         #[source]
-        source: TransportError,
+        source: Box<TransportError>,
     },
 }
 

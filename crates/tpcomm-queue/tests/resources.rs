@@ -39,7 +39,7 @@ fn queues_closed_or_dropped_leave_no_descriptor_or_mapping_behind() {
                         rank: comm.rank(),
                         message: 1,
                         culprit: source.culprit(),
-                        source,
+                        source: Box::new(source),
                     })?;
                     drop(q);
                     Ok(())

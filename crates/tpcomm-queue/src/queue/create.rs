@@ -226,13 +226,13 @@ impl<C: Communicator> BroadcastQueue<C> {
             rank,
             message: 0,
             culprit: source.culprit(),
-            source,
+            source: Box::new(source),
         };
         let on_split = |source| QueueError::Transport {
             rank,
             message: 0,
             culprit: None,
-            source,
+            source: Box::new(source),
         };
         let mut remote = if locality.transport.is_empty() {
             None

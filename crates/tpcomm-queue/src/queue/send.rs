@@ -70,8 +70,8 @@ impl<C: Communicator> BroadcastQueue<C> {
             {
                 match self.ring_stream(message, value, bytes, shape) {
                     Ok(()) => {}
-                    Err(Streamed::Unpublished(e)) => return Err(e),
-                    Err(Streamed::Failed(e)) => return Err(self.fail(e)),
+                    Err(Streamed::Unpublished(e)) => return Err(*e),
+                    Err(Streamed::Failed(e)) => return Err(self.fail(*e)),
                 }
             }
             SizePass::Bytes(Ok((_, sized))) => {

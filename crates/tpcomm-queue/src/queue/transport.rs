@@ -190,7 +190,7 @@ fn reader_error(
             culprit: source
                 .culprit()
                 .and_then(|r| queue_rank(r, (writer, readers))),
-            source,
+            source: Box::new(source),
         },
     }
 }
@@ -217,7 +217,7 @@ fn writer_error(
                 culprit: source
                     .culprit()
                     .and_then(|r| queue_rank(r, (writer, readers))),
-                source,
+                source: Box::new(source),
             }
         }
     };
@@ -233,6 +233,6 @@ fn writer_error(
         rank,
         message,
         readers: named,
-        source,
+        source: Box::new(source),
     }
 }

@@ -15,6 +15,8 @@ pub mod ipc;
 pub mod misreported;
 #[cfg(feature = "mpi")]
 pub mod mpi_cases;
+#[cfg(feature = "mpi")]
+pub mod multihost;
 pub mod numeric;
 pub mod objects;
 pub mod queue;
@@ -225,7 +227,8 @@ pub fn print_reports<C: Communicator>(program: &str, comm: &C, reports: &[CaseRe
 /// A named case: run collectively by every rank.
 type Case<C> = (&'static str, fn(&C) -> CaseResult);
 
-/// Runs every case on `comm` and returns the verdicts (the same on every rank).
+/// Runs every case on `comm` and returns the verdicts (the same on every rank). On a group
+/// whose ranks are on several hosts, the cases that share memory run on each host's ranks.
 pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
     let cases: Vec<Case<C>> = vec![
         (
@@ -347,13 +350,36 @@ pub fn run_all<C: Communicator>(comm: &C) -> Vec<CaseReport> {
             queue::a_transport_reader_waits_no_longer_than_the_queue_timeout,
         ),
     ];
+    // What shares memory (peer memory, the host all-reduce) works within one host: on a
+    // group that spans hosts these cases run on each host's ranks (their refusal across
+    // hosts is a case of its own in `mpi-multihost`).
+    let one_host = match tpcomm::transport::hosts::hosts(comm) {
+        Ok(hosts) if hosts.spans_hosts() => Some(tpcomm::transport::hosts::split_by_host(comm)),
+        Ok(_) => None,
+        Err(e) => Some(Err(e)),
+    };
     let mut reports = Vec::with_capacity(cases.len());
     for (name, case) in cases {
-        let mine = case(comm);
+        let mine = match &one_host {
+            Some(here) if ONE_HOST_CASES.contains(&name) => match here {
+                Ok(here) => case(here),
+                Err(e) => Err(format!("the split by host failed: {e}")),
+            },
+            _ => case(comm),
+        };
         reports.push(agree(comm, name, mine));
     }
     reports
 }
+
+/// The cases of [`run_all`] that need every rank on one host (they share memory).
+const ONE_HOST_CASES: [&str; 5] = [
+    "ipc_host_peers_read_patterns_across_close_and_reopen",
+    "allreduce_host_matches_reference_and_survives_suspend_resume",
+    "allreduce_host_launches_of_different_sizes_fail_on_every_rank",
+    "allreduce_mismatched_config_is_refused_on_every_rank",
+    "allreduce_resume_paired_with_another_step_names_the_rank",
+];
 
 /// All-gathers the pass flag of one case so every rank reports the same verdict.
 pub(crate) fn agree<C: Communicator>(comm: &C, name: &'static str, mine: CaseResult) -> CaseReport {

@@ -60,7 +60,9 @@ impl MpiCommunicator {
     /// not answer a roll call: a rank still waiting a quarter of the timeout (at most 1 s)
     /// before its deadline calls every other peer on a duplicate of the communicator, and
     /// every rank waiting in a timed collective of it answers; a peer on another host that
-    /// is lost (or stopped, or cut off) answers nothing and is named as silent. The first
+    /// is lost (or stopped, or cut off) answers nothing and is named as silent; a rank that
+    /// runs again only past its deadline (it was stopped, or its host frozen) calls the roll
+    /// then and waits the same grace for answers before it names anyone. The first
     /// one named is the rank that died first, as seen from here. After such a
     /// failure every collective of this communicator, and `split`, fails with
     /// [`TransportError::Aborted`]. `split` (`MPI_Comm_split`, which has no nonblocking
@@ -171,7 +173,11 @@ impl MpiCommunicator {
         let mut next_check = begun + check_every;
         // When this rank calls the roll (if it still waits then).
         let roll_at = timeout.saturating_sub(grace(timeout));
-        let mut rolled = false;
+        // When it called: its answers are awaited a grace long before anyone is named
+        // silent, also when this process ran again only past its deadline (stopped, or not
+        // scheduled): then the deadline moves to the call plus the grace.
+        let mut rolled: Option<Instant> = None;
+        let has_roll = self.roll.is_some();
         loop {
             let mut done: c_int = 0;
             let guard = match self.lock(op) {
@@ -210,8 +216,8 @@ impl MpiCommunicator {
             // Calls of late peers are answered, answers to this rank's call taken in.
             self.with_roll(RollCall::service);
             let waited = begun.elapsed();
-            if !rolled && waited >= roll_at && failure.is_none() {
-                rolled = true;
+            if rolled.is_none() && waited >= roll_at && failure.is_none() {
+                rolled = Some(Instant::now());
                 let peers: Vec<usize> = (0..self.size)
                     .filter(|r| *r != self.rank && !gone.contains(r))
                     .collect();
@@ -235,7 +241,9 @@ impl MpiCommunicator {
                     }
                 }
             }
-            if waited >= timeout {
+            let answered_in_time =
+                !has_roll || rolled.is_some_and(|at| at.elapsed() >= grace(timeout));
+            if waited >= timeout && answered_in_time {
                 // MPI may still read and write these buffers: leak them.
                 std::mem::forget(job);
                 let others: Vec<usize> = (0..self.size)

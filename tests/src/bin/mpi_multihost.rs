@@ -1,5 +1,8 @@
 //! The multi-host suites and faults (`cargo xtask multihost`), with ranks on 2 to 4 hosts
 //! of one machine and Open MPI between them over TCP (`tpcomm_conformance::multihost`).
+//! Every rank turns off Open MPI's single copy and TCP RDMA before `MPI_Init`
+//! (`MpiCommunicator::disable_single_copy_before_init`), which a peer's oversized message
+//! over TCP needs.
 //!
 //! - `mpi-multihost suites HOSTS`: every case of the multi-host suite; rank 0 prints one
 //!   `case NAME ... ok` / `case NAME ... FAILED: detail` line per case and a summary, the
@@ -25,6 +28,12 @@ fn usage() -> ExitCode {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // Across hosts a peer's oversized message must be truncated, not written past the
+    // receive buffer: no RDMA over TCP and no single copy inside a host (every rank).
+    if let Err(e) = MpiCommunicator::disable_single_copy_before_init() {
+        eprintln!("mpi-multihost: cannot turn off single copy and RDMA before MPI_Init: {e}");
+        return ExitCode::FAILURE;
+    }
     match args
         .iter()
         .map(String::as_str)

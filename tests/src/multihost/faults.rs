@@ -22,7 +22,8 @@
 //!   has looped `STREAM` long (its flag travels in every all-gather).
 //!
 //! A survivor prints `survivor R: KIND failed after S s naming ranks [..]: ERROR` (the ranks
-//! its typed error names), then builds a group of the ranks it did not name
+//! its typed error names), then builds a group of the ranks on its side of the fault (the
+//! victim host's, or all others: what an orchestrator that saw the host go would say)
 //! (`MPI_Comm_create_group` over `MPI_COMM_WORLD`, collective over those ranks only: MPI
 //! without ULFM has no other way past a dead rank) and runs an all-gather on it:
 //! `survivor R: new group of ranks [..] works`. Then its leak line, `survivor R: leaks: ...`
@@ -115,10 +116,11 @@ pub fn run(
         failure.named,
         failure.text
     );
-    // A group of the ranks this one did not name: every survivor (every thawed rank) named
-    // the same ranks, so they build the same group.
+    // The new group: the ranks of this rank's side of the fault (the victim host's ranks,
+    // or every other rank), as an orchestrator that saw the host go would say; what each
+    // rank's error names is judged by the driver.
     let group: Vec<usize> = (0..comm.size())
-        .filter(|r| !failure.named.contains(r))
+        .filter(|r| victims.contains(r) == is_victim)
         .collect();
     let mut ok = new_group_works(world, &group, timeout, tag, me);
     if kind == "link-down-long" {

@@ -4,7 +4,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// The element type of an all-reduce.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
     /// IEEE binary32.
     F32,

@@ -20,6 +20,11 @@ pub enum AllReduceError {
     /// itself).
     #[error("the custom all-reduce cannot serve this input ({0}): reduce it with the transport's Communicator::all_reduce (host) or NCCL (device buffers)")]
     Fallback(FallbackReason),
+    /// The dispatch table cannot be read, or cannot be used with this backend and
+    /// [`Reproducibility`](crate::dispatch::Reproducibility) (the error names the file and
+    /// the line).
+    #[error(transparent)]
+    DispatchTable(Box<crate::dispatch::TableError>),
     /// Called in a lifecycle state that does not allow it.
     #[error("{call} is not allowed while {phase}")]
     WrongState {
@@ -266,6 +271,12 @@ pub enum AllReduceError {
     /// The transport failed.
     #[error(transparent)]
     Transport(Arc<TransportError>),
+}
+
+impl From<crate::dispatch::TableError> for AllReduceError {
+    fn from(e: crate::dispatch::TableError) -> Self {
+        AllReduceError::DispatchTable(Box::new(e))
+    }
 }
 
 impl From<IpcError> for AllReduceError {

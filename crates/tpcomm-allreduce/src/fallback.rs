@@ -9,8 +9,8 @@ use tpcomm_transport::device::{DeviceCommunicator, DeviceElement, ReduceOp};
 use tpcomm_transport::{Communicator, NcclCommunicator};
 
 use crate::backend::cuda::{CudaBackend, CudaOptions};
-use crate::custom_all_reduce::{CaptureMark, Config, CustomAllReduce, DeviceGraph};
-use crate::dispatch::{Algorithm, FallbackReason};
+use crate::custom_all_reduce::{output_holds, CaptureMark, Config, CustomAllReduce, DeviceGraph};
+use crate::dispatch::{Algorithm, FallbackReason, Reproducibility};
 use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
 use crate::lifecycle::{join_every_step, Phase};
@@ -20,6 +20,14 @@ use crate::lifecycle::{join_every_step, Phase};
 pub enum Route {
     /// The custom peer-memory kernel.
     Custom(Algorithm),
+    /// The custom kernels in `launches` launches of at most `max_bytes`, for an input above
+    /// it: [`Reproducibility::BitStable`], which gives the same bits as one launch.
+    Chunked {
+        /// Kernel launches issued.
+        launches: usize,
+        /// Why one launch could not take it ([`FallbackReason::TooLarge`]).
+        reason: FallbackReason,
+    },
     /// NCCL, for this reason.
     Nccl(FallbackReason),
 }
@@ -31,6 +39,13 @@ pub enum Route {
 ///
 /// Both paths are collective: every rank must pass the same element type and count, so that
 /// every rank takes the same path.
+///
+/// With [`Reproducibility::BitStable`] (the default), inputs above `max_bytes` (a multiple
+/// of 16 bytes) run through the kernels in pieces of at most `max_bytes` instead of NCCL
+/// ([`Route::Chunked`]), so that an element's sum does not depend on the size of the call;
+/// NCCL still serves what the kernels cannot take at all (a topology without P2P or
+/// NVLink, a world size without kernels, sizes that are not a multiple of 16 bytes), and
+/// its order is its own.
 #[derive(Debug)]
 pub struct DeviceAllReduce<M: DevicePeerMemory = CudaMemory> {
     custom: CustomAllReduce<CudaBackend<M>>,
@@ -98,15 +113,13 @@ impl<M: DevicePeerMemory> DeviceAllReduce<M> {
     {
         match self.custom.all_reduce_device(input, output) {
             Ok(algorithm) => Ok(Route::Custom(algorithm)),
+            Err(AllReduceError::Fallback(reason)) if self.chunks(&reason) => {
+                let launches = self.custom.all_reduce_device_in_pieces(input, output)?;
+                Ok(Route::Chunked { launches, reason })
+            }
             Err(AllReduceError::Fallback(reason)) => {
                 tracing::debug!(%reason, dtype = T::DTYPE.name(), count = input.len(), "all-reduce falls back to NCCL");
-                if output.len() < input.len() {
-                    return Err(AllReduceError::BufferTooSmall {
-                        buffer: "output",
-                        len: output.len(),
-                        count: input.len(),
-                    });
-                }
+                output_holds(output.len(), input.len())?;
                 if output.len() == input.len() {
                     self.nccl.all_reduce(input, output, ReduceOp::Sum)?;
                 } else {
@@ -191,6 +204,14 @@ impl<M: DevicePeerMemory> DeviceAllReduce<M> {
     ) -> Result<Route> {
         match self.custom.all_reduce_buffer(input, output, dtype, count) {
             Ok(algorithm) => Ok(Route::Custom(algorithm)),
+            Err(AllReduceError::Fallback(reason)) if self.chunks(&reason) => {
+                let launches = match dtype {
+                    DType::F32 => self.buffer_in_pieces::<f32>(input, output, count)?,
+                    DType::F16 => self.buffer_in_pieces::<f16>(input, output, count)?,
+                    DType::Bf16 => self.buffer_in_pieces::<bf16>(input, output, count)?,
+                };
+                Ok(Route::Chunked { launches, reason })
+            }
             Err(AllReduceError::Fallback(reason)) => {
                 tracing::debug!(%reason, dtype = dtype.name(), count, "all-reduce falls back to NCCL");
                 match dtype {
@@ -202,6 +223,27 @@ impl<M: DevicePeerMemory> DeviceAllReduce<M> {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Whether an input refused for `reason` runs through the kernels in pieces: an input
+    /// above `max_bytes`, with [`Reproducibility::BitStable`].
+    fn chunks(&self, reason: &FallbackReason) -> bool {
+        self.custom.config().reproducibility == Reproducibility::BitStable
+            && matches!(reason, FallbackReason::TooLarge { .. })
+    }
+
+    /// [`CustomAllReduce::all_reduce_device_in_pieces`] of the first `count` elements of two
+    /// buffers.
+    fn buffer_in_pieces<T: Element + DeviceElement>(
+        &mut self,
+        input: &CudaBuffer,
+        output: &CudaBuffer,
+        count: usize,
+    ) -> Result<usize> {
+        let stream = self.nccl.stream().clone();
+        let send = input.view::<T>(count, &stream)?;
+        let mut recv = output.view::<T>(count, &stream)?;
+        self.custom.all_reduce_device_in_pieces(&send, &mut recv)
     }
 
     fn nccl_sum<T: DeviceElement>(

@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{forward_to_inner, group, R};
+use tpcomm_allreduce::dispatch::{DispatchTable, Reproducibility};
 use tpcomm_allreduce::{
     Algorithm, AllReduceError, Backend, Config, CustomAllReduce, DType, FallbackReason,
     HostBackend, TopologyCheck,
@@ -97,6 +98,59 @@ fn different_topology_checks_are_refused_on_every_rank() {
         ..Config::default()
     });
     assert_mismatch(&outcomes, "topology", &["auto", "assume"]);
+}
+
+/// Rank 1 reading a tuned table that sends 8 KiB eager calls to one-stage, rank 0 the
+/// built-in one (two-stage there): they would run different algorithms for one call.
+#[test]
+fn different_dispatch_tables_are_refused_on_every_rank_naming_both_digests() {
+    let tuned = DispatchTable::parse(
+        "tpcomm-dispatch 1\nbackend host\n2 * * 0 inf 1stage\n",
+        "tuned.txt",
+    )
+    .expect("valid");
+    let builtin = DispatchTable::host().for_ranks(2).digest();
+    let file = tuned.over(&DispatchTable::host()).for_ranks(2).digest();
+    assert_ne!(builtin, file);
+    let outcomes = new_with(|rank| Config {
+        dispatch: (rank == 1).then(|| tuned.clone()),
+        ..Config::default()
+    });
+    let digest = |d: u64| format!("host rows, digest {d:016x}");
+    assert_mismatch(
+        &outcomes,
+        "dispatch_table",
+        &[&digest(builtin), &digest(file)],
+    );
+    // The same rows from two files that differ in comments and spacing agree.
+    let spaced = DispatchTable::parse(
+        "# measured elsewhere\ntpcomm-dispatch 1\nbackend  host\n2 * *   0 inf 1stage # all\n",
+        "other.txt",
+    )
+    .expect("valid");
+    for outcome in new_with(|rank| Config {
+        dispatch: Some(if rank == 0 {
+            tuned.clone()
+        } else {
+            spaced.clone()
+        }),
+        ..Config::default()
+    }) {
+        outcome.expect("equal rows agree");
+    }
+}
+
+#[test]
+fn different_reproducibility_settings_are_refused_on_every_rank() {
+    let outcomes = new_with(|rank| Config {
+        reproducibility: if rank == 1 {
+            Reproducibility::AnyOrder
+        } else {
+            Reproducibility::BitStable
+        },
+        ..Config::default()
+    });
+    assert_mismatch(&outcomes, "reproducibility", &["bit-stable", "any-order"]);
 }
 
 /// The timeout only bounds a rank's own waits: it may differ.

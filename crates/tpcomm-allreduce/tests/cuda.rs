@@ -8,6 +8,7 @@
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
+use tpcomm_allreduce::dispatch::DispatchTable;
 use tpcomm_allreduce::{
     Algorithm, AllReduceError, Config, CudaBackend, CudaOptions, CustomAllReduce, DType, Element,
     FallbackReason, Phase,
@@ -630,6 +631,154 @@ fn two_processes_replay_a_graph_after_resume_with_moved_mappings() {
     }
     let moved = pair::run_pair("cuda", two_process_rank);
     eprintln!("peer mappings moved on resume: {moved}");
+}
+
+/// The bands a CUDA table can hold (the same for staged and registered inputs: the kernels'
+/// shapes leave the slot out): one algorithm everywhere, or one-stage up to 256 bytes and
+/// two-stage above, for `world` ranks and every element type.
+fn cuda_table(world: usize, cut: Option<usize>, first: Algorithm) -> DispatchTable {
+    use tpcomm_allreduce::dispatch::{Band, Choice, Input, Key};
+    let bands = match cut {
+        None => vec![Band::new(0, usize::MAX, Choice::Custom(first))],
+        Some(cut) => vec![
+            Band::new(0, cut, Choice::Custom(Algorithm::OneStage)),
+            Band::new(cut + 1, usize::MAX, Choice::Custom(Algorithm::TwoStage)),
+        ],
+    };
+    let keys = [DType::F32, DType::F16, DType::Bf16]
+        .into_iter()
+        .flat_map(|dtype| {
+            Input::ALL.map(|input| {
+                let key = Key {
+                    ranks: world,
+                    dtype,
+                    input,
+                };
+                (key, bands.clone())
+            })
+        })
+        .collect::<Vec<_>>();
+    DispatchTable::from_bands("cuda", "a generated CUDA table", keys).expect("valid bands")
+}
+
+/// On this rank: rows of 8 elements, each alone and in batches of every row count up to
+/// and past `max_bytes` (`all_reduce_device_in_pieces`: launches of at most `max_bytes`),
+/// and the batches that fit through a registered buffer; each row's bits against the host
+/// backend's rank-order sum. `Err` names the first difference.
+fn gpu_rows_have_the_host_orders_bits<T: Element>(
+    comm: &LocalCommunicator,
+    ar: &mut Ar,
+    seed: u64,
+) -> R<Result<(), String>> {
+    const ROW: usize = 8;
+    let max = ar.config().max_bytes;
+    let n = 2 * max / (ROW * T::DTYPE.size()) + 3;
+    let value = |rank: usize, i: usize| {
+        let v = common::value(seed, rank, i);
+        v * 2f32.powi((common::value(seed ^ 0x5a5a, rank, i) * 6.0) as i32)
+    };
+    let all: Vec<Vec<T>> = (0..comm.size())
+        .map(|r| (0..n * ROW).map(|i| T::from_f32(value(r, i))).collect())
+        .collect();
+    let want = common::rank_order_sum(&all);
+    let memory = ar.memory()?.clone();
+    let stream = ar.backend().stream().clone();
+    let bytes = n * ROW * T::DTYPE.size();
+    let (input, output) = (memory.allocate(bytes)?, memory.allocate(bytes)?);
+    let registered = ar.register_buffer(comm, memory.allocate(max)?)?;
+    let mut batches: Vec<(usize, usize)> = (0..n).map(|row| (row, 1)).collect();
+    batches.extend((1..=n).map(|k| ((k * 7) % (n - k + 1), k)));
+    for (first, k) in batches {
+        let at = first * ROW..(first + k) * ROW;
+        let mine = &all[comm.rank()][at.clone()];
+        let count = at.len();
+        for zero_copy in [false, true] {
+            if zero_copy && count * T::DTYPE.size() > max {
+                continue;
+            }
+            let src = if zero_copy {
+                registered.buffer()
+            } else {
+                &input
+            };
+            upload(&memory, src, mine)?;
+            poison(&memory, &output, bytes)?;
+            comm.barrier()?;
+            if zero_copy {
+                ar.all_reduce_buffer(src, &output, T::DTYPE, count)?;
+            } else {
+                let send = src.view::<T>(count, &stream)?;
+                let mut recv = output.view::<T>(count, &stream)?;
+                ar.all_reduce_device_in_pieces(&send, &mut recv)?;
+            }
+            ar.synchronize()?;
+            let got = download::<T>(&memory, &output, count)?;
+            comm.barrier()?;
+            if to_bytes(&got) != to_bytes(&want[at.clone()]) {
+                let i = (0..count)
+                    .find(|&i| {
+                        to_bytes(&got[i..=i]) != to_bytes(&want[at.start + i..=at.start + i])
+                    })
+                    .unwrap_or(0);
+                return Ok(Err(format!(
+                    "{} rows {first}..{} (zero_copy={zero_copy}), element {i}: got {}, the \
+                     host's rank-order sum is {}",
+                    T::DTYPE.name(),
+                    first + k,
+                    got[i].to_f32(),
+                    want[at.start + i].to_f32()
+                )));
+            }
+        }
+    }
+    drop(ar.unregister(comm, registered)?);
+    Ok(Ok(()))
+}
+
+/// `Reproducibility::BitStable` on the GPU: the kernels sum in the host backend's order
+/// (rank order, f32 accumulation, rounded once), so a row's sum has the same bits alone and
+/// inside any batch, on every table (one-stage, two-stage, mixed, the built-in one), and
+/// equals the host's (`docs/all-reduce.md`, "The CUDA kernels' order").
+#[test]
+fn on_the_gpu_a_rows_sum_has_the_host_orders_bits_alone_and_in_every_batch() {
+    if !gpu() {
+        return;
+    }
+    let seed = run_seed();
+    for world in [2, 4] {
+        let tables = [
+            DispatchTable::cuda(),
+            cuda_table(world, None, Algorithm::OneStage),
+            cuda_table(world, None, Algorithm::TwoStage),
+            cuda_table(world, Some(256), Algorithm::OneStage),
+        ];
+        for (t, table) in tables.into_iter().enumerate() {
+            let results = group(world).run(|comm| -> R<Result<(), String>> {
+                let config = Config {
+                    max_bytes: 2048,
+                    dispatch: Some(table.clone()),
+                    timeout: Duration::from_secs(20),
+                    ..Config::default()
+                };
+                let mut ar = new_ar(&comm, config)?;
+                let verdict = gpu_rows_have_the_host_orders_bits::<f32>(&comm, &mut ar, seed)?
+                    .and(gpu_rows_have_the_host_orders_bits::<f16>(
+                        &comm, &mut ar, seed,
+                    )?)
+                    .and(gpu_rows_have_the_host_orders_bits::<bf16>(
+                        &comm, &mut ar, seed,
+                    )?);
+                ar.close_with(&comm)?;
+                Ok(verdict)
+            });
+            for (rank, r) in results.into_iter().enumerate() {
+                let verdict = r
+                    .expect("rank finished")
+                    .unwrap_or_else(|e| panic!("world {world}, table {t}, rank {rank}: {e}"));
+                assert_eq!(verdict, Ok(()), "world {world}, table {t}, seed {seed}");
+            }
+        }
+    }
 }
 
 #[test]

@@ -47,10 +47,11 @@ impl Backend for Wrapper {
         self.inner
             .private_part(algorithm, dtype, count, rank, world)
     }
-    fn staged_one_stage_table(
-        &self,
-    ) -> &'static [usize; tpcomm_allreduce::dispatch::MAX_RANKS + 1] {
-        self.inner.staged_one_stage_table()
+    fn shape_includes_slot(&self) -> bool {
+        self.inner.shape_includes_slot()
+    }
+    fn builtin_dispatch(&self) -> tpcomm_allreduce::dispatch::DispatchTable {
+        self.inner.builtin_dispatch()
     }
 }
 

@@ -175,6 +175,42 @@ fn registered_inputs_are_reduced_without_staging() {
     }
 }
 
+/// A buffer registered after an unregister can land at the old one's address, in segments
+/// the peers still map, so every peer address of its slot equals the old entry's. The
+/// unregister zeroed the slot; the registration rewrites it (it skipped the write, taking
+/// the entry for written, and the launch read null inputs).
+#[test]
+fn a_buffer_registered_where_an_unregistered_one_was_is_reduced_through_its_slot() {
+    let results = group(2).run(|comm| -> R<Vec<Vec<f32>>> {
+        let mut ar = new_ar(&comm, Config::default())?;
+        let mem = ar.memory()?.clone();
+        let mut sums = Vec::new();
+        let mut addresses = Vec::new();
+        for round in 0..3 {
+            let buf = mem.allocate(4096)?;
+            addresses.push(tpcomm_ipc::MemoryRegion::addr(&buf));
+            let value = (comm.rank() + 1) as f32 * (round + 1) as f32;
+            mem.write(&buf, 0, bytemuck::cast_slice(&[value; 1024]))?;
+            let input = ar.register_buffer(&comm, buf)?;
+            let mut out = vec![0f32; 1024];
+            ar.all_reduce_registered(&input, &mut out)?;
+            sums.push(out);
+            drop(ar.unregister(&comm, input)?);
+        }
+        assert!(
+            addresses.windows(2).any(|w| w[0] == w[1]),
+            "the test needs a buffer at a freed address: {addresses:x?}"
+        );
+        Ok(sums)
+    });
+    for r in results {
+        let sums = r.unwrap().unwrap();
+        for (round, out) in sums.iter().enumerate() {
+            assert_eq!(out, &vec![3.0 * (round + 1) as f32; 1024], "round {round}");
+        }
+    }
+}
+
 /// The dispatcher picks by where the launch reads its input: an eager call (staged: two-stage
 /// copies less of it) switches to two-stage at a smaller size than a registered input.
 #[test]

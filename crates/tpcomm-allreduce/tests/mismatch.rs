@@ -690,11 +690,16 @@ fn a_rank_without_a_free_slot_fails_register_buffer_on_every_rank() {
 
 #[test]
 fn a_closed_rank_takes_the_transport_fallback_with_its_peers() {
-    // 3 f32 (12 bytes) is a fallback size. A rank whose communicator was closed returned
-    // WrongState before deciding the route, while its peer waited in the transport's
-    // all-reduce until the group's timeout.
+    // 3 f32 (12 bytes) is a fallback size (with `AnyOrder`: `BitStable` pads it into one
+    // custom launch instead). A rank whose communicator was closed returned WrongState
+    // before deciding the route, while its peer waited in the transport's all-reduce until
+    // the group's timeout.
     let results = short_group(2).run(|comm| -> R<()> {
-        let mut ar = new_ar(&comm, Config::default())?;
+        let config = Config {
+            reproducibility: tpcomm_allreduce::dispatch::Reproducibility::AnyOrder,
+            ..Config::default()
+        };
+        let mut ar = new_ar(&comm, config)?;
         if comm.rank() == 1 {
             ar.close()?;
         }

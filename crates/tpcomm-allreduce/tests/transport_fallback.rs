@@ -1,5 +1,7 @@
-//! Inputs the custom kernels cannot serve go through the transport's numeric all-reduce with
-//! `all_reduce_or_transport`, and a failed communicator's error chain says each level once.
+//! Inputs one custom launch cannot serve go through the transport's numeric all-reduce with
+//! `all_reduce_or_transport` under `Reproducibility::AnyOrder`, and through several custom
+//! launches under `BitStable` (the default); a failed communicator's error chain says each
+//! level once.
 
 mod common;
 
@@ -7,6 +9,7 @@ use std::error::Error as _;
 use std::time::Duration;
 
 use common::new_ar;
+use tpcomm_allreduce::dispatch::Reproducibility;
 use tpcomm_allreduce::{AllReduceError, Config, FallbackReason, HostRoute};
 use tpcomm_transport::{Communicator, LocalGroup};
 
@@ -21,11 +24,13 @@ fn expected(world: usize, len: usize) -> Vec<f32> {
         .collect()
 }
 
-#[test]
-fn inputs_the_kernels_cannot_serve_are_summed_by_the_transport_and_say_why() {
+/// Every rank's routes of `all_reduce_or_transport` for 16 f32 (64 B, served), 3 (12 B,
+/// not a multiple of 16), 2048 (8 KiB, above `max_bytes`) and none, each result checked.
+fn routes_on_three_ranks(reproducibility: Reproducibility) -> Vec<Vec<HostRoute>> {
     const WORLD: usize = 3;
     let config = Config {
         max_bytes: 4096,
+        reproducibility,
         ..Config::default()
     };
     let results = LocalGroup::new(WORLD).timeout(Duration::from_secs(30)).run(
@@ -47,8 +52,15 @@ fn inputs_the_kernels_cannot_serve_are_summed_by_the_transport_and_say_why() {
             Ok(routes)
         },
     );
-    for r in results {
-        let routes = r.expect("rank thread").expect("all-reduces");
+    results
+        .into_iter()
+        .map(|r| r.expect("rank thread").expect("all-reduces"))
+        .collect()
+}
+
+#[test]
+fn inputs_the_kernels_cannot_serve_are_summed_by_the_transport_and_say_why() {
+    for routes in routes_on_three_ranks(Reproducibility::AnyOrder) {
         assert!(matches!(routes[0], HostRoute::Custom(_)), "{routes:?}");
         assert_eq!(
             &routes[1..],
@@ -59,6 +71,33 @@ fn inputs_the_kernels_cannot_serve_are_summed_by_the_transport_and_say_why() {
                     max: 4096
                 }),
                 HostRoute::Transport(FallbackReason::Empty),
+            ]
+        );
+    }
+}
+
+#[test]
+fn bit_stable_inputs_one_launch_cannot_serve_run_in_several_custom_launches() {
+    for routes in routes_on_three_ranks(Reproducibility::BitStable) {
+        assert!(matches!(routes[0], HostRoute::Custom(_)), "{routes:?}");
+        assert_eq!(
+            &routes[1..],
+            &[
+                HostRoute::Chunked {
+                    launches: 1,
+                    reason: FallbackReason::SizeNotMultipleOf16 { bytes: 12 }
+                },
+                HostRoute::Chunked {
+                    launches: 2,
+                    reason: FallbackReason::TooLarge {
+                        bytes: 8192,
+                        max: 4096
+                    }
+                },
+                HostRoute::Chunked {
+                    launches: 0,
+                    reason: FallbackReason::Empty
+                },
             ]
         );
     }

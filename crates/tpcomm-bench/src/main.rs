@@ -19,6 +19,7 @@
 //! tpcomm-bench compare old.json new.json      # ratio per row, regressions flagged
 //! tpcomm-bench plot t.json ar.json -o charts  # SVG charts of time and bandwidth
 //! mpirun -np 2 tpcomm-bench peer-check --transport mpi   # the MPI peer against a C loop
+//! mpirun -np 2 tpcomm-bench tune --transport mpi --out table.txt   # this machine's dispatch table
 //! ```
 //!
 //! Every subcommand runs through one engine ([`engine`], [`engine::session::Session`]): cases
@@ -55,7 +56,7 @@ use clap::{Parser, Subcommand};
 
 use crate::commands::{
     allreduce, checkpoint, compare, gpu, ipc, lifecycle, objects, peer_check, plot, queue,
-    transport,
+    transport, tune,
 };
 use crate::engine::error::BenchError;
 
@@ -132,6 +133,14 @@ enum Command {
     /// Draws SVG charts of JSON reports: time and bus bandwidth against size, log axes, one
     /// line per variant and per peer.
     Plot(plot::PlotArgs),
+    /// Measures the custom all-reduce's algorithms (host backend) and the transport's
+    /// all-reduce on this machine, per element type and size, and writes the dispatch table
+    /// file that picks the fastest (`TPCOMM_DISPATCH_TABLE`, `Config::dispatch`).
+    ///
+    /// Bit-stable by default (one-stage and two-stage only); `--allow-transport` lets the
+    /// table choose the transport's all-reduce. Local threads by default; `--transport mpi`
+    /// under `mpirun` (the table's rows are for that many ranks).
+    Tune(tune::TuneArgs),
 }
 
 fn main() -> ExitCode {
@@ -159,6 +168,7 @@ fn run(command: Command) -> Result<(), BenchError> {
         Command::Compare(args) => compare::run(&args),
         Command::PeerCheck(args) => peer_check::run(&args),
         Command::Plot(args) => plot::run(&args),
+        Command::Tune(args) => engine::launch::run(&args),
     }
 }
 
@@ -221,9 +231,11 @@ mod tests {
             "floor copy+sum",
             "floor sum",
         ];
+        let table = dir.join("tuned.txt");
+        let table = table.to_str().unwrap();
         // The arguments, the variants of the first case, one of their facts, a summary line.
         type Run<'a> = (&'a [&'a str], &'a [&'a str], (&'a str, &'a str), &'a str);
-        let runs: [Run<'_>; 6] = [
+        let runs: [Run<'_>; 7] = [
             (
                 &["transport", "--max-bytes", "64"],
                 &["tpcomm"],
@@ -285,6 +297,26 @@ mod tests {
                 ("mappings", "12"),
                 "first replay after a resume / steady-state replay: N=3 ",
             ),
+            (
+                &[
+                    "tune",
+                    "--dtypes",
+                    "f32",
+                    "--max-bytes",
+                    "4KiB",
+                    "--out",
+                    table,
+                ],
+                &[
+                    "staged 1stage",
+                    "staged 2stage",
+                    "registered 1stage",
+                    "registered 2stage",
+                    "transport",
+                ],
+                ("type", "f32"),
+                "dispatch table for 3 ranks written to",
+            ),
         ];
         for (argv, variants, (key, value), summary) in runs {
             let json = dir.join(format!("{}.json", argv[0]));
@@ -310,6 +342,14 @@ mod tests {
                 assert_eq!(r.peer.is_some(), r.vs_peer.is_some(), "{r:?}");
             }
         }
+        // The tuned table reads back, for 3 ranks.
+        let tuned = tpcomm::allreduce::dispatch::DispatchTable::load(table).unwrap();
+        assert!(tuned.keys().all(|k| k.ranks == 3), "{tuned}");
+        assert_eq!(
+            tuned.keys().count(),
+            2,
+            "staged and registered f32: {tuned}"
+        );
     }
 
     #[test]

@@ -417,69 +417,65 @@ impl<C> Compound<'_, C> {
     }
 }
 
-impl<C: SerializeSeq> SerializeSeq for Compound<'_, C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
+/// The compounds whose elements come one by one: each element bounded, the levels given
+/// back at the end.
+macro_rules! compounds {
+    ($($trait:ident::$method:ident),* $(,)?) => {$(
+        impl<C: $trait> $trait for Compound<'_, C> {
+            type Ok = C::Ok;
+            type Error = C::Error;
 
-    #[inline]
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
-        let limited = self.limit(value);
-        self.inner.serialize_element(&limited)
-    }
+            #[inline]
+            fn $method<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
+                let limited = self.limit(value);
+                self.inner.$method(&limited)
+            }
 
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.done();
-        self.inner.end()
-    }
+            fn end(self) -> Result<C::Ok, C::Error> {
+                self.done();
+                self.inner.end()
+            }
+        }
+    )*};
 }
 
-impl<C: SerializeTuple> SerializeTuple for Compound<'_, C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
+compounds!(
+    SerializeSeq::serialize_element,
+    SerializeTuple::serialize_element,
+    SerializeTupleStruct::serialize_field,
+    SerializeTupleVariant::serialize_field,
+);
 
-    #[inline]
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
-        let limited = self.limit(value);
-        self.inner.serialize_element(&limited)
-    }
+/// The compounds whose fields have names: each field bounded, skipped ones forwarded.
+macro_rules! named_compounds {
+    ($($trait:ident),* $(,)?) => {$(
+        impl<C: $trait> $trait for Compound<'_, C> {
+            type Ok = C::Ok;
+            type Error = C::Error;
 
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.done();
-        self.inner.end()
-    }
+            #[inline]
+            fn serialize_field<T: Serialize + ?Sized>(
+                &mut self,
+                key: &'static str,
+                value: &T,
+            ) -> Result<(), C::Error> {
+                let limited = self.limit(value);
+                self.inner.serialize_field(key, &limited)
+            }
+
+            fn skip_field(&mut self, key: &'static str) -> Result<(), C::Error> {
+                self.inner.skip_field(key)
+            }
+
+            fn end(self) -> Result<C::Ok, C::Error> {
+                self.done();
+                self.inner.end()
+            }
+        }
+    )*};
 }
 
-impl<C: SerializeTupleStruct> SerializeTupleStruct for Compound<'_, C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
-
-    #[inline]
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
-        let limited = self.limit(value);
-        self.inner.serialize_field(&limited)
-    }
-
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.done();
-        self.inner.end()
-    }
-}
-
-impl<C: SerializeTupleVariant> SerializeTupleVariant for Compound<'_, C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
-
-    #[inline]
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
-        let limited = self.limit(value);
-        self.inner.serialize_field(&limited)
-    }
-
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.done();
-        self.inner.end()
-    }
-}
+named_compounds!(SerializeStruct, SerializeStructVariant);
 
 impl<C: SerializeMap> SerializeMap for Compound<'_, C> {
     type Ok = C::Ok;
@@ -495,54 +491,6 @@ impl<C: SerializeMap> SerializeMap for Compound<'_, C> {
     fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
         let limited = self.limit(value);
         self.inner.serialize_value(&limited)
-    }
-
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.done();
-        self.inner.end()
-    }
-}
-
-impl<C: SerializeStruct> SerializeStruct for Compound<'_, C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
-
-    #[inline]
-    fn serialize_field<T: Serialize + ?Sized>(
-        &mut self,
-        key: &'static str,
-        value: &T,
-    ) -> Result<(), C::Error> {
-        let limited = self.limit(value);
-        self.inner.serialize_field(key, &limited)
-    }
-
-    fn skip_field(&mut self, key: &'static str) -> Result<(), C::Error> {
-        self.inner.skip_field(key)
-    }
-
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.done();
-        self.inner.end()
-    }
-}
-
-impl<C: SerializeStructVariant> SerializeStructVariant for Compound<'_, C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
-
-    #[inline]
-    fn serialize_field<T: Serialize + ?Sized>(
-        &mut self,
-        key: &'static str,
-        value: &T,
-    ) -> Result<(), C::Error> {
-        let limited = self.limit(value);
-        self.inner.serialize_field(key, &limited)
-    }
-
-    fn skip_field(&mut self, key: &'static str) -> Result<(), C::Error> {
-        self.inner.skip_field(key)
     }
 
     fn end(self) -> Result<C::Ok, C::Error> {

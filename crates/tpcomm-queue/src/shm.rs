@@ -12,7 +12,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 use rustix::mm::{madvise, Advice};
-use tpcomm_transport::copy::copy_bytes;
+use tpcomm_transport::copy::{copy_bytes, copy_to_shared};
 
 use tpcomm_ipc::{
     HostBuffer, HostHandle, HostMapping, HostMemory, IpcError, MemoryRegion, PeerMemory,
@@ -369,58 +369,6 @@ impl SharedRing {
 /// of larger ones; a multiple of the page size.
 const POPULATE_BYTES: usize = 8 << 20;
 
-/// Payload writes of at least this many bytes go through [`stream_bytes`].
-const STREAM_BYTES: usize = 16 << 10;
-
-/// Copies `n` bytes into the ring with non-temporal stores (whole 64-byte lines; the bytes
-/// before the first line boundary and after the last go through [`copy_bytes`]), then a
-/// store fence, so that every byte is visible before the stores that follow (the chunk's
-/// fields and its stamp, a release store).
-///
-/// Why: the payload lines of a chunk were last read by the readers, whose caches still
-/// hold them; an ordinary store must take each line back from them first. On the AMD EPYC
-/// KVM guest the benchmarks run on, that made the writer's copy 24 times slower than into
-/// its own memory (64 KiB in 28 us, 1 MiB in 440 us, 8 MiB in 3.4 ms, against 1.2 us,
-/// 22 us and 230 us), while non-temporal stores, which take no line back, copied them in
-/// 2.0 us, 37 us and 300 us, and the reader's copy out afterwards took as long as after
-/// ordinary stores (a C program between two MPI processes, medians of 60 rounds). Below
-/// [`STREAM_BYTES`] the difference is under a microsecond either way.
-///
-/// # Safety
-/// As [`copy_bytes`]: `src` readable and `dst` writable for `n` bytes, not overlapping.
-#[cfg(target_arch = "x86_64")]
-unsafe fn stream_bytes(dst: *mut u8, src: *const u8, n: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-    let head = dst.align_offset(64).min(n);
-    let end = head + (n - head) / 64 * 64;
-    // SAFETY: the caller's contract covers `[0, n)` of both; `head <= end <= n`; the
-    // stores of the loop are 16-byte aligned (`dst + head` is 64-byte aligned); SSE2 is
-    // part of x86-64.
-    unsafe {
-        copy_bytes(dst, src, head);
-        let mut i = head;
-        while i < end {
-            for k in (0..64).step_by(16) {
-                let v = _mm_loadu_si128(src.add(i + k).cast::<__m128i>());
-                _mm_stream_si128(dst.add(i + k).cast::<__m128i>(), v);
-            }
-            i += 64;
-        }
-        _mm_sfence();
-        copy_bytes(dst.add(end), src.add(end), n - end);
-    }
-}
-
-/// Elsewhere: [`copy_bytes`].
-///
-/// # Safety
-/// As [`copy_bytes`].
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn stream_bytes(dst: *mut u8, src: *const u8, n: usize) {
-    // SAFETY: the caller's contract.
-    unsafe { copy_bytes(dst, src, n) }
-}
-
 /// A reader's claim on its slot.
 fn claim_word(id: u64, rank: usize) -> u64 {
     id ^ (rank as u64 + 1)
@@ -461,14 +409,8 @@ impl RingMemory for SharedRing {
         // SAFETY: `start + src.len()` lies inside the mapping (`payload_at` checked `at +
         // src.len()` against the chunk size the layout reserves); `src` is private memory,
         // which cannot overlap the shared mapping; only raw copies touch payload bytes.
-        unsafe {
-            let dst = self.base.as_ptr().add(start);
-            if src.len() >= STREAM_BYTES {
-                stream_bytes(dst, src.as_ptr(), src.len());
-            } else {
-                copy_bytes(dst, src.as_ptr(), src.len());
-            }
-        };
+        // The readers last read these lines: `copy_to_shared` streams large copies past them.
+        unsafe { copy_to_shared(self.base.as_ptr().add(start), src.as_ptr(), src.len()) };
     }
 
     fn append_payload(&self, slot: usize, len: usize, dst: &mut Vec<u8>) {
@@ -505,32 +447,5 @@ impl SharedRing {
     /// The layout, for the tests that corrupt the segment.
     pub(crate) fn layout_for_test(&self) -> Layout {
         self.layout
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_streamed_copy_writes_exactly_its_bytes_whatever_the_alignment_and_length() {
-        let src: Vec<u8> = (0..STREAM_BYTES + 300).map(|i| (i * 7 + 3) as u8).collect();
-        let mut dst = vec![0u8; STREAM_BYTES + 600];
-        for at in [0, 1, 15, 16, 63, 64, 65, 127] {
-            for n in [0, 1, 63, 64, 65, 200, STREAM_BYTES - 1, STREAM_BYTES + 129] {
-                dst.fill(0xee);
-                // SAFETY: `at + n` is within `dst` and `n` within `src`; two allocations.
-                unsafe { stream_bytes(dst.as_mut_ptr().add(at), src.as_ptr(), n) };
-                assert!(
-                    dst[..at].iter().all(|&b| b == 0xee),
-                    "before, at {at} n {n}"
-                );
-                assert_eq!(&dst[at..at + n], &src[..n], "at {at} n {n}");
-                assert!(
-                    dst[at + n..].iter().all(|&b| b == 0xee),
-                    "after, at {at} n {n}"
-                );
-            }
-        }
     }
 }

@@ -1,8 +1,8 @@
 //! Bounded spin-then-park waits on the ring's words.
 //!
 //! A waiter first spins for its [`SpinBudget`] (the same adaptive budget as the local
-//! transport's rounds: no spinning when the waiters outnumber the CPUs, less after waits
-//! that parked anyway), then parks on a futex word in the segment (a shared futex, which
+//! transport's rounds: no spinning when the waiters outnumber the CPUs they run on, less after
+//! waits that parked anyway), then parks on a futex word in the segment (a shared futex, which
 //! works across processes that map the same file). Parking is a handshake with the peer:
 //!
 //! - the waiter counts itself parked (sequentially consistent), reads the futex word, looks

@@ -71,6 +71,20 @@ impl SpinBudget {
         })
     }
 
+    /// A budget of `max` for ranks that wait on each other, `in_process` of them threads of
+    /// this process and `on_host` of them on this machine in all (these and those of other
+    /// processes): none at all when this process's threads outnumber the CPUs it may use, or
+    /// the ranks outnumber the machine's online CPUs. Ranks in processes of their own, each
+    /// bound to one core (as `mpirun` binds them), spin: each has a core of its own, although
+    /// none may use another's.
+    pub fn for_ranks(max: Duration, in_process: usize, on_host: usize) -> Self {
+        Self::new(if in_process > cores() || on_host > online_cpus() {
+            Duration::ZERO
+        } else {
+            max
+        })
+    }
+
     /// The budget of a wait starting now.
     pub fn get(&self) -> Duration {
         let parked = self.parked_in_a_row.load(Ordering::Relaxed);
@@ -103,6 +117,37 @@ impl SpinBudget {
 pub fn cores() -> usize {
     static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// The number of CPUs online on this machine, whichever this process may use (its own
+/// count, [`cores`], when the kernel does not say), read once.
+pub fn online_cpus() -> usize {
+    static ONLINE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ONLINE.get_or_init(|| {
+        std::fs::read_to_string("/sys/devices/system/cpu/online")
+            .ok()
+            .and_then(|list| count_cpu_list(&list))
+            .unwrap_or_else(cores)
+    })
+}
+
+/// The CPUs a kernel CPU list names (`0-3,8,10-11`), or `None` for a list it cannot read.
+fn count_cpu_list(list: &str) -> Option<usize> {
+    let mut n = 0usize;
+    for part in list.trim().split(',') {
+        let count = match part.split_once('-') {
+            Some((first, last)) => {
+                let (first, last) = (first.parse::<usize>().ok()?, last.parse::<usize>().ok()?);
+                last.checked_sub(first)?.checked_add(1)?
+            }
+            None => {
+                part.parse::<usize>().ok()?;
+                1
+            }
+        };
+        n = n.checked_add(count)?;
+    }
+    (n > 0).then_some(n)
 }
 
 #[cfg(test)]
@@ -146,6 +191,32 @@ mod tests {
         assert_eq!(b.get(), Duration::ZERO);
         let b = SpinBudget::for_waiters(Duration::from_micros(50), 1);
         assert_eq!(b.get(), Duration::from_micros(50));
+    }
+
+    #[test]
+    fn ranks_in_processes_of_their_own_spin_while_the_machine_has_a_cpu_for_each() {
+        let max = Duration::from_micros(50);
+        // One thread here, the other ranks in processes of their own: the machine's CPUs
+        // decide, not this process's (an `mpirun` binding gives it one).
+        assert_eq!(SpinBudget::for_ranks(max, 1, online_cpus()).get(), max);
+        assert_eq!(
+            SpinBudget::for_ranks(max, 1, online_cpus() + 1).get(),
+            Duration::ZERO
+        );
+        assert_eq!(
+            SpinBudget::for_ranks(max, cores() + 1, cores() + 1).get(),
+            Duration::ZERO
+        );
+        assert!(online_cpus() >= cores());
+    }
+
+    #[test]
+    fn a_cpu_list_counts_its_ranges_and_refuses_what_it_cannot_read() {
+        assert_eq!(count_cpu_list("0-3,8,10-11\n"), Some(7));
+        assert_eq!(count_cpu_list("0"), Some(1));
+        assert_eq!(count_cpu_list("3-1"), None);
+        assert_eq!(count_cpu_list(""), None);
+        assert_eq!(count_cpu_list("0-x"), None);
     }
 
     #[test]

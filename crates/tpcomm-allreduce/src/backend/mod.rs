@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tpcomm_ipc::PeerMemory;
 
-use crate::dispatch::{Algorithm, FallbackReason};
+use crate::dispatch::{Algorithm, DispatchTable, FallbackReason};
 use crate::dtype::DType;
 use crate::error::Result;
 
@@ -214,21 +214,30 @@ pub trait Backend: Send + Sync + Debug + 'static {
         Ok(())
     }
 
-    /// Sizes up to this many bytes use one-stage on `world` ranks (the dispatch table of
-    /// this backend's hardware): the host backend's measurements
-    /// ([`dispatch::ONE_STAGE_MAX_BYTES`](crate::dispatch::ONE_STAGE_MAX_BYTES)) by default.
-    /// Pure: every rank of a group (same backend, agreed in `new`) picks the same algorithm.
-    fn one_stage_table(&self) -> &'static [usize; crate::dispatch::MAX_RANKS + 1] {
-        &crate::dispatch::ONE_STAGE_MAX_BYTES
+    /// The backend's built-in dispatch table: which algorithm serves which size when no
+    /// table file says otherwise. By default [`DispatchTable::host_same_inputs`] (the same
+    /// rows for staged and registered inputs, as a backend whose shapes leave the slot out
+    /// needs); the host backend's [`DispatchTable::host`], the CUDA backend's
+    /// [`DispatchTable::cuda`]. Every rank of a group uses the same table (its digest is
+    /// agreed in `new`).
+    fn builtin_dispatch(&self) -> DispatchTable {
+        DispatchTable::host_same_inputs()
     }
 
-    /// The table for eager launches from the staging slot (RankData slot 0, the input copied
-    /// there by the call): [`one_stage_table`](Self::one_stage_table) by default; the host
-    /// backend's [`dispatch::STAGED_ONE_STAGE_MAX_BYTES`](crate::dispatch::STAGED_ONE_STAGE_MAX_BYTES).
-    /// A backend whose launch shapes leave out the slot must keep the default: ranks picking
-    /// by slot must see a mismatch when their slots differ.
-    fn staged_one_stage_table(&self) -> &'static [usize; crate::dispatch::MAX_RANKS + 1] {
-        self.one_stage_table()
+    /// The algorithms this backend has launches for (a dispatch table naming another is
+    /// refused at creation): both by default.
+    fn algorithms(&self) -> &'static [Algorithm] {
+        &Algorithm::ALL
+    }
+
+    /// Whether the launch shapes this backend compares across ranks include the RankData
+    /// slot, so that ranks launching from different slots (one from its staging buffer, one
+    /// from a registered input) fail with a mismatch instead of running different
+    /// algorithms: then a dispatch table may give staged and registered inputs different
+    /// rows. False by default (both must take the same rows); the host backend's shapes
+    /// include it.
+    fn shape_includes_slot(&self) -> bool {
+        false
     }
 
     /// Applies [`Config::topology`](crate::Config::topology) (called once by

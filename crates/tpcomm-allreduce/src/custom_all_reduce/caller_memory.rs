@@ -20,6 +20,20 @@ use crate::dtype::DType;
 use crate::dtype::Element;
 use crate::error::{AllReduceError, Result};
 
+/// Fails with [`AllReduceError::BufferTooSmall`] unless an output of `len` elements holds
+/// `count`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn output_holds(len: usize, count: usize) -> Result<()> {
+    if len < count {
+        return Err(AllReduceError::BufferTooSmall {
+            buffer: "output",
+            len,
+            count,
+        });
+    }
+    Ok(())
+}
+
 impl<B: Backend> CustomAllReduce<B> {
     /// The all-reduce of a caller's device memory that is not a buffer of the backend's
     /// peer memory (cudarc views on CUDA): `input_addr` holds `count` elements of `dtype`
@@ -153,13 +167,7 @@ impl<M: DevicePeerMemory> CustomAllReduce<CudaBackend<M>> {
         O: DevicePtrMut<T>,
     {
         let count = input.len();
-        if output.len() < count {
-            return Err(AllReduceError::BufferTooSmall {
-                buffer: "output",
-                len: output.len(),
-                count,
-            });
-        }
+        output_holds(output.len(), count)?;
         let memory = self.memory()?.clone();
         let stream = self.backend().stream().clone();
         // cudarc's protocol: the stream waits for earlier writes of the input and for earlier

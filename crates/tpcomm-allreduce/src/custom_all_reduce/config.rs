@@ -5,19 +5,19 @@
 use std::time::Duration;
 
 use crate::backend::Backend;
-use crate::dispatch::{self, Algorithm};
-use crate::dtype::DType;
+use crate::dispatch::{Algorithm, DispatchTable, Reproducibility};
 use crate::error::{AllReduceError, Result};
 use crate::topology::TopologyCheck;
 
 /// Settings of a [`CustomAllReduce`](super::CustomAllReduce).
 ///
 /// [`CustomAllReduce::new`](super::CustomAllReduce::new) checks across ranks that
-/// `max_bytes`, `slots` and `algorithm` are equal (and the backend's shape,
-/// [`Backend::agreed_shape`]): a launch on one rank reads up to its own `max_bytes` from
-/// every peer's staging and temp buffers, every rank must take the same algorithm (the
-/// two-stage one has an extra barrier and reads temp buffers), and slots are handed out in
-/// lockstep, so a smaller pool would fail one rank alone. A mismatch is
+/// `max_bytes`, `slots`, `algorithm`, `topology`, `reproducibility` and the dispatch table
+/// in use (its digest) are equal (and the backend's shape, [`Backend::agreed_shape`]): a
+/// launch on one rank reads up to its own `max_bytes` from every peer's staging and temp
+/// buffers, every rank must take the same algorithm for a call (the two-stage one has an
+/// extra barrier and reads temp buffers), and slots are handed out in lockstep, so a
+/// smaller pool would fail one rank alone. A mismatch is
 /// [`AllReduceError::ConfigMismatch`] on every rank. `timeout` may differ: it only bounds
 /// this rank's own waits.
 #[derive(Debug, Clone)]
@@ -31,8 +31,21 @@ pub struct Config {
     /// Bound on every barrier wait inside a launch (default 30 s).
     pub timeout: Duration,
     /// Forces one algorithm for every size it can serve (benchmarks, tests); `None` (the
-    /// default) dispatches by size and world size.
+    /// default) chooses by the dispatch table.
     pub algorithm: Option<Algorithm>,
+    /// The dispatch table: which algorithm serves which size, per world size, element type
+    /// and input ([`DispatchTable`]; `tpcomm-bench tune` writes one for the machine it runs
+    /// on, [`DispatchTable::load`] reads it). Its rows replace the backend's built-in ones
+    /// for the keys it names. `None` (the default): the file named by the environment
+    /// variable [`DISPATCH_TABLE_ENV`](crate::dispatch::DISPATCH_TABLE_ENV) when it is set,
+    /// else the backend's built-in table. Checked at creation against the backend and
+    /// `reproducibility` ([`AllReduceError::DispatchTable`], naming the line).
+    pub dispatch: Option<DispatchTable>,
+    /// What the choice of algorithm may change ([`Reproducibility`]): by default
+    /// ([`BitStable`](Reproducibility::BitStable)) nothing, so a value's all-reduce has the
+    /// same bits whatever the size of the call it is part of; `AnyOrder` lets the table
+    /// choose the transport's all-reduce and sends inputs one launch cannot take there.
+    pub reproducibility: Reproducibility,
     /// How a backend that probes the topology (CUDA) decides whether its kernels run:
     /// [`TopologyCheck::Auto`] (the default: vLLM's rule, more than 2 ranks only with every
     /// pair of GPUs on NVLink), `Assume` (run whatever the probe says), `Off` (always fall
@@ -54,6 +67,8 @@ impl Default for Config {
             slots: 1024,
             timeout: Duration::from_secs(30),
             algorithm: None,
+            dispatch: None,
+            reproducibility: Reproducibility::BitStable,
             topology: TopologyCheck::Auto,
         }
     }
@@ -70,32 +85,39 @@ impl Config {
                 self.algorithm.map_or("by size", Algorithm::name).into(),
             ),
             ("topology".into(), self.topology.name().into()),
+            ("reproducibility".into(), self.reproducibility.name().into()),
         ]
     }
 
-    /// The algorithm for `bytes` of `dtype` on `world` ranks, if `backend` has a launch for
-    /// it; the fallback reason otherwise. `staged`: an eager launch from the staging slot
-    /// ([`Backend::staged_one_stage_table`]).
-    pub(super) fn choose<B: Backend>(
+    /// The dispatch table a communicator of `world` ranks on `backend` uses: the table of
+    /// [`dispatch`](Self::dispatch) or of the environment's file (which must be for this
+    /// backend) over the backend's built-in one, restricted to `world`, checked against the
+    /// backend and [`reproducibility`](Self::reproducibility).
+    pub(super) fn dispatch_table<B: Backend>(
         &self,
         backend: &B,
-        dtype: DType,
-        bytes: usize,
         world: usize,
-        staged: bool,
-    ) -> Result<Algorithm> {
-        let table = if staged {
-            backend.staged_one_stage_table()
-        } else {
-            backend.one_stage_table()
+    ) -> Result<DispatchTable> {
+        let builtin = backend.builtin_dispatch();
+        let chosen = match &self.dispatch {
+            Some(table) => Some(table.clone()),
+            None => DispatchTable::from_env()?,
         };
-        let chosen = dispatch::choose_with(table, bytes, world, self.max_bytes)
-            .map_err(AllReduceError::Fallback)?;
-        let algorithm = self.algorithm.unwrap_or(chosen);
-        backend
-            .supports(world, dtype, bytes, algorithm)
-            .map_err(AllReduceError::Fallback)?;
-        Ok(algorithm)
+        let table = match chosen {
+            Some(table) => {
+                table.check_backend(backend.name())?;
+                table.over(&builtin)
+            }
+            None => builtin,
+        }
+        .for_ranks(world);
+        table.check_for(
+            backend.name(),
+            backend.algorithms(),
+            backend.shape_includes_slot(),
+            self.reproducibility,
+        )?;
+        Ok(table)
     }
 }
 

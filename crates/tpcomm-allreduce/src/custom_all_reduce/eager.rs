@@ -8,17 +8,28 @@ use tpcomm_transport::Communicator;
 use super::launch::check_no_alias;
 use super::CustomAllReduce;
 use crate::backend::{Backend, Buffer};
-use crate::dispatch::{Algorithm, FallbackReason};
+use crate::dispatch::{Algorithm, FallbackReason, Reproducibility};
 use crate::dtype::{DType, Element};
 use crate::error::{AllReduceError, Result};
 
 /// Which path served [`CustomAllReduce::all_reduce_or_transport`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HostRoute {
-    /// The custom peer-memory all-reduce, with this algorithm.
+    /// The custom peer-memory all-reduce, in one launch with this algorithm.
     Custom(Algorithm),
-    /// The transport's numeric all-reduce ([`Communicator::all_reduce`]), because the custom
-    /// kernels cannot serve the input, for this reason.
+    /// The custom all-reduce in `launches` launches (0 for an empty input), because one
+    /// launch cannot take the input, for `reason` (above `max_bytes`, not a multiple of 16
+    /// bytes): [`Reproducibility::BitStable`], which gives the same bits as one launch.
+    Chunked {
+        /// Custom launches that ran.
+        launches: usize,
+        /// Why one launch could not take it.
+        reason: FallbackReason,
+    },
+    /// The transport's numeric all-reduce ([`Communicator::all_reduce`]), for this reason:
+    /// the custom kernels cannot serve the input, or the dispatch table chose the transport
+    /// (both with [`Reproducibility::AnyOrder`] only, but for reasons no chunking helps,
+    /// such as a world size without kernels).
     Transport(FallbackReason),
 }
 
@@ -92,17 +103,23 @@ impl<B: Backend> CustomAllReduce<B> {
         Ok(algorithm)
     }
 
-    /// [`all_reduce`](Self::all_reduce) that never leaves an input unserved: when the custom
-    /// kernels cannot take it ([`AllReduceError::Fallback`]: a size that is not a multiple of
-    /// 16 bytes, above `max_bytes`, empty, ...), the sum runs through the transport's numeric
-    /// all-reduce ([`Communicator::all_reduce`]: `MPI_Allreduce` under MPI, a real reduction
-    /// on the threads backend) on `comm` instead. Returns which path ran.
+    /// [`all_reduce`](Self::all_reduce) that never leaves an input unserved. When one custom
+    /// launch cannot take it ([`AllReduceError::Fallback`]):
     ///
-    /// Collective like both paths: every rank must pass the same element type and count, so
-    /// that every rank takes the same path (the choice depends only on the size and on the
-    /// settings every rank agreed on in [`new`](Self::new)). A rank that passes another size
-    /// anyway is reported, not summed: by the transport's agreement check where it has one
-    /// (threads), or by the custom launch's timeout naming the rank that did not join.
+    /// - with [`Reproducibility::BitStable`] (the default), an input above `max_bytes` or
+    ///   whose size is not a multiple of 16 bytes is reduced in several custom launches
+    ///   (pieces of the staging buffer's size, the last padded to 16 bytes), which give the
+    ///   same bits as one launch: [`HostRoute::Chunked`]. An empty input runs nothing;
+    /// - otherwise (`AnyOrder`, or a reason no chunking helps) the sum runs through the
+    ///   transport's numeric all-reduce ([`Communicator::all_reduce`]: `MPI_Allreduce` under
+    ///   MPI, a real reduction on the threads backend) on `comm`: [`HostRoute::Transport`].
+    ///
+    /// Returns which path ran. Collective like both paths: every rank must pass the same
+    /// element type and count, so that every rank takes the same path (the choice depends
+    /// only on the size and on the settings every rank agreed on in [`new`](Self::new)). A
+    /// rank that passes another size anyway is reported, not summed: by the transport's
+    /// agreement check where it has one (threads), or by the custom launch's timeout naming
+    /// the rank that did not join.
     ///
     /// ```
     /// use tpcomm_allreduce::{Config, CustomAllReduce, HostBackend, HostRoute};
@@ -113,7 +130,8 @@ impl<B: Backend> CustomAllReduce<B> {
     ///     let mut ar = CustomAllReduce::new(HostBackend::new(), HostMemory::new(), &comm, Config::default())?;
     ///     let mut routes = Vec::new();
     ///     for len in [64, 3] {
-    ///         // 64 f32 = 256 bytes: the custom kernels; 3 f32 = 12 bytes: not a multiple of 16.
+    ///         // 64 f32 = 256 bytes: one custom launch; 3 f32 = 12 bytes, not a multiple of
+    ///         // 16: one launch padded to 16 bytes (bit-stable, the default).
     ///         let input = vec![comm.rank() as f32 + 1.0; len];
     ///         let mut out = vec![0f32; len];
     ///         routes.push(ar.all_reduce_or_transport(&comm, &input, &mut out)?);
@@ -124,7 +142,7 @@ impl<B: Backend> CustomAllReduce<B> {
     /// for r in results {
     ///     let routes = r.unwrap().unwrap();
     ///     assert!(matches!(routes[0], HostRoute::Custom(_)));
-    ///     assert!(matches!(routes[1], HostRoute::Transport(_)));
+    ///     assert!(matches!(routes[1], HostRoute::Chunked { launches: 1, .. }));
     /// }
     /// ```
     pub fn all_reduce_or_transport<T, C>(
@@ -139,6 +157,19 @@ impl<B: Backend> CustomAllReduce<B> {
     {
         match self.all_reduce(input, output) {
             Ok(algorithm) => Ok(HostRoute::Custom(algorithm)),
+            Err(AllReduceError::Fallback(reason))
+                if self.config.reproducibility == Reproducibility::BitStable
+                    && reason.chunkable() =>
+            {
+                let _span = tracing::debug_span!(
+                    "allreduce_chunked",
+                    rank = self.rank,
+                    reason = %reason
+                )
+                .entered();
+                let launches = self.all_reduce_in_pieces(input, output)?;
+                Ok(HostRoute::Chunked { launches, reason })
+            }
             Err(AllReduceError::Fallback(reason)) => {
                 let _span = tracing::debug_span!(
                     "allreduce_transport_fallback",

@@ -4,7 +4,7 @@
 
 use super::{CustomAllReduce, SlotSource};
 use crate::backend::{Backend, Launch};
-use crate::dispatch::Algorithm;
+use crate::dispatch::{self, Algorithm, Choice, FallbackReason, Input};
 use crate::dtype::DType;
 use crate::error::{AllReduceError, Result};
 
@@ -154,10 +154,41 @@ impl<B: Backend> CustomAllReduce<B> {
     }
 
     /// The algorithm for `bytes` of `dtype`, or the reason the fallback must serve it;
-    /// `staged`: a launch from the staging slot (slot 0).
+    /// `staged`: a launch from the staging slot (slot 0). A function of the call's shape and
+    /// the agreed settings alone (the table, `max_bytes`, a forced algorithm), so that every
+    /// rank of a same-shaped call gets the same answer.
     pub(super) fn choose(&self, dtype: DType, bytes: usize, staged: bool) -> Result<Algorithm> {
-        self.config
-            .choose(&self.backend, dtype, bytes, self.world, staged)
+        dispatch::check_size(bytes, self.world, self.config.max_bytes)
+            .map_err(AllReduceError::Fallback)?;
+        let input = if staged {
+            Input::Staged
+        } else {
+            Input::Registered
+        };
+        let algorithm = match self.config.algorithm {
+            Some(forced) => forced,
+            None => match self.dispatch.choice(self.world, dtype, input, bytes) {
+                Some(Choice::Custom(algorithm)) => algorithm,
+                Some(Choice::Transport) => {
+                    return Err(AllReduceError::Fallback(
+                        FallbackReason::TableChoosesTransport { bytes },
+                    ))
+                }
+                // Unreachable: `new` took the table over the backend's built-in one, which
+                // covers every key, and checked that every key's bands reach `inf`.
+                None => {
+                    return Err(AllReduceError::InvalidArgument(format!(
+                        "the dispatch table has no algorithm for {bytes} bytes of {} on {} ranks",
+                        dtype.name(),
+                        self.world
+                    )))
+                }
+            },
+        };
+        self.backend
+            .supports(self.world, dtype, bytes, algorithm)
+            .map_err(AllReduceError::Fallback)?;
+        Ok(algorithm)
     }
 
     /// Waits for every launch issued so far (device backends run them asynchronously) and

@@ -2,12 +2,14 @@
 //! accessors every mechanism shares and the lifecycle's failure path. Each mechanism has a
 //! file: `config` (the settings and their agreement), `setup` (creation), `tables` (the
 //! stable tables), `nonce` (the proof of fresh mappings), `launch` (the launch every entry
-//! point ends in), `eager`, `registration` and `caller_memory` (the entry points), `capture`
+//! point ends in), `eager`, `registration` and `caller_memory` (the entry points), `chunked`
+//! (inputs one launch cannot take, in several), `capture`
 //! (plans, captured inputs, replay) and `device_graph` (CUDA graphs), `suspend`
 //! (suspend/resume), `close`.
 
 mod caller_memory;
 mod capture;
+mod chunked;
 mod close;
 mod config;
 #[cfg(feature = "cuda")]
@@ -29,6 +31,8 @@ use std::sync::Weak;
 use tpcomm_ipc::{ExchangeId, PeerMappings, Region};
 use tpcomm_transport::Communicator;
 
+#[cfg(feature = "nccl")]
+pub(crate) use caller_memory::output_holds;
 pub use capture::{Capture, CapturedPlan};
 pub use config::Config;
 #[cfg(feature = "cuda")]
@@ -38,6 +42,7 @@ pub use registration::RegisteredInput;
 use registration::Registration;
 
 use crate::backend::{Backend, Buffer};
+use crate::dispatch::DispatchTable;
 use crate::error::{AllReduceError, Result};
 use crate::lifecycle::{Lifecycle, Phase};
 
@@ -133,6 +138,8 @@ pub struct CustomAllReduce<B: Backend> {
     rank: usize,
     world: usize,
     config: Config,
+    /// The dispatch table in use, for this world size only (agreed at creation).
+    dispatch: DispatchTable,
     lifecycle: Lifecycle,
     res: Option<Resources<B>>,
     /// Source of each RankData slot (`None` = free).
@@ -203,6 +210,20 @@ impl<B: Backend> CustomAllReduce<B> {
     /// The backend.
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// The settings it was created with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The dispatch table this communicator chooses algorithms with: its rows for this
+    /// world size, from [`Config::dispatch`], the file named by
+    /// [`DISPATCH_TABLE_ENV`](crate::dispatch::DISPATCH_TABLE_ENV) or the backend's
+    /// built-in table ([`DispatchTable::origin`] says which). Every rank uses the same
+    /// (agreed at creation).
+    pub fn dispatch_table(&self) -> &DispatchTable {
+        &self.dispatch
     }
 
     /// The peer-memory backend (to allocate inputs that can be registered or captured).

@@ -290,12 +290,24 @@ impl<B: Backend> CustomAllReduce<B> {
             });
         };
         let released = res.peers.release(registration.exchange);
+        let entry = registration.slot * RANK_DATA_BYTES..(registration.slot + 1) * RANK_DATA_BYTES;
         let zeroed = self.backend.write_table(
             res.peers.backend(),
             &res.rank_data,
-            registration.slot * RANK_DATA_BYTES,
+            entry.start,
             &[0u8; RANK_DATA_BYTES],
         );
+        // The slot holds zeros now (or, after a failed write, something unknown): the next
+        // rewrite must not take a new registration whose peers' addresses equal the old
+        // ones (a buffer at a freed address, in segments peers still map) for written.
+        match (&zeroed, self.written.as_mut()) {
+            (Ok(()), Some((_, pool))) => {
+                if let Some(written) = pool.get_mut(entry) {
+                    written.fill(0);
+                }
+            }
+            _ => self.written = None,
+        }
         // Every rank closed its mappings of this rank's buffer before it may be freed.
         let barrier = comm.barrier().map_err(AllReduceError::from);
         if let Err(e) = released

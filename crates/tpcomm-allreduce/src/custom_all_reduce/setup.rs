@@ -67,10 +67,13 @@ impl<B: Backend> CustomAllReduce<B> {
     /// host (another kernel boot or PID namespace), naming each host and its ranks.
     ///
     /// Every rank returns the same error when ranks differ in `max_bytes`, `slots`,
-    /// `algorithm` or the backend's shape ([`AllReduceError::ConfigMismatch`] naming the
-    /// field and every rank's value), or when a rank could not set up (its own error there,
-    /// [`AllReduceError::PeerSetup`] naming it elsewhere): the agreement rides on the first
-    /// collective, and whatever was allocated is freed before returning.
+    /// `algorithm`, `topology`, `reproducibility`, the dispatch table in use (field
+    /// `dispatch_table`: its digest, [`DispatchTable::digest`](crate::dispatch::DispatchTable::digest))
+    /// or the backend's shape ([`AllReduceError::ConfigMismatch`] naming the field and every
+    /// rank's value), or when a rank could not set up (its own error there, a table it could
+    /// not load or use included; [`AllReduceError::PeerSetup`] naming it elsewhere): the
+    /// agreement rides on the first collective, and whatever was allocated is freed before
+    /// returning. So ranks never choose different algorithms for one call.
     pub fn new<C: Communicator + ?Sized>(
         mut backend: B,
         memory: B::Memory,
@@ -95,7 +98,15 @@ impl<B: Backend> CustomAllReduce<B> {
         // A local failure (invalid settings, allocation) still joins the agreement below, so
         // that every rank fails together instead of waiting for this one.
         let local = Allocations::new(&backend, &memory, &config);
+        let table = config.dispatch_table(&backend, world);
         let mut fields = config.agreed_fields();
+        fields.push((
+            "dispatch_table".into(),
+            match &table {
+                Ok(t) => format!("{} rows, digest {:016x}", t.backend(), t.digest()),
+                Err(_) => "none (it could not be used)".into(),
+            },
+        ));
         fields.push(("backend".into(), backend.name().into()));
         fields.push(("signal_bytes".into(), backend.signal_bytes().to_string()));
         fields.push(("nonce_offset".into(), backend.nonce_offset().to_string()));
@@ -105,7 +116,12 @@ impl<B: Backend> CustomAllReduce<B> {
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v)),
         );
-        let mine = (local.as_ref().err().map(ToString::to_string), fields);
+        let setup_error = match (&local, &table) {
+            (Err(e), _) => Some(e.to_string()),
+            (Ok(_), Err(e)) => Some(e.to_string()),
+            _ => None,
+        };
+        let mine = (setup_error, fields);
         let (mut peers, all) = PeerMappings::new_agreeing(memory, comm, &mine)?;
         // Every rank saw the same identities: every rank refuses a group on several hosts.
         if peers.hosts().spans_hosts() {
@@ -115,6 +131,7 @@ impl<B: Backend> CustomAllReduce<B> {
             });
         }
         let allocations = local?;
+        let dispatch = table?;
         check_agreement(&all)?;
         let Allocations {
             signal,
@@ -148,6 +165,7 @@ impl<B: Backend> CustomAllReduce<B> {
             rank: comm.rank(),
             world,
             config,
+            dispatch,
             lifecycle: Lifecycle::new(),
             res: Some(Resources {
                 peers,

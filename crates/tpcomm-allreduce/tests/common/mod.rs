@@ -71,6 +71,21 @@ pub(crate) fn inputs<T: Element>(seed: u64, rank: usize, count: usize) -> Vec<T>
         .collect()
 }
 
+/// The sum of every rank's elements (`inputs[r]`, equal lengths) in the order the host
+/// backend and the CUDA kernels take: rank 0's value widened to f32, each next rank's added
+/// in rank order in f32, the sum rounded once to `T` (to nearest, ties to even).
+pub(crate) fn rank_order_sum<T: Element>(inputs: &[Vec<T>]) -> Vec<T> {
+    (0..inputs[0].len())
+        .map(|i| {
+            let mut acc = inputs[0][i].to_f32();
+            for rank in &inputs[1..] {
+                acc += rank[i].to_f32();
+            }
+            T::from_f32(acc)
+        })
+        .collect()
+}
+
 /// Checks `out` against the f64 sum of every rank's (rounded) inputs.
 pub(crate) fn check<T: Element>(seed: u64, world: usize, out: &[T]) -> Result<(), String> {
     let tolerance = match T::DTYPE {

@@ -14,3 +14,4 @@ pub(crate) mod peer_check;
 pub(crate) mod plot;
 pub(crate) mod queue;
 pub(crate) mod transport;
+pub(crate) mod tune;

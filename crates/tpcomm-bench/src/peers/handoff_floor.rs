@@ -17,17 +17,18 @@
 //! chunks. Larger values stream through the queue's ring, the readers copying one chunk
 //! while the writer fills the next, which this floor does not do.
 //!
-//! The buffer is a `tpcomm-ipc` host buffer shared through [`PeerMappings::exchange`], so the
-//! floor runs on threads and on MPI processes of one host alike.
+//! The buffer is a `tpcomm-ipc` host buffer of rank 0's that the others map
+//! ([`WriterBuffer`]: one `PeerMappings::exchange`), so the floor runs on threads and on MPI
+//! processes of one host alike.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tpcomm::Communicator;
-use tpcomm_ipc::{HostBuffer, HostMemory, MemoryRegion, PeerMappings, PeerMemory, Region};
 
 use crate::engine::error::BenchError;
+use crate::peers::WriterBuffer;
 
 /// Bytes before the payload: the sequence number, the length, and the rest of a cache line
 /// (the payload starts on a line of its own).
@@ -41,13 +42,8 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 /// One rank's side of the floor: the writer's buffer, or a reader's mapping of it.
 #[derive(Debug)]
 pub(crate) struct HandoffFloor {
-    /// The writer's own buffer (kept for the floor's life; a reader's is a placeholder).
-    _buffer: HostBuffer,
-    /// The readers' mappings of the writer's buffer.
-    peers: PeerMappings<HostMemory>,
-    /// The first byte of the shared buffer in this process: the writer's buffer, or the
-    /// reader's mapping of it (valid while `peers` and `_buffer` live).
-    base: *mut u8,
+    /// The writer's buffer, or this reader's mapping of it.
+    shared: WriterBuffer,
     /// Payload bytes the buffer holds.
     capacity: usize,
     /// The writer's encoding of the value (`capacity` bytes).
@@ -62,32 +58,9 @@ impl HandoffFloor {
     /// bytes (every rank passes the same) and every other rank maps it.
     pub(crate) fn new<C: Communicator>(comm: &C, capacity: usize) -> Result<Self, BenchError> {
         let writer = comm.rank() == 0;
-        let memory = HostMemory::new();
-        let len = if writer { HEADER + capacity } else { HEADER };
-        let buffer = memory.allocate(len)?;
-        let region = Region {
-            addr: buffer.addr(),
-            len: buffer.len(),
-        };
-        let mut peers = PeerMappings::new(memory, comm)?;
-        let id = peers.exchange(comm, &[region])?;
-        let base = if writer {
-            buffer.as_ptr()
-        } else {
-            let mapping = peers.peer(id, 0, 0)?;
-            if mapping.len() < HEADER + capacity {
-                return Err(BenchError::Usage(format!(
-                    "hand-off floor: rank 0 shares {} bytes, {} needed",
-                    mapping.len(),
-                    HEADER + capacity
-                )));
-            }
-            mapping.as_ptr()
-        };
+        let shared = WriterBuffer::new(comm, HEADER, capacity, "hand-off floor")?;
         Ok(Self {
-            _buffer: buffer,
-            peers,
-            base,
+            shared,
             capacity,
             encoded: vec![0; if writer { capacity } else { 0 }],
             writer,
@@ -98,15 +71,15 @@ impl HandoffFloor {
     /// The sequence number's word.
     fn seq_word(&self) -> &AtomicU64 {
         // SAFETY: `base` is the start of a live shared mapping of at least HEADER bytes (the
-        // writer's buffer, or a mapping kept by `self.peers`), page aligned, so 8-aligned;
+        // writer's buffer, or a mapping kept by `self.shared`), page aligned, so 8-aligned;
         // every process touches this word only through atomics.
-        unsafe { &*self.base.cast::<AtomicU64>() }
+        unsafe { &*self.shared.base.cast::<AtomicU64>() }
     }
 
     /// The length word, written by the writer before it publishes the sequence number.
     fn len_word(&self) -> &AtomicU64 {
         // SAFETY: as in `seq_word`, 8 bytes further (inside the header).
-        unsafe { &*self.base.add(8).cast::<AtomicU64>() }
+        unsafe { &*self.shared.base.add(8).cast::<AtomicU64>() }
     }
 
     /// Writer: encodes `value`, copies it into the shared buffer and publishes it.
@@ -118,7 +91,9 @@ impl HandoffFloor {
         // private vector, cannot overlap. No reader reads it now: each read the last value
         // before the barrier that started this iteration, and reads the next only after the
         // sequence number below.
-        unsafe { std::ptr::copy_nonoverlapping(self.encoded.as_ptr(), self.base.add(HEADER), len) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.encoded.as_ptr(), self.shared.base.add(HEADER), len)
+        };
         self.seq += 1;
         self.len_word().store(len as u64, Ordering::Relaxed);
         self.seq_word().store(self.seq, Ordering::Release);
@@ -161,7 +136,7 @@ impl HandoffFloor {
         // release store that the acquire load above saw, and writes again only after the
         // next barrier, which this rank reaches after the copy. `out` has room for `len`.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.base.add(HEADER), out.as_mut_ptr(), len);
+            std::ptr::copy_nonoverlapping(self.shared.base.add(HEADER), out.as_mut_ptr(), len);
             out.set_len(len);
         }
         Ok(())
@@ -169,8 +144,7 @@ impl HandoffFloor {
 
     /// Unmaps this rank's mapping of the writer's buffer (none on the writer, whose buffer
     /// goes when `self` drops).
-    pub(crate) fn close(mut self) -> Result<(), BenchError> {
-        self.peers.close_all()?;
-        Ok(())
+    pub(crate) fn close(self) -> Result<(), BenchError> {
+        self.shared.close()
     }
 }

@@ -39,7 +39,8 @@ pub struct QueueConfig {
     /// their waits: the local one and MPI). Not agreed.
     pub timeout: Duration,
     /// Longest time a wait spins before it parks (default 50 us; adapted per rank as the
-    /// local transport's budget is, none when the ranks of this host outnumber its CPUs).
+    /// local transport's budget is; none when the ring's ranks in this process outnumber the
+    /// CPUs it may use, or the ring's ranks the machine's online CPUs).
     /// Not agreed.
     pub spin: Duration,
     /// This reader receives through the transport even when it could map the ring (the

@@ -253,6 +253,14 @@ impl<C: Communicator> BroadcastQueue<C> {
             ring.set_writer_state(WriterState::Open, None);
         }
         let here = 1 + locality.shared_memory.len();
+        // The ring's ranks that are threads of this process (the others run in processes of
+        // their own, on CPUs this one may not be allowed to use).
+        let me = &peers[rank];
+        let in_process = std::iter::once(writer)
+            .chain(locality.shared_memory.iter().copied())
+            .filter(|&r| peers[r].same_process(me))
+            .count()
+            .max(1);
         tracing::info!(
             rank,
             writer,
@@ -283,7 +291,7 @@ impl<C: Communicator> BroadcastQueue<C> {
             buf: Vec::new(),
             shape: 0,
             frame: [0; FRAME],
-            budget: SpinBudget::for_waiters(config.spin, here),
+            budget: SpinBudget::for_ranks(config.spin, in_process, here),
             peers,
             liveness: liveness_interval(config.timeout),
             departed: false,

@@ -401,8 +401,8 @@ impl<M: DevicePeerMemory> Backend for CudaBackend<M> {
     }
 
     /// vLLM's cut-offs measured on NVLink ([`crate::dispatch::CUDA_ONE_STAGE_MAX_BYTES`]).
-    fn one_stage_table(&self) -> &'static [usize; crate::dispatch::MAX_RANKS + 1] {
-        &crate::dispatch::CUDA_ONE_STAGE_MAX_BYTES
+    fn builtin_dispatch(&self) -> crate::dispatch::DispatchTable {
+        crate::dispatch::DispatchTable::cuda()
     }
 
     fn write_table(

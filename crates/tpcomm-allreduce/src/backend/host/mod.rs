@@ -131,9 +131,13 @@ impl<M: HostLike> Backend for HostBackend<M> {
         Ok(memory.write(signal, 0, &[0u8; NONCE])?)
     }
 
-    fn staged_one_stage_table(&self) -> &'static [usize; crate::dispatch::MAX_RANKS + 1] {
+    fn shape_includes_slot(&self) -> bool {
         // The shape words compared at the start barrier include the slot (see `shape_word`).
-        &crate::dispatch::STAGED_ONE_STAGE_MAX_BYTES
+        true
+    }
+
+    fn builtin_dispatch(&self) -> crate::dispatch::DispatchTable {
+        crate::dispatch::DispatchTable::host()
     }
 
     fn private_part(

@@ -42,10 +42,15 @@
 //! threads, tens of microseconds apart on a busy machine), then one timed all-reduce.
 //! `busbw = algbw * 2(n-1)/n` (nccl-tests' all-reduce factor).
 //!
-//! After each table: where eager two-stage becomes faster than one-stage (next to the
-//! dispatcher's thresholds, `dispatch::STAGED_ONE_STAGE_MAX_BYTES` for eager calls and
-//! `dispatch::ONE_STAGE_MAX_BYTES` for replays); under `mpirun`, the targets
-//! against `MPI_Allreduce` (2 ranks, f32).
+//! `auto` and `replay` choose by the dispatch table of `--table` (a file `tpcomm-bench tune`
+//! wrote), else by the file `TPCOMM_DISPATCH_TABLE` names, else by the built-in table; the
+//! run prints which, with its digest. Every instance is bit-stable
+//! (`Reproducibility::BitStable`: one-stage and two-stage only).
+//!
+//! After each table: where eager two-stage becomes faster than one-stage, next to the bands
+//! of the table in use for eager (staged) and registered inputs; under `mpirun`, the
+//! targets against `MPI_Allreduce` (2 ranks, f32) and `auto` against the faster of the
+//! forced algorithms.
 //!
 //! [`CustomAllReduce`]: tpcomm::allreduce::CustomAllReduce
 
@@ -58,7 +63,8 @@ mod tests;
 
 use clap::{Args, ValueEnum};
 use serde::Serialize;
-use tpcomm::allreduce::{Algorithm, Config};
+use tpcomm::allreduce::dispatch::DispatchTable;
+use tpcomm::allreduce::{Algorithm, AllReduceError, Config};
 use tpcomm::ipc::PeerMemory;
 use tpcomm::Communicator;
 
@@ -110,6 +116,8 @@ const SMALL_RATIO_TARGET: f64 = 1.2;
 const EAGER_EVERY_SIZE: f64 = 1.0;
 /// ...and at [`FLOOR_MIN_BYTES`] at most this factor of the memory-bandwidth floor.
 const MEMCPY_RATIO_TARGET: f64 = 2.0;
+/// `auto` at most this factor of the faster of `1stage` and `2stage`, at every size.
+const BEST_OF_TWO: f64 = 1.03;
 /// The summary calls the dispatcher's choice wrong at a size only when it is slower than
 /// the other algorithm by more than this factor (medians closer than that are noise here).
 const AUTO_MARGIN: f64 = 1.05;
@@ -159,6 +167,11 @@ pub(crate) struct AllReduceArgs {
     /// buffer, what the targets are stated for).
     #[arg(long)]
     pub(crate) rewrite: bool,
+
+    /// The dispatch table `auto` and `replay` choose by: a file `tpcomm-bench tune` wrote
+    /// [default: the file `TPCOMM_DISPATCH_TABLE` names, else the built-in table].
+    #[arg(long, value_name = "FILE")]
+    pub(crate) table: Option<std::path::PathBuf>,
 }
 
 /// What one row of a table times: a custom all-reduce path (`--paths`), or one of the two
@@ -310,7 +323,7 @@ impl Bench for AllReduceArgs {
              then an untimed 16-byte custom all-reduce (spinning flags) to line the ranks up"
                 .into(),
             "1stage / 2stage: eager all_reduce (slice in, slice out), algorithm forced by \
-             Config.algorithm; auto: the dispatcher's choice (in parentheses)"
+             Config.algorithm; auto: the dispatch table's choice (in parentheses), bit-stable"
                 .into(),
         ];
         if self.paths.contains(&Variant::Replay) {
@@ -381,10 +394,15 @@ impl Bench for AllReduceArgs {
         let sizes = self.sweep.sizes();
         let max_bytes = sizes.last().copied().unwrap_or(self.sweep.max_bytes);
         let wants = |p: &[Variant]| p.iter().any(|x| self.paths.contains(x));
+        let table = match &self.table {
+            Some(path) => Some(DispatchTable::load(path).map_err(AllReduceError::from)?),
+            None => None,
+        };
         let build = |wanted: bool, algorithm| -> Result<Option<HostAllReduce>, BenchError> {
             let config = Config {
                 max_bytes,
                 algorithm,
+                dispatch: table.clone(),
                 ..Config::default()
             };
             wanted.then(|| new_all_reduce(comm, config)).transpose()
@@ -394,6 +412,18 @@ impl Bench for AllReduceArgs {
             build(wants(&[Variant::TwoStage]), Some(Algorithm::TwoStage))?,
             build(wants(&[Variant::Auto, Variant::Replay]), None)?,
         ];
+        let in_use = instances[2].as_ref().map(|ar| ar.dispatch_table().clone());
+        if let Some(t) = &in_use {
+            s.summary(format!(
+                "dispatch table of auto and replay: {} (rows for {} ranks, digest {:016x}), {}",
+                t.origin(),
+                comm.size(),
+                t.digest(),
+                instances[2]
+                    .as_ref()
+                    .map_or("", |ar| ar.config().reproducibility.name())
+            ));
+        }
         // Replay: one plan per (element type, size), captured up front on the auto
         // instance, registered in one collective call.
         let memory = match &instances[2] {
@@ -443,7 +473,7 @@ impl Bench for AllReduceArgs {
         s.progress.plan(self.dtypes.len() * sizes.len());
         for (di, &d) in self.dtypes.iter().enumerate() {
             with_element!(d.dtype(), T => runner.bench::<T, C>(s, comm, self, di, &mut sync))?;
-            summarize(s, d.dtype().name(), comm.size());
+            summarize(s, d.dtype(), comm.size(), in_use.as_ref());
         }
         Ok(())
     }

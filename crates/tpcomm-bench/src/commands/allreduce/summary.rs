@@ -2,7 +2,8 @@
 //! overtakes one-stage next to the dispatcher's thresholds, and whether `auto` ran the
 //! faster algorithm.
 
-use tpcomm::allreduce::dispatch::{ONE_STAGE_MAX_BYTES, STAGED_ONE_STAGE_MAX_BYTES};
+use tpcomm::allreduce::dispatch::{DispatchTable, Input};
+use tpcomm::allreduce::DType;
 
 use super::{AUTO_MARGIN, FLOOR_MIN_BYTES, MEMCPY};
 use crate::engine::row::Row;
@@ -25,9 +26,43 @@ pub(super) fn crossover(points: &[(usize, f64, f64)]) -> (Option<usize>, Option<
     (from, first)
 }
 
+/// The bands of `table` for `ranks` ranks, `dtype` and `input`: "1stage up to 4 KiB,
+/// 2stage above".
+pub(super) fn bands_text(
+    table: &DispatchTable,
+    ranks: usize,
+    dtype: DType,
+    input: Input,
+) -> String {
+    let key = tpcomm::allreduce::dispatch::Key {
+        ranks,
+        dtype,
+        input,
+    };
+    let Some(bands) = table.bands(&key) else {
+        return "no rows".into();
+    };
+    let parts: Vec<String> = bands
+        .iter()
+        .map(|b| match (b.min, b.max) {
+            (_, usize::MAX) if bands.len() == 1 => format!("{} at every size", b.choice.name()),
+            (_, usize::MAX) => format!("{} above", b.choice.name()),
+            (0, max) => format!("{} up to {}", b.choice.name(), format_bytes(max)),
+            (_, max) => format!("{} to {}", b.choice.name(), format_bytes(max)),
+        })
+        .collect();
+    parts.join(", ")
+}
+
 /// The closing lines of one element type's table: the crossover of the two algorithms
-/// against the dispatcher's threshold, and whether `auto` ran the faster one.
-pub(super) fn summarize(s: &mut Session<'_>, dtype: &str, ranks: usize) {
+/// against the bands of the dispatch table in use, and whether `auto` ran the faster one.
+pub(super) fn summarize(
+    s: &mut Session<'_>,
+    dtype: DType,
+    ranks: usize,
+    table: Option<&DispatchTable>,
+) {
+    let (element, dtype) = (dtype, dtype.name());
     let rows: Vec<Row> = s
         .kept()
         .iter()
@@ -72,17 +107,16 @@ pub(super) fn summarize(s: &mut Session<'_>, dtype: &str, ranks: usize) {
         ),
         _ => "one-stage faster at every size".to_string(),
     };
-    let threshold = |table: &[usize]| match table.get(ranks).copied() {
-        Some(usize::MAX) => "one-stage at every size".to_string(),
-        Some(t) => format!("one-stage up to {}, two-stage above", format_bytes(t)),
-        None => "no threshold for this world size".to_string(),
+    let dispatcher = match table {
+        Some(t) => format!(
+            "; dispatch table for eager calls: {}; for registered inputs and replays: {}",
+            bands_text(t, ranks, element, Input::Staged),
+            bands_text(t, ranks, element, Input::Registered)
+        ),
+        None => String::new(),
     };
     s.summary(format!(
-        "{dtype} crossover, {ranks} ranks: measured {measured}; dispatcher for eager calls \
-         (STAGED_ONE_STAGE_MAX_BYTES[{ranks}]): {}; for registered inputs and replays \
-         (ONE_STAGE_MAX_BYTES[{ranks}]): {}",
-        threshold(&STAGED_ONE_STAGE_MAX_BYTES),
-        threshold(&ONE_STAGE_MAX_BYTES)
+        "{dtype} crossover, {ranks} ranks: measured {measured}{dispatcher}"
     ));
     let auto_wrong: Vec<String> = points
         .iter()

@@ -87,7 +87,7 @@ fn targets_use_auto_against_mpi_and_quote_the_floors() {
         geomean.detail.contains("bounds it at 3.651x") && !geomean.detail.contains("out of reach")
     );
     assert!(find("auto (eager all_reduce), f32: within 1.2x").met);
-    assert!(!find("auto (eager all_reduce), f32: never slower").met);
+    assert!(!find("auto (eager all_reduce, bit-stable), f32: never slower").met);
     assert_eq!(v.len(), 3, "no replay rows, no memcpy ratios: {v:?}");
     let slower = [row("auto", 8 << 10, 0.9), row(FLOOR_EAGER, 8 << 10, 0.6)];
     let missed = judge(&targets(), &slower);
@@ -145,6 +145,74 @@ fn the_staged_floors_bound_the_eager_target_with_the_faster_of_the_two_at_each_s
         best_speedup(&[row("auto", 8 << 10, 0.5)], &FLOOR_STAGED),
         None
     );
+}
+
+#[test]
+fn a_size_where_auto_is_slower_than_mpi_says_whether_the_staged_floor_beats_mpi_there() {
+    let row = |path, bytes: usize, vs| Row::of_us("f32", &bytes.to_string(), path, 1.0).vs(vs);
+    let [one, two] = FLOOR_STAGED;
+    let rows = [
+        row("auto", 8 << 10, 0.8),
+        row("auto", 64 << 10, 1.2),
+        row("auto", 128 << 10, 1.1),
+        // 64 KiB: the faster floor 1.05x MPI's time (out of reach); 128 KiB: 0.9x.
+        row(one, 64 << 10, 1.05),
+        row(two, 64 << 10, 1.3),
+        row(one, 128 << 10, 0.9),
+        row(two, 128 << 10, 0.95),
+    ];
+    let v = judge(&targets(), &rows);
+    let every = v
+        .iter()
+        .find(|v| v.target.contains("never slower"))
+        .unwrap();
+    assert!(!every.met);
+    assert!(
+        every.detail.contains(
+            "at 64 KiB the staged floor bounds it at 1.050x: out of reach (no bit-stable"
+        ) && every
+            .detail
+            .ends_with("at 128 KiB the staged floor bounds it at 0.900x"),
+        "{every:?}"
+    );
+    let fine = judge(&targets(), &rows[..1]);
+    let every = fine
+        .iter()
+        .find(|v| v.target.contains("never slower"))
+        .unwrap();
+    assert!(
+        every.met && !every.detail.contains("staged floor"),
+        "{every:?}"
+    );
+}
+
+#[test]
+fn auto_is_judged_against_the_faster_forced_algorithm_at_each_size() {
+    let row = |path, bytes: usize, us| Row::of_us("f32", &bytes.to_string(), path, us);
+    let best = |rows: &[Row]| {
+        judge(&targets(), rows)
+            .into_iter()
+            .find(|v| v.target.contains("faster of 1stage and 2stage"))
+            .unwrap()
+    };
+    let mut rows = vec![
+        row("1stage", 1 << 10, 1.0),
+        row("2stage", 1 << 10, 1.3),
+        row("auto", 1 << 10, 1.02),
+        row("1stage", 64 << 10, 30.0),
+        row("2stage", 64 << 10, 20.0),
+        row("auto", 64 << 10, 20.5),
+    ];
+    let v = best(&rows);
+    assert!(v.met, "{v:?}");
+    assert_eq!(
+        v.detail,
+        "auto / faster forced algorithm: 2 of 2 sizes within, farthest 64 KiB 1.025x"
+    );
+    rows[5] = row("auto", 64 << 10, 30.0);
+    let v = best(&rows);
+    assert!(!v.met);
+    assert!(v.detail.ends_with("outside: 64 KiB 1.500x"), "{v:?}");
 }
 
 #[test]

@@ -1,13 +1,27 @@
-//! Which algorithm serves an all-reduce, as a pure function of size and world size.
+//! Which algorithm serves an all-reduce: a [`DispatchTable`] per backend (world size,
+//! element type and where the inputs are read, size ranges -> algorithm), built in or read
+//! from a file that `tpcomm-bench tune` writes on the machine it runs on.
 //!
 //! One-stage: every rank reads every peer's whole input and reduces it (n reads of the
 //! whole size per rank, two barriers). Two-stage: each rank reduces one n-th into its temp
 //! buffer, a release/acquire barrier, then every rank gathers the n reduced parts (about
 //! two whole-size passes per rank, three barriers). One-stage wins while latency
-//! dominates; two-stage once bandwidth does, earlier for larger worlds. The thresholds
-//! below were measured on the host backend with `tpcomm-bench allreduce` (docs/all-reduce.md).
+//! dominates; two-stage once bandwidth does, earlier for larger worlds; where exactly
+//! depends on the machine. Both sum every element in rank order with f32 accumulation, so
+//! they give the same bits: a table that chooses only between them never changes a result
+//! ([`Reproducibility::BitStable`]). A table may also send sizes to the transport's own
+//! all-reduce (MPI, NCCL), whose order is its own, only with [`Reproducibility::AnyOrder`].
+//!
+//! `table.rs` holds the table and its built-in defaults, `parse.rs` the file format
+//! (`docs/all-reduce.md`, "Dispatch").
+
+mod parse;
+mod table;
 
 use std::fmt;
+
+pub use parse::{TableError, TableProblem, DISPATCH_TABLE_ENV, FORMAT_LINE};
+pub use table::{Band, Choice, DispatchTable, Input, Key, Reproducibility};
 
 /// The algorithm a launch uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -19,12 +33,30 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Both algorithms, in table order.
+    pub const ALL: [Algorithm; 2] = [Algorithm::OneStage, Algorithm::TwoStage];
+
     /// `"1stage"` or `"2stage"`.
     pub fn name(self) -> &'static str {
         match self {
             Algorithm::OneStage => "1stage",
             Algorithm::TwoStage => "2stage",
         }
+    }
+}
+
+impl FallbackReason {
+    /// Whether the custom path can still serve the input in several launches of sizes it
+    /// serves (what [`Reproducibility::BitStable`] does instead of the transport's
+    /// all-reduce): a size above the staging buffers, one that is not a multiple of 16
+    /// bytes (its last elements padded), or nothing at all (no launch).
+    pub fn chunkable(&self) -> bool {
+        matches!(
+            self,
+            FallbackReason::TooLarge { .. }
+                | FallbackReason::SizeNotMultipleOf16 { .. }
+                | FallbackReason::Empty
+        )
     }
 }
 
@@ -76,6 +108,12 @@ pub enum FallbackReason {
         /// What the backend said.
         reason: String,
     },
+    /// The dispatch table sends this size to the transport's own all-reduce (allowed with
+    /// [`Reproducibility::AnyOrder`] only).
+    TableChoosesTransport {
+        /// The size.
+        bytes: usize,
+    },
 }
 
 impl fmt::Display for FallbackReason {
@@ -104,6 +142,10 @@ impl fmt::Display for FallbackReason {
             FallbackReason::TopologyOff => {
                 f.write_str("the custom kernels are turned off (Config::topology)")
             }
+            FallbackReason::TableChoosesTransport { bytes } => write!(
+                f,
+                "the dispatch table sends {bytes} bytes to the transport's all-reduce"
+            ),
         }
     }
 }
@@ -111,8 +153,9 @@ impl fmt::Display for FallbackReason {
 /// Largest world size the tables hold.
 pub const MAX_RANKS: usize = 8;
 
-/// Sizes up to this many bytes use one-stage, for each world size (index = world size), in
-/// launches that read their inputs where they are (registered inputs, captured plans).
+/// The host backend's built-in table ([`DispatchTable::host`]), for registered inputs and
+/// captured plans: sizes up to this many bytes use one-stage, for each world size (index =
+/// world size), in launches that read their inputs where they are.
 ///
 /// Measured with `tpcomm-bench allreduce` on the host backend (2-core machine, f32, medians
 /// of 3 to 8 runs; `docs/all-reduce.md`, "Dispatch"): two-stage is 10-20% faster than one-stage from
@@ -131,8 +174,9 @@ pub const ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
     32 << 10,
 ];
 
-/// [`ONE_STAGE_MAX_BYTES`] for the host backend's eager launches, which copy the caller's
-/// input into the staging buffer (RankData slot 0) first: one-stage copies all of it (peers
+/// The host backend's built-in table ([`DispatchTable::host`]) for its eager launches, which
+/// copy the caller's input into the staging buffer (RankData slot 0) first: one-stage copies
+/// all of it (peers
 /// read all of it), two-stage only the parts peers read, so two-stage wins earlier. Measured
 /// like the table above: on 2 ranks two-stage is 5-25% faster from 8 KiB (two MPI runs and
 /// two local-thread runs) and 1-35% slower below. Other world sizes: as
@@ -148,13 +192,14 @@ pub const STAGED_ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = {
     table
 };
 
-/// Sizes up to this many bytes use one-stage on CUDA GPUs, for each world size (index =
+/// The CUDA backend's built-in table ([`DispatchTable::cuda`]): sizes up to this many bytes
+/// use one-stage on CUDA GPUs, for each world size (index =
 /// world size): vLLM's cut-offs, measured on NVLink-connected GPUs (its
 /// `custom_all_reduce.cuh`): 2 ranks always one-stage; 4 ranks one-stage below 512 KiB;
 /// 6 and 8 ranks below 256 KiB. World sizes without a kernel (3, 5, 7) take their next
 /// larger neighbour's value (they fall back anyway). tpcomm has not measured its own on
-/// several GPUs yet (`tpcomm-bench gpu` sweeps both algorithms so that a multi-GPU run can
-/// replace them).
+/// several GPUs yet (`tpcomm-bench gpu` sweeps both algorithms; a table file replaces them on
+/// a machine that measured its own).
 pub const CUDA_ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
     0,
     usize::MAX,
@@ -167,21 +212,9 @@ pub const CUDA_ONE_STAGE_MAX_BYTES: [usize; MAX_RANKS + 1] = [
     (256 << 10) - 1,
 ];
 
-/// The algorithm for `bytes` on `world` ranks with the host backend's thresholds
-/// ([`ONE_STAGE_MAX_BYTES`]), or why the fallback must serve it.
-pub fn choose(bytes: usize, world: usize, max_bytes: usize) -> Result<Algorithm, FallbackReason> {
-    choose_with(&ONE_STAGE_MAX_BYTES, bytes, world, max_bytes)
-}
-
-/// The algorithm for `bytes` on `world` ranks when sizes up to `one_stage_max[world]` use
-/// one-stage (a backend's table: [`ONE_STAGE_MAX_BYTES`], [`CUDA_ONE_STAGE_MAX_BYTES`]),
-/// or why the fallback must serve it.
-pub fn choose_with(
-    one_stage_max: &[usize; MAX_RANKS + 1],
-    bytes: usize,
-    world: usize,
-    max_bytes: usize,
-) -> Result<Algorithm, FallbackReason> {
+/// Why `bytes` on `world` ranks, of which the staging buffers hold `max_bytes`, cannot take
+/// one custom launch whatever the table says; `Ok` when it can.
+pub fn check_size(bytes: usize, world: usize, max_bytes: usize) -> Result<(), FallbackReason> {
     if world == 0 || world > MAX_RANKS {
         return Err(FallbackReason::UnsupportedWorldSize { world });
     }
@@ -197,24 +230,36 @@ pub fn choose_with(
             max: max_bytes,
         });
     }
-    Ok(if bytes <= one_stage_max[world] {
-        Algorithm::OneStage
-    } else {
-        Algorithm::TwoStage
-    })
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::DType;
+
+    /// The built-in host table's choice, `staged` or not.
+    fn host(bytes: usize, world: usize, staged: bool) -> Choice {
+        let input = if staged {
+            Input::Staged
+        } else {
+            Input::Registered
+        };
+        DispatchTable::host()
+            .choice(world, DType::F32, input, bytes)
+            .expect("the built-in table covers every size")
+    }
+
+    const ONE: Choice = Choice::Custom(Algorithm::OneStage);
+    const TWO: Choice = Choice::Custom(Algorithm::TwoStage);
 
     #[test]
     fn small_sizes_use_one_stage_and_large_ones_two_stage() {
         for world in 2..=MAX_RANKS {
             let t = ONE_STAGE_MAX_BYTES[world];
-            assert_eq!(choose(16, world, 8 << 20), Ok(Algorithm::OneStage));
-            assert_eq!(choose(t, world, 8 << 20), Ok(Algorithm::OneStage));
-            assert_eq!(choose(t + 16, world, 8 << 20), Ok(Algorithm::TwoStage));
+            assert_eq!(host(16, world, false), ONE);
+            assert_eq!(host(t, world, false), ONE);
+            assert_eq!(host(t + 16, world, false), TWO);
         }
     }
 
@@ -223,68 +268,72 @@ mod tests {
         for world in 1..=MAX_RANKS {
             assert!(STAGED_ONE_STAGE_MAX_BYTES[world] <= ONE_STAGE_MAX_BYTES[world]);
         }
-        let (staged, zero_copy) = (&STAGED_ONE_STAGE_MAX_BYTES, &ONE_STAGE_MAX_BYTES);
-        assert_eq!(
-            choose_with(staged, 8 << 10, 2, 8 << 20),
-            Ok(Algorithm::TwoStage)
-        );
-        assert_eq!(
-            choose_with(zero_copy, 8 << 10, 2, 8 << 20),
-            Ok(Algorithm::OneStage)
-        );
-        assert_eq!(
-            choose_with(staged, 4 << 10, 2, 8 << 20),
-            Ok(Algorithm::OneStage)
-        );
+        assert_eq!(host(8 << 10, 2, true), TWO);
+        assert_eq!(host(8 << 10, 2, false), ONE);
+        assert_eq!(host(4 << 10, 2, true), ONE);
     }
 
     #[test]
     fn cuda_cut_offs_are_vllms_nvlink_measurements() {
-        let table = &CUDA_ONE_STAGE_MAX_BYTES;
-        let max = 64 << 20;
-        let pick = |bytes, world| choose_with(table, bytes, world, max);
+        let table = DispatchTable::cuda();
+        let pick = |bytes, world| {
+            let staged = table.choice(world, DType::Bf16, Input::Staged, bytes);
+            assert_eq!(
+                staged,
+                table.choice(world, DType::Bf16, Input::Registered, bytes),
+                "one table for both inputs (the CUDA shape leaves the slot out)"
+            );
+            staged.expect("covered")
+        };
         // (world, largest one-stage size, smallest two-stage size)
         for (world, one, two) in [
             (4, (512 << 10) - 16, 512 << 10),
             (6, (256 << 10) - 16, 256 << 10),
             (8, (256 << 10) - 16, 256 << 10),
         ] {
-            assert_eq!(pick(16, world), Ok(Algorithm::OneStage), "world {world}");
-            assert_eq!(pick(one, world), Ok(Algorithm::OneStage), "world {world}");
-            assert_eq!(pick(two, world), Ok(Algorithm::TwoStage), "world {world}");
+            assert_eq!(pick(16, world), ONE, "world {world}");
+            assert_eq!(pick(one, world), ONE, "world {world}");
+            assert_eq!(pick(two, world), TWO, "world {world}");
         }
-        // Two ranks: one-stage at every size served.
-        assert_eq!(pick(max, 2), Ok(Algorithm::OneStage));
+        // Two ranks: one-stage at every size.
+        assert_eq!(pick(usize::MAX, 2), ONE);
         // Decode-size all-reduces (32-512 KiB) that the host table sends to two-stage.
-        assert_eq!(choose(128 << 10, 4, max), Ok(Algorithm::TwoStage));
-        assert_eq!(pick(128 << 10, 4), Ok(Algorithm::OneStage));
-        assert_eq!(pick(128 << 10, 8), Ok(Algorithm::OneStage));
-        // The fallback reasons are the same as with the host table.
-        assert_eq!(
-            pick(24, 4),
-            Err(FallbackReason::SizeNotMultipleOf16 { bytes: 24 })
-        );
+        assert_eq!(host(128 << 10, 4, false), TWO);
+        assert_eq!(pick(128 << 10, 4), ONE);
+        assert_eq!(pick(128 << 10, 8), ONE);
     }
 
     #[test]
     fn a_single_rank_never_needs_two_stages() {
-        assert_eq!(choose(8 << 20, 1, 8 << 20), Ok(Algorithm::OneStage));
+        assert_eq!(host(8 << 20, 1, false), ONE);
+        assert_eq!(host(8 << 20, 1, true), ONE);
     }
 
     #[test]
     fn unsupported_inputs_name_their_reason() {
         assert_eq!(
-            choose(24, 2, 1 << 20),
+            check_size(24, 2, 1 << 20),
             Err(FallbackReason::SizeNotMultipleOf16 { bytes: 24 })
         );
-        assert_eq!(choose(0, 2, 1 << 20), Err(FallbackReason::Empty));
+        assert_eq!(check_size(0, 2, 1 << 20), Err(FallbackReason::Empty));
         assert_eq!(
-            choose(32, 9, 1 << 20),
+            check_size(32, 9, 1 << 20),
             Err(FallbackReason::UnsupportedWorldSize { world: 9 })
         );
         assert_eq!(
-            choose(64, 2, 32),
+            check_size(64, 2, 32),
             Err(FallbackReason::TooLarge { bytes: 64, max: 32 })
         );
+        assert_eq!(check_size(32, 2, 32), Ok(()));
+    }
+
+    #[test]
+    fn only_size_reasons_can_be_served_in_several_launches() {
+        assert!(FallbackReason::TooLarge { bytes: 64, max: 32 }.chunkable());
+        assert!(FallbackReason::SizeNotMultipleOf16 { bytes: 12 }.chunkable());
+        assert!(FallbackReason::Empty.chunkable());
+        assert!(!FallbackReason::UnsupportedWorldSize { world: 9 }.chunkable());
+        assert!(!FallbackReason::TopologyOff.chunkable());
+        assert!(!FallbackReason::TableChoosesTransport { bytes: 64 }.chunkable());
     }
 }

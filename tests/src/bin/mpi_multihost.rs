@@ -81,11 +81,5 @@ fn fault(kind: &str, victim_host: usize, timeout: Duration) -> ExitCode {
             (usize::MAX, false)
         }
     };
-    std::mem::forget(universe);
-    println!("rank {rank}: exiting without MPI_Finalize");
-    if ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    tpcomm_conformance::exit_without_finalize(universe, rank, ok)
 }

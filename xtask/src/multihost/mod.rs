@@ -159,16 +159,7 @@ fn suite(
     };
     println!("multihost suites on {label}");
     let started = Instant::now();
-    let (mut passed, mut failed) = (0u64, 0u64);
-    let ok = util::run_lines(cmd, |line| {
-        if line.starts_with("case ") {
-            if line.ends_with(" ... ok") {
-                passed += 1;
-            } else {
-                failed += 1;
-            }
-        }
-    })?;
+    let (ok, passed, mut failed) = util::run_cases(cmd)?;
     if !ok && failed == 0 {
         failed += 1;
         println!("multihost suites on {label}: the job failed");

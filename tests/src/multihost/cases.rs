@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 use tpcomm::allreduce::{AllReduceError, Config, CustomAllReduce, HostBackend};
 use tpcomm::checkpoint::fake::{Call, FakeDriver};
@@ -30,6 +30,7 @@ fn several_hosts(comm: &MpiCommunicator) -> Result<tpcomm::transport::hosts::Hos
         Err("every rank is on one host: this case needs several".into())
     }
 }
+use crate::objects::FailOn;
 use crate::{expect_bytes, filled, CaseResult};
 
 /// A named case of this file.
@@ -182,26 +183,6 @@ fn objects_in_rounds_with_roots_on_every_host(comm: &MpiCommunicator) -> CaseRes
         objects::exscan_with_options(comm, &mine, &opts, cat),
     )?;
     same("exscan_with", got, (me > 0).then(|| upto(me)))
-}
-
-/// Serializes as a `u32`, or fails when `fail` is set; reads back from a `u32`.
-#[derive(Debug, Clone)]
-struct FailOn(bool);
-
-impl Serialize for FailOn {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        if self.0 {
-            Err(serde::ser::Error::custom("refusing to serialize"))
-        } else {
-            s.serialize_u32(1)
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for FailOn {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        u32::deserialize(d).map(|_| FailOn(false))
-    }
 }
 
 /// The last rank (on the last host) fails to serialize in every collective where it sends:

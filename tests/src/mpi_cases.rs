@@ -20,7 +20,7 @@ const ERR_TRUNCATE: i32 = mpi::ffi::MPI_ERR_TRUNCATE as i32;
 /// Runs every MPI-only case on `comm`; the verdicts are the same on every rank.
 pub fn run_mpi_cases(comm: &MpiCommunicator) -> Vec<CaseReport> {
     type Case = (&'static str, fn(&MpiCommunicator) -> CaseResult);
-    let cases: [Case; 5] = [
+    let cases: [Case; 7] = [
         (
             "mpi_truncation_is_returned_as_a_typed_error_on_the_blocking_and_timed_paths",
             truncation_is_returned_on_both_paths,
@@ -40,6 +40,14 @@ pub fn run_mpi_cases(comm: &MpiCommunicator) -> Vec<CaseReport> {
         (
             "mpi_a_split_color_out_of_range_on_one_rank_fails_every_rank_and_keeps_them_in_step",
             invalid_split_color_fails_every_rank,
+        ),
+        (
+            "mpi_a_timed_collective_names_the_peer_that_is_not_in_it_as_silent_and_not_those_waiting",
+            timed_collective_names_the_absent_peer_as_silent,
+        ),
+        (
+            "mpi_ranks_stopped_past_their_deadline_wait_for_the_roll_call_and_name_only_the_absent_peer",
+            stopped_past_the_deadline_names_only_the_absent_peer,
         ),
     ];
     cases
@@ -238,6 +246,104 @@ fn timed_split_is_bounded_and_refused_once_broken(comm: &MpiCommunicator) -> Cas
     match sub.split(Some(0), 0) {
         Err(TransportError::Aborted { .. }) => Ok(()),
         other => Err(format!("a split of the broken communicator gave {other:?}")),
+    }
+}
+
+/// Every rank but the last waits in a timed barrier while the last one is [`LATE`] (alive,
+/// but not in a collective: as a stopped process, or one on a host cut off): each waiting
+/// rank must get `Unresponsive` within about [`SHORT_TIMEOUT`] naming the last rank as
+/// silent (it answered no roll call) and no other (the waiting ranks answer each other's
+/// roll calls), and nobody as gone. The late rank's barrier then meets the abandoned ones.
+fn timed_collective_names_the_absent_peer_as_silent(comm: &MpiCommunicator) -> CaseResult {
+    if comm.size() < 2 {
+        return Ok(());
+    }
+    let sub = short_timed_split(comm)?;
+    let late = sub.size() - 1;
+    if sub.rank() == late {
+        std::thread::sleep(LATE);
+        return sub
+            .barrier()
+            .map_err(|e| format!("rank {late}: the late barrier failed: {e}"));
+    }
+    let begun = Instant::now();
+    let outcome = sub.barrier();
+    let took = begun.elapsed();
+    match outcome {
+        Err(TransportError::Unresponsive {
+            ref gone,
+            ref silent,
+            ..
+        }) if gone.is_empty() && **silent == [late] && took < LATE => Ok(()),
+        other => Err(format!(
+            "rank {}: a barrier without rank {late} gave {other:?} after {took:?}",
+            sub.rank()
+        )),
+    }
+}
+
+/// Ranks 0 and 1 (on one host) wait in a timed barrier for the last rank, which is [`LATE`];
+/// a helper process stops both (SIGSTOP) shortly after they enter it and continues them
+/// only well past their deadline, 30 ms apart, as a frozen host's processes are. Each must
+/// then call the roll and wait for answers before naming anyone: the other one runs again
+/// and answers, so each names the last rank alone as silent (rank 0, deciding at once, named
+/// rank 1 too).
+fn stopped_past_the_deadline_names_only_the_absent_peer(comm: &MpiCommunicator) -> CaseResult {
+    if comm.size() < 3 {
+        return Ok(());
+    }
+    let sub = short_timed_split(comm)?;
+    let hosts = tpcomm::transport::hosts::hosts(&sub).map_err(|e| format!("hosts: {e}"))?;
+    let late = sub.size() - 1;
+    if hosts.host_of(0) != hosts.host_of(1) {
+        // Ranks 0 and 1 on two hosts: rank 0 cannot stop rank 1. The peers still meet.
+        return sub.barrier().map_err(|e| format!("barrier: {e}"));
+    }
+    if sub.rank() == late {
+        std::thread::sleep(LATE);
+        return sub
+            .barrier()
+            .map_err(|e| format!("rank {late}: the late barrier failed: {e}"));
+    }
+    let pids: Vec<String> = [0, 1]
+        .iter()
+        .filter_map(|&r| hosts.identity(r).map(|id| id.pid().to_string()))
+        .collect();
+    let helper = if sub.rank() == 0 {
+        let stop = SHORT_TIMEOUT / 3;
+        let resume = SHORT_TIMEOUT * 3;
+        // Continued one after the other, as the processes of a frozen host are: the first
+        // one runs alone for a moment, past its deadline.
+        let script = format!(
+            "sleep {:.3}; kill -STOP {pids}; sleep {:.3}; kill -CONT {first}; sleep 0.03; \
+             kill -CONT {pids}",
+            stop.as_secs_f64(),
+            resume.as_secs_f64(),
+            pids = pids.join(" "),
+            first = pids.first().map_or("", String::as_str),
+        );
+        let child = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .spawn()
+            .map_err(|e| format!("cannot start the helper: {e}"))?;
+        Some(child)
+    } else {
+        None
+    };
+    let outcome = sub.barrier();
+    if let Some(mut helper) = helper {
+        let _ = helper.wait();
+    }
+    match outcome {
+        Err(TransportError::Unresponsive {
+            ref gone,
+            ref silent,
+            ..
+        }) if sub.rank() > 1 || (gone.is_empty() && **silent == [late]) => Ok(()),
+        other => Err(format!(
+            "rank {}: a barrier stopped past its deadline gave {other:?}",
+            sub.rank()
+        )),
     }
 }
 

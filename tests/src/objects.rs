@@ -239,8 +239,9 @@ pub(crate) fn round_path_with_random_sizes<C: Communicator>(comm: &C) -> CaseRes
     Ok(())
 }
 
-/// Serializes as a `u32`, or fails when `fail` is set.
-struct FailOn(bool);
+/// Serializes as a `u32`, or fails when `fail` is set; reads back from a `u32`.
+#[derive(Debug, Clone)]
+pub(crate) struct FailOn(pub(crate) bool);
 
 impl Serialize for FailOn {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -249,6 +250,12 @@ impl Serialize for FailOn {
         } else {
             s.serialize_u32(1)
         }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for FailOn {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        u32::deserialize(d).map(|_| FailOn(false))
     }
 }
 

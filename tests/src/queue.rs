@@ -41,7 +41,7 @@ fn small(writer: usize, via_transport: bool) -> QueueConfig {
 }
 
 /// The last rank writes; rank 1 (of 3 or more) reads through the transport, the others the
-/// ring; blobs of every size around a chunk and past the ring, and step structs, alternate.
+/// ring (those on the writer's host; the others the transport too); blobs of every size around a chunk and past the ring, and step structs, alternate.
 pub(crate) fn delivers_every_message_on_the_ring_and_the_transport<C: Communicator>(
     comm: &C,
 ) -> CaseResult {
@@ -52,9 +52,12 @@ pub(crate) fn delivers_every_message_on_the_ring_and_the_transport<C: Communicat
         "create",
         BroadcastQueue::create(comm, small(writer, via_transport)),
     )?;
+    // Readers on the writer's host map the ring unless they ask for the transport; the
+    // others (other hosts) read the transport.
+    let hosts = tpcomm::transport::hosts::hosts(comm).map_err(|e| format!("hosts: {e}"))?;
     let expected = if me == writer {
         QueuePath::Writer
-    } else if via_transport {
+    } else if via_transport || hosts.host_of(me) != hosts.host_of(writer) {
         QueuePath::Transport
     } else {
         QueuePath::SharedMemory

@@ -3,6 +3,8 @@
 //! - `cargo xtask setup`: installs the system packages the tests need (MPI, libclang).
 //! - `cargo xtask test`: the full test suite (the README's test command, run by CI).
 //! - `cargo xtask faults`: ranks killed at each phase under MPI (also part of `test`).
+//! - `cargo xtask multihost`: the suites and host/link faults across hosts made of
+//!   namespaces on this machine, Open MPI over TCP between them.
 //! - `cargo xtask bench`: every host benchmark as `docs/benchmarks.md` records it (JSON,
 //!   tables, charts).
 //! - `cargo xtask setup-cuda` / `cargo xtask kernels`: nvcc from the pinned wheels; the
@@ -22,6 +24,7 @@ mod faults;
 mod fuzz;
 mod gpu_check;
 mod loom;
+mod multihost;
 mod setup;
 mod soak;
 mod test;
@@ -54,6 +57,14 @@ tasks:
                         each phase of an object collective, an all-reduce and
                         suspend/resume (2, 3, 4 ranks); survivors must name it within the
                         timeout, exit, and leave no process, /dev/shm entry or memfd behind
+  multihost [--bench] [--only suites,faults,teardown] [--faults KIND,...]
+                        2 to 4 hosts made of namespaces on this machine (network, PID, UTS,
+                        mount; veth to one switch; 198.18.0.0/15), Open MPI across them over
+                        TCP: the multi-host suites (2 hosts x 2 ranks, 4 x 1), host and link
+                        faults (a host killed, a link down, a host frozen) and the teardown
+                        after Ctrl-C and SIGKILL; --bench runs tpcomm-bench transport, objects
+                        and queue across 2 hosts. Needs root: skipped with the reason
+                        elsewhere, failed instead when TPCOMM_REQUIRE_MULTIHOST=1
   fuzz [--seconds N] [TARGET...]
                         build the libFuzzer targets in fuzz/ and run each for N s (10)
   setup-cuda            when no nvcc is found, download the pinned CUDA 13.0 compiler wheels
@@ -89,6 +100,7 @@ fn main() -> ExitCode {
         "loom" => loom::run(rest),
         "fuzz" => fuzz::run(rest),
         "faults" => faults::run(rest),
+        "multihost" => multihost::run(rest),
         "setup-cuda" => cuda::setup_cuda(rest),
         "kernels" => cuda::kernels(rest),
         "downstream" => downstream::run(rest),

@@ -326,16 +326,7 @@ fn run_mpi_program(
         None => name,
     };
     let name = label;
-    let (mut passed, mut failed) = (0u64, 0u64);
-    let ok = util::run_lines(cmd, |line| {
-        if line.starts_with("case ") {
-            if line.ends_with(" ... ok") {
-                passed += 1;
-            } else {
-                failed += 1;
-            }
-        }
-    })?;
+    let (ok, passed, failed) = util::run_cases(cmd)?;
     tally.passed += passed;
     tally.failed += failed;
     if !ok {

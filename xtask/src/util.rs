@@ -60,6 +60,23 @@ pub(crate) fn run_lines(mut cmd: Command, mut on_line: impl FnMut(&str)) -> Resu
     Ok(status.success())
 }
 
+/// Runs a conformance program (echoing its lines, see [`run_lines`]) that prints one
+/// `case NAME ... ok` or `case NAME ... FAILED: why` line per case: whether it exited 0, and
+/// how many cases passed and failed.
+pub(crate) fn run_cases(cmd: Command) -> Result<(bool, u64, u64), String> {
+    let (mut passed, mut failed) = (0u64, 0u64);
+    let ok = run_lines(cmd, |line| {
+        if line.starts_with("case ") {
+            if line.ends_with(" ... ok") {
+                passed += 1;
+            } else {
+                failed += 1;
+            }
+        }
+    })?;
+    Ok((ok, passed, failed))
+}
+
 /// Whether `program` is found on PATH.
 pub(crate) fn on_path(program: &str) -> bool {
     std::env::var_os("PATH")

@@ -194,6 +194,24 @@ pub enum AllReduceError {
         /// Every rank's value, in rank order.
         values: Vec<u64>,
     },
+    /// The group's ranks are on more than one host (another kernel boot or PID namespace):
+    /// the custom all-reduce reads its peers' memory, so every rank must be on one host.
+    /// Every rank returns this at creation, naming each host and its ranks, before anything
+    /// was exchanged. Create it on each host's ranks
+    /// (`tpcomm_transport::hosts::split_by_host`) and reduce across hosts with the
+    /// transport.
+    #[error(
+        "the group spans {} hosts ({}): the custom all-reduce needs every rank on one host",
+        hosts.len(),
+        describe_hosts(hosts)
+    )]
+    SpansHosts {
+        /// This rank.
+        rank: usize,
+        /// Every host's name (as its lowest rank reported it) and ranks, in order of their
+        /// lowest rank.
+        hosts: Vec<(String, Vec<usize>)>,
+    },
     /// Another rank could not set up its part of a collective setup (this rank's own failure
     /// is returned as itself); every rank fails the setup together.
     #[error("rank {rank} could not set up: {reason}")]
@@ -387,3 +405,19 @@ fn from_slot(slot: Option<usize>) -> String {
 
 /// Result of all-reduce operations.
 pub type Result<T, E = AllReduceError> = std::result::Result<T, E>;
+
+/// `ranks [0, 1] on `a`; ranks [2, 3] on `b``.
+fn describe_hosts(hosts: &[(String, Vec<usize>)]) -> String {
+    hosts
+        .iter()
+        .map(|(name, ranks)| {
+            let name = if name.is_empty() {
+                "an unknown host"
+            } else {
+                name
+            };
+            format!("ranks {ranks:?} on `{name}`")
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}

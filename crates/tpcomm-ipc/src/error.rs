@@ -43,6 +43,20 @@ pub enum IpcError {
         /// What the descriptor is instead.
         problem: SegmentProblem,
     },
+    /// The handle comes from a rank on another host (another kernel boot or PID namespace,
+    /// as the ranks' process identities say): its pid and descriptor number mean nothing
+    /// here, so it was refused before any descriptor was fetched. Peer memory is shared
+    /// between the ranks of one host only (split the group by host first:
+    /// `tpcomm_transport::hosts::split_by_host`).
+    #[error("rank {rank}'s handle comes from {host}, while this rank is on {this_host}: peer memory is shared within one host only")]
+    OtherHost {
+        /// The rank that sent the handle.
+        rank: usize,
+        /// Its host (`host `name``).
+        host: String,
+        /// This rank's host.
+        this_host: String,
+    },
     /// The handle was exported by another group of ranks.
     #[error("handle from another group (group {found:#x}, this group {expected:#x})")]
     ForeignHandle {

@@ -549,9 +549,34 @@ pub enum QueueError {
         rank: usize,
         /// The message.
         message: u64,
-        /// The transport's error.
+        /// The rank the transport's error blames, in the queue's numbering (the transport
+        /// path runs on a split of the writer and its transport readers, whose ranks are
+        /// not the queue's), where it blames one.
+        culprit: Option<usize>,
+        /// The transport's error (boxed: it is large, and this path is rare).
         #[source]
-        source: TransportError,
+        source: Box<TransportError>,
+    },
+    /// The writer's broadcast of a message to the transport readers did not complete within
+    /// the queue's timeout; the queue is failed. `readers` (queue ranks) are the transport
+    /// readers the transport blames: those whose process is gone first, then those that did
+    /// not answer its roll call (MPI), or that did not arrive (threads); every transport
+    /// reader when the transport cannot tell.
+    #[error(
+        "queue on rank {rank}: the transport path timed out sending message #{message}: \
+         transport readers {readers:?} did not take it"
+    )]
+    TransportTimeout {
+        /// This rank (the writer).
+        rank: usize,
+        /// The message being sent.
+        message: u64,
+        /// The transport readers to blame, in the queue's numbering.
+        readers: Vec<usize>,
+        /// The transport's error, which says how long it waited (its ranks are those of the
+        /// transport path's split; boxed).
+        #[source]
+        source: Box<TransportError>,
     },
 }
 
@@ -572,7 +597,8 @@ impl QueueError {
             QueueError::PeerFailed { ranks, .. }
             | QueueError::PeerInvalidConfig { ranks, .. }
             | QueueError::ConfigMismatch { ranks, .. } => ranks.first().copied(),
-            QueueError::Transport { source, .. } => source.culprit(),
+            QueueError::Transport { culprit, .. } => *culprit,
+            QueueError::TransportTimeout { readers, .. } => readers.first().copied(),
             QueueError::Step { source, .. } => step_culprit(source),
             QueueError::InvalidConfig { .. }
             | QueueError::NotWriter { .. }
@@ -595,10 +621,7 @@ impl QueueError {
 /// The rank a failed exchange blames.
 fn step_culprit(e: &IpcError) -> Option<usize> {
     match e {
-        IpcError::Exchange(ObjectError::Transport(t)) => match t {
-            TransportError::Unresponsive { gone, .. } => gone.first().copied(),
-            other => other.culprit(),
-        },
+        IpcError::Exchange(ObjectError::Transport(t)) => t.culprit(),
         IpcError::StepMismatch { rank, .. } => Some(*rank),
         _ => None,
     }

@@ -135,6 +135,52 @@ fn a_transport_reader_waits_no_longer_than_the_queue_timeout_and_names_the_write
 }
 
 #[test]
+fn a_writer_names_the_transport_reader_that_does_not_take_its_messages_by_its_queue_rank() {
+    // The writer is the last rank: on the transport path's split (the writer first, then
+    // the transport readers) rank 0 of the queue is rank 1, and rank 1 is rank 2.
+    let writer_done = std::sync::Barrier::new(2);
+    let results =
+        LocalGroup::new(3)
+            .timeout(Duration::from_secs(20))
+            .run(|comm: LocalCommunicator| {
+                let config = QueueConfig {
+                    writer: 2,
+                    via_transport: comm.rank() != 2,
+                    ..config(300)
+                };
+                let mut q = BroadcastQueue::create(&comm, config).unwrap();
+                match comm.rank() {
+                    // Far past the rounds a broadcast root may run ahead of a reader.
+                    2 => {
+                        let sent = (0..200u32).try_for_each(|i| q.send(&i));
+                        writer_done.wait();
+                        Some(sent)
+                    }
+                    // Rank 0 never takes a message (its queue lives until the writer gave up).
+                    0 => {
+                        writer_done.wait();
+                        None
+                    }
+                    _ => {
+                        let _ = (0..200).try_for_each(|_| q.recv::<u32>().map(drop));
+                        None
+                    }
+                }
+            });
+    let writer = results.into_iter().nth(2).unwrap().unwrap().unwrap();
+    match writer {
+        Err(e @ QueueError::TransportTimeout { .. }) => {
+            assert_eq!(e.culprit(), Some(0), "{e}");
+            assert!(
+                matches!(&e, QueueError::TransportTimeout { readers, .. } if readers == &[0]),
+                "{e:?}"
+            );
+        }
+        other => panic!("expected a timeout naming rank 0, got {other:?}"),
+    }
+}
+
+#[test]
 fn a_writer_waits_no_longer_than_the_timeout_for_a_stalled_reader_and_names_it_to_everyone() {
     let results = LocalGroup::new(3).run(|comm: LocalCommunicator| {
         // The timeout is each rank's own: the reader that reads waits longer than the writer.

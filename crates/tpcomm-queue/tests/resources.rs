@@ -38,7 +38,8 @@ fn queues_closed_or_dropped_leave_no_descriptor_or_mapping_behind() {
                     comm.barrier().map_err(|source| QueueError::Transport {
                         rank: comm.rank(),
                         message: 1,
-                        source,
+                        culprit: source.culprit(),
+                        source: Box::new(source),
                     })?;
                     drop(q);
                     Ok(())

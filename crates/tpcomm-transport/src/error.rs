@@ -221,11 +221,13 @@ pub enum TransportError {
     },
     /// A wait on peers ran past the configured timeout where the transport cannot see which
     /// ranks arrived (an MPI collective: MPI does not say who is missing). Instead it names
-    /// the peers whose *process* it found gone (same host, checked through `/proc`) and the
-    /// peers it could not check (other hosts).
+    /// the peers whose *process* it found gone (same host, checked through `/proc`), the
+    /// peers that did not answer a roll call (MPI: on any host, those not waiting in this
+    /// communicator's collectives: lost with their host, stopped, cut off, or elsewhere), and
+    /// the peers it could not check at all.
     #[error(
         "{op} on rank {rank} timed out after {waited:?}: {}",
-        describe_unresponsive(gone, unchecked)
+        describe_unresponsive(gone, silent, unchecked)
     )]
     Unresponsive {
         /// The operation.
@@ -236,10 +238,14 @@ pub enum TransportError {
         waited: Duration,
         /// Peers whose process no longer exists, in the order they were found gone while
         /// waiting (the first one died first, as far as this rank could see).
-        gone: Vec<usize>,
-        /// Peers on other hosts (or whose identity could not be read, or every peer where
-        /// the transport knows no process identities: NCCL), not checked.
-        unchecked: Vec<usize>,
+        gone: Box<[usize]>,
+        /// Peers not known gone that did not answer this rank's roll call and did not call
+        /// it either, ascending: not waiting in a collective of this communicator when this
+        /// rank gave up (MPI's timed path; a peer on another host that is lost is here).
+        silent: Box<[usize]>,
+        /// Peers that could not be checked: on other hosts without a roll call, or every
+        /// peer where the transport knows no process identities (NCCL).
+        unchecked: Box<[usize]>,
     },
     /// Ranks called different operations, or made inconsistent calls, at the same point.
     #[error("{op} on rank {rank}: ranks disagree: {detail}")]
@@ -367,7 +373,9 @@ impl TransportError {
             | TransportError::RankPanicked { rank, .. } => Some(*rank),
             TransportError::Aborted { by, .. } => Some(*by),
             TransportError::Timeout { missing, .. } => missing.first().copied(),
-            TransportError::Unresponsive { gone, .. } => gone.first().copied(),
+            TransportError::Unresponsive { gone, silent, .. } => {
+                gone.first().or(silent.first()).copied()
+            }
             TransportError::Mpi { .. }
             | TransportError::Os { .. }
             | TransportError::Setup(_)
@@ -382,12 +390,17 @@ impl TransportError {
 }
 
 /// The peer part of [`TransportError::Unresponsive`]'s message.
-fn describe_unresponsive(gone: &[usize], unchecked: &[usize]) -> String {
-    let mut text = if gone.is_empty() {
-        "no peer process on this host is gone (a rank is late or stuck)".to_string()
-    } else {
-        format!("the processes of ranks {gone:?} are gone")
+fn describe_unresponsive(gone: &[usize], silent: &[usize], unchecked: &[usize]) -> String {
+    let mut text = match (gone.is_empty(), silent.is_empty()) {
+        (true, true) => {
+            "no peer process on this host is gone (a rank is late or stuck)".to_string()
+        }
+        (false, _) => format!("the processes of ranks {gone:?} are gone"),
+        (true, false) => format!("ranks {silent:?} did not answer a roll call"),
     };
+    if !gone.is_empty() && !silent.is_empty() {
+        text.push_str(&format!("; ranks {silent:?} did not answer a roll call"));
+    }
     if !unchecked.is_empty() {
         text.push_str(&format!(
             "; ranks {unchecked:?} could not be checked (other hosts, or a transport that \

@@ -20,6 +20,7 @@
 //!
 //! Groups: [`Communicator::split`] gives sub-communicators (tensor-, pipeline-,
 //! data-parallel groups); collectives in sibling groups run concurrently.
+//! [`hosts::split_by_host`] gives each host's ranks a group of their own.
 
 pub mod backend;
 pub mod check;
@@ -29,6 +30,7 @@ pub mod cuda_driver;
 #[cfg(feature = "nccl")]
 pub mod device;
 mod error;
+pub mod hosts;
 pub mod process;
 pub mod reduce;
 pub mod spin;

@@ -1,7 +1,8 @@
 //! Test support shared by the suites of every crate (not part of the API): the GPU skip
 //! rule, the error-chain check ([`assert_each_level_says_its_own_thing`]),
 //! [`hooked::Hooked`] (a wrapper that counts or fails calls) and [`pair::Pair`] (two
-//! processes over a socket).
+//! processes over a socket, the second one optionally on another host:
+//! [`pair::run_pair_on_another_host`]).
 //!
 //! A test that needs a GPU and finds none calls [`skip_without_gpu`]: under
 //! `TPCOMM_REQUIRE_GPU=1` that is a failure; otherwise (and for a test that needs something
@@ -18,6 +19,12 @@ pub mod pair;
 /// True when `TPCOMM_REQUIRE_GPU=1`.
 pub fn gpu_required() -> bool {
     std::env::var("TPCOMM_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// True when `TPCOMM_REQUIRE_MULTIHOST=1`: a test that needs namespaces for another host
+/// (root) fails instead of skipping where it cannot make them.
+pub fn multihost_required() -> bool {
+    std::env::var("TPCOMM_REQUIRE_MULTIHOST").is_ok_and(|v| v == "1")
 }
 
 /// Records that the calling test skips because `why` (no GPU, no driver, no NCCL); panics

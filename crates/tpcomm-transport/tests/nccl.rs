@@ -378,7 +378,7 @@ fn a_peer_that_never_launches_times_out_the_wait_and_aborts_the_communicator() {
     let (waited, later, aborted) = results.next().unwrap().expect("rank 0 reports");
     assert!(results.next().unwrap().is_none());
     match waited {
-        Err(TransportError::Unresponsive { unchecked, .. }) => assert_eq!(unchecked, vec![1]),
+        Err(TransportError::Unresponsive { unchecked, .. }) => assert_eq!(&*unchecked, &[1]),
         other => panic!("expected Unresponsive, got {other:?}"),
     }
     assert!(aborted);

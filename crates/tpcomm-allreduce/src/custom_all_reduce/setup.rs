@@ -63,6 +63,9 @@ impl<B: Backend> CustomAllReduce<B> {
     /// agrees the settings with every rank, exchanges the buffers with every peer and fills
     /// the tables.
     ///
+    /// Every rank returns [`AllReduceError::SpansHosts`] when the ranks are on more than one
+    /// host (another kernel boot or PID namespace), naming each host and its ranks.
+    ///
     /// Every rank returns the same error when ranks differ in `max_bytes`, `slots`,
     /// `algorithm`, `topology`, `reproducibility`, the dispatch table in use (field
     /// `dispatch_table`: its digest, [`DispatchTable::digest`](crate::dispatch::DispatchTable::digest))
@@ -120,6 +123,13 @@ impl<B: Backend> CustomAllReduce<B> {
         };
         let mine = (setup_error, fields);
         let (mut peers, all) = PeerMappings::new_agreeing(memory, comm, &mine)?;
+        // Every rank saw the same identities: every rank refuses a group on several hosts.
+        if peers.hosts().spans_hosts() {
+            return Err(AllReduceError::SpansHosts {
+                rank: comm.rank(),
+                hosts: peers.hosts().layout(),
+            });
+        }
         let allocations = local?;
         let dispatch = table?;
         check_agreement(&all)?;

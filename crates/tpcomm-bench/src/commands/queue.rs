@@ -275,11 +275,17 @@ struct State<'q, C: Communicator, S: Shape> {
     /// Its postcard bytes, and the memcpy floor's destination.
     bytes: Vec<u8>,
     copy: Vec<u8>,
-    /// The hand-off floor, and where its readers copy the bytes out.
-    handoff: HandoffFloor,
+    /// The hand-off floor, and where its readers copy the bytes out (`None` when the ranks
+    /// are on several hosts: shared memory is not there to measure).
+    handoff: Option<HandoffFloor>,
     received: Vec<u8>,
-    /// The copy floor (its readers copy into `copy`).
-    two_copies: CopyFloor,
+    /// The copy floor (its readers copy into `copy`; `None` across hosts too).
+    two_copies: Option<CopyFloor>,
+}
+
+/// What a floor variant does when the ranks are on several hosts: it is not measured.
+fn no_floor() -> BenchError {
+    BenchError::Usage("a shared-memory floor across hosts is not measured".into())
 }
 
 /// Runs variant `v` once as one timed iteration; with `check`, also says what is wrong with
@@ -334,11 +340,17 @@ fn once<C: Communicator, S: Shape>(
                 }
             }
             5 if writer => {
-                st.two_copies.send(&st.bytes)?;
+                st.two_copies
+                    .as_mut()
+                    .ok_or_else(no_floor)?
+                    .send(&st.bytes)?;
                 ns = elapsed_ns(start);
             }
             5 => {
-                st.two_copies.recv_into(&mut st.copy)?;
+                st.two_copies
+                    .as_mut()
+                    .ok_or_else(no_floor)?
+                    .recv_into(&mut st.copy)?;
                 ns = elapsed_ns(start);
                 black_box(&st.copy);
                 if check {
@@ -346,11 +358,14 @@ fn once<C: Communicator, S: Shape>(
                 }
             }
             _ if writer => {
-                st.handoff.send(&st.value)?;
+                st.handoff.as_mut().ok_or_else(no_floor)?.send(&st.value)?;
                 ns = elapsed_ns(start);
             }
             _ => {
-                st.handoff.recv_into(&mut st.received)?;
+                st.handoff
+                    .as_mut()
+                    .ok_or_else(no_floor)?
+                    .recv_into(&mut st.received)?;
                 let got: S::Owned = postcard::from_bytes(&st.received)?;
                 ns = elapsed_ns(start);
                 if check {
@@ -383,17 +398,23 @@ where
         let ours = fingerprint::<S>(std::slice::from_ref(&value));
         py.check(payload, "value differs", &ours)?;
     }
+    // The two shared-memory floors need every rank on one host; across hosts the table has
+    // the queue, the broadcast and the one-core copy.
+    let one_host = !tpcomm::transport::hosts::hosts(comm)?.spans_hosts();
+    let variants: &[&str] = if one_host { &VARIANTS } else { &VARIANTS[..4] };
     let spec = Spec {
         peer: Some(PEER),
-        ..Spec::new(TABLE, payload.to_string(), len, &VARIANTS)
+        ..Spec::new(TABLE, payload.to_string(), len, variants)
     };
     let mut st = State::<C, S> {
         queue,
         value,
         copy: vec![0; bytes.len()],
-        handoff: HandoffFloor::new(comm, len)?,
+        handoff: one_host.then(|| HandoffFloor::new(comm, len)).transpose()?,
         received: Vec::with_capacity(len),
-        two_copies: CopyFloor::new(comm, bytes.len(), chunk_bytes)?,
+        two_copies: one_host
+            .then(|| CopyFloor::new(comm, bytes.len(), chunk_bytes))
+            .transpose()?,
         bytes,
     };
     s.verify(comm, &spec, &mut st, |st, k| Ok(once(comm, st, k, true)?.1))?;
@@ -403,8 +424,12 @@ where
         &mut st,
         |st, k| Ok(once(comm, st, k, false)?.0),
     )?;
-    st.handoff.close()?;
-    st.two_copies.close()?;
+    if let Some(handoff) = st.handoff {
+        handoff.close()?;
+    }
+    if let Some(two_copies) = st.two_copies {
+        two_copies.close()?;
+    }
     if let Some(py) = mpi4py {
         rows.extend(py.row(TABLE, payload, len));
         link_peers(&mut rows, |r| r.is(MPI4PY).then(|| PEER.into()));

@@ -57,8 +57,19 @@ impl<B: PeerMemory> PeerMappings<B> {
         slot
     }
 
-    /// An envelope of this group, from rank `from`, or the error that says which it is not.
+    /// An envelope of this group, from rank `from` on this host, or the error that says
+    /// which it is not. Nothing of the handle is looked at before these checks.
     pub(super) fn check_envelope(&self, from: usize, env: &Envelope<B::Handle>) -> Result<()> {
+        if let (Some(me), Some(peer)) = (self.hosts.identity(self.rank), self.hosts.identity(from))
+        {
+            if me.on_another_host(peer) {
+                return Err(IpcError::OtherHost {
+                    rank: from,
+                    host: peer.describe_host(),
+                    this_host: me.describe_host(),
+                });
+            }
+        }
         if env.group != self.group {
             return Err(IpcError::ForeignHandle {
                 expected: self.group,

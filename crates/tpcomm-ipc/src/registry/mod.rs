@@ -5,6 +5,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use tpcomm_transport::hosts::Hosts;
+use tpcomm_transport::process::ProcessIdentity;
 use tpcomm_transport::Communicator;
 
 use crate::error::Result;
@@ -126,6 +128,10 @@ struct Slot<B: PeerMemory> {
 ///   collective on the same communicator) is reported by every rank as
 ///   [`IpcError::StepMismatch`] naming it and its step, before anything it sent is decoded.
 ///   [`agree`](Self::agree) lets the layer above tag its own steps in the same sequence.
+/// - Peer memory is shared within one host: creation gathers every rank's process identity
+///   ([`hosts`](Self::hosts)), and a handle from a rank on another host (another kernel boot
+///   or PID namespace, where its pid and descriptor number mean nothing) is refused with
+///   [`IpcError::OtherHost`] before any descriptor is fetched.
 ///
 /// ```
 /// use tpcomm_ipc::{HostMemory, MemoryRegion, PeerMappings, PeerMemory, Region};
@@ -147,12 +153,15 @@ struct Slot<B: PeerMemory> {
 /// ```
 ///
 /// [`IpcError::StepMismatch`]: crate::IpcError::StepMismatch
+/// [`IpcError::OtherHost`]: crate::IpcError::OtherHost
 #[derive(Debug)]
 pub struct PeerMappings<B: PeerMemory> {
     backend: B,
     rank: usize,
     size: usize,
     group: u64,
+    /// Every rank's process identity, gathered at creation, grouped by host.
+    hosts: Hosts,
     exchanges: Vec<Exchange<B::Handle>>,
     /// Opened handles and their mappings; `None` once released (indices stay stable while
     /// the handles do).
@@ -180,7 +189,8 @@ pub fn fresh_group_id() -> u64 {
 
 impl<B: PeerMemory> PeerMappings<B> {
     /// Collective: creates the registry of this group; rank 0's fresh group id is agreed so
-    /// that handles from any other group are recognised and refused.
+    /// that handles from any other group are recognised and refused, and every rank's process
+    /// identity is gathered, so that handles from another host are refused too.
     pub fn new<C: Communicator + ?Sized>(backend: B, comm: &C) -> Result<Self> {
         Ok(Self::new_agreeing(backend, comm, &())?.0)
     }
@@ -198,17 +208,23 @@ impl<B: PeerMemory> PeerMappings<B> {
             group: 0,
             sequence: 0,
         };
-        let all: Vec<(u64, T)> = tagged_all_gather_as(comm, tag, &(fresh_group_id(), value))?;
-        let mut values = all.into_iter();
-        let (group, first) = values.next().expect("a communicator has at least one rank");
-        let values = std::iter::once(first)
-            .chain(values.map(|(_, v)| v))
-            .collect();
+        let identity = ProcessIdentity::current().encode().to_vec();
+        let all: Vec<(u64, Vec<u8>, T)> =
+            tagged_all_gather_as(comm, tag, &(fresh_group_id(), identity, value))?;
+        let group = all.first().map_or(0, |(group, _, _)| *group);
+        let mut identities = Vec::with_capacity(all.len());
+        let mut values = Vec::with_capacity(all.len());
+        for (_, identity, value) in all {
+            // Bytes of another length decode as the unknown identity, on no host.
+            identities.push(ProcessIdentity::decode(&identity));
+            values.push(value);
+        }
         let registry = Self {
             backend,
             rank: comm.rank(),
             size: comm.size(),
             group,
+            hosts: Hosts::from_identities(identities),
             exchanges: Vec::new(),
             slab: Vec::new(),
             memo: HashMap::new(),
@@ -227,6 +243,11 @@ impl<B: PeerMemory> PeerMappings<B> {
     /// This group's id (carried by every exchanged handle).
     pub fn group(&self) -> u64 {
         self.group
+    }
+
+    /// The hosts of this group's ranks, as their process identities said at creation.
+    pub fn hosts(&self) -> &Hosts {
+        &self.hosts
     }
 
     /// The counters.

@@ -220,22 +220,31 @@ impl<C: Communicator> BroadcastQueue<C> {
                 _ => Role::Remote,
             }
         };
-        let transport = |source| QueueError::Transport {
+        // Failures on `comm` (the split itself) blame ranks of the queue's numbering; those
+        // of `bound_waits`, on the split, blame none.
+        let on_comm = |source: tpcomm_transport::TransportError| QueueError::Transport {
             rank,
             message: 0,
-            source,
+            culprit: source.culprit(),
+            source: Box::new(source),
+        };
+        let on_split = |source| QueueError::Transport {
+            rank,
+            message: 0,
+            culprit: None,
+            source: Box::new(source),
         };
         let mut remote = if locality.transport.is_empty() {
             None
         } else {
             let member = rank == writer || locality.transport.contains(&rank);
             let key = if rank == writer { 0 } else { rank as i32 + 1 };
-            comm.split(member.then_some(0), key).map_err(transport)?
+            comm.split(member.then_some(0), key).map_err(on_comm)?
         };
         // The frames' broadcasts wait no longer than the queue's timeout (a backend with no
         // bounded path keeps its own).
         if let Some(remote) = &mut remote {
-            remote.bound_waits(config.timeout).map_err(transport)?;
+            remote.bound_waits(config.timeout).map_err(on_split)?;
         }
         if let Role::Writer {
             ring: Some(ring), ..

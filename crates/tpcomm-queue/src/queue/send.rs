@@ -73,8 +73,8 @@ impl<C: Communicator> BroadcastQueue<C> {
             SizePass::Bytes(Ok((bytes, shape))) if large(bytes) => {
                 match self.ring_stream(message, value, bytes, shape) {
                     Ok(()) => {}
-                    Err(Streamed::Unpublished(e)) => return Err(e),
-                    Err(Streamed::Failed(e)) => return Err(self.fail(e)),
+                    Err(Streamed::Unpublished(e)) => return Err(*e),
+                    Err(Streamed::Failed(e)) => return Err(self.fail(*e)),
                 }
                 self.size_next = true;
             }

@@ -62,7 +62,7 @@ impl<C: Communicator> BroadcastQueue<C> {
         };
         match at.stopped {
             // A wait on the readers failed: the queue fails, as in `ring_send`.
-            Some(e @ Stop::Wait(_)) => Err(Streamed::Failed(e.into_error())),
+            Some(e @ Stop::Wait(_)) => Err(Streamed::Failed(Box::new(e.into_error()))),
             stopped => {
                 let e = match stopped {
                     Some(stop) => stop.into_error(),
@@ -70,9 +70,9 @@ impl<C: Communicator> BroadcastQueue<C> {
                 };
                 // Nothing published: the chunks written are never read, the queue is usable.
                 if at.c == first {
-                    Err(Streamed::Unpublished(e))
+                    Err(Streamed::Unpublished(Box::new(e)))
                 } else {
-                    Err(Streamed::Failed(e))
+                    Err(Streamed::Failed(Box::new(e)))
                 }
             }
         }
@@ -169,13 +169,14 @@ impl postcard::ser_flavors::Flavor for CountBytes<'_> {
     }
 }
 
-/// Why a streamed send did not complete.
+/// Why a streamed send did not complete (boxed: the error path of every streamed send stays
+/// one word wide).
 #[derive(Debug)]
 pub(super) enum Streamed {
     /// No chunk of the message was published: the queue is usable.
-    Unpublished(QueueError),
+    Unpublished(Box<QueueError>),
     /// Some chunks were published, or a wait on the readers failed: the queue fails.
-    Failed(QueueError),
+    Failed(Box<QueueError>),
 }
 
 /// Why the ring sink stopped the encoder.

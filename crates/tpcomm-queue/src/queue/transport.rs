@@ -33,11 +33,8 @@ impl<C: Communicator> BroadcastQueue<C> {
         let inline = total.min(INLINE);
         write_frame(&mut self.frame, DATA, message, (total as u64, shape));
         self.frame[HEADER..HEADER + inline].copy_from_slice(&self.buf[..inline]);
-        let transport = |source| QueueError::Transport {
-            rank: self.rank,
-            message,
-            source,
-        };
+        let (rank, writer, readers) = (self.rank, self.writer, &self.locality.transport);
+        let transport = |source| writer_error(rank, (writer, readers), message, source);
         remote.broadcast(0, &mut self.frame).map_err(transport)?;
         let mut sent = inline;
         while sent < total {
@@ -57,8 +54,8 @@ impl<C: Communicator> BroadcastQueue<C> {
         let Some(remote) = &self.remote else {
             return Err(self.refused("recv"));
         };
-        let writer = self.writer;
-        let transport = |source| reader_error(rank, writer, message, source);
+        let (writer, readers) = (self.writer, &self.locality.transport);
+        let transport = |source| reader_error(rank, (writer, readers), message, source);
         remote.broadcast(0, &mut self.frame).map_err(transport)?;
         let corrupt = |problem| QueueError::Corrupt {
             rank,
@@ -160,10 +157,24 @@ pub(super) fn read_frame(
     Ok((frame[6], word(8), (word(16), word(24))))
 }
 
+/// The queue rank of rank `split_rank` of the transport path's split: the writer is its rank
+/// 0, the transport readers (`readers`, ascending) follow in rank order.
+fn queue_rank(split_rank: usize, (writer, readers): (usize, &[usize])) -> Option<usize> {
+    match split_rank {
+        0 => Some(writer),
+        r => readers.get(r - 1).copied(),
+    }
+}
+
 /// A transport reader's error for the broadcast of message `message` failing with `source`:
 /// a wait past the bound (the queue's timeout, see [`Communicator::bound_waits`]) is
 /// [`QueueError::WriterTimeout`] naming the writer, the root of every broadcast it waits in.
-fn reader_error(rank: usize, writer: usize, message: u64, source: TransportError) -> QueueError {
+fn reader_error(
+    rank: usize,
+    (writer, readers): (usize, &[usize]),
+    message: u64,
+    source: TransportError,
+) -> QueueError {
     match source {
         TransportError::Timeout { waited, .. } | TransportError::Unresponsive { waited, .. } => {
             QueueError::WriterTimeout {
@@ -176,7 +187,52 @@ fn reader_error(rank: usize, writer: usize, message: u64, source: TransportError
         source => QueueError::Transport {
             rank,
             message,
-            source,
+            culprit: source
+                .culprit()
+                .and_then(|r| queue_rank(r, (writer, readers))),
+            source: Box::new(source),
         },
+    }
+}
+
+/// The writer's error for the broadcast of message `message` to the transport readers
+/// failing with `source`: a wait past the bound is [`QueueError::TransportTimeout`] naming
+/// the readers the transport blames in the queue's numbering (every transport reader when it
+/// blames none); any other failure is [`QueueError::Transport`] with its culprit renumbered.
+fn writer_error(
+    rank: usize,
+    (writer, readers): (usize, &[usize]),
+    message: u64,
+    source: TransportError,
+) -> QueueError {
+    let blamed: Vec<usize> = match &source {
+        TransportError::Timeout { missing, .. } => missing.clone(),
+        TransportError::Unresponsive { gone, silent, .. } => {
+            gone.iter().chain(silent.iter()).copied().collect()
+        }
+        _ => {
+            return QueueError::Transport {
+                rank,
+                message,
+                culprit: source
+                    .culprit()
+                    .and_then(|r| queue_rank(r, (writer, readers))),
+                source: Box::new(source),
+            }
+        }
+    };
+    let mut named: Vec<usize> = blamed
+        .into_iter()
+        .filter_map(|r| queue_rank(r, (writer, readers)))
+        .filter(|&r| r != writer)
+        .collect();
+    if named.is_empty() {
+        named = readers.to_vec();
+    }
+    QueueError::TransportTimeout {
+        rank,
+        message,
+        readers: named,
+        source: Box::new(source),
     }
 }

@@ -181,11 +181,80 @@ pub fn run_pair<T, E: std::fmt::Display>(
     mode: &str,
     body: impl FnOnce(&Pair) -> std::result::Result<T, E>,
 ) -> T {
+    run_pair_under(mode, &[], body)
+}
+
+/// The host name rank 1 of [`run_pair_on_another_host`] runs under.
+pub const OTHER_HOST_NAME: &str = "tpcomm-other-host";
+
+/// [`run_pair`] with rank 1 on another host as far as tpcomm can tell: in a PID namespace
+/// of its own (with its own `/proc`) and a UTS namespace named [`OTHER_HOST_NAME`]
+/// (`unshare --pid --fork --mount-proc --uts`, which needs root). Where namespaces cannot be
+/// made here, the test is recorded as skipped ([`super::skip`]) and `None` returned;
+/// `TPCOMM_REQUIRE_MULTIHOST=1` makes that a failure.
+pub fn run_pair_on_another_host<T, E: std::fmt::Display>(
+    mode: &str,
+    body: impl FnOnce(&Pair) -> std::result::Result<T, E>,
+) -> Option<T> {
+    let prefix = [
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--uts",
+        "--",
+        "sh",
+        "-c",
+        "hostname \"$TPCOMM_TEST_PAIR_HOST\" && exec \"$0\" \"$@\"",
+    ];
+    let probe = std::process::Command::new(prefix[0])
+        .args(&prefix[1..])
+        .arg("true")
+        .env("TPCOMM_TEST_PAIR_HOST", OTHER_HOST_NAME)
+        .output();
+    let refused = match probe {
+        Ok(out) if out.status.success() => None,
+        Ok(out) => Some(format!(
+            "`unshare --pid --fork --mount-proc --uts` failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Err(e) => Some(format!("cannot run unshare: {e}")),
+    };
+    if let Some(why) = refused {
+        let why = format!("no namespaces for another host here (root needed): {why}");
+        assert!(
+            !super::multihost_required(),
+            "TPCOMM_REQUIRE_MULTIHOST=1 but {why}"
+        );
+        super::skip(&why);
+        return None;
+    }
+    Some(run_pair_under(mode, &prefix, body))
+}
+
+/// [`run_pair`] with rank 1's command line prefixed by `prefix` (a program and its
+/// arguments that end by running the rest).
+fn run_pair_under<T, E: std::fmt::Display>(
+    mode: &str,
+    prefix: &[&str],
+    body: impl FnOnce(&Pair) -> std::result::Result<T, E>,
+) -> T {
     let dir = std::env::temp_dir().join(format!("tpcomm-pair-{}-{mode}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("sock");
     let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+    let exe = std::env::current_exe().unwrap();
+    let mut command = match prefix.split_first() {
+        Some((program, args)) => {
+            let mut c = std::process::Command::new(program);
+            c.args(args).arg(&exe);
+            c
+        }
+        None => std::process::Command::new(&exe),
+    };
+    let mut child = command
+        .env("TPCOMM_TEST_PAIR_HOST", OTHER_HOST_NAME)
         .args(["--exact", "child_pair_rank", "--ignored", "--nocapture"])
         .env(SOCKET_VAR, &path)
         .env(MODE_VAR, mode)

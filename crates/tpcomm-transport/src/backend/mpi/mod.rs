@@ -116,6 +116,7 @@ mod blocking;
 mod conv;
 mod guarded;
 mod process_state;
+mod roll_call;
 mod single_copy;
 mod split;
 mod timed;
@@ -123,7 +124,7 @@ mod timed;
 use std::ffi::c_int;
 use std::fmt;
 use std::sync::atomic::Ordering;
-use std::sync::{MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::Duration;
 
 use mpi::ffi;
@@ -178,6 +179,8 @@ pub struct MpiCommunicator {
     /// Every rank's process identity (index = rank), gathered by `with_timeout`; empty
     /// without a timeout.
     peers: Vec<ProcessIdentity>,
+    /// The roll call of the timed path (module `roll_call`), made by `with_timeout`.
+    roll: Option<Mutex<roll_call::RollCall>>,
     /// Set when a collective was abandoned at its deadline: the communicator's state is
     /// undefined from then on, and every later collective fails with this text (and the
     /// first peer found gone, if any).
@@ -278,6 +281,7 @@ impl MpiCommunicator {
                 serialize,
                 timeout: None,
                 peers: Vec::new(),
+                roll: None,
                 broken: OnceLock::new(),
             }),
             Err(e) => {
@@ -301,6 +305,12 @@ impl MpiCommunicator {
 impl Drop for MpiCommunicator {
     fn drop(&mut self) {
         let _guard = lock_mpi();
+        // Its receives stay posted unless MPI is live and nothing is in flight: leaked on
+        // the early returns below, so that MPI never writes freed memory.
+        let roll = self
+            .roll
+            .take()
+            .map(|r| r.into_inner().unwrap_or_else(PoisonError::into_inner));
         let finalized = if FINALIZING.load(Ordering::Acquire) {
             Ok(true)
         } else {
@@ -313,10 +323,12 @@ impl Drop for MpiCommunicator {
                     rank = self.rank,
                     "MPI was finalized before this MpiCommunicator was dropped; not freeing it"
                 );
+                std::mem::forget(roll);
                 return;
             }
             Err(e) => {
                 tracing::warn!(error = %e, "MPI_Finalized failed; not freeing the communicator");
+                std::mem::forget(roll);
                 return;
             }
         }
@@ -330,7 +342,11 @@ impl Drop for MpiCommunicator {
                 reason,
                 "not freeing a broken MpiCommunicator: an abandoned collective may be in flight"
             );
+            std::mem::forget(roll);
             return;
+        }
+        if let Some(roll) = roll {
+            roll.close();
         }
         if let Err(e) = free_comm(&mut self.comm) {
             tracing::warn!(rank = self.rank, error = %e, "MPI_Comm_free failed");

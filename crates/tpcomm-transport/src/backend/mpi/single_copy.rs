@@ -1,6 +1,6 @@
-//! Turning off Open MPI's shared-memory single-copy mechanism before `MPI_Init`, through
-//! the MPI tool interface: what protects the blocking path's receive buffers from a peer
-//! sending more than agreed.
+//! Turning off Open MPI's shared-memory single-copy mechanism and the TCP transport's RDMA
+//! before `MPI_Init`, through the MPI tool interface: what protects receive buffers from a
+//! peer sending more than agreed.
 
 use std::ffi::c_int;
 use std::ptr;
@@ -31,6 +31,17 @@ impl MpiCommunicator {
     /// `MPI_ERR_TRUNCATE` and nothing past the buffer is written. The cost is bandwidth:
     /// large messages between ranks of one host are copied twice.
     ///
+    /// The same holds across hosts: Open MPI 4.1's TCP transport writes the RDMA fragments
+    /// of a large message at the sender's length (a peer on another host that sends more
+    /// than agreed overruns the receive buffer, and on the timed path reaches its guard
+    /// page: the process is killed by SIGSEGV). This call therefore also clears the put and
+    /// get flags of `btl_tcp_flags` (it sets `OMPI_MCA_btl_tcp_flags`, as `--mca
+    /// btl_tcp_flags send,inplace,...` would, before the tool interface reads it, and checks
+    /// the value), so that TCP messages arrive in fragments bounded by the receive buffer
+    /// and an oversized one is `MPI_ERR_TRUNCATE`. Setting an environment variable is not
+    /// safe while other threads read the environment: call this before starting threads.
+    /// Where the library has no TCP transport that part is skipped.
+    ///
     /// Every rank must agree: a rank with single copy turned off that receives from a rank
     /// that still uses it aborts (`pml_ob1_recvreq.c: invalid bml for rdma get`).
     ///
@@ -50,6 +61,10 @@ impl MpiCommunicator {
                 "the single-copy mechanism can only be disabled before MPI is initialized".into(),
             ));
         }
+        // Open MPI refuses to write the TCP transport's flags through MPI_T (they are set
+        // once): its environment variable is read when the variable is registered, at the
+        // first `MPI_T_init_thread` or `MPI_Init` of the process; checked below.
+        std::env::set_var(TCP_FLAGS_ENV, TCP_FLAGS_WITHOUT_RDMA);
         let mut provided: c_int = 0;
         // SAFETY: the tool interface may be initialized before MPI_Init, any number of
         // times; `provided` is a valid place for one int. Reading an immutable constant
@@ -71,46 +86,25 @@ impl MpiCommunicator {
         }
         check_before_init(op, "MPI_T_cvar_get_index", code)?;
         let none = single_copy_value(op, index, "none")?;
-        let mut handle = std::mem::MaybeUninit::<ffi::MPI_T_cvar_handle>::uninit();
-        let mut count: c_int = 0;
-        // SAFETY: `index` names a control variable (just looked up); it is not bound to an
-        // MPI object, so the object handle is null; `handle` and `count` are valid places.
-        let code = unsafe {
-            ffi::MPI_T_cvar_handle_alloc(index, ptr::null_mut(), handle.as_mut_ptr(), &mut count)
-        };
-        check_before_init(op, "MPI_T_cvar_handle_alloc", code)?;
-        // SAFETY: MPI_T_cvar_handle_alloc succeeded, so it wrote the handle.
-        let mut handle = unsafe { handle.assume_init() };
-        let written = if count == 1 {
-            let value = CvarValue::new(none);
-            // SAFETY: the variable holds `count == 1` scalar of at most 16 bytes (an `int`
-            // in Open MPI); `value` is 16 readable bytes.
-            let code =
-                unsafe { ffi::MPI_T_cvar_write(handle, (&value as *const CvarValue).cast()) };
-            check_before_init(op, "MPI_T_cvar_write", code).and_then(|()| {
-                let mut read = CvarValue::new(-1);
-                // SAFETY: as above; `read` is 16 writable bytes.
-                let code =
-                    unsafe { ffi::MPI_T_cvar_read(handle, (&mut read as *mut CvarValue).cast()) };
-                check_before_init(op, "MPI_T_cvar_read", code)?;
-                let now = read.0[0];
-                if now == none {
-                    Ok(())
-                } else {
-                    Err(TransportError::Setup(format!(
-                        "{SINGLE_COPY_CVAR:?} reads {now} after writing {none} (none)"
-                    )))
-                }
-            })
+        update_cvar(op, index, SINGLE_COPY_CVAR, |_| none)?;
+        // The TCP transport: without RDMA put and get, a message to a rank on another host
+        // is received in fragments bounded by the receive buffer too.
+        let mut tcp: c_int = 0;
+        // SAFETY: MPI_T is initialized; the name is a NUL-terminated string; `tcp` is a
+        // valid place for one int.
+        let code = unsafe { ffi::MPI_T_cvar_get_index(TCP_FLAGS_CVAR.as_ptr(), &mut tcp) };
+        if code == ffi::MPI_T_ERR_INVALID_NAME as c_int {
+            tracing::debug!("no TCP transport: only single copy disabled");
         } else {
-            Err(TransportError::Setup(format!(
-                "{SINGLE_COPY_CVAR:?} holds {count} values, expected one"
-            )))
-        };
-        // SAFETY: `handle` was allocated above and is not used after this call.
-        let code = unsafe { ffi::MPI_T_cvar_handle_free(&mut handle) };
-        written?;
-        check_before_init(op, "MPI_T_cvar_handle_free", code)?;
+            check_before_init(op, "MPI_T_cvar_get_index", code)?;
+            let flags = read_cvar(op, tcp, TCP_FLAGS_CVAR)?;
+            if flags & (TCP_FLAG_PUT | TCP_FLAG_GET) != 0 {
+                return Err(TransportError::Setup(format!(
+                    "{TCP_FLAGS_CVAR:?} still allows RDMA ({flags:#x}): the tool interface \
+                     was initialized before {TCP_FLAGS_ENV} was set"
+                )));
+            }
+        }
         tracing::debug!("shared-memory single copy disabled before MPI_Init");
         Ok(())
     }
@@ -118,6 +112,96 @@ impl MpiCommunicator {
 
 /// Open MPI 4.x's control variable selecting the shared-memory single-copy mechanism.
 const SINGLE_COPY_CVAR: &std::ffi::CStr = c"btl_vader_single_copy_mechanism";
+
+/// Open MPI 4.x's control variable of the TCP transport's capabilities (bit flags), its
+/// environment variable, and the value without put and get (its default otherwise).
+const TCP_FLAGS_CVAR: &std::ffi::CStr = c"btl_tcp_flags";
+const TCP_FLAGS_ENV: &str = "OMPI_MCA_btl_tcp_flags";
+const TCP_FLAGS_WITHOUT_RDMA: &str = "send,inplace,need-ack,need-csum,hetero-rdma";
+/// `MCA_BTL_FLAGS_PUT` and `MCA_BTL_FLAGS_GET` of Open MPI's `btl.h`: RDMA writes and reads.
+const TCP_FLAG_PUT: c_int = 0x2;
+const TCP_FLAG_GET: c_int = 0x4;
+
+/// Reads the one-`int` control variable `index` (`name`).
+fn read_cvar(op: Op, index: c_int, name: &std::ffi::CStr) -> Result<c_int> {
+    let mut handle = std::mem::MaybeUninit::<ffi::MPI_T_cvar_handle>::uninit();
+    let mut count: c_int = 0;
+    // SAFETY: as in `update_cvar`.
+    let code = unsafe {
+        ffi::MPI_T_cvar_handle_alloc(index, ptr::null_mut(), handle.as_mut_ptr(), &mut count)
+    };
+    check_before_init(op, "MPI_T_cvar_handle_alloc", code)?;
+    // SAFETY: MPI_T_cvar_handle_alloc succeeded, so it wrote the handle.
+    let mut handle = unsafe { handle.assume_init() };
+    let mut value = CvarValue::new(-1);
+    let read = if count == 1 {
+        // SAFETY: one scalar of at most 16 bytes; `value` is 16 writable bytes.
+        let code = unsafe { ffi::MPI_T_cvar_read(handle, (&mut value as *mut CvarValue).cast()) };
+        check_before_init(op, "MPI_T_cvar_read", code).map(|()| value.0[0])
+    } else {
+        Err(TransportError::Setup(format!(
+            "{name:?} holds {count} values, expected one"
+        )))
+    };
+    // SAFETY: `handle` was allocated above and is not used after this call.
+    let code = unsafe { ffi::MPI_T_cvar_handle_free(&mut handle) };
+    let read = read?;
+    check_before_init(op, "MPI_T_cvar_handle_free", code)?;
+    Ok(read)
+}
+
+/// Reads the one-`int` control variable `index` (`name`), writes `new(value)` and checks
+/// that it reads back.
+fn update_cvar(
+    op: Op,
+    index: c_int,
+    name: &std::ffi::CStr,
+    new: impl FnOnce(c_int) -> c_int,
+) -> Result<()> {
+    let mut handle = std::mem::MaybeUninit::<ffi::MPI_T_cvar_handle>::uninit();
+    let mut count: c_int = 0;
+    // SAFETY: `index` names a control variable (looked up by the caller); it is not bound
+    // to an MPI object, so the object handle is null; `handle` and `count` are valid places.
+    let code = unsafe {
+        ffi::MPI_T_cvar_handle_alloc(index, ptr::null_mut(), handle.as_mut_ptr(), &mut count)
+    };
+    check_before_init(op, "MPI_T_cvar_handle_alloc", code)?;
+    // SAFETY: MPI_T_cvar_handle_alloc succeeded, so it wrote the handle.
+    let mut handle = unsafe { handle.assume_init() };
+    let read = |handle| {
+        let mut read = CvarValue::new(-1);
+        // SAFETY: the variable holds `count == 1` scalar of at most 16 bytes (an `int` or
+        // `unsigned int` in Open MPI); `read` is 16 writable bytes.
+        let code = unsafe { ffi::MPI_T_cvar_read(handle, (&mut read as *mut CvarValue).cast()) };
+        check_before_init(op, "MPI_T_cvar_read", code).map(|()| read.0[0])
+    };
+    let written = if count == 1 {
+        read(handle).and_then(|old| {
+            let wanted = new(old);
+            let value = CvarValue::new(wanted);
+            // SAFETY: as above; `value` is 16 readable bytes.
+            let code =
+                unsafe { ffi::MPI_T_cvar_write(handle, (&value as *const CvarValue).cast()) };
+            check_before_init(op, "MPI_T_cvar_write", code)?;
+            let now = read(handle)?;
+            if now == wanted {
+                Ok(())
+            } else {
+                Err(TransportError::Setup(format!(
+                    "{name:?} reads {now} after writing {wanted}"
+                )))
+            }
+        })
+    } else {
+        Err(TransportError::Setup(format!(
+            "{name:?} holds {count} values, expected one"
+        )))
+    };
+    // SAFETY: `handle` was allocated above and is not used after this call.
+    let code = unsafe { ffi::MPI_T_cvar_handle_free(&mut handle) };
+    written?;
+    check_before_init(op, "MPI_T_cvar_handle_free", code)
+}
 
 /// One control-variable value: an `int` in its first four bytes, zero-padded to 16 bytes.
 #[repr(C, align(16))]

@@ -15,6 +15,7 @@ use super::args::{
 };
 use super::conv::{byte_type, check, mpi_error, MPI_SUCCESS};
 use super::guarded::GuardedBuf;
+use super::roll_call::{grace, RollCall};
 use super::MpiCommunicator;
 use crate::communicator::Communicator;
 use crate::copy::{copy_slice, to_vec};
@@ -55,8 +56,14 @@ impl MpiCommunicator {
     /// a collective that has not completed by then fails with
     /// [`TransportError::Unresponsive`], naming the peers whose process is gone, in the
     /// order they were found gone while waiting (peers on this host are checked through
-    /// `/proc` every tenth of the timeout, at most every 100 ms; others are listed as
-    /// unchecked). The first one named is the rank that died first, as seen from here. After such a
+    /// `/proc` every tenth of the timeout, at most every 100 ms), then the peers that did
+    /// not answer a roll call: a rank still waiting a quarter of the timeout (at most 1 s)
+    /// before its deadline calls every other peer on a duplicate of the communicator, and
+    /// every rank waiting in a timed collective of it answers; a peer on another host that
+    /// is lost (or stopped, or cut off) answers nothing and is named as silent; a rank that
+    /// runs again only past its deadline (it was stopped, or its host frozen) calls the roll
+    /// then and waits the same grace for answers before it names anyone. The first
+    /// one named is the rank that died first, as seen from here. After such a
     /// failure every collective of this communicator, and `split`, fails with
     /// [`TransportError::Aborted`]. `split` (`MPI_Comm_split`, which has no nonblocking
     /// form) is preceded by a bounded barrier and a bounded all-gather of a split word, so
@@ -66,7 +73,8 @@ impl MpiCommunicator {
     /// buffers.
     ///
     /// Collective: every rank calls it (it all-gathers each rank's process identity, under
-    /// the timeout already). The cost is copying each collective's send bytes in, and its
+    /// the timeout already, and duplicates the communicator for the roll call). The cost is
+    /// copying each collective's send bytes in, and its
     /// receive buffer in and out, of owned buffers (the receive copy a fresh mapping that
     /// ends at a guard page: one `mmap`, `mprotect` and `munmap` per collective), and
     /// polling instead of blocking (with sleeps of up to 200 us between polls); without a
@@ -100,7 +108,18 @@ impl MpiCommunicator {
             .chunks_exact(ProcessIdentity::LEN)
             .map(ProcessIdentity::decode)
             .collect();
+        if self.roll.is_none() {
+            let _guard = self.lock(Op::Setup)?;
+            self.roll = Some(Mutex::new(RollCall::new(self.comm, self.rank, self.size)?));
+        }
         Ok(())
+    }
+
+    /// Runs `f` on the roll call, if this communicator has one.
+    fn with_roll<T>(&self, f: impl FnOnce(&mut RollCall) -> T) -> Option<T> {
+        let roll = self.roll.as_ref()?;
+        let mut roll = roll.lock().unwrap_or_else(PoisonError::into_inner);
+        Some(f(&mut roll))
     }
 
     /// `Some(timeout)` when collectives are bounded; an error when an earlier one was
@@ -132,6 +151,7 @@ impl MpiCommunicator {
         let begun = Instant::now();
         {
             let _guard = self.lock(op)?;
+            self.with_roll(RollCall::begin);
             let code = start(&mut job, self.comm);
             if let Err(e) = check(op, call, code) {
                 // Peers may have started this collective: a later one of this rank would
@@ -151,6 +171,13 @@ impl MpiCommunicator {
         let mut gone: Vec<usize> = Vec::new();
         let check_every = (timeout / 10).min(Duration::from_millis(100));
         let mut next_check = begun + check_every;
+        // When this rank calls the roll (if it still waits then).
+        let roll_at = timeout.saturating_sub(grace(timeout));
+        // When it called: its answers are awaited a grace long before anyone is named
+        // silent, also when this process ran again only past its deadline (stopped, or not
+        // scheduled): then the deadline moves to the call plus the grace.
+        let mut rolled: Option<Instant> = None;
+        let has_roll = self.roll.is_some();
         loop {
             let mut done: c_int = 0;
             let guard = match self.lock(op) {
@@ -186,6 +213,16 @@ impl MpiCommunicator {
             };
             // The error is looked up (MPI calls too) before the lock goes.
             let failure = code.map(|(code, failed_call)| mpi_error(op, failed_call, code));
+            // Calls of late peers are answered, answers to this rank's call taken in.
+            self.with_roll(RollCall::service);
+            let waited = begun.elapsed();
+            if rolled.is_none() && waited >= roll_at && failure.is_none() {
+                rolled = Some(Instant::now());
+                let peers: Vec<usize> = (0..self.size)
+                    .filter(|r| *r != self.rank && !gone.contains(r))
+                    .collect();
+                self.with_roll(|roll| roll.call(&peers));
+            }
             drop(guard);
             if let Some(failure) = failure {
                 // Whether MPI still uses the buffers is unknown: never free them.
@@ -204,24 +241,35 @@ impl MpiCommunicator {
                     }
                 }
             }
-            if waited >= timeout {
+            let answered_in_time =
+                !has_roll || rolled.is_some_and(|at| at.elapsed() >= grace(timeout));
+            if waited >= timeout && answered_in_time {
                 // MPI may still read and write these buffers: leak them.
                 std::mem::forget(job);
-                let unchecked = self.peer_report().1;
+                let others: Vec<usize> = (0..self.size)
+                    .filter(|r| *r != self.rank && !gone.contains(r))
+                    .collect();
+                // Without a roll call (while it is being set up) nobody can be named silent:
+                // the peers this rank cannot check through `/proc` are unchecked.
+                let (silent, unchecked) = match self.with_roll(|roll| roll.silent(&others)) {
+                    Some(silent) => (silent, Vec::new()),
+                    None => (Vec::new(), self.peer_report().1),
+                };
                 let _ = self.broken.set((
-                    gone.first().copied(),
+                    gone.first().or(silent.first()).copied(),
                     format!(
-                        "an earlier {op} timed out after {waited:?} (peers gone: {gone:?}); \
-                         the communicator's state is undefined"
+                        "an earlier {op} timed out after {waited:?} (peers gone: {gone:?}, \
+                         silent: {silent:?}); the communicator's state is undefined"
                     ),
                 ));
-                tracing::warn!(rank = self.rank, %op, ?waited, ?gone, ?unchecked, "collective timed out");
+                tracing::warn!(rank = self.rank, %op, ?waited, ?gone, ?silent, ?unchecked, "collective timed out");
                 return Err(TransportError::Unresponsive {
                     op,
                     rank: self.rank,
                     waited,
-                    gone,
-                    unchecked,
+                    gone: gone.into(),
+                    silent: silent.into(),
+                    unchecked: unchecked.into(),
                 });
             }
             back_off(polls);

@@ -91,7 +91,8 @@ impl NcclCommunicator {
                     op,
                     rank: self.rank,
                     waited: timeout,
-                    gone: Vec::new(),
+                    gone: Box::default(),
+                    silent: Box::default(),
                     unchecked: (0..self.size).filter(|&r| r != self.rank).collect(),
                 };
                 self.abort(state, error.to_string());

@@ -3,7 +3,8 @@
 //!
 //! A host is a network, PID, UTS and mount namespace: its own interface and address, its own
 //! PID namespace (so tpcomm's `ProcessIdentity` sees another host), its own host name, its own
-//! `/proc` and `/etc/hosts`. Each host's network namespace holds one end of a veth pair whose
+//! `/proc`, `/etc/hosts` and `/dev/shm` (a tmpfs of its mount namespace: what the MPI library
+//! leaves there when a host is killed goes with the host, and no host sees another's). Each host's network namespace holds one end of a veth pair whose
 //! other end is a port of a bridge in a namespace of its own (the "switch", which also holds
 //! the launcher's address). Addresses come from 198.18.0.0/15 (reserved for test networks)
 //! and no namespace has a default route: traffic never leaves them.
@@ -265,14 +266,24 @@ exit 0
         sh("ip", &["-n", &netns, "link", "set", "eth0", "up"])?;
         sh("ip", &["-n", &netns, "link", "set", "lo", "up"])?;
         // The init: PID, UTS and mount namespaces of its own inside the host's network one;
-        // `/etc/hosts` names every host (bound in its private mount namespace).
+        // `/etc/hosts` names every host (bound in its private mount namespace); `/dev/shm` is
+        // the host's own tmpfs, freed with its mount namespace.
         let hosts_file = self.dir.join("hosts");
         let unshare = Command::new("nsenter")
             .arg(format!("--net=/run/netns/{netns}"))
-            .args(["--", "unshare", "--pid", "--fork", "--mount-proc", "--uts", "--mount"])
+            .args([
+                "--",
+                "unshare",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--uts",
+                "--mount",
+            ])
             .args(["--", "sh", "-c"])
             .arg(format!(
-                "hostname {name} && touch {hosts} && mount --bind {hosts} /etc/hosts && exec sleep infinity",
+                "hostname {name} && touch {hosts} && mount --bind {hosts} /etc/hosts \
+                 && mount -t tmpfs -o mode=1777,size=1g tmpfs /dev/shm && exec sleep infinity",
                 hosts = hosts_file.display()
             ))
             .stdin(Stdio::null())

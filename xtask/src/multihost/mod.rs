@@ -7,7 +7,7 @@
 //! - the suites (`mpi-multihost suites`): 2 hosts × 2 ranks, and 4 hosts × 1 rank with every
 //!   collective bounded by a timeout (the roll call's path);
 //! - the host and link faults ([`faults`]), each on hosts of its own;
-//! - `--bench`: `tpcomm-bench transport`, `objects` and `queue` across 2 hosts ([`bench`]);
+//! - `--bench`: `tpcomm-bench transport`, `objects` and `queue` across 2 hosts ([`bench`](mod@bench));
 //! - a check of the teardown on Ctrl-C and SIGKILL ([`hold`]): a child run holding hosts is
 //!   interrupted, and nothing of its hosts may be left.
 //!

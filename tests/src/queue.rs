@@ -9,18 +9,20 @@ use tpcomm::transport::Communicator;
 
 use crate::{filled, CaseResult};
 
-fn queue<T>(what: &str, r: Result<T, QueueError>) -> Result<T, String> {
+/// A queue call's error as a case's failure, prefixed with what was called.
+pub(crate) fn queue<T>(what: &str, r: Result<T, QueueError>) -> Result<T, String> {
     r.map_err(|e| format!("{what}: {e}"))
 }
 
 /// A scheduler's step output, in miniature.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Step {
+pub(crate) struct Step {
     step: u64,
     requests: Vec<(String, Vec<u32>)>,
 }
 
-fn step(i: usize) -> Step {
+/// Step `i`: `i % 9` requests of growing sizes.
+pub(crate) fn step(i: usize) -> Step {
     Step {
         step: i as u64,
         requests: (0..i % 9)

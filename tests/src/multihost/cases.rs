@@ -7,7 +7,6 @@
 
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 use tpcomm::allreduce::{AllReduceError, Config, CustomAllReduce, HostBackend};
 use tpcomm::checkpoint::fake::{Call, FakeDriver};
@@ -31,6 +30,7 @@ fn several_hosts(comm: &MpiCommunicator) -> Result<tpcomm::transport::hosts::Hos
     }
 }
 use crate::objects::FailOn;
+use crate::queue::{queue, step, Step};
 use crate::{expect_bytes, filled, CaseResult};
 
 /// A named case of this file.
@@ -231,22 +231,6 @@ fn failing_rank_on_another_host(comm: &MpiCommunicator) -> CaseResult {
     crate::still_in_step(comm, "all_gather after the failures")
 }
 
-/// A scheduler step, in miniature.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Step {
-    step: u64,
-    requests: Vec<(String, Vec<u32>)>,
-}
-
-fn step(i: usize) -> Step {
-    Step {
-        step: i as u64,
-        requests: (0..i % 7)
-            .map(|r| (format!("req-{i}-{r}"), vec![r as u32; 5 * r]))
-            .collect(),
-    }
-}
-
 /// Message `i` of writer `writer`: a step, or a blob around a chunk, past the ring, or large.
 fn message(writer: usize, i: usize) -> Result<Step, ByteBuf> {
     const LENS: [usize; 8] = [0, 1, 511, 512, 513, 5_000, 70_000, 600_000];
@@ -255,10 +239,6 @@ fn message(writer: usize, i: usize) -> Result<Step, ByteBuf> {
     } else {
         Err(ByteBuf::from(filled(writer, i, LENS[i % LENS.len()])))
     }
-}
-
-fn queue<T>(what: &str, r: Result<T, QueueError>) -> Result<T, String> {
-    r.map_err(|e| format!("{what}: {e}"))
 }
 
 /// One queue per writer, the writer on the first host and then on the last one: the readers

@@ -184,14 +184,25 @@ fn reader_error(
                 waited,
             }
         }
-        source => QueueError::Transport {
-            rank,
-            message,
-            culprit: source
-                .culprit()
-                .and_then(|r| queue_rank(r, (writer, readers))),
-            source: Box::new(source),
-        },
+        source => renumbered(rank, (writer, readers), message, source),
+    }
+}
+
+/// [`QueueError::Transport`] for `source`, its culprit renumbered from the split's ranks to
+/// the queue's.
+fn renumbered(
+    rank: usize,
+    (writer, readers): (usize, &[usize]),
+    message: u64,
+    source: TransportError,
+) -> QueueError {
+    QueueError::Transport {
+        rank,
+        message,
+        culprit: source
+            .culprit()
+            .and_then(|r| queue_rank(r, (writer, readers))),
+        source: Box::new(source),
     }
 }
 
@@ -210,16 +221,7 @@ fn writer_error(
         TransportError::Unresponsive { gone, silent, .. } => {
             gone.iter().chain(silent.iter()).copied().collect()
         }
-        _ => {
-            return QueueError::Transport {
-                rank,
-                message,
-                culprit: source
-                    .culprit()
-                    .and_then(|r| queue_rank(r, (writer, readers))),
-                source: Box::new(source),
-            }
-        }
+        _ => return renumbered(rank, (writer, readers), message, source),
     };
     let mut named: Vec<usize> = blamed
         .into_iter()

@@ -122,42 +122,13 @@ const TCP_FLAGS_WITHOUT_RDMA: &str = "send,inplace,need-ack,need-csum,hetero-rdm
 const TCP_FLAG_PUT: c_int = 0x2;
 const TCP_FLAG_GET: c_int = 0x4;
 
-/// Reads the one-`int` control variable `index` (`name`).
-fn read_cvar(op: Op, index: c_int, name: &std::ffi::CStr) -> Result<c_int> {
-    let mut handle = std::mem::MaybeUninit::<ffi::MPI_T_cvar_handle>::uninit();
-    let mut count: c_int = 0;
-    // SAFETY: as in `update_cvar`.
-    let code = unsafe {
-        ffi::MPI_T_cvar_handle_alloc(index, ptr::null_mut(), handle.as_mut_ptr(), &mut count)
-    };
-    check_before_init(op, "MPI_T_cvar_handle_alloc", code)?;
-    // SAFETY: MPI_T_cvar_handle_alloc succeeded, so it wrote the handle.
-    let mut handle = unsafe { handle.assume_init() };
-    let mut value = CvarValue::new(-1);
-    let read = if count == 1 {
-        // SAFETY: one scalar of at most 16 bytes; `value` is 16 writable bytes.
-        let code = unsafe { ffi::MPI_T_cvar_read(handle, (&mut value as *mut CvarValue).cast()) };
-        check_before_init(op, "MPI_T_cvar_read", code).map(|()| value.0[0])
-    } else {
-        Err(TransportError::Setup(format!(
-            "{name:?} holds {count} values, expected one"
-        )))
-    };
-    // SAFETY: `handle` was allocated above and is not used after this call.
-    let code = unsafe { ffi::MPI_T_cvar_handle_free(&mut handle) };
-    let read = read?;
-    check_before_init(op, "MPI_T_cvar_handle_free", code)?;
-    Ok(read)
-}
-
-/// Reads the one-`int` control variable `index` (`name`), writes `new(value)` and checks
-/// that it reads back.
-fn update_cvar(
+/// Runs `f` on a handle of the one-value control variable `index` (`name`), then frees it.
+fn with_cvar<T>(
     op: Op,
     index: c_int,
     name: &std::ffi::CStr,
-    new: impl FnOnce(c_int) -> c_int,
-) -> Result<()> {
+    f: impl FnOnce(ffi::MPI_T_cvar_handle) -> Result<T>,
+) -> Result<T> {
     let mut handle = std::mem::MaybeUninit::<ffi::MPI_T_cvar_handle>::uninit();
     let mut count: c_int = 0;
     // SAFETY: `index` names a control variable (looked up by the caller); it is not bound
@@ -168,30 +139,8 @@ fn update_cvar(
     check_before_init(op, "MPI_T_cvar_handle_alloc", code)?;
     // SAFETY: MPI_T_cvar_handle_alloc succeeded, so it wrote the handle.
     let mut handle = unsafe { handle.assume_init() };
-    let read = |handle| {
-        let mut read = CvarValue::new(-1);
-        // SAFETY: the variable holds `count == 1` scalar of at most 16 bytes (an `int` or
-        // `unsigned int` in Open MPI); `read` is 16 writable bytes.
-        let code = unsafe { ffi::MPI_T_cvar_read(handle, (&mut read as *mut CvarValue).cast()) };
-        check_before_init(op, "MPI_T_cvar_read", code).map(|()| read.0[0])
-    };
-    let written = if count == 1 {
-        read(handle).and_then(|old| {
-            let wanted = new(old);
-            let value = CvarValue::new(wanted);
-            // SAFETY: as above; `value` is 16 readable bytes.
-            let code =
-                unsafe { ffi::MPI_T_cvar_write(handle, (&value as *const CvarValue).cast()) };
-            check_before_init(op, "MPI_T_cvar_write", code)?;
-            let now = read(handle)?;
-            if now == wanted {
-                Ok(())
-            } else {
-                Err(TransportError::Setup(format!(
-                    "{name:?} reads {now} after writing {wanted}"
-                )))
-            }
-        })
+    let done = if count == 1 {
+        f(handle)
     } else {
         Err(TransportError::Setup(format!(
             "{name:?} holds {count} values, expected one"
@@ -199,8 +148,49 @@ fn update_cvar(
     };
     // SAFETY: `handle` was allocated above and is not used after this call.
     let code = unsafe { ffi::MPI_T_cvar_handle_free(&mut handle) };
-    written?;
-    check_before_init(op, "MPI_T_cvar_handle_free", code)
+    let done = done?;
+    check_before_init(op, "MPI_T_cvar_handle_free", code)?;
+    Ok(done)
+}
+
+/// The value of the one-value control variable behind `handle`.
+fn read_value(op: Op, handle: ffi::MPI_T_cvar_handle) -> Result<c_int> {
+    let mut read = CvarValue::new(-1);
+    // SAFETY: `handle` is a live handle of a variable holding one scalar of at most 16 bytes
+    // (an `int` or `unsigned int` in Open MPI, checked by `with_cvar`); `read` is 16
+    // writable bytes.
+    let code = unsafe { ffi::MPI_T_cvar_read(handle, (&mut read as *mut CvarValue).cast()) };
+    check_before_init(op, "MPI_T_cvar_read", code).map(|()| read.0[0])
+}
+
+/// Reads the one-`int` control variable `index` (`name`).
+fn read_cvar(op: Op, index: c_int, name: &std::ffi::CStr) -> Result<c_int> {
+    with_cvar(op, index, name, |handle| read_value(op, handle))
+}
+
+/// Reads the one-`int` control variable `index` (`name`), writes `new(value)` and checks
+/// that it reads back.
+fn update_cvar(
+    op: Op,
+    index: c_int,
+    name: &std::ffi::CStr,
+    new: impl FnOnce(c_int) -> c_int,
+) -> Result<()> {
+    with_cvar(op, index, name, |handle| {
+        let wanted = new(read_value(op, handle)?);
+        let value = CvarValue::new(wanted);
+        // SAFETY: as in `read_value`; `value` is 16 readable bytes.
+        let code = unsafe { ffi::MPI_T_cvar_write(handle, (&value as *const CvarValue).cast()) };
+        check_before_init(op, "MPI_T_cvar_write", code)?;
+        let now = read_value(op, handle)?;
+        if now == wanted {
+            Ok(())
+        } else {
+            Err(TransportError::Setup(format!(
+                "{name:?} reads {now} after writing {wanted}"
+            )))
+        }
+    })
 }
 
 /// One control-variable value: an `int` in its first four bytes, zero-padded to 16 bytes.

@@ -127,9 +127,7 @@ fn record(mut cmd: Command, out: &Path, out_arg: &Path, stem: &str) -> Result<Pa
     let mut table = format!(
         "# recorded by cargo xtask bench: commit {}, load average {} at the start\n",
         commit(),
-        std::fs::read_to_string("/proc/loadavg")
-            .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-            .unwrap_or_else(|_| "unknown".into())
+        util::load_average()
     );
     let ok = util::run_lines(cmd, |line| {
         table.push_str(line);

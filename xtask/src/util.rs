@@ -168,6 +168,14 @@ fn json_string_field(line: &str, field: &str) -> Option<String> {
     None
 }
 
+/// The 1-, 5- and 15-minute load averages (`/proc/loadavg`), or "unknown", for the first
+/// line of a recorded run.
+pub(crate) fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
 /// The `mpirun` command line for `np` ranks (Open MPI needs flags to run as root and to
 /// place more ranks than cores).
 pub(crate) fn mpirun(np: usize) -> Command {

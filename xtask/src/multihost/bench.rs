@@ -48,9 +48,7 @@ pub(super) fn run() -> Result<(), String> {
         cmd.current_dir(util::root());
         let mut table = format!(
             "# cargo xtask multihost --bench: 2 hosts x 1 rank over TCP on veth; load average {}\n",
-            std::fs::read_to_string("/proc/loadavg")
-                .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-                .unwrap_or_else(|_| "unknown".into())
+            util::load_average()
         );
         let ok = util::run_lines(cmd, |line| {
             table.push_str(line);

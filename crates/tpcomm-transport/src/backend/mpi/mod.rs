@@ -185,6 +185,10 @@ pub struct MpiCommunicator {
     /// undefined from then on, and every later collective fails with this text (and the
     /// first peer found gone, if any).
     broken: OnceLock<(Option<usize>, String)>,
+    /// The timed path's buffers, kept between its collectives (module `guarded`).
+    spare: guarded::Spare,
+    /// How long the timed path's waits spin before they yield (set by `with_timeout`).
+    spin: crate::spin::SpinBudget,
 }
 
 // SAFETY: an `MPI_Comm` is a plain handle value (a pointer in Open MPI, an integer in
@@ -283,6 +287,8 @@ impl MpiCommunicator {
                 peers: Vec::new(),
                 roll: None,
                 broken: OnceLock::new(),
+                spare: guarded::Spare::default(),
+                spin: crate::spin::SpinBudget::new(Duration::ZERO),
             }),
             Err(e) => {
                 if let Err(free_err) = free_comm(&mut raw) {

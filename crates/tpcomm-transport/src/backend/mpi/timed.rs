@@ -14,14 +14,15 @@ use super::args::{
     AllGatherCall, AllReduceCall, AllToAllCall, BroadcastCall, GatherCall, VarcountCall,
 };
 use super::conv::{byte_type, check, mpi_error, MPI_SUCCESS};
-use super::guarded::GuardedBuf;
+use super::guarded::{GuardedBuf, Spare};
 use super::roll_call::{grace, RollCall};
 use super::MpiCommunicator;
 use crate::communicator::Communicator;
-use crate::copy::{copy_slice, to_vec};
+use crate::copy::copy_slice;
 use crate::error::{Op, Result, TransportError};
 use crate::process::{Liveness, ProcessIdentity};
 use crate::reduce::narrow_half;
+use crate::spin::SpinBudget;
 
 /// The timed path of a prepared call (see `args`): its nonblocking variant on owned copies
 /// of the buffers and tables, polled until it completes or `timeout` passes.
@@ -74,11 +75,15 @@ impl MpiCommunicator {
     ///
     /// Collective: every rank calls it (it all-gathers each rank's process identity, under
     /// the timeout already, and duplicates the communicator for the roll call). The cost is
-    /// copying each collective's send bytes in, and its
-    /// receive buffer in and out, of owned buffers (the receive copy a fresh mapping that
-    /// ends at a guard page: one `mmap`, `mprotect` and `munmap` per collective), and
-    /// polling instead of blocking (with sleeps of up to 200 us between polls); without a
-    /// timeout the blocking MPI calls run on the caller's buffers as before.
+    /// copying each collective's send bytes into an owned buffer, and its receive buffer
+    /// (where the collective does not write all of it, or a broadcast's root sends from it)
+    /// into an owned receive copy and the result out of it, and polling instead of blocking
+    /// (a spin of up to 20 us where this host has a CPU for each of the communicator's ranks
+    /// on it and spinning paid lately, then yields between polls up to 10 ms into the wait,
+    /// then sleeps of up to 100 us).
+    /// The owned buffers are kept between collectives (each up to 16 MiB): the receive copy
+    /// is a mapping that ends at a guard page, made again only when a call needs more room.
+    /// Without a timeout the blocking MPI calls run on the caller's buffers.
     ///
     /// Errors of the collectives are returned as [`TransportError::Mpi`] (never raised on
     /// `MPI_COMM_WORLD`'s handler), and a peer that sends more bytes than this rank's
@@ -108,6 +113,11 @@ impl MpiCommunicator {
             .chunks_exact(ProcessIdentity::LEN)
             .map(ProcessIdentity::decode)
             .collect();
+        // Spin only while every rank of this communicator on this host can have a CPU.
+        let on_host = self.peers.get(self.rank).map_or(self.size, |me| {
+            self.peers.iter().filter(|p| p.same_host(me)).count()
+        });
+        self.spin = SpinBudget::for_ranks(SPIN, 1, on_host);
         if self.roll.is_none() {
             let _guard = self.lock(Op::Setup)?;
             self.roll = Some(Mutex::new(RollCall::new(self.comm, self.rank, self.size)?));
@@ -165,6 +175,11 @@ impl MpiCommunicator {
             }
         }
         let mut polls: u32 = 0;
+        // The first part of the wait spins (see `back_off`), as long as the budget says.
+        let spin = self.spin.get();
+        // When the roll call is next serviced (at the first poll that finds the collective
+        // incomplete, then every `SERVICE_EVERY`).
+        let mut next_service = begun;
         // Peers found gone so far, in the order they were found: checked every tenth of the
         // timeout (at most every 100 ms) while waiting, so that a rank that died first is
         // named first even when other ranks exit after their own timeouts later.
@@ -205,7 +220,10 @@ impl MpiCommunicator {
             } else if done != 0 {
                 // Under the same lock as the status read: MPI has not begun finalizing.
                 match complete_returning_errors(&mut job.request) {
-                    Ok(()) => return Ok(job),
+                    Ok(()) => {
+                        self.learn_spin(spin, begun.elapsed());
+                        return Ok(job);
+                    }
                     Err(failed) => Some(failed),
                 }
             } else {
@@ -214,8 +232,12 @@ impl MpiCommunicator {
             // The error is looked up (MPI calls too) before the lock goes.
             let failure = code.map(|(code, failed_call)| mpi_error(op, failed_call, code));
             // Calls of late peers are answered, answers to this rank's call taken in.
-            self.with_roll(RollCall::service);
-            let waited = begun.elapsed();
+            let now = Instant::now();
+            if now >= next_service {
+                next_service = now + SERVICE_EVERY;
+                self.with_roll(RollCall::service);
+            }
+            let waited = now - begun;
             if rolled.is_none() && waited >= roll_at && failure.is_none() {
                 rolled = Some(Instant::now());
                 let peers: Vec<usize> = (0..self.size)
@@ -272,8 +294,23 @@ impl MpiCommunicator {
                     unchecked: unchecked.into(),
                 });
             }
-            back_off(polls);
-            polls = polls.saturating_add(1);
+            back_off(polls, waited, spin);
+            if waited >= BUSY {
+                polls = polls.saturating_add(1);
+            }
+        }
+    }
+
+    /// Tells the spin budget how a wait of `waited` with a budget of `spin` ended: within
+    /// the spin, or after it (then the budget shrinks).
+    fn learn_spin(&self, spin: Duration, waited: Duration) {
+        if spin.is_zero() {
+            return;
+        }
+        if waited < spin {
+            self.spin.learn(true, false);
+        } else {
+            self.spin.shrink();
         }
     }
 
@@ -301,11 +338,12 @@ impl MpiCommunicator {
 
     /// A bounded `MPI_Ibarrier`, its errors reported as those of `op`.
     pub(super) fn timed_barrier_for(&self, op: Op, timeout: Duration) -> Result<()> {
-        let job = InFlight::new(op, Vec::new(), &[], Vec::new())?;
+        let job = InFlight::new(self, op, &[], RecvInit::Written(0), Vec::new())?;
         self.run_timed(op, "MPI_Ibarrier", timeout, job, |job, comm| {
             // SAFETY: `comm` is live; `job.request` is a valid place for the request.
             unsafe { ffi::MPI_Ibarrier(comm, &mut job.request) }
-        })?;
+        })?
+        .done(&self.spare);
         Ok(())
     }
 }
@@ -314,7 +352,7 @@ impl Timed for AllGatherCall<'_> {
     fn timed(self, mpi: &MpiCommunicator, timeout: Duration) -> Result<()> {
         let op = Op::AllGather;
         let AllGatherCall { send, recv, count } = self;
-        let job = InFlight::new(op, to_vec(send), recv, Vec::new())?;
+        let job = InFlight::new(mpi, op, send, RecvInit::Written(recv.len()), Vec::new())?;
         let job = mpi.run_timed(op, "MPI_Iallgather", timeout, job, |job, comm| {
             let byte = byte_type();
             // SAFETY: `job.send` holds `count` bytes (at least one: never MPI_IN_PLACE's
@@ -335,6 +373,7 @@ impl Timed for AllGatherCall<'_> {
             }
         })?;
         job.copy_out(recv);
+        job.done(&mpi.spare);
         Ok(())
     }
 }
@@ -350,7 +389,7 @@ impl Timed for VarcountCall<'_> {
             ..
         } = self;
         let size = mpi.size;
-        let job = InFlight::new(op, to_vec(send), recv, tables)?;
+        let job = InFlight::new(mpi, op, send, RecvInit::CopyOf(recv), tables)?;
         let job = mpi.run_timed(op, "MPI_Iallgatherv", timeout, job, |job, comm| {
             let byte = byte_type();
             let (counts, displs) = job.ints.split_at(size);
@@ -374,6 +413,7 @@ impl Timed for VarcountCall<'_> {
             }
         })?;
         job.copy_out(recv);
+        job.done(&mpi.spare);
         Ok(())
     }
 }
@@ -393,7 +433,7 @@ impl Timed for GatherCall<'_> {
         };
         let at_root = layout.is_some();
         let size = mpi.size;
-        let job = InFlight::new(op, to_vec(send), recv_init, tables)?;
+        let job = InFlight::new(mpi, op, send, RecvInit::CopyOf(recv_init), tables)?;
         let job = mpi.run_timed(op, "MPI_Igatherv", timeout, job, |job, comm| {
             let byte = byte_type();
             let (recv, counts, displs) = if at_root {
@@ -429,6 +469,7 @@ impl Timed for GatherCall<'_> {
         if let Some(layout) = layout {
             job.copy_out(layout.buf);
         }
+        job.done(&mpi.spare);
         Ok(())
     }
 }
@@ -437,10 +478,18 @@ impl Timed for BroadcastCall<'_> {
     fn timed(self, mpi: &MpiCommunicator, timeout: Duration) -> Result<()> {
         let op = Op::Broadcast;
         let BroadcastCall { buf, root, count } = self;
-        let job = InFlight::new(op, Vec::new(), buf, Vec::new())?;
+        // The root sends from its copy; elsewhere MPI writes every byte.
+        let at_root = usize::try_from(root) == Ok(mpi.rank);
+        let init = if at_root {
+            RecvInit::CopyOf(buf)
+        } else {
+            RecvInit::Written(buf.len())
+        };
+        let job = InFlight::new(mpi, op, &[], init, Vec::new())?;
         let job = mpi.run_timed(op, "MPI_Ibcast", timeout, job, |job, comm| {
-            // SAFETY: `job.recv` holds at least `count` bytes (a copy of the caller's
-            // buffer), owned by `job` until the request completes or forever; `root` is in
+            // SAFETY: `job.recv` holds `count` bytes (at the root a copy of the caller's
+            // buffer, which MPI reads; elsewhere MPI writes them), owned by `job` until the
+            // request completes or forever (leaked at the deadline); `root` is in
             // range; `comm` is live.
             unsafe {
                 ffi::MPI_Ibcast(
@@ -453,7 +502,10 @@ impl Timed for BroadcastCall<'_> {
                 )
             }
         })?;
-        job.copy_out(buf);
+        if !at_root {
+            job.copy_out(buf);
+        }
+        job.done(&mpi.spare);
         Ok(())
     }
 }
@@ -463,11 +515,11 @@ impl Timed for AllReduceCall<'_> {
         let op = Op::AllReduce;
         let (count, dtype, mpi_op, datatype) = (self.count, self.dtype, self.op, self.datatype());
         let send = match &self.wide {
-            Some(wide) => bytemuck::cast_slice::<f32, u8>(wide).to_vec(),
-            None => to_vec(self.input()),
+            Some(wide) => bytemuck::cast_slice::<f32, u8>(wide),
+            None => self.input(),
         };
-        let recv_init = send.clone();
-        let job = InFlight::new(op, send, &recv_init, Vec::new())?;
+        let len = send.len();
+        let job = InFlight::new(mpi, op, send, RecvInit::Written(len), Vec::new())?;
         let job = mpi.run_timed(op, "MPI_Iallreduce", timeout, job, |job, comm| {
             // SAFETY: `job.send` and `job.recv` each hold `count` elements of `datatype`
             // (the input's bytes, widened to f32 for the half types; at least one byte, so
@@ -486,10 +538,11 @@ impl Timed for AllReduceCall<'_> {
             }
         })?;
         if self.wide.is_some() {
-            narrow_half(dtype, &job.recv.as_slice()[..recv_init.len()], self.recv);
+            narrow_half(dtype, &job.recv.as_slice()[..len], self.recv);
         } else {
             job.copy_out(self.recv);
         }
+        job.done(&mpi.spare);
         Ok(())
     }
 }
@@ -500,7 +553,7 @@ impl Timed for AllToAllCall<'_> {
         let tables = self.tables();
         let AllToAllCall { send, recv, .. } = self;
         let size = mpi.size;
-        let job = InFlight::new(op, to_vec(send), recv, tables)?;
+        let job = InFlight::new(mpi, op, send, RecvInit::CopyOf(recv), tables)?;
         let job = mpi.run_timed(op, "MPI_Ialltoallv", timeout, job, |job, comm| {
             let byte = byte_type();
             let t = &job.ints;
@@ -531,26 +584,50 @@ impl Timed for AllToAllCall<'_> {
             }
         })?;
         job.copy_out(recv);
+        job.done(&mpi.spare);
         Ok(())
     }
 }
 
-/// Waits between two `MPI_Test` polls: yields first, then sleeps from 10 us up to 200 us,
-/// so that oversubscribed ranks leave the cores to the peers they wait for.
-fn back_off(polls: u32) {
-    if polls < 32 {
+/// How long a collective's wait polls without sleeping. MPI moves a nonblocking
+/// collective's bytes only while the rank is inside an MPI call (Open MPI has no progress
+/// thread for its shared-memory and TCP transports), so a sleep between polls stalls the
+/// transfer: a blocking MPI call polls for its whole wait, the timed path for this long.
+const BUSY: Duration = Duration::from_millis(10);
+
+/// The most a wait spins (polls without giving up the core) before it yields between polls:
+/// long enough for a small message between hosts over TCP (a few microseconds).
+const SPIN: Duration = Duration::from_micros(20);
+
+/// How often a waiting rank services the roll call (answers calls, takes in answers): far
+/// more often than the grace a caller waits for answers (at least milliseconds), far less
+/// often than it polls.
+const SERVICE_EVERY: Duration = Duration::from_micros(50);
+
+/// Waits between two polls of a collective that has waited `waited`: nothing but a spin hint
+/// while it waits less than `spin` (the wait's budget: [`SPIN`] when this rank's core is its
+/// own, nothing when spinning did not pay lately or the ranks outnumber the CPUs), a yield
+/// while it waits less than [`BUSY`] (the core goes to a rank or thread that shares it, and
+/// comes back at once when none does), then sleeps from 10 us up to 100 us, so that a rank
+/// that waits long (for a late or lost peer) leaves the core to others.
+fn back_off(polls: u32, waited: Duration, spin: Duration) {
+    if waited < spin {
+        std::hint::spin_loop();
+    } else if waited < BUSY {
         std::thread::yield_now();
     } else {
-        let shift = (polls - 32).min(5);
-        std::thread::sleep(Duration::from_micros((10u64 << shift).min(200)));
+        let shift = polls.min(3);
+        std::thread::sleep(Duration::from_micros((10u64 << shift).min(100)));
     }
 }
 
 /// What a nonblocking collective works on, owned so that it can outlive the call: the
 /// request, copies of the send and receive bytes, and the count/displacement tables.
 /// Buffers hold at least one byte, so their address is never `MPI_IN_PLACE`'s (`0x1`).
-/// The receive copy is a [`GuardedBuf`]. An `InFlight` abandoned at a deadline, or whose
-/// request failed, is leaked (`mem::forget`): MPI may still use it.
+/// The receive copy is a [`GuardedBuf`]. Both buffers come from the communicator's
+/// [`Spare`] and go back to it once the request completed ([`InFlight::done`]); an
+/// `InFlight` abandoned at a deadline, or whose request failed, is leaked (`mem::forget`):
+/// MPI may still use it.
 struct InFlight {
     request: ffi::MPI_Request,
     send: Vec<u8>,
@@ -558,18 +635,34 @@ struct InFlight {
     ints: Vec<c_int>,
 }
 
+/// What a collective's receive copy holds when it starts.
+enum RecvInit<'a> {
+    /// A copy of the caller's receive buffer: bytes outside every region the collective
+    /// writes (gaps of a varcount layout) must come back unchanged, and a broadcast's root
+    /// sends from it.
+    CopyOf(&'a [u8]),
+    /// This many bytes, every one of which the collective writes (a peer that sends fewer
+    /// bytes than agreed leaves the rest as an earlier call left them, as the blocking path
+    /// leaves the caller's bytes there: no byte of another process's memory).
+    Written(usize),
+}
+
 impl InFlight {
-    /// `recv` is copied in too: bytes of the caller's receive buffer outside every region
-    /// (gaps of a varcount layout) must come back unchanged.
-    fn new(op: Op, mut send: Vec<u8>, recv: &[u8], ints: Vec<c_int>) -> Result<Self> {
-        if send.is_empty() {
-            send.push(0);
-        }
-        let recv = GuardedBuf::copy_of(op, if recv.is_empty() { &[0] } else { recv })?;
+    fn new(
+        mpi: &MpiCommunicator,
+        op: Op,
+        send: &[u8],
+        recv: RecvInit<'_>,
+        ints: Vec<c_int>,
+    ) -> Result<Self> {
+        let recv = match recv {
+            RecvInit::CopyOf(init) => mpi.spare.recv_copy_of(op, init)?,
+            RecvInit::Written(len) => mpi.spare.recv(op, len)?,
+        };
         Ok(Self {
             // SAFETY: reading an immutable handle constant exported by rsmpi's C shim.
             request: unsafe { ffi::RSMPI_REQUEST_NULL },
-            send,
+            send: mpi.spare.send_copy(send),
             recv,
             ints,
         })
@@ -579,6 +672,11 @@ impl InFlight {
     fn copy_out(&self, out: &mut [u8]) {
         let n = out.len();
         copy_slice(out, &self.recv.as_slice()[..n]);
+    }
+
+    /// Gives the buffers of a completed request (MPI is done with them) back to `spare`.
+    fn done(self, spare: &Spare) {
+        spare.keep(self.send, self.recv);
     }
 }
 

@@ -51,7 +51,7 @@ use crate::engine::row::{link_peers, Row};
 use crate::engine::session::Session;
 use crate::engine::sweep::{format_bytes, parse_bytes};
 use crate::engine::table::{col, Column};
-use crate::engine::targets::Target;
+use crate::engine::targets::{within, Judge, Target};
 use crate::engine::timing::{elapsed_ns, slowest, time_once, Spec};
 use crate::peers::copy_floor::CopyFloor;
 use crate::peers::handoff_floor::HandoffFloor;
@@ -83,6 +83,8 @@ const COPY: &str = VARIANTS[5];
 const LATENCY_RATIO: f64 = 1.15;
 /// ...and the bandwidth target: at most this factor of the copy floor.
 const COPY_RATIO: f64 = 1.3;
+/// Readers through the transport: the queue at most this factor of `objects::broadcast`.
+const REMOTE_RATIO: f64 = 1.2;
 const TABLE: &str = "queue broadcast";
 /// Blobs up to this many bytes are the latency target's (64 B to 4 KiB); scheduler steps
 /// are, whatever their size.
@@ -122,6 +124,11 @@ pub(crate) struct QueueArgs {
     /// `python3 -c "import mpi4py"` works and `mpirun` exists).
     #[arg(long)]
     pub(crate) no_mpi4py: bool,
+
+    /// Readers read through the transport (`QueueConfig::via_transport`), as readers on
+    /// another host do, also where they could map the ring.
+    #[arg(long)]
+    pub(crate) via_transport: bool,
 }
 
 /// Runs the subcommand: the mpi4py peer first (its own MPI job), then the bench's ranks.
@@ -146,11 +153,7 @@ const COLUMNS: [Column; 7] = [
 /// The judge of "the queue's rows that `pick` chooses (owned and borrowed) within `limit`
 /// of `floor` measured on the same payload": met when every ratio is; the detail counts
 /// them and names those outside, or the farthest.
-fn within_floor(
-    floor: &'static str,
-    pick: impl Fn(&Row) -> bool + 'static,
-    limit: f64,
-) -> crate::engine::targets::Judge {
+fn within_floor(floor: &'static str, pick: impl Fn(&Row) -> bool + 'static, limit: f64) -> Judge {
     Box::new(move |rows: &[Row]| {
         let ratios: Vec<(String, f64)> = rows
             .iter()
@@ -174,6 +177,19 @@ fn within_floor(
             detail.push_str(&format!("; outside: {}", outside.join(", ")));
         }
         Some((outside.is_empty(), detail))
+    })
+}
+
+/// `judge` on the rows of the payloads whose readers read through the transport: those
+/// measured without the shared-memory floors.
+fn through_the_transport(judge: Judge) -> Judge {
+    Box::new(move |rows: &[Row]| {
+        let ring = |r: &Row| {
+            rows.iter()
+                .any(|f| f.is(HANDOFF) && f.table == r.table && f.case == r.case)
+        };
+        let remote: Vec<Row> = rows.iter().filter(|r| !ring(r)).cloned().collect();
+        judge(&remote)
     })
 }
 
@@ -211,6 +227,21 @@ fn targets() -> Vec<Target> {
                 |r| r.case.starts_with("blob:") && r.bytes >= LARGE_BYTES,
                 COPY_RATIO,
             ),
+        },
+        Target {
+            what: format!(
+                "with readers through the transport (other hosts, or --via-transport): queue \
+                 and queue borrowed within {REMOTE_RATIO}x of objects::broadcast on every payload"
+            ),
+            why: "a reader that cannot map the ring gets each message by the transport's \
+                  broadcasts, as objects::broadcast gets its value: the queue's frames, bounded \
+                  waits and checks must cost little on top of them",
+            line: None,
+            judge: through_the_transport(within(
+                |r: &Row| r.variant.starts_with("queue"),
+                |x| x,
+                REMOTE_RATIO,
+            )),
         },
         Target {
             what: "queue faster than mpi4py comm.bcast on every payload".into(),
@@ -398,9 +429,11 @@ where
         let ours = fingerprint::<S>(std::slice::from_ref(&value));
         py.check(payload, "value differs", &ours)?;
     }
-    // The two shared-memory floors need every rank on one host; across hosts the table has
-    // the queue, the broadcast and the one-core copy.
-    let one_host = !tpcomm::transport::hosts::hosts(comm)?.spans_hosts();
+    // The two shared-memory floors are the bounds of readers that map the ring (every rank
+    // on one host); when readers read through the transport (on other hosts, or asked to),
+    // the table has the queue, the broadcast (their bound) and the one-core copy.
+    let one_host = queue.locality().transport.is_empty()
+        && !tpcomm::transport::hosts::hosts(comm)?.spans_hosts();
     let variants: &[&str] = if one_host { &VARIANTS } else { &VARIANTS[..4] };
     let spec = Spec {
         peer: Some(PEER),
@@ -443,6 +476,7 @@ impl WithMpi4py<'_, QueueArgs> {
         QueueConfig {
             depth: self.args.depth.unwrap_or(default.depth),
             chunk_bytes: self.args.chunk_bytes.unwrap_or(default.chunk_bytes),
+            via_transport: self.args.via_transport,
             ..default
         }
     }
@@ -588,6 +622,42 @@ mod tests {
             v[0].detail,
             "1 of 2 rows within; outside: step:48 queue 1.20x"
         );
+    }
+
+    #[test]
+    fn payloads_read_through_the_transport_are_judged_against_objects_broadcast_alone() {
+        let vs = |mut r: Row, x: f64| {
+            r.vs_peer = Some(x);
+            r
+        };
+        let rows = vec![
+            // Read through the transport: no shared-memory floor measured.
+            vs(row("blob:64", 66, "queue", 7.0), 1.1),
+            vs(row("blob:64", 66, "queue borrowed", 7.5), 1.25),
+            row("blob:64", 66, PEER, 6.0),
+            vs(row("step:790", 65_000, "queue", 160.0), 1.05),
+            // Read from the ring: judged against the floors only.
+            vs(row("step:1", 83, "queue", 0.7), 3.0),
+            row("step:1", 83, HANDOFF, 0.65),
+        ];
+        let v = crate::engine::targets::judge(&targets(), &rows);
+        let remote = v
+            .iter()
+            .find(|v| v.target.contains("through the transport"))
+            .unwrap();
+        assert!(!remote.met, "{v:?}");
+        assert_eq!(
+            remote.detail,
+            "2 of 3 rows within; outside, farthest first: queue broadcast blob:64 queue borrowed 1.250x"
+        );
+        let ring = v.iter().find(|v| v.target.contains("hand-off")).unwrap();
+        assert_eq!(
+            ring.detail,
+            "1 of 1 rows within, farthest step:1 queue 1.08x"
+        );
+        let fast = [vs(row("blob:64", 66, "queue", 7.0), 1.19)];
+        let v = crate::engine::targets::judge(&targets(), &fast);
+        assert!(v[0].met, "{v:?}");
     }
 
     #[test]

@@ -8,6 +8,7 @@ use crate::buffers::Kept;
 use crate::depth::{Bounded, Budget};
 use crate::error::{DecodeError, ObjectError, Result};
 use crate::shape::Shape;
+use crate::stack;
 
 /// The bytes of every rank in one buffer, with a view per rank.
 ///
@@ -189,39 +190,129 @@ pub(crate) fn decode_exact_in_place<'a, T: Deserialize<'a>>(
 }
 
 /// The checks around one decode of `bytes` (from `rank`) by `decode`: the depth budget,
-/// then exactly the bytes consumed, then the shape when `sent` gives the writer's.
+/// then exactly the bytes consumed, then the shape when `sent` gives the writer's. Where a
+/// deep value runs the thread's stack short, `decode` runs again from the first byte on a
+/// fresh stack segment (`stack.rs`).
 fn decode_with<'a, R>(
     rank: usize,
     bytes: &'a [u8],
     max_depth: usize,
     sent: Option<Shape>,
-    decode: impl FnOnce(
+    mut decode: impl FnMut(
         Bounded<'_, &mut postcard::Deserializer<'a, postcard::de_flavors::Slice<'a>>, true>,
     ) -> postcard::Result<R>,
 ) -> Result<R> {
-    let budget = match sent {
-        Some(_) => Budget::recording(max_depth, bytes.len()),
-        None => Budget::new(max_depth, bytes.len()),
-    };
-    let mut de = postcard::Deserializer::from_bytes(bytes);
-    let decoded = decode(Bounded {
-        inner: &mut de,
-        budget: &budget,
-    });
-    let source = match decoded {
-        Ok(value) => match de.finalize() {
-            Ok([]) => match sent {
-                Some(sent) if sent != budget.shape.shape() => DecodeError::ShapeMismatch {
-                    sent: sent.bits(),
-                    found: budget.shape.shape().bits(),
+    let attempt = || {
+        let budget = match sent {
+            Some(_) => Budget::recording(max_depth, bytes.len()),
+            None => Budget::new(max_depth, bytes.len()),
+        };
+        let mut de = postcard::Deserializer::from_bytes(bytes);
+        let decoded = decode(Bounded {
+            inner: &mut de,
+            budget: &budget,
+        });
+        if let Some(short) = budget.shortage() {
+            return Err(short);
+        }
+        Ok(match decoded {
+            Ok(value) => match de.finalize() {
+                Ok([]) => match sent {
+                    Some(sent) if sent != budget.shape.shape() => Err(DecodeError::ShapeMismatch {
+                        sent: sent.bits(),
+                        found: budget.shape.shape().bits(),
+                    }),
+                    _ => Ok(value),
                 },
-                _ => return Ok(value),
+                Ok(rest) => Err(DecodeError::TrailingBytes(rest.len())),
+                Err(e) => Err(DecodeError::Postcard(e)),
             },
-            Ok(rest) => DecodeError::TrailingBytes(rest.len()),
-            Err(e) => DecodeError::Postcard(e),
-        },
-        Err(_) if budget.exceeded() => DecodeError::TooDeep { limit: max_depth },
-        Err(e) => DecodeError::Postcard(e),
+            Err(_) if budget.exceeded() => Err(DecodeError::TooDeep { limit: max_depth }),
+            Err(e) => Err(DecodeError::Postcard(e)),
+        })
+    };
+    let source = match stack::with_room(max_depth, attempt) {
+        Ok(Ok(value)) => return Ok(value),
+        Ok(Err(source)) => source,
+        Err(short) => DecodeError::StackShort { level: short.level },
     };
     Err(ObjectError::Decode { rank, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde::{Deserialize, Serialize};
+
+    use super::*;
+
+    /// About 2 KiB of fields a level (about 10 KiB of a debug build's stack to decode).
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct Wide {
+        a: [u64; 32],
+        b: [u64; 32],
+        c: [u64; 32],
+        d: [u64; 32],
+        e: [u64; 32],
+        f: [u64; 32],
+        g: [u64; 32],
+        h: [u64; 32],
+        next: Option<Box<Wide>>,
+    }
+
+    /// `links` levels; each is a struct and an option: two levels of nesting.
+    fn chain(links: usize) -> Wide {
+        let mut w = None;
+        for i in 0..links {
+            let fill = [i as u64; 32];
+            w = Some(Box::new(Wide {
+                a: fill,
+                b: fill,
+                c: fill,
+                d: fill,
+                e: fill,
+                f: fill,
+                g: fill,
+                h: fill,
+                next: w,
+            }));
+        }
+        *w.expect("at least one link")
+    }
+
+    /// Decodes `links` links of [`Wide`] with a depth limit of 512 on a thread of `stack`
+    /// bytes: the value, and how many times the decode ran.
+    fn decode_on(stack: usize, links: usize) -> (Result<Wide>, usize) {
+        let bytes = postcard::to_allocvec(&chain(links)).unwrap();
+        std::thread::Builder::new()
+            .stack_size(stack)
+            .spawn(move || {
+                let mut runs = 0;
+                let decoded = decode_with(0, &bytes, 512, None, |de| {
+                    runs += 1;
+                    Wide::deserialize(de)
+                });
+                (decoded, runs)
+            })
+            .unwrap()
+            .join()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_value_the_thread_s_stack_holds_decodes_once() {
+        let (decoded, runs) = decode_on(2 << 20, 8);
+        assert!(decoded.unwrap() == chain(8));
+        assert_eq!(runs, 1);
+    }
+
+    #[test]
+    fn a_value_deeper_than_a_small_stack_holds_decodes_again_on_a_segment_sized_for_it() {
+        // 256 links: the 512 levels the limit allows, on a 256 KiB stack, short at level 8.
+        let (decoded, runs) = decode_on(256 << 10, 256);
+        assert!(decoded.unwrap() == chain(256), "the value decodes whole");
+        assert_eq!(
+            runs, 2,
+            "once on the thread's stack, once on the measured segment"
+        );
+    }
 }

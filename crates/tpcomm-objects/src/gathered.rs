@@ -202,7 +202,7 @@ fn decode_with<'a, R>(
         Bounded<'_, &mut postcard::Deserializer<'a, postcard::de_flavors::Slice<'a>>, true>,
     ) -> postcard::Result<R>,
 ) -> Result<R> {
-    let attempt = || {
+    let attempt = |short: &mut Option<stack::Shortage>| {
         let budget = match sent {
             Some(_) => Budget::recording(max_depth, bytes.len()),
             None => Budget::new(max_depth, bytes.len()),
@@ -212,31 +212,30 @@ fn decode_with<'a, R>(
             inner: &mut de,
             budget: &budget,
         });
-        if let Some(short) = budget.shortage() {
-            return Err(short);
-        }
-        Ok(match decoded {
+        *short = budget.shortage();
+        let source = match decoded {
             Ok(value) => match de.finalize() {
                 Ok([]) => match sent {
-                    Some(sent) if sent != budget.shape.shape() => Err(DecodeError::ShapeMismatch {
+                    Some(sent) if sent != budget.shape.shape() => DecodeError::ShapeMismatch {
                         sent: sent.bits(),
                         found: budget.shape.shape().bits(),
-                    }),
-                    _ => Ok(value),
+                    },
+                    _ => return Ok(value),
                 },
-                Ok(rest) => Err(DecodeError::TrailingBytes(rest.len())),
-                Err(e) => Err(DecodeError::Postcard(e)),
+                Ok(rest) => DecodeError::TrailingBytes(rest.len()),
+                Err(e) => DecodeError::Postcard(e),
             },
-            Err(_) if budget.exceeded() => Err(DecodeError::TooDeep { limit: max_depth }),
-            Err(e) => Err(DecodeError::Postcard(e)),
+            Err(_) if budget.exceeded() => DecodeError::TooDeep { limit: max_depth },
+            Err(e) => DecodeError::Postcard(e),
+        };
+        Err(ObjectError::Decode { rank, source })
+    };
+    stack::with_room(max_depth, attempt, |short| {
+        Err(ObjectError::Decode {
+            rank,
+            source: DecodeError::StackShort { level: short.level },
         })
-    };
-    let source = match stack::with_room(max_depth, attempt) {
-        Ok(Ok(value)) => return Ok(value),
-        Ok(Err(source)) => source,
-        Err(short) => DecodeError::StackShort { level: short.level },
-    };
-    Err(ObjectError::Decode { rank, source })
+    })
 }
 
 #[cfg(test)]

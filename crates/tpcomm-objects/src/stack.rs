@@ -51,31 +51,41 @@ pub(crate) fn look(level: usize, start: usize) -> Option<Shortage> {
     })
 }
 
-/// Runs `attempt`, one whole decode from its first byte; when it ran short of stack, runs it
-/// again on the fresh segments of [`segments`], each once, until one holds it. Fails with the
-/// last [`Shortage`] when none does.
+/// Runs `attempt`, one whole decode from its first byte, and returns what it returns; when
+/// it ran short of stack (it says so in its argument), runs it again on the fresh segments
+/// of [`segments`], each once, until one holds it. `too_short` makes what is returned when
+/// none does, from the last [`Shortage`].
 ///
 /// `attempt` must start from scratch at each call (a fresh budget and shape recorder, the
 /// bytes from their first) and report a shortage whatever its outcome: a `Deserialize` that
-/// swallows the error of a look and goes on is not trusted with the value.
+/// swallows the error of a look and goes on is not trusted with the value. What the first
+/// attempt returns is returned as it is (not wrapped and unwrapped), so that the usual
+/// decode costs no copy of its result.
 #[inline]
 pub(crate) fn with_room<T>(
     max_depth: usize,
-    mut attempt: impl FnMut() -> Result<T, Shortage>,
-) -> Result<T, Shortage> {
-    let first = match attempt() {
-        Ok(value) => return Ok(value),
-        Err(short) => short,
+    mut attempt: impl FnMut(&mut Option<Shortage>) -> T,
+    too_short: impl FnOnce(Shortage) -> T,
+) -> T {
+    let mut short = None;
+    let value = attempt(&mut short);
+    let Some(first) = short else {
+        return value;
     };
+    drop(value);
     let mut out = None;
-    let last = again(max_depth, first, &mut || match attempt() {
-        Ok(value) => {
+    let last = again(max_depth, first, &mut || {
+        let mut short = None;
+        let value = attempt(&mut short);
+        if short.is_none() {
             out = Some(value);
-            None
         }
-        Err(short) => Some(short),
+        short
     });
-    out.ok_or(last.unwrap_or(first))
+    match out {
+        Some(value) => value,
+        None => too_short(last.unwrap_or(first)),
+    }
 }
 
 /// [`with_room`] past the first attempt: `attempt` on each segment in turn, until one holds

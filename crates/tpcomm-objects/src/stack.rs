@@ -6,12 +6,13 @@
 //! enum, 10 KiB for a struct of 2 KiB of fields, so that the 512 levels `Options::max_depth`
 //! allows may take more than a 2 MiB thread stack. Every [`STACK_LOOK_EVERY`]th level looks
 //! at the stack left ([`look`], from `Budget::stack_short`); where less than [`RED_ZONE`]
-//! is, the decode fails there, and [`with_room`] runs it again from the first byte, inside
-//! `stacker::grow`, on a fresh segment sized from the stack the levels down to the look took
-//! ([`segments`]). The look is out of line and not generic, and a container's decoding is
-//! called in one place only: it inlines into its parent's loop as though no look were there,
-//! and a value the thread's stack holds (every one a program usually sends) is decoded once,
-//! on it. (The encoder looks at the same levels and stops there instead: `encode_bound.rs`.)
+//! is, the decode fails there, and its caller runs it again from the first byte ([`again`]),
+//! inside `stacker::grow`, on a fresh segment sized from the stack the levels down to the
+//! look took ([`segments`]). The look is out of line and not generic, and a container's
+//! decoding is called in one place only: it inlines into its parent's loop as though no look
+//! were there, and a value the thread's stack holds (every one a program usually sends) is
+//! decoded once, on it. (The encoder looks at the same levels and stops there instead:
+//! `encode_bound.rs`.)
 
 /// Levels between two looks at the stack.
 pub(crate) const STACK_LOOK_EVERY: usize = 8;
@@ -51,48 +52,17 @@ pub(crate) fn look(level: usize, start: usize) -> Option<Shortage> {
     })
 }
 
-/// Runs `attempt`, one whole decode from its first byte, and returns what it returns; when
-/// it ran short of stack (it says so in its argument), runs it again on the fresh segments
-/// of [`segments`], each once, until one holds it. `too_short` makes what is returned when
-/// none does, from the last [`Shortage`].
+/// Runs `attempt`, one whole decode from its first byte, again on the fresh segments of
+/// [`segments`] for a decode that ran short at `first`, each once, until one holds it:
+/// `None` then (`attempt` keeps what it decoded), the last [`Shortage`] when none does.
 ///
 /// `attempt` must start from scratch at each call (a fresh budget and shape recorder, the
 /// bytes from their first) and report a shortage whatever its outcome: a `Deserialize` that
-/// swallows the error of a look and goes on is not trusted with the value. What the first
-/// attempt returns is returned as it is (not wrapped and unwrapped), so that the usual
-/// decode costs no copy of its result.
-#[inline]
-pub(crate) fn with_room<T>(
-    max_depth: usize,
-    mut attempt: impl FnMut(&mut Option<Shortage>) -> T,
-    too_short: impl FnOnce(Shortage) -> T,
-) -> T {
-    let mut short = None;
-    let value = attempt(&mut short);
-    let Some(first) = short else {
-        return value;
-    };
-    drop(value);
-    let mut out = None;
-    let last = again(max_depth, first, &mut || {
-        let mut short = None;
-        let value = attempt(&mut short);
-        if short.is_none() {
-            out = Some(value);
-        }
-        short
-    });
-    match out {
-        Some(value) => value,
-        None => too_short(last.unwrap_or(first)),
-    }
-}
-
-/// [`with_room`] past the first attempt: `attempt` on each segment in turn, until one holds
-/// it (`None`) or the last runs short too (its [`Shortage`]).
+/// swallows the error of a look and goes on is not trusted with the value. Not generic: one
+/// copy, out of line, serves the decode of every type.
 #[cold]
 #[inline(never)]
-fn again(
+pub(crate) fn again(
     max_depth: usize,
     first: Shortage,
     attempt: &mut dyn FnMut() -> Option<Shortage>,
@@ -159,5 +129,31 @@ mod tests {
             used: 8 * 2 * LEVEL_MOST,
         };
         assert_eq!(segments(512, huge).collect::<Vec<_>>(), [most]);
+    }
+
+    #[test]
+    fn a_decode_short_on_every_segment_gives_up_after_the_largest() {
+        // Short at every attempt, each a level deeper: on each of the three segments, on
+        // the largest with at least its size left.
+        let most = 64 * LEVEL_MOST + RED_ZONE;
+        let first = Shortage {
+            level: 8,
+            used: 8 << 10,
+        };
+        let mut left = Vec::new();
+        let last = again(64, first, &mut || {
+            left.push(stacker::remaining_stack().unwrap_or(0));
+            Some(Shortage {
+                level: 8 * (left.len() + 1),
+                used: 8 << 10,
+            })
+        });
+        assert_eq!(
+            last.map(|s| s.level),
+            Some(32),
+            "the last attempt's shortage"
+        );
+        assert_eq!(left.len(), 3);
+        assert!(left[2] >= most - (64 << 10), "{left:?}");
     }
 }

@@ -296,35 +296,22 @@ mod tests {
     /// About 2 KiB of fields a level (about 10 KiB of a debug build's stack to decode).
     #[derive(Debug, PartialEq, Serialize, Deserialize)]
     struct Wide {
-        a: [u64; 32],
-        b: [u64; 32],
-        c: [u64; 32],
-        d: [u64; 32],
-        e: [u64; 32],
-        f: [u64; 32],
-        g: [u64; 32],
-        h: [u64; 32],
+        fields: [[u64; 32]; 8],
         next: Option<Box<Wide>>,
     }
 
-    /// `links` levels; each is a struct and an option: two levels of nesting.
+    /// `links` links; each is a struct and an option: two levels of nesting, and its
+    /// arrays of arrays one more below the option's.
     fn chain(links: usize) -> Wide {
-        let mut w = None;
-        for i in 0..links {
-            let fill = [i as u64; 32];
-            w = Some(Box::new(Wide {
-                a: fill,
-                b: fill,
-                c: fill,
-                d: fill,
-                e: fill,
-                f: fill,
-                g: fill,
-                h: fill,
-                next: w,
-            }));
-        }
-        *w.expect("at least one link")
+        (0..links as u64)
+            .fold(None, |next, i| {
+                Some(Box::new(Wide {
+                    fields: [[i; 32]; 8],
+                    next,
+                }))
+            })
+            .map(|w| *w)
+            .expect("at least one link")
     }
 
     /// Decodes `links` links of [`Wide`] with a depth limit of 512 on a thread of `stack`
@@ -355,9 +342,10 @@ mod tests {
 
     #[test]
     fn a_value_deeper_than_a_small_stack_holds_decodes_again_on_a_segment_sized_for_it() {
-        // 256 links: the 512 levels the limit allows, on a 256 KiB stack, short at level 8.
-        let (decoded, runs) = decode_on(256 << 10, 256);
-        assert!(decoded.unwrap() == chain(256), "the value decodes whole");
+        // 255 links: 511 of the 512 levels the limit allows (the innermost arrays), on a
+        // 256 KiB stack, short at level 8.
+        let (decoded, runs) = decode_on(256 << 10, 255);
+        assert!(decoded.unwrap() == chain(255), "the value decodes whole");
         assert_eq!(
             runs, 2,
             "once on the thread's stack, once on the measured segment"

@@ -192,7 +192,7 @@ pub(crate) fn decode_exact_in_place<'a, T: Deserialize<'a>>(
 /// The checks around one decode of `bytes` (from `rank`) by `decode`: the depth budget,
 /// then exactly the bytes consumed, then the shape when `sent` gives the writer's. Where a
 /// deep value runs the thread's stack short, `decode` runs again from the first byte on a
-/// fresh stack segment ([`decode_again`]).
+/// fresh stack segment ([`Job::again`]).
 #[inline]
 fn decode_with<'a, R>(
     rank: usize,
@@ -201,90 +201,108 @@ fn decode_with<'a, R>(
     sent: Option<Shape>,
     mut decode: impl FnMut(Input<'_, 'a>) -> postcard::Result<R>,
 ) -> Result<R> {
+    let job = Job {
+        rank,
+        bytes,
+        max_depth,
+        sent,
+    };
     let mut short = None;
-    let decoded = decode_once(rank, bytes, max_depth, sent, &mut decode, &mut short);
+    let decoded = job.once(&mut decode, &mut short);
     match short {
         None => decoded,
-        Some(first) => decode_again(rank, bytes, max_depth, sent, decode, first, decoded),
+        Some(first) => job.again(decode, first, decoded),
     }
-}
-
-/// [`decode_with`] for a value that ran the stack short at `first` (`decoded`, the first
-/// attempt, is dropped): out of line and cold, so that [`decode_with`] is hardly larger than
-/// the decode itself and inlines into its caller as it does.
-#[cold]
-#[inline(never)]
-fn decode_again<'a, R>(
-    rank: usize,
-    bytes: &'a [u8],
-    max_depth: usize,
-    sent: Option<Shape>,
-    mut decode: impl FnMut(Input<'_, 'a>) -> postcard::Result<R>,
-    first: stack::Shortage,
-    decoded: Result<R>,
-) -> Result<R> {
-    drop(decoded);
-    let mut held = None;
-    let last = stack::again(max_depth, first, &mut || {
-        let mut short = None;
-        let decoded = decode_once(rank, bytes, max_depth, sent, &mut decode, &mut short);
-        if short.is_none() {
-            held = Some(decoded);
-        }
-        short
-    });
-    held.unwrap_or_else(|| {
-        Err(ObjectError::Decode {
-            rank,
-            source: DecodeError::StackShort {
-                level: last.unwrap_or(first).level,
-            },
-        })
-    })
 }
 
 /// What a decode reads: postcard's deserializer of the bytes, bounded.
 type Input<'b, 'a> =
     Bounded<'b, &'b mut postcard::Deserializer<'a, postcard::de_flavors::Slice<'a>>, true>;
 
-/// One decode of [`decode_with`], from the first byte, with `short` set to where the stack
-/// ran short if it did (whatever the outcome). Inlined at both its calls, so that the usual
-/// one is [`decode_with`]'s own code.
-#[inline(always)]
-fn decode_once<'a, R>(
+/// The bytes of one [`decode_with`] and what their decode is checked against.
+#[derive(Clone, Copy)]
+struct Job<'a> {
     rank: usize,
     bytes: &'a [u8],
     max_depth: usize,
     sent: Option<Shape>,
-    decode: &mut impl FnMut(Input<'_, 'a>) -> postcard::Result<R>,
-    short: &mut Option<stack::Shortage>,
-) -> Result<R> {
-    let budget = match sent {
-        Some(_) => Budget::recording(max_depth, bytes.len()),
-        None => Budget::new(max_depth, bytes.len()),
-    };
-    let mut de = postcard::Deserializer::from_bytes(bytes);
-    let decoded = decode(Bounded {
-        inner: &mut de,
-        budget: &budget,
-    });
-    *short = budget.shortage();
-    let source = match decoded {
-        Ok(value) => match de.finalize() {
-            Ok([]) => match sent {
-                Some(sent) if sent != budget.shape.shape() => DecodeError::ShapeMismatch {
-                    sent: sent.bits(),
-                    found: budget.shape.shape().bits(),
+}
+
+impl<'a> Job<'a> {
+    /// One decode, from the first byte, with `short` set to where the stack ran short if it
+    /// did (whatever the outcome). Inlined at both its calls, so that the usual one is
+    /// [`decode_with`]'s own code.
+    #[inline(always)]
+    fn once<R>(
+        self,
+        decode: &mut impl FnMut(Input<'_, 'a>) -> postcard::Result<R>,
+        short: &mut Option<stack::Shortage>,
+    ) -> Result<R> {
+        let Job {
+            rank,
+            bytes,
+            max_depth,
+            sent,
+        } = self;
+        let budget = match sent {
+            Some(_) => Budget::recording(max_depth, bytes.len()),
+            None => Budget::new(max_depth, bytes.len()),
+        };
+        let mut de = postcard::Deserializer::from_bytes(bytes);
+        let decoded = decode(Bounded {
+            inner: &mut de,
+            budget: &budget,
+        });
+        *short = budget.shortage();
+        let source = match decoded {
+            Ok(value) => match de.finalize() {
+                Ok([]) => match sent {
+                    Some(sent) if sent != budget.shape.shape() => DecodeError::ShapeMismatch {
+                        sent: sent.bits(),
+                        found: budget.shape.shape().bits(),
+                    },
+                    _ => return Ok(value),
                 },
-                _ => return Ok(value),
+                Ok(rest) => DecodeError::TrailingBytes(rest.len()),
+                Err(e) => DecodeError::Postcard(e),
             },
-            Ok(rest) => DecodeError::TrailingBytes(rest.len()),
+            Err(_) if budget.exceeded() => DecodeError::TooDeep { limit: max_depth },
             Err(e) => DecodeError::Postcard(e),
-        },
-        Err(_) if budget.exceeded() => DecodeError::TooDeep { limit: max_depth },
-        Err(e) => DecodeError::Postcard(e),
-    };
-    Err(ObjectError::Decode { rank, source })
+        };
+        Err(ObjectError::Decode { rank, source })
+    }
+
+    /// The decode of a value that ran the stack short at `first` (`decoded`, the first
+    /// attempt, is dropped), again on fresh segments: out of line and cold, so that
+    /// [`decode_with`] is hardly larger than the decode itself and inlines into its caller as
+    /// it does.
+    #[cold]
+    #[inline(never)]
+    fn again<R>(
+        self,
+        mut decode: impl FnMut(Input<'_, 'a>) -> postcard::Result<R>,
+        first: stack::Shortage,
+        decoded: Result<R>,
+    ) -> Result<R> {
+        drop(decoded);
+        let mut held = None;
+        let last = stack::again(self.max_depth, first, &mut || {
+            let mut short = None;
+            let decoded = self.once(&mut decode, &mut short);
+            if short.is_none() {
+                held = Some(decoded);
+            }
+            short
+        });
+        held.unwrap_or_else(|| {
+            Err(ObjectError::Decode {
+                rank: self.rank,
+                source: DecodeError::StackShort {
+                    level: last.unwrap_or(first).level,
+                },
+            })
+        })
+    }
 }
 
 #[cfg(test)]

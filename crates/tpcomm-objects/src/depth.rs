@@ -15,10 +15,10 @@
 //! that a visitor handed a nested access by an unusual deserializer stays bounded. Everything
 //! is generic and inlined: the cost on the decode path is a counter update per container.
 //!
-//! Every [`STACK_LOOK_EVERY`](crate::shape::STACK_LOOK_EVERY)th level looks at the stack
-//! left and goes on on a fresh segment when it runs short, so that the allowed depth is safe
-//! on any thread's stack; and the wrappers record the value's
-//! [`Shape`](crate::Shape) when asked (see `shape.rs`). Recording is a type parameter of
+//! Every [`STACK_LOOK_EVERY`]th level looks at the stack left and, where it runs short,
+//! fails the decode, which its caller runs again from the first byte on a fresh segment (see
+//! `stack.rs`), so that the allowed depth is safe on any thread's stack; and the wrappers
+//! record the value's [`Shape`](crate::Shape) when asked (see `shape.rs`). Recording is a type parameter of
 //! the wrappers (`REC`): a container entered once the shape's calls are all recorded (or
 //! when no shape is asked for) hands its elements wrappers that record nothing, so that the
 //! leaves of a large value pay no look at the recorder.
@@ -30,7 +30,8 @@ use serde::de::{
     self, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess, Visitor,
 };
 
-use crate::shape::{deeper, Kind, Recorder, RED_ZONE, STACK_LOOK_EVERY};
+use crate::shape::{Kind, Recorder};
+use crate::stack::{self, Shortage, STACK_LOOK_EVERY};
 
 /// The levels of nesting left, shared by every wrapper of one decode (or encode, see
 /// `encode_bound.rs`).
@@ -40,8 +41,10 @@ pub(crate) struct Budget {
     /// The levels allowed.
     max: usize,
     exceeded: Cell<bool>,
-    /// The level at which an encoding stopped because the stack ran short (0: it did not).
-    ran_short: Cell<usize>,
+    /// Where the stack was when the budget was made (`stack::here`).
+    start: usize,
+    /// Where the stack first ran short, if it did.
+    short: Cell<Option<Shortage>>,
     /// Elements the containers decoded so far may still reserve up front, together.
     reserve_left: Cell<usize>,
     /// The shape of the value so far (see `shape.rs`); off unless asked for.
@@ -61,7 +64,8 @@ impl Budget {
             left: Cell::new(max_depth),
             max: max_depth,
             exceeded: Cell::new(false),
-            ran_short: Cell::new(0),
+            start: stack::here(),
+            short: Cell::new(None),
             reserve_left: Cell::new(input_bytes),
             shape: Recorder::off(),
         }
@@ -123,22 +127,30 @@ impl Budget {
     }
 
     /// Whether the level just entered is one the stack is looked at and less than
-    /// [`RED_ZONE`] of it is left (remembered for [`ran_short`](Self::ran_short)).
+    /// [`RED_ZONE`](stack::RED_ZONE) of it is left (the first time remembered for
+    /// [`shortage`](Self::shortage)).
     #[inline]
     pub(crate) fn stack_short(&self) -> bool {
-        if !self.level().is_multiple_of(STACK_LOOK_EVERY) {
-            return false;
-        }
-        let short = stacker::remaining_stack().is_some_and(|left| left < RED_ZONE);
-        if short {
-            self.ran_short.set(self.level());
-        }
-        short
+        self.level().is_multiple_of(STACK_LOOK_EVERY) && self.look_at_the_stack()
     }
 
-    /// The level at which an encoding through this budget stopped for the stack, if it did.
-    pub(crate) fn ran_short(&self) -> Option<usize> {
-        Some(self.ran_short.get()).filter(|&l| l > 0)
+    /// [`stack_short`](Self::stack_short) at a level where the stack is looked at: out of
+    /// line and not generic, so that the containers it is looked in stay small.
+    #[cold]
+    #[inline(never)]
+    fn look_at_the_stack(&self) -> bool {
+        let Some(short) = stack::look(self.level(), self.start) else {
+            return false;
+        };
+        if self.short.get().is_none() {
+            self.short.set(Some(short));
+        }
+        true
+    }
+
+    /// Where the stack first ran short under this budget, if it did.
+    pub(crate) fn shortage(&self) -> Option<Shortage> {
+        self.short.get()
     }
 
     /// `inner`, bounded by this budget (recording the shape if `REC`).
@@ -150,12 +162,17 @@ impl Budget {
         }
     }
 
-    /// Runs `f` one level deeper (on a fresh stack segment when the thread's runs short:
-    /// see `shape.rs`).
+    /// Runs `f` one level deeper; fails instead where the stack runs short (the caller
+    /// sees [`shortage`](Self::shortage) and decodes again on a fresh segment: see
+    /// `stack.rs`). `f` is called in this one place, so that it inlines.
     #[inline]
     fn nested<T, E: de::Error>(&self, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
         self.enter()?;
-        let r = deeper(self.level(), f);
+        if self.stack_short() {
+            self.leave();
+            return Err(E::custom("the stack runs short"));
+        }
+        let r = f();
         self.leave();
         r
     }

@@ -12,9 +12,9 @@
 //! further ([`EncodeError::TooDeep`]). Every 8th level looks at the stack left, and where
 //! less than 256 KiB is, the encoder stops with [`EncodeError::StackShort`] instead of
 //! overflowing it: the encoder's frames are small (a `Serialize` borrows what it writes), so
-//! the 512 levels the limit allows fit a 2 MiB stack; a compound's elements are encoded one
-//! call at a time, so that a fresh segment (the decoder's way, `shape.rs`) would cost every
-//! element of every value its closure.
+//! the 512 levels the limit allows fit a 2 MiB stack. The decoder's way, the whole decode
+//! run again on a fresh segment (`stack.rs`), would need the bytes written so far taken
+//! back, which a flavor streaming into a ring cannot do.
 
 use serde::ser::{
     self, Serialize, SerializeMap, SerializeSeq, SerializeStruct, SerializeStructVariant,
@@ -73,8 +73,8 @@ where
             Ok((output, budget.shape.shape()))
         }
         Err(_) if budget.exceeded() => Err(EncodeError::TooDeep { limit: max_depth }),
-        Err(e) => match budget.ran_short() {
-            Some(level) => Err(EncodeError::StackShort { level }),
+        Err(e) => match budget.shortage() {
+            Some(short) => Err(EncodeError::StackShort { level: short.level }),
             None => Err(EncodeError::Postcard(e)),
         },
     }

@@ -28,6 +28,15 @@ pub enum DecodeError {
         /// The limit in force.
         limit: usize,
     },
+    /// The value nests within the limit, but its levels take more stack than the decoder
+    /// keeps safe: even on the largest fresh segment a decode runs again on (32 KiB a level
+    /// for every level the limit allows, and 256 KiB), less than 256 KiB of it was left at
+    /// level `level`. Decoding stopped there instead of overflowing the stack.
+    #[error("the value nests deeper than the decoder's stack holds (at level {level})")]
+    StackShort {
+        /// The level reached.
+        level: usize,
+    },
 }
 
 /// Every failure of an object collective.

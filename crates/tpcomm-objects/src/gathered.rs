@@ -8,6 +8,7 @@ use crate::buffers::Kept;
 use crate::depth::{Bounded, Budget};
 use crate::error::{DecodeError, ObjectError, Result};
 use crate::shape::Shape;
+use crate::stack;
 
 /// The bytes of every rank in one buffer, with a view per rank.
 ///
@@ -189,39 +190,183 @@ pub(crate) fn decode_exact_in_place<'a, T: Deserialize<'a>>(
 }
 
 /// The checks around one decode of `bytes` (from `rank`) by `decode`: the depth budget,
-/// then exactly the bytes consumed, then the shape when `sent` gives the writer's.
+/// then exactly the bytes consumed, then the shape when `sent` gives the writer's. Where a
+/// deep value runs the thread's stack short, `decode` runs again from the first byte on a
+/// fresh stack segment ([`Job::again`]).
+#[inline]
 fn decode_with<'a, R>(
     rank: usize,
     bytes: &'a [u8],
     max_depth: usize,
     sent: Option<Shape>,
-    decode: impl FnOnce(
-        Bounded<'_, &mut postcard::Deserializer<'a, postcard::de_flavors::Slice<'a>>, true>,
-    ) -> postcard::Result<R>,
+    mut decode: impl FnMut(Input<'_, 'a>) -> postcard::Result<R>,
 ) -> Result<R> {
-    let budget = match sent {
-        Some(_) => Budget::recording(max_depth, bytes.len()),
-        None => Budget::new(max_depth, bytes.len()),
+    let job = Job {
+        rank,
+        bytes,
+        max_depth,
+        sent,
     };
-    let mut de = postcard::Deserializer::from_bytes(bytes);
-    let decoded = decode(Bounded {
-        inner: &mut de,
-        budget: &budget,
-    });
-    let source = match decoded {
-        Ok(value) => match de.finalize() {
-            Ok([]) => match sent {
-                Some(sent) if sent != budget.shape.shape() => DecodeError::ShapeMismatch {
-                    sent: sent.bits(),
-                    found: budget.shape.shape().bits(),
+    let mut short = None;
+    let decoded = job.once(&mut decode, &mut short);
+    match short {
+        None => decoded,
+        Some(first) => job.again(decode, first, decoded),
+    }
+}
+
+/// What a decode reads: postcard's deserializer of the bytes, bounded.
+type Input<'b, 'a> =
+    Bounded<'b, &'b mut postcard::Deserializer<'a, postcard::de_flavors::Slice<'a>>, true>;
+
+/// The bytes of one [`decode_with`] and what their decode is checked against.
+#[derive(Clone, Copy)]
+struct Job<'a> {
+    rank: usize,
+    bytes: &'a [u8],
+    max_depth: usize,
+    sent: Option<Shape>,
+}
+
+impl<'a> Job<'a> {
+    /// One decode, from the first byte, with `short` set to where the stack ran short if it
+    /// did (whatever the outcome). Inlined at both its calls, so that the usual one is
+    /// [`decode_with`]'s own code.
+    #[inline(always)]
+    fn once<R>(
+        self,
+        decode: &mut impl FnMut(Input<'_, 'a>) -> postcard::Result<R>,
+        short: &mut Option<stack::Shortage>,
+    ) -> Result<R> {
+        let Job {
+            rank,
+            bytes,
+            max_depth,
+            sent,
+        } = self;
+        let budget = match sent {
+            Some(_) => Budget::recording(max_depth, bytes.len()),
+            None => Budget::new(max_depth, bytes.len()),
+        };
+        let mut de = postcard::Deserializer::from_bytes(bytes);
+        let decoded = decode(Bounded {
+            inner: &mut de,
+            budget: &budget,
+        });
+        *short = budget.shortage();
+        let source = match decoded {
+            Ok(value) => match de.finalize() {
+                Ok([]) => match sent {
+                    Some(sent) if sent != budget.shape.shape() => DecodeError::ShapeMismatch {
+                        sent: sent.bits(),
+                        found: budget.shape.shape().bits(),
+                    },
+                    _ => return Ok(value),
                 },
-                _ => return Ok(value),
+                Ok(rest) => DecodeError::TrailingBytes(rest.len()),
+                Err(e) => DecodeError::Postcard(e),
             },
-            Ok(rest) => DecodeError::TrailingBytes(rest.len()),
+            Err(_) if budget.exceeded() => DecodeError::TooDeep { limit: max_depth },
             Err(e) => DecodeError::Postcard(e),
-        },
-        Err(_) if budget.exceeded() => DecodeError::TooDeep { limit: max_depth },
-        Err(e) => DecodeError::Postcard(e),
-    };
-    Err(ObjectError::Decode { rank, source })
+        };
+        Err(ObjectError::Decode { rank, source })
+    }
+
+    /// The decode of a value that ran the stack short at `first` (`decoded`, the first
+    /// attempt, is dropped), again on fresh segments: out of line and cold, so that
+    /// [`decode_with`] is hardly larger than the decode itself and inlines into its caller as
+    /// it does.
+    #[cold]
+    #[inline(never)]
+    fn again<R>(
+        self,
+        mut decode: impl FnMut(Input<'_, 'a>) -> postcard::Result<R>,
+        first: stack::Shortage,
+        decoded: Result<R>,
+    ) -> Result<R> {
+        drop(decoded);
+        let mut held = None;
+        let last = stack::again(self.max_depth, first, &mut || {
+            let mut short = None;
+            let decoded = self.once(&mut decode, &mut short);
+            if short.is_none() {
+                held = Some(decoded);
+            }
+            short
+        });
+        held.unwrap_or_else(|| {
+            Err(ObjectError::Decode {
+                rank: self.rank,
+                source: DecodeError::StackShort {
+                    level: last.unwrap_or(first).level,
+                },
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde::{Deserialize, Serialize};
+
+    use super::*;
+
+    /// About 2 KiB of fields a level (about 10 KiB of a debug build's stack to decode).
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct Wide {
+        fields: [[u64; 32]; 8],
+        next: Option<Box<Wide>>,
+    }
+
+    /// `links` links; each is a struct and an option: two levels of nesting, and its
+    /// arrays of arrays one more below the option's.
+    fn chain(links: usize) -> Wide {
+        (0..links as u64)
+            .fold(None, |next, i| {
+                Some(Box::new(Wide {
+                    fields: [[i; 32]; 8],
+                    next,
+                }))
+            })
+            .map(|w| *w)
+            .expect("at least one link")
+    }
+
+    /// Decodes `links` links of [`Wide`] with a depth limit of 512 on a thread of `stack`
+    /// bytes: the value, and how many times the decode ran.
+    fn decode_on(stack: usize, links: usize) -> (Result<Wide>, usize) {
+        let bytes = postcard::to_allocvec(&chain(links)).unwrap();
+        std::thread::Builder::new()
+            .stack_size(stack)
+            .spawn(move || {
+                let mut runs = 0;
+                let decoded = decode_with(0, &bytes, 512, None, |de| {
+                    runs += 1;
+                    Wide::deserialize(de)
+                });
+                (decoded, runs)
+            })
+            .unwrap()
+            .join()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_value_the_thread_s_stack_holds_decodes_once() {
+        let (decoded, runs) = decode_on(2 << 20, 8);
+        assert!(decoded.unwrap() == chain(8));
+        assert_eq!(runs, 1);
+    }
+
+    #[test]
+    fn a_value_deeper_than_a_small_stack_holds_decodes_again_on_a_segment_sized_for_it() {
+        // 255 links: 511 of the 512 levels the limit allows (the innermost arrays), on a
+        // 256 KiB stack, short at level 8.
+        let (decoded, runs) = decode_on(256 << 10, 255);
+        assert!(decoded.unwrap() == chain(255), "the value decodes whole");
+        assert_eq!(
+            runs, 2,
+            "once on the thread's stack, once on the measured segment"
+        );
+    }
 }

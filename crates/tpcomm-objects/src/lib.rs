@@ -53,6 +53,7 @@ mod header;
 mod options;
 mod rounds;
 mod shape;
+mod stack;
 
 pub use buffers::release_buffers;
 pub use collectives::{

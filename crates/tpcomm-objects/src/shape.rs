@@ -1,4 +1,4 @@
-//! A value's shape as serde sees it, and the stack a deep value needs.
+//! A value's shape as serde sees it.
 //!
 //! postcard's bytes say nothing of their type: `0u64` and `""` are the same byte, and a
 //! reader that asks for the wrong type may decode a value silently. serde offers no schema,
@@ -17,13 +17,6 @@
 //! writes their inner value alone), identifiers. Not caught: a difference past the first
 //! [`SHAPE_CALLS`] calls, and types the data model does not tell apart (`Vec<u8>` and
 //! `[u8]` are sequences of `u8` on both sides).
-//!
-//! Each container entered is also where a deep value may run out of stack: every
-//! [`STACK_LOOK_EVERY`]th level, the decoder's [`deeper`] looks at what is left of the
-//! thread's stack and, when it is less than [`RED_ZONE`], goes on on a fresh segment of
-//! [`SEGMENT`] bytes (`stacker`), so that the depth `Options::max_depth` allows is safe on
-//! any thread's stack, in debug builds too, whatever the frames of the type. (The encoder
-//! looks at the same levels and stops there instead: `encode_bound.rs`.)
 
 use std::cell::Cell;
 
@@ -131,36 +124,6 @@ impl Recorder {
     pub(crate) fn shape(&self) -> Shape {
         Shape(self.shape.get())
     }
-}
-
-/// Levels between two looks at the stack.
-pub(crate) const STACK_LOOK_EVERY: usize = 8;
-/// Stack that must be left at a look (room for [`STACK_LOOK_EVERY`] levels of large
-/// frames: a debug build's decode of a struct of 2 KiB of fields takes about 10 KiB a
-/// level).
-pub(crate) const RED_ZONE: usize = 256 << 10;
-/// The stack segment a deep value goes on on when the thread's runs short.
-pub(crate) const SEGMENT: usize = 4 << 20;
-
-/// Runs `f`, the level `level` (counted from 1) of a value, on a fresh stack segment when
-/// the level is one the stack is looked at and less than [`RED_ZONE`] is left.
-///
-/// The look is out of line and cold, so that the usual level runs `f` inlined, as if no
-/// look were there.
-#[inline(always)]
-pub(crate) fn deeper<R>(level: usize, f: impl FnOnce() -> R) -> R {
-    if level.is_multiple_of(STACK_LOOK_EVERY) {
-        look_at_the_stack(f)
-    } else {
-        f()
-    }
-}
-
-/// [`deeper`] at a level where the stack is looked at.
-#[cold]
-#[inline(never)]
-fn look_at_the_stack<R>(f: impl FnOnce() -> R) -> R {
-    stacker::maybe_grow(RED_ZONE, SEGMENT, f)
 }
 
 #[cfg(test)]

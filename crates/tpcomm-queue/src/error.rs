@@ -317,7 +317,8 @@ pub enum QueueError {
         sized: usize,
     },
     /// A message arrived whole but does not decode as the requested type (or nests deeper
-    /// than the agreed depth); it is consumed, the queue is usable.
+    /// than the agreed depth, or than the decoder's stack holds); it is consumed, the queue
+    /// is usable.
     #[error(
         "queue on rank {rank}: cannot decode message #{message} from the writer, rank {writer}"
     )]

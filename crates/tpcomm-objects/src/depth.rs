@@ -18,10 +18,10 @@
 //! Every [`STACK_LOOK_EVERY`]th level looks at the stack left and, where it runs short,
 //! fails the decode, which its caller runs again from the first byte on a fresh segment (see
 //! `stack.rs`), so that the allowed depth is safe on any thread's stack; and the wrappers
-//! record the value's [`Shape`](crate::Shape) when asked (see `shape.rs`). Recording is a type parameter of
-//! the wrappers (`REC`): a container entered once the shape's calls are all recorded (or
-//! when no shape is asked for) hands its elements wrappers that record nothing, so that the
-//! leaves of a large value pay no look at the recorder.
+//! record the value's [`Shape`](crate::Shape) when asked (see `shape.rs`). Recording is a
+//! type parameter of the wrappers (`REC`): a container entered once the shape's calls are all
+//! recorded (or when no shape is asked for) hands its elements wrappers that record nothing,
+//! so that the leaves of a large value pay no look at the recorder.
 
 use std::cell::Cell;
 use std::fmt;

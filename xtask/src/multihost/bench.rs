@@ -2,9 +2,9 @@
 //! `--mpi-timeout-ms`), `objects` and `queue` with one MPI rank on each of 2 hosts, so that
 //! every byte crosses the veth link over TCP. Each table carries its peer measured in the
 //! same run (the plain MPI call for the transport and the objects, `objects::broadcast` for
-//! the queue, whose reader is on the other host and so reads the transport). The JSON reports and tables go to `target/multihost/bench`.
-//! The link is veth in one kernel: its latency and bandwidth are those of the kernel's TCP
-//! stack, not of a network.
+//! the queue, whose reader is on the other host and so reads the transport). The JSON
+//! reports and tables go to `target/multihost/bench`. The link is veth in one kernel: its
+//! latency and bandwidth are those of the kernel's TCP stack, not of a network.
 
 use std::process::Command;
 
